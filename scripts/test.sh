@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e '.[test]'
-python3 -m pytest -q -n 2 "$@" 2>/dev/null || python3 -m pytest -q "$@"
+OMP_NUM_THREADS=1 python3 -m pytest -q -n 2 "$@"
