@@ -1,0 +1,5 @@
+import sys
+
+from mini.cli import main
+
+sys.exit(main())
