@@ -9,8 +9,8 @@ from mini.formats.e8m0 import e8m0_to_float, float_to_e8m0, pow2_ceil_scale
 from mini.formats.fp4 import (E2M1_VALUES, dequant_mxfp4, e2m1_codes, e2m1_round, pack_fp4, quantize_mxfp4,
                               unpack_fp4_codes)
 from mini.formats.fp8 import dequant_fp8, quantize_fp8
-from mini.formats.quant import fake_quant_fp4, fake_quant_fp8
+from mini.formats.quant import fake_quant_fp4, fake_quant_fp8, no_fake_quant
 
 __all__ = ["E2M1_VALUES", "dequant_fp8", "dequant_mxfp4", "e2m1_codes", "e2m1_round", "e8m0_to_float",
-           "fake_quant_fp4", "fake_quant_fp8", "float_to_e8m0", "pack_fp4", "pow2_ceil_scale", "quantize_fp8",
+           "fake_quant_fp4", "fake_quant_fp8", "float_to_e8m0", "no_fake_quant", "pack_fp4", "pow2_ceil_scale", "quantize_fp8",
            "quantize_mxfp4", "unpack_fp4_codes"]

@@ -7,6 +7,8 @@ values in the input dtype. All results are exactly representable in bf16.
 | compressed KV                      | FP4, 1x16, e4m3 scales        | FP8, 1x64, nope dims only      |
 | index q / k                        | FP4, 1x32, ue8m0              | Hadamard, then FP4 1x32 ue8m0  |
 """
+import contextlib
+
 import torch
 
 from mini.formats.e8m0 import pow2_ceil_scale
@@ -14,8 +16,25 @@ from mini.formats.fp4 import FP4_MAX, e2m1_round
 from mini.formats.fp8 import FP8_MAX, to_e4m3
 
 
+_enabled = True
+
+
+@contextlib.contextmanager
+def no_fake_quant():
+    """Turn every activation/KV fake quantization into the identity. Only for parity checks against ports that
+    leave it out (transformers' DeepSeek-V4); the model as trained always applies it."""
+    global _enabled
+    prev, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = prev
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-row 1xblock FP8 e4m3 with power-of-two scales: s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
+    if not _enabled:
+        return x
     g = x.float().unflatten(-1, (-1, block))
     s = pow2_ceil_scale(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1.0 / FP8_MAX))
     return (to_e4m3(g / s).float() * s).flatten(-2).to(x.dtype)
@@ -24,6 +43,8 @@ def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
 def fake_quant_fp4(x: torch.Tensor, block: int, scale: str) -> torch.Tensor:
     """Per-row 1xblock FP4 e2m1. scale='ue8m0': s = 2^ceil(log2(max(amax, 6*2^-126) / 6)) (index q/k);
     scale='e4m3': s = e4m3(max(amax, 6*2^-9) / 6) (V4.1 compressed KV)."""
+    if not _enabled:
+        return x
     g = x.float().unflatten(-1, (-1, block))
     amax = g.abs().amax(-1, keepdim=True)
     if scale == "e4m3":
