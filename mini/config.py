@@ -362,8 +362,8 @@ TINY_V41 = ModelConfig(
     candidate_source_layer=4, candidate_topk_blocks=8, candidate_block_size=4, index_n_heads=4,
     index_head_dim=32, index_topk=24, original_seq_len=256, rope_factor=4.0, max_position_embeddings=4096,
     n_routed_experts=16, n_activated_experts=4, moe_inter_dim=64, route_scale=1.5,
-    engram_layer_ids=(1, 2), engram_vocab_size=1000, engram_num_embeddings=(0, 0),  # filled by tiny_engram
-    engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=0,
+    engram_layer_ids=(1, 2), engram_vocab_size=1000, engram_num_embeddings=(6126, 6332),
+    engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=445,
     fp8_block=32)
 
 TINY_V4 = ModelConfig(

@@ -1,0 +1,80 @@
+"""Linear layers over the checkpoint's weight formats (spec §4.3, §5).
+
+A weight is a `QWeight`: bf16 (used as is), FP8 e4m3 with E8M0 `block x block` scales, or MXFP4 (packed E2M1 with
+one E8M0 scale per 32 inputs). FP8 and MXFP4 GEMMs first fake-quantize the activation to FP8 in 1 x `block` groups
+(the reference's `act_quant`), then multiply with the dequantized weight, accumulating in fp32. Both factors are
+exactly representable in bf16, so any fp32-accumulating GEMM over them only differs by summation order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8
+from mini.ops import use_fast
+
+_FP4_STORAGE = (torch.int8, torch.uint8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+
+
+@dataclass(eq=False)
+class QWeight:
+    """One projection weight as the checkpoint stores it. `block` is the FP8 weight block (32 V4.1, 128 V4) and,
+    for both fp8 and mxfp4, the activation fake-quant group; MXFP4 weight scales are always per 32 inputs."""
+    kind: str  # "bf16" | "fp8" | "mxfp4"
+    data: torch.Tensor  # bf16/fp32 [out, in] | float8_e4m3fn [out, in] | packed uint8/int8 [out, in/2]
+    scale: torch.Tensor | None  # None | E8M0 [ceil(out/B), ceil(in/B)] | E8M0 [out, in/32]
+    block: int
+    _dequant: dict = field(default_factory=dict, repr=False)  # dtype -> cached dequantized weight
+
+    def __post_init__(self):
+        if self.kind not in ("bf16", "fp8", "mxfp4"):
+            raise ValueError(f"unknown weight kind {self.kind!r}")
+        if (self.scale is None) != (self.kind == "bf16"):
+            raise ValueError(f"{self.kind} weight {'needs' if self.kind != 'bf16' else 'takes no'} scale")
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], name: str, block: int) -> "QWeight":
+        """`name.weight` (+ `name.scale` for float8_e4m3fn and int8-packed FP4 weights) from checkpoint tensors."""
+        w = state[f"{name}.weight"]
+        if w.dtype == torch.float8_e4m3fn:
+            return cls("fp8", w, state[f"{name}.scale"], block)
+        if w.dtype in _FP4_STORAGE:
+            return cls("mxfp4", w, state[f"{name}.scale"], block)
+        return cls("bf16", w, None, block)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1] * (2 if self.kind == "mxfp4" else 1)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight's values as a dense [out, in] tensor (exact for fp8/mxfp4 in fp32 and bf16)."""
+        if self.kind == "fp8":
+            return dequant_fp8(self.data, self.scale, self.block, dtype)
+        if self.kind == "mxfp4":
+            return dequant_mxfp4(self.data, self.scale, dtype)
+        return self.data.to(dtype)
+
+    def prepare(self, dtype=torch.float32) -> torch.Tensor:
+        """The dequantized weight in `dtype`, computed once and cached (the reference path's copy)."""
+        if dtype not in self._dequant:
+            self._dequant[dtype] = self.dequantize(dtype)
+        return self._dequant[dtype]
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W^T in x's dtype. FP8/MXFP4 weights: FP8 1 x block activation fake quant, fp32-accumulated GEMM."""
+    if w.kind == "bf16":
+        return F.linear(x, w.data.to(x.dtype))
+    if x.shape[-1] % w.block:
+        raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
+    xq = fake_quant_fp8(x, w.block)
+    if use_fast(x) and x.dtype == torch.bfloat16:
+        # fake-quantized activations and dequantized weights are exact in bf16; cuBLAS accumulates in fp32
+        return F.linear(xq, w.prepare(torch.bfloat16))
+    return F.linear(xq.float(), w.prepare(torch.float32)).to(x.dtype)
