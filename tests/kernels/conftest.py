@@ -1,0 +1,51 @@
+"""Kernel tests. Without CUDA, the Triton kernels run under Triton's interpreter: TRITON_INTERPRET is read when a
+kernel is decorated, so it is set here, before any test imports mini.kernels (mini.ops imports kernels lazily)."""
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def interpreter():
+    """For the small CPU tests: they pass CPU tensors, which only the interpreter accepts."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs on CPU machines; the gpu tests cover the compiled kernel here")
+
+
+@dataclass
+class FlatBatch:
+    """The index tensors of design.md's flat batch that the attention-side kernels read."""
+    positions: torch.Tensor  # [T]
+    seq_of: torch.Tensor  # [T]
+    slots: torch.Tensor  # [B]
+    start_pos: torch.Tensor  # [B]
+    lens: torch.Tensor  # [B]
+    block_table: torch.Tensor  # [B, nb] int32
+    n_blocks: int
+
+    def to(self, device):
+        return FlatBatch(*(getattr(self, f).to(device) for f in ("positions", "seq_of", "slots", "start_pos", "lens",
+                                                                 "block_table")), self.n_blocks)
+
+
+def random_flat_batch(lens, starts, block_tokens, device) -> FlatBatch:
+    """Chunks of the given lengths and start positions, random distinct slots and shuffled pool blocks."""
+    B = len(lens)
+    nb = max((s + n + block_tokens - 1) // block_tokens for s, n in zip(starts, lens))
+    n_blocks = B * nb + 3
+    block_table = torch.randperm(n_blocks)[: B * nb].view(B, nb).to(torch.int32)
+    slots = torch.randperm(B + 3)[:B]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    seq_of = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    b = FlatBatch(positions, seq_of, slots, torch.tensor(starts), torch.tensor(lens), block_table, n_blocks)
+    return b.to(device)
+
+
+@pytest.fixture
+def flat_batch():
+    return random_flat_batch
