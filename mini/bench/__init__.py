@@ -1,0 +1,143 @@
+"""Benchmark suites: `mini bench NAME [--json FILE] [suite options]`.
+
+A suite is a module with
+    add_args(parser)            its own command-line options
+    run(args) -> dict           {"suite": NAME, "definition": {...}, "metrics": {name: number}}
+`definition` holds every parameter that defines the workload (sizes, model, dtype, device kind): two results are
+comparable only when their definitions are equal, which is what `tools/bench_rev.py` checks before an A/B.
+
+Suites are registered by module path and imported only when asked for, so a suite that is missing from a revision
+(or fails to import) affects only its own name. `SUITES[name](args)` runs a suite like a plain function.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+
+class SuiteError(RuntimeError):
+    """A suite is unknown, missing from this revision, or returned a malformed result."""
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    module: str  # dotted path of the module that defines add_args and run
+    summary: str
+
+    def load(self) -> ModuleType:
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name == self.module:
+                raise SuiteError(f"suite {self.name!r} lives in {self.module}, which this revision does not have "
+                                 f"(not written yet?)") from e
+            raise
+        for attr in ("add_args", "run"):
+            if not callable(getattr(mod, attr, None)):
+                raise SuiteError(f"suite module {self.module} has no {attr}() function")
+        return mod
+
+    def add_args(self, parser: argparse.ArgumentParser) -> None:
+        self.load().add_args(parser)
+
+    def __call__(self, args: argparse.Namespace) -> dict:
+        return check_result(self.name, self.load().run(args))
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    Suite("tiny-cpu", "mini.bench.tiny_cpu", "prefill + decode throughput of tiny-v4.1 on CPU (seconds)"),
+    Suite("moe-layer", "mini.bench.moe_layer", "one MoE layer at real V4.1-Flash shape, one EP4 rank's experts"),
+    Suite("rank4", "mini.bench.prefill", "prefill step of one EP4/DP4 rank at real V4.1-Flash shape"),
+    Suite("tiny-goodput", "mini.bench.serve", "serving goodput of the tiny model: TTFT, TPOT, req/s"),
+)}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise SuiteError(f"unknown suite {name!r}; known: {', '.join(sorted(SUITES))}")
+    return SUITES[name]
+
+
+def _is_json_value(v) -> bool:
+    if isinstance(v, (str, bool, int)) or v is None:
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(_is_json_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_json_value(x) for k, x in v.items())
+    return False
+
+
+def check_result(name: str, result: dict) -> dict:
+    """Raise SuiteError unless `result` has the suite result shape; returns it unchanged."""
+    if not isinstance(result, dict) or set(result) < {"suite", "definition", "metrics"}:
+        raise SuiteError(f"suite {name!r} must return a dict with suite, definition and metrics")
+    if result["suite"] != name:
+        raise SuiteError(f"suite {name!r} returned a result labelled {result['suite']!r}")
+    if not isinstance(result["definition"], dict) or not _is_json_value(result["definition"]):
+        raise SuiteError(f"suite {name!r}: definition must be a dict of plain JSON values")
+    metrics = result["metrics"]
+    if not isinstance(metrics, dict) or not metrics:
+        raise SuiteError(f"suite {name!r}: metrics must be a non-empty dict")
+    bad = [k for k, v in metrics.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise SuiteError(f"suite {name!r}: metrics {bad} are not finite numbers")
+    return result
+
+
+def environment() -> dict:
+    """Where a result was measured; recorded beside (not inside) the definition."""
+    import mini
+    env = {"python": platform.python_version(), "host": platform.node(),
+           "mini_path": str(Path(mini.__file__).resolve().parent)}
+    torch = sys.modules.get("torch")  # only if the suite used it: importing torch costs seconds
+    if torch is not None:
+        env["torch"] = torch.__version__
+        env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return env
+
+
+def _parser(suite: Suite | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mini bench" + (f" {suite.name}" if suite else ""),
+                                description="Run a benchmark suite.",
+                                epilog="suites:\n" + "\n".join(f"  {s.name:13s} {s.summary}" for s in SUITES.values()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", help="suite name", **({"choices": [suite.name]} if suite else {}))
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the result (with the environment) to FILE")
+    if suite:
+        suite.add_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0].startswith("-"):
+        _parser(None).parse_args(argv or ["--help"])  # prints help / usage and exits
+        return 2
+    try:
+        suite = get_suite(argv[0])
+        args = _parser(suite).parse_args(argv)
+        result = suite(args)
+    except SuiteError as e:
+        print(f"mini bench: {e}", file=sys.stderr)
+        return 2
+    result = {**result, "env": environment()}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    width = max(len(k) for k in result["metrics"])
+    print(f"{suite.name}: " + json.dumps(result["definition"], sort_keys=True))
+    for k, v in result["metrics"].items():
+        print(f"  {k:{width}s} {v:.6g}")
+    return 0
