@@ -1,0 +1,58 @@
+"""Parity of the fused mHC + RMSNorm kernel with mini.ops.mhc (mixes, collapse) and mini.ops.norm.rms_norm, plus
+the optional FP8 fake quant of the normed output (mini.formats.fake_quant_fp8). Fresh random data, odd token
+counts, NaN-poisoned outputs."""
+import pytest
+import torch
+
+from mini.formats import fake_quant_fp8
+from mini.ops.mhc import collapse, mixes
+from mini.ops.norm import rms_norm
+
+HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
+
+
+def make(T, D, device, dtype):
+    h = torch.randn(T, HC, D, device=device).to(dtype)
+    fn = torch.randn((2 + HC) * HC, HC * D, device=device) * 0.05
+    scale = torch.rand(3, device=device) + 0.5
+    base = torch.randn((2 + HC) * HC, device=device)
+    w = (torch.rand(D, device=device) + 0.5).to(dtype)
+    pre_prev = torch.rand(T, HC, device=device)
+    return h, fn, scale, base, w, pre_prev
+
+
+def reference(h, fn, scale, base, w, pre_prev, quant):
+    pre, post, comb = mixes(h, fn, scale, base, hc_mult=HC, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    y = rms_norm(collapse(h, pre if pre_prev is None else pre_prev), w, NORM_EPS)
+    return (fake_quant_fp8(y, 32) if quant else y), pre, post, comb
+
+
+def check(h, fn, scale, base, w, pre_prev, quant, **kw):
+    from mini.kernels.mhc_norm import mhc_norm
+    y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, quant="fp8" if quant else None, **kw)
+    ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_prev, quant)
+    for got in (y, pre, post, comb):
+        assert torch.isfinite(got).all()
+    torch.testing.assert_close(pre, rpre, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(post, rpost, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, rcomb, rtol=1e-4, atol=1e-6)
+    # y: one bf16 ulp where fp32 sums in another order round the other way (FP8 grid: one e4m3 step)
+    tol = 0.07 if quant else (1e-2 if y.dtype == torch.bfloat16 else 1e-5)
+    assert ((y.float() - ry.float()).abs() <= tol * ry.float().abs() + 1e-5).all()
+    if not quant and y.dtype == torch.bfloat16:
+        assert (y != ry).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("delayed,quant", [(True, False), (False, True)])
+def test_mhc_norm_interpreter(delayed, quant, interpreter):
+    # fp32 stream: the interpreter casts fp32 -> bf16 by truncation, the GPU rounds to nearest even
+    h, fn, scale, base, w, pre_prev = make(5, 96, "cpu", torch.float32)
+    check(h, fn, scale, base, w, pre_prev if delayed else None, quant, block_t=4, block_k=64, block_d=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delayed,quant", [(True, False), (True, True), (False, False)])
+def test_mhc_norm_gpu(delayed, quant):
+    h, fn, scale, base, w, pre_prev = make(333, 5120, "cuda", torch.bfloat16)
+    check(h, fn, scale, base, w, pre_prev if delayed else None, quant)
