@@ -1,0 +1,150 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+All the math runs on `[n, vocab]` tensors; the only per-sequence work is packing parameters into tensors.
+
+Seeded draws are counter-based, so a request's tokens depend only on its seed and its own history, never on
+which other requests share the step: the draw for the request's `k`-th output token is the Gumbel-style
+exponential race `argmax_v p_v / E_v`, with `E_v = -log(u_v)` and `u_v` a splitmix64 hash of (seed, k, v).
+This is an exact sample from `p` (the race winner of independent exponentials is distributed as `p`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mini.engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 tensors (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[n, vocab]` float32 uniforms in (0, 1), a pure function of (seed, counter, token id)."""
+    base = splitmix64(splitmix64(seeds) + counters)
+    h = splitmix64(base[:, None] + torch.arange(vocab, device=seeds.device, dtype=torch.int64))
+    return (_shr(h, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step, as tensors on the logits' device."""
+    temperature: torch.Tensor  # [n] f32, 0 = greedy
+    top_p: torch.Tensor  # [n] f32
+    top_k: torch.Tensor  # [n] i64, vocab = off
+    min_p: torch.Tensor  # [n] f32
+    seeds: torch.Tensor  # [n] i64
+    counters: torch.Tensor  # [n] i64: index of the token being drawn in the request's output
+    presence: torch.Tensor  # [n] f32
+    frequency: torch.Tensor  # [n] f32
+    repetition: torch.Tensor  # [n] f32
+    output_counts: torch.Tensor | None  # [n, vocab] f32 counts of output tokens (None: no penalties)
+    seen: torch.Tensor | None  # [n, vocab] bool, token appears in prompt or output (None: no repetition penalty)
+    n_logprobs: int  # max top-n over the rows (-1: none wants logprobs)
+    all_greedy: bool
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], vocab: int, device) -> "SamplingBatch":
+        ps = [s.params for s in seqs]
+
+        def t(vals, dtype):
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        out_counts = seen = None
+        if any(p.presence_penalty or p.frequency_penalty for p in ps):
+            out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            seen = _token_counts([s.tokens for s in seqs], vocab, device) > 0
+        return cls(
+            temperature=t([p.temperature for p in ps], torch.float32),
+            top_p=t([p.top_p for p in ps], torch.float32),
+            top_k=t([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.int64),
+            min_p=t([p.min_p for p in ps], torch.float32),
+            seeds=t([s.seed for s in seqs], torch.int64),
+            counters=t([len(s.output_token_ids) for s in seqs], torch.int64),
+            presence=t([p.presence_penalty for p in ps], torch.float32),
+            frequency=t([p.frequency_penalty for p in ps], torch.float32),
+            repetition=t([p.repetition_penalty for p in ps], torch.float32),
+            output_counts=out_counts, seen=seen,
+            n_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+            all_greedy=all(p.temperature == 0 for p in ps))
+
+
+def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(histories), vocab, dtype=torch.float32, device=device)
+    width = max((len(h) for h in histories), default=0)
+    if width == 0:
+        return counts
+    ids = torch.zeros(len(histories), width, dtype=torch.int64)
+    ones = torch.zeros(len(histories), width, dtype=torch.float32)
+    for i, h in enumerate(histories):
+        ids[i, :len(h)] = torch.tensor(h, dtype=torch.int64)
+        ones[i, :len(h)] = 1.0
+    return counts.scatter_add_(1, ids.to(device), ones.to(device))
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [n] i64
+    logprobs: torch.Tensor | None  # [n] f32: raw logprob of the chosen token
+    top_ids: torch.Tensor | None  # [n, n_logprobs] i64
+    top_logprobs: torch.Tensor | None  # [n, n_logprobs] f32
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.seen is not None:  # CTRL-style: shrink the logit of every token seen in prompt or output
+        rp = b.repetition[:, None]
+        logits = torch.where(b.seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if b.output_counts is not None:  # OpenAI-style: output tokens only
+        logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Softmax at each row's temperature, with top-k, top-p and min-p applied (renormalisation is implicit in
+    the race, which only compares ratios)."""
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    drop = (rank >= b.top_k[:, None]) | (mass_before >= b.top_p[:, None]) \
+        | (sorted_p < b.min_p[:, None] * sorted_p[:, :1])
+    drop[:, 0] = False  # the most likely token always survives
+    return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
+    """Choose one token per row of `logits` (fp32 `[n, vocab]`)."""
+    raw = logits
+    logits = apply_penalties(logits, b)
+    ids = logits.argmax(dim=-1)
+    if not b.all_greedy:
+        probs = filtered_probs(logits, b)
+        race = probs / -torch.log(uniform_noise(b.seeds, b.counters, logits.shape[-1]))
+        ids = torch.where(b.temperature > 0, race.argmax(dim=-1), ids)
+    if b.n_logprobs < 0:
+        return SampleOutput(ids, None, None, None)
+    lp = torch.log_softmax(raw, dim=-1)
+    top_lp, top_ids = lp.topk(b.n_logprobs, dim=-1) if b.n_logprobs else (lp[:, :0], ids[:, None][:, :0])
+    return SampleOutput(ids, lp.gather(1, ids[:, None])[:, 0], top_ids, top_lp)

@@ -1,0 +1,166 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step has a token budget (`max_num_batched_tokens`). Running decodes go first (one token each), then prefill
+chunks of running sequences, then new admissions, oldest first; a prefill longer than what is left of the budget
+is chunked. When a sequence needs a block and none is free, the most recently admitted running sequence is
+preempted by recompute: its cache is released and it goes back to the front of the queue with its whole history
+(prompt + output so far) as the new prompt.
+
+With prefix caching on, a prefill chunk that does not finish the history ends on a block boundary, so that the
+state at that boundary can be snapshotted (see block_manager); `snapshot_prompt_end` additionally splits the last
+chunk at the prompt's last block boundary (one extra step before the first token, in exchange for a reusable
+prefix ending close to the prompt's end).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from mini.engine.block_manager import BlockManager, SlotCopy
+from mini.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    snapshot_prompt_end: bool = True
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # = seq.num_computed when scheduled
+    length: int
+    is_decode: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the history: its last logits give the next token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    restores: list[SlotCopy]  # snapshot -> slot copies to do before the forward
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+
+    # ------------------------------------------------------------------ the step plan
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        # decodes first: they are cheap and every step without them adds to the inter-token latency
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for an earlier one
+                continue
+            if not self._make_room(seq, seq.num_tokens, preempted):
+                continue
+            chunks.append(ScheduledChunk(seq, seq.num_computed, 1, is_decode=True))
+            budget -= 1
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget == 0:
+                break
+            if seq not in self.running:
+                continue
+            n = self._chunk_len(seq, budget)
+            if not self._make_room(seq, seq.num_computed + n, preempted):
+                continue
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        restores: list[SlotCopy] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs \
+                and self.blocks.has_free_slot():
+            seq = self.waiting[0]
+            restore = self.blocks.admit(seq)
+            n = self._chunk_len(seq, budget)
+            if not self.blocks.grow(seq, seq.num_computed + n):
+                self.blocks.release(seq)  # no room now; cached blocks stay cached
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.num_cached_prefix = seq.num_computed
+            self.blocks.stats.queries += seq.num_tokens
+            self.blocks.stats.hits += seq.num_computed
+            self.running.append(seq)
+            if restore is not None:
+                restores.append(restore)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        # a sequence preempted to make room for a later one may already have had a chunk planned
+        chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
+        return StepPlan(chunks, restores, preempted)
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_pending, budget)
+        bt = self.blocks.block_tokens
+        if self.blocks.prefix_caching:
+            end = seq.num_computed + n
+            if seq.num_computed < seq.split_at < end:
+                aligned = seq.split_at
+            elif end < seq.num_tokens:
+                aligned = end // bt * bt  # a chunk that stops early stops on a boundary
+            elif self.config.snapshot_prompt_end:
+                aligned = (seq.num_tokens - 1) // bt * bt  # the prompt's last full-block boundary
+            else:
+                aligned = end
+            if aligned > seq.num_computed:
+                n = aligned - seq.num_computed
+        return n
+
+    def _make_room(self, seq: Sequence, upto: int, preempted: list[Sequence]) -> bool:
+        """Grow `seq` to cover `upto` tokens, preempting the newest running sequences if needed.
+        False if `seq` itself had to be preempted. (A lone sequence always fits: the engine caps every
+        sequence's length at the cache capacity.)"""
+        while not self.blocks.grow(seq, upto):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,161 @@
+"""A request's life in the engine: sampling parameters, token history, cache placement, detokenized text.
+
+A Sequence is the scheduler's unit. Its token history is `prompt_token_ids + output_token_ids`;
+`num_computed` of those are already in the cache (prefill chunks advance it by the chunk length, a decode by one).
+After a preemption by recompute the whole history is fed again as a prompt, so `num_computed` simply resets to 0.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names and defaults. `temperature == 0` is greedy."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    max_tokens: int | None = 16  # None: until the context is full
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs per token (0: only the sampled token's)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field (the server turns it into an HTTP 400)."""
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+        need(math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        need(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(0 < self.repetition_penalty <= 10 and math.isfinite(self.repetition_penalty),
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
+        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (token id -> logprob), from the raw logits."""
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+class IncrementalText:
+    """Text of the output tokens, grown one token at a time without re-decoding the whole output.
+
+    Decodes a short window of tokens (from `prefix` to the end) and emits what is new relative to the window's
+    already-emitted part. A window that ends in U+FFFD (an incomplete UTF-8 sequence split across tokens) emits
+    nothing until the next token completes it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens whose text was emitted
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the output: emit what is left even if it ends in an incomplete character."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        done = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+        full = self.tokenizer.decode(self.tokens[self.prefix:])
+        if not final and (len(full) <= len(done) or full.endswith("\ufffd")):
+            return ""
+        new = full[len(done):]
+        self.prefix, self.read = self.read, len(self.tokens)
+        self.text += new
+        return new
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampler's per-request seed (params.seed, or drawn by the engine)
+    eos_token_id: int | None = None
+    max_total_tokens: int = 1 << 30  # model context
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens of the history already in the cache
+    num_cached_prefix: int = 0  # of those, tokens taken from the prefix cache (last admission)
+    split_at: int = 0  # end a prefill chunk at this block boundary (a snapshot there would be reused)
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of the full blocks computed so far
+    slot: int = -1
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    detok: IncrementalText | None = None
+    text: str = ""  # output text with stop strings handled (what the user gets)
+    emitted_chars: int = 0  # how much of `text` was already streamed
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens of the history not yet in the cache (a decode has exactly one: the last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_pending > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()

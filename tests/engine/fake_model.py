@@ -1,0 +1,111 @@
+"""A stand-in with the model's interface (Model.forward / KVCache / Batch.build / SeqChunk) for engine tests.
+
+Its logits are a deterministic function of the token history, but it computes that history *through its cache*
+the way V4.1 does: positions older than the window come from paged blocks (by block table), the last W
+positions from a per-slot ring, and a per-slot running state (like the compressor's partial group) is carried
+across steps. A wrong block table, a missed snapshot restore or a stale ring changes the logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_P = (1 << 61) - 1  # modulus of the history hash
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    vocab_size: int = 300
+    max_position_embeddings: int = 4096
+    eos_id: int = 1
+    window_size: int = 6
+
+
+class FakeTokenizer:
+    """Bytes tokenizer: id = byte + 3 (0, 1, 2 are special: bos, eos, pad). UTF-8 characters span tokens."""
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+
+@dataclass
+class FakeSeqChunk:
+    tokens: list[int]
+    start: int
+    slot: int
+    blocks: list[int]
+    want_logits: bool = True
+
+
+@dataclass
+class FakeBatch:
+    chunks: list[FakeSeqChunk]
+
+    @classmethod
+    def build(cls, chunks, config, device, hasher=None):
+        return cls(list(chunks))
+
+
+class FakeCache:
+    def __init__(self, config, n_slots, n_blocks, block_tokens, device, dtype):
+        self.config, self.block_tokens, self.n_blocks = config, block_tokens, n_blocks
+        self.ring = torch.full((n_slots, config.window_size), -1, dtype=torch.int64)
+        self.pages = torch.full((n_blocks, block_tokens), -1, dtype=torch.int64)
+        self.state = torch.zeros(n_slots, dtype=torch.int64)  # hash of the history so far
+
+    @staticmethod
+    def bytes_per_block(config, block_tokens, dtype):
+        return block_tokens * 8
+
+    @staticmethod
+    def bytes_per_slot(config, dtype):
+        return config.window_size * 8 + 8
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.ring[dst] = self.ring[src]
+        self.state[dst] = self.state[src]
+
+
+def _mix(h: int, token: int, pos: int) -> int:
+    return (h * 1000003 + (token + 1) * (pos + 7)) % _P
+
+
+class FakeModel:
+    def __init__(self, config: FakeConfig):
+        self.config = config
+        self.calls: list[list[tuple[int, int]]] = []  # (start, length) of each chunk, per forward
+
+    def forward(self, batch: FakeBatch, cache: FakeCache) -> torch.Tensor:
+        W, bt = self.config.window_size, cache.block_tokens
+        rows = []
+        self.calls.append([(c.start, len(c.tokens) - c.start) for c in batch.chunks])
+        for c in batch.chunks:
+            # the history before the chunk, read back from the cache: pages for old positions, ring for recent
+            old = [int(cache.pages[c.blocks[q // bt], q % bt]) for q in range(max(0, c.start - W))]
+            recent = [int(cache.ring[c.slot, q % W]) for q in range(max(0, c.start - W), c.start)]
+            h = 0
+            for q, t in enumerate(old + recent + c.tokens[c.start:]):
+                h = _mix(h, t, q)
+            state = int(cache.state[c.slot]) if c.start else 0
+            for q in range(c.start, len(c.tokens)):
+                state = _mix(state, c.tokens[q], q)
+                cache.pages[c.blocks[q // bt], q % bt] = c.tokens[q]
+                cache.ring[c.slot, q % W] = c.tokens[q]
+            cache.state[c.slot] = state
+            if c.want_logits:
+                g = torch.Generator().manual_seed((h ^ (state >> 3)) % (1 << 62))
+                rows.append(torch.randn(self.config.vocab_size, generator=g) * 3)
+        return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
+
+
+def fake_llm(**opts):
+    """An LLM over the fake model (CPU)."""
+    from mini.engine import LLM
+    cfg = FakeConfig()
+    opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
+    return LLM(FakeModel(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
+               seq_chunk_cls=FakeSeqChunk, **opts)
