@@ -1,0 +1,95 @@
+"""Lightning-indexer scores and top-k without a [tokens × groups × heads] tensor (mini/ops/indexer.py).
+
+score[t, j] = Σ_h relu(q[t,h] · k[j]) · w[t,h] for the groups j < n_visible[t] of t's sequence, -inf elsewhere (and
+outside the V4.1 candidate blocks when a mask is given). A program takes BLOCK_T consecutive tokens of ONE sequence
+and BLOCK_N of its groups: the q rows of its tokens ([BLOCK_T·H, di], contiguous) meet one gathered key tile
+[BLOCK_N, di] in a single dot, so each key tile is read once per BLOCK_T tokens; the head sum happens in registers.
+
+Rounding follows the reference, which runs in the activation dtype: each head's dot and its weighted value are
+rounded to that dtype, the head sum is fp32, and the sum is rounded once more. Top-k is `torch.topk` over the
+[T, N] scores (fp32, one row per token: the only full-size intermediate).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, prog_seq_ptr, prog_t0_ptr, seq_end_ptr, cand_ptr, out_ptr,
+    N, stride_rows, stride_cand,
+    H: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CAND: tl.constexpr,
+):
+    seq = tl.load(prog_seq_ptr + tl.program_id(0))
+    if seq < 0:
+        return
+    t0 = tl.load(prog_t0_ptr + tl.program_id(0))
+    t_end = tl.load(seq_end_ptr + seq)
+    toks = t0 + tl.arange(0, BLOCK_T)
+    tok_ok = toks < t_end
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nvis = tl.load(nvis_ptr + toks, mask=tok_ok, other=0)
+    visible = tok_ok[:, None] & (j[None, :] < nvis[:, None]) & (j < N)[None, :]
+    out_ptrs = out_ptr + toks[:, None].to(tl.int64) * N + j[None, :]
+    out_ok = tok_ok[:, None] & (j < N)[None, :]
+    if tl.program_id(1) * BLOCK_N >= tl.max(nvis, axis=0):  # nothing visible in this tile
+        tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32), mask=out_ok)
+        return
+
+    r = tl.arange(0, BLOCK_T * H)  # q row r = token (r // H), head (r % H)
+    row_tok = t0 + r // H
+    row_ok = row_tok < t_end
+    d = tl.arange(0, DI)
+    q = tl.load(q_ptr + (t0 * H + r)[:, None].to(tl.int64) * DI + d[None, :], mask=row_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + t0 * H + r, mask=row_ok, other=0.0)
+    krow = tl.load(rows_ptr + seq * stride_rows + j, mask=j < N, other=-1)
+    k = tl.load(k_ptr + tl.maximum(krow, 0)[:, None].to(tl.int64) * DI + d[None, :], mask=(krow >= 0)[:, None],
+                other=0.0)
+    s = tl.dot(q, tl.trans(k)).to(q.dtype)  # [BLOCK_T·H, BLOCK_N], rounded like the reference einsum
+    s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
+    score = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), axis=1).to(q.dtype).to(tl.float32)
+    if HAS_CAND:
+        cand = tl.load(cand_ptr + toks[:, None].to(tl.int64) * stride_cand + j[None, :], mask=out_ok, other=0)
+        visible = visible & (cand != 0)
+    tl.store(out_ptrs, tl.where(visible, score, float("-inf")), mask=out_ok)
+
+
+def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
+    """Per program: its sequence (-1 = idle) and first token, so that a program never mixes sequences. Built on
+    the device without a sync; the grid is the upper bound cdiv(T, block_t) + n_seqs."""
+    T, dev = seq_of.shape[0], seq_of.device
+    lens = torch.zeros(n_seqs, dtype=torch.int64, device=dev).index_add_(0, seq_of, torch.ones_like(seq_of))
+    first_row = torch.cumsum(lens, 0) - lens
+    tiles = (lens + block_t - 1) // block_t
+    tile_end = torch.cumsum(tiles, 0)
+    n_prog = triton.cdiv(T, block_t) + n_seqs
+    p = torch.arange(n_prog, device=dev)
+    seq = torch.searchsorted(tile_end, p, right=True)
+    live = seq < n_seqs
+    seq = seq.clamp_max(n_seqs - 1)
+    t0 = first_row[seq] + (p - (tile_end[seq] - tiles[seq])) * block_t
+    return torch.where(live, seq, -1), t0, first_row + lens
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
+                 seq_of: torch.Tensor, n_visible: torch.Tensor, candidates: torch.Tensor | None = None,
+                 block_t: int = 4, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q [T, H, di], weights [T, H], keys [P, di] (flat pool), seq_rows [B, N] (-1 = not complete), seq_of [T],
+    n_visible [T], optional candidates bool [T, N] -> fp32 [T, N] (-inf: not visible / not a candidate)."""
+    T, H, DI = q.shape
+    B, N = seq_rows.shape
+    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    if T == 0 or N == 0:
+        return out
+    q = q.contiguous()
+    weights = weights.to(q.dtype).contiguous()
+    keys = keys.to(q.dtype)
+    assert keys.stride(-1) == 1 and keys.stride(0) == DI and seq_rows.stride(-1) == 1
+    prog_seq, prog_t0, seq_end = _programs(seq_of, B, block_t)
+    cand = candidates.view(torch.uint8) if candidates is not None else out
+    assert cand.stride(-1) == 1
+    grid = (prog_seq.shape[0], triton.cdiv(N, block_n))
+    _index_scores_kernel[grid](q, weights, keys, seq_rows, n_visible, prog_seq, prog_t0, seq_end, cand, out,
+                               N, seq_rows.stride(0), cand.stride(0), H=H, DI=DI, BLOCK_T=block_t, BLOCK_N=block_n,
+                               HAS_CAND=candidates is not None, num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,61 @@
+"""Parity of the indexer score kernel with mini.ops.indexer.index_scores (+ candidate masking), and of the top-k
+that follows (mini.ops.indexer.top_groups) on its scores. Fresh random data, several sequences of odd lengths
+mid-stream (chunked prefill and decode), shuffled pool blocks, NaN-poisoned output."""
+import pytest
+import torch
+
+from mini.ops.indexer import index_scores, select_candidates, top_groups
+
+
+def make(flat_batch, lens, starts, H, DI, ratio, rpb, device, dtype):
+    b = flat_batch(lens, starts, block_tokens=rpb * ratio, device=device)
+    T = b.positions.numel()
+    q = torch.randn(T, H, DI, device=device).to(dtype)
+    w = (torch.randn(T, H, device=device) * 0.1).to(dtype)
+    keys = torch.randn(b.n_blocks * rpb, DI, device=device).to(dtype)
+    end = b.start_pos + b.lens
+    N = int((end // ratio).max())
+    j = torch.arange(N, device=device)
+    per_block = rpb
+    rows = b.block_table[:, (j // per_block)].long() * per_block + j % per_block
+    seq_rows = torch.where(j < (end // ratio)[:, None], rows, -1)
+    n_vis = (b.positions + 1) // ratio
+    return b, q, w, keys, seq_rows, n_vis
+
+
+def check(b, q, w, keys, seq_rows, n_vis, candidates=None, exact=True, **kw):
+    from mini.kernels.indexer_topk import index_scores as kernel_scores
+    got = kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, candidates, **kw)
+    ref = index_scores(q, w, keys, seq_rows, b.seq_of, n_vis)
+    if candidates is not None:
+        ref = ref.masked_fill(~candidates, float("-inf"))
+    assert not got.isnan().any()
+    assert torch.equal(got == float("-inf"), ref == float("-inf"))
+    fin = ref > float("-inf")
+    scale = ref[fin].abs().max()
+    err = (got[fin] - ref[fin]).abs().max() / scale
+    assert err < (1e-5 if exact else 2e-2), err
+    # top-k: identical wherever the reference's k-th and (k+1)-th scores are apart by more than the score error
+    k = 5
+    a, r = top_groups(got, k), top_groups(ref, k)
+    srt = ref.sort(-1, descending=True).values
+    clear = (srt[:, k - 1] - srt[:, k]).abs() > 4 * err * scale if ref.shape[1] > k else torch.ones_like(n_vis).bool()
+    assert torch.equal(a[clear], r[clear])
+    return got
+
+
+def test_index_scores_interpreter(interpreter, flat_batch):
+    b, q, w, keys, seq_rows, n_vis = make(flat_batch, [9, 1, 6], [0, 37, 20], 4, 32, 2, 4, "cpu", torch.float32)
+    check(b, q, w, keys, seq_rows, n_vis, block_t=4, block_n=16)
+    cand = select_candidates(index_scores(q, w, keys, seq_rows, b.seq_of, n_vis), n_vis, 2, 4)
+    check(b, q, w, keys, seq_rows, n_vis, cand, block_t=4, block_n=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_index_scores_gpu(ratio, flat_batch):
+    b, q, w, keys, seq_rows, n_vis = make(flat_batch, [517, 1, 250, 1], [0, 900, 301, 44], 32, 128, ratio, 64,
+                                          "cuda", torch.bfloat16)
+    cand = select_candidates(index_scores(q, w, keys, seq_rows, b.seq_of, n_vis), n_vis, 16, 8)
+    for c in (None, cand):
+        check(b, q, w, keys, seq_rows, n_vis, c, exact=False)
