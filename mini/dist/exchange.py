@@ -1,0 +1,136 @@
+"""The MoE exchange of EP with DP attention: each rank routes its own tokens, all ranks see all tokens, each rank
+runs only the routed experts it holds, and the partial sums are reduce-scattered back to the tokens' owners.
+
+Per MoE layer, for the T_r tokens of rank r:
+1. gate locally (fp32 logits from the unquantized input, as on one device) -> routing weights [T_r, k], ids;
+2. all-gather one byte row per token: the input in the FP8 1 x block form every expert GEMM quantizes it to
+   anyway (e4m3 codes + E8M0 scales: 1 + 1/block bytes per element instead of 2), the k expert ids (int32) and
+   the k routing weights (fp32). Rows are padded to the largest T_r of the step;
+3. `mini.ops.moe.routed` over the gathered tokens with this rank's experts -> fp32 partial sums [sum T, D];
+4. reduce-scatter (sum) the fp32 partial sums: rank r gets the routed output of its own tokens;
+5. add the shared expert, computed locally, and round to the activation dtype: (routed + shared).to(dtype), the
+   order of the single-device `mini.ops.moe.moe` (and of the reference's all-reduce, then shared expert).
+
+Decoding the gathered FP8 rows gives exactly `fake_quant_fp8(x)`, and fake quantization is idempotent, so the
+experts compute what they would on the original input; only the cross-rank fp32 summation order differs from one
+device. When fake quantization is switched off (`no_fake_quant`), the raw activations travel instead.
+
+Call `begin_step(n_tokens)` once per forward step (it exchanges the token counts); a rank without tokens in a step
+where others have some still runs every MoE layer, with an empty input (`join_idle`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mini.config import LayerPlan, ModelConfig
+from mini.dist.groups import DistContext
+from mini.formats import fake_quant_fp8
+from mini.formats.e8m0 import e8m0_to_float, pow2_ceil_scale
+from mini.formats.fp8 import FP8_MAX, to_e4m3
+from mini.ops.moe import MoEWeights, gate, routed, shared
+
+# torch >= 2.13 names them *_single; 2.11 only has the *_tensor spellings
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def encode_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (e4m3 codes uint8 [T, D], E8M0 scales uint8 [T, D/block]); same scales as fake_quant_fp8."""
+    g = x.float().unflatten(-1, (-1, block))
+    s = pow2_ceil_scale(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1.0 / FP8_MAX))
+    codes = to_e4m3(g / s).flatten(-2).view(torch.uint8)
+    return codes, ((s.squeeze(-1).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def decode_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of encode_fp8: equals fake_quant_fp8(x, block) bit for bit."""
+    g = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, block))
+    return (g * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+class MoEExchange:
+    """A drop-in for `mini.ops.moe.moe` (same call signature) that spreads the routed experts over the ranks of
+    `ctx`; pass it as `Model(..., moe_exchange=...)` on a rank that loaded experts `ctx.expert_range(E)`."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.counts: list[int] | None = None
+        self._rows: torch.Tensor | None = None  # valid rows of the padded gather (None: no padding)
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, n_tokens: int) -> int:
+        """Exchange this step's token counts; returns the total over all ranks (0: every rank may skip the step)."""
+        if not self.ctx.multi:
+            self.counts, self._rows = [n_tokens], None
+            return n_tokens
+        mine = torch.tensor([n_tokens], dtype=torch.int64, device=self.ctx.device)
+        every = torch.empty(self.ctx.world, dtype=torch.int64, device=self.ctx.device)
+        _all_gather(every, mine)
+        self.counts = every.tolist()
+        t_max = max(self.counts)
+        self._rows = None if min(self.counts) == t_max else torch.cat(
+            [torch.arange(r * t_max, r * t_max + n, device=self.ctx.device) for r, n in enumerate(self.counts)])
+        return sum(self.counts)
+
+    def join_idle(self, layers: Iterable[tuple[MoEWeights, LayerPlan]], cfg: ModelConfig,
+                  dtype: torch.dtype) -> None:
+        """Take part in every MoE layer of a step in which this rank has no tokens (after begin_step(0))."""
+        empty = torch.empty(0, cfg.dim, dtype=dtype, device=self.ctx.device)
+        ids = torch.empty(0, dtype=torch.int64, device=self.ctx.device)
+        for w, plan in layers:
+            self(empty, w, cfg, plan, input_ids=ids)
+
+    # ------------------------------------------------------------------ per layer
+    def __call__(self, x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,
+                 input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.counts is None or x.shape[0] != self.counts[self.ctx.rank]:
+            raise RuntimeError(f"MoEExchange: call begin_step({x.shape[0]}) before the step's forward "
+                               f"(counts of this step: {self.counts})")
+        weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
+        if not self.ctx.multi:
+            return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
+        x_all, weights_all, ids_all = self._gather(x, weights, ids, cfg.fp8_block)
+        partial = routed(x_all, w, cfg, weights_all, ids_all)  # fp32 [sum T, D]
+        return (self._scatter(partial)[: x.shape[0]] + shared(x, w)).to(x.dtype)
+
+    def _gather(self, x, weights, ids, block):
+        """All-gather one byte row per token; returns the valid rows of all ranks, in rank order."""
+        k, dim = ids.shape[1], x.shape[1]
+        probe = x[:0]
+        quantized = fake_quant_fp8(probe, block) is not probe  # it returns its input when switched off
+        if quantized:
+            codes, scales = encode_fp8(x, block)
+            payload = [codes, scales]
+        else:
+            payload = [x.contiguous().view(torch.uint8).view(x.shape[0], -1)]
+        payload += [ids.to(torch.int32).view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
+        row = torch.cat(payload, dim=1)
+        t_max = max(self.counts)
+        send = torch.zeros(t_max, row.shape[1], dtype=torch.uint8, device=x.device)
+        send[: x.shape[0]] = row
+        recv = torch.empty(self.ctx.world * t_max, row.shape[1], dtype=torch.uint8, device=x.device)
+        _all_gather(recv, send)
+        if self._rows is not None:
+            recv = recv[self._rows]
+        widths = [p.shape[1] for p in payload]
+        parts = list(torch.split(recv, widths, dim=1))
+        if quantized:
+            x_all = decode_fp8(parts[0].contiguous(), parts[1].contiguous(), block, x.dtype)
+        else:
+            x_all = parts[0].contiguous().view(x.dtype).view(-1, dim)
+        ids_all = parts[-2].contiguous().view(torch.int32).view(-1, k).long()
+        weights_all = parts[-1].contiguous().view(torch.float32).view(-1, k)
+        return x_all, weights_all, ids_all
+
+    def _scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' fp32 partial outputs; rank r gets the rows of its own tokens (padded to the step max)."""
+        t_max = max(self.counts)
+        if self._rows is not None:
+            padded = torch.zeros(self.ctx.world * t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
+            partial = padded.index_copy_(0, self._rows, partial)
+        out = torch.empty(t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
+        _reduce_scatter(out, partial.contiguous())
+        return out
