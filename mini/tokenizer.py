@@ -23,7 +23,7 @@ THINK = "<think>"
 END_THINK = "</think>"
 # the tiny tokenizer's fixed ids; BOS/EOS/pad match the real V4.1 vocabulary (0, 1, 2)
 TINY_SPECIALS = (BOS, EOS, PAD, USER, ASSISTANT, SYSTEM, THINK, END_THINK)
-_SPECIAL_FLAG = {BOS: True, EOS: True, PAD: True}  # role and think markers stay visible when skipping specials
+_SPECIAL = (BOS, EOS, PAD)  # role and think markers stay visible when decoding with skip_special_tokens
 
 
 class Tokenizer:
@@ -294,8 +294,9 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> _Backend:
     backend = _Backend(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=_SPECIAL_FLAG.get(t, False), normalized=False)
-                                for t in TINY_SPECIALS])
+    for t in TINY_SPECIALS:  # in id order; add_special_tokens would mark every token special
+        token = AddedToken(t, special=t in _SPECIAL, normalized=False)
+        (backend.add_special_tokens if t in _SPECIAL else backend.add_tokens)([token])
     return backend
 
 
