@@ -52,6 +52,11 @@ class QWeight:
     def in_features(self) -> int:
         return self.data.shape[1] * (2 if self.kind == "mxfp4" else 1)
 
+    def to(self, device) -> "QWeight":
+        """The same weight on `device` (stored format kept; the dequantized cache is not carried over)."""
+        scale = None if self.scale is None else self.scale.to(device)
+        return QWeight(self.kind, self.data.to(device), scale, self.block)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The weight's values as a dense [out, in] tensor (exact for fp8/mxfp4 in fp32 and bf16)."""
         if self.kind == "fp8":
@@ -70,7 +75,7 @@ class QWeight:
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """y = x @ W^T in x's dtype. FP8/MXFP4 weights: FP8 1 x block activation fake quant, fp32-accumulated GEMM."""
     if w.kind == "bf16":
-        return F.linear(x, w.data.to(x.dtype))
+        return F.linear(x, w.prepare(x.dtype))
     if x.shape[-1] % w.block:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     xq = fake_quant_fp8(x, w.block)

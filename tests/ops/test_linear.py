@@ -40,6 +40,8 @@ def test_prepare_caches_the_dequantized_weight():
     w = QWeight.from_state(_fp8_state(70, 96, 32), "proj", 32)
     first = w.prepare(torch.float32)
     assert w.prepare(torch.float32) is first
+    moved = w.to("cpu")
+    assert moved.kind == "fp8" and torch.equal(moved.prepare(), first) and moved.prepare() is not first
     assert torch.equal(first, dequant_fp8(w.data, w.scale, 32))
     assert torch.equal(w.prepare(torch.bfloat16).float(), first)
 
@@ -112,7 +114,7 @@ def test_fast_path_matches_reference_on_cuda():
         set_backend("reference")
         ref = linear(x, w)
         set_backend("fast")
-        wc = QWeight(w.kind, w.data.cuda(), w.scale.cuda(), w.block)
+        wc = w.to("cuda")
         fast = linear(x.cuda(), wc).cpu()
     finally:
         set_backend(prev)
