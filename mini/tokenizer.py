@@ -4,6 +4,7 @@ compressed token map (spec §2.3), and a tiny byte-level BPE tokenizer for the t
 from __future__ import annotations
 
 import json
+import random
 import unicodedata
 from collections import Counter
 from functools import lru_cache
@@ -236,6 +237,16 @@ Engram looks up n-grams in large hashed tables and gates the value into the resi
 """
 
 
+TINY_MAX_VOCAB = 4096
+
+
+def _filler_text(seed: int) -> str:
+    """Deterministic pseudo-words that give BPE more pairs to merge."""
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                    for _ in range(400)) + "\n"
+
+
 def _byte_chars() -> list[str]:
     """The byte-level alphabet (GPT-2 convention): printable bytes map to themselves, the others to U+0100+."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -282,12 +293,16 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> _Backend:
     base = len(TINY_SPECIALS) + 256
     if vocab_size < base:
         raise ValueError(f"vocab_size must be at least {base}")
+    if vocab_size > TINY_MAX_VOCAB:
+        raise ValueError(f"the tiny tokenizer has at most {TINY_MAX_VOCAB} tokens")
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    text = unicodedata.normalize("NFC", _TINY_CORPUS)
-    words = Counter(w for w, _ in pre.pre_tokenize_str(text))
-    merges = _train_merges(words, vocab_size - base)
-    if len(merges) < vocab_size - base:
-        raise ValueError(f"the tiny corpus supports at most {base + len(merges)} tokens")
+    text, extra = unicodedata.normalize("NFC", _TINY_CORPUS), 0
+    while True:
+        merges = _train_merges(Counter(w for w, _ in pre.pre_tokenize_str(text)), vocab_size - base)
+        if len(merges) == vocab_size - base:
+            break
+        text += _filler_text(extra)  # larger vocabularies than the corpus supports: add pseudo-words
+        extra += 1
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS)}
     for tok in _byte_chars() + [a + b for a, b in merges]:
         vocab[tok] = len(vocab)

@@ -32,9 +32,13 @@ def test_tiny_tokenizer_is_deterministic(tmp_path):
     a = write_tiny_tokenizer(tmp_path / "a", 512)
     b = write_tiny_tokenizer(tmp_path / "b", 512)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
-    assert build_tiny_tokenizer(300).get_vocab_size() == 300
-    with pytest.raises(ValueError):
-        build_tiny_tokenizer(100)
+    for size in (264, 300, 1000):  # 1000 is beyond what the built-in corpus alone supports
+        tok = build_tiny_tokenizer(size)
+        assert tok.get_vocab_size() == size
+        assert tok.decode(tok.encode("any text: ü 🎉").ids) == "any text: ü 🎉"
+    for bad in (100, 5000):
+        with pytest.raises(ValueError):
+            build_tiny_tokenizer(bad)
 
 
 def _random_text(rng, n):
