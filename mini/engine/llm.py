@@ -11,7 +11,7 @@ from mini.engine.block_manager import BlockManager
 from mini.engine.model_runner import ModelRunner, size_cache
 from mini.engine.sampler import SamplingBatch, sample
 from mini.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from mini.engine.sequence import IncrementalText, SamplingParams, Sequence, Status, TokenLogprobs
+from mini.engine.sequence import SamplingParams, Sequence, Status, TokenLogprobs
 
 
 @dataclass
@@ -110,7 +110,7 @@ class LLMEngine:
                        else self._rng.getrandbits(62), eos_token_id=self.config.eos_id,
                        max_total_tokens=self.max_model_len)
         if self.tokenizer is not None:
-            seq.detok = IncrementalText(self.tokenizer)
+            seq.detok = self.tokenizer.stream(skip_special_tokens=True)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -186,7 +186,7 @@ class LLMEngine:
                     or seq.num_tokens >= seq.max_total_tokens:
                 seq.finish("length")
             return
-        seq.detok.add(token)
+        seq.decoded += seq.detok.push(token)
         if p.stop and self._stop_string(seq):
             return
         if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
@@ -195,12 +195,11 @@ class LLMEngine:
             return
         # stream only text that can no longer turn into the start of a stop string
         hold = max((len(s) for s in p.stop), default=1) - 1
-        safe = len(seq.detok.text) - hold
-        seq.text = seq.detok.text[:max(safe, seq.emitted_chars)]
+        seq.text = seq.decoded[:max(len(seq.decoded) - hold, seq.emitted_chars)]
 
     def _stop_string(self, seq: Sequence) -> bool:
         """Find the earliest stop string in the text; it may straddle any number of token boundaries."""
-        text = seq.detok.text
+        text = seq.decoded
         longest = max(len(s) for s in seq.params.stop)
         search_from = max(0, seq.emitted_chars - longest)
         hits = [(i, s) for s in seq.params.stop if (i := text.find(s, search_from)) >= 0]
@@ -214,8 +213,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish(reason, stop_reason)
         if seq.detok is not None:
-            seq.detok.flush()
-            seq.text = seq.detok.text
+            seq.decoded += seq.detok.flush()
+            seq.text = seq.decoded
 
     def _output(self, seq: Sequence, new_ids: list[int], n_before: int) -> RequestOutput:
         new_text = seq.text[seq.emitted_chars:]

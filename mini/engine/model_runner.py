@@ -75,5 +75,23 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_slots(self, copies: list[SlotCopy]) -> None:
         """Copy per-sequence state rows between slots (prefix-cache snapshot / restore)."""
-        for c in copies:
-            self.cache.copy_slot(c.src, c.dst)
+        if not copies:
+            return
+        if hasattr(self.cache, "copy_slot"):
+            for c in copies:
+                self.cache.copy_slot(c.src, c.dst)
+            return
+        src = torch.tensor([c.src for c in copies], device=self.device)
+        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        for pool in _slot_pools(self.cache):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+def _slot_pools(cache) -> list[torch.Tensor]:
+    """The per-slot tensors of mini.model.KVCache (window rings, compressor states): every row of dim 0 is a slot.
+    Paged pools (comp_kv, index_k) are indexed by block and are not copied."""
+    pools = list(cache.window)
+    for states in (cache.comp_state, cache.index_state):
+        for kv_and_score in states.values():
+            pools += list(kv_and_score)
+    return pools

@@ -72,40 +72,6 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-class IncrementalText:
-    """Text of the output tokens, grown one token at a time without re-decoding the whole output.
-
-    Decodes a short window of tokens (from `prefix` to the end) and emits what is new relative to the window's
-    already-emitted part. A window that ends in U+FFFD (an incomplete UTF-8 sequence split across tokens) emits
-    nothing until the next token completes it.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.prefix = 0  # window start
-        self.read = 0  # tokens whose text was emitted
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        self.tokens.append(token_id)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """At the end of the output: emit what is left even if it ends in an incomplete character."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        done = self.tokenizer.decode(self.tokens[self.prefix:self.read])
-        full = self.tokenizer.decode(self.tokens[self.prefix:])
-        if not final and (len(full) <= len(done) or full.endswith("\ufffd")):
-            return ""
-        new = full[len(done):]
-        self.prefix, self.read = self.read, len(self.tokens)
-        self.text += new
-        return new
-
-
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -129,7 +95,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    detok: IncrementalText | None = None
+    detok: object | None = None  # incremental detokenizer (mini.tokenizer.StreamDecoder: push / flush)
+    decoded: str = ""  # all output text decoded so far
     text: str = ""  # output text with stop strings handled (what the user gets)
     emitted_chars: int = 0  # how much of `text` was already streamed
 

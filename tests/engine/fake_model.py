@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mini.tokenizer import StreamDecoder
+
 _P = (1 << 61) - 1  # modulus of the history hash
 
 
@@ -28,8 +30,11 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + 3 for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def stream(self, skip_special_tokens: bool = False):
+        return StreamDecoder(self, skip_special_tokens)
 
 
 @dataclass

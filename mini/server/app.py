@@ -1,0 +1,337 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Request bodies are parsed by hand (UTF-8, then JSON, then the schema) so every bad input gets a 400 with an
+OpenAI-style error body that names the problem. A client that disconnects aborts its request: streaming
+responses are cancelled by Starlette, non-streaming ones are watched.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from mini.engine import RequestOutput, SamplingParams
+from mini.engine.async_engine import AsyncLLM
+from mini.server.metrics import ServerMetrics
+from mini.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("mini.server")
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+async def parse_body(request: Request, schema):
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(f"invalid JSON in the request body: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ApiError("the request body must be a JSON object")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("the request contains invalid Unicode (a lone surrogate escape)") from None
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ApiError(f"invalid value for '{loc}': {err['msg']}", param=loc or None) from None
+
+
+def _usage(out: RequestOutput) -> dict:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, model_name: str):
+        self.llm, self.metrics, self.model_name = llm, metrics, model_name
+        self.tokenizer = llm.engine.tokenizer
+
+    # ------------------------------------------------------------------ shared plumbing
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        try:
+            ids = self.llm.validate(prompt, params)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+        except (UnicodeError, TypeError) as e:
+            raise ApiError(f"the prompt cannot be tokenized: {e}") from None
+        return self.llm.generate(ids, params, request_id)
+
+    @staticmethod
+    async def _final(stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
+        """Run a request to the end, aborting it if the client goes away."""
+        async def consume():
+            last = None
+            async for out in stream:
+                last = out
+            return last
+        task = asyncio.ensure_future(consume())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ApiError("client disconnected", status=499)
+
+    def _token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
+
+    # ------------------------------------------------------------------ /v1/completions
+    def _completion_logprobs(self, out: RequestOutput, n_new: int, offset: int) -> dict | None:
+        lps = out.logprobs[len(out.logprobs) - n_new:] if n_new else []
+        if not out.logprobs and not lps:
+            return None
+        tokens = [self._token_text(lp.token_id) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+                "text_offset": offsets}
+
+    async def completions(self, request: Request):
+        req = await parse_body(request, CompletionRequest)
+        self._check_model(req.model)
+        try:
+            params = req.sampling_params(16, req.logprobs)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = self._start(req.prompt, params, rid)
+        want_lp = req.logprobs is not None
+        if not req.stream:
+            out = await self._final(stream, request)
+            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
+                      "logprobs": self._completion_logprobs(out, len(out.token_ids), 0) if want_lp else None}
+            if isinstance(out.stop_reason, (str, int)):
+                choice["stop_reason"] = out.stop_reason
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                                 "model": self.model_name, "choices": [choice], "usage": _usage(out)})
+
+        async def events():
+            sent = 0
+            last = None
+            try:
+                async for out in stream:
+                    last = out
+                    if out.new_text or out.finished:
+                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent) if want_lp else None
+                        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                    "model": self.model_name, "choices": [
+                                        {"index": 0, "text": out.new_text, "logprobs": lp,
+                                         "finish_reason": out.finish_reason if out.finished else None}]})
+                        sent += len(out.new_text)
+            except RuntimeError as e:
+                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+                return
+            if req.include_usage and last is not None:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": [], "usage": _usage(last)})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    def _chat_logprobs(self, out: RequestOutput, n_new: int) -> dict:
+        lps = out.logprobs[len(out.logprobs) - n_new:] if n_new else []
+
+        def entry(tid, lp):
+            text = self._token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
+
+    async def chat(self, request: Request):
+        from mini.tokenizer import render_chat
+        req = await parse_body(request, ChatCompletionRequest)
+        self._check_model(req.model)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        req.max_tokens = max_tokens
+        try:
+            params = req.sampling_params(None, n_lp)
+            prompt = render_chat(req.rendered_messages(), thinking=req.thinking_mode)
+        except (ValueError, NotImplementedError) as e:
+            raise ApiError(str(e), param="messages" if isinstance(e, NotImplementedError) else None) from None
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = self._start(prompt, params, rid)
+        if not req.stream:
+            out = await self._final(stream, request)
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "finish_reason": out.finish_reason,
+                      "logprobs": self._chat_logprobs(out, len(out.token_ids)) if req.logprobs else None}
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                                 "model": self.model_name, "choices": [choice], "usage": _usage(out)})
+
+        def chunk(delta: dict, finish=None, lp=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
+
+        async def events():
+            yield chunk({"role": "assistant", "content": ""})
+            last = None
+            try:
+                async for out in stream:
+                    last = out
+                    lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
+                    if out.new_text:
+                        yield chunk({"content": out.new_text}, lp=lp)
+                        lp = None
+                    if out.finished:
+                        yield chunk({}, finish=out.finish_reason, lp=lp)
+            except RuntimeError as e:
+                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+                return
+            if req.include_usage and last is not None:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": self.model_name, "choices": [], "usage": _usage(last)})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI:
+    server = OpenAIServer(llm, metrics, model_name)
+    app = FastAPI(title="mini", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("request failed")
+        return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500).response()
+
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "mini",
+                                            "max_model_len": llm.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def build_app(model_or_path, model_name: str | None = None, **engine_opts) -> FastAPI:
+    """Engine + background loop + app, for `serve` and tests. `engine_opts` go to mini.engine.build_engine."""
+    from mini.engine import build_engine
+    engine = build_engine(model_or_path, **engine_opts)
+    metrics = ServerMetrics(engine)
+    llm = AsyncLLM(engine, on_output=metrics.observe)
+    name = model_name or (model_or_path if isinstance(model_or_path, str) else "mini")
+    app = create_app(llm, metrics, name)
+    app.router.on_shutdown.append(llm.shutdown)
+    return app
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from mini.cli import _model_args
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in a batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--block-tokens", type=int, default=128, help="positions per cache block")
+    p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (required on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory mini may use; the cache gets what the model leaves")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-snapshots", type=int, default=32, help="state snapshots kept for prefix caching")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that bring none")
+    p.add_argument("--log-level", default="warning")
+
+
+def engine_opts_from_args(args) -> dict:
+    from mini.cli import _setup
+    device, dtype = _setup(args)
+    return dict(device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_tokens=args.block_tokens,
+                num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, num_snapshots=args.num_snapshots,
+                max_model_len=args.max_model_len, seed=args.seed)
+
+
+def serve(args) -> int:
+    import uvicorn
+    app = build_app(args.model, args.served_model_name, **engine_opts_from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+class BackgroundServer:
+    """Serve an app from a thread of this process (tests, in-process benchmarks): `with BackgroundServer(app) as url`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

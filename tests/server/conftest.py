@@ -1,0 +1,28 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model
+
+from fake_model import FakeBatch, FakeCache, FakeConfig, FakeModel, FakeSeqChunk, FakeTokenizer  # noqa: E402
+
+from mini.server.app import BackgroundServer, build_app  # noqa: E402
+
+MODEL = "fake"
+
+
+def fake_app(**opts):
+    cfg = FakeConfig()
+    opts = {"num_blocks": 256, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, "max_num_seqs": 16,
+            "max_num_batched_tokens": 64, **opts}
+    return build_app(FakeModel(cfg), MODEL, config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
+                     cache_cls=FakeCache, seq_chunk_cls=FakeSeqChunk, **opts)
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = fake_app()
+    with BackgroundServer(app) as url:
+        yield url, app

@@ -1,0 +1,76 @@
+"""Many concurrent requests, with bad requests and disconnects mixed in: the good outputs equal offline
+generation of each prompt alone (greedy), and the server keeps serving."""
+import asyncio
+import random
+
+import httpx
+import openai
+
+from conftest import MODEL, fake_app
+from fake_model import fake_llm
+from mini.engine import SamplingParams
+from mini.server.app import BackgroundServer
+
+N_GOOD = 32
+
+
+def _prompts():
+    rng = random.Random(11)
+    return ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(2, 40))) for _ in range(N_GOOD)]
+
+
+def _offline_alone(prompts, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [fake_llm(num_blocks=256).generate([p], params)[0].text for p in prompts]
+
+
+async def _good(client, prompt, i, max_tokens):
+    await asyncio.sleep(random.Random(i).random() * 0.2)  # arrivals spread out and shuffled
+    if i % 2:
+        r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        return r.choices[0].text
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    return "".join([c.choices[0].text async for c in stream])
+
+
+async def _bad(url, i):
+    async with httpx.AsyncClient() as h:
+        await asyncio.sleep(random.Random(100 + i).random() * 0.2)
+        if i % 3 == 0:
+            r = await h.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": ')
+            assert r.status_code == 400
+        elif i % 3 == 1:
+            r = await h.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": -1})
+            assert r.status_code == 400
+        else:  # disconnect mid-stream
+            body = {"model": MODEL, "prompt": f"drop {i}", "max_tokens": 300, "stream": True, "ignore_eos": True}
+            async with h.stream("POST", url + "/v1/completions", json=body) as r:
+                n = 0
+                async for _ in r.aiter_lines():
+                    n += 1
+                    if n > 2:
+                        break
+
+
+async def _burst(url, prompts, max_tokens):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    good = [_good(client, p, i, max_tokens) for i, p in enumerate(prompts)]
+    bad = [_bad(url, i) for i in range(12)]
+    results = await asyncio.gather(*good, *bad)
+    return results[:len(prompts)]
+
+
+def test_burst_matches_offline_alone():
+    prompts, max_tokens = _prompts(), 10
+    app = fake_app(max_num_seqs=8, max_num_batched_tokens=48, num_blocks=128)
+    with BackgroundServer(app) as url:
+        got = asyncio.run(_burst(url, prompts, max_tokens))
+        engine = app.state.server.llm.engine
+        assert httpx.get(url + "/health").status_code == 200
+        again = asyncio.run(_burst(url, prompts, max_tokens))  # prefix cache warm now
+    assert got == _offline_alone(prompts, max_tokens)
+    assert again == got
+    assert engine.blocks.stats.hits > 0
+    assert not engine.requests and engine.blocks.usage == 0.0
