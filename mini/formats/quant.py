@@ -31,6 +31,11 @@ def no_fake_quant():
         _enabled = prev
 
 
+def fake_quant_enabled() -> bool:
+    """False inside no_fake_quant(); fused kernels that quantize on their own check this."""
+    return _enabled
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-row 1xblock FP8 e4m3 with power-of-two scales: s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
     if not _enabled:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8
+from mini.formats.quant import fake_quant_enabled
 from mini.ops import use_fast
 
 _FP4_STORAGE = (torch.int8, torch.uint8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
@@ -78,8 +79,15 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         return F.linear(x, w.prepare(x.dtype))
     if x.shape[-1] % w.block:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
-    xq = fake_quant_fp8(x, w.block)
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; cuBLAS accumulates in fp32
-        return F.linear(xq, w.prepare(torch.bfloat16))
-    return F.linear(xq.float(), w.prepare(torch.float32)).to(x.dtype)
+        return F.linear(_fast_act_quant(x, w.block), w.prepare(torch.bfloat16))
+    return F.linear(fake_quant_fp8(x, w.block).float(), w.prepare(torch.float32)).to(x.dtype)
+
+
+def _fast_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fake_quant_fp8 as one Triton pass (mini.kernels.fp8_act_quant), honouring the no_fake_quant() switch."""
+    if not fake_quant_enabled():
+        return x
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    return fp8_act_quant(x.reshape(-1, x.shape[-1]), block).view(x.shape)

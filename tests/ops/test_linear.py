@@ -119,3 +119,18 @@ def test_fast_path_matches_reference_on_cuda():
     finally:
         set_backend(prev)
     assert ((fast.double() - ref.double()).abs() <= ref.double().abs() * 2.0 ** -7 + 1e-3).all()
+
+
+@pytest.mark.gpu
+def test_fast_path_honours_no_fake_quant():
+    from mini.ops import set_backend, backend
+    w = QWeight.from_state(_fp8_state(64, 96, 32), "proj", 32).to("cuda")
+    x = torch.randn(5, 96, device="cuda").bfloat16()
+    prev = backend()
+    try:
+        set_backend("fast")
+        with no_fake_quant():
+            y = linear(x, w)
+    finally:
+        set_backend(prev)
+    torch.testing.assert_close(y.float(), (x.float() @ w.prepare().T).bfloat16().float(), rtol=1e-2, atol=1e-2)
