@@ -150,7 +150,7 @@ class OpenAIServer:
             try:
                 async for out in stream:
                     last = out
-                    if out.new_text or out.finished:
+                    if out.new_token_ids or out.finished:  # one chunk per token, even if its text is held back
                         lp = self._completion_logprobs(out, len(out.new_token_ids), sent) if want_lp else None
                         yield _sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [
@@ -211,8 +211,8 @@ class OpenAIServer:
                 async for out in stream:
                     last = out
                     lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
-                    if out.new_text:
-                        yield chunk({"content": out.new_text}, lp=lp)
+                    if out.new_token_ids and (out.new_text or not out.finished):
+                        yield chunk({"content": out.new_text}, lp=lp)  # one chunk per token, as in completions
                         lp = None
                     if out.finished:
                         yield chunk({}, finish=out.finish_reason, lp=lp)

@@ -1,0 +1,51 @@
+"""tiny-goodput: workload is fixed by the seed; metrics are consistent; result has the suite shape."""
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mini.bench import check_result
+from mini.bench import serve as goodput
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model
+from fake_model import FakeBatch, FakeCache, FakeConfig, FakeModel, FakeSeqChunk, FakeTokenizer  # noqa: E402
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    goodput.add_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_workload_is_fixed_by_seed():
+    a = _args("--num-requests", "20", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
+              "--request-rate", "4")
+    w1, w2 = goodput.make_workload(a, 512), goodput.make_workload(a, 512)
+    assert w1 == w2
+    assert all(5 <= len(r.prompt) <= 15 and 2 <= r.max_tokens <= 7 for r in w1)
+    gaps = [b.send_at - a.send_at for a, b in zip(w1, w1[1:])]
+    assert all(g >= 0 for g in gaps) and 0.05 < sum(gaps) / len(gaps) < 1.0  # Poisson, mean 1/4 s
+    assert goodput.make_workload(_args("--seed", "1", "--num-requests", "3"), 512) != \
+        goodput.make_workload(_args("--num-requests", "3"), 512)
+
+
+def test_against_a_running_server():
+    from mini.server.app import BackgroundServer, build_app
+    cfg = FakeConfig(vocab_size=512)
+    app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
+                    cache_cls=FakeCache, seq_chunk_cls=FakeSeqChunk, num_blocks=256, block_tokens=4,
+                    device="cpu", dtype=torch.float32, max_num_seqs=8)
+    with BackgroundServer(app) as url:
+        args = _args("--url", url, "--num-requests", "6", "--input-len", "12", "--output-len", "6",
+                     "--request-rate", "50", "--repeat", "2", "--slo-ttft-ms", "10000", "--slo-tpot-ms", "10000")
+        result = check_result("tiny-goodput", goodput.run(args))
+    m = result["metrics"]
+    assert m["completed"] == 6 and m["failed"] == 0 and len(result["runs"]) == 2
+    assert m["goodput_req_s"] == pytest.approx(m["request_throughput"], rel=0.5)
+    for run in result["runs"]:
+        assert run["output_tok_s"] == pytest.approx(36 / run["duration_s"])
+        assert run["itl_p99_ms"] > 0
+    assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["tpot_p50_ms"] <= m["tpot_p99_ms"]
+    assert result["definition"]["num_requests"] == 6 and result["definition"]["ignore_eos"] is True
