@@ -98,8 +98,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this server's context is {self.max_model_len} "
                              "tokens (prompt + at least one output token)")
-        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens {params.max_tokens} exceeds the context length {self.max_model_len}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds this "
+                             f"server's context of {self.max_model_len} tokens")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         if request_id in self.requests:

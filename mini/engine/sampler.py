@@ -62,32 +62,28 @@ class SamplingBatch:
     seen: torch.Tensor | None  # [n, vocab] bool, token appears in prompt or output (None: no repetition penalty)
     n_logprobs: int  # max top-n over the rows (-1: none wants logprobs)
     all_greedy: bool
+    any_filter: bool  # some row uses top-k, top-p or min-p (else the sort is skipped)
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab: int, device) -> "SamplingBatch":
         ps = [s.params for s in seqs]
-
-        def t(vals, dtype):
-            return torch.tensor(vals, dtype=dtype, device=device)
-
         out_counts = seen = None
         if any(p.presence_penalty or p.frequency_penalty for p in ps):
             out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)
         if any(p.repetition_penalty != 1.0 for p in ps):
             seen = _token_counts([s.tokens for s in seqs], vocab, device) > 0
+        # two host tensors, two copies to the device (not one per parameter)
+        floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                p.repetition_penalty] for p in ps], dtype=torch.float32).to(device).unbind(1)
+        ints = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab, s.seed, len(s.output_token_ids)]
+                             for s, p in zip(seqs, ps)], dtype=torch.int64).to(device).unbind(1)
         return cls(
-            temperature=t([p.temperature for p in ps], torch.float32),
-            top_p=t([p.top_p for p in ps], torch.float32),
-            top_k=t([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.int64),
-            min_p=t([p.min_p for p in ps], torch.float32),
-            seeds=t([s.seed for s in seqs], torch.int64),
-            counters=t([len(s.output_token_ids) for s in seqs], torch.int64),
-            presence=t([p.presence_penalty for p in ps], torch.float32),
-            frequency=t([p.frequency_penalty for p in ps], torch.float32),
-            repetition=t([p.repetition_penalty for p in ps], torch.float32),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3], frequency=floats[4],
+            repetition=floats[5], top_k=ints[0], seeds=ints[1], counters=ints[2],
             output_counts=out_counts, seen=seen,
             n_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
-            all_greedy=all(p.temperature == 0 for p in ps))
+            all_greedy=all(p.temperature == 0 for p in ps),
+            any_filter=any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in ps))
 
 
 def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -125,6 +121,8 @@ def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     the race, which only compares ratios)."""
     temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
+    if not b.any_filter:
+        return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     mass_before = sorted_p.cumsum(-1) - sorted_p
