@@ -1,0 +1,227 @@
+"""Mixture of experts (spec §2.5): the gate, the routed experts a rank holds, the shared expert.
+
+    weights, ids = gate(x, w, cfg, plan, input_ids)      # fp32 [T, k], int64 [T, k]
+    y = routed(x, w, cfg, weights, ids) + shared(x, w)   # fp32 [T, D]
+    out = y.to(x.dtype)                                  # = moe(x, w, cfg, plan, input_ids)
+
+`routed` sums only the experts present in `w` (under EP a rank holds experts [a, b)), so an EP exchange can run
+gate / routed / shared separately around its all-gather and reduce-scatter.
+
+Every expert is a SwiGLU FFN: g = w1(x), u = w3(x) (each rounded to x.dtype, as the reference's Linear returns),
+u clamped to ±limit and g from above, h = silu(g) * u * routing weight in fp32, then w2(h.to(x.dtype)). Each GEMM
+fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are summed in fp32.
+
+Fast path (CUDA, `mini.ops.use_fast`): the gate's logits come from one bf16 GEMM with an fp32 output (bf16 x bf16
+products are exact in fp32, so only the summation order differs from fp32); the routed experts run as two grouped
+GEMMs that decode MXFP4 in their main loop (w1/w3 with SwiGLU, clamps, routing weight and the FP8 quant of w2's
+input fused into the epilogue; then w2), and a combine kernel sums each token's local rows in slot order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mini.config import LayerPlan, ModelConfig
+from mini.ops import use_fast
+from mini.ops.linear import QWeight, linear
+
+
+@dataclass(eq=False)
+class MoEWeights:
+    """One layer's MoE weights. The routed experts a rank holds are stacked: `w1`/`w3` data `[E_local, I, D/2]`
+    (scale `[E_local, I, D/32]`), `w2` data `[E_local, D, I/2]` (scale `[E_local, D, I/32]`), for the global
+    expert ids in `experts`."""
+    gate: torch.Tensor  # bf16 [E, D]
+    bias: torch.Tensor | None  # fp32 [E]: selection-only correction (None on V4 hash layers)
+    bias_vl: torch.Tensor | None  # fp32 [E]: the same for image-span tokens (V4.1 with vision)
+    tid2eid: torch.Tensor | None  # int64 [vocab, k]: V4 hash layers route by token id
+    experts: range  # global ids of the routed experts held here
+    w1: QWeight
+    w3: QWeight
+    w2: QWeight
+    shared_w1: QWeight
+    shared_w3: QWeight
+    shared_w2: QWeight
+    swiglu_limit: float
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
+                   experts: range | None = None, device: torch.device | str | None = None) -> "MoEWeights":
+        """`prefix` is the FFN module path, e.g. "layers.3.ffn". Only the experts in `experts` are read (default:
+        those the state holds, which must be a contiguous range); they are stacked on `device` (default: where the
+        state lives)."""
+        p = prefix.rstrip(".")
+        n_experts = state[f"{p}.gate.weight"].shape[0]
+        if experts is None:
+            held = [e for e in range(n_experts) if f"{p}.experts.{e}.w1.weight" in state]
+            experts = range(held[0], held[-1] + 1) if held else range(0)
+            if len(held) != len(experts):
+                raise ValueError(f"{p}: the state holds a non-contiguous set of experts; pass `experts`")
+        if not (0 <= experts.start <= experts.stop <= n_experts and experts.step == 1):
+            raise ValueError(f"expert range {experts} is not a contiguous part of 0..{n_experts}")
+
+        def get(name):
+            t = state.get(name)
+            return None if t is None else t.to(device) if device is not None else t
+
+        def stacked(proj: str) -> QWeight:
+            ws = [QWeight.from_state(state, f"{p}.experts.{e}.{proj}", cfg.fp8_block) for e in experts]
+            if not ws:
+                raise ValueError("a MoE layer needs at least one local expert")
+            kind = ws[0].kind
+            data = torch.stack([_bytes(w.data, kind).to(device) if device is not None else _bytes(w.data, kind)
+                                for w in ws])
+            scale = None if kind == "bf16" else torch.stack(
+                [w.scale.view(torch.uint8).to(device) if device is not None else w.scale.view(torch.uint8)
+                 for w in ws])
+            return QWeight(kind, data, scale, cfg.fp8_block)
+
+        def single(proj: str) -> QWeight:
+            w = QWeight.from_state(state, f"{p}.shared_experts.{proj}", cfg.fp8_block)
+            if device is not None:
+                w = QWeight(w.kind, w.data.to(device), None if w.scale is None else w.scale.to(device), w.block)
+            return w
+
+        hash_routed = cfg.layers[layer].hash_routed if layer < len(cfg.layers) else False
+        tid2eid = get(f"{p}.gate.tid2eid")
+        if hash_routed and tid2eid is None:
+            raise ValueError(f"layer {layer} routes by token id but {p}.gate.tid2eid is missing")
+        return cls(gate=get(f"{p}.gate.weight"), bias=get(f"{p}.gate.bias"), bias_vl=get(f"{p}.gate.bias_vl"),
+                   tid2eid=tid2eid if hash_routed else None, experts=experts,
+                   w1=stacked("w1"), w3=stacked("w3"), w2=stacked("w2"),
+                   shared_w1=single("w1"), shared_w3=single("w3"), shared_w2=single("w2"),
+                   swiglu_limit=cfg.swiglu_limit)
+
+    def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
+        """The three projections of the i-th local expert (global id experts[i])."""
+        def one(w: QWeight) -> QWeight:
+            return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
+        return one(self.w1), one(self.w3), one(self.w2)
+
+
+def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
+    """Packed FP4 as uint8 (the checkpoint may say int8 or float4_e2m1fn_x2); other kinds unchanged."""
+    return data.view(torch.uint8) if kind == "mxfp4" else data
+
+
+# ---------------------------------------------------------------------------------------------------------- gate
+def gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
+         image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k]."""
+    k = cfg.n_activated_experts
+    logits = _gate_logits(x, w.gate) / cfg.gate_temp
+    if cfg.score_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif cfg.score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:  # sqrtsoftplus
+        scores = F.softplus(logits).sqrt()
+    if plan.hash_routed:
+        if input_ids is None:
+            raise ValueError(f"layer {plan.layer} routes by token id: pass input_ids")
+        ids = w.tid2eid[input_ids].long()
+    else:
+        bias = w.bias
+        if image_mask is not None and w.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), w.bias_vl, bias)
+        sel = scores if bias is None else scores + bias  # the bias picks experts, it does not scale them
+        ids = sel.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.is_v41:
+        if cfg.norm_topk_prob and k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # a literal 1e-20, not norm_eps
+    elif cfg.score_func != "softmax":
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # V4: no epsilon
+    return weights * cfg.route_scale, ids
+
+
+def _gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits x @ W^T. The fast path multiplies bf16 x bf16 with an fp32 output: every product is exact
+    in fp32, so the result differs from the fp32 GEMM only by summation order."""
+    if use_fast(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _mm_fp32_out_works():
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return x.float() @ weight.float().t()
+
+
+_MM_FP32_OUT: bool | None = None
+
+
+def _mm_fp32_out_works() -> bool:
+    """Whether this torch has `mm(..., out_dtype=float32)` for bf16 on CUDA (torch >= 2.9); checked once."""
+    global _MM_FP32_OUT
+    if _MM_FP32_OUT is None:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+            _MM_FP32_OUT = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_FP32_OUT = False
+    return _MM_FP32_OUT
+
+
+# ------------------------------------------------------------------------------------------------------- experts
+def expert_ffn(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, limit: float,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """One SwiGLU expert in x.dtype; `weight` [n, 1] (the routing weight) scales h before w2."""
+    g = linear(x, w1).float()
+    u = linear(x, w3).float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = F.silu(g) * u
+    if weight is not None:
+        h = weight * h
+    return linear(h.to(x.dtype), w2)
+
+
+def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
+           ids: torch.Tensor) -> torch.Tensor:
+    """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0."""
+    if use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4":
+        return _routed_fast(x, w, weights, ids, torch.float32)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for i, e in enumerate(w.experts):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        out = expert_ffn(x[tok], *w.expert(i), w.swiglu_limit, weights[tok, slot, None])
+        y.index_add_(0, tok, out.float())
+    return y
+
+
+def shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """The shared expert every token goes through, fp32 [T, D] (holding x.dtype-rounded values)."""
+    return _shared(x, w).float()
+
+
+def _shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    return expert_ffn(x, w.shared_w1, w.shared_w3, w.shared_w2, w.swiglu_limit)
+
+
+def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole MoE FFN on one device (all experts local, or EP without exchange), in x.dtype."""
+    weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
+    if use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4":
+        return _routed_fast(x, w, weights, ids, x.dtype, add=_shared(x, w))
+    return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- fast path (CUDA)
+def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts through the Triton kernels: sort the (token, slot) pairs by local expert, grouped
+    w1/w3 GEMM + SwiGLU, grouped w2 GEMM, then per token the sum of its local rows in slot order (+ `add`)."""
+    from mini.formats.quant import fake_quant_enabled
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.moe_combine import combine
+    from mini.kernels.moe_route import plan_routes
+    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+
+    act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
+    xq = fp8_act_quant(x, w.w1.block) if act_quant else x
+    plan = plan_routes(ids, weights, w.experts)
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
+    y = grouped_down(h, plan, w.w2)
+    return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)

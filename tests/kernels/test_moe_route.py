@@ -1,0 +1,52 @@
+"""Routing plan: (token, slot) pairs sorted by local expert, tiles that never straddle two experts."""
+import pytest
+import torch
+
+from mini.kernels.moe_route import max_rows, plan_routes
+
+
+def _check_plan(ids, weights, experts, block_m):
+    T, k = ids.shape
+    p = plan_routes(ids, weights, experts, block_m)
+    ids, weights = ids.cpu(), weights.cpu()
+    token, weight, slot_row = p.token.cpu().long(), p.weight.cpu(), p.slot_row.cpu().long()
+    te, ts, tend = p.tile_expert.cpu().long(), p.tile_start.cpu().long(), p.tile_end.cpu().long()
+    assert p.n_rows == max_rows(T, k, len(experts)) == token.numel() == weight.numel()
+
+    # slot_row is a permutation of the flat (token, slot) pairs; local pairs come first, by expert, then by pair
+    assert torch.equal(slot_row.flatten().sort().values, torch.arange(T * k))
+    local = (ids >= experts.start) & (ids < experts.stop)
+    n_local = int(local.sum())
+    assert (slot_row[local] < n_local).all() and (slot_row[~local] >= n_local).all()
+    expected = sorted((int(ids[t, j]), t * k + j) for t in range(T) for j in range(k) if local[t, j])
+    for r, (e, flat) in enumerate(expected):
+        t, j = divmod(flat, k)
+        assert slot_row[t, j] == r and token[r] == t and weight[r] == weights[t, j]
+
+    # tiles: every local row in exactly one tile of its own expert, at most block_m rows, empty tiles marked -1
+    covered = torch.zeros(n_local, dtype=torch.int64)
+    row_expert = torch.tensor([e - experts.start for e, _ in expected], dtype=torch.int64)
+    for i in range(te.numel()):
+        if te[i] < 0:
+            continue
+        rows = torch.arange(ts[i], min(ts[i] + block_m, tend[i]))
+        assert rows.numel() > 0 and (row_expert[rows] == te[i]).all()
+        covered[rows] += 1
+    assert (covered == 1).all()
+    assert te.numel() >= (covered.numel() + block_m - 1) // block_m
+
+
+@pytest.mark.parametrize("T,k,n_experts,experts,block_m", [
+    (1, 1, 4, range(0, 4), 16), (5, 6, 16, range(4, 10), 2), (37, 4, 16, range(0, 16), 8),
+    (37, 4, 16, range(15, 16), 4), (9, 3, 12, range(12, 12), 4), (64, 6, 24, range(6, 12), 16)])
+def test_plan_groups_pairs_by_local_expert(T, k, n_experts, experts, block_m):
+    ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(T)])
+    weights = torch.rand(T, k)
+    _check_plan(ids, weights, experts, block_m)
+
+
+@pytest.mark.gpu
+def test_plan_on_gpu_matches_invariants():
+    T, k, n_experts = 300, 6, 384
+    ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(T)]).cuda()
+    _check_plan(ids, torch.rand(T, k, device="cuda"), range(96, 192), 64)

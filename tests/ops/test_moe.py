@@ -1,0 +1,183 @@
+"""MoE: gate semantics (bias selects only, V4.1 eps / V4 none, hash routing), routed experts over EP ranges, the
+expert formula, and the fast path (Triton under the interpreter on CPU; compiled on the GPU) against the reference."""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mini.ops
+from mini.checkpoint.make import random_state
+from mini.config import preset
+from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8, quantize_fp8, quantize_mxfp4
+from mini.ops.moe import MoEWeights, expert_ffn, gate, moe, routed, shared
+
+if not torch.cuda.is_available():  # the fast path's kernels run under Triton's interpreter on CPU tensors
+    os.environ["TRITON_INTERPRET"] = "1"
+
+LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny-v4.1")
+    return cfg, random_state(cfg, seed=1)
+
+
+def _x(T, cfg, dtype=torch.float32, scale=1.0):
+    return (torch.randn(T, cfg.dim) * scale).to(dtype)
+
+
+def test_gate_bias_selects_but_does_not_weight(tiny):
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
+    w.bias = torch.zeros_like(w.bias)
+    w.bias[[2, 5, 11]] = 100.0  # forces these three into every token's top-k
+    x = _x(13, cfg)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    scores = F.softplus(x.double() @ w.gate.double().t()).sqrt()
+    for t in range(13):
+        assert {2, 5, 11} <= set(ids[t].tolist())
+        rest = [e for e in scores[t].argsort(descending=True).tolist() if e not in (2, 5, 11)][: cfg.n_activated_experts - 3]
+        assert set(ids[t].tolist()) == {2, 5, 11, *rest}
+    s = scores.gather(1, ids)
+    expect = s / (s.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
+    torch.testing.assert_close(weights.double(), expect, rtol=1e-5, atol=0)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+
+
+def test_gate_v4_hash_layer_routes_by_token_id():
+    cfg = preset("tiny-v4")
+    state = random_state(cfg, seed=2)
+    assert cfg.layers[0].hash_routed and not cfg.layers[cfg.n_hash_layers].hash_routed
+    w = MoEWeights.from_state(state, "layers.0.ffn", cfg, 0)
+    input_ids = torch.randint(0, cfg.vocab_size, (9,))
+    x = _x(9, cfg)
+    weights, ids = gate(x, w, cfg, cfg.layers[0], input_ids)
+    assert torch.equal(ids, state["layers.0.ffn.gate.tid2eid"][input_ids])
+    s = F.softplus(x.double() @ w.gate.double().t()).sqrt().gather(1, ids)
+    torch.testing.assert_close(weights.double(), s / s.sum(-1, keepdim=True) * cfg.route_scale, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="input_ids"):
+        gate(x, w, cfg, cfg.layers[0])
+
+
+def test_expert_follows_the_swiglu_formula(tiny):
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
+    x = _x(7, cfg, scale=40.0)  # large enough that both clamps engage
+    rw = torch.rand(7, 1)
+    w1, w3, w2 = w.expert(5)
+    got = expert_ffn(x, w1, w3, w2, cfg.swiglu_limit, rw)
+
+    def lin(a, q):
+        return fake_quant_fp8(a, 32).double() @ dequant_mxfp4(q.data, q.scale).double().t()
+    g, u = lin(x, w1).float(), lin(x, w3).float()
+    assert (g > cfg.swiglu_limit).any() and (u.abs() > cfg.swiglu_limit).any()
+    h = F.silu(g.clamp(max=cfg.swiglu_limit)) * u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit) * rw
+    torch.testing.assert_close(got, lin(h, w2).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_routed_sums_only_held_experts(tiny):
+    cfg, state = tiny
+    full = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
+    parts = [MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, r) for r in (range(0, 5), range(5, 16))]
+    x = _x(11, cfg)
+    weights, ids = gate(x, full, cfg, cfg.layers[LAYER])
+    total = routed(x, full, cfg, weights, ids)
+    split = [routed(x, p, cfg, weights, ids) for p in parts]
+    torch.testing.assert_close(split[0] + split[1], total, rtol=1e-6, atol=1e-7)
+    # a token whose experts are all elsewhere gets exactly zero
+    none_here = ~((ids >= 0) & (ids < 5)).any(-1)
+    assert none_here.any() and (split[0][none_here] == 0).all()
+
+
+def test_from_state_reads_only_the_given_experts(tiny):
+    cfg, _ = tiny
+    state = random_state(cfg, seed=3, experts=range(4, 12))
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)  # default: the experts the state holds
+    assert w.experts == range(4, 12) and w.w1.data.shape == (8, cfg.moe_inter_dim, cfg.dim // 2)
+    assert w.w2.scale.shape == (8, cfg.dim, cfg.moe_inter_dim // 32) and w.w1.data.dtype == torch.uint8
+    w1, _, _ = w.expert(2)
+    assert torch.equal(dequant_mxfp4(w1.data, w1.scale),
+                       dequant_mxfp4(state[f"layers.{LAYER}.ffn.experts.6.w1.weight"],
+                                     state[f"layers.{LAYER}.ffn.experts.6.w1.scale"].view(torch.uint8)))
+    with pytest.raises(KeyError):
+        MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, range(0, 8))
+
+
+def test_moe_is_routed_plus_shared(tiny):
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
+    x = _x(6, cfg, torch.bfloat16)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    expect = (routed(x, w, cfg, weights, ids) + shared(x, w)).to(torch.bfloat16)
+    assert torch.equal(moe(x, w, cfg, cfg.layers[LAYER]), expect)
+
+
+def _assert_close_bf16(out, ref, max_rel=2e-2):
+    """Fast vs reference: the same math up to fp32 summation order, which can flip a bf16 / FP8 rounding."""
+    assert torch.isfinite(out).all()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < max_rel, rel
+    assert (out == ref).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_routed_matches_reference_interpreter(tiny, dtype):
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
+    from mini.ops.moe import _routed_fast
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, range(3, 12))
+    x = _x(37, cfg, dtype)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    ref = routed(x, w, cfg, weights, ids)
+    out = _routed_fast(x, w, weights, ids, torch.float32)
+    _assert_close_bf16(out, ref, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+    fused = _routed_fast(x, w, weights, ids, dtype, add=shared(x, w).to(dtype))
+    _assert_close_bf16(fused, (ref + shared(x, w)).to(dtype), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _mid_state(cfg, layer, device, seed=0):
+    """One MoE layer's tensors at the given config's sizes (a quick stand-in for random_state at larger dims)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    p = f"layers.{layer}.ffn"
+    D, I, E = cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts
+    st = {f"{p}.gate.weight": (torch.randn(E, D, generator=g) / math.sqrt(D)).bfloat16(),
+          f"{p}.gate.bias": torch.randn(E, generator=g) * 0.02}
+    for e in range(E):
+        for name, (n, k) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            d, s = quantize_mxfp4(torch.randn(n, k, generator=g) / math.sqrt(k))
+            st[f"{p}.experts.{e}.{name}.weight"], st[f"{p}.experts.{e}.{name}.scale"] = d.view(torch.int8), s
+    for name, (n, k) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        d, s = quantize_fp8(torch.randn(n, k, generator=g) / math.sqrt(k), cfg.fp8_block)
+        st[f"{p}.shared_experts.{name}.weight"], st[f"{p}.shared_experts.{name}.scale"] = d, s
+    return {k: v.to(device) for k, v in st.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,experts", [(1, range(0, 64)), (300, range(16, 40)), (2000, range(0, 64))])
+def test_fast_moe_matches_reference_gpu(T, experts):
+    cfg = preset("tiny-v4.1").replace(dim=1024, moe_inter_dim=512, n_routed_experts=64, n_activated_experts=6)
+    state = _mid_state(cfg, LAYER, "cuda")
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, experts)
+    x = torch.randn(T, cfg.dim, device="cuda").bfloat16()
+    plan = cfg.layers[LAYER]
+    assert mini.ops.backend() == "fast"
+    weights, ids = gate(x, w, cfg, plan)
+    fast_routed = routed(x, w, cfg, weights, ids)
+    fast = moe(x, w, cfg, plan) if len(experts) == 64 else None
+    mini.ops.set_backend("reference")
+    try:
+        ref_weights, ref_ids = gate(x, w, cfg, plan)
+        ref_routed = routed(x, w, cfg, weights, ids)
+        ref = moe(x, w, cfg, plan) if fast is not None else None
+    finally:
+        mini.ops.set_backend("fast")
+    # gate: fp32-accurate logits (bf16 products are exact; only the summation order differs)
+    assert (ids == ref_ids).float().mean() > 0.999
+    torch.testing.assert_close(weights[ids == ref_ids], ref_weights[ids == ref_ids], rtol=1e-5, atol=1e-6)
+    _assert_close_bf16(fast_routed, ref_routed)
+    if fast is not None and (ids == ref_ids).all():
+        _assert_close_bf16(fast, ref)
