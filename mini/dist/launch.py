@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import socket
 import sys
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from mini.dist.groups import DistContext, init, shutdown
@@ -31,7 +33,9 @@ def _worker(rank, world, port, device, results, fn, args):
     ctx = None
     try:
         ctx = init(device)
-        results.put((rank, True, fn(ctx, *args)))
+        buf = io.BytesIO()  # tensors travel as bytes: torch's shared-memory handles die with this process
+        torch.save(fn(ctx, *args), buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # hand the traceback to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -49,9 +53,63 @@ def spawn(world: int, fn, *args, device: str | None = None) -> list:
     out, errors = {}, []
     for _ in range(world):
         rank, ok, value = results.get()
-        (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        if ok:
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
     while not procs.join():
         pass
     if errors:
         raise RuntimeError("distributed workers failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
+    from mini.dist.dp import generate, load_ep_model
+    from mini.engine import LLM, SamplingParams
+    model, cfg, tok = load_ep_model(args.model, ctx, getattr(torch, args.dtype))
+    llm = LLM(model, config=cfg, tokenizer=tok, device=str(ctx.device), dtype=getattr(torch, args.dtype),
+              num_blocks=args.num_blocks)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    return [o.text for o in generate(llm, ctx, args.prompt, params)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mini.dist.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to start (default: WORLD_SIZE from torchrun, else 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate for several prompts, spread over the DP ranks")
+    g.add_argument("--model", required=True, help="checkpoint directory or preset")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for more prompts")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per rank (required on CPU)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if "WORLD_SIZE" in os.environ and args.nproc is None:  # started by torchrun: this process is one rank
+        ctx = init(args.device)
+        try:
+            texts = _generate_rank(ctx, args)
+        finally:
+            shutdown(ctx)
+        if ctx.rank != 0:
+            return 0
+    else:
+        texts = spawn(args.nproc or 1, _generate_rank, args, device=args.device)[0]
+    for prompt, text in zip(args.prompt, texts):
+        print(f"{prompt!r} -> {text!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
