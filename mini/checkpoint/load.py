@@ -28,6 +28,7 @@ from mini.config import ModelConfig
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 log = logging.getLogger("mini.checkpoint")
+_CHECK_CHUNK = 1 << 20  # elements per value-check step
 
 
 class CheckpointError(ValueError):
@@ -127,16 +128,20 @@ def _read_shard(file: Path, names: list[str], listed: set[str], specs: dict[str,
 
 def _check_values(name: str, file: Path, t: torch.Tensor, config: ModelConfig) -> None:
     if t.dtype == torch.float8_e8m0fnu:
-        bad = t.view(torch.uint8) == 255
-        what = "NaN scale (E8M0 byte 255)"
-    elif t.dtype in (torch.bfloat16, torch.float32):
-        bad = ~torch.isfinite(t)
-        what = "non-finite value"
+        what, test = "NaN scale (E8M0 byte 255)", lambda x: x.view(torch.uint8) == 255
+    elif t.dtype in (torch.bfloat16, torch.float32):  # exponent bits all ones: inf or NaN
+        bits, exp = (torch.int16, 0x7F80) if t.dtype == torch.bfloat16 else (torch.int32, 0x7F800000)
+        what, test = "non-finite value", lambda x: (x.view(bits) & exp) == exp
     elif t.dtype == torch.int64:  # V4 tid2eid
-        bad = (t < 0) | (t >= config.n_routed_experts)
-        what = f"expert id outside [0, {config.n_routed_experts})"
+        n = config.n_routed_experts
+        what, test = f"expert id outside [0, {n})", lambda x: (x < 0) | (x >= n)
     else:  # fp8 / packed fp4 payloads: every byte pattern is checked through its scale only
         return
-    if bool(bad.any()):
-        where = [int(i) for i in bad.nonzero()[0]]
+    # in chunks, so the check's scratch stays small next to a shard
+    parts = t.reshape(-1).split(_CHECK_CHUNK)
+    flags = [test(p).any() for p in parts]
+    if flags and bool(torch.stack(flags).any()):
+        k = next(i for i, f in enumerate(flags) if bool(f))
+        flat = k * _CHECK_CHUNK + int(test(parts[k]).nonzero()[0, 0])
+        where = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)]
         raise CheckpointError(f"{what} in tensor {name} at index {where} ({file})")

@@ -37,9 +37,10 @@ _CHUNK_ELEMENTS = 1 << 26  # large tensors are drawn in row chunks of at most th
 
 
 def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, seed: int = 0,
-                    shard_bytes: int | None = None, progress: bool = False) -> Path:
-    """Write `model-0000N-of-0000M.safetensors` shards (each at most `shard_bytes`, unless one weight is larger),
-    `model.safetensors.index.json`, `config.json`, `generation_config.json` and the tiny tokenizer into
+                    shard_bytes: int | None = None, progress: bool = False, tokenizer: bool = True) -> Path:
+    """Write `model-0000N-of-0000M.safetensors` shards (each at most `shard_bytes`, unless one weight is larger;
+    None: about DEFAULT_SHARDS shards), `model.safetensors.index.json`, `config.json`, `generation_config.json`
+    and (unless `tokenizer=False`, for vocabularies the tiny tokenizer cannot cover) the tiny tokenizer into
     `out_dir`. DSpark/MTP and vision tensors are not written. Returns `out_dir`."""
     config = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
     out = Path(out_dir)
@@ -61,8 +62,9 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
     generation = {"bos_token_id": config.bos_id, "eos_token_id": config.eos_id, "do_sample": True,
                   "temperature": 1.0, "top_p": 1.0}  # the model card's recommended sampling
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    from mini.tokenizer import write_tiny_tokenizer  # lazy: the tokenizer pulls in `tokenizers`
-    write_tiny_tokenizer(out, config.vocab_size)
+    if tokenizer:
+        from mini.tokenizer import write_tiny_tokenizer  # lazy: the tokenizer pulls in `tokenizers`
+        write_tiny_tokenizer(out, config.vocab_size)
     return out
 
 
