@@ -23,6 +23,11 @@ import triton.language as tl
 from mini.kernels.fp8_act_quant import fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
+# tile configs for the H200 (see docs/perf/notes-moe.md); the row tile is the routing plan's block_m
+BLOCK_M = 128
+CONFIG = {"swiglu": dict(BN=128, BK=128, num_warps=8, num_stages=3),
+          "down": dict(BN=128, BK=128, num_warps=8, num_stages=3)}
+
 
 @triton.jit
 def _e2m1_bf16_bits(code, s):
@@ -138,12 +143,12 @@ def _check_weight(w, name: str):
 
 
 def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: float, quant_block: int,
-            config: dict | None):
+            config: dict):
     E, N, K2 = w.data.shape
     K = 2 * K2
     if a.shape[1] != K or K % 32:
         raise ValueError(f"activation width {a.shape[1]} does not match the weights' K = {K} (a multiple of 32)")
-    cfg = dict(BN=128, BK=128, num_warps=8, num_stages=3) if config is None else dict(config)
+    cfg = config
     BM = plan.block_m
     if quant_block and cfg["BN"] % quant_block:
         raise ValueError(f"BN {cfg['BN']} must be a multiple of the quant block {quant_block}")
@@ -177,7 +182,7 @@ def grouped_swiglu(x: torch.Tensor, plan: RoutePlan, w1, w3, limit: float, quant
     if w1.data.shape != w3.data.shape:
         raise ValueError("w1 and w3 must have the same shape")
     out = torch.empty(plan.n_rows, w1.data.shape[1], dtype=x.dtype, device=x.device) if out is None else out
-    return _launch(x, plan, w1, w3, out, True, True, limit, quant_block, config)
+    return _launch(x, plan, w1, w3, out, True, True, limit, quant_block, config or CONFIG["swiglu"])
 
 
 def grouped_down(h: torch.Tensor, plan: RoutePlan, w2, out: torch.Tensor | None = None,
@@ -185,4 +190,4 @@ def grouped_down(h: torch.Tensor, plan: RoutePlan, w2, out: torch.Tensor | None 
     """h [plan.n_rows, I] in sorted-row order -> y [plan.n_rows, D] in h.dtype (the expert outputs)."""
     _check_weight(w2, "w2")
     out = torch.empty(plan.n_rows, w2.data.shape[1], dtype=h.dtype, device=h.device) if out is None else out
-    return _launch(h, plan, w2, None, out, False, False, 0.0, 0, config)
+    return _launch(h, plan, w2, None, out, False, False, 0.0, 0, config or CONFIG["down"])

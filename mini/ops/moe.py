@@ -217,11 +217,11 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
 
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
     xq = fp8_act_quant(x, w.w1.block) if act_quant else x
-    plan = plan_routes(ids, weights, w.experts)
+    plan = plan_routes(ids, weights, w.experts, BLOCK_M)
     h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
     y = grouped_down(h, plan, w.w2)
     return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)

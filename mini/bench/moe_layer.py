@@ -1,0 +1,176 @@
+"""`moe-layer`: one V4.1-Flash MoE layer as one EP4 rank runs it: the gate over the tokens an all-gather brings
+(16,384 = 4 ranks x 4,096), this rank's 96 local experts over the pairs routed to them, the combine; and the
+shared expert over the rank's own 4,096 tokens. Random weights drawn on the GPU (uniform E2M1 codes, E8M0 scales
+near 2^-6), random bf16 activations.
+
+Metrics: ms per part and in total (CUDA events, median of --iters after --warmup), achieved TFLOP/s of the routed
+GEMMs against the floor (their FLOPs at the measured bf16 GEMM peak, `--peak-tflops`), peak memory, an output
+checksum, and the relative error of the fast routed output against the reference (`mini.ops.moe` with the
+reference backend) on a sample of tokens. `--sweep` also times the grouped GEMMs under several tile configs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from mini.config import preset
+
+SWEEP = {  # (block_m, BN, BK, num_warps, num_stages)
+    "swiglu": [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
+               (64, 64, 128, 4, 4), (128, 64, 64, 4, 4)],
+    "down": [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 128, 4, 3),
+             (64, 256, 64, 8, 3)],
+}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens the gate and the local experts see")
+    p.add_argument("--own-tokens", type=int, default=4096, help="tokens the shared expert sees (the rank's own)")
+    p.add_argument("--local-experts", type=int, default=96)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=804.0, help="bf16 dense GEMM peak for the floor")
+    p.add_argument("--check-tokens", type=int, default=256, help="tokens compared against the reference (0: off)")
+    p.add_argument("--sweep", action="store_true", help="also time the grouped GEMMs under several tile configs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def random_layer(cfg, n_local: int, device, seed: int):
+    """MoEWeights for experts [0, n_local) with random MXFP4 / FP8 / bf16 values, drawn on `device`."""
+    from mini.ops.linear import QWeight
+    from mini.ops.moe import MoEWeights
+    g = torch.Generator(device=device).manual_seed(seed)
+    D, I, E, B = cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts, cfg.fp8_block
+
+    def mxfp4(n, k):
+        data = torch.randint(0, 256, (n_local, n, k // 2), generator=g, device=device, dtype=torch.uint8)
+        # scale 2^-6 or 2^-7: uniform codes (|v| <= 6) then give weights of about 1/sqrt(k) in size
+        scale = torch.randint(120, 122, (n_local, n, k // 32), generator=g, device=device, dtype=torch.uint8)
+        return QWeight("mxfp4", data, scale, B)
+
+    def fp8(n, k):
+        data = (torch.randn(n, k, generator=g, device=device) * 16).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.full((-(-n // B), -(-k // B)), 127 - 4 - int(math.log2(k)) // 2, dtype=torch.uint8,
+                           device=device)
+        return QWeight("fp8", data, scale, B)
+
+    return MoEWeights(gate=(torch.randn(E, D, generator=g, device=device) / math.sqrt(D)).bfloat16(),
+                      bias=torch.randn(E, generator=g, device=device) * 0.02, bias_vl=None, tid2eid=None,
+                      experts=range(0, n_local), w1=mxfp4(I, D), w3=mxfp4(I, D), w2=mxfp4(D, I),
+                      shared_w1=fp8(I, D), shared_w3=fp8(I, D), shared_w2=fp8(D, I), swiglu_limit=cfg.swiglu_limit)
+
+
+def _time(fn, iters: int, warmup: int) -> float:
+    """Median ms of fn() over `iters` runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def run(args) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("moe-layer needs a CUDA GPU")
+    import mini.ops
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.moe_combine import combine
+    from mini.kernels.moe_route import plan_routes
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
+    from mini.ops.moe import gate, routed, shared
+
+    mini.ops.set_backend("fast")
+    cfg = preset(args.preset)
+    dev = torch.device("cuda")
+    w = random_layer(cfg, args.local_experts, dev, args.seed)
+    g = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    x = torch.randn(args.tokens, cfg.dim, generator=g, device=dev).bfloat16()
+    own = x[: args.own_tokens]
+    plan_l = cfg.layers[-1]
+    torch.cuda.synchronize()
+    base_mem = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+
+    weights, ids = gate(x, w, cfg, plan_l)
+    xq = fp8_act_quant(x, cfg.fp8_block)
+    plan = plan_routes(ids, weights, w.experts, BLOCK_M)
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+    y = grouped_down(h, plan, w.w2)
+    n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
+    ms = {
+        "gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
+        "act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block), args.iters, args.warmup),
+        "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M), args.iters, args.warmup),
+        "gemm_w13_swiglu": _time(lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block),
+                                 args.iters, args.warmup),
+        "gemm_w2": _time(lambda: grouped_down(h, plan, w.w2), args.iters, args.warmup),
+        "combine": _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup),
+        "routed": _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup),
+        "shared_own_tokens": _time(lambda: shared(own, w), args.iters, args.warmup),
+    }
+    ms["layer"] = _time(lambda: (routed(x, w, cfg, *gate(x, w, cfg, plan_l)), shared(own, w)),
+                        args.iters, args.warmup)
+    peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+
+    out = routed(x, w, cfg, weights, ids)
+    D, I = cfg.dim, cfg.moe_inter_dim
+    flops = 2 * n_local * (2 * D * I + I * D)
+    weight_bytes = sum(t.numel() for q in (w.w1, w.w3, w.w2) for t in (q.data, q.scale))
+    floor_ms = max(flops / (args.peak_tflops * 1e9), weight_bytes / 4.26e9)
+    metrics = {f"ms_{k}": v for k, v in ms.items()}
+    metrics.update({
+        "local_pairs": n_local,
+        "routed_gemm_tflops": flops / ((ms["gemm_w13_swiglu"] + ms["gemm_w2"]) * 1e9),
+        "routed_tflops": flops / (ms["routed"] * 1e9),
+        "routed_floor_ms": floor_ms,
+        "routed_over_floor": ms["routed"] / floor_ms,
+        "peak_mem_gb_above_weights": peak_gb,
+        "checksum": float(out.double().sum()),
+        "checksum_abs": float(out.double().abs().sum()),
+    })
+    if args.check_tokens:
+        n = min(args.check_tokens, args.tokens)
+        mini.ops.set_backend("reference")
+        try:
+            ref = routed(x[:n], w, cfg, weights[:n], ids[:n])
+        finally:
+            mini.ops.set_backend("fast")
+        metrics["check_rel_err"] = float((out[:n] - ref).norm() / ref.norm())
+        metrics["check_equal_fraction"] = float((out[:n] == ref).float().mean())
+    if args.sweep:
+        metrics.update(_sweep(args, cfg, w, xq, ids, weights))
+    definition = {"preset": args.preset, "tokens": args.tokens, "own_tokens": args.own_tokens,
+                  "local_experts": args.local_experts, "topk": cfg.n_activated_experts, "dim": D, "inter": I,
+                  "dtype": "bfloat16", "seed": args.seed, "device": torch.cuda.get_device_name()}
+    return {"suite": "moe-layer", "definition": definition, "metrics": metrics}
+
+
+def _sweep(args, cfg, w, xq, ids, weights) -> dict:
+    from mini.kernels.moe_route import plan_routes
+    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+    res = {}
+    for which, configs in SWEEP.items():
+        for bm, bn, bk, nw, ns in configs:
+            plan = plan_routes(ids, weights, w.experts, bm)
+            conf = dict(BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+            name = f"sweep_{which}_m{bm}_n{bn}_k{bk}_w{nw}_s{ns}"
+            try:
+                if which == "swiglu":
+                    fn = lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block, config=conf)  # noqa: E731
+                else:
+                    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+                    fn = lambda: grouped_down(h, plan, w.w2, config=conf)  # noqa: E731
+                res[name] = _time(fn, args.iters, 2)
+            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+                print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
+    return res
