@@ -11,7 +11,6 @@ engram layers: each n-gram order restarts at `engram_vocab_size - 1` and takes t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -175,7 +174,7 @@ def engram(h: torch.Tensor, hash_ids: torch.Tensor, w: EngramWeights, cfg: Model
     value = kv[:, hc * dim:].float()
     hf, eps = h.float(), cfg.norm_eps
     inv_rms = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-    dot = (hf * w.gate_weight.to(h.device) * key).sum(-1) * inv_rms / math.sqrt(dim)
+    dot = (hf * w.gate_weight.to(h.device) * key).sum(-1) * inv_rms * dim ** -0.5
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))
     if token_mask is not None:
         gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
