@@ -16,7 +16,7 @@ from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8
 from mini.formats.quant import fake_quant_enabled
 from mini.ops import use_fast
 
-_FP4_STORAGE = (torch.int8, torch.uint8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+_FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 pairs
 
 
 @dataclass(eq=False)
