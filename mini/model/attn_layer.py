@@ -1,0 +1,164 @@
+"""One attention sub-layer (spec §2.4): projections, the KV sources' compressor and index keys, the indexer, sparse
+attention over window ring + fresh chunk + compressed pool, and the grouped output projection.
+
+`shared` carries what a layer publishes to later layers within one forward (never across steps): the top-k group
+ids of each index source and V4.1's candidate mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mini.config import LayerPlan, ModelConfig
+from mini.formats import dequant_fp8, fake_quant_fp4, fake_quant_fp8
+from mini.model.cache import KVCache
+from mini.model.layout import StepLayout
+from mini.ops.attention import sparse_attention
+from mini.ops.compressor import CompressorWeights, compress
+from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
+from mini.ops.linear import QWeight, linear
+from mini.ops.norm import rms_norm
+from mini.ops.rope import apply_rope, layer_frequencies, rope_table
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: QWeight
+    weights_proj: torch.Tensor  # [index_heads, D]
+    wk: torch.Tensor | None  # [index_head_dim, head_dim] (V4.1 key owners)
+    k_norm: torch.Tensor | None
+    compressor: CompressorWeights | None  # V4: the indexer pools its own keys
+
+
+@dataclass
+class AttentionWeights:
+    sink: torch.Tensor  # [H] fp32
+    wq_a: QWeight
+    q_norm: torch.Tensor
+    wq_b: QWeight
+    wkv: QWeight
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # [groups, o_lora_rank, heads_per_group * head_dim], bf16 values
+    wo_b: QWeight
+    compressor: CompressorWeights | None
+    indexer: IndexerWeights | None
+
+    @classmethod
+    def from_state(cls, state: dict, prefix: str, cfg: ModelConfig, plan: LayerPlan, dtype) -> "AttentionWeights":
+        B = cfg.fp8_block
+
+        def q(name):
+            return QWeight.from_state(state, f"{prefix}.{name}", B)
+
+        wo_a = state[f"{prefix}.wo_a.weight"]
+        if wo_a.dtype == torch.float8_e4m3fn:  # convert.py's dequantisation, done at load
+            wo_a = dequant_fp8(wo_a, state[f"{prefix}.wo_a.scale"], B, torch.bfloat16)
+        comp = idx = None
+        if plan.owns_kv:
+            comp = CompressorWeights.from_state(state, f"{prefix}.compressor", plan.ratio,
+                                                not cfg.is_v41 and plan.ratio == 4, dtype)
+        if plan.runs_indexer:
+            p = f"{prefix}.indexer"
+            idx = IndexerWeights(
+                QWeight.from_state(state, f"{p}.wq_b", B), state[f"{p}.weights_proj.weight"],
+                state.get(f"{p}.wk.weight"), state.get(f"{p}.k_norm.weight"),
+                CompressorWeights.from_state(state, f"{p}.compressor", plan.ratio, True, dtype)
+                if not cfg.is_v41 else None)
+        return cls(state[f"{prefix}.attn_sink"].float(), q("wq_a"), state[f"{prefix}.q_norm.weight"], q("wq_b"),
+                   q("wkv"), state[f"{prefix}.kv_norm.weight"],
+                   wo_a.to(dtype).view(cfg.o_groups, cfg.o_lora_rank, -1), q("wo_b"), comp, idx)
+
+
+def _quant_window_kv(kv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.is_v41:  # FP8 1x32 over all dims, RoPE tail included
+        return fake_quant_fp8(kv, 32)
+    rd = cfg.rope_head_dim  # V4: FP8 1x64 on the nope dims only
+    return torch.cat([fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]], dim=-1)
+
+
+def _quant_compressed_kv(kv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return fake_quant_fp4(kv, 16, "e4m3") if cfg.is_v41 else _quant_window_kv(kv, cfg)
+
+
+def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout,
+                         cache: KVCache):
+    """KV sources: pool the completed groups, derive their index keys (V4.1, from the pre-RoPE latent; V4 from the
+    indexer's own compressor), then rotate at j·ratio, quantize and write both paged pools."""
+    l, eps, pos = plan.layer, cfg.norm_eps, lay.batch.positions
+    groups = lay.groups(plan.ratio, w.compressor.overlap)
+    freqs = layer_frequencies(cfg, plan)
+    table = rope_table(groups.pos, freqs)
+    latent = compress(x, w.compressor, pos, groups, *cache.comp_state.get(l, (None, None)), eps)
+    if plan.owns_index_keys:
+        if cfg.is_v41:
+            keys = rms_norm(F.linear(latent, w.indexer.wk.to(latent.dtype)), w.indexer.k_norm, eps)
+        else:
+            keys = compress(x, w.indexer.compressor, pos, groups, *cache.index_state[l], eps)
+        keys = quantize_index(apply_rope(keys, table), rotate=not cfg.is_v41)
+        pool = cache.index_k[l]
+        pool.view(-1, pool.shape[-1])[groups.pool_row] = keys.to(pool.dtype)
+    latent = _quant_compressed_kv(apply_rope(latent, table), cfg)
+    pool = cache.comp_kv[l]
+    pool.view(-1, pool.shape[-1])[groups.pool_row] = latent.to(pool.dtype)
+
+
+def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
+           table: torch.Tensor, shared: dict) -> torch.Tensor:
+    """This index source's top-k group ids [T, k] (-1 = none); V4.1's candidate source also publishes its blocks."""
+    T, H, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+    rows = lay.seq_rows(plan.ratio)
+    if rows.shape[1] == 0:
+        return torch.empty(T, 0, dtype=torch.int64, device=x.device)
+    q = linear(qr, w.wq_b).view(T, H, di)
+    q = quantize_index(apply_rope(q, table), rotate=not cfg.is_v41)
+    weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
+    keys = cache.index_k[plan.index_key_layer]
+    n_vis = lay.n_visible(plan.ratio)
+    scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
+    if plan.candidate_source:
+        shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif plan.uses_candidates:
+        scores = scores.masked_fill(~shared["candidates"], float("-inf"))
+    return top_groups(scores, cfg.index_topk)
+
+
+def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: dict) -> torch.Tensor:
+    """[T, K] absolute group ids each query reads (-1 = none)."""
+    if plan.index_layer < 0:  # V4 ratio 128: every visible group
+        j = torch.arange(lay.seq_rows(plan.ratio).shape[1], device=lay.device)
+        return torch.where(j < lay.n_visible(plan.ratio)[:, None], j, -1)
+    return shared[("topk", plan.index_layer)]
+
+
+def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout,
+              cache: KVCache, shared: dict) -> torch.Tensor:
+    """x [T, D] (normed collapsed input) -> [T, D]; writes this layer's caches."""
+    T, H, d, eps = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.norm_eps
+    freqs = layer_frequencies(cfg, plan)
+    table = lay.table(("rope", plan.rope_base, plan.yarn), lambda: rope_table(lay.batch.positions, freqs))
+    qr = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
+    q = linear(qr, w.wq_b).view(T, H, d)
+    if not cfg.is_v41:  # V4: per-head RMS normalisation of the query, no weight
+        qf = q.float()
+        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
+    q = apply_rope(q, table)
+    kv = _quant_window_kv(apply_rope(rms_norm(linear(x, w.wkv), w.kv_norm, eps), table), cfg)
+
+    comp = comp_ids = None
+    if plan.ratio:
+        if plan.owns_kv:
+            _compress_into_pools(x, w, plan, cfg, lay, cache)
+        if plan.runs_indexer:
+            shared[("topk", plan.layer)] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
+        comp, comp_ids = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
+
+    b, ring = lay.batch, cache.window[plan.layer]
+    o = sparse_attention(q, kv, ring, w.sink, b.positions, b.seq_of, b.slots, b.start_pos, d ** -0.5,
+                         comp, b.block_table, comp_ids, plan.ratio)
+    # written after attention: the ring slots this chunk overwrites held keys its own queries read
+    ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
+    o = apply_rope(o, table, inverse=True)  # the keys' rotation carried through V = K is removed
+    o = torch.einsum("tgd,grd->tgr", o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype))
+    return linear(o.flatten(1), w.wo_b)

@@ -1,0 +1,82 @@
+"""Per-sequence model state (spec §3) as pools shared by all sequences (docs/design.md "Cache pools").
+
+* `window[l]`       [n_slots, W, head_dim] ring per layer; slot row = Batch.slots, ring index = pos % W.
+* `comp_kv[l]`      [n_blocks, block_tokens // ratio, head_dim] paged compressed KV of each KV-owning layer.
+* `index_k[l]`      [n_blocks, block_tokens // ratio, index_head_dim] paged index keys of each key-owning layer.
+* `comp_state[l]`   (kv, score) fp32 [n_slots, state_rows, width]: the compressor's open groups (ratio > 1).
+* `index_state[l]`  the same for V4's indexer compressor.
+Stored values are fake-quantized (FP8/FP4 grids), so bf16 storage is exact. Nothing needs resetting when a
+slot or block is reused: a step only reads positions its own sequence wrote before.
+"""
+from __future__ import annotations
+
+import torch
+
+from mini.config import ModelConfig
+
+
+def _overlap(cfg: ModelConfig, ratio: int) -> bool:
+    return not cfg.is_v41 and ratio == 4
+
+
+def state_shape(cfg: ModelConfig, ratio: int, head_dim: int) -> tuple[int, int]:
+    """(rows, width) of a compressor's open-group state; none for ratio 1."""
+    overlap = _overlap(cfg, ratio)
+    return ratio * (2 if overlap else 1), head_dim * (2 if overlap else 1)
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, n_slots: int, n_blocks: int, block_tokens: int, device="cpu",
+                 dtype=torch.bfloat16):
+        cfg = config
+        for r in set(cfg.compress_ratios) - {0}:
+            if block_tokens % r:
+                raise ValueError(f"block_tokens {block_tokens} must be a multiple of every compress ratio ({r})")
+        self.config, self.n_slots, self.n_blocks, self.block_tokens = cfg, n_slots, n_blocks, block_tokens
+        self.device, self.dtype = device, dtype
+        d, di = cfg.head_dim, cfg.index_head_dim
+        self.window = [torch.zeros(n_slots, cfg.window_size, d, dtype=dtype, device=device)
+                       for _ in range(cfg.n_layers)]
+        self.comp_kv, self.index_k, self.comp_state, self.index_state = {}, {}, {}, {}
+        for p in cfg.layers:
+            if p.owns_kv:
+                self.comp_kv[p.layer] = torch.zeros(n_blocks, block_tokens // p.ratio, d, dtype=dtype, device=device)
+                if p.ratio > 1:
+                    self.comp_state[p.layer] = self._state(p.ratio, d)
+            if p.owns_index_keys:
+                self.index_k[p.layer] = torch.zeros(n_blocks, block_tokens // p.ratio, di, dtype=dtype,
+                                                    device=device)
+                if not cfg.is_v41:  # V4: the indexer pools its own keys
+                    self.index_state[p.layer] = self._state(p.ratio, di)
+
+    def _state(self, ratio: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width = state_shape(self.config, ratio, head_dim)
+        kv = torch.zeros(self.n_slots, rows, width, dtype=torch.float32, device=self.device)
+        return kv, torch.full_like(kv, float("-inf"))
+
+    # ------------------------------------------------------------------ sizing
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_tokens: int, dtype=torch.bfloat16) -> int:
+        """Paged memory of one block: compressed KV and index keys of every owning layer."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        total = 0
+        for p in config.layers:
+            if p.owns_kv:
+                total += block_tokens // p.ratio * config.head_dim
+            if p.owns_index_keys:
+                total += block_tokens // p.ratio * config.index_head_dim
+        return total * size
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype=torch.bfloat16) -> int:
+        """Per-sequence memory: a window ring per layer and the fp32 compressor states."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        total = config.n_layers * config.window_size * config.head_dim * size
+        for p in config.layers:
+            if p.owns_kv and p.ratio > 1:
+                rows, width = state_shape(config, p.ratio, config.head_dim)
+                total += 2 * rows * width * 4
+            if p.owns_index_keys and not config.is_v41:
+                rows, width = state_shape(config, p.ratio, config.index_head_dim)
+                total += 2 * rows * width * 4
+        return total

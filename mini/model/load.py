@@ -1,0 +1,46 @@
+"""`load_model`: a checkpoint directory (or a preset name) -> (Model, ModelConfig, Tokenizer).
+
+A preset name stands for a random checkpoint of that preset, written once to `~/.cache/mini/<preset>-seed0`
+(made in a temporary directory and renamed into place, so concurrent first calls do not see half a checkpoint).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from mini.config import PRESETS, ModelConfig
+from mini.model.model import Model
+
+CACHE_DIR = Path(os.environ.get("MINI_CACHE", Path.home() / ".cache" / "mini"))
+
+
+def preset_checkpoint(name: str, seed: int = 0) -> Path:
+    """The directory of the random checkpoint of preset `name`, made on first use."""
+    from mini.checkpoint.make import make_checkpoint
+    out = CACHE_DIR / f"{name}-seed{seed}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        make_checkpoint(name, tmp, seed)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process won the race: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(path_or_preset: str | Path, device="cpu", dtype=torch.bfloat16, experts: range | None = None):
+    """(Model, ModelConfig, Tokenizer). `experts` keeps only those routed experts (an EP rank). The model's
+    `hasher` (Engram hash ids for Batch.build) is set when the model has Engram layers."""
+    from mini.checkpoint.load import load_state
+    from mini.tokenizer import Tokenizer, load_token_map
+    path = str(path_or_preset)
+    root = preset_checkpoint(path) if path in PRESETS and not Path(path).exists() else Path(path)
+    config = ModelConfig.load(root)
+    model = Model(config, load_state(root, config, experts, progress=False), device, dtype, experts=experts)
+    if config.engram_layer_ids:
+        from mini.ops.engram import EngramHasher
+        model.hasher = EngramHasher(config, load_token_map(root))
+    return model, config, Tokenizer.from_dir(root)

@@ -1,0 +1,133 @@
+"""The model (spec §2): embedding -> hc copies -> blocks (Engram, mHC-wrapped attention and MoE) -> collapse ->
+norm -> fp32 head, over a flat batch of tokens.
+
+mHC schedule. V4 (immediate): every site collapses its input with the `pre` it computes from that input; a final
+`hc_head` collapses the stream. V4.1 (delayed): a site's `pre` collapses the input of the *next* site — layer 0's
+attention starts from a one-hot pre-mix, each FFN uses its block's attention `pre`, each attention the previous
+FFN's, and the last FFN's `pre` makes the final collapse; there is no hc_head.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mini.config import LayerPlan, ModelConfig
+from mini.model.attn_layer import AttentionWeights, attention
+from mini.model.batch import Batch
+from mini.model.cache import KVCache
+from mini.ops import mhc
+from mini.ops.engram import EngramWeights, engram
+from mini.ops.moe import MoEWeights, moe
+from mini.ops.norm import rms_norm
+
+log = logging.getLogger(__name__)
+
+_SKIPPED = {"mtp.": "MTP/DSpark draft", "vision.": "vision", "aligner.": "vision", "image_": "vision"}
+
+
+@dataclass
+class HCWeights:
+    fn: torch.Tensor  # [(2+hc)*hc, hc*D] fp32
+    scale: torch.Tensor  # [3]
+    base: torch.Tensor  # [(2+hc)*hc]
+
+    @classmethod
+    def from_state(cls, state: dict, prefix: str) -> "HCWeights":
+        return cls(state[f"{prefix}_fn"].float(), state[f"{prefix}_scale"].float(), state[f"{prefix}_base"].float())
+
+
+@dataclass
+class BlockWeights:
+    plan: LayerPlan
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HCWeights
+    hc_ffn: HCWeights
+    attn: AttentionWeights
+    moe: MoEWeights
+    engram: EngramWeights | None
+
+
+def _on_device(state: dict, device) -> dict:
+    """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped) and
+    the parts mini does not run are dropped with one log line."""
+    kept, skipped = {}, {}
+    for name, t in state.items():
+        what = next((v for k, v in _SKIPPED.items() if name.startswith(k)), None)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+        elif ".engram.embed." in name:
+            kept[name] = t
+        else:
+            kept[name] = t.to(device)
+    if skipped:
+        log.info("skipping weights mini does not run: %s",
+                 ", ".join(f"{n} {what} tensors" for what, n in skipped.items()))
+    return kept
+
+
+class Model:
+    def __init__(self, config: ModelConfig, state: dict, device="cpu", dtype=torch.bfloat16, moe_exchange=None,
+                 experts: range | None = None):
+        """`state`: checkpoint tensors by official name; `experts`: the routed experts it holds (EP, None = all);
+        `moe_exchange(x, moe_weights, config, plan, input_ids)`, when given, replaces `moe()` (the EP exchange)."""
+        cfg = self.config = config
+        self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
+        self.hasher = None  # EngramHasher for Batch.build; load_model sets it
+        state = _on_device(state, self.device)
+        self.embed = state["embed.weight"]
+        self.norm = state["norm.weight"]
+        self.head = state["head.weight"].float()  # the reference keeps the head in fp32
+        self.hc_head = None if cfg.is_v41 else HCWeights.from_state(state, "hc_head")
+        self.blocks = []
+        for plan in cfg.layers:
+            p = f"layers.{plan.layer}"
+            self.blocks.append(BlockWeights(
+                plan, state[f"{p}.attn_norm.weight"], state[f"{p}.ffn_norm.weight"],
+                HCWeights.from_state(state, f"{p}.hc_attn"), HCWeights.from_state(state, f"{p}.hc_ffn"),
+                AttentionWeights.from_state(state, f"{p}.attn", cfg, plan, dtype),
+                MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts),
+                EngramWeights.from_state(state, f"{p}.", cfg) if plan.engram else None))
+
+    def _mixes(self, h: torch.Tensor, w: HCWeights):
+        c = self.config
+        return mhc.mixes(h, w.fn, w.scale, w.base, hc_mult=c.hc_mult, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
+                         norm_eps=c.norm_eps)
+
+    def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
+        run = self.moe_exchange or moe
+        return run(x, blk.moe, self.config, blk.plan, input_ids)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`."""
+        cfg, eps = self.config, self.config.norm_eps
+        lay = batch.layout(cache.block_tokens, cfg.window_size)
+        shared: dict = {}  # top-k / candidates published within this forward
+        h = self.embed[batch.input_ids].to(self.dtype)
+        h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
+        pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
+        pre_mix[:, 0] = 1.0  # V4.1: layer 0 starts from copy 0 (all copies are equal)
+        engram_col = 0
+        for blk in self.blocks:
+            if blk.engram is not None:
+                if batch.engram_ids is None:
+                    raise ValueError("the batch has no Engram hash ids (Batch.build needs a hasher)")
+                h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
+                engram_col += 1
+            a_pre, a_post, a_comb = self._mixes(h, blk.hc_attn)
+            x = rms_norm(mhc.collapse(h, pre_mix if cfg.is_v41 else a_pre), blk.attn_norm, eps)
+            h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
+            f_pre, f_post, f_comb = self._mixes(h, blk.hc_ffn)
+            x = rms_norm(mhc.collapse(h, a_pre if cfg.is_v41 else f_pre), blk.ffn_norm, eps)
+            h = mhc.expand(self._ffn(x, blk, batch.input_ids), h, f_post, f_comb)
+            pre_mix = f_pre
+        h = h[batch.logit_rows]
+        if cfg.is_v41:
+            x = mhc.collapse(h, pre_mix[batch.logit_rows])
+        else:
+            w = self.hc_head
+            x = mhc.hc_head(h, w.fn, w.scale, w.base, hc_eps=cfg.hc_eps, norm_eps=eps)
+        return torch.nn.functional.linear(rms_norm(x, self.norm, eps).float(), self.head)

@@ -1,0 +1,79 @@
+"""KV compressor (spec §2.4.4): pools `ratio` consecutive tokens into one latent, carrying open groups across steps.
+
+* ratio 1 (V4.1): `norm(wkv(x))` per token, bf16 weights, no gate.
+* ratio > 1: `kv = wkv(x)`, `score = wgate(x) (+ ape[pos % ratio], V4)` in fp32; each channel is softmax-pooled
+  over the group's tokens. V4 ratio 4 overlaps: group j pools group j-1's tokens on channel half 0 and its own on
+  half 1 (group -1 is kv 0 / score -inf). The pooled latent is cast to x.dtype and RMS-normed.
+The result is pre-RoPE: the caller makes index keys from it, then rotates it at position j·ratio and quantizes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mini.ops.norm import rms_norm
+
+
+@dataclass
+class GroupIndex:
+    """The compressed groups completed by this step for one (ratio, overlap) kind, G groups in all."""
+    seq: torch.Tensor  # [G] sequence of the batch
+    group: torch.Tensor  # [G] absolute group id j
+    pos: torch.Tensor  # [G] the group's position for RoPE: j * ratio (its first token)
+    pool_row: torch.Tensor  # [G] flat row of the paged pools
+    member_row: torch.Tensor  # [G, M] chunk row of each pooled token, -1 when it is not in the chunk
+    member_state: torch.Tensor  # [G, M] flat state row of each pooled token from an earlier step, -1 when not
+    write_row: torch.Tensor  # [n] chunk rows that belong to groups still open after the step ...
+    write_state: torch.Tensor  # [n] ... and the flat state rows they are kept in
+
+
+@dataclass
+class CompressorWeights:
+    ratio: int
+    overlap: bool
+    wkv: torch.Tensor  # [coff·d, D]: x.dtype for ratio 1, fp32 otherwise
+    wgate: torch.Tensor | None  # [coff·d, D] fp32 (ratio > 1)
+    ape: torch.Tensor | None  # [ratio, coff·d] fp32 (V4)
+    norm: torch.Tensor  # [d]
+
+    @classmethod
+    def from_state(cls, state: dict, prefix: str, ratio: int, overlap: bool, dtype) -> "CompressorWeights":
+        wdtype = dtype if ratio == 1 else torch.float32  # the reference promotes ratio > 1 weights to fp32
+        gate = state.get(f"{prefix}.wgate.weight")
+        ape = state.get(f"{prefix}.ape")
+        return cls(ratio, overlap, state[f"{prefix}.wkv.weight"].to(wdtype),
+                   None if gate is None else gate.float(), None if ape is None else ape.float(),
+                   state[f"{prefix}.norm.weight"])
+
+
+def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, groups: GroupIndex,
+             state_kv: torch.Tensor | None, state_score: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [T, D] (normed attention input), positions [T] -> latents [G, d] of the groups completed in this step, in
+    `groups` order. Updates the state pools [n_slots, rows, width] in place with the still-open tokens."""
+    if w.ratio == 1:
+        return rms_norm(F.linear(x, w.wkv.to(x.dtype)), w.norm, eps)
+    xf = x.float()
+    kv, score = F.linear(xf, w.wkv), F.linear(xf, w.wgate)
+    if w.ape is not None:
+        score = score + w.ape[positions % w.ratio]
+    width = kv.shape[-1]
+    flat_kv, flat_score = state_kv.view(-1, width), state_score.view(-1, width)
+
+    def members(fresh: torch.Tensor, kept: torch.Tensor, fill: float) -> torch.Tensor:
+        from_chunk = fresh[groups.member_row.clamp_min(0)]
+        from_state = kept[groups.member_state.clamp_min(0)]
+        out = torch.where((groups.member_row >= 0)[..., None], from_chunk, from_state)
+        return out.masked_fill(((groups.member_row < 0) & (groups.member_state < 0))[..., None], fill)
+
+    m_kv, m_score = members(kv, flat_kv, 0.0), members(score, flat_score, float("-inf"))
+    if w.overlap:  # previous group on the first channel half, this group on the second
+        d, r = width // 2, w.ratio
+        m_kv = torch.cat([m_kv[:, :r, :d], m_kv[:, r:, d:]], dim=1)
+        m_score = torch.cat([m_score[:, :r, :d], m_score[:, r:, d:]], dim=1)
+    latent = (m_kv * m_score.softmax(dim=1)).sum(dim=1)
+    # the open tokens are written after the gather: their state rows may still hold members read above
+    flat_kv[groups.write_state] = kv[groups.write_row]
+    flat_score[groups.write_state] = score[groups.write_row]
+    return rms_norm(latent.to(x.dtype), w.norm, eps)

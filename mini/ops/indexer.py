@@ -1,0 +1,84 @@
+"""Lightning indexer (spec §2.4.5): picks, per query, the `index_topk` compressed groups it attends to.
+
+score[t, j] = Σ_h relu(q[t,h] · k[j]) · w[t,h] over the groups j visible to query t (j < (pos+1) // ratio), in the
+activation dtype as the reference computes it. V4.1 adds a two-level top-k: the candidate source keeps the best
+`topk_blocks` blocks of `block_size` groups (the block of the newest visible group always), and later index sources
+only score inside them. Results are absolute group ids, -1 = none; equal scores prefer the newer group.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from mini.formats import fake_quant_fp4
+
+QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
+
+
+@lru_cache(maxsize=4)
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester-ordered Walsh–Hadamard matrix scaled by n^-0.5 (orthonormal, symmetric)."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * n ** -0.5
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """V4's `rotate_activation`: the normalised Walsh–Hadamard transform of the last dim, fp32 math."""
+    return (x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)).to(x.dtype)
+
+
+def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """Index q / k after RoPE: (V4: Hadamard, then) FP4 1x32 with ue8m0 scales."""
+    return fake_quant_fp4(hadamard(x) if rotate else x, 32, "ue8m0")
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
+                 seq_of: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+    """q [T, H, di], weights [T, H] (scale folded in), keys [P, di] (flat pool), seq_rows [B, N] pool row of each
+    sequence's group j, n_visible [T] -> fp32 [T, N] scores, -inf where the group is not visible."""
+    T, N = q.shape[0], seq_rows.shape[1]
+    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    j = torch.arange(N, device=q.device)
+    for lo in range(0, T, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, T)
+        k = keys[seq_rows[seq_of[lo:hi]].clamp_min(0)].to(q.dtype)  # [t, N, di]
+        s = torch.einsum("thd,tnd->thn", q[lo:hi], k).relu()
+        s = (s * weights[lo:hi, :, None].to(q.dtype)).sum(dim=1).float()
+        out[lo:hi] = s.masked_fill(j >= n_visible[lo:hi, None], float("-inf"))
+    return out
+
+
+def topk_recent(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row; equal values go to the higher index (the newer
+    group). Ties are common: relu makes every group with no positive head score exactly 0, and a plain top-k would
+    then pick by layout, so that prefill, chunked prefill and decode could choose differently."""
+    n = x.shape[-1]
+    values, order = x.flip(-1).sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], n - 1 - order[..., :k]
+
+
+def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int,
+                      block_size: int) -> torch.Tensor:
+    """Level one of V4.1's two-level top-k: bool [T, N], True inside the kept blocks. A block scores its best
+    group; the block of the newest visible group is forced in (it is only partly filled); unreachable blocks
+    (score -inf) are never kept."""
+    N = scores.shape[-1]
+    blocks = torch.nn.functional.pad(scores, (0, -N % block_size), value=float("-inf"))
+    blocks = blocks.unflatten(-1, (-1, block_size)).amax(-1)
+    newest = ((n_visible - 1) // block_size)[:, None]  # -1 when nothing is visible: no block forced
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    values, indices = topk_recent(blocks, min(topk_blocks, blocks.shape[-1]))
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[:, :N]
+
+
+def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, min(k, N)]: the best-scoring groups in ascending order, -1 where fewer are reachable."""
+    values, indices = topk_recent(scores, min(k, scores.shape[-1]))
+    ids = torch.where(values > float("-inf"), indices, -1)
+    return ids.sort(dim=-1).values
