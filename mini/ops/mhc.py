@@ -18,7 +18,8 @@ def _projected(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tens
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[..., n, n] logits -> doubly stochastic matrix, in the reference kernel's order: row softmax + eps, column
     normalise, then (iters - 1) x (rows, columns). Each normalisation divides by (sum + eps)."""
-    c = torch.softmax(logits, dim=-1) + eps
+    c = torch.exp(logits - logits.amax(-1, keepdim=True))  # the kernel's softmax, spelled out: same rounding
+    c = c / c.sum(-1, keepdim=True) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
