@@ -47,7 +47,10 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
+    comb, res = comb.float(), residual.float()
+    mixed = comb[:, 0, :, None] * res[:, 0, None, :]
+    for j in range(1, res.shape[1]):  # sequential over j, as the reference's sum: bit-identical results
+        mixed = mixed + comb[:, j, :, None] * res[:, j, None, :]
     return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(f.dtype)
 
 
