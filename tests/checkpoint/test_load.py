@@ -301,6 +301,7 @@ _MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_peak_host_memory_is_about_one_shard(tmp_path):
     # four large tensors (embed, head, two Engram tables of ~33 MB each) in their own shards, the rest small
     cfg = preset("tiny-v4.1").replace(vocab_size=262144, engram_num_embeddings=(1 << 20, 1 << 20))
