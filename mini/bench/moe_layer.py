@@ -18,11 +18,11 @@ import torch
 
 from mini.config import preset
 
-SWEEP = {  # (block_m, BN, BK, num_warps, num_stages)
-    "swiglu": [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
-               (64, 64, 128, 4, 4), (128, 64, 64, 4, 4)],
-    "down": [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 128, 4, 3),
-             (64, 256, 64, 8, 3)],
+SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB)
+    "swiglu": [(128, 128, 64, 8, 4, False), (128, 64, 64, 4, 4, False), (128, 128, 64, 8, 4, True),
+               (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True), (128, 128, 128, 8, 3, True)],
+    "down": [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True),
+             (64, 256, 64, 8, 3, True), (64, 128, 64, 4, 4, True)],
 }
 
 
@@ -160,10 +160,10 @@ def _sweep(args, cfg, w, xq, ids, weights) -> dict:
     from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
     res = {}
     for which, configs in SWEEP.items():
-        for bm, bn, bk, nw, ns in configs:
+        for bm, bn, bk, nw, ns, swap in configs:
             plan = plan_routes(ids, weights, w.experts, bm)
-            conf = dict(BN=bn, BK=bk, num_warps=nw, num_stages=ns)
-            name = f"sweep_{which}_m{bm}_n{bn}_k{bk}_w{nw}_s{ns}"
+            conf = dict(BN=bn, BK=bk, num_warps=nw, num_stages=ns, SWAP_AB=swap)
+            name = f"sweep_{which}_m{bm}_n{bn}_k{bk}_w{nw}_s{ns}" + ("_swap" if swap else "")
             try:
                 if which == "swiglu":
                     fn = lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block, config=conf)  # noqa: E731

@@ -2,11 +2,10 @@
 
 Weights are the checkpoint's bytes stacked per local expert: packed E2M1 `[E, N, K/2]` (low nibble = even k) and
 one E8M0 scale per 32 k, `[E, N, K/32]`. Each K step loads a [BN, BK/2] byte tile and its [BN, BK/32] scales and
-builds the bf16 bit patterns directly: for a magnitude code c = 2*E + m (value 2^(E-1) * (1 + m/2), or m/2 when
-E = 0) and a scale byte s, the bf16 of value * 2^(s-127) has exponent E - 1 + s and mantissa m (code 1, which is
-0.5, has exponent s - 1 and mantissa 0; code 0 is zero). That is exact unless s + E leaves bf16's normal range, which
-real checkpoints do not reach (scales of 2^-126 or smaller). On Hopper the product is a bf16 `tl.dot` with fp32
-accumulation (`tl.dot_scaled` bf16 x e2m1 gave wrong results on sm90). Under Triton's interpreter (CPU tensors) the
+decodes them with integer ops: for a magnitude code c = 2*E + m (value 2^(E-1) * (1 + m/2), or m/2 when E = 0),
+the fp32 with bits (c << 22) is value * 2^-126 (code 1 becomes a denormal), and one multiply by 2^(s-1) gives
+value * 2^(s-127) exactly, for scale bytes 1..128 (|w| <= 12; real checkpoints stay far inside). On Hopper the
+product is a bf16 `tl.dot` with fp32 accumulation (`tl.dot_scaled` bf16 x e2m1 gave wrong results on sm90). Under Triton's interpreter (CPU tensors) the
 dot runs in fp32 on the same bf16-exact values, because the interpreter's bf16 dot is broken.
 
 `grouped_swiglu`: h = fp8q(round(route_w * silu(min(g, L)) * clamp(u, -L, L))) with g = round(x W1^T),
@@ -25,35 +24,43 @@ from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/perf/notes-moe.md); the row tile is the routing plan's block_m
 BLOCK_M = 128
-CONFIG = {"swiglu": dict(BN=128, BK=128, num_warps=8, num_stages=3),
-          "down": dict(BN=128, BK=128, num_warps=8, num_stages=3)}
+CONFIG = {"swiglu": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+          "down": dict(BN=128, BK=64, num_warps=8, num_stages=4)}
 
 
 @triton.jit
-def _e2m1_bf16_bits(code, s):
-    """4-bit E2M1 codes and E8M0 scale bytes (int32) -> the bf16 bits of code value * 2^(s-127), in int32."""
-    mag = code & 7
-    bits = (mag << 6) + ((s - 1) << 7) - tl.where(mag == 1, 64, 0)
-    bits = tl.where(mag == 0, 0, bits)
-    return bits | ((code & 8) << 12)
+def _e2m1_unscaled(code):
+    """4-bit E2M1 codes (int32) -> fp32 value * 2^-126: the code's magnitude bits land on the fp32 exponent's low
+    bits and the mantissa's top bit, so code 1 (0.5) becomes the denormal 2^-127. Five integer ops, no branches."""
+    return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_DTYPE: tl.constexpr):
-    """Load a [BN, BK/2] tile of packed MXFP4 and its [BN, BK/32] scales; return it as bf16 [BN, BK]."""
+    """Load a [BN, BK/2] tile of packed MXFP4 and its [BN, BK/32] scales; return it as [BN, BK] in DOT_DTYPE."""
     if EVEN_K:
         packed = tl.load(w_ptrs).to(tl.int32)
         scale = tl.load(s_ptrs).to(tl.int32)
     else:
         packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
         scale = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
-    lo = _e2m1_bf16_bits(packed & 15, scale)
-    hi = _e2m1_bf16_bits(packed >> 4, scale)
-    bits = tl.reshape(tl.join(lo, hi), [BN, BK])
-    # through fp32 (same exponent bias; exact): an int16 -> bf16 bitcast is mishandled by Triton's interpreter
-    return (bits << 16).to(tl.float32, bitcast=True).to(DOT_DTYPE)
+    # 2^126 * 2^(s-127) = 2^(s-1): a normal fp32 for scale bytes 1..128 (weights up to +-12); the product with a
+    # denormal is exact (Triton's fp32 multiply keeps denormals)
+    mult = ((scale + 126) << 23).to(tl.float32, bitcast=True)
+    mult = tl.reshape(tl.broadcast_to(mult[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
+    lo = _e2m1_unscaled(packed & 15) * mult
+    hi = _e2m1_unscaled(packed >> 4) * mult
+    return tl.reshape(tl.join(lo, hi), [BN, BK]).to(DOT_DTYPE)
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += a @ w^T for a [BM, BK], w [BN, BK]. SWAP_AB accumulates the transpose, acc^T += w @ a^T, so that the
+    decoded weights (in registers) are wgmma's A operand and only the activations go through shared memory."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -72,7 +79,8 @@ def _grouped_mxfp4_kernel(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     N, stride_a, stride_out, stride_we, stride_wn, stride_se, stride_sn, limit,
     K: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # the N tiles of one row tile are neighbours in launch order: the row tile stays in L2 while they run
     n_tiles_n = tl.cdiv(N, BN)
@@ -97,8 +105,12 @@ def _grouped_mxfp4_kernel(
     w_off = e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
     s_off = e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
 
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_v = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_v = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_v = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -110,11 +122,14 @@ def _grouped_mxfp4_kernel(
             s_mask = (k0 // 32 + tl.arange(0, BK // 32)[None, :]) < K // 32
         a = a.to(DOT_DTYPE)  # fake-quantized activations are exact in bf16
         wt = _decode_tile(w_ptr + w_off + k0 // 2, ws_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K, DOT_DTYPE)
-        acc = tl.dot(a, tl.trans(wt), acc, input_precision=DOT_PRECISION)
+        acc = _mma(a, wt, acc, SWAP_AB, DOT_PRECISION)
         if SWIGLU:
             vt = _decode_tile(v_ptr + w_off + k0 // 2, vs_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K, DOT_DTYPE)
-            acc_v = tl.dot(a, tl.trans(vt), acc_v, input_precision=DOT_PRECISION)
+            acc_v = _mma(a, vt, acc_v, SWAP_AB, DOT_PRECISION)
         a_ptrs += BK
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_v = tl.trans(acc_v)
 
     if SWIGLU:
         g = acc
@@ -166,7 +181,7 @@ def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: fl
         N, a.stride(0), out.stride(0), data.stride(0), data.stride(1), scale.stride(0), scale.stride(1),
         float(limit) if limit > 0 else float("inf"),
         K=K, GATHER=gather, SWIGLU=swiglu, ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block,
-        EVEN_K=K % cfg["BK"] == 0, BM=BM,
+        EVEN_K=K % cfg["BK"] == 0, BM=BM, SWAP_AB=cfg.get("SWAP_AB", False),
         # CPU tensors mean Triton's interpreter, whose bf16 dot is broken: multiply the same values in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, DOT_PRECISION="ieee" if interpreted else None, BN=cfg["BN"], BK=cfg["BK"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -11,6 +11,9 @@ from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
 from mini.ops.linear import QWeight
 
 SMALL = dict(BN=32, BK=64, num_warps=4, num_stages=1)
+SMALL_SWAPPED = dict(SMALL, SWAP_AB=True)
+GPU_CONFIGS = [None, dict(BN=128, BK=64, num_warps=8, num_stages=4, SWAP_AB=True),
+               dict(BN=64, BK=64, num_warps=4, num_stages=4, SWAP_AB=False)]
 
 
 def random_experts(E, N, K, device, spread=6):
@@ -82,37 +85,54 @@ def _down_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config):
     assert torch.equal(y[:n], ref)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [96, 128])  # 96: K not a multiple of BK
-def test_swiglu_matches_reference_interpreter(dtype, D, interpreter):
-    _swiglu_case(9, 4, 16, range(3, 11), D, 64, "cpu", dtype, 16, SMALL)
+def test_swiglu_matches_reference_interpreter(dtype, D, config, interpreter):
+    _swiglu_case(9, 4, 16, range(3, 11), D, 64, "cpu", dtype, 16, config)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_down_is_exact_on_exact_data_interpreter(dtype, interpreter):
-    _down_case(11, 3, 12, range(0, 5), 80, 96, "cpu", dtype, 8, SMALL)
+def test_down_is_exact_on_exact_data_interpreter(dtype, config, interpreter):
+    _down_case(11, 3, 12, range(0, 5), 80, 96, "cpu", dtype, 8, config)
 
 
-def test_decode_spans_all_codes_and_scales(interpreter):
-    """Every E2M1 code next to a range of scale bytes, through the plain GEMM with one-hot activations."""
+def _decode_case(device, config):
+    """Every E2M1 code next to scale bytes 100..128 (the top of the supported 1..128), through the plain GEMM with
+    one-hot activations: row r of the output is column r of W."""
     E, N, K = 1, 32, 64
     codes = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(4, 1)  # every byte (= two codes)
-    scale = torch.randint(100, 150, (E, N, K // 32), dtype=torch.uint8)
-    w = QWeight("mxfp4", codes[None], scale, 32)
-    ids = torch.zeros(K, 1, dtype=torch.long)
-    plan = plan_routes(ids, torch.ones(K, 1), range(0, 1), 64)
-    y = grouped_down(torch.eye(K), plan, w, config=SMALL)  # row r picks column r of W
+    scale = torch.randint(100, 129, (E, N, K // 32), dtype=torch.uint8)
+    scale[0, :2] = 128
+    w = QWeight("mxfp4", codes[None].to(device), scale.to(device), 32)
+    ids = torch.zeros(K, 1, dtype=torch.long, device=device)
+    plan = plan_routes(ids, torch.ones(K, 1, device=device), range(0, 1), 64)
+    y = grouped_down(torch.eye(K, device=device), plan, w, config=config)
     assert torch.equal(y[:K], dequant_mxfp4(w.data[0], w.scale[0]).t())
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
+def test_decode_spans_all_codes_and_scales(config, interpreter):
+    _decode_case("cpu", config)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_decode_spans_all_codes_and_scales_gpu(config):
+    _decode_case("cuda", config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 @pytest.mark.parametrize("T,k,experts,block_m", [(1, 6, range(0, 48), 64), (300, 6, range(16, 40), 64),
                                                  (1000, 4, range(0, 48), 128)])
-def test_swiglu_gpu(T, k, experts, block_m):
-    _swiglu_case(T, k, 48, experts, 1024, 352, "cuda", torch.bfloat16, block_m, None, limit=10.0)
+def test_swiglu_gpu(T, k, experts, block_m, config):
+    _swiglu_case(T, k, 48, experts, 1024, 352, "cuda", torch.bfloat16, block_m, config, limit=10.0)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 @pytest.mark.parametrize("T,k,experts", [(1, 6, range(0, 48)), (300, 6, range(16, 40)), (1000, 4, range(0, 48))])
-def test_down_gpu(T, k, experts):
-    _down_case(T, k, 48, experts, 1056, 320, "cuda", torch.bfloat16, 64, None)
+def test_down_gpu(T, k, experts, config):
+    _down_case(T, k, 48, experts, 1056, 320, "cuda", torch.bfloat16, 64, config)
