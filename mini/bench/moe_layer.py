@@ -118,6 +118,11 @@ def run(args) -> dict:
         "routed": _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup),
         "shared_own_tokens": _time(lambda: shared(own, w), args.iters, args.warmup),
     }
+    # the same FLOPs as one dense bf16 GEMM through cuBLAS (what dequantized weights without grouping would cost)
+    a = torch.randn(n_local, cfg.dim, device=dev).bfloat16()
+    b = torch.randn(cfg.dim, 3 * cfg.moe_inter_dim, device=dev).bfloat16()
+    ms["dense_bf16_same_flops"] = _time(lambda: a @ b, args.iters, args.warmup)
+    del a, b
     ms["layer"] = _time(lambda: (routed(x, w, cfg, *gate(x, w, cfg, plan_l)), shared(own, w)),
                         args.iters, args.warmup)
     peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
