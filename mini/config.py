@@ -351,8 +351,9 @@ V4_PRO = V4_FLASH.replace(
     compress_ratios=(128, 128) + (4, 128) * 29 + (4,), index_topk=1024, n_routed_experts=384,
     moe_inter_dim=3072, route_scale=2.5)
 
-# Tiny models keep every layer kind of the real schedule at small widths. The engram tables and the compressed
-# vocabulary are sized by the tokenizer make-checkpoint writes (mini/tokenizer.py); see `tiny_engram`.
+# Tiny models keep every layer kind of the real schedule at small widths. Engram table sizes come from the prime
+# walk (mini/ops/engram.py) and the compressed vocabulary from the tiny tokenizer make-checkpoint writes
+# (mini/tokenizer.py); tests/ops/test_engram.py and tests/test_tokenizer.py recompute both.
 TINY_V41 = ModelConfig(
     vocab_size=512, dim=64, n_layers=8, n_heads=8, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
     o_lora_rank=32,
