@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from mini.ops import use_fast
+
 QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
 
 
@@ -51,6 +53,10 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids.
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
+    if use_fast(q) and q.dtype == torch.bfloat16:
+        from mini.kernels.sparse_attention import sparse_mla_attention
+        return sparse_mla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp,
+                                    block_table, comp_idx, ratio)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     new_rows, ring_rows = window_rows(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]

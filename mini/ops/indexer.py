@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from mini.formats import fake_quant_fp4
+from mini.ops import use_fast
 
 QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
 
@@ -41,6 +42,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
                  seq_of: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
     """q [T, H, di], weights [T, H] (scale folded in), keys [P, di] (flat pool), seq_rows [B, N] pool row of each
     sequence's group j, n_visible [T] -> fp32 [T, N] scores, -inf where the group is not visible."""
+    if use_fast(q) and q.dtype == torch.bfloat16:
+        from mini.kernels.indexer_topk import index_scores as index_scores_kernel
+        return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=torch.float32, device=q.device)
     j = torch.arange(N, device=q.device)

@@ -10,6 +10,7 @@ from functools import lru_cache
 import torch
 
 from mini.config import LayerPlan, ModelConfig
+from mini.ops import use_fast
 
 
 def yarn_bounds(rope_dim: int, base: float, original_seq_len: int, beta_fast: int, beta_slow: int) -> tuple[int, int]:
@@ -49,6 +50,9 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2·table.shape[-1] channels of x ([n, d] or [n, heads, d]) by `table` ([n, rope_dim // 2]);
     returns a new tensor in x.dtype (the math is fp32)."""
+    if use_fast(x) and x.dtype == torch.bfloat16:
+        from mini.kernels.rope_quant import rope_quant
+        return rope_quant(x, table, inverse)
     rd = 2 * table.shape[-1]
     if inverse:
         table = table.conj()
