@@ -7,6 +7,8 @@ the sub-layer output back into every copy while mixing the residual copies throu
 """
 import torch
 
+from mini.ops import use_fast
+
 
 def _projected(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """(flatten(h) @ fn^T) * rsqrt(mean(flatten(h)^2) + eps): ONE statistic over all hc*D values per token."""
@@ -31,6 +33,11 @@ def mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Te
           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, hc, D], fn [(2+hc)*hc, hc*D], scale [3], base [(2+hc)*hc] -> pre [T, hc], post [T, hc],
     comb [T, hc, hc] (comb[t, j, k]: weight of residual copy j in output copy k), all fp32."""
+    if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
+        from mini.kernels.mhc_norm import mhc_norm
+        _, pre, post, comb = mhc_norm(h, fn, scale, base, None, pre_in=None, iters=iters, hc_eps=hc_eps,
+                                      norm_eps=norm_eps, collapse=False)
+        return pre, post, comb
     n = hc_mult
     m = _projected(h, fn, norm_eps)
     scale, base = scale.float(), base.float()
