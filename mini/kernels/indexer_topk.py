@@ -85,6 +85,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     weights = weights.to(q.dtype).contiguous()
     keys = keys.to(q.dtype)
     assert keys.stride(-1) == 1 and keys.stride(0) == DI and seq_rows.stride(-1) == 1
+    assert H & (H - 1) == 0 and DI & (DI - 1) == 0, "head count and head dim must be powers of two"
+    block_t = max(block_t, 16 // H)  # a dot needs at least 16 rows
     prog_seq, prog_t0, seq_end = _programs(seq_of, B, block_t)
     cand = candidates.view(torch.uint8) if candidates is not None else out
     assert cand.stride(-1) == 1

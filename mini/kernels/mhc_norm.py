@@ -3,7 +3,8 @@ the 4×4 comb in registers), the collapse of the hc copies and the weighted RMSN
 optional FP8 1×block fake quant of the normed output. Also a plain RMSNorm kernel with the same optional quant.
 
 Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`rms_norm`):
-* the projection runs as an fp32 dot in IEEE mode (not tf32): m feeds sigmoids and a softmax;
+* the projection is an fp32 dot, by default as 3xTF32 on the tensor cores (fp32-level error, unlike plain tf32:
+  m feeds sigmoids and a softmax); precision="ieee" gives the FMA dot;
 * the collapse sums the copies in order c = 0..hc-1 in fp32 and rounds to the stream dtype before the norm;
 * V4.1 collapses with the previous site's `pre` (delayed, known before this site's mixes); V4 passes none and
   the kernel collapses with the `pre` it just computed.
@@ -25,6 +26,7 @@ def _mhc_norm_kernel(
     T, norm_eps, hc_eps,
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     DELAYED: tl.constexpr, COLLAPSE: tl.constexpr, QUANT: tl.constexpr, QBLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     NC: tl.constexpr = HC * HC  # comb entries
     NP: tl.constexpr = 2 * HC  # pre + post entries, padded to 16 columns for the dot
@@ -50,8 +52,8 @@ def _mhc_norm_kernel(
         sumsq += tl.sum(x * x, axis=1)
         f_c = tl.load(fn_ptr + comb_rows[None, :] * K + k[:, None], mask=k_ok[:, None], other=0.0)
         f_p = tl.load(fn_ptr + pp_rows[None, :] * K + k[:, None], mask=k_ok[:, None] & pp_ok[None, :], other=0.0)
-        m_comb = tl.dot(x, f_c, m_comb, input_precision="ieee")
-        m_pp = tl.dot(x, f_p, m_pp, input_precision="ieee")
+        m_comb = tl.dot(x, f_c, m_comb, input_precision=PRECISION)
+        m_pp = tl.dot(x, f_p, m_pp, input_precision=PRECISION)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     m_comb = m_comb * inv_rms[:, None]
     m_pp = m_pp * inv_rms[:, None]
@@ -113,7 +115,8 @@ def _mhc_norm_kernel(
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
-             block_t: int = 16, block_k: int = 128, block_d: int = 256, num_warps: int = 4):
+             block_t: int = 16, block_k: int = 128, block_d: int = 256, num_warps: int = 4,
+             precision: str = "tf32x3"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
     pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks."""
     T, HC, D = h.shape
@@ -135,5 +138,6 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
             h, fn, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
             T, norm_eps, hc_eps,
             D=D, HC=HC, ITERS=iters, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_D=block_d, DELAYED=pre_in is not None,
-            COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=num_warps)
+            COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, PRECISION=precision,
+            num_warps=num_warps)
     return y, pre, post, comb

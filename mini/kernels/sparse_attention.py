@@ -4,7 +4,7 @@ One query token attends to
 * its sliding window: positions max(0, p-W+1)..p, read from the chunk's fresh KV `kv_new` (positions at or after
   the chunk start) or from the sequence's window ring (earlier positions, ring index = pos % W);
 * up to K compressed groups (absolute group ids, -1 = none), read from the paged compressed pool through the
-  block table: group g lives in row `block_table[seq, g*ratio // block_tokens] * rows_per_block + g % rows_per_block`.
+  block table: group g lives in row `block_table[seq, g // rows_per_block] * rows_per_block + g % rows_per_block`.
 No concatenated key tensor is built. K = V (one shared latent, MQA), so a program holds BLOCK_H query heads of one
 token and every key tile it loads serves all of them, for the scores and for PV.
 
@@ -20,15 +20,23 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_update(q, k, key_ok, m_i, l_i, acc, scale_log2):
-    """One key tile of the online softmax. q [BH, D], k [BN, D] (K = V), key_ok [BN]."""
+def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, dv0,
+                   D: tl.constexpr, DV: tl.constexpr):
+    """One key tile of the online softmax: q [BH, D], rowptr [BN] pointers to the key rows (K = V); the program
+    accumulates output channels dv0..dv0+DV."""
+    d = tl.arange(0, D)
+    k = tl.load(rowptr[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32, in log2 units
     s = tl.where(key_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    if DV == D:
+        v = k
+    else:  # the same rows again, now only this program's output channels (L1/L2 hits)
+        v = tl.load(rowptr[:, None] + dv0 + tl.arange(0, DV)[None, :], mask=key_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), v)
     return m_new, l_i, acc
 
 
@@ -37,11 +45,13 @@ def _sparse_mla_kernel(
     q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, out_ptr,
     pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
-    n_heads, n_comp, scale_log2, ratio, block_tokens, rows_per_block,
-    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_heads, n_comp, scale_log2, rows_per_block,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv0 = tl.program_id(2) * DV
     head_ok = heads < n_heads
     d = tl.arange(0, D)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
@@ -53,19 +63,16 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
 
     # sliding window: fresh rows of this chunk are contiguous in the flat batch, earlier ones sit in the ring
     for j0 in range(0, W, BLOCK_N):
         kpos = pos - W + 1 + j0 + tl.arange(0, BLOCK_N)
         ok = kpos >= 0
-        fresh_row = t - (pos - kpos)
-        ring_row = slot * stride_win + (kpos % W) * D
-        row_off = tl.where(kpos >= start, fresh_row * D, 0)
-        k_ptrs = tl.where((kpos >= start)[:, None], kv_new_ptr + row_off[:, None] + d[None, :],
-                          window_ptr + tl.where(ok, ring_row, 0)[:, None] + d[None, :])
-        k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(q, k, ok, m_i, l_i, acc, scale_log2)
+        fresh = kpos >= start
+        rowptr = tl.where(fresh, kv_new_ptr + tl.where(fresh, t - (pos - kpos), 0).to(tl.int64) * D,
+                          window_ptr + slot * stride_win + tl.where(ok, kpos % W, 0) * D)
+        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, dv0, D, DV)
 
     # compressed groups chosen by the indexer, read through the block table
     for j0 in range(0, N_COMP_TILES * BLOCK_N, BLOCK_N):
@@ -73,15 +80,15 @@ def _sparse_mla_kernel(
         g = tl.load(cidx_ptr + t * stride_cidx + cols, mask=cols < n_comp, other=-1)
         ok = g >= 0
         g = tl.where(ok, g, 0)
-        blk = tl.load(btab_ptr + seq * stride_btab + (g * ratio) // block_tokens, mask=ok, other=0)
-        row = blk.to(tl.int64) * rows_per_block + g % rows_per_block
-        k = tl.load(comp_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(q, k, ok, m_i, l_i, acc, scale_log2)
+        blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=ok, other=0)
+        rowptr = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
+        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, dv0, D, DV)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+    dv = dv0 + tl.arange(0, DV)
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=head_ok[:, None])
 
 
@@ -90,11 +97,12 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         block_h: int = 64, block_n: int = 32, num_warps: int = 8, num_stages: int = 1
-                         ) -> torch.Tensor:
+                         block_h: int = 64, block_n: int = 32, split_dv: int = 1, num_warps: int = 8,
+                         num_stages: int = 1) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
-    with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none). Returns [T, H, D] in q.dtype."""
+    with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none). Returns [T, H, D] in q.dtype.
+    The signature is mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
     T, H, D = q.shape
     W = window.shape[1]
     assert kv_new.shape == (T, D) and window.shape[2] == D and kv_new.stride(-1) == 1 and window.stride(-1) == 1
@@ -105,20 +113,20 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     if comp_idx is None:  # window-only layer: the compressed loop runs zero times
         comp, block_table = kv_new, start_pos
         comp_idx = torch.empty((T, 0), dtype=torch.int32, device=q.device)
-        rows_per_block, block_tokens = 1, 1
+        rows_per_block = 1
     else:
         assert comp.shape[-1] == D and comp.is_contiguous() and comp_idx.stride(-1) == 1
         rows_per_block = comp.shape[1]
-        block_tokens = rows_per_block * ratio
-    block_h = min(block_h, triton.next_power_of_2(H))
-    grid = (T, triton.cdiv(H, block_h))
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
+    grid = (T, triton.cdiv(H, block_h), split_dv)
     _sparse_mla_kernel[grid](
         q, kv_new, window, comp, sink, out,
         positions, seq_of, slots, start_pos, block_table, comp_idx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
         comp_idx.stride(0),
-        H, comp_idx.shape[1], scale * _LOG2E, ratio, block_tokens, rows_per_block,
+        H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
         # the tile count is a compile-time constant (the interpreter needs constant loop bounds); it takes few
         # values: K is the index top-k (512) except in a sequence's first groups
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n), D=D, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n), D=D, DV=D // split_dv, BLOCK_H=block_h,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out

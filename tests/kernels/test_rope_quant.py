@@ -64,7 +64,9 @@ def test_rope_quant_gpu(heads, d, inverse, norm, quant):
     w = (torch.rand(d, device="cuda") + 0.5).bfloat16() if norm else None
     got, ref = run(x, table, inverse, w, quant), reference(x, table, inverse, w, quant)
     assert (got != ref).float().mean() < 2e-3
-    assert ((got.float() - ref.float()).abs() <= 0.26 * ref.float().abs() + 1e-2).all()
+    # where they differ, by one grid step: at most half the value (FP4 4s vs 6s) or half a scale near zero
+    amax = ref.float().abs().amax(-1, keepdim=True)
+    assert ((got.float() - ref.float()).abs() <= 0.5 * ref.float().abs() + amax / 10).all()
     xq = tie_values(n, d).cuda().bfloat16()
     zero = rope_table(torch.zeros(n, dtype=torch.long, device="cuda"), rope_frequencies(64, 10000.0))
     assert torch.equal(run(xq, zero, False, None, quant), QUANTS[quant](xq))

@@ -1,0 +1,193 @@
+"""Micro-benchmarks of the attention-side kernels at real V4.1-Flash shape (one EP4/DP4 rank: 4,096 tokens).
+
+`python -m mini.bench.kernels [--json FILE] [--only NAME ...] [--sweep]` prints, per kernel, the median time
+(triton.testing.do_bench on random data) and the achieved rate against the measured H200 ceilings (bf16 GEMM
+804 TFLOP/s, device copy 4.26 TB/s; /work/shared/perf/README.md), plus the torch reference op where it fits.
+Counting: attention 4·H·D FLOP per (query, key) (QK and PV); indexer 2·H·di per visible (query, group); the
+memory-bound kernels count each input read once and each output written once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+GEMM_TFLOPS, COPY_TBS = 804.0, 4.26
+H, D, W, RATIO, TOPK, BLOCK_TOKENS = 64, 512, 128, 2, 512, 256
+IH, IDI = 32, 128
+HC, DIM = 4, 5120
+
+
+def _bench(fn) -> float:
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+
+
+def _prefill_batch(T: int, start: int, ratio: int, dev):
+    """One sequence: a chunk of T tokens starting at `start`, blocks in shuffled order."""
+    end = start + T
+    nb = -(-end // BLOCK_TOKENS)
+    return dict(positions=torch.arange(start, end, device=dev), seq_of=torch.zeros(T, dtype=torch.long, device=dev),
+                slots=torch.tensor([1], device=dev), start_pos=torch.tensor([start], device=dev),
+                block_table=torch.randperm(nb + 5, device=dev)[:nb].to(torch.int32)[None], n_blocks=nb + 5)
+
+
+def _decode_batch(B: int, pos: int, dev):
+    nb = -(-(pos + 1) // BLOCK_TOKENS)
+    return dict(positions=torch.full((B,), pos, device=dev), seq_of=torch.arange(B, device=dev),
+                slots=torch.randperm(B, device=dev), start_pos=torch.full((B,), pos, device=dev),
+                block_table=torch.randperm(B * nb, device=dev).view(B, nb).to(torch.int32), n_blocks=B * nb)
+
+
+def bench_attention(rows: list, sweep: bool, dev="cuda"):
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    from mini.ops.attention import sparse_attention as reference
+    cases = [("prefill", 4096, _prefill_batch(4096, 4096, RATIO, dev)), ("decode", 128, _decode_batch(128, 9000, dev))]
+    configs = [dict(block_h=64, block_n=32, num_warps=8)]
+    if sweep:
+        configs += [dict(block_h=64, block_n=64, num_warps=8), dict(block_h=64, block_n=16, num_warps=4),
+                    dict(block_h=32, block_n=32, num_warps=4), dict(block_h=64, block_n=32, num_warps=8, num_stages=2)]
+    for name, T, b in cases:
+        q = torch.randn(T, H, D, device=dev).bfloat16()
+        kv_new = torch.randn(T, D, device=dev).bfloat16()
+        window = torch.randn(int(b["slots"].max()) + 1, W, D, device=dev).bfloat16()
+        comp = torch.randn(b["n_blocks"], BLOCK_TOKENS // RATIO, D, device=dev).bfloat16()
+        sink = torch.randn(H, device=dev)
+        vis = (b["positions"] + 1) // RATIO
+        comp_idx = (torch.rand(T, TOPK, device=dev) * vis[:, None]).long().sort(-1).values  # all valid
+        args = (q, kv_new, window, sink, b["positions"], b["seq_of"], b["slots"], b["start_pos"], D ** -0.5)
+        kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=RATIO)
+        flops = 4 * H * D * T * (W + TOPK)
+        key_bytes = T * (W + TOPK) * D * 2  # keys as gathered per query (mostly L2 hits)
+        for cfg in configs:
+            ms = _bench(lambda: sparse_mla_attention(*args, **kw, **cfg))
+            rows.append(dict(kernel=f"sparse_attention/{name}", config=cfg, ms=ms, tflops=flops / ms / 1e9,
+                             frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS, gathered_tbs=key_bytes / ms / 1e9))
+        if name == "prefill":
+            ms = _bench(lambda: reference(*args, **kw))
+            rows.append(dict(kernel=f"sparse_attention/{name}", config="torch reference", ms=ms,
+                             tflops=flops / ms / 1e9))
+
+
+def bench_indexer(rows: list, sweep: bool, dev="cuda"):
+    from mini.kernels.indexer_topk import index_scores
+    from mini.ops.indexer import index_scores as reference, top_groups
+    T, start, ratio = 4096, 4096, 1
+    b = _prefill_batch(T, start, ratio, dev)
+    rpb = BLOCK_TOKENS // ratio
+    N = (start + T) // ratio
+    j = torch.arange(N, device=dev)
+    seq_rows = (b["block_table"][0, j // rpb].long() * rpb + j % rpb)[None]
+    keys = torch.randn(b["n_blocks"] * rpb, IDI, device=dev).bfloat16()
+    q = torch.randn(T, IH, IDI, device=dev).bfloat16()
+    w = (torch.randn(T, IH, device=dev) * 0.02).bfloat16()
+    n_vis = (b["positions"] + 1) // ratio
+    args = (q, w, keys, seq_rows, b["seq_of"], n_vis)
+    flops = 2 * IH * IDI * float(n_vis.sum())
+    configs = [dict(block_t=4, block_n=64)]
+    if sweep:
+        configs += [dict(block_t=2, block_n=128), dict(block_t=8, block_n=64, num_warps=8),
+                    dict(block_t=4, block_n=128, num_warps=8)]
+    for cfg in configs:
+        ms = _bench(lambda: index_scores(*args, **cfg))
+        rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
+                         frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
+    scores = index_scores(*args)
+    ms = _bench(lambda: top_groups(scores, TOPK))
+    rows.append(dict(kernel="indexer/top_groups (torch.topk+sort)", config=f"[{T},{N}]", ms=ms))
+    ms = _bench(lambda: reference(*args))
+    rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
+
+
+def bench_mhc(rows: list, sweep: bool, dev="cuda"):
+    from mini.kernels.mhc_norm import mhc_norm
+    from mini.ops import mhc
+    from mini.ops.norm import rms_norm
+    T = 4096
+    h = torch.randn(T, HC, DIM, device=dev).bfloat16()
+    fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
+    scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
+    nw = torch.rand(DIM, device=dev).bfloat16()
+    pre_prev = torch.rand(T, HC, device=dev)
+    kw = dict(pre_in=pre_prev, iters=20, hc_eps=1e-6, norm_eps=1e-20)
+    nbytes = h.numel() * 2 + T * DIM * 2 + fn.numel() * 4  # h once, y once, fn once
+    configs = [dict(block_t=16, block_k=128, block_d=256)]
+    if sweep:
+        configs += [dict(block_t=32, block_k=64, block_d=256), dict(block_t=16, block_k=256, block_d=512, num_warps=8)]
+    for cfg in configs:
+        for quant in (None, "fp8"):
+            ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, quant=quant, **cfg))
+            rows.append(dict(kernel=f"mhc_norm/quant={quant}", config=cfg, ms=ms, tbs=nbytes / ms / 1e9,
+                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
+
+    def ref():
+        mhc.mixes(h, fn, scale, base, hc_mult=HC, iters=20, hc_eps=1e-6, norm_eps=1e-20)
+        return rms_norm(mhc.collapse(h, pre_prev), nw, 1e-20)
+    ms = _bench(ref)
+    rows.append(dict(kernel="mhc_norm", config="torch reference", ms=ms, tbs=nbytes / ms / 1e9))
+
+
+def bench_rope(rows: list, sweep: bool, dev="cuda"):
+    from mini.formats import fake_quant_fp8
+    from mini.kernels.rope_quant import rope_quant
+    from mini.ops.norm import rms_norm
+    from mini.ops.rope import apply_rope, rope_frequencies, rope_table
+    T = 4096
+    table = rope_table(torch.arange(T, device=dev) + 4096, rope_frequencies(64, 160000.0, 65536, 16.0))
+    q = torch.randn(T, H, D, device=dev).bfloat16()
+    kv = torch.randn(T, D, device=dev).bfloat16()
+    nw = torch.rand(D, device=dev).bfloat16()
+    for name, fn, ref, nbytes in [
+        ("rope_quant/q rope", lambda: rope_quant(q, table), lambda: apply_rope(q, table), 2 * q.numel() * 2),
+        ("rope_quant/kv norm+rope+fp8", lambda: rope_quant(kv, table, norm_weight=nw, eps=1e-20, quant="fp8"),
+         lambda: fake_quant_fp8(apply_rope(rms_norm(kv, nw, 1e-20), table), 32), 2 * kv.numel() * 2)]:
+        for label, f in (("triton", fn), ("torch reference", ref)):
+            ms = _bench(f)
+            rows.append(dict(kernel=name, config=label, ms=ms, tbs=nbytes / ms / 1e9,
+                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
+
+
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", nargs="*", choices=list(BENCHES), default=list(BENCHES))
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    rows: list = []
+    for name in args.only:
+        try:
+            BENCHES[name](rows, args.sweep)
+        except Exception as e:  # one failing kernel must not hide the others' numbers
+            rows.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
+        print("\n".join(json.dumps(r) for r in rows[-8:]), flush=True)
+    metrics = {f"{r['kernel']}|{r.get('config')}|ms": r["ms"] for r in rows if "ms" in r}
+    return {"suite": "kernels", "definition": {"device": torch.cuda.get_device_name(), "tokens": 4096,
+                                               "sweep": bool(args.sweep)}, "metrics": metrics, "rows": rows}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(parser)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    res = run(args)
+    print(f"\n{'kernel':44s} {'config':58s} {'ms':>8s}  rate")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['kernel']:44s} ERROR {r['error']}")
+            continue
+        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "frac_copy_peak",
+                                                     "gathered_tbs") if k in r)
+        print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r['ms']:8.4f}  {rate}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
