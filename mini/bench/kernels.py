@@ -24,6 +24,19 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
 
 
+def _reference(fn):
+    """Time the plain reference op: mini.ops would dispatch to the kernels themselves on CUDA."""
+    import mini.ops
+
+    def call():
+        mini.ops.set_backend("reference")
+        try:
+            return fn()
+        finally:
+            mini.ops.set_backend("fast")
+    return call
+
+
 def _prefill_batch(T: int, start: int, ratio: int, dev):
     """One sequence: a chunk of T tokens starting at `start`, blocks in shuffled order."""
     end = start + T
@@ -44,10 +57,12 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention as reference
     cases = [("prefill", 4096, _prefill_batch(4096, 4096, RATIO, dev)), ("decode", 128, _decode_batch(128, 9000, dev))]
-    configs = [dict(block_h=64, block_n=32, num_warps=8)]
+    configs = [dict(block_h=64, block_n=32, num_warps=8, num_stages=2)]
     if sweep:
-        configs += [dict(block_h=64, block_n=64, num_warps=8), dict(block_h=64, block_n=16, num_warps=4),
-                    dict(block_h=32, block_n=32, num_warps=4), dict(block_h=64, block_n=32, num_warps=8, num_stages=2)]
+        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
+                    dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+                    dict(block_h=64, block_n=32, num_warps=8, num_stages=2, split_dv=2),
+                    dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
     for name, T, b in cases:
         q = torch.randn(T, H, D, device=dev).bfloat16()
         kv_new = torch.randn(T, D, device=dev).bfloat16()
@@ -65,7 +80,7 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
             rows.append(dict(kernel=f"sparse_attention/{name}", config=cfg, ms=ms, tflops=flops / ms / 1e9,
                              frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS, gathered_tbs=key_bytes / ms / 1e9))
         if name == "prefill":
-            ms = _bench(lambda: reference(*args, **kw))
+            ms = _bench(_reference(lambda: reference(*args, **kw)))
             rows.append(dict(kernel=f"sparse_attention/{name}", config="torch reference", ms=ms,
                              tflops=flops / ms / 1e9))
 
@@ -87,8 +102,8 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     flops = 2 * IH * IDI * float(n_vis.sum())
     configs = [dict(block_t=4, block_n=64)]
     if sweep:
-        configs += [dict(block_t=2, block_n=128), dict(block_t=8, block_n=64, num_warps=8),
-                    dict(block_t=4, block_n=128, num_warps=8)]
+        configs += [dict(block_t=2, block_n=128), dict(block_t=4, block_n=128, num_stages=3),
+                    dict(block_t=2, block_n=64, num_stages=3)]
     for cfg in configs:
         ms = _bench(lambda: index_scores(*args, **cfg))
         rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
@@ -96,7 +111,7 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     scores = index_scores(*args)
     ms = _bench(lambda: top_groups(scores, TOPK))
     rows.append(dict(kernel="indexer/top_groups (torch.topk+sort)", config=f"[{T},{N}]", ms=ms))
-    ms = _bench(lambda: reference(*args))
+    ms = _bench(_reference(lambda: reference(*args)))
     rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
 
 
@@ -114,17 +129,25 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     nbytes = h.numel() * 2 + T * DIM * 2 + fn.numel() * 4  # h once, y once, fn once
     configs = [dict(block_t=16, block_k=128, block_d=256)]
     if sweep:
-        configs += [dict(block_t=32, block_k=64, block_d=256), dict(block_t=16, block_k=256, block_d=512, num_warps=8)]
+        configs += [dict(block_t=16, block_k=128, block_d=256, precision="ieee"),
+                    dict(block_t=32, block_k=128, block_d=256), dict(block_t=64, block_k=64, block_d=256)]
     for cfg in configs:
-        for quant in (None, "fp8"):
+        for quant in ((None, "fp8") if cfg is configs[0] else (None,)):
             ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, quant=quant, **cfg))
             rows.append(dict(kernel=f"mhc_norm/quant={quant}", config=cfg, ms=ms, tbs=nbytes / ms / 1e9,
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
+    ms = _bench(lambda: mhc_norm(h, fn, scale, base, None, pre_in=None, iters=20, hc_eps=1e-6, norm_eps=1e-20,
+                                 collapse=False))
+    rows.append(dict(kernel="mhc_norm/mixes only", config=configs[0], ms=ms, tbs=h.numel() * 2 / ms / 1e9))
+    ms = _bench(_reference(lambda: mhc.mixes(h, fn, scale, base, hc_mult=HC, iters=20, hc_eps=1e-6,
+                                                norm_eps=1e-20)))
+    rows.append(dict(kernel="mhc_norm/mixes only", config="torch reference", ms=ms, tbs=h.numel() * 2 / ms / 1e9))
+
     def ref():
         mhc.mixes(h, fn, scale, base, hc_mult=HC, iters=20, hc_eps=1e-6, norm_eps=1e-20)
         return rms_norm(mhc.collapse(h, pre_prev), nw, 1e-20)
-    ms = _bench(ref)
+    ms = _bench(_reference(ref))
     rows.append(dict(kernel="mhc_norm", config="torch reference", ms=ms, tbs=nbytes / ms / 1e9))
 
 
@@ -142,7 +165,7 @@ def bench_rope(rows: list, sweep: bool, dev="cuda"):
         ("rope_quant/q rope", lambda: rope_quant(q, table), lambda: apply_rope(q, table), 2 * q.numel() * 2),
         ("rope_quant/kv norm+rope+fp8", lambda: rope_quant(kv, table, norm_weight=nw, eps=1e-20, quant="fp8"),
          lambda: fake_quant_fp8(apply_rope(rms_norm(kv, nw, 1e-20), table), 32), 2 * kv.numel() * 2)]:
-        for label, f in (("triton", fn), ("torch reference", ref)):
+        for label, f in (("triton", fn), ("torch reference", _reference(ref))):
             ms = _bench(f)
             rows.append(dict(kernel=name, config=label, ms=ms, tbs=nbytes / ms / 1e9,
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))

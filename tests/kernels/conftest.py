@@ -49,3 +49,13 @@ def random_flat_batch(lens, starts, block_tokens, device) -> FlatBatch:
 @pytest.fixture
 def flat_batch():
     return random_flat_batch
+
+
+@pytest.fixture
+def reference_ops():
+    """mini.ops dispatches to these very kernels on CUDA; parity tests compare against the plain reference."""
+    import mini.ops
+    prev = mini.ops.backend()
+    mini.ops.set_backend("reference")
+    yield
+    mini.ops.set_backend(prev)

@@ -6,6 +6,8 @@ import torch
 
 from mini.ops.indexer import index_scores, select_candidates, top_groups
 
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
 
 def make(flat_batch, lens, starts, H, DI, ratio, rpb, device, dtype):
     b = flat_batch(lens, starts, block_tokens=rpb * ratio, device=device)

@@ -8,6 +8,8 @@ from mini.formats import fake_quant_fp8
 from mini.ops.mhc import collapse, mixes
 from mini.ops.norm import rms_norm
 
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
 HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
 
 

@@ -8,6 +8,8 @@ from mini.formats import fake_quant_fp4, fake_quant_fp8
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, rope_frequencies, rope_table
 
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
 QUANTS = {None: lambda x: x, "fp8": lambda x: fake_quant_fp8(x, 32),
           "fp4_ue8m0": lambda x: fake_quant_fp4(x, 32, "ue8m0"), "fp4_e4m3": lambda x: fake_quant_fp4(x, 16, "e4m3")}
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
 def oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale):
     """Builds each query's key list explicitly and runs one softmax with the sink in the denominator."""
     T, H, D = q.shape
