@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from mini.checkpoint.inventory import TensorSpec, expected_tensors, expert_index, skip_reason
+from mini.checkpoint.inventory import TensorSpec, expected_tensors, skip_reason
 from mini.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,7 +64,7 @@ def iter_state(path: str | Path, config: ModelConfig | None = None, experts: ran
     if skipped:
         log.info("checkpoint %s: skipped %s", root, ", ".join(f"{n} {r} tensors" for r, n in skipped.items()))
 
-    wanted = {n: s for n, s in full.items() if experts is None or expert_index(n) < 0 or expert_index(n) in experts}
+    wanted = full if experts is None else expected_tensors(config, experts)
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(weight_map[name], []).append(name)

@@ -127,7 +127,7 @@ def _draw(w: Weight, c: ModelConfig, seed: int, device: torch.device, rows: int 
     # draw big tensors in row chunks (a multiple of every FP8 block) to bound the fp32 scratch
     step = max(128, _CHUNK_ELEMENTS // max(1, math.prod(shape[1:])) // 128 * 128)
     parts = [_encode(w, _values(w, c, (min(step, shape[0] - r0), *shape[1:]), gen, device), c.fp8_block)
-             for r0 in range(0, shape[0], step)]
+             for r0 in range(0, max(shape[0], 1), step)]  # one (possibly empty) chunk at least
     return {name: torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name] for name in parts[0]}
 
 

@@ -254,6 +254,8 @@ def test_ep_subset_reads_only_its_experts(tiny41, monkeypatch):
     assert {expert_index(n) for n in rec.read} == {-1, 4, 5, 6, 7}  # the other experts are never read
     assert len(rec.read) == len(set(rec.read)) == len(sub)
     _assert_same(sub, {n: full[n] for n in sub})
+    with pytest.raises(ValueError, match="out of range"):
+        load_state(tiny41, experts=range(14, 17), progress=False)
 
 
 def test_ep_subset_never_opens_other_experts_shards(tiny41, tmp_path, monkeypatch):
