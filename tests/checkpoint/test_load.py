@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mini.checkpoint.load as load_mod
-from mini.checkpoint import (CheckpointError, expected_tensors, expert_index, iter_state, load_state,
-                             make_checkpoint, random_state)
+from mini.checkpoint import CheckpointError, expected_tensors, expert_index, load_state, make_checkpoint, random_state
 from mini.config import preset
 
 INDEX = "model.safetensors.index.json"
