@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.formats import pack_fp4, unpack_fp4_codes
 from mini.kernels.fp8_act_quant import fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/perf/notes-moe.md); the row tile is the routing plan's block_m
 BLOCK_M = 128
+SPLIT_LAYOUT = True  # the fast path keeps routed experts in fp4_layout.split_layout (decoded without interleaving)
 CONFIG = {"swiglu": dict(BN=128, BK=64, num_warps=8, num_stages=4),
           "down": dict(BN=128, BK=64, num_warps=8, num_stages=4)}
 
@@ -180,19 +180,6 @@ def _grouped_mxfp4_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def split_layout(data: torch.Tensor) -> torch.Tensor:
-    """Packed MXFP4 bytes [..., K/2] (checkpoint layout: byte j = codes 2j, 2j+1) -> the split layout the kernel
-    decodes without interleaving: in each 64-k group, byte j = codes j (low nibble) and 32 + j (high nibble)."""
-    codes = unpack_fp4_codes(data).unflatten(-1, (-1, 2, 32))
-    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).flatten(-2)
-
-
-def checkpoint_layout(data: torch.Tensor) -> torch.Tensor:
-    """Inverse of split_layout."""
-    b = data.view(torch.uint8).unflatten(-1, (-1, 32))
-    return pack_fp4(torch.stack([b & 15, b >> 4], dim=-2).flatten(-3))
-
-
 def _check_weight(w, name: str):
     if w.kind != "mxfp4" or w.data.dim() != 3 or w.scale.dim() != 3:
         raise ValueError(f"{name}: expected stacked MXFP4 weights [E, N, K/2] + [E, N, K/32]")
@@ -235,7 +222,7 @@ def grouped_swiglu(x: torch.Tensor, plan: RoutePlan, w1, w3, limit: float, quant
                    out: torch.Tensor | None = None, config: dict | None = None, split: bool = False) -> torch.Tensor:
     """x [T, D] (already FP8 fake-quantized) -> h [plan.n_rows, I] in x.dtype, row r for sorted row r (rows past
     the local ones are left unwritten). quant_block = 0 skips the FP8 quant of h. `split`: the weights' bytes are
-    in split_layout."""
+    in fp4_layout.split_layout."""
     _check_weight(w1, "w1")
     _check_weight(w3, "w3")
     if w1.data.shape != w3.data.shape:

@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4
+from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4, unpack_fp4_codes
 from mini.kernels.moe_route import plan_routes
-from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu, split_layout
+from mini.kernels.fp4_layout import checkpoint_layout, split_layout
+from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
 from mini.ops.linear import QWeight
 
 SMALL = dict(BN=32, BK=64, num_warps=4, num_stages=1)
@@ -47,6 +48,13 @@ def reference_swiglu(x, plan, w1, w3, e_of_row, limit, quant_block):
     h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * plan.weight[:n, None]
     h = h.to(x.dtype)
     return fake_quant_fp8(h, quant_block) if quant_block else h
+
+
+def test_split_layout_round_trips():
+    data = torch.randint(0, 256, (3, 5, 96), dtype=torch.uint8)
+    codes, split = unpack_fp4_codes(data), unpack_fp4_codes(split_layout(data))
+    assert torch.equal(split[..., 0:64:2], codes[..., 0:32]) and torch.equal(split[..., 1:64:2], codes[..., 32:64])
+    assert torch.equal(checkpoint_layout(split_layout(data)), data)
 
 
 def in_layout(w: QWeight, split: bool) -> QWeight:
