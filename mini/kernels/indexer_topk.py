@@ -73,7 +73,7 @@ def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
                  seq_of: torch.Tensor, n_visible: torch.Tensor, candidates: torch.Tensor | None = None,
-                 block_t: int = 4, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 block_t: int = 2, block_n: int = 128, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [T, H, di], weights [T, H], keys [P, di] (flat pool), seq_rows [B, N] (-1 = not complete), seq_of [T],
     n_visible [T], optional candidates bool [T, N] -> fp32 [T, N] (-inf: not visible / not a candidate)."""
     T, H, DI = q.shape
@@ -83,8 +83,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
         return out
     q = q.contiguous()
     weights = weights.to(q.dtype).contiguous()
-    keys = keys.to(q.dtype)
-    assert keys.stride(-1) == 1 and keys.stride(0) == DI and seq_rows.stride(-1) == 1
+    keys, seq_rows = keys.to(q.dtype).contiguous(), seq_rows.contiguous()
     assert H & (H - 1) == 0 and DI & (DI - 1) == 0, "head count and head dim must be powers of two"
     block_t = max(block_t, 16 // H)  # a dot needs at least 16 rows
     prog_seq, prog_t0, seq_end = _programs(seq_of, B, block_t)

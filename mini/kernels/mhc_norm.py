@@ -115,13 +115,14 @@ def _mhc_norm_kernel(
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
-             block_t: int = 16, block_k: int = 128, block_d: int = 256, num_warps: int = 4,
+             block_t: int = 32, block_k: int = 128, block_d: int = 256, num_warps: int = 4,
              precision: str = "tf32x3"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
     pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks."""
     T, HC, D = h.shape
     assert HC * HC == 16, "the kernel's comb tile is 4x4"
-    assert fn.shape == ((2 + HC) * HC, HC * D) and h.is_contiguous()
+    assert fn.shape == ((2 + HC) * HC, HC * D)
+    h = h.contiguous()
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
     dev = h.device
     pre = torch.empty(T, HC, dtype=torch.float32, device=dev)

@@ -97,16 +97,16 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         block_h: int = 64, block_n: int = 32, split_dv: int = 1, num_warps: int = 8,
-                         num_stages: int = 1) -> torch.Tensor:
+                         block_h: int = 64, block_n: int = 64, split_dv: int = 1, num_warps: int = 8,
+                         num_stages: int = 2) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none). Returns [T, H, D] in q.dtype.
     The signature is mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
     T, H, D = q.shape
     W = window.shape[1]
-    assert kv_new.shape == (T, D) and window.shape[2] == D and kv_new.stride(-1) == 1 and window.stride(-1) == 1
-    assert window.stride(1) == D and kv_new.stride(0) == D and q.stride(-1) == 1
+    q, kv_new = q.contiguous(), kv_new.contiguous()
+    assert kv_new.shape == (T, D) and window.shape[2] == D and window.stride(-1) == 1 and window.stride(1) == D
     out = torch.empty_like(q)
     if T == 0:
         return out
@@ -115,7 +115,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         comp_idx = torch.empty((T, 0), dtype=torch.int32, device=q.device)
         rows_per_block = 1
     else:
-        assert comp.shape[-1] == D and comp.is_contiguous() and comp_idx.stride(-1) == 1
+        assert comp.shape[-1] == D and comp.is_contiguous()
+        comp_idx = comp_idx.contiguous()
         rows_per_block = comp.shape[1]
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h), split_dv)

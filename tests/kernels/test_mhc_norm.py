@@ -40,11 +40,16 @@ def check(h, fn, scale, base, w, pre_prev, quant, **kw):
     torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
     torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
     torch.testing.assert_close(comb, rcomb, rtol=5e-4, atol=2e-5)
-    # y: one bf16 ulp where fp32 sums in another order round the other way (FP8 grid: one e4m3 step)
-    tol = 0.07 if quant else (1e-2 if y.dtype == torch.bfloat16 else 1e-5)
-    assert ((y.float() - ry.float()).abs() <= tol * ry.float().abs() + 1e-5).all()
-    if not quant and y.dtype == torch.bfloat16:
-        assert (y != ry).float().mean() < 0.01
+    # y: one bf16 ulp where fp32 sums in another order round the other way, or one e4m3 step (up to 1/8 of the
+    # smaller neighbour) with the FP8 quant. Without a given pre (V4), the collapse uses the kernel's own pre
+    # (~2e-5 relative off): near-cancelled elements then differ by that much of the row's scale.
+    # Two bf16 roundings (collapse, norm) can each flip: 2e-2 relative.
+    tol = 0.13 if quant else (2e-2 if y.dtype == torch.bfloat16 else 1e-5)
+    row = ry.float().square().mean(-1, keepdim=True).sqrt()
+    atol = (2e-3 if pre_prev is None else 1e-5) * row
+    assert ((y.float() - ry.float()).abs() <= tol * ry.float().abs() + atol).all()
+    if y.dtype == torch.bfloat16:  # a pre off by 3e-5 flips ~2% of the elements (checked on CPU)
+        assert (y != ry).float().mean() < (0.03 if pre_prev is None else 0.01)
 
 
 @pytest.mark.parametrize("delayed,quant", [(True, False), (False, True)])
