@@ -41,6 +41,7 @@ class Batch:
     # host copies of the per-sequence sizes, so that index tensors can be shaped without a device sync
     start_host: list[int] = field(default_factory=list)
     lens_host: list[int] = field(default_factory=list)
+    n_blocks_host: list[int] = field(default_factory=list)
     _layouts: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -82,7 +83,8 @@ class Batch:
             start_pos=t([c.start for c in chunks]), lens=t([len(c.tokens) - c.start for c in chunks]),
             block_table=table.to(device), logit_rows=t(logit_rows),
             engram_ids=torch.cat(engram).to(device) if engram else None,
-            start_host=[c.start for c in chunks], lens_host=[len(c.tokens) - c.start for c in chunks])
+            start_host=[c.start for c in chunks], lens_host=[len(c.tokens) - c.start for c in chunks],
+            n_blocks_host=[len(c.blocks) for c in chunks])
 
     def layout(self, block_tokens: int, window: int) -> StepLayout:
         """The step's index tensors for a cache with `block_tokens` positions per block (built once per batch)."""

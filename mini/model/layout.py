@@ -27,6 +27,10 @@ class StepLayout:
         self.batch = batch
         self.start_host = batch.start_host
         self.end_host = [s + n for s, n in zip(batch.start_host, batch.lens_host)]
+        for b, (end, nb) in enumerate(zip(self.end_host, batch.n_blocks_host)):
+            if nb * block_tokens < end:
+                raise ValueError(f"sequence {b} of the batch reaches position {end - 1} but its {nb} blocks of "
+                                 f"{block_tokens} positions end at {nb * block_tokens - 1}")
         self.n_tokens = batch.n_tokens
         lens = batch.lens
         self.row_start = torch.cumsum(lens, 0) - lens  # [B] first row of each sequence

@@ -19,7 +19,7 @@ QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
 
 @lru_cache(maxsize=4)
 def _hadamard_matrix(n: int) -> torch.Tensor:
-    """Sylvester-ordered Walsh–Hadamard matrix scaled by n^-0.5 (orthonormal, symmetric)."""
+    """Sylvester-ordered Walsh–Hadamard matrix scaled by n^-0.5 (orthonormal and symmetric, so x @ H = x @ H^T)."""
     if n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
     h = torch.ones(1, 1)
@@ -30,7 +30,7 @@ def _hadamard_matrix(n: int) -> torch.Tensor:
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """V4's `rotate_activation`: the normalised Walsh–Hadamard transform of the last dim, fp32 math."""
-    return (x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)).to(x.dtype)
+    return torch.nn.functional.linear(x.float(), _hadamard_matrix(x.shape[-1]).to(x.device)).to(x.dtype)
 
 
 def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:

@@ -1,0 +1,50 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini.checkpoint.make import random_state
+from mini.config import preset
+from mini.model import Model
+from mini.ops.engram import EngramHasher
+from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+
+
+@pytest.fixture
+def batch_invariant_gemms(monkeypatch):
+    """fp32 GEMMs/einsums accumulate in fp64, so a row's result no longer depends on how many rows share the call.
+
+    CPU BLAS picks different kernels (and summation orders) for different row counts, e.g. one decode token vs a
+    prefill chunk. In fp32 that moves results by an ulp, which now and then flips an FP8/FP4 fake-quant rounding or
+    a routing choice, and the difference then travels down the sequence through the caches. With fp64 accumulation
+    the fp32 results are the correctly rounded sums, the same for every batch shape."""
+    linear, einsum = F.linear, torch.einsum
+
+    def linear64(x, w, b=None):
+        if x.dtype != torch.float32:
+            return linear(x, w, b)
+        return linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+    def einsum64(eq, *ops):
+        if not all(o.dtype == torch.float32 for o in ops):
+            return einsum(eq, *ops)
+        return einsum(eq, *(o.double() for o in ops)).float()
+
+    monkeypatch.setattr(F, "linear", linear64)
+    monkeypatch.setattr(torch, "einsum", einsum64)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """name -> (a random fp32 model of that tiny preset, its Engram hasher or None), built once per process."""
+    models: dict = {}
+
+    def get(name: str) -> tuple[Model, EngramHasher | None]:
+        if name not in models:
+            cfg = preset(name)
+            hasher = None
+            if cfg.engram_layer_ids:
+                hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size)))
+            models[name] = Model(cfg, random_state(cfg, seed=0), "cpu", torch.float32), hasher
+        return models[name]
+
+    return get

@@ -1,0 +1,38 @@
+"""KVCache pools follow the layer plan; the sizing helpers equal what the pools allocate."""
+import pytest
+import torch
+
+from mini.config import preset
+from mini.model import KVCache
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("name,block_tokens", [("tiny-v4.1", 16), ("tiny-v4", 128)])
+def test_pools_and_sizes(name, block_tokens):
+    cfg = preset(name)
+    n_slots, n_blocks = 3, 5
+    c = KVCache(cfg, n_slots, n_blocks, block_tokens, "cpu", torch.bfloat16)
+    assert len(c.window) == cfg.n_layers and c.window[0].shape == (n_slots, cfg.window_size, cfg.head_dim)
+    assert sorted(c.comp_kv) == list(cfg.kv_cache_layers) and sorted(c.index_k) == list(cfg.index_key_layers)
+    for layer, pool in c.comp_kv.items():
+        assert pool.shape == (n_blocks, block_tokens // cfg.compress_ratios[layer], cfg.head_dim)
+    paged = _bytes(list(c.comp_kv.values()) + list(c.index_k.values()))
+    per_slot = _bytes(c.window) + _bytes([t for s in (*c.comp_state.values(), *c.index_state.values()) for t in s])
+    assert KVCache.bytes_per_block(cfg, block_tokens, torch.bfloat16) * n_blocks == paged
+    assert KVCache.bytes_per_slot(cfg, torch.bfloat16) * n_slots == per_slot
+
+
+def test_state_rows():
+    v41, v4 = KVCache(preset("tiny-v4.1"), 2, 1, 16), KVCache(preset("tiny-v4"), 2, 1, 128)
+    assert set(v41.comp_state) == {2} and v41.comp_state[2][0].shape == (2, 2, 64)  # ratio 1 keeps no state
+    assert v41.index_state == {}
+    assert v4.comp_state[2][0].shape == (2, 8, 256) and v4.comp_state[3][0].shape == (2, 128, 128)
+    assert v4.index_state[2][1].shape == (2, 8, 128) and v4.comp_state[2][1].dtype == torch.float32
+
+
+def test_block_tokens_must_fit_every_ratio():
+    with pytest.raises(ValueError, match="multiple"):
+        KVCache(preset("tiny-v4"), 1, 1, 64)

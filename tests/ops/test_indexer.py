@@ -1,0 +1,88 @@
+"""Lightning indexer: scores over visible groups read through the block table, candidate blocks, top-k rules."""
+import torch
+
+from mini.ops.indexer import hadamard, index_scores, select_candidates, top_groups
+
+NEG = float("-inf")
+
+
+def test_scores_match_a_loop_and_respect_visibility():
+    g = torch.Generator().manual_seed(0)
+    H, di, per_block, ratio = 3, 32, 4, 2
+    pool = torch.randn(6 * per_block, di, generator=g)
+    blocks = [[5, 1, 3], [0, 4, 2]]
+    # sequence 0: queries at positions 9..12; sequence 1: one query at position 21
+    positions = torch.tensor([9, 10, 11, 12, 21])
+    seq_of = torch.tensor([0, 0, 0, 0, 1])
+    n_visible = (positions + 1) // ratio
+    N = 11
+    j = torch.arange(N)
+    seq_rows = torch.stack([torch.tensor(b)[j // per_block] * per_block + j % per_block for b in blocks])
+    seq_rows[0, 7:] = -1  # sequence 0 has 13 positions: groups 0..5 complete, 6 open (not in the pool yet)
+    q = torch.randn(5, H, di, generator=g)
+    w = torch.randn(5, H, generator=g)
+    out = torch.full((5, N), float("nan"))
+    out[:] = index_scores(q, w, pool, seq_rows, seq_of, n_visible)
+    for t in range(5):
+        for jj in range(N):
+            if jj >= n_visible[t]:
+                assert out[t, jj] == NEG
+            else:
+                k = pool[seq_rows[seq_of[t], jj]]
+                ref = ((q[t] @ k).relu() * w[t]).sum()
+                torch.testing.assert_close(out[t, jj], ref, atol=1e-5, rtol=1e-5)
+    assert out[0, 4].isfinite() and out[0, 5] == NEG  # position 9 sees groups 0..4 (positions 0..9)
+
+
+def test_candidate_blocks_force_the_newest_and_keep_the_best():
+    # one query, 11 visible groups in blocks of 4: blocks 0, 1 full, block 2 partial (groups 8..10)
+    s = torch.tensor([[5.0, 0, 0, 0, 1, 9, 1, 1, 0.5, 0.1, 0.2, NEG, NEG, NEG]])
+    keep = select_candidates(s, torch.tensor([11]), topk_blocks=2, block_size=4)
+    # best block is 1 (max 9); block 2 (holding the newest group 10) is forced in; block 0 (max 5) is dropped.
+    # The mask covers whole blocks (group 11 is not visible yet: its score stays -inf anyway)
+    assert keep.tolist() == [[False] * 4 + [True] * 8 + [False] * 2]
+    # more blocks allowed than reachable: unreachable blocks never come back
+    keep = select_candidates(s, torch.tensor([11]), topk_blocks=8, block_size=4)
+    assert keep[0, :11].all() and not keep[0, 12:].any()
+    # nothing visible: nothing kept, no block forced
+    assert not select_candidates(torch.full((1, 6), NEG), torch.tensor([0]), 2, 4).any()
+
+
+def test_top_groups_sorted_minus_one_padded_and_ties_go_to_newer_groups():
+    s = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0, NEG], [NEG, 2.0, NEG, NEG, NEG, NEG]])
+    ids = top_groups(s, 3)
+    assert ids[0].tolist() == [1, 3, 4]  # 3.0, 1.0, then the newest of the tied zeros
+    assert ids[1].tolist() == [-1, -1, 1]
+    assert top_groups(s, 10).shape == (2, 6)  # k is capped at the number of groups
+
+
+def test_reindex_sources_only_pick_inside_the_candidates():
+    g = torch.Generator().manual_seed(1)
+    T, N = 7, 40
+    n_vis = torch.tensor([3, 9, 17, 25, 33, 39, 40])
+    vis = torch.arange(N) < n_vis[:, None]
+    source = torch.randn(T, N, generator=g).masked_fill(~vis, NEG)
+    cand = select_candidates(source, n_vis, topk_blocks=3, block_size=4) & vis
+    own = torch.randn(T, N, generator=g).masked_fill(~vis, NEG).masked_fill(~cand, NEG)
+    ids = top_groups(own, 6)
+    picked = torch.zeros(T, N, dtype=torch.bool)
+    for t in range(T):
+        picked[t, ids[t][ids[t] >= 0]] = True
+    assert (picked <= cand).all()
+    assert (picked.sum(1) == torch.minimum(cand.sum(1), torch.tensor(6))).all()
+
+
+def test_hadamard_is_the_normalised_walsh_transform():
+    x = torch.randn(5, 128, dtype=torch.float64)
+
+    def fwht(v):  # iterative butterflies, natural (Sylvester) order
+        v = v.clone()
+        h = 1
+        while h < v.shape[-1]:
+            a = v.view(*v.shape[:-1], -1, 2, h)
+            a[..., 0, :], a[..., 1, :] = a[..., 0, :] + a[..., 1, :], a[..., 0, :] - a[..., 1, :]
+            h *= 2
+        return v / v.shape[-1] ** 0.5
+
+    torch.testing.assert_close(hadamard(x.float()).double(), fwht(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard(hadamard(x.float())).double(), x, atol=1e-5, rtol=1e-5)
