@@ -25,6 +25,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_snapshots: int = 32  # spare state slots holding prefix-cache snapshots
+    snapshot_prompt_end: bool = False  # see scheduler: trade one step of TTFT for hits on a prompt's first repeat
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds of requests that do not bring their own
 
@@ -77,7 +78,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens), self.blocks)
+        self.scheduler = Scheduler(SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.snapshot_prompt_end),
+                                   self.blocks)
         self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
                                  shape.n_blocks * o.block_tokens)
         self.requests: dict[str, Sequence] = {}

@@ -7,9 +7,10 @@ preempted by recompute: its cache is released and it goes back to the front of t
 (prompt + output so far) as the new prompt.
 
 With prefix caching on, a prefill chunk that does not finish the history ends on a block boundary, so that the
-state at that boundary can be snapshotted (see block_manager); `snapshot_prompt_end` additionally splits the last
-chunk at the prompt's last block boundary (one extra step before the first token, in exchange for a reusable
-prefix ending close to the prompt's end).
+state at that boundary can be snapshotted (see block_manager), and a chunk also ends where the sequence's blocks
+stop matching the prefix cache (`Sequence.split_at`). `snapshot_prompt_end` additionally splits every prompt's
+last chunk at its last block boundary: one extra step before the first token, so that even a prompt's first
+repeat hits.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from mini.engine.sequence import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    snapshot_prompt_end: bool = True
+    snapshot_prompt_end: bool = False
 
 
 @dataclass

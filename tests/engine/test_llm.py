@@ -62,13 +62,24 @@ def test_prefix_caching_identical_and_hits():
 
 def test_prefix_cache_restores_state_not_just_blocks():
     """Without the snapshot restore, a hit would start from an empty ring/state and change the logits."""
-    llm = fake_llm()
+    llm = fake_llm(snapshot_prompt_end=True)
     p = "abcdefghijklmnopq"
     first = llm.generate([p], GREEDY)[0]
     runner = llm.engine.runner
     runner.copy_slots = lambda copies: None  # drop restores and snapshots
     broken = llm.generate([p], GREEDY)[0]
     assert broken.num_cached_tokens > 0 and broken.token_ids != first.token_ids
+
+
+def test_repeated_prompt_hits_from_the_first_or_second_repeat():
+    p, n = "abcdefghijklmnopq", 16  # 17 tokens: the last full block ends at 16
+    default = fake_llm()
+    hits = [default.generate([p], GREEDY)[0].num_cached_tokens for _ in range(3)]
+    assert hits == [0, 0, n]  # the first repeat ends its first chunk at 16 and leaves the snapshot
+    eager = fake_llm(snapshot_prompt_end=True)
+    assert [eager.generate([p], GREEDY)[0].num_cached_tokens for _ in range(2)] == [0, n]
+    assert [s for s, _ in eager.engine.runner.model.calls[0]] == [0]  # the split: 0..16, then 16..17
+    assert eager.engine.runner.model.calls[0][0][1] == n
 
 
 def test_multi_turn_reuses_generated_blocks():
