@@ -76,7 +76,8 @@ _LAYER = {
     "self_attn.o_a_proj.weight": ("attn.wo_a.weight", "fp8"),
     "self_attn.o_b_proj.weight": ("attn.wo_b.weight", "fp8"),
     **{f"self_attn.compressor.{k}": (f"attn.compressor.{v}", f) for k, (v, f) in _V4_COMPRESSOR.items()},
-    **{f"self_attn.compressor.indexer.{k}": (f"attn.indexer.compressor.{v}", f) for k, (v, f) in _V4_COMPRESSOR.items()},
+    **{f"self_attn.compressor.indexer.{k}": (f"attn.indexer.compressor.{v}", f)
+       for k, (v, f) in _V4_COMPRESSOR.items()},
     "self_attn.compressor.indexer.q_b_proj.weight": ("attn.indexer.wq_b.weight", "fp8"),
     "self_attn.compressor.indexer.scorer.weights_proj.weight": ("attn.indexer.weights_proj.weight", "bf16"),
     "mlp.gate.weight": ("ffn.gate.weight", "bf16"),
@@ -95,14 +96,13 @@ def hf_config(cfg: ModelConfig):
 
     if cfg.is_v41:
         raise ValueError("transformers' DeepseekV4 port covers V4 only")
-    ratios = cfg.compress_ratios
-    rates = {LAYER_TYPE[r]: r for r in set(ratios) if r}
     return DeepseekV4Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=1, head_dim=cfg.head_dim,
         partial_rotary_factor=cfg.rope_head_dim / cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
         o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.window_size,
-        layer_types=[LAYER_TYPE[r] for r in ratios], compress_rates={**_default_rates(), **rates},
+        layer_types=[LAYER_TYPE[r] for r in cfg.compress_ratios],
+        compress_rates={LAYER_TYPE[4]: 4, LAYER_TYPE[128]: 128},  # the only V4 ratios (ModelConfig.validate)
         mlp_layer_types=["hash_moe" if p.hash_routed else "moe" for p in cfg.layers],
         index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
         rope_theta=cfg.rope_theta, compress_rope_theta=cfg.compress_rope_theta,
@@ -118,16 +118,11 @@ def hf_config(cfg: ModelConfig):
         num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id)
 
 
-def _default_rates() -> dict[str, int]:
-    return {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-
-
 @torch.no_grad()
 def random_model(cfg: ModelConfig, seed: int):
     """fp32 DeepseekV4ForCausalLM with random weights at unit gain (every sub-layer contributes O(1) to the stream)."""
     from transformers import DeepseekV4ForCausalLM
 
-    torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(hf_config(cfg)).float().eval()
     g = torch.Generator().manual_seed(seed)
 
