@@ -100,13 +100,15 @@ class MoEExchange:
         """All-gather one byte row per token; returns the valid rows of all ranks, in rank order."""
         k, dim = ids.shape[1], x.shape[1]
         quantized = fake_quant_enabled()
+        # the 4-byte fields first, rows padded to 16 bytes: a one-row piece of the split below stays a view, and
+        # reading it as int32 / fp32 needs aligned offsets and strides
+        payload = [ids.to(torch.int32).view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
         if quantized:
-            codes, scales = encode_fp8(x, block)
-            payload = [codes, scales]
+            payload += list(encode_fp8(x, block))
         else:
-            payload = [x.contiguous().view(torch.uint8).view(x.shape[0], -1)]
-        payload += [ids.to(torch.int32).view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
-        row = torch.cat(payload, dim=1)
+            payload.append(x.contiguous().view(torch.uint8).view(x.shape[0], dim * x.element_size()))
+        width = sum(p.shape[1] for p in payload)
+        row = torch.cat(payload + [x.new_zeros(x.shape[0], -width % 16, dtype=torch.uint8)], dim=1)
         t_max = max(self.counts)
         send = torch.zeros(t_max, row.shape[1], dtype=torch.uint8, device=x.device)
         send[: x.shape[0]] = row
@@ -114,14 +116,14 @@ class MoEExchange:
         _all_gather(recv, send)
         if self._rows is not None:
             recv = recv[self._rows]
-        widths = [p.shape[1] for p in payload]
-        parts = list(torch.split(recv, widths, dim=1))
+        parts = [p.contiguous() for p in torch.split(recv, [p.shape[1] for p in payload] + [-width % 16], dim=1)]
+        n_all = recv.shape[0]
+        ids_all = parts[0].view(torch.int32).view(n_all, k).long()
+        weights_all = parts[1].view(torch.float32).view(n_all, k)
         if quantized:
-            x_all = decode_fp8(parts[0].contiguous(), parts[1].contiguous(), block, x.dtype)
+            x_all = decode_fp8(parts[2], parts[3], block, x.dtype)
         else:
-            x_all = parts[0].contiguous().view(x.dtype).view(-1, dim)
-        ids_all = parts[-2].contiguous().view(torch.int32).view(-1, k).long()
-        weights_all = parts[-1].contiguous().view(torch.float32).view(-1, k)
+            x_all = parts[2].view(x.dtype).view(n_all, dim)
         return x_all, weights_all, ids_all
 
     def _scatter(self, partial: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,9 @@ def _rank(ctx: DistContext, preset, cases, seed):
     ("tiny-v4.1", [(3, [5, 0, 3, 7], torch.float32, True),  # uneven counts and an idle rank
                    (5, [4, 4, 4, 4], torch.bfloat16, True),  # equal counts: no padding
                    (2, [3, 9, 1, 2], torch.float32, False)]),  # fake quant off: raw activations travel
-    ("tiny-v4", [(0, [6, 1], torch.float32, True)]),  # V4: hash-routed layer (tid2eid), 1x128 blocks
+    ("tiny-v4", [(0, [6, 1], torch.float32, True),  # V4: hash-routed layer (tid2eid), 1x128 blocks
+                 (3, [1, 0], torch.bfloat16, True),  # one token in all: single-row views of the gathered bytes
+                 (4, [0, 1], torch.float32, False)]),
 ])
 def test_exchange_matches_single_device_moe(preset, cases):
     cfg, seed = CONFIGS[preset], 11

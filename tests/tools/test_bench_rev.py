@@ -146,3 +146,34 @@ def test_definition_diff_names_nested_keys():
     b = {"batch": 4, "model": {"name": "tiny", "dtype": "bf16"}}
     assert bench_rev.definition_diff(a, b) == ["model.dtype (A='fp32', B='bf16')", "only_a (A=1, B='<missing>')"]
     assert bench_rev.definition_diff(a, dict(a)) == []
+
+
+@pytest.mark.slow
+def test_real_tiny_cpu_suite_on_two_commits_of_a_copy_of_this_repo(tmp_path):
+    """The real suite and CLI: this repo's tracked files committed twice in a scratch repo, then A/B."""
+    repo, out = tmp_path / "mini-copy", tmp_path / "out"
+    files = _git(ROOT, "ls-files", "mini").splitlines()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / rel, repo / rel)
+    _git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "copy")
+    with open(repo / "mini/bench/tiny_cpu.py", "a") as f:
+        f.write("# a change that does not touch the workload\n")
+    _git(repo, "commit", "-q", "-am", "comment")
+    proc = _tool(repo, "run", "HEAD~1", "HEAD", "--suite", "tiny-cpu", "--repeat", "1", "--out", str(out), "--",
+                 "--batch", "2", "--prompt-len", "16", "--decode-tokens", "3", "--iters", "1", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    for metric in ("prefill_tok_per_s", "decode_tok_per_s", "prefill_ms", "decode_step_ms"):
+        row = next(line.split() for line in proc.stdout.splitlines() if line.strip().startswith(metric))
+        assert len(row) >= 6 and float(row[1]) > 0 and float(row[3]) > 0 and float(row[5]) > 0, row
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["side"] for r in runs] == ["A", "B"]
+    assert runs[0]["result"]["definition"] == runs[1]["result"]["definition"] == {
+        "model": "tiny-v4.1", "device": "cpu", "dtype": "float32", "batch": 2, "prompt_len": 16,
+        "decode_tokens": 3, "iters": 1, "threads": 1}
+    assert all(Path(r["result"]["env"]["mini_path"]).parent != ROOT for r in runs)  # ran the copies, not this tree
