@@ -18,12 +18,11 @@ import torch
 
 from mini.config import preset
 
-SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB, split layout)
-    "swiglu": [(128, 64, 64, 4, 4, False, False), (128, 64, 64, 4, 4, False, True),
-               (128, 128, 64, 8, 4, False, True), (128, 64, 64, 4, 4, True, True), (128, 128, 64, 8, 4, True, True),
-               (64, 128, 64, 4, 4, True, True), (64, 64, 64, 4, 4, False, True)],
-    "down": [(128, 128, 64, 8, 4, False, False), (128, 128, 64, 8, 4, False, True), (128, 256, 64, 8, 3, False, True),
-             (128, 128, 64, 8, 4, True, True), (64, 256, 64, 8, 3, True, True), (64, 128, 64, 4, 4, False, True)],
+SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results in docs/perf/notes-moe.md
+    "swiglu": [(128, 64, 64, 4, 4, False), (128, 128, 64, 8, 4, False), (128, 64, 64, 4, 4, True),
+               (64, 64, 64, 4, 4, False)],
+    "down": [(128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, True),
+             (64, 128, 64, 4, 4, False)],
 }
 
 
@@ -87,7 +86,7 @@ def run(args) -> dict:
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, SPLIT_LAYOUT, grouped_down, grouped_swiglu
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
     from mini.ops.moe import gate, routed, shared
 
     mini.ops.set_backend("fast")
@@ -103,20 +102,18 @@ def run(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
 
     weights, ids = gate(x, w, cfg, plan_l)
-    split = SPLIT_LAYOUT
-    w.set_fp4_layout("split" if split else "checkpoint")  # what routed() would do on its first call
     xq = fp8_act_quant(x, cfg.fp8_block)
     plan = plan_routes(ids, weights, w.experts, BLOCK_M)
-    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block, split=split)
-    y = grouped_down(h, plan, w.w2, split=split)
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+    y = grouped_down(h, plan, w.w2)
     n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
     ms = {
         "gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
         "act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block), args.iters, args.warmup),
         "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M), args.iters, args.warmup),
-        "gemm_w13_swiglu": _time(lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block,
-                                                        split=split), args.iters, args.warmup),
-        "gemm_w2": _time(lambda: grouped_down(h, plan, w.w2, split=split), args.iters, args.warmup),
+        "gemm_w13_swiglu": _time(lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block),
+                                 args.iters, args.warmup),
+        "gemm_w2": _time(lambda: grouped_down(h, plan, w.w2), args.iters, args.warmup),
         "combine": _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup),
         "routed": _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup),
         "shared_own_tokens": _time(lambda: shared(own, w), args.iters, args.warmup),
@@ -164,29 +161,21 @@ def run(args) -> dict:
 
 
 def _sweep(args, cfg, w, xq, ids, weights) -> dict:
-    from mini.kernels.fp4_layout import checkpoint_layout, split_layout
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
-    from mini.ops.linear import QWeight
-    here = w.fp4_layout == "split"
-    other = checkpoint_layout if here else split_layout
-    by_layout = {here: (w.w1, w.w3, w.w2),
-                 not here: tuple(QWeight(q.kind, other(q.data), q.scale, q.block) for q in (w.w1, w.w3, w.w2))}
     res = {}
     for which, configs in SWEEP.items():
-        for bm, bn, bk, nw, ns, swap, split in configs:
-            w1, w3, w2 = by_layout[split]
+        for bm, bn, bk, nw, ns, swap in configs:
             plan = plan_routes(ids, weights, w.experts, bm)
             conf = dict(BN=bn, BK=bk, num_warps=nw, num_stages=ns, SWAP_AB=swap)
-            name = f"sweep_{which}_m{bm}_n{bn}_k{bk}_w{nw}_s{ns}" + ("_swap" if swap else "") + ("_split" if split else "")
+            name = f"sweep_{which}_m{bm}_n{bn}_k{bk}_w{nw}_s{ns}" + ("_swap" if swap else "")
             try:
-                h = grouped_swiglu(xq, plan, w1, w3, w.swiglu_limit, cfg.fp8_block, config=conf if which == "swiglu"
-                                   else None, split=split)
                 if which == "swiglu":
-                    fn = lambda: grouped_swiglu(xq, plan, w1, w3, w.swiglu_limit, cfg.fp8_block, config=conf,  # noqa: E731
-                                                split=split)
+                    fn = lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block,  # noqa: E731
+                                                config=conf)
                 else:
-                    fn = lambda: grouped_down(h, plan, w2, config=conf, split=split)  # noqa: E731
+                    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+                    fn = lambda: grouped_down(h, plan, w.w2, config=conf)  # noqa: E731
                 res[name] = _time(fn, args.iters, 2)
             except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                 print(f"{name}: skipped ({type(e).__name__}: {str(e)[:160]})")

@@ -24,8 +24,7 @@ from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/perf/notes-moe.md); the row tile is the routing plan's block_m
 BLOCK_M = 128
-SPLIT_LAYOUT = True  # the fast path keeps routed experts in fp4_layout.split_layout (decoded without interleaving)
-CONFIG = {"swiglu": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+CONFIG = {"swiglu": dict(BN=64, BK=64, num_warps=4, num_stages=4),
           "down": dict(BN=128, BK=64, num_warps=8, num_stages=4)}
 
 
@@ -56,18 +55,6 @@ def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def _decode_split(w_ptrs, s_ptrs, DOT_DTYPE: tl.constexpr):
-    """Split layout: a [BN, 32] byte tile holds k0..k0+31 in its low nibbles and k0+32..k0+63 in its high ones, and
-    each half has one scale per row ([BN, 1] at s_ptrs and s_ptrs + 1): no interleave, no scale broadcast."""
-    packed = tl.load(w_ptrs).to(tl.int32)
-    s_lo = tl.load(s_ptrs).to(tl.int32)
-    s_hi = tl.load(s_ptrs + 1).to(tl.int32)
-    lo = _e2m1_unscaled(packed & 15) * ((s_lo + 126) << 23).to(tl.float32, bitcast=True)
-    hi = _e2m1_unscaled(packed >> 4) * ((s_hi + 126) << 23).to(tl.float32, bitcast=True)
-    return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
-
-
-@triton.jit
 def _mma(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += a @ w^T for a [BM, BK], w [BN, BK]. SWAP_AB accumulates the transpose, acc^T += w @ a^T, so that the
     decoded weights (in registers) are wgmma's A operand and only the activations go through shared memory."""
@@ -95,7 +82,7 @@ def _grouped_mxfp4_kernel(
     N, stride_a, stride_out, stride_we, stride_wn, stride_se, stride_sn, limit,
     K: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr, QUANT_BLOCK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # the N tiles of one row tile are neighbours in launch order: the row tile stays in L2 while they run
     n_tiles_n = tl.cdiv(N, BN)
@@ -112,7 +99,7 @@ def _grouped_mxfp4_kernel(
         a_rows = tl.load(token_ptr + rows, mask=row_ok, other=0)
     else:
         a_rows = rows
-    offs_k = tl.arange(0, BK // 2) if SPLIT else tl.arange(0, BK)  # split: a is read in two halves
+    offs_k = tl.arange(0, BK)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_n = tl.where(n_ok, offs_n, 0)  # clamped: scale loads need no mask
@@ -127,17 +114,7 @@ def _grouped_mxfp4_kernel(
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc_v = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if SPLIT:  # BK = 64, K a multiple of 64
-            a_lo = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
-            a_hi = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
-            s_ptrs = ws_ptr + e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + k0 // 32
-            w_lo, w_hi = _decode_split(w_ptr + w_off + k0 // 2, s_ptrs, DOT_DTYPE)
-            acc = _mma(a_hi, w_hi, _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION), SWAP_AB, DOT_PRECISION)
-            if SWIGLU:
-                s_ptrs = vs_ptr + e.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn + k0 // 32
-                v_lo, v_hi = _decode_split(v_ptr + w_off + k0 // 2, s_ptrs, DOT_DTYPE)
-                acc_v = _mma(a_hi, v_hi, _mma(a_lo, v_lo, acc_v, SWAP_AB, DOT_PRECISION), SWAP_AB, DOT_PRECISION)
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             w_mask = None
             s_mask = None
@@ -145,15 +122,13 @@ def _grouped_mxfp4_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
             w_mask = (k0 // 2 + tl.arange(0, BK // 2)[None, :]) < K // 2
             s_mask = (k0 // 32 + tl.arange(0, BK // 32)[None, :]) < K // 32
-        if not SPLIT:
-            a = a.to(DOT_DTYPE)  # fake-quantized activations are exact in bf16
-            wt = _decode_tile(w_ptr + w_off + k0 // 2, ws_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K,
+        a = a.to(DOT_DTYPE)  # fake-quantized activations are exact in bf16
+        wt = _decode_tile(w_ptr + w_off + k0 // 2, ws_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K, DOT_DTYPE)
+        acc = _mma(a, wt, acc, SWAP_AB, DOT_PRECISION)
+        if SWIGLU:
+            vt = _decode_tile(v_ptr + w_off + k0 // 2, vs_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K,
                               DOT_DTYPE)
-            acc = _mma(a, wt, acc, SWAP_AB, DOT_PRECISION)
-            if SWIGLU:
-                vt = _decode_tile(v_ptr + w_off + k0 // 2, vs_ptr + s_off + k0 // 32, w_mask, s_mask, BN, BK, EVEN_K,
-                                  DOT_DTYPE)
-                acc_v = _mma(a, vt, acc_v, SWAP_AB, DOT_PRECISION)
+            acc_v = _mma(a, vt, acc_v, SWAP_AB, DOT_PRECISION)
         a_ptrs += BK
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -186,14 +161,12 @@ def _check_weight(w, name: str):
 
 
 def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: float, quant_block: int,
-            config: dict, split: bool):
+            config: dict):
     E, N, K2 = w.data.shape
     K = 2 * K2
     if a.shape[1] != K or K % 32:
         raise ValueError(f"activation width {a.shape[1]} does not match the weights' K = {K} (a multiple of 32)")
-    cfg = dict(config, BK=64) if split else config
-    if split and K % 64:
-        raise ValueError(f"the split layout needs K a multiple of 64, got {K}")
+    cfg = config
     BM = plan.block_m
     if quant_block and cfg["BN"] % quant_block:
         raise ValueError(f"BN {cfg['BN']} must be a multiple of the quant block {quant_block}")
@@ -211,7 +184,7 @@ def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: fl
         N, a.stride(0), out.stride(0), data.stride(0), data.stride(1), scale.stride(0), scale.stride(1),
         float(limit) if limit > 0 else float("inf"),
         K=K, GATHER=gather, SWIGLU=swiglu, ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block,
-        EVEN_K=K % cfg["BK"] == 0, BM=BM, SWAP_AB=cfg.get("SWAP_AB", False), SPLIT=split,
+        EVEN_K=K % cfg["BK"] == 0, BM=BM, SWAP_AB=cfg.get("SWAP_AB", False),
         # CPU tensors mean Triton's interpreter, whose bf16 dot is broken: multiply the same values in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, DOT_PRECISION="ieee" if interpreted else None, BN=cfg["BN"], BK=cfg["BK"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -219,21 +192,20 @@ def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: fl
 
 
 def grouped_swiglu(x: torch.Tensor, plan: RoutePlan, w1, w3, limit: float, quant_block: int,
-                   out: torch.Tensor | None = None, config: dict | None = None, split: bool = False) -> torch.Tensor:
+                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [T, D] (already FP8 fake-quantized) -> h [plan.n_rows, I] in x.dtype, row r for sorted row r (rows past
-    the local ones are left unwritten). quant_block = 0 skips the FP8 quant of h. `split`: the weights' bytes are
-    in fp4_layout.split_layout."""
+    the local ones are left unwritten). quant_block = 0 skips the FP8 quant of h."""
     _check_weight(w1, "w1")
     _check_weight(w3, "w3")
     if w1.data.shape != w3.data.shape:
         raise ValueError("w1 and w3 must have the same shape")
     out = torch.empty(plan.n_rows, w1.data.shape[1], dtype=x.dtype, device=x.device) if out is None else out
-    return _launch(x, plan, w1, w3, out, True, True, limit, quant_block, config or CONFIG["swiglu"], split)
+    return _launch(x, plan, w1, w3, out, True, True, limit, quant_block, config or CONFIG["swiglu"])
 
 
 def grouped_down(h: torch.Tensor, plan: RoutePlan, w2, out: torch.Tensor | None = None,
-                 config: dict | None = None, split: bool = False) -> torch.Tensor:
+                 config: dict | None = None) -> torch.Tensor:
     """h [plan.n_rows, I] in sorted-row order -> y [plan.n_rows, D] in h.dtype (the expert outputs)."""
     _check_weight(w2, "w2")
     out = torch.empty(plan.n_rows, w2.data.shape[1], dtype=h.dtype, device=h.device) if out is None else out
-    return _launch(h, plan, w2, None, out, False, False, 0.0, 0, config or CONFIG["down"], split)
+    return _launch(h, plan, w2, None, out, False, False, 0.0, 0, config or CONFIG["down"])

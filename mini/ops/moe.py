@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
-from mini.kernels.fp4_layout import checkpoint_layout, split_layout
 from mini.ops import use_fast
 from mini.ops.linear import QWeight, linear
 
@@ -46,7 +45,6 @@ class MoEWeights:
     shared_w3: QWeight
     shared_w2: QWeight
     swiglu_limit: float
-    fp4_layout: str = "checkpoint"  # "split" after the fast path re-laid the routed experts' bytes in place
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
@@ -99,23 +97,8 @@ class MoEWeights:
     def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
         """The three projections of the i-th local expert (global id experts[i])."""
         def one(w: QWeight) -> QWeight:
-            data = w.data[i]
-            if self.fp4_layout == "split" and w.kind == "mxfp4":
-                data = checkpoint_layout(data)
-            return QWeight(w.kind, data, None if w.scale is None else w.scale[i], w.block)
+            return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         return one(self.w1), one(self.w3), one(self.w2)
-
-    def set_fp4_layout(self, layout: str, chunk: int = 8) -> None:
-        """Re-lay the routed experts' packed bytes in place ("checkpoint" or "split"), `chunk` experts at a time
-        so that the scratch stays small."""
-        if layout == self.fp4_layout:
-            return
-        convert = split_layout if layout == "split" else checkpoint_layout
-        for w in (self.w1, self.w3, self.w2):
-            if w.kind == "mxfp4":
-                for i in range(0, w.data.shape[0], chunk):
-                    w.data[i:i + chunk] = convert(w.data[i:i + chunk])
-        self.fp4_layout = layout
 
 
 def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
@@ -234,13 +217,11 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, SPLIT_LAYOUT, grouped_down, grouped_swiglu
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
 
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
     xq = fp8_act_quant(x, w.w1.block) if act_quant else x
-    split = SPLIT_LAYOUT and x.shape[1] % 64 == 0 and w.w2.data.shape[-1] % 32 == 0  # D and I multiples of 64
-    w.set_fp4_layout("split" if split else "checkpoint")
     plan = plan_routes(ids, weights, w.experts, BLOCK_M)
-    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0, split=split)
-    y = grouped_down(h, plan, w.w2, split=split)
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
+    y = grouped_down(h, plan, w.w2)
     return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)

@@ -5,16 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4, unpack_fp4_codes
+from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4
 from mini.kernels.moe_route import plan_routes
-from mini.kernels.fp4_layout import checkpoint_layout, split_layout
 from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
 from mini.ops.linear import QWeight
 
 SMALL = dict(BN=32, BK=64, num_warps=4, num_stages=1)
 SMALL_SWAPPED = dict(SMALL, SWAP_AB=True)
 GPU_CONFIGS = [None, dict(BN=128, BK=64, num_warps=8, num_stages=4, SWAP_AB=True),
-               dict(BN=64, BK=64, num_warps=4, num_stages=4, SWAP_AB=False)]
+               dict(BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=False)]
 
 
 def random_experts(E, N, K, device, spread=6):
@@ -50,17 +49,6 @@ def reference_swiglu(x, plan, w1, w3, e_of_row, limit, quant_block):
     return fake_quant_fp8(h, quant_block) if quant_block else h
 
 
-def test_split_layout_round_trips():
-    data = torch.randint(0, 256, (3, 5, 96), dtype=torch.uint8)
-    codes, split = unpack_fp4_codes(data), unpack_fp4_codes(split_layout(data))
-    assert torch.equal(split[..., 0:64:2], codes[..., 0:32]) and torch.equal(split[..., 1:64:2], codes[..., 32:64])
-    assert torch.equal(checkpoint_layout(split_layout(data)), data)
-
-
-def in_layout(w: QWeight, split: bool) -> QWeight:
-    return QWeight(w.kind, split_layout(w.data), w.scale, w.block) if split else w
-
-
 def assert_fp8_close(out, ref):
     """Equal except for rare FP8 roundings that land on the other side of a tie (one e4m3 step, < 1% of them)."""
     diff = out.float() != ref.float()
@@ -69,19 +57,18 @@ def assert_fp8_close(out, ref):
     assert ((out.float() - ref.float()).abs() <= step + 1e-30).all()
 
 
-def _swiglu_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config, limit=2.0, split=False):
+def _swiglu_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config, limit=2.0):
     ids, plan = routes(T, k, n_experts, experts, device, block_m)
     w1, w3 = random_experts(len(experts), I, D, device), random_experts(len(experts), I, D, device)
     x = fake_quant_fp8((torch.randn(T, D) * 2).to(device).to(dtype), 32)
     e_of_row, n = row_expert(ids, plan, experts)
     out = torch.full((plan.n_rows, I), float("nan"), dtype=dtype, device=device)
-    h = grouped_swiglu(x, plan, in_layout(w1, split), in_layout(w3, split), limit, 32, out=out, config=config,
-                       split=split)
+    h = grouped_swiglu(x, plan, w1, w3, limit, 32, out=out, config=config)
     assert torch.isfinite(h[:n]).all() and h[n:].isnan().all(), "rows written must be exactly the local ones"
     assert_fp8_close(h[:n], reference_swiglu(x, plan, w1, w3, e_of_row, limit, 32))
 
 
-def _down_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config, split=False):
+def _down_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config):
     """Small-integer data: activations j/8 and weights with E8M0 scale 2^0..2^1 keep every fp32 sum exact."""
     ids, plan = routes(T, k, n_experts, experts, device, block_m)
     E = len(experts)
@@ -91,7 +78,7 @@ def _down_case(T, k, n_experts, experts, D, I, device, dtype, block_m, config, s
     h = (torch.randint(-16, 17, (plan.n_rows, I)) / 8).to(device).to(dtype)
     e_of_row, n = row_expert(ids, plan, experts)
     out = torch.full((plan.n_rows, D), float("nan"), dtype=dtype, device=device)
-    y = grouped_down(h, plan, in_layout(w2, split), out=out, config=config, split=split)
+    y = grouped_down(h, plan, w2, out=out, config=config)
     W2 = dequant_mxfp4(w2.data, w2.scale)[e_of_row]
     ref = torch.einsum("ni,ndi->nd", h[:n].double(), W2.double()).to(dtype)
     assert y[n:].isnan().all()
@@ -111,7 +98,7 @@ def test_down_is_exact_on_exact_data_interpreter(dtype, config, interpreter):
     _down_case(11, 3, 12, range(0, 5), 80, 96, "cpu", dtype, 8, config)
 
 
-def _decode_case(device, config, split=False):
+def _decode_case(device, config):
     """Every E2M1 code next to scale bytes 100..128 (the top of the supported 1..128), through the plain GEMM with
     one-hot activations: row r of the output is column r of W."""
     E, N, K = 1, 32, 64
@@ -121,27 +108,19 @@ def _decode_case(device, config, split=False):
     w = QWeight("mxfp4", codes[None].to(device), scale.to(device), 32)
     ids = torch.zeros(K, 1, dtype=torch.long, device=device)
     plan = plan_routes(ids, torch.ones(K, 1, device=device), range(0, 1), 64)
-    y = grouped_down(torch.eye(K, device=device), plan, in_layout(w, split), config=config, split=split)
+    y = grouped_down(torch.eye(K, device=device), plan, w, config=config)
     assert torch.equal(y[:K], dequant_mxfp4(w.data[0], w.scale[0]).t())
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
-def test_decode_spans_all_codes_and_scales(config, split, interpreter):
-    _decode_case("cpu", config, split)
-
-
-@pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
-def test_split_layout_interpreter(config, interpreter):
-    _swiglu_case(9, 4, 16, range(3, 11), 128, 64, "cpu", torch.bfloat16, 16, config, split=True)
-    _down_case(11, 3, 12, range(0, 5), 80, 128, "cpu", torch.bfloat16, 8, config, split=True)
+def test_decode_spans_all_codes_and_scales(config, interpreter):
+    _decode_case("cpu", config)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("config", GPU_CONFIGS)
-def test_decode_spans_all_codes_and_scales_gpu(config, split):
-    _decode_case("cuda", config, split)
+def test_decode_spans_all_codes_and_scales_gpu(config):
+    _decode_case("cuda", config)
 
 
 @pytest.mark.gpu
@@ -150,7 +129,6 @@ def test_decode_spans_all_codes_and_scales_gpu(config, split):
                                                  (1000, 4, range(0, 48), 128)])
 def test_swiglu_gpu(T, k, experts, block_m, config):
     _swiglu_case(T, k, 48, experts, 1024, 352, "cuda", torch.bfloat16, block_m, config, limit=10.0)
-    _swiglu_case(T, k, 48, experts, 1024, 352, "cuda", torch.bfloat16, block_m, config, limit=10.0, split=True)
 
 
 @pytest.mark.gpu
@@ -158,4 +136,3 @@ def test_swiglu_gpu(T, k, experts, block_m, config):
 @pytest.mark.parametrize("T,k,experts", [(1, 6, range(0, 48)), (300, 6, range(16, 40)), (1000, 4, range(0, 48))])
 def test_down_gpu(T, k, experts, config):
     _down_case(T, k, 48, experts, 1056, 320, "cuda", torch.bfloat16, 64, config)
-    _down_case(T, k, 48, experts, 1056, 384, "cuda", torch.bfloat16, 64, config, split=True)

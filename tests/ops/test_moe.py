@@ -135,8 +135,6 @@ def test_fast_routed_matches_reference_interpreter(tiny, dtype):
     ref = routed(x, w, cfg, weights, ids)
     out = _routed_fast(x, w, weights, ids, torch.float32)
     _assert_close_bf16(out, ref, 1e-2 if dtype == torch.bfloat16 else 1e-5)
-    assert w.fp4_layout == "split"  # the fast path re-laid the experts; the reference still reads them right
-    assert torch.equal(routed(x, w, cfg, weights, ids), ref)
     fused = _routed_fast(x, w, weights, ids, dtype, add=shared(x, w).to(dtype))
     _assert_close_bf16(fused, (ref + shared(x, w)).to(dtype), 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
