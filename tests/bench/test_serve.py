@@ -49,3 +49,13 @@ def test_against_a_running_server():
         assert run["itl_p99_ms"] > 0
     assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["tpot_p50_ms"] <= m["tpot_p99_ms"]
     assert result["definition"]["num_requests"] == 6 and result["definition"]["ignore_eos"] is True
+
+
+def test_cpu_smoke_tiny_model_started_server():
+    """The suite as `mini bench tiny-goodput` runs it: starts `mini serve` (tiny-v4.1, CPU) in a subprocess."""
+    args = _args("--device", "cpu", "--num-requests", "3", "--input-len", "8", "--output-len", "3",
+                 "--block-tokens", "16", "--num-blocks", "16", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
+    result = check_result("tiny-goodput", goodput.run(args))
+    m = result["metrics"]
+    assert m["completed"] == 3 and m["failed"] == 0 and m["goodput_req_s"] == m["request_throughput"]
+    assert m["total_tok_s"] == pytest.approx(m["output_tok_s"] * (8 + 3) / 3)

@@ -23,6 +23,8 @@ def fake_app(**opts):
 
 @pytest.fixture(scope="module")
 def server():
-    app = fake_app()
+    """tiny-v4.1 on CPU (fp32), served as MODEL; context = 64 blocks of 16 = 1024 tokens."""
+    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, num_blocks=64, block_tokens=16,
+                    max_num_seqs=8)
     with BackgroundServer(app) as url:
         yield url, app

@@ -16,13 +16,13 @@ def _client(url):
 def test_completion_and_streaming_agree(server):
     url, _ = server
     c = _client(url)
-    full = c.completions.create(model=MODEL, prompt="hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
-    chunks = list(c.completions.create(model=MODEL, prompt="hello", max_tokens=12, temperature=0, stream=True,
+    full = c.completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 5
+    chunks = list(c.completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == full.choices[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
@@ -30,10 +30,10 @@ def test_chat_streaming_and_not(server):
     url, _ = server
     c = _client(url)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    full = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, seed=3,
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, seed=3,
                                      extra_body={"ignore_eos": True})
-    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
-    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True,
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 4
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -81,7 +81,8 @@ BAD = [
     (b'{"model": "fake", "prompt": "hi", "temperature": "hot"}', "temperature"),
     (b'{"model": "fake", "prompt": ""}', "empty"),
     (b'{"model": "fake", "prompt": [5, 100000]}', "token ids"),
-    (b'{"model": "fake", "prompt": "' + b"a" * 1100 + b'"}', "context"),
+    (b'{"model": "fake", "prompt": [' + b"7, " * 1100 + b'7]}', "context"),
+    (b'{"model": "fake", "prompt": [5, 6], "max_tokens": 1023}', "context"),
     (b'{"model": "fake"}', "prompt"),
 ]
 
