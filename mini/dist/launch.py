@@ -79,7 +79,7 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mini.dist.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None,
-                   help="local processes to start (default: WORLD_SIZE from torchrun, else 1)")
+                   help="local processes to start (default 1; under torchrun each process is one rank)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate for several prompts, spread over the DP ranks")
@@ -96,7 +96,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if "WORLD_SIZE" in os.environ and args.nproc is None:  # started by torchrun: this process is one rank
+    under_torchrun = "WORLD_SIZE" in os.environ
+    if under_torchrun and args.nproc is not None:
+        raise SystemExit("--nproc is for local runs; under torchrun use --nproc-per-node")
+    if under_torchrun or (args.nproc or 1) == 1:  # this process is one rank (or the only one)
         ctx = init(args.device)
         try:
             texts = _generate_rank(ctx, args)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.rank != 0:
             return 0
     else:
-        texts = spawn(args.nproc or 1, _generate_rank, args, device=args.device)[0]
+        texts = spawn(args.nproc, _generate_rank, args, device=args.device)[0]
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt!r} -> {text!r}")
     return 0
