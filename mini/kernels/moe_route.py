@@ -39,9 +39,9 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     dev = ids.device
     flat = ids.reshape(-1)
     local = (flat >= experts.start) & (flat < experts.stop)
-    key = torch.where(local, flat - experts.start, torch.full_like(flat, E))
+    key = torch.where(local, flat - experts.start, torch.full_like(flat, E)).to(torch.int32)  # 4-byte radix sort
     order = torch.sort(key, stable=True).indices  # sorted row -> flat (token, slot) index
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key.long(), torch.ones_like(flat))[:E]
 
     n_rows = max_rows(T, k, E)
     order_local = order[:n_rows]

@@ -219,6 +219,9 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
 
+    if x.shape[0] == 0:  # an idle EP rank still joins the exchange
+        out = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
+        return out if add is None else (out.float() + add.float()).to(out_dtype)
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
     xq = fp8_act_quant(x, w.w1.block) if act_quant else x
     plan = plan_routes(ids, weights, w.experts, BLOCK_M)

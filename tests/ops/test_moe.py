@@ -139,6 +139,18 @@ def test_fast_routed_matches_reference_interpreter(tiny, dtype):
     _assert_close_bf16(fused, (ref + shared(x, w)).to(dtype), 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_fast_routed_of_no_tokens_interpreter(tiny):
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test")
+    from mini.ops.moe import _routed_fast
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, range(3, 12))
+    x = torch.zeros(0, cfg.dim)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    assert _routed_fast(x, w, weights, ids, torch.float32).shape == (0, cfg.dim)
+    assert routed(x, w, cfg, weights, ids).shape == (0, cfg.dim)
+
+
 def _mid_state(cfg, layer, device, seed=0):
     """One MoE layer's tensors at the given config's sizes (a quick stand-in for random_state at larger dims)."""
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -1,0 +1,157 @@
+"""`rank4`: one prefill step of one EP4/DP4 rank at real V4.1-Flash shape, on one GPU (shared/perf/README.md).
+
+All 40 layers with random weights drawn on the device (`mini.checkpoint.random_state`, this rank's 96 of 384
+experts; Engram tables capped to `--engram-rows` rows, hash ids taken modulo the rows). Attention runs over the
+rank's own `--tokens` new tokens (`--seqs` sequences prefilled from position 0). The MoE is emulated as EP would
+run it (`EmulatedEP`): the gate routes the rank's tokens plus (ep - 1) x as many synthetic remote tokens (its own
+rows in fixed random orders, so the same distribution), the local experts process every pair routed to them, the
+rank keeps its own rows and adds the shared expert. Communication is not run here (measured on 2 GPUs).
+
+Metrics: mean / median step ms over `--steps` steady steps after `--warmup`, tok/s/GPU (own tokens / mean step),
+peak memory, the raw step times.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mini.config import ModelConfig, preset
+
+
+def add_args(p) -> None:
+    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--tokens", type=int, default=4096, help="new tokens of this rank per step")
+    p.add_argument("--seqs", type=int, default=1, help="sequences the tokens are split into")
+    p.add_argument("--ep", type=int, default=4, help="EP ranks emulated (this is rank 0)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--engram-rows", type=int, default=1 << 20)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+
+
+class EmulatedEP:
+    """`Model(moe_exchange=...)` for one EP rank on one device: the compute of gate + local experts over the
+    tokens an all-gather would bring (own + synthetic remote), then the own rows (what the reduce-scatter would
+    return) plus the shared expert."""
+
+    def __init__(self, ep: int, seed: int):
+        self.ep, self.seed = ep, seed
+        self._orders: dict[tuple, torch.Tensor] = {}
+
+    def remote_rows(self, n: int, device) -> torch.Tensor:
+        """Row indices of the synthetic remote tokens: (ep - 1) fixed random orders of the own n rows."""
+        key = (n, str(device))
+        if key not in self._orders:
+            g = torch.Generator().manual_seed(self.seed)
+            orders = [torch.randperm(n, generator=g) for _ in range(self.ep - 1)]
+            self._orders[key] = (torch.cat(orders) if orders else torch.zeros(0, dtype=torch.int64)).to(device)
+        return self._orders[key]
+
+    def __call__(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor) -> torch.Tensor:
+        from mini.ops.moe import gate, routed, shared
+        T = x.shape[0]
+        rows = self.remote_rows(T, x.device)
+        x_all, ids_all = torch.cat([x, x[rows]]), torch.cat([input_ids, input_ids[rows]])
+        weights, ids = gate(x_all, w, cfg, plan, ids_all)
+        y = routed(x_all, w, cfg, weights, ids)[:T]
+        return (y + shared(x, w)).to(x.dtype)
+
+
+@dataclass
+class Rank4:
+    """Everything one step needs; `step()` runs one forward."""
+    model: object
+    config: ModelConfig
+    batch: object
+    cache: object
+    exchange: EmulatedEP
+    n_tokens: int
+
+    def step(self) -> torch.Tensor:
+        return self.model.forward(self.batch, self.cache)
+
+
+def build(args) -> Rank4:
+    from mini.checkpoint import expert_range, random_state
+    from mini.model import Batch, KVCache, Model
+    from mini.model.batch import SeqChunk
+    cfg = preset(args.preset)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    experts = expert_range(cfg, 0, args.ep)
+    state = random_state(cfg, device, args.seed, experts=experts, engram_rows=args.engram_rows)
+    exchange = EmulatedEP(args.ep, args.seed)
+    model = Model(cfg, state, device, dtype, moe_exchange=exchange, experts=experts)
+    del state
+    hasher = None
+    if cfg.engram_layer_ids:
+        import numpy as np
+        from mini.ops.engram import EngramHasher
+        # any map onto the compressed vocabulary gives the same work; the real one needs the tokenizer
+        hasher = EngramHasher(cfg, np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+    per_seq = args.tokens // args.seqs
+    nb = -(-per_seq // args.block_tokens)
+    g = torch.Generator().manual_seed(args.seed)
+    chunks = [SeqChunk(torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist(), 0, i,
+                       list(range(i * nb, (i + 1) * nb))) for i in range(args.seqs)]
+    batch = Batch.build(chunks, cfg, device, hasher)
+    if batch.engram_ids is not None and args.engram_rows:
+        batch.engram_ids = batch.engram_ids % args.engram_rows  # the capped tables' rows
+    cache = KVCache(cfg, args.seqs, args.seqs * nb, args.block_tokens, device, dtype)
+    return Rank4(model, cfg, batch, cache, exchange, per_seq * args.seqs)
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(r: Rank4, steps: int) -> list[float]:
+    """ms of each of `steps` forwards (CUDA events on the GPU, wall clock on the CPU)."""
+    dev = r.batch.input_ids.device
+    out = []
+    for _ in range(steps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            r.step()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            r.step()
+            out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def definition(args) -> dict:
+    return {"preset": args.preset, "tokens": args.tokens, "seqs": args.seqs, "ep": args.ep, "dtype": args.dtype,
+            "block_tokens": args.block_tokens, "engram_rows": args.engram_rows, "seed": args.seed,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+
+
+def run(args) -> dict:
+    import mini.ops
+    if args.device.startswith("cuda"):
+        mini.ops.set_backend("fast")
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    r = build(args)
+    setup_s = time.perf_counter() - t0
+    dev = r.batch.input_ids.device
+    for _ in range(args.warmup):
+        r.step()
+    _sync(dev)
+    steps = time_steps(r, args.steps)
+    mean = statistics.mean(steps)
+    metrics = {"mean_step_ms": mean, "median_step_ms": statistics.median(steps), "min_step_ms": min(steps),
+               "max_step_ms": max(steps), "tok_per_s_per_gpu": r.n_tokens / (mean / 1e3), "setup_s": setup_s}
+    if dev.type == "cuda":
+        metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return {"suite": "rank4", "definition": definition(args), "metrics": metrics, "raw": {"step_ms": steps}}
