@@ -178,7 +178,7 @@ def expert_ffn(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, limit: fl
 def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
            ids: torch.Tensor) -> torch.Tensor:
     """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0."""
-    if use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4":
+    if _fast_ok(x, ids, w):
         return _routed_fast(x, w, weights, ids, torch.float32)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for i, e in enumerate(w.experts):
@@ -203,12 +203,20 @@ def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input
         image_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The whole MoE FFN on one device (all experts local, or EP without exchange), in x.dtype."""
     weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
-    if use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4":
+    if _fast_ok(x, ids, w):
         return _routed_fast(x, w, weights, ids, x.dtype, add=_shared(x, w))
     return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)
+def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
+    """The kernels take MXFP4 experts and multiply in bf16: exact for bf16 activations and for fake-quantized
+    ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off."""
+    from mini.formats.quant import fake_quant_enabled
+    return (use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4"
+            and (x.dtype == torch.bfloat16 or fake_quant_enabled()))
+
+
 def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
                  add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts through the Triton kernels: sort the (token, slot) pairs by local expert, grouped
