@@ -12,7 +12,7 @@ from mini.checkpoint import random_state
 from mini.config import preset
 from mini.ops.moe import MoEWeights, moe
 
-TINY = ["--preset", "tiny-v4.1", "--tokens", "48", "--seqs", "2", "--steps", "2", "--warmup", "1",
+TINY = ["--preset", "tiny-v4.1", "--tokens", "24", "--seqs", "2", "--steps", "2", "--warmup", "1",
         "--device", "cpu", "--dtype", "float32", "--block-tokens", "16"]
 
 
@@ -48,8 +48,8 @@ def test_emulated_ep_routes_synthetic_remote_rows_but_returns_own(tiny_moe):
 def test_rank4_suite_on_the_tiny_model():
     res = check_result("rank4", prefill.run(_args()))
     m = res["metrics"]
-    assert res["definition"]["tokens"] == 48 and len(res["raw"]["step_ms"]) == 2
-    assert m["tok_per_s_per_gpu"] == pytest.approx(48 / (m["mean_step_ms"] / 1e3))
+    assert res["definition"]["tokens"] == 24 and len(res["raw"]["step_ms"]) == 2
+    assert m["tok_per_s_per_gpu"] == pytest.approx(24 / (m["mean_step_ms"] / 1e3))
     assert m["min_step_ms"] <= m["median_step_ms"] <= m["max_step_ms"]
 
 
