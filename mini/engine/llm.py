@@ -131,7 +131,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(s, [], 0) for s in self._aborted]
+        outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -173,7 +173,7 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
-            results.append(self._output(seq, seq.output_token_ids[n_before:], n_before))
+            results.append(self._output(seq, seq.output_token_ids[n_before:]))
         return results
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -184,21 +184,16 @@ class LLMEngine:
         if token in p.stop_token_ids:
             self._finish(seq, "stop", token)
             return
-        if seq.detok is None:
-            if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
-                    or seq.num_tokens >= seq.max_total_tokens:
-                seq.finish("length")
-            return
-        seq.decoded += seq.detok.push(token)
-        if p.stop and self._stop_string(seq):
-            return
+        if seq.detok is not None:
+            seq.decoded += seq.detok.push(token)
+            if p.stop and self._stop_string(seq):
+                return
         if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
                 or seq.num_tokens >= seq.max_total_tokens:
             self._finish(seq, "length", None)
-            return
-        # stream only text that can no longer turn into the start of a stop string
-        hold = max((len(s) for s in p.stop), default=1) - 1
-        seq.text = seq.decoded[:max(len(seq.decoded) - hold, seq.emitted_chars)]
+        elif seq.detok is not None:  # stream only text that can no longer become the start of a stop string
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            seq.text = seq.decoded[:max(len(seq.decoded) - hold, seq.emitted_chars)]
 
     def _stop_string(self, seq: Sequence) -> bool:
         """Find the earliest stop string in the text; it may straddle any number of token boundaries."""
@@ -219,7 +214,7 @@ class LLMEngine:
             seq.decoded += seq.detok.flush()
             seq.text = seq.decoded
 
-    def _output(self, seq: Sequence, new_ids: list[int], n_before: int) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         new_text = seq.text[seq.emitted_chars:]
         seq.emitted_chars = len(seq.text)
         return RequestOutput(
