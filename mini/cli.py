@@ -30,7 +30,9 @@ def _setup(args) -> tuple:
 def cmd_generate(args) -> int:
     from mini.engine import LLM, SamplingParams
     device, dtype = _setup(args)
-    llm = LLM(args.model, device=device, dtype=dtype)
+    # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request
+    num_blocks = args.num_blocks or (None if device.startswith("cuda") else 8 + (args.max_tokens + 4096) // 128)
+    llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     prompt = llm.tokenizer.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat format")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 positions (default: sized)")
     g.set_defaults(fn=cmd_generate)
     lg = sub.add_parser("logits", help="write fp32 logits of a prefill and N greedy decode steps (parity checks)")
     _model_args(lg)
