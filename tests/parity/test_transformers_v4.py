@@ -258,65 +258,51 @@ def test_transformers_decode_matches_its_prefill(run: Run):
 
 
 # ---------------------------------------------------------------------- mini against transformers
-def _mini_model(ckpt: str):
-    from mini.model import load_model
-
-    model, config, _ = load_model(ckpt, "cpu", torch.float32)
-    assert config == CONFIG
-    return model
-
-
-def _mini_prefill(model, tokens: list[int], cache):
+def _mini_step(model, cache, chunks: list[tuple[tuple[int, list[int]], int, int]], tokens: list[int]):
+    """One forward of mini over `chunks` = [((slot, blocks), start, end)]: logits of every row."""
     from mini.model import Batch, SeqChunk
 
-    batch = Batch.build([SeqChunk(tokens, 0, SLOT, BLOCKS)], CONFIG, "cpu")
-    batch.logit_rows = torch.arange(len(tokens))
+    batch = Batch.build([SeqChunk(tokens[:end], start, *seq) for seq, start, end in chunks], CONFIG, "cpu")
+    batch.logit_rows = torch.arange(batch.n_tokens)
     return model.forward(batch, cache)
 
 
+def _hf_rows(run: Run, start: int, end: int) -> torch.Tensor:
+    """transformers' logits for positions start..end-1: prefill rows, then its decode steps."""
+    decoded = torch.stack(run.hf_logits[1:])
+    return torch.cat([run.hf_logits[0], decoded])[start:end]
+
+
 def test_mini_matches_transformers(run: Run):
-    from mini.model import Batch, KVCache, SeqChunk
+    """Sequence A alone: prefill of the whole prompt (every position compared), then decode. Then sequence B joins
+    the flat batch: it prefills the same prompt in two chunks while A decodes (the cut leaves a partial ratio-4
+    group; the second chunk crosses the window) and decodes one position behind A."""
+    from mini.model import KVCache
 
-    model = _mini_model(run.ckpt)
-    cache = KVCache(CONFIG, n_slots=2, n_blocks=4, block_tokens=BLOCK_TOKENS, device="cpu", dtype=torch.float32)
+    model, config, _ = _load_mini(run.ckpt)
+    cache = KVCache(config, n_slots=2, n_blocks=7, block_tokens=BLOCK_TOKENS, device="cpu", dtype=torch.float32)
+    a, b, cut, P = (SLOT, BLOCKS), (0, [4, 6, 1]), 97, PROMPT_LEN
+    steps = [[(a, 0, P)], [(a, P, P + 1)], [(a, P + 1, P + 2), (b, 0, cut)], [(b, cut, P), (a, P + 2, P + 3)]]
+    steps += [[(a, P + k, P + k + 1), (b, P + k - 3, P + k - 2)] for k in range(3, DECODE_STEPS)]
     with no_fake_quant():
-        prefill = _mini_prefill(model, run.tokens[:PROMPT_LEN], cache)
-        err = rel_err(prefill, run.hf_logits[0])
-        assert err.max() <= REL_TOL, (f"prefill: {int((err > REL_TOL).sum())} positions off, first at "
-                                      f"{int((err > REL_TOL).nonzero()[0])}, max {err.max():.3g}; "
-                                      + _first_divergence(run, model))
-        for step in range(DECODE_STEPS):
-            end = PROMPT_LEN + step + 1
-            batch = Batch.build([SeqChunk(run.tokens[:end], end - 1, SLOT, BLOCKS)], CONFIG, "cpu")
-            logits = model.forward(batch, cache)[0]
-            err = rel_err(logits, run.hf_logits[step + 1])
-            assert err <= REL_TOL, f"decode step {step} (position {end - 1}): relative error {err:.3g}"
-            assert int(logits.argmax()) == int(run.hf_logits[step + 1].argmax())
+        for n, chunks in enumerate(steps):
+            got = _mini_step(model, cache, chunks, run.tokens)
+            want = torch.cat([_hf_rows(run, start, end) for _, start, end in chunks])
+            err = rel_err(got, want)
+            if err.max() > REL_TOL:
+                where = f"step {n} {[(slot, start, end) for (slot, _), start, end in chunks]}"
+                bad = int((err > REL_TOL).sum())
+                pytest.fail(f"{where}: {bad} rows off, max relative error {err.max():.3g}"
+                            + ("; " + _first_divergence(run, model) if n == 0 else ""))
+            assert torch.equal(got.argmax(-1), want.argmax(-1))  # the greedy tokens agree
 
 
-def test_mini_mixed_batch_matches_transformers(run: Run):
-    """mini's flat batch against the same transformers logits: sequence A prefills and then decodes while sequence
-    B, in the same steps, prefills the same prompt in two chunks (the cut leaves a partial ratio-4 group and the
-    second chunk crosses the window) and then decodes one position behind A."""
-    from mini.model import Batch, KVCache, SeqChunk
+def _load_mini(ckpt: str):
+    from mini.model import load_model
 
-    model = _mini_model(run.ckpt)
-    cache = KVCache(CONFIG, n_slots=2, n_blocks=7, block_tokens=BLOCK_TOKENS, device="cpu", dtype=torch.float32)
-    a, b, cut, toks = (SLOT, BLOCKS), (0, [4, 6, 1]), 97, run.tokens
-    hf_prefill = run.hf_logits[0]
-
-    def step(chunks, expected):
-        batch = Batch.build([SeqChunk(toks[:end], start, *seq) for seq, start, end in chunks], CONFIG, "cpu")
-        batch.logit_rows = torch.arange(batch.n_tokens)
-        err = rel_err(model.forward(batch, cache), torch.cat([e.reshape(-1, CONFIG.vocab_size) for e in expected]))
-        assert err.max() <= REL_TOL, f"steps {chunks}: {int((err > REL_TOL).sum())} rows off, max {err.max():.3g}"
-
-    with no_fake_quant():
-        step([(a, 0, PROMPT_LEN), (b, 0, cut)], [hf_prefill, hf_prefill[:cut]])
-        step([(a, PROMPT_LEN, PROMPT_LEN + 1), (b, cut, PROMPT_LEN)], [run.hf_logits[1], hf_prefill[cut:]])
-        for k in range(1, 3):
-            step([(b, PROMPT_LEN + k - 1, PROMPT_LEN + k), (a, PROMPT_LEN + k, PROMPT_LEN + k + 1)],
-                 [run.hf_logits[k], run.hf_logits[k + 1]])
+    model, config, tokenizer = load_model(ckpt, "cpu", torch.float32)
+    assert config == CONFIG
+    return model, config, tokenizer
 
 
 def _first_divergence(run: Run, model) -> str:
@@ -339,8 +325,8 @@ def _first_divergence(run: Run, model) -> str:
     try:
         from mini.model import KVCache
 
-        cache = KVCache(CONFIG, 2, 4, BLOCK_TOKENS, "cpu", torch.float32)
-        _mini_prefill(model, run.tokens[:PROMPT_LEN], cache)
+        cache = KVCache(CONFIG, 2, 7, BLOCK_TOKENS, "cpu", torch.float32)
+        _mini_step(model, cache, [((SLOT, BLOCKS), 0, PROMPT_LEN)], run.tokens)
     finally:
         mm.attention, mm.Model._ffn = attention, ffn
     for (name, ref), got in zip(hf_out, mini_out):
