@@ -51,12 +51,12 @@ from mini.checkpoint.inventory import expected_tensors  # noqa: E402
 from mini.config import TINY_V4  # noqa: E402
 from mini.formats import fake_quant_fp4, no_fake_quant  # noqa: E402
 
-pytestmark = pytest.mark.slow  # ~40 CPU-seconds for the module (most of it in the shared fixture)
+pytestmark = pytest.mark.slow  # ~50 CPU-seconds for the module
 
 CONFIG = TINY_V4.replace(index_n_heads=8, index_head_dim=128)  # item 6 of the module docstring
 PROMPT_LEN = 250  # crosses the 128 window, one ratio-128 group and 62 ratio-4 groups
 DECODE_STEPS = 8  # positions 250..257: ratio-4 groups close at 251 and 255, the second ratio-128 group at 255
-BLOCK_TOKENS, BLOCKS, SLOT = 128, [3, 0, 2], 1  # non-trivial paging: 3 of 4 blocks, out of order
+BLOCK_TOKENS, BLOCKS, SLOT = 128, [3, 0, 2], 1  # non-trivial paging: blocks out of order, slot 1 of 2
 REL_TOL = 1e-4
 MIN_GAP = 1e-5  # smallest relative score gap at a top-k boundary for which the comparison is well posed
 
@@ -133,8 +133,10 @@ def test_checkpoint_layout_and_round_trip(run: Run):
     again = conv.hf_state(conv.official_state(run.hf, CONFIG), run.hf, CONFIG)
     for name, t in again.items():
         assert torch.equal(t, hf_now[name].to(t.dtype)), name
-    # each tensor stays close to its random original: a swapped or transposed mapping (w1/w3, gate/up,
-    # experts, wo_a groups) would be off by O(1). Bounds: bf16 2^-8, FP8 e4m3 2^-4, MXFP4 ~0.25 per element.
+    # each tensor stays close to its random original, so the two directions of the name map are inverse to each
+    # other: a mismatch (w1/w3, gate/up, expert order, transposes) would be off by O(1). That both directions agree
+    # with the reference's conventions is what the logit comparison with mini shows. Bounds: bf16 2^-8, FP8 e4m3
+    # 2^-4, MXFP4 ~0.25 per element.
     bound = {"bf16": 4e-3, "f32": 0.0, "i64": 0.0, "fp8": 0.05, "mxfp4": 0.2}
     for name, orig in run.original.items():
         err = ((hf_now[name].float() - orig.float()).norm() / orig.float().norm()).item()
