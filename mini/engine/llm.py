@@ -74,7 +74,8 @@ class LLMEngine:
         self.options, self.config, self.tokenizer = o, config, tokenizer
         device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shape = size_cache(cache_cls, config, device, o.dtype, o.block_tokens, o.max_num_seqs,
-                           o.num_snapshots if o.enable_prefix_caching else 0, o.num_blocks, o.gpu_memory_utilization)
+                           o.num_snapshots if o.enable_prefix_caching else 0, o.num_blocks, o.gpu_memory_utilization,
+                           o.max_model_len or config.max_position_embeddings)
         self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)

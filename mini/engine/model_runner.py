@@ -31,8 +31,9 @@ class CacheShape:
 
 
 def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs: int, num_snapshots: int,
-               num_blocks: int | None, gpu_memory_utilization: float) -> CacheShape:
-    """How many blocks fit. Explicit `num_blocks` wins; on CUDA the rest of the memory budget goes to blocks."""
+               num_blocks: int | None, gpu_memory_utilization: float, max_model_len: int) -> CacheShape:
+    """How many blocks fit. Explicit `num_blocks` wins; on CUDA the rest of the memory budget goes to blocks, up
+    to what `max_num_seqs` sequences of `max_model_len` tokens can use."""
     n_slots = max_num_seqs + num_snapshots
     if num_blocks is None:
         if torch.device(device).type != "cuda":
@@ -42,6 +43,7 @@ def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs
         per_block = cache_cls.bytes_per_block(config, block_tokens, dtype)
         per_slot = cache_cls.bytes_per_slot(config, dtype)
         num_blocks = int((budget - n_slots * per_slot) // per_block)
+        num_blocks = min(num_blocks, max_num_seqs * -(-max_model_len // block_tokens))
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the cache: {budget / 2**30:.2f} GiB budget, "
                                f"{n_slots} slots need {n_slots * per_slot / 2**30:.2f} GiB; "
