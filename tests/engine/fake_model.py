@@ -114,3 +114,30 @@ def fake_llm(**opts):
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
     return LLM(FakeModel(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
                seq_chunk_cls=FakeSeqChunk, **opts)
+
+
+class ScriptedModel:
+    """Greedy output follows `script` (one-hot logits): the token after a history of n tokens is
+    script[(n - prompt_len) % len(script)]. For exact stop-string / detokenization tests."""
+
+    def __init__(self, config: FakeConfig, script: list[int], prompt_len: int):
+        self.config, self.script, self.prompt_len = config, script, prompt_len
+
+    def forward(self, batch: FakeBatch, cache: FakeCache) -> torch.Tensor:
+        rows = []
+        for c in batch.chunks:
+            if c.want_logits:
+                row = torch.zeros(self.config.vocab_size)
+                row[self.script[(len(c.tokens) - self.prompt_len) % len(self.script)]] = 10.0
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
+
+
+def scripted_llm(text: str, prompt_len: int, **opts):
+    """An LLM whose greedy output is the bytes of `text` (repeated), one byte per token."""
+    from mini.engine import LLM
+    cfg = FakeConfig()
+    opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
+    model = ScriptedModel(cfg, FakeTokenizer().encode(text), prompt_len)
+    return LLM(model, config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
+               seq_chunk_cls=FakeSeqChunk, **opts)

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from fake_model import FakeModel, FakeTokenizer, fake_llm
+from fake_model import FakeTokenizer, fake_llm, scripted_llm
 from mini.engine import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -122,6 +122,23 @@ def test_stop_string_across_token_boundaries():
     with_stop = llm.generate(["xyz"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop,
                                                      include_stop_str_in_output=True))[0]
     assert with_stop.text == text[:text.index(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("stop,want", [("é!", "abc "), ("\u00e9", "abc "), ("c é", "ab"), ("!x", "abc é"),
+                                       ("zz", "abc é!xyz")])
+def test_stop_string_inside_multibyte_characters(stop, want):
+    """'é' is two byte-tokens: a stop string starting or ending inside it still matches on characters."""
+    llm = scripted_llm("abc é!xyz", prompt_len=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=stop)
+    out = llm.generate([[70, 71]], params)[0]
+    assert out.text == want
+    assert out.finish_reason == ("length" if stop == "zz" else "stop")
+    eng = llm.engine
+    eng.add_request("s", [70, 71], params)
+    pieces = []
+    while eng.has_work():
+        pieces += [o.new_text for o in eng.step()]
+    assert "".join(pieces) == want and all("\ufffd" not in p for p in pieces)
 
 
 def test_streamed_text_never_shows_part_of_a_stop_string():
