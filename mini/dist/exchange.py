@@ -92,39 +92,44 @@ class MoEExchange:
         weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
         if not self.ctx.multi:
             return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
-        x_all, weights_all, ids_all = self._gather(x, weights, ids, cfg.fp8_block)
+        send, widths = self._pack(x, weights, ids, cfg.fp8_block)
+        recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
+        pending = _all_gather(recv, send, async_op=True)
+        own = shared(x, w)  # the shared expert runs while the all-gather is in flight
+        pending.wait()
+        x_all, weights_all, ids_all = self._unpack(recv, widths, x.dtype, cfg.fp8_block)
         partial = routed(x_all, w, cfg, weights_all, ids_all)  # fp32 [sum T, D]
-        return (self._scatter(partial)[: x.shape[0]] + shared(x, w)).to(x.dtype)
+        return (self._scatter(partial)[: x.shape[0]] + own).to(x.dtype)
 
-    def _gather(self, x, weights, ids, block):
-        """All-gather one byte row per token; returns the valid rows of all ranks, in rank order."""
-        k, dim = ids.shape[1], x.shape[1]
-        quantized = fake_quant_enabled()
-        # the 4-byte fields first, rows padded to 16 bytes: a one-row piece of the split below stays a view, and
-        # reading it as int32 / fp32 needs aligned offsets and strides
+    def _pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
+        """One byte row per token, padded to the step's largest count: (rows [T_max, width], field widths).
+        The 4-byte fields come first and rows are padded to 16 bytes: a one-row piece of the split in `_unpack`
+        stays a view, and reading it as int32 / fp32 needs aligned offsets and strides."""
         payload = [ids.to(torch.int32).view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
-        if quantized:
+        if fake_quant_enabled():
             payload += list(encode_fp8(x, block))
         else:
-            payload.append(x.contiguous().view(torch.uint8).view(x.shape[0], dim * x.element_size()))
-        width = sum(p.shape[1] for p in payload)
-        row = torch.cat(payload + [x.new_zeros(x.shape[0], -width % 16, dtype=torch.uint8)], dim=1)
-        t_max = max(self.counts)
-        send = torch.zeros(t_max, row.shape[1], dtype=torch.uint8, device=x.device)
-        send[: x.shape[0]] = row
-        recv = torch.empty(self.ctx.world * t_max, row.shape[1], dtype=torch.uint8, device=x.device)
-        _all_gather(recv, send)
+            payload.append(x.contiguous().view(torch.uint8).view(x.shape[0], x.shape[1] * x.element_size()))
+        widths = [p.shape[1] for p in payload]
+        used = sum(widths)
+        widths.append(-used % 16)
+        send = x.new_zeros(max(self.counts), used + widths[-1], dtype=torch.uint8)
+        send[: x.shape[0], :used] = torch.cat(payload, dim=1)
+        return send, widths
+
+    def _unpack(self, recv, widths, dtype, block):
+        """The valid rows of all ranks, in rank order: (x [sum T, D] in `dtype`, weights fp32, ids int64)."""
         if self._rows is not None:
             recv = recv[self._rows]
-        parts = [p.contiguous() for p in torch.split(recv, [p.shape[1] for p in payload] + [-width % 16], dim=1)]
-        n_all = recv.shape[0]
-        ids_all = parts[0].view(torch.int32).view(n_all, k).long()
-        weights_all = parts[1].view(torch.float32).view(n_all, k)
-        if quantized:
-            x_all = decode_fp8(parts[2], parts[3], block, x.dtype)
-        else:
-            x_all = parts[2].view(x.dtype).view(n_all, dim)
-        return x_all, weights_all, ids_all
+        n, k = recv.shape[0], widths[0] // 4
+        parts = [p.contiguous() for p in torch.split(recv, widths, dim=1)]
+        ids = parts[0].view(torch.int32).view(n, k).long()
+        weights = parts[1].view(torch.float32).view(n, k)
+        if len(parts) == 5:  # ids, weights, e4m3 codes, E8M0 scales, padding
+            x = decode_fp8(parts[2], parts[3], block, dtype)
+        else:  # ids, weights, raw activations, padding
+            x = parts[2].view(dtype).view(n, parts[2].shape[1] // dtype.itemsize)
+        return x, weights, ids
 
     def _scatter(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' fp32 partial outputs; rank r gets the rows of its own tokens (padded to the step max)."""

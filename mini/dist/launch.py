@@ -33,6 +33,8 @@ def _worker(rank, world, port, device, results, fn, args):
     ctx = None
     try:
         ctx = init(device)
+        if ctx.device.type == "cpu":  # the ranks share the host's cores; oversubscribed BLAS threads crawl
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         buf = io.BytesIO()  # tensors travel as bytes: torch's shared-memory handles die with this process
         torch.save(fn(ctx, *args), buf)
         results.put((rank, True, buf.getvalue()))

@@ -28,7 +28,6 @@ def _summary(outs):
 
 
 def _run(ctx: DistContext):
-    torch.set_num_threads(1)
     return _summary(generate(_llm(*load_ep_model("tiny-v4.1", ctx, torch.float32)), ctx, PROMPTS, _params()))
 
 
