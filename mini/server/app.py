@@ -67,6 +67,20 @@ def _usage(out: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
+def split_reasoning(text: str, final: bool) -> tuple[str, str]:
+    """Thinking mode: the model writes its reasoning, `</think>`, then the answer. While the text is still
+    growing, a tail that could be the start of the marker is held back (it is neither part yet)."""
+    from mini.tokenizer import END_THINK
+    i = text.find(END_THINK)
+    if i >= 0:
+        return text[:i], text[i + len(END_THINK):]
+    if not final:
+        for k in range(len(END_THINK) - 1, 0, -1):
+            if text.endswith(END_THINK[:k]):
+                return text[:-k], ""
+    return text, ""
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -192,9 +206,13 @@ class OpenAIServer:
             raise ApiError(str(e), param="messages" if isinstance(e, NotImplementedError) else None) from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self._start(prompt, params, rid)
+        thinking = req.thinking_mode
         if not req.stream:
             out = await self._final(stream, request)
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            message = {"role": "assistant", "content": out.text}
+            if thinking:
+                message["reasoning_content"], message["content"] = split_reasoning(out.text, final=True)
+            choice = {"index": 0, "message": message,
                       "finish_reason": out.finish_reason,
                       "logprobs": self._chat_logprobs(out, len(out.token_ids)) if req.logprobs else None}
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
@@ -207,12 +225,19 @@ class OpenAIServer:
         async def events():
             yield chunk({"role": "assistant", "content": ""})
             last = None
+            sent_reasoning = sent_content = 0
             try:
                 async for out in stream:
                     last = out
                     lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
-                    if out.new_token_ids and (out.new_text or not out.finished):
-                        yield chunk({"content": out.new_text}, lp=lp)  # one chunk per token, as in completions
+                    if thinking:
+                        reasoning, content = split_reasoning(out.text, out.finished)
+                        delta = {"reasoning_content": reasoning[sent_reasoning:], "content": content[sent_content:]}
+                        sent_reasoning, sent_content = len(reasoning), len(content)
+                    else:
+                        delta = {"content": out.new_text}
+                    if out.new_token_ids and (any(delta.values()) or not out.finished):
+                        yield chunk(delta, lp=lp)  # one chunk per token, as in completions
                         lp = None
                     if out.finished:
                         yield chunk({}, finish=out.finish_reason, lp=lp)

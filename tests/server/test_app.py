@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from conftest import MODEL
+from mini.tokenizer import render_chat
 
 
 def _client(url):
@@ -130,3 +131,27 @@ def test_disconnect_mid_stream_aborts_and_frees_cache(server):
     assert not engine.requests and not engine.scheduler.running
     assert engine.blocks.usage == 0.0
     assert 'reason="abort"' in httpx.get(url + "/metrics").text
+
+
+def test_split_reasoning_holds_back_a_partial_marker():
+    from mini.server.app import split_reasoning
+    assert split_reasoning("think hard</think>answer", final=False) == ("think hard", "answer")
+    assert split_reasoning("think hard</th", final=False) == ("think hard", "")
+    assert split_reasoning("think hard</th", final=True) == ("think hard</th", "")
+    assert split_reasoning("a < b", final=False) == ("a < b", "")
+
+
+def test_chat_thinking_mode_separates_reasoning(server):
+    url, _ = server
+    c = _client(url)
+    msgs = [{"role": "user", "content": "why?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body={"ignore_eos": True,
+                                                                                    "chat_template_kwargs": {"thinking": True}})
+    full = c.chat.completions.create(**kw).choices[0].message
+    plain = c.completions.create(model=MODEL, prompt=render_chat(msgs, thinking=True), max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True}).choices[0].text
+    reasoning = full.model_extra["reasoning_content"]
+    assert reasoning + ("</think>" if "</think>" in plain else "") + full.content == plain
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    streamed = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks)
+    assert streamed == reasoning
