@@ -21,7 +21,7 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_tokens: int = 128
-    num_blocks: int | None = None  # required on CPU; on CUDA sized from memory when None
+    num_blocks: int | None = None  # None: sized from memory (see model_runner.size_cache)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_snapshots: int = 32  # spare state slots holding prefix-cache snapshots

@@ -1,7 +1,7 @@
 """Runs one scheduled step on the model: builds the flat batch for all chunks at once, keeps the cache pools.
 
-Pool sizing: on CUDA from free memory (`gpu_memory_utilization` of the device's total, minus what is already
-used), otherwise from `num_blocks`. The state pools get `max_num_seqs` slots for running sequences plus
+Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_utilization` of the device's
+total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for running sequences plus
 `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
 Decode with CUDA graphs slots in at `_forward`: a pure-decode step of batch size `B` would pad to the next
@@ -30,24 +30,29 @@ class CacheShape:
         return self.n_seq_slots + self.n_snapshots
 
 
+CPU_CACHE_BYTES = 1 << 30  # default pool budget on CPU, where free memory says little about what to use
+
+
 def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs: int, num_snapshots: int,
                num_blocks: int | None, gpu_memory_utilization: float, max_model_len: int) -> CacheShape:
-    """How many blocks fit. Explicit `num_blocks` wins; on CUDA the rest of the memory budget goes to blocks, up
-    to what `max_num_seqs` sequences of `max_model_len` tokens can use."""
+    """How many blocks fit. Explicit `num_blocks` wins. Otherwise the budget (CUDA: what is free beyond
+    `1 - gpu_memory_utilization` of the device; CPU: 1 GiB) goes to the slots and then to blocks, up to what
+    `max_num_seqs` sequences of `max_model_len` tokens can use."""
     n_slots = max_num_seqs + num_snapshots
     if num_blocks is None:
-        if torch.device(device).type != "cuda":
-            raise ValueError("on CPU the cache size must be given: num_blocks (--num-blocks)")
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        budget = free - (1.0 - gpu_memory_utilization) * total
+        if torch.device(device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            budget = free - (1.0 - gpu_memory_utilization) * total
+        else:
+            budget = CPU_CACHE_BYTES
         per_block = cache_cls.bytes_per_block(config, block_tokens, dtype)
         per_slot = cache_cls.bytes_per_slot(config, dtype)
         num_blocks = int((budget - n_slots * per_slot) // per_block)
         num_blocks = min(num_blocks, max_num_seqs * -(-max_model_len // block_tokens))
         if num_blocks < 1:
             raise RuntimeError(f"no memory left for the cache: {budget / 2**30:.2f} GiB budget, "
-                               f"{n_slots} slots need {n_slots * per_slot / 2**30:.2f} GiB; "
-                               "raise gpu_memory_utilization or lower max_num_seqs / num_snapshots")
+                               f"{n_slots} slots need {n_slots * per_slot / 2**30:.2f} GiB; raise "
+                               "gpu_memory_utilization (CUDA), give num_blocks, or lower max_num_seqs / num_snapshots")
     return CacheShape(num_blocks, block_tokens, max_num_seqs, num_snapshots)
 
 
