@@ -33,8 +33,8 @@ from mini.formats.fp8 import FP8_MAX, to_e4m3
 from mini.ops.moe import MoEWeights, gate, routed, shared
 
 # torch >= 2.13 names them *_single; 2.11 only has the *_tensor spellings
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def encode_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ class MoEExchange:
             return n_tokens
         mine = torch.tensor([n_tokens], dtype=torch.int64, device=self.ctx.device)
         every = torch.empty(self.ctx.world, dtype=torch.int64, device=self.ctx.device)
-        _all_gather(every, mine)
+        all_gather(every, mine)
         self.counts = every.tolist()
         t_max = max(self.counts)
         self._rows = None if min(self.counts) == t_max else torch.cat(
@@ -92,16 +92,24 @@ class MoEExchange:
         weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
         if not self.ctx.multi:
             return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
-        send, widths = self._pack(x, weights, ids, cfg.fp8_block)
-        recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
-        pending = _all_gather(recv, send, async_op=True)
-        own = shared(x, w)  # the shared expert runs while the all-gather is in flight
-        pending.wait()
-        x_all, weights_all, ids_all = self._unpack(recv, widths, x.dtype, cfg.fp8_block)
-        partial = routed(x_all, w, cfg, weights_all, ids_all)  # fp32 [sum T, D]
-        return (self._scatter(partial)[: x.shape[0]] + own).to(x.dtype)
+        out = self.exchange(x, weights, ids, cfg.fp8_block,
+                            experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia), local=lambda: shared(x, w))
+        return out.to(x.dtype)
 
-    def _pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
+    def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block: int, experts, local
+                 ) -> torch.Tensor:
+        """The communication around the experts: all-gather the rows, `experts(x_all, weights_all, ids_all)` ->
+        fp32 partial sums, reduce-scatter them, add `local()` (fp32, computed while the all-gather is in flight);
+        returns fp32 [T, D] for this rank's tokens. `mini.bench.ep_exchange` times it with stand-in experts."""
+        send, widths = self.pack(x, weights, ids, block)
+        recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
+        pending = all_gather(recv, send, async_op=True)
+        own = local()
+        pending.wait()
+        partial = experts(*self._unpack(recv, widths, x.dtype, block))  # fp32 [sum T, D]
+        return self._scatter(partial)[: x.shape[0]] + own
+
+    def pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
         """One byte row per token, padded to the step's largest count: (rows [T_max, width], field widths).
         The 4-byte fields come first and rows are padded to 16 bytes: a one-row piece of the split in `_unpack`
         stays a view, and reading it as int32 / fp32 needs aligned offsets and strides."""
@@ -138,5 +146,5 @@ class MoEExchange:
             padded = torch.zeros(self.ctx.world * t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
             partial = padded.index_copy_(0, self._rows, partial)
         out = torch.empty(t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
-        _reduce_scatter(out, partial.contiguous())
+        reduce_scatter(out, partial.contiguous())
         return out
