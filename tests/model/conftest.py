@@ -11,13 +11,13 @@ from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
 
 @pytest.fixture
 def batch_invariant_gemms(monkeypatch):
-    """fp32 GEMMs/einsums accumulate in fp64, so a row's result no longer depends on how many rows share the call.
+    """fp32 GEMMs (F.linear, einsum, @) accumulate in fp64, so a row's result no longer depends on how many rows share the call.
 
     CPU BLAS picks different kernels (and summation orders) for different row counts, e.g. one decode token vs a
     prefill chunk. In fp32 that moves results by an ulp, which now and then flips an FP8/FP4 fake-quant rounding or
     a routing choice, and the difference then travels down the sequence through the caches. With fp64 accumulation
     the fp32 results are the correctly rounded sums, the same for every batch shape."""
-    linear, einsum = F.linear, torch.einsum
+    linear, einsum, matmul = F.linear, torch.einsum, torch.Tensor.__matmul__
 
     def linear64(x, w, b=None):
         if x.dtype != torch.float32:
@@ -29,8 +29,14 @@ def batch_invariant_gemms(monkeypatch):
             return einsum(eq, *ops)
         return einsum(eq, *(o.double() for o in ops)).float()
 
+    def matmul64(a, b):
+        if a.dtype != torch.float32 or b.dtype != torch.float32:
+            return matmul(a, b)
+        return matmul(a.double(), b.double()).float()
+
     monkeypatch.setattr(F, "linear", linear64)
     monkeypatch.setattr(torch, "einsum", einsum64)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", matmul64)
 
 
 @pytest.fixture(scope="session")
