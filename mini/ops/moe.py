@@ -71,11 +71,8 @@ class MoEWeights:
             if not ws:
                 raise ValueError("a MoE layer needs at least one local expert")
             kind = ws[0].kind
-            data = torch.stack([_bytes(w.data, kind).to(device) if device is not None else _bytes(w.data, kind)
-                                for w in ws])
-            scale = None if kind == "bf16" else torch.stack(
-                [w.scale.view(torch.uint8).to(device) if device is not None else w.scale.view(torch.uint8)
-                 for w in ws])
+            data = _stack([_bytes(w.data, kind) for w in ws], device)
+            scale = None if kind == "bf16" else _stack([w.scale.view(torch.uint8) for w in ws], device)
             return QWeight(kind, data, scale, cfg.fp8_block)
 
         def single(proj: str) -> QWeight:
@@ -99,6 +96,20 @@ class MoEWeights:
         def one(w: QWeight) -> QWeight:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         return one(self.w1), one(self.w3), one(self.w2)
+
+
+def _stack(ts: list[torch.Tensor], device) -> torch.Tensor:
+    """The experts' tensors as one [E, ...] tensor on `device`. When they already are consecutive slices of one
+    buffer (a loader that stacked them), that buffer is used as is: no second copy of the experts."""
+    t0 = ts[0]
+    if device is not None and t0.device != torch.device(device):
+        return torch.stack([t.to(device) for t in ts])
+    consecutive = all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
+                      and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+                      and t.data_ptr() == t0.data_ptr() + i * t0.nbytes for i, t in enumerate(ts))
+    if consecutive:
+        return torch.as_strided(t0, (len(ts), *t0.shape), (t0.numel(), *t0.stride()))
+    return torch.stack(ts)
 
 
 def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:

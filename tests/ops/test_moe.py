@@ -106,6 +106,17 @@ def test_from_state_reads_only_the_given_experts(tiny):
         MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, range(0, 8))
 
 
+def test_from_state_reuses_a_stacked_buffer(tiny):
+    cfg, state = tiny
+    st = dict(state)
+    names = [f"layers.{LAYER}.ffn.experts.{e}.w2.weight" for e in range(4, 9)]
+    buf = torch.stack([st[n] for n in names])
+    st.update({n: buf[j] for j, n in enumerate(names)})
+    w = MoEWeights.from_state(st, f"layers.{LAYER}.ffn", cfg, LAYER, range(4, 9))
+    assert w.w2.data.data_ptr() == buf.data_ptr() and torch.equal(w.w2.data, buf.view(torch.uint8))
+    assert w.w1.data.data_ptr() != state[f"layers.{LAYER}.ffn.experts.4.w1.weight"].data_ptr()  # separate: copied
+
+
 def test_moe_is_routed_plus_shared(tiny):
     cfg, state = tiny
     w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
