@@ -10,8 +10,8 @@ import torch
 from mini.engine.block_manager import BlockManager
 from mini.engine.model_runner import ModelRunner, size_cache
 from mini.engine.sampler import SamplingBatch, sample
-from mini.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from mini.engine.sequence import SamplingParams, Sequence, Status, TokenLogprobs
+from mini.engine.scheduler import Scheduler, SchedulerConfig
+from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
 
 
 @dataclass
@@ -169,7 +169,8 @@ class LLMEngine:
                 seq.first_token_time = now
             if chosen_lp is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                seq.output_logprobs.append(TokenLogprobs(ids[i], chosen_lp[i], dict(zip(top_ids[i][:k], top_lp[i][:k]))))
+                top = dict(zip(top_ids[i][:k], top_lp[i][:k]))
+                seq.output_logprobs.append(TokenLogprobs(ids[i], chosen_lp[i], top))
             self._check_stop(seq, ids[i])
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -251,7 +252,9 @@ class LLM:
         """`prompts`: a string, a list of token ids, or a list of either. Outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []

@@ -1,8 +1,8 @@
 """Runs one scheduled step on the model: builds the flat batch for all chunks at once, keeps the cache pools.
 
 Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_utilization` of the device's
-total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for running sequences plus
-`num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
+total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for
+running sequences plus `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
 Decode with CUDA graphs slots in at `_forward`: a pure-decode step of batch size `B` would pad to the next
 captured bucket and replay; everything else (prefill, mixed steps) runs eagerly. Capture needs the model's Batch

@@ -44,7 +44,8 @@ class SamplingParams:
         def need(ok: bool, msg: str):
             if not ok:
                 raise ValueError(msg)
-        need(math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")

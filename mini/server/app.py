@@ -305,7 +305,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in a batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--block-tokens", type=int, default=128, help="positions per cache block")
-    p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default: from free GPU memory; 1 GiB on CPU)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="cache blocks (default: from free GPU memory; 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory mini may use; the cache gets what the model leaves")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -333,7 +334,8 @@ def serve(args) -> int:
 
 
 class BackgroundServer:
-    """Serve an app from a thread of this process (tests, in-process benchmarks): `with BackgroundServer(app) as url`."""
+    """Serve an app from a thread of this process (tests, in-process benchmarks):
+    `with BackgroundServer(app) as url: ...`."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
         import socket

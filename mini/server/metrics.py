@@ -73,7 +73,8 @@ class ServerMetrics:
         lines += metric("mini_prefill_tokens_total", "counter", "Tokens computed in prefill chunks.",
                         stats.prefill_tokens)
         lines += metric("mini_decode_tokens_total", "counter", "Tokens computed in decode steps.", stats.decode_tokens)
-        lines += metric("mini_preemptions_total", "counter", "Requests preempted (recomputed later).", stats.preemptions)
+        lines += metric("mini_preemptions_total", "counter", "Requests preempted (recomputed later).",
+                        stats.preemptions)
         with self._lock:
             lines += ["# HELP mini_requests_finished_total Finished requests by reason.",
                       "# TYPE mini_requests_finished_total counter"]

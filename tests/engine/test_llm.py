@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from fake_model import FakeTokenizer, fake_llm, scripted_llm
 from mini.engine import SamplingParams
