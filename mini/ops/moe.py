@@ -102,8 +102,11 @@ def _stack(ts: list[torch.Tensor], device) -> torch.Tensor:
     """The experts' tensors as one [E, ...] tensor on `device`. When they already are consecutive slices of one
     buffer (a loader that stacked them), that buffer is used as is: no second copy of the experts."""
     t0 = ts[0]
-    if device is not None and t0.device != torch.device(device):
-        return torch.stack([t.to(device) for t in ts])
+    if device is not None and t0.device != torch.device(device):  # e.g. memory-mapped host tensors -> GPU
+        buf = torch.empty((len(ts), *t0.shape), dtype=t0.dtype, device=device)
+        for j, t in enumerate(ts):
+            buf[j].copy_(t)
+        return buf
     consecutive = all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
                       and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
                       and t.data_ptr() == t0.data_ptr() + i * t0.nbytes for i, t in enumerate(ts))
