@@ -70,6 +70,8 @@ class ServerMetrics:
                         blocks.stats.queries)
         lines += metric("mini_prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
                         blocks.stats.hits)
+        lines += metric("mini_prefix_cache_hit_rate", "gauge", "Hits / queries of the prefix cache so far.",
+                        round(blocks.stats.hit_rate, 6))
         lines += metric("mini_prefill_tokens_total", "counter", "Tokens computed in prefill chunks.",
                         stats.prefill_tokens)
         lines += metric("mini_decode_tokens_total", "counter", "Tokens computed in decode steps.", stats.decode_tokens)

@@ -61,7 +61,7 @@ def test_models_health_metrics(server):
     assert httpx.get(url + "/health").status_code == 200
     text = httpx.get(url + "/metrics").text
     for name in ["mini_num_requests_running", "mini_num_requests_waiting", "mini_cache_usage_ratio",
-                 "mini_prefill_tokens_total", "mini_decode_tokens_total", "mini_time_to_first_token_seconds_bucket",
+                 "mini_prefill_tokens_total", "mini_decode_tokens_total", "mini_prefix_cache_hit_rate", "mini_time_to_first_token_seconds_bucket",
                  "mini_time_per_output_token_seconds_count"]:
         assert name in text
     assert float(text.split("\nmini_decode_tokens_total ")[1].split()[0]) > 0
