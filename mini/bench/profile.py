@@ -15,12 +15,14 @@ clock on the CPU), so every stage is the GPU time between its first and last ker
     hc / norm / other  mHC mixes / collapse / expand, block RMSNorms, Engram
     unattributed       step - everything above (embedding, final norm and head, Python between stages)
 
-One more step runs under torch.profiler and its Chrome trace is written beside the JSON report.
+One more step runs under torch.profiler; its Chrome trace is written gzipped beside the JSON report.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -172,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.profiler.profile(activities=activities) as prof:
         r.step()
         prefill._sync(r.batch.input_ids.device)
-    prof.export_chrome_trace(str(args.out / "trace.json"))
+    trace = args.out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as f, gzip.open(args.out / "trace.json.gz", "wb") as z:  # Perfetto reads .json.gz
+        shutil.copyfileobj(f, z)
+    trace.unlink()
     result = {"suite": args.suite, "definition": prefill.definition(args), "stages_ms_per_step": stages,
               "step_ms_unwrapped_mean": sum(plain) / len(plain), "step_ms_wrapped": timed, "raw_totals_ms": totals,
               "profile_steps": len(timed)}
@@ -181,5 +187,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profile {args.suite}: " + json.dumps(result["definition"], sort_keys=True))
     for k, v in stages.items():
         print(f"  {k:{width}s} {v:10.3f}")
-    print(f"  (unwrapped step {result['step_ms_unwrapped_mean']:.3f} ms; trace {args.out / 'trace.json'})")
+    print(f"  (unwrapped step {result['step_ms_unwrapped_mean']:.3f} ms; trace {args.out / 'trace.json.gz'})")
     return 0

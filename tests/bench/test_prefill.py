@@ -63,4 +63,4 @@ def test_profile_stages_add_up_to_the_step(tmp_path):
     assert all(s[k] > 0 for k in ("sparse_attention_core", "indexer_topk", "routed_experts", "gate", "hc_norm_other"))
     # the 5 % target is for the GPU report; on a shared CPU, preemption can land outside the timed stages
     assert abs(s["unattributed_fraction"]) < 0.10, s
-    assert (tmp_path / "trace.json").stat().st_size > 0
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0
