@@ -59,6 +59,7 @@ def test_models_health_metrics(server):
     url, _ = server
     assert [m.id for m in _client(url).models.list().data] == [MODEL]
     assert httpx.get(url + "/health").status_code == 200
+    _client(url).completions.create(model=MODEL, prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
     text = httpx.get(url + "/metrics").text
     for name in ["mini_num_requests_running", "mini_num_requests_waiting", "mini_cache_usage_ratio",
                  "mini_prefill_tokens_total", "mini_decode_tokens_total", "mini_prefix_cache_hit_rate", "mini_time_to_first_token_seconds_bucket",
