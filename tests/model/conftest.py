@@ -11,7 +11,8 @@ from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
 
 @pytest.fixture
 def batch_invariant_gemms(monkeypatch):
-    """fp32 GEMMs (F.linear, einsum, @) accumulate in fp64, so a row's result no longer depends on how many rows share the call.
+    """fp32 GEMMs (F.linear, einsum, @) accumulate in fp64: a row's result then no longer depends on how many rows
+    share the call.
 
     CPU BLAS picks different kernels (and summation orders) for different row counts, e.g. one decode token vs a
     prefill chunk. In fp32 that moves results by an ulp, which now and then flips an FP8/FP4 fake-quant rounding or
