@@ -152,14 +152,23 @@ def definition(args) -> dict:
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
 
 
-def run(args) -> dict:
+def setup(args) -> tuple[Rank4, float]:
+    """The backend for the device, the built step, and the seconds the build took."""
     import mini.ops
     if args.device.startswith("cuda"):
         mini.ops.set_backend("fast")
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     r = build(args)
-    setup_s = time.perf_counter() - t0
+    return r, time.perf_counter() - t0
+
+
+def run(args) -> dict:
+    return measure(*setup(args), args)
+
+
+def measure(r: Rank4, setup_s: float, args) -> dict:
+    """The suite result: `args.warmup` steps, then `args.steps` timed ones."""
     dev = r.batch.input_ids.device
     for _ in range(args.warmup):
         r.step()

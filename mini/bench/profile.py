@@ -15,7 +15,8 @@ clock on the CPU), so every stage is the GPU time between its first and last ker
     hc / norm / other  mHC mixes / collapse / expand, block RMSNorms, Engram
     unattributed       step - everything above (embedding, final norm and head, Python between stages)
 
-One more step runs under torch.profiler; its Chrome trace is written gzipped beside the JSON report.
+The run first measures the rank4 suite as `mini bench rank4` does (written as rank4.json: one model build serves
+both), then the staged steps; one more step runs under torch.profiler, its Chrome trace gzipped beside them.
 """
 from __future__ import annotations
 
@@ -148,22 +149,17 @@ def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mini.bench import prefill
+    from mini.bench import check_result, environment, prefill
     p = argparse.ArgumentParser(prog="mini profile", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=("rank4",), default="rank4")
     p.add_argument("--out", type=Path, default=Path("profile-out"), help="folder for the JSON report and the trace")
     p.add_argument("--profile-steps", type=int, default=3, help="steps timed by stage")
     prefill.add_args(p)
     args = p.parse_args(argv)
-    import mini.ops
     cuda = args.device.startswith("cuda")
-    if cuda:
-        mini.ops.set_backend("fast")
-    r = prefill.build(args)
-    for _ in range(args.warmup):
-        r.step()
-    prefill._sync(r.batch.input_ids.device)
-    plain = prefill.time_steps(r, args.steps)  # the step without wrappers, for the comparison
+    r, setup_s = prefill.setup(args)
+    suite = check_result("rank4", prefill.measure(r, setup_s, args))  # the rank4 suite's numbers, unwrapped
+    plain = suite["raw"]["step_ms"]
     with staged(cuda) as timer:
         timed = prefill.time_steps(r, args.profile_steps)
         totals = timer.totals()
@@ -183,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
               "step_ms_unwrapped_mean": sum(plain) / len(plain), "step_ms_wrapped": timed, "raw_totals_ms": totals,
               "profile_steps": len(timed)}
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "rank4.json").write_text(json.dumps({**suite, "env": environment()}, indent=1) + "\n")
     width = max(len(k) for k in stages)
     print(f"profile {args.suite}: " + json.dumps(result["definition"], sort_keys=True))
     for k, v in stages.items():

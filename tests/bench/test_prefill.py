@@ -64,3 +64,5 @@ def test_profile_stages_add_up_to_the_step(tmp_path):
     # the 5 % target is for the GPU report; on a shared CPU, preemption can land outside the timed stages
     assert abs(s["unattributed_fraction"]) < 0.10, s
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
+    suite = json.loads((tmp_path / "rank4.json").read_text())
+    assert suite["suite"] == "rank4" and suite["metrics"]["mean_step_ms"] > 0
