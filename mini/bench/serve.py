@@ -35,6 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--backend", default=None, choices=["reference", "fast"], help="ops backend of the started server")
     p.add_argument("--num-blocks", type=int, default=None, help="server cache blocks (default: 512 on CPU)")
     p.add_argument("--block-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -184,7 +185,7 @@ class _StartedServer:
                "--dtype", args.dtype]
         on_cpu = (args.device or ("cuda" if _cuda() else "cpu")) == "cpu"
         num_blocks = args.num_blocks if args.num_blocks is not None else (512 if on_cpu else None)
-        for flag, value in (("--device", args.device), ("--num-blocks", num_blocks),
+        for flag, value in (("--device", args.device), ("--backend", args.backend), ("--num-blocks", num_blocks),
                             ("--block-tokens", args.block_tokens), ("--max-num-seqs", args.max_num_seqs),
                             ("--max-num-batched-tokens", args.max_num_batched_tokens),
                             ("--served-model-name", args.served_model_name)):
@@ -252,6 +253,7 @@ def run(args) -> dict:
     model_name = args.served_model_name or args.model
     definition = {
         "model": args.model, "dtype": args.dtype, "device": args.device or ("cuda" if _cuda() else "cpu"),
+        "backend": args.backend or os.environ.get("MINI_BACKEND") or "default",
         "server": args.url or "mini serve", "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefix_caching": args.enable_prefix_caching, "num_requests": args.num_requests,

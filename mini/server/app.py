@@ -311,6 +311,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory mini may use; the cache gets what the model leaves")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-snapshots", type=int, default=32, help="state snapshots kept for prefix caching")
+    p.add_argument("--snapshot-prompt-end", action=argparse.BooleanOptionalAction, default=False,
+                   help="split each prompt at its last block boundary so that its first repeat hits the prefix "
+                        "cache (one extra step of TTFT)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", default="warning")
@@ -323,6 +326,7 @@ def engine_opts_from_args(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_tokens=args.block_tokens,
                 num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, num_snapshots=args.num_snapshots,
+                snapshot_prompt_end=args.snapshot_prompt_end,
                 max_model_len=args.max_model_len, seed=args.seed)
 
 
