@@ -58,12 +58,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
 
 
 def topk_recent(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest entries of each row; equal values go to the higher index (the newer
-    group). Ties are common: relu makes every group with no positive head score exactly 0, and a plain top-k would
-    then pick by layout, so that prefill, chunked prefill and decode could choose differently."""
-    n = x.shape[-1]
-    values, order = x.flip(-1).sort(dim=-1, descending=True, stable=True)
-    return values[..., :k], n - 1 - order[..., :k]
+    """(values, indices) of the k largest entries of each row of fp32 x; equal values go to the higher index (the
+    newer group). Ties are common: relu makes every group with no positive head score exactly 0, and a plain top-k
+    would then pick by layout, so that prefill, chunked prefill and decode could choose differently.
+
+    One top-k over int64 keys (order-preserving bits of the value, then the index) does it in a single pass."""
+    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0: they tie
+    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    index = torch.arange(x.shape[-1], device=x.device)
+    indices = ((order << 32) | index).topk(k, dim=-1).indices
+    return x.gather(-1, indices), indices
 
 
 def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int,

@@ -1,7 +1,7 @@
 """Lightning indexer: scores over visible groups read through the block table, candidate blocks, top-k rules."""
 import torch
 
-from mini.ops.indexer import hadamard, index_scores, select_candidates, top_groups
+from mini.ops.indexer import hadamard, index_scores, select_candidates, top_groups, topk_recent
 
 NEG = float("-inf")
 
@@ -54,6 +54,20 @@ def test_top_groups_sorted_minus_one_padded_and_ties_go_to_newer_groups():
     assert ids[0].tolist() == [1, 3, 4]  # 3.0, 1.0, then the newest of the tied zeros
     assert ids[1].tolist() == [-1, -1, 1]
     assert top_groups(s, 10).shape == (2, 6)  # k is capped at the number of groups
+
+
+def test_topk_recent_equals_a_stable_sort_that_prefers_newer_entries():
+    g = torch.Generator().manual_seed(2)
+    specials = torch.tensor([0.0, -0.0, 1.5, NEG, float("inf")])
+    for _ in range(50):
+        x = torch.randn(5, 37, generator=g)
+        pick = torch.randint(0, 8, (5, 37), generator=g)  # about 5/8 of the entries become a tied special value
+        x = torch.where(pick < 5, specials[pick.clamp(max=4)], x)
+        k = int(torch.randint(1, 38, (), generator=g))
+        values, indices = topk_recent(x, k)
+        v, order = x.flip(-1).sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(indices, 36 - order[:, :k])
+        assert torch.equal(values, v[:, :k])
 
 
 def test_reindex_sources_only_pick_inside_the_candidates():
