@@ -371,10 +371,11 @@ TINY_V4 = ModelConfig(
     version="v4", vocab_size=512, dim=128, n_layers=6, n_heads=8, head_dim=128, rope_head_dim=64, q_lora_rank=128,
     o_groups=2, o_lora_rank=64,
     # 0-1: window only (0-2 hash-routed); 2, 4: ratio-4 CSA with its indexer; 3, 5: ratio-128 HCA.
-    # Widths are multiples of 128 so V4's 128x128 weight blocks and 1x128 activation blocks apply as in V4-Flash.
+    # Widths are multiples of 128 so V4's 128x128 weight blocks and 1x128 activation blocks apply as in V4-Flash; the
+    # indexer keeps V4's 64 unrotated + 64 RoPE dims (with fewer heads, exact score ties at the top-k cut are common).
     compress_ratios=(0, 0, 4, 128, 4, 128), kv_source_layers=(), index_source_layers=(),
-    candidate_source_layer=-1, candidate_topk_blocks=0, candidate_block_size=1, index_n_heads=4,
-    index_head_dim=64, index_topk=24, original_seq_len=256, rope_factor=4.0, max_position_embeddings=4096,
+    candidate_source_layer=-1, candidate_topk_blocks=0, candidate_block_size=1, index_n_heads=8,
+    index_head_dim=128, index_topk=24, original_seq_len=256, rope_factor=4.0, max_position_embeddings=4096,
     n_routed_experts=16, n_activated_experts=4, moe_inter_dim=128, route_scale=1.5, n_hash_layers=3,
     norm_eps=1e-6, engram_layer_ids=(), engram_num_embeddings=(), engram_max_ngram_size=1, engram_n_heads=0,
     engram_head_dim=0, engram_compressed_vocab_size=0, fp8_block=128)
