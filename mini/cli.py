@@ -6,6 +6,7 @@ affects its own command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -67,9 +68,9 @@ def cmd_logits(args) -> int:
                     device=device, dtype=dtype)
     blocks = list(range(cache.n_blocks))
     with torch.inference_mode():
-        batch = Batch.build([SeqChunk(tokens=ids, start=0, slot=0, blocks=blocks)], cfg, device,
-                            hasher=model.hasher, all_logits=True)
-        prefill = model.forward(batch, cache)
+        batch = Batch.build([SeqChunk(tokens=ids, start=0, slot=0, blocks=blocks)], cfg, device, hasher=model.hasher)
+        batch = dataclasses.replace(batch, logit_rows=torch.arange(len(ids), device=batch.input_ids.device))
+        prefill = model.forward(batch, cache)  # every prompt position
         history, decode_logits = list(ids), []
         nxt = int(prefill[-1].argmax())
         for _ in range(args.decode):
