@@ -26,11 +26,14 @@ def test_pools_and_sizes(name, block_tokens):
 
 
 def test_state_rows():
-    v41, v4 = KVCache(preset("tiny-v4.1"), 2, 1, 16), KVCache(preset("tiny-v4"), 2, 1, 128)
-    assert set(v41.comp_state) == {2} and v41.comp_state[2][0].shape == (2, 2, 64)  # ratio 1 keeps no state
+    c41, c4 = preset("tiny-v4.1"), preset("tiny-v4")
+    v41, v4 = KVCache(c41, 2, 1, 16), KVCache(c4, 2, 1, 128)
+    # V4.1: only the ratio-2 KV source keeps open groups (2 rows); ratio 1 emits every token
+    assert set(v41.comp_state) == {2} and v41.comp_state[2][0].shape == (2, 2, c41.head_dim)
     assert v41.index_state == {}
-    assert v4.comp_state[2][0].shape == (2, 8, 256) and v4.comp_state[3][0].shape == (2, 128, 128)
-    assert v4.index_state[2][1].shape == (2, 8, 128) and v4.comp_state[2][1].dtype == torch.float32
+    # V4 ratio 4 overlaps: 8 rows of both channel halves; ratio 128: 128 rows
+    assert v4.comp_state[2][0].shape == (2, 8, 2 * c4.head_dim) and v4.comp_state[3][0].shape == (2, 128, c4.head_dim)
+    assert v4.index_state[2][1].shape == (2, 8, 2 * c4.index_head_dim) and v4.comp_state[2][1].dtype == torch.float32
 
 
 def test_block_tokens_must_fit_every_ratio():
