@@ -15,7 +15,7 @@ import torch
 
 from mini.ops import use_fast
 
-QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
+GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 
 
 def window_rows(positions, seq_of, slots, start_pos, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +63,9 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     if comp_idx is not None and comp_idx.shape[-1]:
         sources.append((comp.view(-1, D), group_rows(comp_idx, seq_of[:, None], block_table, comp.shape[1])))
     out = torch.empty_like(q)
-    for lo in range(0, T, QUERY_BLOCK):
-        hi = min(lo + QUERY_BLOCK, T)
+    step = max(1, GATHER_ELEMENTS // (sum(rows.shape[1] for _, rows in sources) * D))
+    for lo in range(0, T, step):
+        hi = min(lo + step, T)
         valid = torch.cat([rows[lo:hi] >= 0 for _, rows in sources], dim=1)
         keys = torch.cat([src[rows[lo:hi].clamp_min(0)] for src, rows in sources], dim=1).float()
         keys = keys.masked_fill(~valid[..., None], 0.0)  # unread slots may hold anything, NaN included

@@ -14,7 +14,7 @@ import torch
 from mini.formats import fake_quant_fp4
 from mini.ops import use_fast
 
-QUERY_BLOCK = 256  # the reference gathers the keys of this many queries at once
+GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 
 
 @lru_cache(maxsize=4)
@@ -48,8 +48,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=torch.float32, device=q.device)
     j = torch.arange(N, device=q.device)
-    for lo in range(0, T, QUERY_BLOCK):
-        hi = min(lo + QUERY_BLOCK, T)
+    step = max(1, GATHER_ELEMENTS // (N * q.shape[-1]))
+    for lo in range(0, T, step):
+        hi = min(lo + step, T)
         k = keys[seq_rows[seq_of[lo:hi]].clamp_min(0)].to(q.dtype)  # [t, N, di]
         s = torch.einsum("thd,tnd->thn", q[lo:hi], k).relu()
         s = (s * weights[lo:hi, :, None].to(q.dtype)).sum(dim=1).float()

@@ -3,6 +3,7 @@ import math
 
 import torch
 
+import mini.ops.attention as attention_op
 from mini.ops.attention import sparse_attention
 
 
@@ -57,10 +58,11 @@ def test_sparse_attention_matches_dense_masked_softmax():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_window_only_layer_and_long_chunk_crosses_query_blocks():
-    """A chunk longer than the reference's query block, no compressed pool: each query sees exactly W keys."""
+def test_window_only_layer_and_long_chunk_crosses_query_blocks(monkeypatch):
+    """A long chunk gathered in several query blocks, no compressed pool: each query sees up to W keys."""
     g = torch.Generator().manual_seed(4)
     H, D, W, T = 2, 16, 128, 300
+    monkeypatch.setattr(attention_op, "GATHER_ELEMENTS", 7 * 2 * W * D)  # blocks of 7 queries
     q = torch.randn(T, H, D, generator=g)
     kv_new = torch.randn(T, D, generator=g)
     window = torch.full((1, W, D), float("nan"))  # a fresh sequence never reads its ring

@@ -1,12 +1,14 @@
 """Lightning indexer: scores over visible groups read through the block table, candidate blocks, top-k rules."""
 import torch
 
+import mini.ops.indexer as indexer_op
 from mini.ops.indexer import hadamard, index_scores, select_candidates, top_groups, topk_recent
 
 NEG = float("-inf")
 
 
-def test_scores_match_a_loop_and_respect_visibility():
+def test_scores_match_a_loop_and_respect_visibility(monkeypatch):
+    monkeypatch.setattr(indexer_op, "GATHER_ELEMENTS", 2 * 11 * 32)  # blocks of 2 queries
     g = torch.Generator().manual_seed(0)
     H, di, per_block, ratio = 3, 32, 4, 2
     pool = torch.randn(6 * per_block, di, generator=g)
