@@ -121,7 +121,8 @@ def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, fl
     t = {k: v / steps for k, v in totals.items()}
     g = t.get
     att = g("attention", 0.0)
-    core, gather, idx = g("attention.sparse_core", 0.0), g("attention.key_gathering", 0.0), g("attention.indexer_topk", 0.0)
+    core, gather = g("attention.sparse_core", 0.0), g("attention.key_gathering", 0.0)
+    idx = g("attention.indexer_topk", 0.0)
     moe_all = g("moe", 0.0)
     gate, routed, shared = g("moe.gate", 0.0), g("moe.routed", 0.0), g("moe.shared", 0.0)
     parts = {k.split(".")[-1]: v for k, v in t.items() if k.startswith("moe.routed.")}

@@ -22,7 +22,7 @@ class RoutePlan:
     slot_row: torch.Tensor  # [T, k] int32: the sorted row of each (token, slot); >= n_local rows for remote experts
     tile_expert: torch.Tensor  # [n_tiles] int32: local expert index of each row tile, -1 = empty tile
     tile_start: torch.Tensor  # [n_tiles] int32: first sorted row of the tile
-    tile_end: torch.Tensor  # [n_tiles] int32: end of the tile's expert's rows (the tile covers start..min(end, start+block_m))
+    tile_end: torch.Tensor  # [n_tiles] int32: end of the tile's expert's rows (tile = start..min(end, start+BM))
     block_m: int
     n_rows: int  # R: rows the GEMM outputs must have
 

@@ -4,9 +4,9 @@ Weights are the checkpoint's bytes stacked per local expert: packed E2M1 `[E, N,
 one E8M0 scale per 32 k, `[E, N, K/32]`. Each K step loads a [BN, BK/2] byte tile and its [BN, BK/32] scales and
 decodes them with integer ops: for a magnitude code c = 2*E + m (value 2^(E-1) * (1 + m/2), or m/2 when E = 0),
 the fp32 with bits (c << 22) is value * 2^-126 (code 1 becomes a denormal), and one multiply by 2^(s-1) gives
-value * 2^(s-127) exactly, for scale bytes 1..128 (|w| <= 12; real checkpoints stay far inside). On Hopper the
-product is a bf16 `tl.dot` with fp32 accumulation (`tl.dot_scaled` bf16 x e2m1 gave wrong results on sm90). Under Triton's interpreter (CPU tensors) the
-dot runs in fp32 on the same bf16-exact values, because the interpreter's bf16 dot is broken.
+value * 2^(s-127) exactly, for scale bytes 0..128 (|w| <= 12; real checkpoints stay far inside). On Hopper the
+product is a bf16 `tl.dot` with fp32 accumulation (`tl.dot_scaled` bf16 x e2m1 gave wrong results on sm90). Under
+Triton's interpreter (CPU tensors) the dot runs in fp32 on the same bf16-exact values (its bf16 dot is broken).
 
 `grouped_swiglu`: h = fp8q(round(route_w * silu(min(g, L)) * clamp(u, -L, L))) with g = round(x W1^T),
 u = round(x W3^T), where round() is the activation dtype's rounding (the reference's Linear returns x.dtype) and
@@ -45,7 +45,7 @@ def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.conste
     else:
         packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
         scale = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-    # 2^126 * 2^(s-127) = 2^(s-1): a normal fp32 for scale bytes 1..128 (weights up to +-12); the product with a
+    # 2^126 * 2^(s-127) = 2^(s-1): a normal fp32 for scale bytes 0..128 (weights up to +-12); the product with a
     # denormal is exact (Triton's fp32 multiply keeps denormals)
     mult = ((scale + 126) << 23).to(tl.float32, bitcast=True)
     mult = tl.reshape(tl.broadcast_to(mult[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
@@ -186,7 +186,8 @@ def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: fl
         K=K, GATHER=gather, SWIGLU=swiglu, ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block,
         EVEN_K=K % cfg["BK"] == 0, BM=BM, SWAP_AB=cfg.get("SWAP_AB", False),
         # CPU tensors mean Triton's interpreter, whose bf16 dot is broken: multiply the same values in fp32 there
-        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, DOT_PRECISION="ieee" if interpreted else None, BN=cfg["BN"], BK=cfg["BK"],
+        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, DOT_PRECISION="ieee" if interpreted else None,
+        BN=cfg["BN"], BK=cfg["BK"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
