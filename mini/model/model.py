@@ -117,6 +117,7 @@ class Model:
                     raise ValueError("the batch has no Engram hash ids (Batch.build needs a hasher)")
                 h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
                 engram_col += 1
+            # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             a_pre, a_post, a_comb = self._mixes(h, blk.hc_attn)
             x = rms_norm(mhc.collapse(h, pre_mix if cfg.is_v41 else a_pre), blk.attn_norm, eps)
             h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
