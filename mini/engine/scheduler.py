@@ -89,7 +89,7 @@ class Scheduler:
         for seq in [s for s in self.running if not s.in_prefill]:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for an earlier one
+            if seq.status is not Status.RUNNING:  # preempted while making room for an earlier one
                 continue
             if not self._make_room(seq, seq.num_tokens, preempted):
                 continue
@@ -98,7 +98,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.in_prefill]:
             if budget == 0:
                 break
-            if seq not in self.running:
+            if seq.status is not Status.RUNNING:
                 continue
             n = self._chunk_len(seq, budget)
             if not self._make_room(seq, seq.num_computed + n, preempted):
