@@ -48,10 +48,12 @@ class MoEWeights:
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
-                   experts: range | None = None, device: torch.device | str | None = None) -> "MoEWeights":
+                   experts: range | None = None, device: torch.device | str | None = None,
+                   consume: bool = False) -> "MoEWeights":
         """`prefix` is the FFN module path, e.g. "layers.3.ffn". Only the experts in `experts` are read (default:
         those the state holds, which must be a contiguous range); they are stacked on `device` (default: where the
-        state lives)."""
+        state lives). `consume` pops each routed expert's tensors from `state` once they are stacked, so that a
+        caller holding the only other reference never has the experts twice in memory."""
         p = prefix.rstrip(".")
         n_experts = state[f"{p}.gate.weight"].shape[0]
         if experts is None:
@@ -67,12 +69,18 @@ class MoEWeights:
             return None if t is None else t.to(device) if device is not None else t
 
         def stacked(proj: str) -> QWeight:
-            ws = [QWeight.from_state(state, f"{p}.experts.{e}.{proj}", cfg.fp8_block) for e in experts]
+            names = [f"{p}.experts.{e}.{proj}" for e in experts]
+            ws = [QWeight.from_state(state, n, cfg.fp8_block) for n in names]
             if not ws:
                 raise ValueError("a MoE layer needs at least one local expert")
             kind = ws[0].kind
             data = _stack([_bytes(w.data, kind) for w in ws], device)
             scale = None if kind == "bf16" else _stack([w.scale.view(torch.uint8) for w in ws], device)
+            if consume:
+                del ws
+                for n in names:
+                    state.pop(f"{n}.weight")
+                    state.pop(f"{n}.scale", None)
             return QWeight(kind, data, scale, cfg.fp8_block)
 
         def single(proj: str) -> QWeight:

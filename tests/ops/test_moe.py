@@ -118,6 +118,15 @@ def test_from_state_reuses_a_stacked_buffer(tiny):
     assert w.w1.data.data_ptr() != state[f"layers.{LAYER}.ffn.experts.4.w1.weight"].data_ptr()  # separate: copied
 
 
+def test_from_state_can_consume_the_expert_tensors(tiny):
+    cfg, state = tiny
+    st = dict(state)
+    w = MoEWeights.from_state(st, f"layers.{LAYER}.ffn", cfg, LAYER, range(2, 6), consume=True)
+    assert not any(f".ffn.experts.{e}." in n for n in st for e in range(2, 6) if n.startswith(f"layers.{LAYER}."))
+    assert f"layers.{LAYER}.ffn.experts.7.w1.weight" in st and f"layers.{LAYER}.ffn.gate.weight" in st
+    assert torch.equal(w.w3.data[1], state[f"layers.{LAYER}.ffn.experts.3.w3.weight"].view(torch.uint8))
+
+
 def test_moe_is_routed_plus_shared(tiny):
     cfg, state = tiny
     w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
