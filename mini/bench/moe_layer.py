@@ -19,10 +19,11 @@ import torch
 from mini.config import preset
 
 SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results in docs/perf/notes-moe.md
+    # 256-row tiles decode each weight tile for twice the rows (the decode, not the MMA, is the limit today)
     "swiglu": [(128, 64, 64, 4, 4, False), (128, 128, 64, 8, 4, False), (128, 64, 64, 4, 4, True),
-               (64, 64, 64, 4, 4, False)],
-    "down": [(128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, True),
-             (64, 128, 64, 4, 4, False)],
+               (256, 64, 64, 8, 3, False), (256, 64, 64, 8, 3, True)],
+    "down": [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (256, 128, 64, 8, 3, False),
+             (256, 64, 64, 8, 4, False), (256, 128, 64, 8, 3, True)],
 }
 
 
@@ -161,8 +162,17 @@ def run(args) -> dict:
 
 
 def _sweep(args, cfg, w, xq, ids, weights) -> dict:
+    """ms of each config, and its relative difference from the default config's output (the same values up to
+    the summation order: a config whose difference is large is wrong, not fast)."""
+    from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
+
+    def combined(y, plan):  # per-token results do not depend on the row order of the plan
+        return combine(y, ids, plan.slot_row, w.experts, torch.float32)
+    plan0 = plan_routes(ids, weights, w.experts, BLOCK_M)
+    h0 = grouped_swiglu(xq, plan0, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+    ref = combined(grouped_down(h0, plan0, w.w2), plan0)
     res = {}
     for which, configs in SWEEP.items():
         for bm, bn, bk, nw, ns, swap in configs:
@@ -176,6 +186,9 @@ def _sweep(args, cfg, w, xq, ids, weights) -> dict:
                 else:
                     h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
                     fn = lambda: grouped_down(h, plan, w.w2, config=conf)  # noqa: E731
+                out = fn()
+                y = combined(out if which == "down" else grouped_down(out, plan, w.w2), plan)
+                res[name + "_rel_diff"] = float((y - ref).norm() / ref.norm())
                 res[name] = _time(fn, args.iters, 2)
             except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                 print(f"{name}: skipped ({type(e).__name__}: {str(e)[:160]})")
