@@ -171,7 +171,24 @@ def bench_rope(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope}
+def bench_norm(rows: list, sweep: bool, dev="cuda"):
+    from mini.formats import fake_quant_fp8
+    from mini.kernels.mhc_norm import rms_norm
+    from mini.ops.norm import rms_norm as reference
+    for D in (5120, 1280):
+        x = torch.randn(4096, D, device=dev).bfloat16()
+        w = torch.rand(D, device=dev).bfloat16()
+        nbytes = 2 * x.numel() * 2
+        for label, f in (("triton", lambda: rms_norm(x, w, 1e-20)),
+                         ("triton +fp8", lambda: rms_norm(x, w, 1e-20, "fp8")),
+                         ("torch reference +fp8", _reference(lambda: fake_quant_fp8(reference(x, w, 1e-20), 32)))):
+            ms = _bench(f)
+            rows.append(dict(kernel=f"rms_norm/[4096,{D}]", config=label, ms=ms, tbs=nbytes / ms / 1e9,
+                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
+
+
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
+           "norm": bench_norm}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
