@@ -156,3 +156,18 @@ def test_chat_thinking_mode_separates_reasoning(server):
     chunks = list(c.chat.completions.create(**kw, stream=True))
     streamed = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks)
     assert streamed == reasoning
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server):
+    url, app = server
+    engine, finished = app.state.server.llm.engine, app.state.server.metrics.finished
+    aborted_before = finished.get("abort", 0)
+    body = {"model": MODEL, "prompt": "a long wait", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+    for _ in range(300):
+        if not engine.requests and not engine.scheduler.running:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert not engine.requests and engine.blocks.usage == 0.0
+    assert finished.get("abort", 0) == aborted_before + 1
