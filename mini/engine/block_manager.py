@@ -155,7 +155,7 @@ class BlockManager:
         if not self.prefix_caching:
             return None
         n_full = seq.num_computed // self.block_tokens
-        tokens = seq.tokens
+        tokens = seq.tokens if len(seq.block_hashes) < n_full else None  # the copy only when a block completed
         while len(seq.block_hashes) < n_full:
             i = len(seq.block_hashes)
             key = block_hash(seq.block_hashes[-1] if i else 0,

@@ -71,7 +71,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order."""
-        seq_chunks = [self.seq_chunk_cls(tokens=c.seq.tokens[:c.end], start=c.start, slot=c.seq.slot,
+        seq_chunks = [self.seq_chunk_cls(tokens=_history(c.seq, c.end), start=c.start, slot=c.seq.slot,
                                          blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
         batch = self.batch_cls.build(seq_chunks, self.config, self.device, hasher=self.hasher)
         return self._forward(batch)
@@ -92,6 +92,14 @@ class ModelRunner:
         dst = torch.tensor([c.dst for c in copies], device=self.device)
         for pool in _slot_pools(self.cache):
             pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+def _history(seq, end: int) -> list[int]:
+    """The sequence's first `end` tokens (one list copy, not two)."""
+    n_prompt = len(seq.prompt_token_ids)
+    if end <= n_prompt:
+        return seq.prompt_token_ids[:end]
+    return seq.prompt_token_ids + seq.output_token_ids[:end - n_prompt]
 
 
 def _slot_pools(cache) -> list[torch.Tensor]:
