@@ -51,15 +51,16 @@ class BlockWeights:
 
 
 def _on_device(state: dict, device) -> dict:
-    """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped) and
-    the parts mini does not run are dropped with one log line."""
+    """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped), the
+    routed experts too until MoEWeights stacks them on the device (one copy, never two), and the parts mini does
+    not run are dropped with one log line."""
     kept, skipped = {}, {}
     for name, t in state.items():
         what = next((v for k, v in _SKIPPED.items() if name.startswith(k)), None)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
-        elif ".engram.embed." in name:
-            kept[name] = t
+        elif ".engram.embed." in name or ".ffn.experts." in name:
+            kept[name] = t  # Engram tables stay on the host; experts are stacked straight onto the device
         else:
             kept[name] = t.to(device)
     if skipped:
@@ -88,7 +89,7 @@ class Model:
                 plan, state[f"{p}.attn_norm.weight"], state[f"{p}.ffn_norm.weight"],
                 HCWeights.from_state(state, f"{p}.hc_attn"), HCWeights.from_state(state, f"{p}.hc_ffn"),
                 AttentionWeights.from_state(state, f"{p}.attn", cfg, plan, dtype),
-                MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts),
+                MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts, device=self.device, consume=True),
                 EngramWeights.from_state(state, f"{p}.", cfg) if plan.engram else None))
 
     def _mixes(self, h: torch.Tensor, w: HCWeights):

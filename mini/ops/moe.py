@@ -110,7 +110,9 @@ def _stack(ts: list[torch.Tensor], device) -> torch.Tensor:
     """The experts' tensors as one [E, ...] tensor on `device`. When they already are consecutive slices of one
     buffer (a loader that stacked them), that buffer is used as is: no second copy of the experts."""
     t0 = ts[0]
-    if device is not None and t0.device != torch.device(device):  # e.g. memory-mapped host tensors -> GPU
+    want = None if device is None else torch.device(device)
+    if want is not None and (t0.device.type != want.type or want.index not in (None, t0.device.index)):
+        # e.g. memory-mapped host tensors -> GPU
         buf = torch.empty((len(ts), *t0.shape), dtype=t0.dtype, device=device)
         for j, t in enumerate(ts):
             buf[j].copy_(t)
