@@ -30,13 +30,14 @@ def _setup(args) -> tuple:
 
 def cmd_generate(args) -> int:
     from mini.engine import LLM, SamplingParams
+    from mini.tokenizer import render_chat
     device, dtype = _setup(args)
     # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request
     num_blocks = args.num_blocks or (None if device.startswith("cuda") else 8 + (args.max_tokens + 4096) // 128)
     llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    prompt = llm.tokenizer.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     dt = time.perf_counter() - t0

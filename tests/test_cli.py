@@ -13,6 +13,11 @@ def test_generate_prints_text_and_speed(model, capsys):
     assert "4 tokens in" in out.err and "tokens/s" in out.err
 
 
+def test_generate_chat_format(capsys):
+    assert main(["generate", "--prompt", "Hi", "--chat", "--max-tokens", "2", "--ignore-eos", "--device", "cpu"]) == 0
+    assert "2 tokens in" in capsys.readouterr().err
+
+
 def test_logits_decode_matches_prefill_of_the_extended_prompt(tmp_path):
     """`mini logits` decode rows must equal the prefill logits of the prompt extended by the greedy tokens."""
     ids = [0, 17, 42, 300, 5, 99, 7]
