@@ -48,18 +48,22 @@ def _e2m1_round(v):
 
 @triton.jit
 def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr):
-    """x [ROWS, COLS] fp32 -> fake-quantized fp32 (KIND: 1 fp8/ue8m0, 2 fp4/ue8m0, 3 fp4/e4m3; 0 = identity)."""
+    """x [ROWS, COLS] fp32 -> fake-quantized fp32 (KIND: 1 fp8/ue8m0, 2 fp4/ue8m0, 3 fp4/e4m3; 0 = identity).
+    Written as one if/else on the constexpr KIND: the compiler then never builds the block reshape for KIND 0,
+    which a tile narrower than BLOCK could not do (an early `return` does not stop it)."""
     if KIND == 0:
-        return x
-    g = tl.reshape(x, [ROWS, COLS // BLOCK, BLOCK])
-    amax = tl.max(tl.abs(g), axis=2)
-    if KIND == 1:
-        s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-        v = _e4m3_round(tl.clamp(g / s[:, :, None], -448.0, 448.0))
-    elif KIND == 2:
-        s = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0))
-        v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
+        out = x
     else:
-        s = _e4m3_round(tl.minimum(tl.maximum(amax, 6.0 * 2.0 ** -9) / 6.0, 448.0))
-        v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
-    return tl.reshape(v * s[:, :, None], [ROWS, COLS])
+        g = tl.reshape(x, [ROWS, COLS // BLOCK, BLOCK])
+        amax = tl.max(tl.abs(g), axis=2)
+        if KIND == 1:
+            s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+            v = _e4m3_round(tl.clamp(g / s[:, :, None], -448.0, 448.0))
+        elif KIND == 2:
+            s = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0))
+            v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
+        else:
+            s = _e4m3_round(tl.minimum(tl.maximum(amax, 6.0 * 2.0 ** -9) / 6.0, 448.0))
+            v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
+        out = tl.reshape(v * s[:, :, None], [ROWS, COLS])
+    return out

@@ -41,10 +41,12 @@ def test_quantizers_exact_interpreter(quant, interpreter):
     assert torch.equal(run(x, table, False, None, quant), QUANTS[quant](x))
 
 
-@pytest.mark.parametrize("heads,inverse,norm,quant", [(1, False, True, "fp8"), (3, True, False, None),
-                                                    (3, False, False, "fp4_ue8m0"), (1, False, True, "fp4_e4m3")])
-def test_rope_quant_interpreter(heads, inverse, norm, quant, interpreter):
-    n, d = 11, 96
+@pytest.mark.parametrize("heads,d,inverse,norm,quant", [(1, 96, False, True, "fp8"), (3, 96, True, False, None),
+                                                      (3, 96, False, False, "fp4_ue8m0"),
+                                                      (1, 96, False, True, "fp4_e4m3"),
+                                                      (4, 32, False, False, None)])  # V4 tiny index: all dims rotate
+def test_rope_quant_interpreter(heads, d, inverse, norm, quant, interpreter):
+    n = 11
     x = torch.randn(n, heads, d) if heads > 1 else torch.randn(n, d)
     table = rope_table(torch.randint(0, 5000, (n,)), rope_frequencies(32, 160000.0, 256, 4.0))
     w = torch.rand(d) + 0.5 if norm else None
