@@ -29,15 +29,18 @@ def _setup(args) -> tuple:
 
 
 def cmd_generate(args) -> int:
+    from mini.dist.serve import generate_torchrun, under_torchrun
     from mini.engine import LLM, SamplingParams
     from mini.tokenizer import render_chat
     device, dtype = _setup(args)
     # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request
     num_blocks = args.num_blocks or (None if device.startswith("cuda") else 8 + (args.max_tokens + 4096) // 128)
+    prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    if under_torchrun():  # DP ranks: the prompt runs on rank 0, the others serve its MoE layers
+        return generate_torchrun(args, prompt, num_blocks)
     llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     dt = time.perf_counter() - t0
@@ -96,6 +99,14 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from mini.dist.serve import serve_local, serve_torchrun, under_torchrun
+    if under_torchrun():
+        if args.ep not in (None, 1):
+            print("error: --ep starts its own ranks; under torchrun use --nproc-per-node", file=sys.stderr)
+            return 2
+        return serve_torchrun(args)
+    if args.ep is not None and args.ep > 1:
+        return serve_local(args, args.ep)
     from mini.server import serve
     return serve(args) or 0
 
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_args(sv)
     except ImportError:
         _model_args(sv)
+    sv.add_argument("--ep", type=int, default=None,
+                    help="start N local EP/DP ranks (gloo on CPU, NCCL on GPU) and serve on rank 0")
     sv.set_defaults(fn=cmd_serve)
     sub.add_parser("bench", help="benchmark suites: mini bench --help")
     sub.add_parser("profile", help="per-stage profiler: mini profile --help")

@@ -1,0 +1,150 @@
+"""DP serving end to end: `mini serve --ep 2` (two gloo ranks on the CPU, tiny-v4.1 fp32) against the plain
+one-process server, an idle rank, aborted streams; and the router's placement and output bookkeeping."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from mini.dist.serve import RequestError, Router, slim
+from mini.engine.llm import RequestOutput
+from mini.engine.sequence import TokenLogprobs
+from mini.server.app import BackgroundServer, build_app
+
+MODEL = "tiny"
+ENGINE = dict(num_blocks=24, block_tokens=32)  # 768 positions per rank
+# odd prompt lengths and output lengths: requests start and finish at different steps on both ranks
+PROMPTS = [[3 + (11 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate([7, 23, 4, 13, 9])]
+MAX_TOKENS = [6, 2, 5, 3, 4]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dp_server():
+    """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the process group)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", "tiny-v4.1", "--served-model-name", MODEL,
+           "--device", "cpu", "--dtype", "float32", "--num-blocks", str(ENGINE["num_blocks"]),
+           "--block-tokens", str(ENGINE["block_tokens"]), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"the DP server exited:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "the DP server did not start"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    log = proc.stdout.read()
+    assert rc == 0, log
+    assert "Traceback" not in log, log
+
+
+def _complete(url: str, prompt, max_tokens: int) -> tuple[str, list[str], int]:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    return choice["text"], choice["logprobs"]["tokens"], usage["completion_tokens"]
+
+
+def _all(url: str) -> list:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: both ranks hold several requests at once
+        return list(pool.map(lambda a: _complete(url, *a), zip(PROMPTS, MAX_TOKENS)))
+
+
+def _dp_status(url: str) -> dict:
+    return httpx.get(url + "/dp", timeout=10).json()
+
+
+def test_two_ranks_answer_like_one(dp_server):
+    placed = _dp_status(dp_server)["placed"]
+    got = _all(dp_server)
+    status = _dp_status(dp_server)
+    assert status["unfinished"] == [0, 0]
+    assert all(b - a >= 2 for a, b in zip(placed, status["placed"]))  # five concurrent requests: both ranks work
+    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, **ENGINE)
+    with BackgroundServer(app) as url:
+        want = _all(url)
+    assert [n for _, _, n in want] == MAX_TOKENS
+    assert got == want
+
+
+def test_idle_rank_keeps_step(dp_server):
+    """One request at a time: the rank without it joins every step with an empty batch; after the server sat
+    idle (longer than rank 0's poll), requests still run."""
+    first = _complete(dp_server, PROMPTS[0], 4)
+    time.sleep(2.5)
+    assert _complete(dp_server, PROMPTS[0], 4) == first
+    assert _dp_status(dp_server)["unfinished"] == [0, 0]
+
+
+def _aborts(url: str) -> int:
+    m = re.search(r'mini_requests_finished_total\{reason="abort"\} (\d+)', httpx.get(url + "/metrics").text)
+    return int(m.group(1)) if m else 0
+
+
+def test_aborted_streams_free_their_requests(dp_server):
+    before = _aborts(dp_server)
+    assert _dp_status(dp_server)["unfinished"] == [0, 0]
+    streams = []
+    for prompt in PROMPTS[:2]:  # one on each rank; 700 tokens would take far longer than this test
+        client = httpx.Client(timeout=60)
+        cm = client.stream("POST", dp_server + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 700, "temperature": 0, "ignore_eos": True,
+            "stream": True})
+        lines = cm.__enter__().iter_lines()  # kept open: a closed line iterator closes the response
+        assert next(lines).startswith("data: ")  # the request is running
+        streams.append((client, cm, lines))
+    assert _dp_status(dp_server)["unfinished"] == [1, 1]
+    for client, cm, _ in streams:  # the client goes away
+        cm.__exit__(None, None, None)
+        client.close()
+    deadline = time.monotonic() + 30
+    while _dp_status(dp_server)["unfinished"] != [0, 0]:
+        assert time.monotonic() < deadline, _dp_status(dp_server)
+        time.sleep(0.1)
+    assert _aborts(dp_server) == before + 2
+    assert _complete(dp_server, PROMPTS[2], 3)[2] == 3  # the ranks still serve
+
+
+def _out(rid, new, lps, finished=False, reason=None):
+    return RequestOutput(rid, [9, 9], [], "", new, "", finished, reason, logprobs=lps)
+
+
+def test_router_places_least_loaded_and_restores_outputs():
+    router = Router(3)
+    assert [router.place(f"r{i}", [1, 2, i]) for i in range(4)] == [0, 1, 2, 0]
+    assert router.load == [2, 1, 1] and router.owner("r1") == 1 and router.owner("nope") is None
+    lp = [TokenLogprobs(t, -0.5 * t, {t: -0.5 * t}) for t in (4, 5, 6)]
+    a = router.receive(slim(_out("r1", [4], lp[:1])))  # the engine's outputs carry all logprobs so far
+    b = router.receive(slim(_out("r1", [5, 6], lp, finished=True, reason="length")))
+    assert a.prompt_token_ids == [1, 2, 1] and a.token_ids == [4] and a.logprobs == lp[:1]
+    assert b.token_ids == [4, 5, 6] and b.logprobs == lp and b.finished
+    assert router.load == [2, 0, 1] and router.owner("r1") is None
+    assert router.place("r4", [7]) == 1  # the least-loaded rank now
+    err = router.receive(RequestError("r2", "bad"))
+    assert isinstance(err, RequestError) and router.load == [2, 1, 0]
