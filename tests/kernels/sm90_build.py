@@ -1,0 +1,56 @@
+"""Builds every dispatched attention-side kernel for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch
+configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for Hopper
+(the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each."""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mini.kernels.indexer_topk import _index_scores_kernel
+from mini.kernels.mhc_norm import _mhc_norm_kernel, _rms_norm_kernel
+from mini.kernels.rope_quant import _rope_quant_kernel
+from mini.kernels.sparse_attention import _sparse_mla_kernel
+
+
+def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2) -> None:
+    names = kernel.arg_names
+    types = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
+             else "fp32" if n in floats else "i32" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    print(kernel.__name__, consts, "ok", flush=True)
+
+
+def main() -> None:
+    idx = {n: "*i64" for n in ("pos_ptr", "seq_ptr", "slot_ptr", "start_ptr", "cidx_ptr", "rows_ptr", "nvis_ptr",
+                               "prog_seq_ptr", "prog_t0_ptr", "seq_end_ptr")}
+    f32 = {n: "*fp32" for n in ("sink_ptr", "fn_ptr", "scale_ptr", "base_ptr", "pre_in_ptr", "pre_ptr", "post_ptr",
+                                "comb_ptr", "table_ptr")}
+    ptrs = {**idx, **f32, "btab_ptr": "*i32", "cand_ptr": "*u8"}
+    # (head dim, heads -> BLOCK_H) of V4.1 / tiny-v4.1 / tiny-v4; 0 compressed tiles = window-only layers
+    for d, bh in ((512, 64), (64, 16), (128, 16)):
+        for tiles in (0, 8):
+            build(_sparse_mla_kernel, ptrs, dict(W=128, N_COMP_TILES=tiles, D=d, DV=d, BLOCK_H=bh, BLOCK_N=64),
+                  ("scale_log2",), num_warps=8)
+    for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
+        for cand in (False, True):
+            build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
+                  dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand))
+    for d in (5120, 64, 128):
+        for collapse, quant in ((False, 0), (True, 1)):
+            build(_mhc_norm_kernel, ptrs, dict(D=d, HC=4, ITERS=20, BLOCK_T=32, BLOCK_K=128, BLOCK_D=256,
+                                               DELAYED=collapse, COLLAPSE=collapse, QUANT=quant, QBLOCK=32,
+                                               PRECISION="tf32x3"), ("norm_eps", "hc_eps"))
+    for d, rd, quant, qb in ((512, 64, 0, 32), (512, 64, 1, 32), (512, 64, 3, 16), (128, 64, 2, 32), (64, 16, 0, 32),
+                             (32, 16, 0, 32), (64, 64, 0, 32)):
+        build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
+                                             NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"))
+    for d in (5120, 1280, 512, 128, 64):
+        bd = triton.next_power_of_2(d)
+        build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=max(1, min(16, 4096 // bd)), QUANT=1, QBLOCK=32),
+              ("eps",))
+
+
+if __name__ == "__main__":
+    main()
