@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# The interpreter needs constant loop bounds; compiled kernels take the compressed key count at run time, so a
+# growing top-k (early groups, V4's all-visible ratio-128 layers) does not recompile the kernel.
+_INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -75,7 +78,11 @@ def _sparse_mla_kernel(
         m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, dv0, D, DV)
 
     # compressed groups chosen by the indexer, read through the block table
-    for j0 in range(0, N_COMP_TILES * BLOCK_N, BLOCK_N):
+    if _INTERPRETED:
+        comp_end: tl.constexpr = N_COMP_TILES * BLOCK_N
+    else:
+        comp_end = n_comp
+    for j0 in range(0, comp_end, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         g = tl.load(cidx_ptr + t * stride_cidx + cols, mask=cols < n_comp, other=-1)
         ok = g >= 0
@@ -126,8 +133,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
-        # the tile count is a compile-time constant (the interpreter needs constant loop bounds); it takes few
-        # values: K is the index top-k (512) except in a sequence's first groups
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n), D=D, DV=D // split_dv, BLOCK_H=block_h,
+        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if triton.knobs.runtime.interpret else 0, D=D, DV=D // split_dv, BLOCK_H=block_h,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out
