@@ -61,7 +61,6 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
     if sweep:
         configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
                     dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
-                    dict(block_h=64, block_n=32, num_warps=8, num_stages=2, split_dv=2),
                     dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
     for name, T, b in cases:
         q = torch.randn(T, H, D, device=dev).bfloat16()

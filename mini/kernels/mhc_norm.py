@@ -25,7 +25,8 @@ def _mhc_norm_kernel(
     h_ptr, fn_ptr, scale_ptr, base_ptr, norm_w_ptr, pre_in_ptr,
     pre_ptr, post_ptr, comb_ptr, y_ptr,
     T, norm_eps, hc_eps,
-    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DELAYED: tl.constexpr, COLLAPSE: tl.constexpr, QUANT: tl.constexpr, QBLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):

@@ -23,10 +23,8 @@ _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, dv0,
-                   D: tl.constexpr, DV: tl.constexpr):
-    """One key tile of the online softmax: q [BH, D], rowptr [BN] pointers to the key rows (K = V); the program
-    accumulates output channels dv0..dv0+DV."""
+def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr):
+    """One key tile of the online softmax: q [BH, D], rowptr [BN] pointers to the key rows (K = V)."""
     d = tl.arange(0, D)
     k = tl.load(rowptr[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale_log2  # [BH, BN] fp32, in log2 units
@@ -35,11 +33,7 @@ def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, dv0,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DV == D:
-        v = k
-    else:  # the same rows again, now only this program's output channels (L1/L2 hits)
-        v = tl.load(rowptr[:, None] + dv0 + tl.arange(0, DV)[None, :], mask=key_ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
     return m_new, l_i, acc
 
 
@@ -49,12 +43,10 @@ def _sparse_mla_kernel(
     pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
     n_heads, n_comp, scale_log2, rows_per_block,
-    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dv0 = tl.program_id(2) * DV
     head_ok = heads < n_heads
     d = tl.arange(0, D)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
@@ -66,7 +58,7 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
 
     # sliding window: fresh rows of this chunk are contiguous in the flat batch, earlier ones sit in the ring
     for j0 in range(0, W, BLOCK_N):
@@ -75,7 +67,7 @@ def _sparse_mla_kernel(
         fresh = kpos >= start
         rowptr = tl.where(fresh, kv_new_ptr + tl.where(fresh, t - (pos - kpos), 0).to(tl.int64) * D,
                           window_ptr + slot * stride_win + tl.where(ok, kpos % W, 0) * D)
-        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, dv0, D, DV)
+        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, D)
 
     # compressed groups chosen by the indexer, read through the block table
     if _INTERPRETED:
@@ -89,13 +81,12 @@ def _sparse_mla_kernel(
         g = tl.where(ok, g, 0)
         blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=ok, other=0)
         rowptr = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
-        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, dv0, D, DV)
+        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, D)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
-    dv = dv0 + tl.arange(0, DV)
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=head_ok[:, None])
 
 
@@ -104,8 +95,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         block_h: int = 64, block_n: int = 64, split_dv: int = 1, num_warps: int = 8,
-                         num_stages: int = 2) -> torch.Tensor:
+                         block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
+                         ) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none). Returns [T, H, D] in q.dtype.
@@ -126,13 +117,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         comp_idx = comp_idx.contiguous()
         rows_per_block = comp.shape[1]
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
-    grid = (T, triton.cdiv(H, block_h), split_dv)
+    grid = (T, triton.cdiv(H, block_h))
     _sparse_mla_kernel[grid](
         q, kv_new, window, comp, sink, out,
         positions, seq_of, slots, start_pos, block_table, comp_idx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if triton.knobs.runtime.interpret else 0, D=D, DV=D // split_dv, BLOCK_H=block_h,
+        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D, BLOCK_H=block_h,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -31,7 +31,7 @@ def main() -> None:
     # (head dim, heads -> BLOCK_H) of V4.1 / tiny-v4.1 / tiny-v4; 0 compressed tiles = window-only layers
     for d, bh in ((512, 64), (64, 16), (128, 16)):
         for tiles in (0, 8):
-            build(_sparse_mla_kernel, ptrs, dict(W=128, N_COMP_TILES=tiles, D=d, DV=d, BLOCK_H=bh, BLOCK_N=64),
+            build(_sparse_mla_kernel, ptrs, dict(W=128, N_COMP_TILES=tiles, D=d, BLOCK_H=bh, BLOCK_N=64),
                   ("scale_log2",), num_warps=8)
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):

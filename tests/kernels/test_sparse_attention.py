@@ -55,8 +55,8 @@ def make_case(random_flat_batch, device, dtype, T_lens, starts, H, D, W, ratio, 
 def test_sparse_attention_interpreter(with_comp, interpreter, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
     H, D, W, ratio, rpb, topk = 5, 32, 8, 2, 4, 7
-    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, [7, 1, 3], [0, 19, 5], H, D, W,
-                                                           ratio, rpb, topk)
+    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, [7, 1, 3], [0, 19, 5],
+                                                           H, D, W, ratio, rpb, topk)
     if not with_comp:
         comp_idx = None
     scale = D ** -0.5
@@ -73,8 +73,8 @@ def test_sparse_attention_interpreter(with_comp, interpreter, flat_batch):
 def test_sparse_attention_gpu(H, block_h, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
     D, W, ratio, rpb, topk = 512, 128, 2, 32, 61
-    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cuda", torch.bfloat16, [300, 1, 77, 1], [0, 1000, 150, 3],
-                                                           H, D, W, ratio, rpb, topk)
+    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cuda", torch.bfloat16, [300, 1, 77, 1],
+                                                           [0, 1000, 150, 3], H, D, W, ratio, rpb, topk)
     scale = D ** -0.5
     out = torch.full_like(q, float("nan"))
     out.copy_(sparse_mla_attention(q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, scale,
