@@ -58,6 +58,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("rank4", "mini.bench.prefill", "prefill step of one EP4/DP4 rank at real V4.1-Flash shape"),
     Suite("tiny-goodput", "mini.bench.serve", "serving goodput of the tiny model: TTFT, TPOT, req/s"),
     Suite("ep-exchange", "mini.bench.ep_exchange", "EP MoE exchange communication on N local ranks (NCCL / gloo)"),
+    Suite("kernels", "mini.bench.kernels", "attention-side kernel micro-benchmarks (H200)"),
 )}
 
 

@@ -1,3 +1,4 @@
+import importlib.util
 """The suite registry and `mini bench` entry: lazy loading, clear errors, result shape, JSON output."""
 import json
 import math
@@ -12,8 +13,10 @@ from mini.bench import Suite, SuiteError, check_result, get_suite
 def test_registered_suites_point_at_their_modules():
     assert {n: s.module for n, s in bench.SUITES.items()} == {
         "tiny-cpu": "mini.bench.tiny_cpu", "moe-layer": "mini.bench.moe_layer", "rank4": "mini.bench.prefill",
-        "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange"}
+        "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange", "kernels": "mini.bench.kernels"}
     assert all(name == s.name for name, s in bench.SUITES.items())
+    for s in bench.SUITES.values():  # every registered module exists in this revision
+        assert importlib.util.find_spec(s.module) is not None, s.module
 
 
 def test_unknown_and_missing_suites_give_clear_errors(capsys):
