@@ -1,5 +1,5 @@
-import importlib.util
 """The suite registry and `mini bench` entry: lazy loading, clear errors, result shape, JSON output."""
+import importlib.util
 import json
 import math
 import sys
