@@ -292,15 +292,17 @@ def serve_torchrun(args) -> int:
 
 
 def _local_rank(rank: int, world: int, port: int, args) -> None:
+    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches rank 0 once, through serve_local
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     serve_torchrun(args)
 
 
 def serve_local(args, world: int) -> int:
-    """`mini serve --ep N`: start N local ranks as torchrun would and wait for them. SIGINT / SIGTERM to this
-    process become SIGINT to rank 0, which shuts the server down and stops the other ranks (uvicorn re-raises
-    the signal it caught after its shutdown: SIGINT ends the rank quietly, SIGTERM would kill it)."""
+    """`mini serve --ep N`: start N local ranks as torchrun would and wait for them. SIGINT / SIGTERM / SIGHUP
+    to this process become one SIGINT to rank 0, which shuts the server down and stops the other ranks (uvicorn
+    re-raises the signals it caught after its shutdown: one SIGINT ends the rank quietly; a second one, or a
+    SIGTERM, would not)."""
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -311,8 +313,8 @@ def serve_local(args, world: int) -> int:
     def stop_rank0(signum, frame):
         if procs.processes[0].is_alive():
             os.kill(procs.processes[0].pid, signal.SIGINT)
-    signal.signal(signal.SIGINT, stop_rank0)
-    signal.signal(signal.SIGTERM, stop_rank0)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_rank0)
     while not procs.join():
         pass
     return 0

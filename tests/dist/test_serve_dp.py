@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dp_server():
-    """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the process group)."""
+    """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the terminal's process
+    group, which holds the launcher only: it forwards one SIGINT to rank 0)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", "tiny-v4.1", "--served-model-name", MODEL,
            "--device", "cpu", "--dtype", "float32", "--num-blocks", str(ENGINE["num_blocks"]),
@@ -54,8 +55,10 @@ def dp_server():
     os.killpg(proc.pid, signal.SIGINT)
     try:
         rc = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:  # the ranks run in their own process groups
+        for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+            os.kill(int(pid), signal.SIGKILL)
+        proc.kill()
         raise
     log = proc.stdout.read()
     assert rc == 0, log
