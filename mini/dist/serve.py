@@ -247,7 +247,12 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
     from mini.server.app import engine_opts_from_args
     opts = {**engine_opts_from_args(args), "device": str(ctx.device)}
     model, cfg, tok = load_ep_model(args.model, ctx, opts["dtype"])
-    return DPWorker(build_engine(model, config=cfg, tokenizer=tok, **opts), ctx)
+    engine = build_engine(model, config=cfg, tokenizer=tok, **opts)
+    if ctx.multi:  # pools sized from free memory may differ: rank 0 admits prompts that fit on every rank
+        context = torch.tensor([engine.max_model_len], device=ctx.device)
+        dist.all_reduce(context, op=dist.ReduceOp.MIN)
+        engine.max_model_len = int(context.item())
+    return DPWorker(engine, ctx)
 
 
 def serve_rank(ctx: DistContext, args) -> None:
