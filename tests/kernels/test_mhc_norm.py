@@ -47,6 +47,11 @@ def check(h, fn, scale, base, w, pre_prev, quant, **kw):
     tol = 0.13 if quant else (2e-2 if y.dtype == torch.bfloat16 else 1e-5)
     row = ry.float().square().mean(-1, keepdim=True).sqrt()
     atol = (2e-3 if pre_prev is None else 1e-5) * row
+    if quant:
+        # a 1x32 block whose amax rounds across a power of two gets twice the scale s on one side: its smallest
+        # values then land on the other grid, up to a few subnormal e4m3 steps (s * 2^-9) apart
+        amax = ry.float().unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
+        atol = atol + (4 * 2 * amax / 448 * 2.0 ** -9).expand(*amax.shape[:-1], 32).flatten(-2)
     assert ((y.float() - ry.float()).abs() <= tol * ry.float().abs() + atol).all()
     if y.dtype == torch.bfloat16:  # a pre off by 3e-5 flips ~2% of the elements (checked on CPU)
         assert (y != ry).float().mean() < (0.03 if pre_prev is None else 0.01)
