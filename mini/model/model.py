@@ -92,10 +92,11 @@ class Model:
                 MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts, device=self.device, consume=True),
                 EngramWeights.from_state(state, f"{p}.", cfg) if plan.engram else None))
 
-    def _mixes(self, h: torch.Tensor, w: HCWeights):
+    def _pre_norm(self, h: torch.Tensor, w: HCWeights, norm_weight: torch.Tensor, pre_in: torch.Tensor | None):
+        """(rms_norm(collapse(h, pre_in or this site's pre)), pre, post, comb) of one mHC site."""
         c = self.config
-        return mhc.mixes(h, w.fn, w.scale, w.base, hc_mult=c.hc_mult, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                         norm_eps=c.norm_eps)
+        return mhc.pre_norm(h, w.fn, w.scale, w.base, norm_weight, pre_in, hc_mult=c.hc_mult,
+                            iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
 
     def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
         run = self.moe_exchange or moe
@@ -119,11 +120,9 @@ class Model:
                 h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
-            a_pre, a_post, a_comb = self._mixes(h, blk.hc_attn)
-            x = rms_norm(mhc.collapse(h, pre_mix if cfg.is_v41 else a_pre), blk.attn_norm, eps)
+            x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
             h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
-            f_pre, f_post, f_comb = self._mixes(h, blk.hc_ffn)
-            x = rms_norm(mhc.collapse(h, a_pre if cfg.is_v41 else f_pre), blk.ffn_norm, eps)
+            x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
             h = mhc.expand(self._ffn(x, blk, batch.input_ids), h, f_post, f_comb)
             pre_mix = f_pre
         h = h[batch.logit_rows]

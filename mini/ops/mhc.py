@@ -2,12 +2,14 @@
 
 `mixes` turns one site's stream into the pre weights (collapse), post weights (expand) and a doubly stochastic
 `comb` [T, hc, hc] (Sinkhorn), all in fp32. `collapse` folds the copies into one sub-layer input; `expand` writes
-the sub-layer output back into every copy while mixing the residual copies through `comb`. V4 ends with
+the sub-layer output back into every copy while mixing the residual copies through `comb`. `pre_norm` is a site's
+whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the fast path). V4 ends with
 `hc_head` (a sigmoid-only pre mix); V4.1 has no head and collapses with the last FFN site's `pre`.
 """
 import torch
 
 from mini.ops import use_fast
+from mini.ops.norm import rms_norm
 
 
 def _projected(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -54,11 +56,27 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
+    if use_fast(f, residual) and f.dtype == residual.dtype == torch.bfloat16:
+        from mini.kernels.mhc_expand import mhc_expand
+        return mhc_expand(f, residual, post, comb)  # same order, no FMA contraction: bit-identical
     comb, res = comb.float(), residual.float()
     mixed = comb[:, 0, :, None] * res[:, 0, None, :]
     for j in range(1, res.shape[1]):  # sequential over j, as the reference's sum: bit-identical results
         mixed = mixed + comb[:, j, :, None] * res[:, j, None, :]
     return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(f.dtype)
+
+
+def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
+             pre_in: torch.Tensor | None, *, hc_mult: int, iters: int, hc_eps: float,
+             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's input: its mixes, then rms_norm(collapse(h, pre_in)) with the delayed pre of the previous site
+    (V4.1), or with this site's own pre when pre_in is None (V4). Returns (x [T, D] in h.dtype, pre, post, comb)."""
+    if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
+        from mini.kernels.mhc_norm import mhc_norm
+        return mhc_norm(h, fn, scale, base, norm_weight, pre_in=pre_in, iters=iters, hc_eps=hc_eps,
+                        norm_eps=norm_eps)
+    pre, post, comb = mixes(h, fn, scale, base, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, hc_eps: float,

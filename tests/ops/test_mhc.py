@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from mini.ops.mhc import collapse, expand, hc_head, mixes, sinkhorn
+import mini.ops
+from mini.ops.mhc import collapse, expand, hc_head, mixes, pre_norm, sinkhorn
+from mini.ops.norm import rms_norm
 
 HC, EPS = 4, 1e-6
 
@@ -116,3 +118,60 @@ def test_hc_head_matches_float64():
     pre = _np_sigmoid(m * 1.7 + base.double().numpy()) + EPS
     want = (pre[:, :, None] * h.double().numpy()).sum(1)
     np.testing.assert_allclose(y.double().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def _site(t, dim, device, dtype):
+    h = torch.randn(t, HC, dim, device=device).to(dtype)
+    fn, scale, base = (x.to(device) for x in _params(dim))
+    norm_weight = (torch.rand(dim, device=device) + 0.5).to(dtype)
+    return h, fn, scale, base, norm_weight, torch.rand(t, HC, device=device)
+
+
+def test_pre_norm_collapses_with_the_delayed_pre_or_its_own():
+    h, fn, scale, base, w, pre_prev = _site(7, 33, "cpu", torch.float32)
+    kw = dict(hc_mult=HC, iters=20, hc_eps=EPS, norm_eps=1e-20)
+    pre, post, comb = mixes(h, fn, scale, base, **kw)
+    for pre_in, used in ((pre_prev, pre_prev), (None, pre)):  # V4.1 (delayed), V4 (immediate)
+        x, *got = pre_norm(h, fn, scale, base, w, pre_in, **kw)
+        assert torch.equal(x, rms_norm(collapse(h, used), w, 1e-20))
+        for g, r in zip(got, (pre, post, comb)):
+            assert torch.equal(g, r)
+
+
+def _on_backend(name, fn, *args, **kw):
+    prev = mini.ops.backend()
+    mini.ops.set_backend(name)
+    try:
+        return fn(*args, **kw)
+    finally:
+        mini.ops.set_backend(prev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delayed", [True, False])
+def test_pre_norm_fast_matches_reference(delayed):
+    h, fn, scale, base, w, pre_prev = _site(333, 5120, "cuda", torch.bfloat16)
+    args = (h, fn, scale, base, w, pre_prev if delayed else None)
+    kw = dict(hc_mult=HC, iters=20, hc_eps=EPS, norm_eps=1e-20)
+    x = torch.full((333, 5120), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fast = _on_backend("fast", pre_norm, *args, **kw)
+    x.copy_(fast[0])
+    rx, rpre, rpost, rcomb = _on_backend("reference", pre_norm, *args, **kw)
+    assert not x.isnan().any()
+    # the fused kernel's tolerances (tests/kernels/test_mhc_norm.py): fp32 sums in another order
+    torch.testing.assert_close(fast[1], rpre, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(fast[2], rpost, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(fast[3], rcomb, rtol=5e-4, atol=2e-5)
+    row = rx.float().square().mean(-1, keepdim=True).sqrt()
+    atol = (1e-5 if delayed else 2e-3) * row
+    assert ((x.float() - rx.float()).abs() <= 2e-2 * rx.float().abs() + atol).all()
+    assert (x != rx).float().mean() < (0.01 if delayed else 0.03)
+
+
+@pytest.mark.gpu
+def test_expand_fast_is_bit_identical_to_reference():
+    h = torch.randn(333, HC, 5120, device="cuda").bfloat16()
+    f = torch.randn(333, 5120, device="cuda").bfloat16()
+    post, comb = torch.rand(333, HC, device="cuda") * 2, torch.rand(333, HC, HC, device="cuda")
+    out = _on_backend("fast", expand, f, h, post, comb)
+    assert torch.equal(out, _on_backend("reference", expand, f, h, post, comb))
