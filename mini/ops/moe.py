@@ -18,7 +18,7 @@ input fused into the epilogue; then w2), and a combine kernel sums each token's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ class MoEWeights:
     shared_w3: QWeight
     shared_w2: QWeight
     swiglu_limit: float
+    # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
+    _per_expert: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
@@ -103,7 +105,9 @@ class MoEWeights:
         """The three projections of the i-th local expert (global id experts[i])."""
         def one(w: QWeight) -> QWeight:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
-        return one(self.w1), one(self.w3), one(self.w2)
+        if i not in self._per_expert:
+            self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
+        return self._per_expert[i]
 
 
 def _stack(ts: list[torch.Tensor], device) -> torch.Tensor:
