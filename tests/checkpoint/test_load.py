@@ -320,5 +320,6 @@ def test_peak_host_memory_is_about_one_shard(tmp_path):
     print(f"peak RSS growth: streamed {streamed / 2**20:.1f} MiB, all kept {kept / 2**20:.1f} MiB; "
           f"largest shard {largest / 2**20:.1f} MiB, checkpoint {total / 2**20:.1f} MiB")
     assert kept > 0.9 * total  # the probe sees the pages it touches
-    # one shard, plus a fixed allowance for code pages and allocator scratch the first load touches
-    assert streamed < largest + (32 << 20) and streamed < kept / 2
+    # about one shard: its mapped pages plus the copy of the tensor being read out of them (2x the largest shard
+    # at worst; 71 MiB seen for a 33 MiB shard in a clean CI run), plus code pages and allocator scratch
+    assert streamed < 2 * largest + (32 << 20) and streamed < kept / 2
