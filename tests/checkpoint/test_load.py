@@ -322,4 +322,4 @@ def test_peak_host_memory_is_about_one_shard(tmp_path):
     assert kept > 0.9 * total  # the probe sees the pages it touches
     # about one shard: its mapped pages plus the copy of the tensor being read out of them (2x the largest shard
     # at worst; 71 MiB seen for a 33 MiB shard in a clean CI run), plus code pages and allocator scratch
-    assert streamed < 2 * largest + (32 << 20) and streamed < kept / 2
+    assert streamed < 2 * largest + (32 << 20) and streamed < 0.6 * kept
