@@ -1,0 +1,53 @@
+"""The fast path (Triton kernels) against the reference path on the GPU: a small run of `mini bench fastpath-check`
+(V4.1-Flash width cut to tiny-v4.1's 8-layer schedule, 1024-token prefill, 16 experts; tiny-v4.1 greedy decode).
+
+Bounds. Both paths round at the same points, so they differ by summation order, and through that by flips of an
+FP8 rounding or of a top-k choice at a near tie, which the random models amplify layer by layer (see
+tests/kernels/test_kernels_in_model.py). So each error is bounded by what bf16 activations themselves cost on the
+same weights (the float32-activation model's error, `*_bf16_vs_fp32`), and one layer on the same input by a few
+percent. A wrong kernel (indexing, a scale, a mask) is off by O(1).
+"""
+import argparse
+
+import pytest
+
+from mini.bench import check_result
+from mini.bench import fastpath_check as fc
+
+SMALL = ["--tokens", "1024", "--experts", "16", "--candidate-blocks", "64", "--block-tokens", "256",
+         "--prompt-len", "100", "--decode-steps", "24", "--device", "cuda"]
+
+
+@pytest.fixture(scope="module")
+def result():
+    p = argparse.ArgumentParser()
+    fc.add_args(p)
+    res = check_result("fastpath-check", fc.run(p.parse_args(SMALL)))
+    for row in res["layers"]:
+        print(row)
+    print(res["metrics"])
+    return res
+
+
+@pytest.mark.gpu
+def test_each_layer_on_the_same_input_matches(result):
+    for row in result["layers"]:
+        assert row["rel_err_same_input"] < 0.05, row
+
+
+@pytest.mark.gpu
+def test_layers_and_logits_within_bf16s_own_error(result):
+    m = result["metrics"]
+    for row in result["layers"]:
+        assert row["rel_err"] < 1.5 * row["bf16_vs_fp32"] + 0.01, row
+    assert m["logits_rel_err"] < 1.5 * m["logits_bf16_vs_fp32_rel_err"] + 0.01, m
+    assert m["logits_top1_agree"] >= m["logits_bf16_vs_fp32_top1_agree"] - 0.05, m
+
+
+@pytest.mark.gpu
+def test_tiny_greedy_decode_matches(result):
+    m = result["metrics"]
+    assert m["decode_forced_max_logit_rel_err"] < 1.5 * m["decode_bf16_vs_fp32_forced_max_logit_rel_err"] + 0.01, m
+    assert m["decode_forced_argmax_agree"] >= m["decode_bf16_vs_fp32_forced_argmax_agree"] - 0.1, m
+    if not m["decode_tokens_identical"]:  # a flip bf16's own noise at that step could also have caused
+        assert m["decode_ref_top2_gap_at_divergence"] < 2 * m["decode_bf16_vs_fp32_abs_logit_err_at_divergence"], m
