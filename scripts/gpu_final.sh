@@ -2,7 +2,7 @@
 # The lead's device calls (one H200). PHASE=1: every gpu-marked test, then the rank4 suite with its per-stage
 # profile. PHASE=2: A/B of the moe-layer suite between two packed revisions (tools/bench_rev.py, tarballs in the
 # carried .cache/bench_rev), then the tiny-goodput serving benchmark on the fast backend (server wheels carried in
-# .whl/serve). Everything lands in $OUT (at most 8 files come back).
+# .whl/serve). PHASE=3: A/B of the rank4 suite between two packed revisions. Everything lands in $OUT (at most 8 files come back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,6 +16,10 @@ if [ "${PHASE:-1}" = 1 ]; then
     tail -5 "$OUT/pytest_gpu.log" >>"$log"
     timeout 320 python3 -m mini.cli profile --suite rank4 --out "$OUT/profile" >>"$log" 2>&1
     echo "profile rc=$?" >>"$log"
+elif [ "${PHASE}" = 3 ]; then  # rank4 A/B of two packed revisions, interleaved
+    a=$(ls .cache/bench_rev/*.tar.gz | grep -v HEAD | head -1); b=$(ls .cache/bench_rev/*HEAD*.tar.gz | head -1)
+    timeout 420 python3 tools/bench_rev.py run "$a" "$b" --suite rank4 --repeat 2 --out "$OUT/ab" \
+        -- --steps 5 --warmup 1 >>"$log" 2>&1; echo "bench_rev rc=$?" >>"$log"
 else
     if ls .whl/serve/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl >>"$log" 2>&1
