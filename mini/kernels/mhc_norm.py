@@ -1,6 +1,6 @@
 """mHC site input, fused: mixes (one rsqrt over hc·D, the 24-wide projection, sigmoids, 20 Sinkhorn iterations on
 the 4×4 comb in registers), the collapse of the hc copies and the weighted RMSNorm of the collapsed row, with an
-optional FP8 1×block fake quant of the normed output. Also a plain RMSNorm kernel with the same optional quant
+optional FP8 1×block fake quant of the normed output. `mini.ops.mhc.pre_norm` calls it at every mHC site. Also a plain RMSNorm kernel with the same optional quant
 (`rms_norm`, not dispatched yet: its GPU parity test has not run).
 
 Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`rms_norm`):
