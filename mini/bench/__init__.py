@@ -59,6 +59,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("tiny-goodput", "mini.bench.serve", "serving goodput of the tiny model: TTFT, TPOT, req/s"),
     Suite("ep-exchange", "mini.bench.ep_exchange", "EP MoE exchange communication on N local ranks (NCCL / gloo)"),
     Suite("kernels", "mini.bench.kernels", "attention-side kernel micro-benchmarks (H200)"),
+    Suite("ep-prefill", "mini.bench.ep_prefill", "lock-step EP prefill steps on N ranks (torchrun or --nproc)"),
     Suite("fastpath-check", "mini.bench.fastpath_check", "fast path vs reference: real-width layers, tiny decode"),
 )}
 

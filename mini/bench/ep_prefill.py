@@ -1,0 +1,278 @@
+"""`ep-prefill`: lock-step prefill steps of real EP ranks (DP attention, `mini.dist.exchange.MoEExchange`).
+
+Every rank draws the model with its own 1/N of the routed experts (`random_state(..., experts=expert_range(...))`,
+same seed everywhere, so the shared weights agree), runs `--tokens` new tokens of its own per step, and meets the
+other ranks in every MoE layer (all-gather of FP8 rows -> local experts -> fp32 reduce-scatter). `--layers L`
+keeps all the preset's widths but uses L layers with every V4.1 layer kind: the 8-layer schedule of tiny-v4.1
+(window, Engram, ratio-2 KV + index source, its consumer, ratio-1 KV + candidate source, reindex source, ...)
+followed by L - 8 consumers of the last source. 192 experts x 40 layers do not fit one H200 at EP2; 8 to ~16 do.
+
+Metrics (from rank 0): the step time is the slowest rank's of each step (a barrier starts every step), mean /
+median over `--steps` after `--warmup`; tok/s/GPU = tokens per rank / mean step; peak memory (max over ranks;
+GPU: allocated, CPU: peak RSS); then `--profile-steps` more steps with every stage timed by wrapping its function
+(`mini.bench.profile`), rank 0's ms/step per stage. `communication` is the time inside the collectives: the
+step's token-count all-gather, each MoE layer's all-gather (its call and its `wait()`) and reduce-scatter.
+`exchange_glue` is the rest of the MoE exchange (FP8 pack / unpack, padding, the final add).
+
+    # 2 H200s (one command; the JSON is written by rank 0)
+    torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 8 --json ep-prefill.json
+    # the same with local processes, or on the CPU at tiny size (gloo)
+    python -m mini bench ep-prefill --nproc 2 --layers 8
+    python -m mini bench ep-prefill --nproc 2 --preset tiny-v4.1 --tokens 64 --device cpu --dtype float32
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mini.bench import SuiteError
+from mini.bench import profile
+from mini.config import ModelConfig, preset
+from mini.dist import exchange as exchange_mod
+from mini.dist.groups import DistContext, init, shutdown
+from mini.dist.launch import spawn
+
+SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
+
+
+def add_args(p) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to start (default 2); under torchrun each process is one rank")
+    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--layers", type=int, default=8, help="layers (>= 8, every layer kind kept); 0: the preset's")
+    p.add_argument("--tokens", type=int, default=4096, help="new tokens of each rank per step")
+    p.add_argument("--seqs", type=int, default=1, help="sequences each rank's tokens are split into")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=2, help="steps timed by stage (after the plain ones)")
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--engram-rows", type=int, default=1 << 20)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def layer_config(name: str, layers: int) -> ModelConfig:
+    """Preset `name` with `layers` layers holding every layer kind (see the module doc); 0 keeps its own."""
+    base = preset(name)
+    if layers == 0:
+        return base
+    s = preset(SCHEDULE)
+    if layers < s.n_layers:
+        raise SuiteError(f"ep-prefill: --layers must be 0 or >= {s.n_layers} (every layer kind)")
+    extra = layers - s.n_layers
+    return base.replace(
+        n_layers=layers, compress_ratios=s.compress_ratios + (s.compress_ratios[-1],) * extra,
+        kv_source_layers=s.kv_source_layers, index_source_layers=s.index_source_layers,
+        candidate_source_layer=s.candidate_source_layer, engram_layer_ids=s.engram_layer_ids)
+
+
+@dataclass
+class EPRank:
+    """One rank's model, exchange, batch and cache; `step()` runs one forward (counts exchange included)."""
+    model: object
+    exchange: exchange_mod.MoEExchange
+    batch: object
+    cache: object
+
+    def step(self) -> torch.Tensor:
+        self.exchange.begin_step(self.batch.n_tokens)
+        return self.model.forward(self.batch, self.cache)
+
+
+def build(ctx: DistContext, cfg: ModelConfig, args, tokens: list[list[int]]) -> EPRank:
+    """The rank's model (its experts only) over a prefill batch of `tokens` (one list per sequence)."""
+    from mini.checkpoint import expert_range, random_state
+    from mini.bench.fastpath_check import hasher_of
+    from mini.bench.prefill import restack_experts
+    from mini.model import Batch, KVCache, Model
+    from mini.model.batch import SeqChunk
+    dtype = getattr(torch, args.dtype)
+    experts = expert_range(cfg, ctx.rank, ctx.world)
+    state = random_state(cfg, ctx.device, args.seed, experts=experts, engram_rows=args.engram_rows)
+    restack_experts(state, cfg, experts)
+    ex = exchange_mod.MoEExchange(ctx)
+    model = Model(cfg, state, ctx.device, dtype, moe_exchange=ex, experts=experts)
+    del state
+    nb = -(-max(len(t) for t in tokens) // args.block_tokens)
+    chunks = [SeqChunk(t, 0, i, list(range(i * nb, (i + 1) * nb))) for i, t in enumerate(tokens)]
+    batch = Batch.build(chunks, cfg, ctx.device, hasher_of(cfg))
+    if batch.engram_ids is not None and args.engram_rows:
+        batch.engram_ids = batch.engram_ids % args.engram_rows  # the capped tables' rows
+    cache = KVCache(cfg, len(tokens), len(tokens) * nb, args.block_tokens, ctx.device, dtype)
+    return EPRank(model, ex, batch, cache)
+
+
+def rank_tokens(cfg: ModelConfig, args, rank: int) -> list[list[int]]:
+    """Rank `rank`'s prompts: `args.seqs` sequences of `args.tokens / args.seqs` random ids (its own seed)."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    per_seq = args.tokens // args.seqs
+    return [torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist() for _ in range(args.seqs)]
+
+
+# ---------------------------------------------------------------------------------------------------- stages
+def _moe_collective(fn, *a, **kw):  # the callers, wrapped as stages while profiling, tell the two apart
+    return fn(*a, **kw)
+
+
+def _count_collective(fn, *a, **kw):
+    return fn(*a, **kw)
+
+
+class _Pending:
+    """An async collective's handle whose `wait()` is timed (the exchange overlaps the shared expert with it)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        return self.work.wait()
+
+
+@contextmanager
+def staged(cuda: bool):
+    """profile.WRAPPED with the real exchange as the MoE stage, plus the collectives as communication."""
+    # the exchange calls gate / routed / shared through its own module's names
+    own = {"moe": "MoEExchange.__call__", "moe.gate": "gate", "moe.routed": "routed", "moe.shared": "shared"}
+    wrapped = [w for w in profile.WRAPPED if w[0] not in own] + [(k, "mini.dist.exchange", v) for k, v in own.items()]
+    timer = profile.StageTimer(cuda)
+    mod = sys.modules[__name__]
+    originals = {n: getattr(exchange_mod, n) for n in ("all_gather", "reduce_scatter")}
+    begin_step = exchange_mod.MoEExchange.begin_step
+    in_counts = [False]
+
+    def collective(fn):
+        def call(*a, **kw):
+            work = (mod._count_collective if in_counts[0] else mod._moe_collective)(fn, *a, **kw)
+            return _Pending(work) if kw.get("async_op") else work
+        return call
+
+    def counted_begin_step(self, n):
+        in_counts[0] = True
+        try:
+            return begin_step(self, n)
+        finally:
+            in_counts[0] = False
+
+    try:
+        for stage, path, attr in wrapped:
+            timer.wrap(stage, *profile._resolve(path, attr))
+        timer.wrap("communication.moe", mod, "_moe_collective")
+        timer.wrap("communication.moe", _Pending, "wait")
+        timer.wrap("communication.counts", mod, "_count_collective")
+        for n, fn in originals.items():
+            setattr(exchange_mod, n, collective(fn))
+        exchange_mod.MoEExchange.begin_step = counted_begin_step
+        yield timer
+    finally:
+        exchange_mod.MoEExchange.begin_step = begin_step
+        for n, fn in originals.items():
+            setattr(exchange_mod, n, fn)
+        timer.restore()
+
+
+def stage_report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, float]:
+    """profile.report's stages, with the EP exchange in place of the emulation: the MoE stage's remainder is
+    communication + exchange glue, and the token-count exchange (outside the MoE) is communication too."""
+    stages = profile.report(totals, step_ms, steps)
+    moe_comm = totals.get("communication.moe", 0.0) / steps
+    counts = totals.get("communication.counts", 0.0) / steps
+    stages["exchange_glue"] = stages.pop("ep_emulation") - moe_comm
+    stages["communication"] = moe_comm + counts
+    stages["unattributed"] -= counts
+    stages["unattributed_fraction"] = stages["unattributed"] / step_ms
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def lockstep(r: EPRank, device: torch.device, steps: int) -> list[float]:
+    """ms of each of `steps` steps on this rank, each started by a barrier (all ranks together)."""
+    out = []
+    for _ in range(steps):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        r.step()
+        _sync(device)
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def slowest(ctx: DistContext, values: list[float]) -> list[float]:
+    """Element-wise max over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _rank(ctx: DistContext, args) -> dict:
+    if not ctx.multi:
+        raise SuiteError("ep-prefill needs at least 2 ranks (torchrun --nproc-per-node N, or --nproc N)")
+    import mini.ops
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        mini.ops.set_backend("fast")
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    cfg = layer_config(args.preset, args.layers)
+    t0 = time.perf_counter()
+    r = build(ctx, cfg, args, rank_tokens(cfg, args, ctx.rank))
+    setup_s = time.perf_counter() - t0
+    lockstep(r, ctx.device, args.warmup)
+    steps = slowest(ctx, lockstep(r, ctx.device, args.steps))
+    with staged(cuda) as timer:
+        timed = lockstep(r, ctx.device, args.profile_steps)
+        totals = timer.totals()
+    stages = stage_report(totals, statistics.mean(timed), len(timed))
+    mem, setup_s = slowest(ctx, [peak_mem_gb(ctx.device), setup_s])
+    mean = statistics.mean(steps)
+    metrics = {"mean_step_ms": mean, "median_step_ms": statistics.median(steps), "min_step_ms": min(steps),
+               "max_step_ms": max(steps), "tok_per_s_per_gpu": args.tokens // args.seqs * args.seqs / (mean / 1e3),
+               "peak_mem_gb": mem, "setup_s": setup_s,
+               **{f"stage.{k}" + ("" if k == "unattributed_fraction" else "_ms"): v for k, v in stages.items()}}
+    definition = {"preset": args.preset, "layers": cfg.n_layers, "ranks": ctx.world, "tokens_per_rank": args.tokens,
+                  "seqs": args.seqs, "dtype": args.dtype, "block_tokens": args.block_tokens,
+                  "engram_rows": args.engram_rows, "seed": args.seed, "backend": ctx.backend,
+                  "device": torch.cuda.get_device_name(ctx.device) if cuda else "cpu",
+                  "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps}
+    return {"suite": "ep-prefill", "definition": definition, "metrics": metrics, "raw": {"step_ms": steps}}
+
+
+def run(args) -> dict:
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        if args.nproc is not None:
+            raise SuiteError("ep-prefill: --nproc is for local runs; under torchrun use --nproc-per-node")
+        ctx = init(args.device)
+        try:
+            result = _rank(ctx, args)
+        finally:
+            shutdown(ctx)
+        if ctx.rank != 0:
+            args.json = None  # every rank holds the same numbers; only rank 0 writes the file
+        return result
+    nproc = args.nproc or 2
+    if nproc < 2:
+        raise SuiteError("ep-prefill needs at least 2 ranks")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise SuiteError(f"ep-prefill: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
+    return spawn(nproc, _rank, args, device=device)[0]
