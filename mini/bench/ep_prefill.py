@@ -95,24 +95,12 @@ class EPRank:
 
 def build(ctx: DistContext, cfg: ModelConfig, args, tokens: list[list[int]]) -> EPRank:
     """The rank's model (its experts only) over a prefill batch of `tokens` (one list per sequence)."""
-    from mini.checkpoint import expert_range, random_state
-    from mini.bench.fastpath_check import hasher_of
-    from mini.bench.prefill import restack_experts
-    from mini.model import Batch, KVCache, Model
-    from mini.model.batch import SeqChunk
+    from mini.bench.prefill import prefill_batch, rank_model
+    from mini.checkpoint import expert_range
     dtype = getattr(torch, args.dtype)
-    experts = expert_range(cfg, ctx.rank, ctx.world)
-    state = random_state(cfg, ctx.device, args.seed, experts=experts, engram_rows=args.engram_rows)
-    restack_experts(state, cfg, experts)
     ex = exchange_mod.MoEExchange(ctx)
-    model = Model(cfg, state, ctx.device, dtype, moe_exchange=ex, experts=experts)
-    del state
-    nb = -(-max(len(t) for t in tokens) // args.block_tokens)
-    chunks = [SeqChunk(t, 0, i, list(range(i * nb, (i + 1) * nb))) for i, t in enumerate(tokens)]
-    batch = Batch.build(chunks, cfg, ctx.device, hasher_of(cfg))
-    if batch.engram_ids is not None and args.engram_rows:
-        batch.engram_ids = batch.engram_ids % args.engram_rows  # the capped tables' rows
-    cache = KVCache(cfg, len(tokens), len(tokens) * nb, args.block_tokens, ctx.device, dtype)
+    model = rank_model(cfg, ctx.device, dtype, args.seed, expert_range(cfg, ctx.rank, ctx.world), args.engram_rows, ex)
+    batch, cache = prefill_batch(cfg, tokens, ctx.device, dtype, args.block_tokens, args.engram_rows)
     return EPRank(model, ex, batch, cache)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import mini.ops
+from mini.bench.prefill import hasher_of
 from mini.config import ModelConfig, preset
 
 SCHEDULE = "tiny-v4.1"  # the preset whose layer schedule the real-width check borrows
@@ -78,14 +79,6 @@ def layer_config(args) -> ModelConfig:
         engram_layer_ids=s.engram_layer_ids, n_routed_experts=args.experts,
         n_activated_experts=min(base.n_activated_experts, args.experts),
         candidate_topk_blocks=args.candidate_blocks)
-
-
-def hasher_of(cfg: ModelConfig):
-    """An Engram hasher with a stand-in token map (any map onto the compressed vocabulary tests the same code)."""
-    if not cfg.engram_layer_ids:
-        return None
-    from mini.ops.engram import EngramHasher
-    return EngramHasher(cfg, np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
 
 
 def build_model(cfg: ModelConfig, device, dtype, seed: int, engram_rows: int | None):

@@ -92,33 +92,48 @@ def restack_experts(state: dict, cfg: ModelConfig, experts: range) -> None:
                     state[n] = buf[j]  # the drawn tensor is freed here
 
 
-def build(args) -> Rank4:
-    from mini.checkpoint import expert_range, random_state
-    from mini.model import Batch, KVCache, Model
+def hasher_of(cfg: ModelConfig):
+    """An Engram hasher with a stand-in token map: any map onto the compressed vocabulary gives the same work (the
+    real one needs the real tokenizer)."""
+    if not cfg.engram_layer_ids:
+        return None
+    import numpy as np
+    from mini.ops.engram import EngramHasher
+    return EngramHasher(cfg, np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+
+
+def rank_model(cfg: ModelConfig, device, dtype, seed: int, experts: range, engram_rows: int | None, moe_exchange):
+    """A model with random weights drawn on `device`, holding only `experts` (one EP rank), stacked in place."""
+    from mini.checkpoint import random_state
+    from mini.model import Model
+    state = random_state(cfg, device, seed, experts=experts, engram_rows=engram_rows)
+    restack_experts(state, cfg, experts)
+    return Model(cfg, state, device, dtype, moe_exchange=moe_exchange, experts=experts)
+
+
+def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, block_tokens: int,
+                  engram_rows: int | None):
+    """(Batch, KVCache) of one prefill step from position 0 over the sequences `tokens`, each in its own slot."""
+    from mini.model import Batch, KVCache
     from mini.model.batch import SeqChunk
+    nb = -(-max(len(t) for t in tokens) // block_tokens)
+    chunks = [SeqChunk(t, 0, i, list(range(i * nb, (i + 1) * nb))) for i, t in enumerate(tokens)]
+    batch = Batch.build(chunks, cfg, device, hasher_of(cfg))
+    if batch.engram_ids is not None and engram_rows:
+        batch.engram_ids = batch.engram_ids % engram_rows  # the capped tables' rows
+    return batch, KVCache(cfg, len(tokens), len(tokens) * nb, block_tokens, device, dtype)
+
+
+def build(args) -> Rank4:
+    from mini.checkpoint import expert_range
     cfg = preset(args.preset)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    experts = expert_range(cfg, 0, args.ep)
-    state = random_state(cfg, device, args.seed, experts=experts, engram_rows=args.engram_rows)
-    restack_experts(state, cfg, experts)
     exchange = EmulatedEP(args.ep, args.seed)
-    model = Model(cfg, state, device, dtype, moe_exchange=exchange, experts=experts)
-    del state
-    hasher = None
-    if cfg.engram_layer_ids:
-        import numpy as np
-        from mini.ops.engram import EngramHasher
-        # any map onto the compressed vocabulary gives the same work; the real one needs the tokenizer
-        hasher = EngramHasher(cfg, np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+    model = rank_model(cfg, device, dtype, args.seed, expert_range(cfg, 0, args.ep), args.engram_rows, exchange)
     per_seq = args.tokens // args.seqs
-    nb = -(-per_seq // args.block_tokens)
     g = torch.Generator().manual_seed(args.seed)
-    chunks = [SeqChunk(torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist(), 0, i,
-                       list(range(i * nb, (i + 1) * nb))) for i in range(args.seqs)]
-    batch = Batch.build(chunks, cfg, device, hasher)
-    if batch.engram_ids is not None and args.engram_rows:
-        batch.engram_ids = batch.engram_ids % args.engram_rows  # the capped tables' rows
-    cache = KVCache(cfg, args.seqs, args.seqs * nb, args.block_tokens, device, dtype)
+    tokens = [torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist() for _ in range(args.seqs)]
+    batch, cache = prefill_batch(cfg, tokens, device, dtype, args.block_tokens, args.engram_rows)
     return Rank4(model, cfg, batch, cache, exchange, per_seq * args.seqs)
 
 
