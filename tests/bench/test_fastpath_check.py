@@ -3,7 +3,6 @@ exactly zero error; a fault planted in one backend's MoE of one layer must show 
 import argparse
 
 import pytest
-import torch
 
 import mini.model.model as mm
 from mini.model.attn_layer import attention

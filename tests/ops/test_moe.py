@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import mini.ops
 from mini.checkpoint.make import random_state
 from mini.config import preset
-from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8, quantize_fp8, quantize_mxfp4
+from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_fp8, quantize_mxfp4
 from mini.ops.moe import MoEWeights, expert_ffn, gate, moe, routed, shared
 
 if not torch.cuda.is_available():  # the fast path's kernels run under Triton's interpreter on CPU tensors

@@ -1,6 +1,5 @@
 """The OpenAI-compatible server through the official `openai` client and raw HTTP."""
 import asyncio
-import json
 
 import httpx
 import openai
