@@ -41,8 +41,8 @@ from mini.bench import SuiteError
 from mini.bench import profile
 from mini.config import ModelConfig, preset
 from mini.dist import exchange as exchange_mod
-from mini.dist.groups import DistContext, init, shutdown
-from mini.dist.launch import spawn
+from mini.dist.groups import DistContext
+from mini.dist.launch import run_ranks
 
 SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
 
@@ -250,21 +250,19 @@ def _rank(ctx: DistContext, args) -> dict:
 
 
 def run(args) -> dict:
-    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        if args.nproc is not None:
-            raise SuiteError("ep-prefill: --nproc is for local runs; under torchrun use --nproc-per-node")
-        ctx = init(args.device)
-        try:
-            result = _rank(ctx, args)
-        finally:
-            shutdown(ctx)
-        if ctx.rank != 0:
-            args.json = None  # every rank holds the same numbers; only rank 0 writes the file
-        return result
-    nproc = args.nproc or 2
-    if nproc < 2:
+    torchrun = "WORLD_SIZE" in os.environ
+    nproc = args.nproc if torchrun else (args.nproc or 2)
+    if not torchrun and nproc < 2:
         raise SuiteError("ep-prefill needs at least 2 ranks")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and torch.cuda.device_count() < nproc:
-        raise SuiteError(f"ep-prefill: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
-    return spawn(nproc, _rank, args, device=device)[0]
+    device = args.device
+    if not torchrun:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and torch.cuda.device_count() < nproc:
+            raise SuiteError(f"ep-prefill: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
+    try:
+        rank, result = run_ranks(_rank, args, nproc, device)
+    except ValueError as e:
+        raise SuiteError(f"ep-prefill: {e}") from None
+    if rank != 0:
+        args.json = None  # every rank holds the same numbers; only rank 0 writes the file
+    return result

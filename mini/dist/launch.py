@@ -66,6 +66,21 @@ def spawn(world: int, fn, *args, device: str | None = None) -> list:
     return [out[r] for r in range(world)]
 
 
+def run_ranks(fn, args, nproc: int | None, device: str | None = None) -> tuple[int, object]:
+    """fn(ctx, args) on every rank. Under torchrun (or with nproc 1) this process is one rank; otherwise `nproc`
+    local processes are spawned. Returns (this process's rank, its result) — rank 0's result when spawning."""
+    if "WORLD_SIZE" in os.environ:
+        if nproc is not None:
+            raise ValueError("--nproc is for local runs; under torchrun use --nproc-per-node")
+    elif (nproc or 1) > 1:
+        return 0, spawn(nproc, fn, args, device=device)[0]
+    ctx = init(device)
+    try:
+        return ctx.rank, fn(ctx, args)
+    finally:
+        shutdown(ctx)
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
     from mini.dist.dp import generate, load_ep_model
@@ -98,19 +113,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    under_torchrun = "WORLD_SIZE" in os.environ
-    if under_torchrun and args.nproc is not None:
-        raise SystemExit("--nproc is for local runs; under torchrun use --nproc-per-node")
-    if under_torchrun or (args.nproc or 1) == 1:  # this process is one rank (or the only one)
-        ctx = init(args.device)
-        try:
-            texts = _generate_rank(ctx, args)
-        finally:
-            shutdown(ctx)
-        if ctx.rank != 0:
-            return 0
-    else:
-        texts = spawn(args.nproc, _generate_rank, args, device=args.device)[0]
+    try:
+        rank, texts = run_ranks(_generate_rank, args, args.nproc, args.device)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if rank != 0:
+        return 0
     for prompt, text in zip(args.prompt, texts):
         print(f"{prompt!r} -> {text!r}")
     return 0
