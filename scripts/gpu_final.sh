@@ -10,6 +10,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 log="$OUT/log.txt"
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; git log -1 --format=%H 2>/dev/null
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
+# optional carried libraries (kernels-and-deps.md): Humming's MXFP4 MoE GEMMs, used when importable
+if ls .whl/gpu/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/*.whl >>"$log" 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ "${PHASE:-1}" = 1 ]; then
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/ops tests/model tests/engine \
         tests/checkpoint tests/bench >"$OUT/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >>"$log"
@@ -23,7 +28,7 @@ elif [ "${PHASE}" = 3 ]; then  # rank4 A/B of two packed revisions, interleaved
 else
     if ls .whl/serve/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl >>"$log" 2>&1
-        export PYTHONPATH=/tmp/site
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     a=$(ls .cache/bench_rev/*.tar.gz | grep -v HEAD | head -1); b=$(ls .cache/bench_rev/*HEAD*.tar.gz | head -1)
     timeout 200 python3 tools/bench_rev.py run "$a" "$b" --suite moe-layer --repeat 2 --out "$OUT/ab" \
