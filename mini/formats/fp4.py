@@ -4,6 +4,8 @@ A code has a sign bit (bit 3) and a 3-bit magnitude index into [0, 0.5, 1, 1.5, 
 stored as I8 `[out, in/2]`: the low nibble is element 2j, the high nibble element 2j+1 (packed along K), with one
 E8M0 scale per 32 consecutive K elements, `[out, in/32]`.
 """
+from functools import lru_cache
+
 import torch
 
 from mini.formats.e8m0 import e8m0_to_float
@@ -16,17 +18,23 @@ _TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 FP4_MAX = 6.0
 
 
+@lru_cache(maxsize=None)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, mids, tie_up) on `device`, copied once: a copy from the host cannot run in a captured CUDA graph."""
+    return E2M1_VALUES.to(device), _MIDS.to(device), _TIE_UP.to(device)
+
+
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values (already scaled, |x| <= 6) -> 4-bit codes (uint8), round to nearest even, sign kept (-0 too)."""
     mag = x.float().abs().unsqueeze(-1)
-    mids, up = _MIDS.to(x.device), _TIE_UP.to(x.device)
+    _, mids, up = _tables(x.device)
     code = (mag > mids).sum(-1) + ((mag == mids) & up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of x (|x| <= 6), fp32."""
-    return E2M1_VALUES.to(x.device)[e2m1_codes(x).long()]
+    return _tables(x.device)[0][e2m1_codes(x).long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

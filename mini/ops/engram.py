@@ -160,15 +160,19 @@ class EngramWeights:
         return (vals.unflatten(-1, (-1, group)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def engram(h: torch.Tensor, hash_ids: torch.Tensor, w: EngramWeights, cfg: ModelConfig,
-           token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """h [T, hc, D], hash_ids [T, n_hash_cols] -> h + gate * value [T, hc, D] in h.dtype.
+def engram(h: torch.Tensor, hash_ids: torch.Tensor | None, w: EngramWeights, cfg: ModelConfig,
+           token_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T, hc, D], hash_ids [T, n_hash_cols] -> h + gate * value [T, hc, D] in h.dtype. `rows` [T, n_hash_cols,
+    head_dim], when given, are the table rows `w.lookup(hash_ids)` already looked up (a CUDA-graph decode step does
+    the host-side lookup before its replay) and hash_ids is not used.
 
     key (one per copy) and value (shared) come from wkv(rows); the gate of copy c is
     sigmoid(signed_sqrt(<h_c * w_c, key_c> / (rms(h_c) * rms(key_c) * sqrt(D)))), normalised per (token, copy).
     token_mask [T] False closes the gate (image positions)."""
     n_tok, hc, dim = h.shape
-    rows = w.lookup(hash_ids, h.dtype, h.device).flatten(-2)  # [T, cols * head_dim]
+    if rows is None:
+        rows = w.lookup(hash_ids, h.dtype, h.device)
+    rows = rows.flatten(-2)  # [T, cols * head_dim]
     kv = linear(rows, w.wkv)
     key = kv[:, :hc * dim].float().unflatten(-1, (hc, dim))
     value = kv[:, hc * dim:].float()

@@ -17,20 +17,21 @@ from mini.ops import use_fast
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 
 
-@lru_cache(maxsize=4)
-def _hadamard_matrix(n: int) -> torch.Tensor:
-    """Sylvester-ordered Walsh–Hadamard matrix scaled by n^-0.5 (orthonormal and symmetric, so x @ H = x @ H^T)."""
+@lru_cache(maxsize=8)
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """Sylvester-ordered Walsh–Hadamard matrix scaled by n^-0.5 (orthonormal and symmetric, so x @ H = x @ H^T), on
+    `device` once (a copy from the host cannot run in a captured CUDA graph)."""
     if n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * n ** -0.5
+    return (h * n ** -0.5).to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """V4's `rotate_activation`: the normalised Walsh–Hadamard transform of the last dim, fp32 math."""
-    return torch.nn.functional.linear(x.float(), _hadamard_matrix(x.shape[-1]).to(x.device)).to(x.dtype)
+    return torch.nn.functional.linear(x.float(), _hadamard_matrix(x.shape[-1], x.device)).to(x.dtype)
 
 
 def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:
