@@ -217,6 +217,15 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def peak_reserved_gb(device: torch.device) -> float:
+    """What the caching allocator held at most (allocated + its free blocks): the memory the run really needed."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def device_mem_gb(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def _rank(ctx: DistContext, args) -> dict:
     if not ctx.multi:
         raise SuiteError("ep-prefill needs at least 2 ranks (torchrun --nproc-per-node N, or --nproc N)")
@@ -235,11 +244,12 @@ def _rank(ctx: DistContext, args) -> dict:
         timed = lockstep(r, ctx.device, args.profile_steps)
         totals = timer.totals()
     stages = stage_report(totals, statistics.mean(timed), len(timed))
-    mem, setup_s = slowest(ctx, [peak_mem_gb(ctx.device), setup_s])
+    mem, reserved, setup_s = slowest(ctx, [peak_mem_gb(ctx.device), peak_reserved_gb(ctx.device), setup_s])
     mean = statistics.mean(steps)
     metrics = {"mean_step_ms": mean, "median_step_ms": statistics.median(steps), "min_step_ms": min(steps),
                "max_step_ms": max(steps), "tok_per_s_per_gpu": args.tokens // args.seqs * args.seqs / (mean / 1e3),
-               "peak_mem_gb": mem, "setup_s": setup_s,
+               "peak_mem_gb": mem, **({"peak_reserved_gb": reserved, "device_mem_gb": device_mem_gb(ctx.device)}
+                                      if cuda else {}), "setup_s": setup_s,
                **{f"stage.{k}" + ("" if k == "unattributed_fraction" else "_ms"): v for k, v in stages.items()}}
     definition = {"preset": args.preset, "layers": cfg.n_layers, "ranks": ctx.world, "tokens_per_rank": args.tokens,
                   "seqs": args.seqs, "dtype": args.dtype, "block_tokens": args.block_tokens,

@@ -1,0 +1,244 @@
+"""`ep-exact`: greedy decoding on N EP/DP ranks against one rank holding every expert, same device, same kernels.
+
+Every rank draws the same random model (its own 1/N of the routed experts), takes its own prompts (odd lengths, a
+different number of sequences on each rank, so the exchange pads) and runs a prefill plus `--decode-steps` greedy
+decode steps in lock step with the other ranks, recording the argmax tokens and the fp32 logits of every step.
+Then, on the same GPU, the same rank rebuilds the model with all experts and runs the same batches (its own prompts,
+the EP run's tokens fed back: teacher forcing, so every step's logits are comparable) twice:
+
+* `one`: through a single-rank `MoEExchange` - the same code path as EP (gate, `routed` over the local experts ->
+  fp32, + shared expert, one rounding to the activation dtype), every expert local and no collectives. This is the
+  apples-to-apples 1-rank run: the kernels are the same; what differs is that under EP each expert's rows come
+  from both ranks' tokens (a grouped GEMM computes a row the same whatever the other rows of its group: fixed
+  tiles, no autotuning) and that the k expert outputs of a token are summed in two fp32 partial sums (one per
+  rank, then the reduce-scatter) instead of one;
+* `plain`: through `mini.ops.moe.moe`, the ordinary single-device MoE (on the fast path the shared expert is
+  added inside the combine kernel: another fp32 summation order). `one` vs `plain` is the size of fp32
+  reduction-order noise on one device, for scale.
+
+Metrics per case (max over ranks, worst row): `tokens_identical` (EP's greedy tokens are the argmax of `one`'s
+logits at every step: a free-running `one` would decode the same tokens), `max_abs_logit_diff` and
+`max_rel_logit_diff` (||d|| / ||logits|| of a row) of EP vs `one`, `rows_bit_identical` (share of logit rows equal
+bit for bit), the same two for `plain` vs `one`, the logits' scale and `one`'s smallest top-2 gap.
+
+Cases: tiny-v4.1 (fast bf16, reference fp32, reference bf16) and a wide one (V4.1-Flash widths, the 8-layer
+schedule of ep-prefill, 32 routed experts, prompts of 100s of tokens; fast bf16). On a CPU the fast cases run the
+reference (the fast path needs CUDA).
+
+    torchrun --nproc-per-node 2 -m mini.bench.ep_exact --json ep-exact.json        # 2 GPUs, NCCL
+    python -m mini.bench.ep_exact --nproc 2 --device cpu --cases tiny-reference-fp32  # gloo
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mini.bench import SuiteError, check_result, environment
+from mini.config import ModelConfig, preset
+from mini.dist.groups import DistContext
+from mini.dist.launch import run_ranks
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str
+    layers: int  # 0: the preset's own; else ep_prefill.layer_config's schedule
+    experts: int | None  # routed experts (None: the preset's)
+    backend: str
+    dtype: str
+    lens: tuple[tuple[int, ...], ...]  # prompt lengths of rank r: lens[r % len(lens)]
+    block_tokens: int
+    engram_rows: int | None
+
+    def config(self) -> ModelConfig:
+        from mini.bench.ep_prefill import layer_config
+        cfg = layer_config(self.preset, self.layers) if self.layers else preset(self.preset)
+        if self.experts is not None:
+            cfg = cfg.replace(n_routed_experts=self.experts,
+                              n_activated_experts=min(cfg.n_activated_experts, self.experts))
+        return cfg
+
+
+TINY_LENS = ((37, 5, 70), (19, 44))  # rank 0: 3 sequences / 112 tokens, rank 1: 2 / 63
+CASES = {
+    "tiny-fast-bf16": Case("tiny-v4.1", 0, None, "fast", "bfloat16", TINY_LENS, 16, None),
+    "tiny-reference-fp32": Case("tiny-v4.1", 0, None, "reference", "float32", TINY_LENS, 16, None),
+    "tiny-reference-bf16": Case("tiny-v4.1", 0, None, "reference", "bfloat16", TINY_LENS, 16, None),
+    "wide-fast-bf16": Case("v4.1-flash", 8, 32, "fast", "bfloat16", ((700, 133), (517,)), 256, 1 << 16),
+}
+
+
+def add_args(p) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to start (default 2); under torchrun each process is one rank")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+def prompts_of(cfg: ModelConfig, case: Case, rank: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in case.lens[rank % len(case.lens)]]
+
+
+def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, forced: list[list[int]] | None = None
+           ) -> tuple[list[list[int]], torch.Tensor]:
+    """(argmax tokens [steps + 1][S], fp32 logits [steps + 1, S, vocab]) of a prefill of every prompt and `steps`
+    decode steps. With `forced`, the histories take those tokens instead of the argmax. `exchange` (or None)
+    gets each step's token count."""
+    from mini.model import Batch, KVCache, SeqChunk
+    cfg, dev = model.config, model.device
+    per_seq = -(-(max(map(len, prompts)) + steps + 1) // case.block_tokens)
+    blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    cache = KVCache(cfg, len(prompts), len(prompts) * per_seq, case.block_tokens, dev, model.dtype)
+    history, starts = [list(p) for p in prompts], [0] * len(prompts)
+    tokens, logits = [], []
+    for i in range(steps + 1):
+        batch = Batch.build([SeqChunk(h, s, j, blocks[j]) for j, (h, s) in enumerate(zip(history, starts))],
+                            cfg, dev, model.hasher)
+        if batch.engram_ids is not None and case.engram_rows:
+            batch.engram_ids = batch.engram_ids % case.engram_rows  # the capped tables' rows
+        if exchange is not None:
+            exchange.begin_step(batch.n_tokens)
+        out = model.forward(batch, cache).float()
+        tokens.append(out.argmax(-1).tolist())
+        logits.append(out)
+        starts = [len(h) for h in history]
+        for j, h in enumerate(history):
+            h.append(forced[i][j] if forced is not None else tokens[-1][j])
+    return tokens, torch.stack(logits)
+
+
+def build_model(cfg: ModelConfig, case: Case, device, seed: int, experts: range, exchange):
+    from mini.bench.prefill import hasher_of, rank_model
+    model = rank_model(cfg, device, getattr(torch, case.dtype), seed, experts, case.engram_rows, exchange)
+    model.hasher = hasher_of(cfg)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- comparing
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """Row-wise differences of two logit stacks [..., vocab]: the worst row's, and the share of equal rows."""
+    d = (got - want).abs()
+    rows_equal = (d.amax(-1) == 0).float()
+    return {"max_abs_logit_diff": float(d.max()),
+            "max_rel_logit_diff": float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()),
+            "rows_bit_identical": float(rows_equal.mean())}
+
+
+def case_metrics(ep_tokens, ep_logits, one_tokens, one_logits, plain_logits) -> dict[str, float]:
+    top2 = one_logits.topk(2, dim=-1).values
+    m = {"tokens_identical": float(ep_tokens == one_tokens), **compare(ep_logits, one_logits)}
+    m.update({f"plain_vs_one_{k}": v for k, v in compare(plain_logits, one_logits).items()})
+    m["logit_abs_max"] = float(one_logits.abs().max())
+    m["min_top2_gap"] = float((top2[..., 0] - top2[..., 1]).min())
+    return m
+
+
+# worst over the ranks: the smallest for these, the largest for the rest
+SMALLEST = ("tokens_identical", "rows_bit_identical", "plain_vs_one_rows_bit_identical", "min_top2_gap")
+
+
+def worst(ctx: DistContext, m: dict[str, float]) -> dict[str, float]:
+    keys = sorted(m)
+    signed = torch.tensor([-m[k] if k in SMALLEST else m[k] for k in keys], dtype=torch.float64, device=ctx.device)
+    if ctx.multi:
+        dist.all_reduce(signed, op=dist.ReduceOp.MAX)
+    return {k: (-v if k in SMALLEST else v) for k, v in zip(keys, signed.tolist())}
+
+
+def run_case(ctx: DistContext, case: Case, args) -> dict[str, float]:
+    import mini.ops
+    from mini.checkpoint import expert_range
+    from mini.dist.exchange import MoEExchange
+    mini.ops.set_backend(case.backend)
+    cfg = case.config()
+    prompts = prompts_of(cfg, case, ctx.rank, args.seed)
+    t0 = time.perf_counter()
+    ep_exchange = MoEExchange(ctx)
+    model = build_model(cfg, case, ctx.device, args.seed, expert_range(cfg, ctx.rank, ctx.world), ep_exchange)
+    ep_tokens, ep_logits = greedy(model, ep_exchange, prompts, args.decode_steps, case)
+    del model
+    t1 = time.perf_counter()
+    one_exchange = MoEExchange(DistContext(0, 1, ctx.device, None))
+    model = build_model(cfg, case, ctx.device, args.seed, range(cfg.n_routed_experts), one_exchange)
+    one_tokens, one_logits = greedy(model, one_exchange, prompts, args.decode_steps, case, forced=ep_tokens)
+    model.moe_exchange = None  # the same weights through mini.ops.moe.moe
+    _, plain_logits = greedy(model, None, prompts, args.decode_steps, case, forced=ep_tokens)
+    del model
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    m = case_metrics(ep_tokens, ep_logits, one_tokens, one_logits, plain_logits)
+    m.update(ep_s=t1 - t0, one_s=time.perf_counter() - t1)
+    return worst(ctx, m)
+
+
+def _rank(ctx: DistContext, args) -> dict:
+    if not ctx.multi:
+        raise SuiteError("ep-exact needs at least 2 ranks (torchrun --nproc-per-node N, or --nproc N)")
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SuiteError(f"ep-exact: unknown cases {unknown}; known: {', '.join(CASES)}")
+    metrics = {}
+    for name in names:
+        metrics.update({f"{name}.{k}": v for k, v in run_case(ctx, CASES[name], args).items()})
+    cuda = ctx.device.type == "cuda"
+    definition = {"cases": {n: {**CASES[n].__dict__, "lens": [list(x) for x in CASES[n].lens]} for n in names},
+                  "ranks": ctx.world, "decode_steps": args.decode_steps, "seed": args.seed, "backend": ctx.backend,
+                  "device": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
+    return {"suite": "ep-exact", "definition": definition, "metrics": metrics}
+
+
+def run(args) -> dict:
+    torchrun = "WORLD_SIZE" in os.environ
+    nproc = args.nproc if torchrun else (args.nproc or 2)
+    device = args.device
+    if not torchrun:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and torch.cuda.device_count() < nproc:
+            raise SuiteError(f"ep-exact: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
+    try:
+        rank, result = run_ranks(_rank, args, nproc, device)
+    except ValueError as e:
+        raise SuiteError(f"ep-exact: {e}") from None
+    if rank != 0:
+        args.json = None  # every rank holds the same numbers; only rank 0 writes the file
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mini.bench.ep_exact` (or under torchrun): the suite's result printed, and written to --json."""
+    p = argparse.ArgumentParser(prog="python -m mini.bench.ep_exact", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the result (with the environment) to FILE")
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        result = check_result("ep-exact", run(args))
+    except SuiteError as e:
+        print(f"ep-exact: {e}", file=sys.stderr)
+        return 2
+    result = {**result, "env": environment()}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if "WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0":
+        width = max(len(k) for k in result["metrics"])
+        print("ep-exact: " + json.dumps({k: v for k, v in result["definition"].items() if k != "cases"}))
+        for k, v in result["metrics"].items():
+            print(f"  {k:{width}s} {v:.6g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
