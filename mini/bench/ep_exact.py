@@ -192,7 +192,10 @@ def _rank(ctx: DistContext, args) -> dict:
         raise SuiteError(f"ep-exact: unknown cases {unknown}; known: {', '.join(CASES)}")
     metrics = {}
     for name in names:
-        metrics.update({f"{name}.{k}": v for k, v in run_case(ctx, CASES[name], args).items()})
+        m = run_case(ctx, CASES[name], args)
+        if ctx.rank == 0:  # as it comes: a run cut short keeps the cases it finished
+            print(f"ep-exact {name}: {json.dumps(m)}", flush=True)
+        metrics.update({f"{name}.{k}": v for k, v in m.items()})
     cuda = ctx.device.type == "cuda"
     definition = {"cases": {n: {**CASES[n].__dict__, "lens": [list(x) for x in CASES[n].lens]} for n in names},
                   "ranks": ctx.world, "decode_steps": args.decode_steps, "seed": args.seed, "backend": ctx.backend,
