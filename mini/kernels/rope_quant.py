@@ -52,6 +52,12 @@ def _rope_quant_kernel(
     tl.store(out_ptr + base + cr[None, :], rot.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def supported(d: int, rope_dim: int, quant: str | None, quant_block: int) -> bool:
+    """Whether the kernel can run this shape: quant blocks must not straddle the nope/rope boundary (the tiny
+    presets' 64-wide KV with a 16-wide RoPE tail and 1x32 blocks cannot)."""
+    return quant is None or (rope_dim % quant_block == 0 and (d - rope_dim) % quant_block == 0)
+
+
 def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm_weight: torch.Tensor | None = None,
                eps: float = 0.0, quant: str | None = None, quant_block: int = 32, block_r: int = 16,
                num_warps: int = 4) -> torch.Tensor:
@@ -63,8 +69,7 @@ def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm
     assert x.shape[0] == table.shape[0]
     if not _fq._enabled:
         quant = None
-    if quant is not None:
-        assert RD % quant_block == 0 and (D - RD) % quant_block == 0
+    assert supported(D, RD, quant, quant_block), "quant blocks straddle the rope boundary"
     x = x.contiguous()
     out = torch.empty_like(x)
     R = x.numel() // D

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
-from mini.formats import dequant_fp8, fake_quant_fp4, fake_quant_fp8
+from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops.attention import sparse_attention
@@ -20,7 +20,7 @@ from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
 from mini.ops.linear import QWeight, linear
 from mini.ops.norm import rms_norm
-from mini.ops.rope import apply_rope, layer_frequencies, rope_table
+from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
 
 
 @dataclass
@@ -71,15 +71,32 @@ class AttentionWeights:
                    wo_a.to(dtype).view(cfg.o_groups, cfg.o_lora_rank, -1), q("wo_b"), comp, idx)
 
 
-def _quant_window_kv(kv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    if cfg.is_v41:  # FP8 1x32 over all dims, RoPE tail included
-        return fake_quant_fp8(kv, 32)
-    rd = cfg.rope_head_dim  # V4: FP8 1x64 on the nope dims only
+def _window_kv(kv: torch.Tensor, table: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """kv_norm, RoPE and the window KV's fake quant of the projected latent."""
+    if cfg.is_v41:  # FP8 1x32 over all dims, RoPE tail included: one fused op
+        return norm_rope_quant(kv, table, norm, cfg.norm_eps, "fp8", 32)
+    return _quant_v4_kv(norm_rope_quant(kv, table, norm, cfg.norm_eps), cfg)
+
+
+def _quant_v4_kv(kv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    rd = cfg.rope_head_dim  # V4 (window and compressed KV): FP8 1x64 on the nope dims only
     return torch.cat([fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]], dim=-1)
 
 
-def _quant_compressed_kv(kv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    return fake_quant_fp4(kv, 16, "e4m3") if cfg.is_v41 else _quant_window_kv(kv, cfg)
+def _rope_compressed_kv(latent: torch.Tensor, table: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.is_v41:  # FP4 1x16 with e4m3 scales, fused with the rotation
+        return norm_rope_quant(latent, table, quant="fp4_e4m3", quant_block=16)
+    return _quant_v4_kv(apply_rope(latent, table), cfg)
+
+
+def _rope_index(x: torch.Tensor, table: torch.Tensor, cfg: ModelConfig, norm: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Index q ([T, H, di]) or keys ([G, di], with k_norm): (norm,) RoPE, (V4: Hadamard,) FP4 1x32 ue8m0."""
+    if cfg.is_v41:
+        return norm_rope_quant(x, table, norm, cfg.norm_eps, "fp4_ue8m0", 32)
+    if norm is not None:
+        x = rms_norm(x, norm, cfg.norm_eps)
+    return quantize_index(apply_rope(x, table), rotate=True)
 
 
 def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout,
@@ -93,13 +110,12 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
     latent = compress(x, w.compressor, pos, groups, *cache.comp_state.get(l, (None, None)), eps)
     if plan.owns_index_keys:
         if cfg.is_v41:
-            keys = rms_norm(F.linear(latent, w.indexer.wk.to(latent.dtype)), w.indexer.k_norm, eps)
+            keys = _rope_index(F.linear(latent, w.indexer.wk.to(latent.dtype)), table, cfg, w.indexer.k_norm)
         else:
-            keys = compress(x, w.indexer.compressor, pos, groups, *cache.index_state[l], eps)
-        keys = quantize_index(apply_rope(keys, table), rotate=not cfg.is_v41)
+            keys = _rope_index(compress(x, w.indexer.compressor, pos, groups, *cache.index_state[l], eps), table, cfg)
         pool = cache.index_k[l]
         pool.view(-1, pool.shape[-1])[groups.pool_row] = keys.to(pool.dtype)
-    latent = _quant_compressed_kv(apply_rope(latent, table), cfg)
+    latent = _rope_compressed_kv(latent, table, cfg)
     pool = cache.comp_kv[l]
     pool.view(-1, pool.shape[-1])[groups.pool_row] = latent.to(pool.dtype)
 
@@ -111,8 +127,7 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     rows = lay.seq_rows(plan.ratio)
     if rows.shape[1] == 0:
         return torch.empty(T, 0, dtype=torch.int64, device=x.device)
-    q = linear(qr, w.wq_b).view(T, H, di)
-    q = quantize_index(apply_rope(q, table), rotate=not cfg.is_v41)
+    q = _rope_index(linear(qr, w.wq_b).view(T, H, di), table, cfg)
     weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
@@ -144,7 +159,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
     q = apply_rope(q, table)
-    kv = _quant_window_kv(apply_rope(rms_norm(linear(x, w.wkv), w.kv_norm, eps), table), cfg)
+    kv = _window_kv(linear(x, w.wkv), table, w.kv_norm, cfg)
 
     comp = comp_ids = None
     if plan.ratio:
@@ -160,5 +175,15 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
     o = apply_rope(o, table, inverse=True)  # the keys' rotation carried through V = K is removed
-    o = torch.einsum("tgd,grd->tgr", o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype))
-    return linear(o.flatten(1), w.wo_b)
+    return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
+
+
+def _grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+    """o [T, G, k] times each group's wo_a [G, r, k] -> [T, G·r]. On the GPU the batched GEMM writes straight into
+    the [T, G, r] layout wo_b reads; einsum's [G, T, r] result would need a transposing copy (~1.5 TB/s)."""
+    T, G, _ = o.shape
+    if not o.is_cuda:
+        return torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)
+    out = torch.empty(T, G, wo_a.shape[1], dtype=o.dtype, device=o.device)
+    torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2), out=out.transpose(0, 1))
+    return out.flatten(1)

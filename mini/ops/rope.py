@@ -10,7 +10,14 @@ from functools import lru_cache
 import torch
 
 from mini.config import LayerPlan, ModelConfig
+from mini.formats import fake_quant_fp4, fake_quant_fp8
 from mini.ops import use_fast
+from mini.ops.norm import rms_norm
+
+# fake quantizers that may follow a rotation: name -> (x, block) -> x (mini/kernels/quant.py has the same names)
+_QUANT = {None: lambda x, block: x, "fp8": fake_quant_fp8,
+          "fp4_ue8m0": lambda x, block: fake_quant_fp4(x, block, "ue8m0"),
+          "fp4_e4m3": lambda x, block: fake_quant_fp4(x, block, "e4m3")}
 
 
 def yarn_bounds(rope_dim: int, base: float, original_seq_len: int, beta_fast: int, beta_slow: int) -> tuple[int, int]:
@@ -60,3 +67,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> t
         table = table.unsqueeze(1)
     rot = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous()) * table
     return torch.cat([x[..., :-rd], torch.view_as_real(rot).flatten(-2).to(x.dtype)], dim=-1)
+
+
+def norm_rope_quant(x: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                    quant: str | None = None, quant_block: int = 32) -> torch.Tensor:
+    """fake_quant(apply_rope(rms_norm(x, norm_weight, eps)), quant, quant_block) with the norm optional: the KV /
+    index producers' chain. quant: None, 'fp8' (1×block ue8m0), 'fp4_ue8m0', 'fp4_e4m3'. One fused kernel on the
+    fast path (mini/kernels/rope_quant.py) instead of ~20 elementwise launches, where its blocks fit the shape."""
+    if quant not in _QUANT:
+        raise ValueError(f"unknown fake-quant kind {quant!r}")
+    if use_fast(x) and x.dtype == torch.bfloat16:
+        from mini.kernels.rope_quant import rope_quant, supported
+        if supported(x.shape[-1], 2 * table.shape[-1], quant, quant_block):
+            return rope_quant(x, table, False, norm_weight, eps, quant, quant_block)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    return _QUANT[quant](apply_rope(x, table), quant_block)

@@ -1,5 +1,5 @@
-"""Every call the tiny V4.1 model makes to the four dispatched ops (sparse attention, indexer scores, RoPE, mHC
-mixes), with its real arguments (paged pools, rings, chunked prefill of two sequences), gives the same result
+"""Every call the tiny V4.1 model makes to the dispatched ops (sparse attention, indexer scores, RoPE, the fused
+norm + RoPE + fake quant, mHC mixes), with its real arguments (paged pools, rings, chunked prefill of two sequences), gives the same result
 through the Triton kernel (interpreter, fp32) as through the reference op. End-to-end logits are not compared:
 a 1e-6 relative change of the attention output alone moves the tiny random model's logits by up to ~0.5 through
 FP8 / top-k flips (checked on the reference itself), so per-call parity is the meaningful check."""
@@ -21,7 +21,7 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
     import mini.ops.mhc as mhc_ops
     from mini.kernels.indexer_topk import index_scores
     from mini.kernels.mhc_norm import mhc_norm
-    from mini.kernels.rope_quant import rope_quant
+    from mini.kernels.rope_quant import rope_quant, supported
     from mini.kernels.sparse_attention import sparse_mla_attention
 
     def kernel_mixes(h, fn, scale, base, *, hc_mult, iters, hc_eps, norm_eps):
@@ -44,6 +44,16 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
                                                                  sparse_mla_attention))
     monkeypatch.setattr(attn_layer, "index_scores", compared("indexer", attn_layer.index_scores, index_scores))
     monkeypatch.setattr(attn_layer, "apply_rope", compared("rope", attn_layer.apply_rope, rope_quant))
+    chain = attn_layer.norm_rope_quant
+
+    def fused(x, table, norm_weight=None, eps=0.0, quant=None, quant_block=32):
+        if not supported(x.shape[-1], 2 * table.shape[-1], quant, quant_block):  # the op runs the chain then
+            return chain(x, table, norm_weight, eps, quant, quant_block)
+        kernel_shapes.add((x.shape[-1], quant))
+        return rope_quant(x, table, False, norm_weight, eps, quant, quant_block)
+
+    kernel_shapes: set = set()
+    monkeypatch.setattr(attn_layer, "norm_rope_quant", compared("norm_rope_quant", chain, fused))
     monkeypatch.setattr(mhc_ops, "mixes", compared("mixes", mhc_ops.mixes, kernel_mixes))
 
     cfg = preset("tiny-v4.1")
@@ -55,6 +65,7 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
              [(toks[0], 37, 2, [5, 1, 7]), (toks[1], 20, 0, [3, 9])]]  # a chunk of 8 and a decode
     for step in steps:
         model.forward(Batch.build([SeqChunk(*c) for c in step], cfg, "cpu", hasher), cache)
-    assert set(errors) == {"attention", "indexer", "rope", "mixes"}, errors.keys()
+    assert set(errors) == {"attention", "indexer", "rope", "norm_rope_quant", "mixes"}, errors.keys()
+    assert kernel_shapes, "the fused norm + RoPE + quant kernel never ran"
     for name, errs in errors.items():
         assert max(errs) < 1e-4, (name, max(errs))

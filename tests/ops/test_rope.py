@@ -1,6 +1,7 @@
 """RoPE: interleaved pairs on the last dims, per-layer base and YaRN (spec §2.4.2), inverse rotation."""
 import math
 
+import pytest
 import torch
 
 from mini.config import preset
@@ -64,3 +65,51 @@ def test_bf16_input_stays_bf16():
     x = torch.randn(4, 64).to(torch.bfloat16)
     y = apply_rope(x, rope_table(torch.arange(4), rope_frequencies(16, 10000.0)))
     assert y.dtype == torch.bfloat16 and torch.equal(y[:, :48], x[:, :48])
+
+
+def _chain(x, table, w, quant, block):
+    """The unfused producer chain norm_rope_quant stands for."""
+    from mini.formats import fake_quant_fp4, fake_quant_fp8
+    from mini.ops.norm import rms_norm
+    y = apply_rope(rms_norm(x, w, 1e-20) if w is not None else x, table)
+    if quant == "fp8":
+        return fake_quant_fp8(y, block)
+    if quant is not None:
+        return fake_quant_fp4(y, block, quant.split("_")[1])
+    return y
+
+
+@pytest.mark.parametrize("shape,norm,quant,block", [((13, 96), True, "fp8", 32), ((13, 3, 64), False, "fp4_ue8m0", 32),
+                                                    ((13, 96), False, "fp4_e4m3", 16), ((13, 96), True, None, 32)])
+def test_norm_rope_quant_is_the_chain(shape, norm, quant, block):
+    from mini.ops.rope import norm_rope_quant
+    x = torch.randn(shape) * 3
+    table = rope_table(torch.randint(0, 9000, (shape[0],)), rope_frequencies(32, 160000.0, 256, 4.0))
+    w = torch.rand(shape[-1]) + 0.5 if norm else None
+    assert torch.equal(norm_rope_quant(x, table, w, 1e-20, quant, block), _chain(x, table, w, quant, block))
+    with pytest.raises(ValueError):
+        norm_rope_quant(x, table, quant="fp8_e5m2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,norm,quant,block", [((1001, 512), True, "fp8", 32), ((999, 512), False, "fp4_e4m3", 16),
+                                                    ((1001, 32, 128), False, "fp4_ue8m0", 32),
+                                                    ((999, 128), True, "fp4_ue8m0", 32)])
+def test_norm_rope_quant_fast_path_gpu(shape, norm, quant, block):
+    """The fused kernel the op dispatches to on CUDA vs the chain: equal up to rare one-step quant flips where the
+    kernel's fp32 rotation rounds the other way."""
+    import mini.ops
+    from mini.ops.rope import norm_rope_quant
+    x = (torch.randn(shape, device="cuda") * 3).bfloat16()
+    freqs = rope_frequencies(64, 160000.0, 65536, 16.0)
+    table = rope_table(torch.randint(0, 100000, (shape[0],), device="cuda"), freqs)
+    w = (torch.rand(shape[-1], device="cuda") + 0.5).bfloat16() if norm else None
+    prev = mini.ops.backend()
+    try:
+        mini.ops.set_backend("fast")
+        got = norm_rope_quant(x, table, w, 1e-20, quant, block)
+        mini.ops.set_backend("reference")
+        ref = norm_rope_quant(x, table, w, 1e-20, quant, block)
+    finally:
+        mini.ops.set_backend(prev)
+    assert (got != ref).float().mean() < 2e-3
