@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import torch
 
 from mini.config import ModelConfig
-from mini.model.layout import StepLayout
+from mini.model.layout import DecodeLayout, StepLayout
 
 
 @dataclass
@@ -42,15 +44,21 @@ class Batch:
     start_host: list[int] = field(default_factory=list)
     lens_host: list[int] = field(default_factory=list)
     n_blocks_host: list[int] = field(default_factory=list)
+    # a decode step in static buffers (DecodeBuffers) sets these instead of the host copies; its layout is a
+    # DecodeLayout, shaped by max_len (the longest sequence the buffers allow)
+    max_len: int | None = None
+    pad_slot: int = -1  # the scratch slot and block that padding rows write into
+    pad_block: int = -1
+    engram_rows: torch.Tensor | None = None  # [T, n_engram_layers, n_hash_cols, head_dim] looked up on the host
     _layouts: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_tokens(self) -> int:
-        return int(sum(self.lens_host))
+        return self.input_ids.shape[0]
 
     @property
     def n_seqs(self) -> int:
-        return len(self.lens_host)
+        return self.slots.shape[0]
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], config: ModelConfig, device, hasher=None) -> "Batch":
@@ -90,5 +98,56 @@ class Batch:
         """The step's index tensors for a cache with `block_tokens` positions per block (built once per batch)."""
         key = (block_tokens, window)
         if key not in self._layouts:
-            self._layouts[key] = StepLayout(self, block_tokens, window)
+            self._layouts[key] = (StepLayout if self.max_len is None else DecodeLayout)(self, block_tokens, window)
         return self._layouts[key]
+
+
+class DecodeBuffers:
+    """Static device buffers of pure-decode steps of up to `max_seqs` sequences (one token each), for CUDA graphs:
+    a captured step reads its inputs from these addresses, so each step copies its values in (`fill`) and replays.
+    `batch(n)` views the first n rows as a Batch whose layout is a DecodeLayout. Rows past the step's sequences are
+    padding: token 0 at position 0 in the scratch slot, every block the scratch block."""
+
+    def __init__(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
+                 engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16):
+        self.max_seqs, self.max_len, self.block_tokens = max_seqs, max_len, block_tokens
+        self.pad_slot, self.pad_block = pad_slot, pad_block
+        self.n_table_blocks = -(-max_len // block_tokens)
+        self.host_ids = np.zeros((3, max_seqs), dtype=np.int64)  # token, position, slot
+        self.host_table = np.full((max_seqs, self.n_table_blocks), pad_block, dtype=np.int32)
+        self.ids = torch.zeros(3, max_seqs, dtype=torch.int64, device=device)
+        self.ids[2] = pad_slot
+        self.block_table = torch.from_numpy(self.host_table).to(device)
+        self.rows = torch.arange(max_seqs, device=device)
+        self.ones = torch.ones(max_seqs, dtype=torch.int64, device=device)
+        self.engram_rows = None if engram_shape is None else \
+            torch.zeros(max_seqs, *engram_shape, dtype=engram_dtype, device=device)
+
+    def batch(self, n: int) -> Batch:
+        """A new Batch (own layout cache) over the first n rows."""
+        ids, pos, slots = self.ids[0, :n], self.ids[1, :n], self.ids[2, :n]
+        return Batch(input_ids=ids, positions=pos, seq_of=self.rows[:n], slots=slots, start_pos=pos,
+                     lens=self.ones[:n], block_table=self.block_table[:n], logit_rows=self.rows[:n], engram_ids=None,
+                     max_len=self.max_len, pad_slot=self.pad_slot, pad_block=self.pad_block,
+                     engram_rows=None if self.engram_rows is None else self.engram_rows[:n])
+
+    def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
+             engram_rows: torch.Tensor | None = None) -> None:
+        """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded."""
+        k = len(tokens)
+        if not 0 < k <= n <= self.max_seqs:
+            raise ValueError(f"{k} sequences in a bucket of {n} (buffers hold {self.max_seqs})")
+        host, table = self.host_ids, self.host_table
+        host[0, :k], host[1, :k], host[2, :k] = tokens, positions, slots
+        host[0, k:n], host[1, k:n], host[2, k:n] = 0, 0, self.pad_slot
+        table[:n] = self.pad_block
+        for b, (p, blk) in enumerate(zip(positions, blocks)):
+            if not p < len(blk) * self.block_tokens or p >= self.max_len:
+                raise ValueError(f"position {p} is past the sequence's {len(blk)} blocks or max_len {self.max_len}")
+            table[b, :len(blk)] = blk
+        self.ids[:, :n].copy_(torch.from_numpy(host[:, :n]))
+        self.block_table[:n].copy_(torch.from_numpy(table[:n]))
+        if self.engram_rows is not None:
+            if engram_rows is None:
+                raise ValueError("this model has Engram layers: fill needs the looked-up rows")
+            self.engram_rows[:k].copy_(engram_rows)

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from mini.model.batch import Batch
 
 
+def _members_per_group(ratio: int, overlap: bool) -> int:
+    return ratio * (2 if overlap else 1)
+
+
 class StepLayout:
     def __init__(self, batch: "Batch", block_tokens: int, window: int):
         dev = batch.positions.device
@@ -53,13 +57,16 @@ class StepLayout:
     def _pool_rows(self, seq: torch.Tensor, group: torch.Tensor, ratio: int) -> torch.Tensor:
         return group_rows(group, seq, self.batch.block_table, self.block_tokens // ratio)
 
+    def _max_groups(self, ratio: int) -> int:
+        """N of seq_rows: the most complete groups of any sequence at the step's end."""
+        return max(e // ratio for e in self.end_host)
+
     def seq_rows(self, ratio: int) -> torch.Tensor:
-        """[B, N] flat pool row of group j of each sequence, -1 for groups not complete at the step's end;
-        N = the most complete groups of any sequence."""
+        """[B, N] flat pool row of group j of each sequence, -1 for groups not complete at the step's end."""
         if ratio not in self._seq_rows:
-            n = max(e // ratio for e in self.end_host)
+            n = self._max_groups(ratio)
             j = torch.arange(n, device=self.device)
-            seq = torch.arange(len(self.end_host), device=self.device)[:, None].expand(-1, n)
+            seq = torch.arange(self.end_pos.shape[0], device=self.device)[:, None].expand(-1, n)
             done = j < (self.end_pos[:, None] // ratio)
             self._seq_rows[ratio] = self._pool_rows(seq, torch.where(done, j, -1), ratio)
         return self._seq_rows[ratio]
@@ -73,8 +80,11 @@ class StepLayout:
         ratio 4) it pools group j-1's tokens (channel half 0) then its own (half 1): M = 2·ratio members. Open
         groups (and, with overlap, the last complete one) are kept in `state_rows = M` rows per slot."""
         key = (ratio, overlap)
-        if key in self._groups:
-            return self._groups[key]
+        if key not in self._groups:
+            self._groups[key] = self._group_index(ratio, overlap)
+        return self._groups[key]
+
+    def _group_index(self, ratio: int, overlap: bool) -> GroupIndex:
         dev, b = self.device, self.batch
         first = [s // ratio for s in self.start_host]
         counts = [e // ratio - f for e, f in zip(self.end_host, first)]
@@ -83,23 +93,68 @@ class StepLayout:
         seq = torch.repeat_interleave(torch.arange(len(counts), device=dev), counts_t, output_size=G)
         offset = torch.arange(G, device=dev) - (torch.cumsum(counts_t, 0) - counts_t)[seq]
         group = b.start_pos[seq] // ratio + offset
-        M = ratio * (2 if overlap else 1)
-        member_pos = (group - int(overlap))[:, None] * ratio + torch.arange(M, device=dev)
-        start = b.start_pos[seq][:, None]
-        in_chunk = member_pos >= start
-        member_row = torch.where(in_chunk, self.row_start[seq][:, None] + member_pos - start, -1)
-        member_state = torch.where(~in_chunk & (member_pos >= 0), b.slots[seq][:, None] * M + member_pos % M, -1)
-        open_from = (self.tok_end // ratio - int(overlap)) * ratio
-        write_row = torch.nonzero(b.positions >= open_from).flatten()
+        M = _members_per_group(ratio, overlap)
+        write_row = torch.nonzero(self._stays_open(ratio, overlap)).flatten()
         write_state = (self.tok_slot * M + b.positions % M)[write_row]
-        gi = GroupIndex(seq=seq, group=group, pos=group * ratio, pool_row=self._pool_rows(seq, group, ratio),
-                        member_row=member_row, member_state=member_state, write_row=write_row,
-                        write_state=write_state)
-        self._groups[key] = gi
-        return gi
+        return self._members(seq, group, self._pool_rows(seq, group, ratio), ratio, overlap, write_row, write_state)
+
+    def _stays_open(self, ratio: int, overlap: bool) -> torch.Tensor:
+        """[T] bool: the token belongs to a group still open after the step (with overlap, also to the last
+        complete one), so the compressor state keeps it."""
+        return self.batch.positions >= (self.tok_end // ratio - int(overlap)) * ratio
+
+    def _members(self, seq, group, pool_row, ratio: int, overlap: bool, write_row, write_state) -> GroupIndex:
+        """The GroupIndex of groups (seq, group): where each of their M members is read from. A member is in the
+        chunk when its position is in [start, end) of its sequence, in the state rows when it is before start."""
+        b = self.batch
+        M = _members_per_group(ratio, overlap)
+        member_pos = (group - int(overlap))[:, None] * ratio + torch.arange(M, device=self.device)
+        start = b.start_pos[seq][:, None]
+        in_chunk = (member_pos >= start) & (member_pos < self.end_pos[seq][:, None])
+        member_row = torch.where(in_chunk, self.row_start[seq][:, None] + member_pos - start, -1)
+        earlier = (member_pos < start) & (member_pos >= 0)
+        member_state = torch.where(earlier, b.slots[seq][:, None] * M + member_pos % M, -1)
+        return GroupIndex(seq=seq, group=group, pos=group * ratio, pool_row=pool_row, member_row=member_row,
+                          member_state=member_state, write_row=write_row, write_state=write_state)
 
     def table(self, name: str, make):
         """A per-step value shared by the layers (e.g. RoPE tables), built once by `make()`."""
         if name not in self._tables:
             self._tables[name] = make()
         return self._tables[name]
+
+
+class DecodeLayout(StepLayout):
+    """A pure-decode step (row b = sequence b's one token) from static buffers (Batch.max_len set): every index
+    tensor has a shape fixed by B and max_len and comes from device ops only, so the step can be captured once in
+    a CUDA graph and replayed with new buffer contents.
+
+    * seq_rows spans the groups of max_len positions (N = max_len // ratio), -1 past each sequence's;
+    * groups(): one entry per sequence, the group its token falls in (a decode token completes at most one group
+      per ratio); an entry the token does not complete writes its latent into the scratch block `batch.pad_block`;
+    * every token goes to its ring, and to its compressor state unless it closes its group, else to the scratch
+      slot `batch.pad_slot`;
+    * padding rows (slot pad_slot, every block pad_block) write nothing a real sequence reads."""
+
+    def __init__(self, batch: "Batch", block_tokens: int, window: int):
+        self.device, self.block_tokens, self.window = batch.positions.device, block_tokens, window
+        self.batch = batch
+        self.n_tokens = batch.positions.shape[0]
+        self.row_start = batch.seq_of  # row b is sequence b
+        self.end_pos = self.tok_end = batch.positions + 1
+        self.tok_slot = batch.slots
+        self._groups, self._seq_rows, self._tables = {}, {}, {}
+        self.ring_write_row = batch.seq_of
+        self.ring_write_dst = batch.slots * window + batch.positions % window
+
+    def _max_groups(self, ratio: int) -> int:
+        return self.batch.max_len // ratio
+
+    def _group_index(self, ratio: int, overlap: bool) -> GroupIndex:
+        b, M = self.batch, _members_per_group(ratio, overlap)
+        seq, group = b.seq_of, b.positions // ratio
+        closes = (b.positions + 1) % ratio == 0
+        scratch_row = b.pad_block * (self.block_tokens // ratio)
+        pool_row = torch.where(closes, self._pool_rows(seq, group, ratio), scratch_row)
+        state_slot = torch.where(self._stays_open(ratio, overlap), b.slots, b.pad_slot)
+        return self._members(seq, group, pool_row, ratio, overlap, seq, state_slot * M + b.positions % M)

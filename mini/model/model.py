@@ -102,6 +102,12 @@ class Model:
         run = self.moe_exchange or moe
         return run(x, blk.moe, self.config, blk.plan, input_ids)
 
+    def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """[T, n_engram_layers, n_hash_cols, head_dim] table rows of Batch.engram_ids-style hash ids, on the model's
+        device: the host-side lookup that a captured decode step (Batch.engram_rows) does before its replay."""
+        tables = [blk.engram for blk in self.blocks if blk.engram is not None]
+        return torch.stack([w.lookup(hash_ids[:, i], self.dtype, self.device) for i, w in enumerate(tables)], 1)
+
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`."""
@@ -115,9 +121,12 @@ class Model:
         engram_col = 0
         for blk in self.blocks:
             if blk.engram is not None:
-                if batch.engram_ids is None:
+                if batch.engram_rows is not None:  # looked up before a CUDA-graph replay
+                    h = engram(h, None, blk.engram, cfg, rows=batch.engram_rows[:, engram_col])
+                elif batch.engram_ids is None:
                     raise ValueError("the batch has no Engram hash ids (Batch.build needs a hasher)")
-                h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
+                else:
+                    h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
