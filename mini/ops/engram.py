@@ -126,6 +126,18 @@ class EngramHasher:
             src = comp[np.maximum(pos - shift - first, 0)]
             blocked |= (pos < shift) | (src == DEAD)
             toks[:, shift] = np.where(blocked, self.pad, src)
+        return self._hash(toks)
+
+    def hash_last(self, tails: np.ndarray) -> torch.Tensor:
+        """hash_ids of the last position of many sequences at once (a decode step): tails [B, lookback] int64, row b
+        = the sequence's last `lookback` token ids in order, left-filled with -1 where the sequence is shorter (a
+        position before the start blocks its n-grams as a dead token does) -> [B, n_engram_layers, n_hash_cols]."""
+        src = self.compress(tails)[:, ::-1]  # column `shift` = the token `shift` positions back
+        blocked = np.logical_or.accumulate(src == DEAD, axis=1)
+        return self._hash(np.where(blocked, self.pad, src))
+
+    def _hash(self, toks: np.ndarray) -> torch.Tensor:
+        """toks [L, lookback] compressed ids of each position and its predecessors (pad once blocked) -> hash ids."""
         prod = toks[:, None, :] * self.multipliers[None]  # [L, Le, N]
         rolling, cols = prod[..., 0], []
         for n in range(1, self.lookback):
