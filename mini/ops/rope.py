@@ -48,9 +48,24 @@ def layer_frequencies(cfg: ModelConfig, plan: LayerPlan) -> torch.Tensor:
     return rope_frequencies(cfg.rope_head_dim, plan.rope_base)
 
 
+_DEVICE_FREQS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _freqs_on(freqs: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`freqs` on `device`, copied once per (table, device): a copy from the host cannot run inside a captured CUDA
+    graph. The frequency tables are the few long-lived rope_frequencies results; the entry holds the host table
+    too, so that its id stays unique."""
+    if freqs.device == device:
+        return freqs
+    key = (id(freqs), device)
+    if key not in _DEVICE_FREQS:
+        _DEVICE_FREQS[key] = (freqs, freqs.to(device))
+    return _DEVICE_FREQS[key][1]
+
+
 def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """complex64 [n, rope_dim // 2]: e^{i·pos·f} for each position (fp32 angles, as the reference's table)."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device).unsqueeze(0)
+    angles = positions.to(torch.float32).unsqueeze(-1) * _freqs_on(freqs, positions.device).unsqueeze(0)
     return torch.polar(torch.ones_like(angles), angles)
 
 
