@@ -3,6 +3,9 @@
 shared expert over the rank's own 4,096 tokens. Random weights drawn on the GPU (uniform E2M1 codes, E8M0 scales
 near 2^-6), random bf16 activations.
 
+`--moe-gemm` picks the routed experts' GEMM library (auto = what `mini.ops.moe.routed_gemm` resolves: Humming
+where it imports on SM90, else Triton); Humming rewrites the experts into its layout first (`to_humming`).
+
 Metrics: ms per part and in total (CUDA events, median of --iters after --warmup), achieved TFLOP/s of the routed
 GEMMs against the floor (their FLOPs at the measured bf16 GEMM peak, `--peak-tflops`), peak memory, an output
 checksum, and the relative error of the fast routed output against the reference (`mini.ops.moe` with the
@@ -11,8 +14,10 @@ reference backend) on a sample of tokens. `--sweep` also times the grouped GEMMs
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import time
 
 import torch
 
@@ -36,7 +41,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=804.0, help="bf16 dense GEMM peak for the floor")
     p.add_argument("--check-tokens", type=int, default=256, help="tokens compared against the reference (0: off)")
-    p.add_argument("--sweep", action="store_true", help="also time the grouped GEMMs under several tile configs")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton grouped GEMMs under several tile configs")
+    p.add_argument("--moe-gemm", choices=["auto", "humming", "triton"], default="auto",
+                   help="routed experts' GEMM library (auto: mini.ops.moe.routed_gemm)")
+    p.add_argument("--humming-sweep", type=int, nargs="*", metavar="ROWS",
+                   help="humming: also time the GEMMs with the tile configs its heuristics pick for these row counts")
+    p.add_argument("--fused-w13", action="store_true",
+                   help="humming: also time w1 and w3 as one N = 2I GEMM (a rebuilt copy of both) and compare")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -87,13 +98,26 @@ def run(args) -> dict:
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
-    from mini.ops.moe import gate, routed, shared
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
+    from mini.ops.moe import gate, routed, routed_gemm, shared
 
     mini.ops.set_backend("fast")
     cfg = preset(args.preset)
     dev = torch.device("cuda")
     w = random_layer(cfg, args.local_experts, dev, args.seed)
+    gemm_lib = routed_gemm() if args.moe_gemm == "auto" else args.moe_gemm
+    convert_ms = 0.0
+    if gemm_lib == "humming":
+        from mini.kernels.humming_experts import warm_up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        w.to_humming()
+        torch.cuda.synchronize()
+        convert_ms = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        expect = args.tokens * cfg.n_activated_experts * args.local_experts // cfg.n_routed_experts
+        warm_up(list(w.humming), [expect, *(args.humming_sweep or [])])
+        print(f"humming: experts rewritten in {convert_ms:.0f} ms, kernels ready in {time.perf_counter() - t0:.1f} s")
     g = torch.Generator(device=dev).manual_seed(args.seed + 1)
     x = torch.randn(args.tokens, cfg.dim, generator=g, device=dev).bfloat16()
     own = x[: args.own_tokens]
@@ -103,22 +127,17 @@ def run(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
 
     weights, ids = gate(x, w, cfg, plan_l)
-    xq = fp8_act_quant(x, cfg.fp8_block)
     plan = plan_routes(ids, weights, w.experts, BLOCK_M)
-    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
-    y = grouped_down(h, plan, w.w2)
     n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
-    ms = {
-        "gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
-        "act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block), args.iters, args.warmup),
-        "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M), args.iters, args.warmup),
-        "gemm_w13_swiglu": _time(lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block),
-                                 args.iters, args.warmup),
-        "gemm_w2": _time(lambda: grouped_down(h, plan, w.w2), args.iters, args.warmup),
-        "combine": _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup),
-        "routed": _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup),
-        "shared_own_tokens": _time(lambda: shared(own, w), args.iters, args.warmup),
-    }
+    ms = {"gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
+          "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M), args.iters, args.warmup)}
+    parts = _humming_parts if gemm_lib == "humming" else _triton_parts
+    part_ms, y, extra = parts(args, cfg, w, x, plan, ids)
+    ms.update(part_ms)
+    gemm_ms = sum(v for k, v in ms.items() if k.startswith("gemm_"))
+    ms["combine"] = _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup)
+    ms["routed"] = _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup)
+    ms["shared_own_tokens"] = _time(lambda: shared(own, w), args.iters, args.warmup)
     # the same FLOPs as one dense bf16 GEMM through cuBLAS (what dequantized weights without grouping would cost)
     a = torch.randn(n_local, cfg.dim, device=dev).bfloat16()
     b = torch.randn(cfg.dim, 3 * cfg.moe_inter_dim, device=dev).bfloat16()
@@ -136,13 +155,15 @@ def run(args) -> dict:
     metrics = {f"ms_{k}": v for k, v in ms.items()}
     metrics.update({
         "local_pairs": n_local,
-        "routed_gemm_tflops": flops / ((ms["gemm_w13_swiglu"] + ms["gemm_w2"]) * 1e9),
+        "routed_gemm_tflops": flops / (gemm_ms * 1e9),
+        "convert_ms": convert_ms,
         "routed_tflops": flops / (ms["routed"] * 1e9),
         "routed_floor_ms": floor_ms,
         "routed_over_floor": ms["routed"] / floor_ms,
         "peak_mem_gb_above_weights": peak_gb,
         "checksum": float(out.double().sum()),
         "checksum_abs": float(out.double().abs().sum()),
+        **extra,
     })
     if args.check_tokens:
         n = min(args.check_tokens, args.tokens)
@@ -153,12 +174,73 @@ def run(args) -> dict:
             mini.ops.set_backend("fast")
         metrics["check_rel_err"] = float((out[:n] - ref).norm() / ref.norm())
         metrics["check_equal_fraction"] = float((out[:n] == ref).float().mean())
-    if args.sweep:
-        metrics.update(_sweep(args, cfg, w, xq, ids, weights))
-    definition = {"preset": args.preset, "tokens": args.tokens, "own_tokens": args.own_tokens,
+    if args.sweep and gemm_lib == "triton":
+        metrics.update(_sweep(args, cfg, w, fp8_act_quant(x, cfg.fp8_block), ids, weights))
+    definition = {"preset": args.preset, "moe_gemm": gemm_lib, "tokens": args.tokens, "own_tokens": args.own_tokens,
                   "local_experts": args.local_experts, "topk": cfg.n_activated_experts, "dim": D, "inter": I,
                   "dtype": "bfloat16", "seed": args.seed, "device": torch.cuda.get_device_name()}
     return {"suite": "moe-layer", "definition": definition, "metrics": metrics}
+
+
+def _triton_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:
+    """ms of our kernels' parts, the expert outputs by sorted row, no extra metrics."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+    xq = fp8_act_quant(x, cfg.fp8_block)
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block)
+    ms = {"act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block), args.iters, args.warmup),
+          "gemm_w13_swiglu": _time(lambda: grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, cfg.fp8_block),
+                                   args.iters, args.warmup),
+          "gemm_w2": _time(lambda: grouped_down(h, plan, w.w2), args.iters, args.warmup)}
+    return ms, grouped_down(h, plan, w.w2), {}
+
+
+def _humming_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:
+    """ms of the Humming path's parts and the expert outputs by sorted row; with --fused-w13 extra metrics of one
+    N = 2I GEMM over a copy of w1 and w3 side by side (Humming's layout keeps each 64-row block of N in its own
+    column range, so the fused stack is the two stacks concatenated along their last dim): its ms and how far its
+    output is from the separate g, u (the same dot products: ~0 unless the layout guess is wrong)."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.humming_experts import HummingStack, _layer_config, _tuning, grouped_gemm, rows_bucket, warm_up
+    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
+    w1, w3, w2 = w.humming
+    expect = ids.numel() * len(w.experts) // cfg.n_routed_experts
+    n_valid = plan.expert_offset[-1:]
+    xs = fp8_act_quant(x, cfg.fp8_block, rows=plan.token, n_valid=n_valid)
+    g = grouped_gemm(xs, w1, plan.expert_offset, expect)
+    u = grouped_gemm(xs, w3, plan.expert_offset, expect)
+    h = swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block)
+    ms = {"act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block, out=xs, rows=plan.token, n_valid=n_valid),
+                             args.iters, args.warmup),
+          "gemm_w1": _time(lambda: grouped_gemm(xs, w1, plan.expert_offset, expect, out=g), args.iters, args.warmup),
+          "gemm_w3": _time(lambda: grouped_gemm(xs, w3, plan.expert_offset, expect, out=u), args.iters, args.warmup),
+          "swiglu": _time(lambda: swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block, out=h),
+                          args.iters, args.warmup),
+          "gemm_w2": _time(lambda: grouped_gemm(h, w2, plan.expert_offset, expect), args.iters, args.warmup)}
+    extra = {}
+    for rows in args.humming_sweep or []:  # other tile configs: Humming's heuristic picks for other row counts
+        for name, a, st, o in (("w1", xs, w1, g), ("w2", h, w2, None)):
+            block = "x".join(map(str, json.loads(_tuning(st.config, rows_bucket(rows)))["block_shape"]))
+            tag = f"sweep_{name}_{block}"
+            extra[f"ms_{tag}_rows{rows}"] = _time(lambda: grouped_gemm(a, st, plan.expert_offset, rows, out=o),
+                                                  args.iters, args.warmup)
+    if args.fused_w13:
+        E, n = len(w.experts), w1.n
+        fused = HummingStack(n=2 * n, k=w1.k, weight=torch.cat([w1.weight, w3.weight], dim=2),
+                             scale=torch.cat([w1.scale.view(torch.uint8), w3.scale.view(torch.uint8)],
+                                             dim=2).view(torch.float8_e8m0fnu),
+                             config=_layer_config(2 * n, w1.k, E), locks=torch.zeros_like(w1.locks))
+        warm_up([fused], [expect])
+        gu = grouped_gemm(xs, fused, plan.expert_offset, expect)
+        nv = int(n_valid)
+        extra["fused_w13_max_abs_diff"] = max(float((gu[:nv, :n].float() - g[:nv].float()).abs().max()),
+                                              float((gu[:nv, n:].float() - u[:nv].float()).abs().max()))
+        extra["fused_w13_equal_fraction"] = float(
+            torch.cat([gu[:nv, :n] == g[:nv], gu[:nv, n:] == u[:nv]]).float().mean())
+        extra["ms_fused_w13_gemm"] = _time(lambda: grouped_gemm(xs, fused, plan.expert_offset, expect, out=gu),
+                                           args.iters, args.warmup)
+        del fused, gu
+    return ms, grouped_gemm(h, w2, plan.expert_offset, expect), extra
 
 
 def _sweep(args, cfg, w, xq, ids, weights) -> dict:

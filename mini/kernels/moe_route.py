@@ -2,8 +2,9 @@
 
 Sorted row r is one (token, slot) pair; rows of local expert i are contiguous, in increasing (token, slot) order
 (a stable sort, so the layout is deterministic), and pairs routed to experts held elsewhere sort after all local
-ones. The grouped GEMMs work in tiles of `block_m` rows that never straddle two experts; `tile_expert`,
-`tile_start`, `tile_end` say which rows a tile covers (tile_expert = -1: nothing to do).
+ones; `expert_offset` gives that layout as offsets (the "grouped contiguous" form library GEMMs take). The
+grouped GEMMs work in tiles of `block_m` rows that never straddle two experts; `tile_expert`, `tile_start`,
+`tile_end` say which rows a tile covers (tile_expert = -1: nothing to do).
 
 Everything is computed on the device without reading a count back to the host: tensors are sized for the worst
 case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be captured in a CUDA graph.
@@ -23,6 +24,7 @@ class RoutePlan:
     tile_expert: torch.Tensor  # [n_tiles] int32: local expert index of each row tile, -1 = empty tile
     tile_start: torch.Tensor  # [n_tiles] int32: first sorted row of the tile
     tile_end: torch.Tensor  # [n_tiles] int32: end of the tile's expert's rows (tile = start..min(end, start+BM))
+    expert_offset: torch.Tensor  # [E+1] int32: first sorted row of each local expert; the last = local row count
     block_m: int
     n_rows: int  # R: rows the GEMM outputs must have
 
@@ -64,4 +66,5 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     return RoutePlan(token=token, weight=weight, slot_row=slot_row.view(T, k),
                      tile_expert=torch.where(valid, ec, -1).to(torch.int32),
                      tile_start=start.to(torch.int32), tile_end=row_end[ec].to(torch.int32),
+                     expert_offset=torch.cat([row_end.new_zeros(1), row_end]).to(torch.int32),
                      block_m=block_m, n_rows=n_rows)

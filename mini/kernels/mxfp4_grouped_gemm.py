@@ -75,6 +75,64 @@ def round_bf16(v):
 
 
 @triton.jit
+def swiglu_epilogue(g, u, route_w, limit, ROUND_BF16: tl.constexpr, QUANT_BLOCK: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr):
+    """fp32 [BM, BN] g = x W1^T, u = x W3^T, route_w [BM] -> h = fp8q(round(route_w * silu(min(g, L)) *
+    clamp(u, -L, L))) with g, u rounded first (the reference's w1(x) / w3(x) come back in the activation dtype)."""
+    if ROUND_BF16:
+        g = round_bf16(g)
+        u = round_bf16(u)
+    u = tl.clamp(u, -limit, limit)
+    g = tl.minimum(g, limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    h = h * route_w[:, None]
+    if ROUND_BF16:
+        h = round_bf16(h)
+    if QUANT_BLOCK > 0:
+        h = fp8_group_quant(h, BN // QUANT_BLOCK, QUANT_BLOCK, BM)
+    return h
+
+
+@triton.jit
+def _swiglu_rows_kernel(g_ptr, u_ptr, route_w_ptr, out_ptr, n_valid_ptr, N, stride_g, stride_u, stride_out, limit,
+                        ROUND_BF16: tl.constexpr, QUANT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    n_rows = tl.load(n_valid_ptr)
+    if tl.program_id(0) * BM >= n_rows:  # rows past the local ones: nothing to do (no host sync for the count)
+        return
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    r64 = rows.to(tl.int64)[:, None]
+    g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
+    h = swiglu_epilogue(g, u, route_w, limit, ROUND_BF16, QUANT_BLOCK, BM, BN)
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, n_valid: torch.Tensor, limit: float,
+                quant_block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The SwiGLU epilogue as its own pass, for GEMMs that cannot fuse it: g, u [R, N] (w1 and w3 outputs by
+    sorted row, already in the activation dtype), route_w fp32 [R] -> h [R, N] for the rows below n_valid (a
+    one-element int tensor on the device); later rows are left unwritten. quant_block 0 skips the FP8 quant."""
+    if g.shape != u.shape or g.stride(1) != 1 or u.stride(1) != 1:
+        raise ValueError("swiglu_rows: g and u must be row-major tensors of one shape")
+    R, N = g.shape
+    if quant_block and N % quant_block:
+        raise ValueError(f"swiglu_rows: width {N} is not a multiple of the quant block {quant_block}")
+    out = torch.empty(R, N, dtype=g.dtype, device=g.device) if out is None else out
+    if R == 0:
+        return out
+    BM, BN = 16, max(64, quant_block)
+    _swiglu_rows_kernel[(triton.cdiv(R, BM), triton.cdiv(N, BN))](
+        g, u, route_w, out, n_valid, N, g.stride(0), u.stride(0), out.stride(0),
+        float(limit) if limit > 0 else float("inf"),
+        ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block, BM=BM, BN=BN, num_warps=4)
+    return out
+
+
+@triton.jit
 def _grouped_mxfp4_kernel(
     a_ptr, token_ptr, route_w_ptr, out_ptr,
     w_ptr, ws_ptr, v_ptr, vs_ptr,
@@ -135,20 +193,8 @@ def _grouped_mxfp4_kernel(
         acc_v = tl.trans(acc_v)
 
     if SWIGLU:
-        g = acc
-        u = acc_v
-        if ROUND_BF16:  # the reference's w1(x) / w3(x) come back in bf16
-            g = round_bf16(g)
-            u = round_bf16(u)
-        u = tl.clamp(u, -limit, limit)
-        g = tl.minimum(g, limit)
-        h = g / (1.0 + tl.exp(-g)) * u
-        h = h * tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        if ROUND_BF16:
-            h = round_bf16(h)
-        if QUANT_BLOCK > 0:
-            h = fp8_group_quant(h, BN // QUANT_BLOCK, QUANT_BLOCK, BM)
-        result = h
+        route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
+        result = swiglu_epilogue(acc, acc_v, route_w, limit, ROUND_BF16, QUANT_BLOCK, BM, BN)
     else:
         result = round_bf16(acc) if ROUND_BF16 else acc
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + offs_n[None, :]

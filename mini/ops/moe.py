@@ -12,12 +12,19 @@ u clamped to ±limit and g from above, h = silu(g) * u * routing weight in fp32,
 fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are summed in fp32.
 
 Fast path (CUDA, `mini.ops.use_fast`): the gate's logits come from one bf16 GEMM with an fp32 output (bf16 x bf16
-products are exact in fp32, so only the summation order differs from fp32); the routed experts run as two grouped
-GEMMs that decode MXFP4 in their main loop (w1/w3 with SwiGLU, clamps, routing weight and the FP8 quant of w2's
-input fused into the epilogue; then w2), and a combine kernel sums each token's local rows in slot order.
+products are exact in fp32, so only the summation order differs from fp32); the (token, slot) pairs are sorted by
+local expert, the routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot
+order. The grouped GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
+* "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
+  routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
+* "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
+  rewritten into its layout once at load (`MoEWeights.to_humming`, in place), the rows are gathered and
+  FP8-quantized in one pass, w1 and w3 are two GEMMs, the SwiGLU epilogue is its own pass, then w2.
+"auto" (the default) takes Humming when it imports on an SM90 GPU. The CPU reference path reads either layout.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +52,9 @@ class MoEWeights:
     shared_w3: QWeight
     shared_w2: QWeight
     swiglu_limit: float
+    # w1, w3, w2 as humming_experts.HummingStack once `to_humming` rewrote them into Humming's layout (in place:
+    # their QWeights' bytes are then in that layout, and only `expert` reads them for the reference path)
+    humming: tuple | None = field(default=None, repr=False)
     # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
     _per_expert: dict = field(default_factory=dict, repr=False)
 
@@ -95,18 +105,41 @@ class MoEWeights:
         tid2eid = get(f"{p}.gate.tid2eid")
         if hash_routed and tid2eid is None:
             raise ValueError(f"layer {layer} routes by token id but {p}.gate.tid2eid is missing")
-        return cls(gate=get(f"{p}.gate.weight"), bias=get(f"{p}.gate.bias"), bias_vl=get(f"{p}.gate.bias_vl"),
-                   tid2eid=tid2eid if hash_routed else None, experts=experts,
-                   w1=stacked("w1"), w3=stacked("w3"), w2=stacked("w2"),
-                   shared_w1=single("w1"), shared_w3=single("w3"), shared_w2=single("w2"),
-                   swiglu_limit=cfg.swiglu_limit)
+        w = cls(gate=get(f"{p}.gate.weight"), bias=get(f"{p}.gate.bias"), bias_vl=get(f"{p}.gate.bias_vl"),
+                tid2eid=tid2eid if hash_routed else None, experts=experts,
+                w1=stacked("w1"), w3=stacked("w3"), w2=stacked("w2"),
+                shared_w1=single("w1"), shared_w3=single("w3"), shared_w2=single("w2"),
+                swiglu_limit=cfg.swiglu_limit)
+        if w.humming_ready() and routed_gemm() == "humming":
+            w.to_humming()
+        return w
+
+    def humming_ready(self) -> bool:
+        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device."""
+        return all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
+
+    def to_humming(self) -> None:
+        """Rewrite the routed experts into Humming's layout, in place and one expert at a time (no second copy of
+        the experts). Done once, at load; afterwards the fast path runs Humming's GEMMs on them."""
+        from mini.kernels.humming_experts import convert
+        if self.humming is not None:
+            return
+        if not self.humming_ready():
+            raise ValueError("to_humming needs stacked MXFP4 experts on a CUDA device")
+        self.humming = tuple(convert(q.data, q.scale) for q in (self.w1, self.w3, self.w2))
+        self._per_expert.clear()  # views taken before hold the old layout's bytes
 
     def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
-        """The three projections of the i-th local expert (global id experts[i])."""
+        """The three projections of the i-th local expert (global id experts[i]), in the checkpoint layout."""
         def one(w: QWeight) -> QWeight:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         if i not in self._per_expert:
-            self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
+            if self.humming is not None:  # rewritten in place: a copy in the checkpoint layout
+                from mini.kernels.humming_experts import unpack
+                self._per_expert[i] = tuple(QWeight("mxfp4", *unpack(st, i), q.block)
+                                            for st, q in zip(self.humming, (self.w1, self.w3, self.w2)))
+            else:
+                self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
         return self._per_expert[i]
 
 
@@ -237,30 +270,75 @@ def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)
+_ROUTED_GEMM: str | None = None
+
+
+def routed_gemm() -> str:
+    """The library of the routed experts' grouped GEMMs on CUDA, "humming" or "triton", resolved once per process
+    from MINI_MOE_GEMM = auto (default: Humming where it imports on an SM90 GPU) | humming | triton."""
+    global _ROUTED_GEMM
+    if _ROUTED_GEMM is None:
+        from mini.kernels.humming_experts import available
+        want = os.environ.get("MINI_MOE_GEMM", "auto").strip().lower()
+        if want not in ("auto", "humming", "triton"):
+            raise ValueError(f"MINI_MOE_GEMM={want!r}: choose auto, humming or triton")
+        if want == "humming" and not available():
+            raise RuntimeError("MINI_MOE_GEMM=humming, but humming-kernels does not import on an SM90 GPU here")
+        _ROUTED_GEMM = "humming" if want == "humming" or (want == "auto" and available()) else "triton"
+    return _ROUTED_GEMM
+
+
 def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
     """The kernels take MXFP4 experts and multiply in bf16: exact for bf16 activations and for fake-quantized
-    ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off."""
+    ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off. Humming's GEMMs
+    also round their outputs to bf16, which is the reference's rounding only for bf16 activations."""
     from mini.formats.quant import fake_quant_enabled
+    if w.humming is not None:
+        return use_fast(x, ids) and x.dtype == torch.bfloat16
     return (use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4"
             and (x.dtype == torch.bfloat16 or fake_quant_enabled()))
 
 
 def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
                  add: torch.Tensor | None = None) -> torch.Tensor:
-    """The routed experts through the Triton kernels: sort the (token, slot) pairs by local expert, grouped
-    w1/w3 GEMM + SwiGLU, grouped w2 GEMM, then per token the sum of its local rows in slot order (+ `add`)."""
+    """The routed experts through the GPU kernels: sort the (token, slot) pairs by local expert, the experts'
+    GEMMs (Humming's when the experts were converted, else ours), then per token the sum of its local rows in
+    slot order (+ `add`)."""
     from mini.formats.quant import fake_quant_enabled
-    from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
-    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M, grouped_down, grouped_swiglu
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
 
     if x.shape[0] == 0:  # an idle EP rank still joins the exchange
         out = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
         return out if add is None else (out.float() + add.float()).to(out_dtype)
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
-    xq = fp8_act_quant(x, w.w1.block) if act_quant else x
     plan = plan_routes(ids, weights, w.experts, BLOCK_M)
-    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
-    y = grouped_down(h, plan, w.w2)
+    rows = _rows_humming if w.humming is not None else _rows_triton
+    y = rows(x, w, plan, ids.numel() * len(w.experts) // w.gate.shape[0], act_quant)
     return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)
+
+
+def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
+    """Expert outputs by sorted row through our kernels: grouped w1/w3 GEMM + SwiGLU epilogue, grouped w2 GEMM."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+    xq = fp8_act_quant(x, w.w1.block) if act_quant else x
+    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
+    return grouped_down(h, plan, w.w2)
+
+
+def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
+    """Expert outputs by sorted row through Humming: the rows gathered in expert order and FP8-quantized in one
+    pass, w1 and w3 GEMMs, the SwiGLU epilogue (clamps, routing weight, roundings, FP8 quant of w2's input) as its
+    own pass, the w2 GEMM. `expected_rows` (local pairs on average) picks the tile config."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.humming_experts import grouped_gemm
+    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
+    w1, w3, w2 = w.humming
+    n_valid = plan.expert_offset[-1:]  # the local row count, left on the device
+    xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
+    g = grouped_gemm(xs, w1, plan.expert_offset, expected_rows)
+    u = grouped_gemm(xs, w3, plan.expert_offset, expected_rows)
+    h = swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
+    return grouped_gemm(h, w2, plan.expert_offset, expected_rows)

@@ -23,9 +23,14 @@ def _check_plan(ids, weights, experts, block_m):
         t, j = divmod(flat, k)
         assert slot_row[t, j] == r and token[r] == t and weight[r] == weights[t, j]
 
+    row_expert = torch.tensor([e - experts.start for e, _ in expected], dtype=torch.int64)
+    # expert_offset: the rows of local expert i are expert_offset[i]..expert_offset[i+1]
+    off = p.expert_offset.cpu().long()
+    counts = torch.bincount(row_expert, minlength=len(experts)) if n_local else torch.zeros(len(experts))
+    assert off.numel() == len(experts) + 1 and off[0] == 0 and torch.equal(off.diff(), counts.long())
+
     # tiles: every local row in exactly one tile of its own expert, at most block_m rows, empty tiles marked -1
     covered = torch.zeros(n_local, dtype=torch.int64)
-    row_expert = torch.tensor([e - experts.start for e, _ in expected], dtype=torch.int64)
     for i in range(te.numel()):
         if te[i] < 0:
             continue

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4
 from mini.kernels.moe_route import plan_routes
-from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
+from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu, swiglu_rows
 from mini.ops.linear import QWeight
 
 SMALL = dict(BN=32, BK=64, num_warps=4, num_stages=1)
@@ -136,3 +136,29 @@ def test_swiglu_gpu(T, k, experts, block_m, config):
 @pytest.mark.parametrize("T,k,experts", [(1, 6, range(0, 48)), (300, 6, range(16, 40)), (1000, 4, range(0, 48))])
 def test_down_gpu(T, k, experts, config):
     _down_case(T, k, 48, experts, 1056, 320, "cuda", torch.bfloat16, 64, config)
+
+
+def _swiglu_rows_case(R, n_valid, N, quant_block, device, limit=3.0):
+    """The epilogue as its own pass (for library GEMMs): the same formula as reference_swiglu after its GEMMs."""
+    g = (torch.randn(R, N) * 3).bfloat16().to(device)
+    u = (torch.randn(R, N) * 3).bfloat16().to(device)
+    route_w = torch.rand(R, device=device)
+    out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device=device)
+    h = swiglu_rows(g, u, route_w, torch.tensor([n_valid], dtype=torch.int32, device=device), limit, quant_block,
+                    out=out)
+    ref = F.silu(g[:n_valid].float().clamp(max=limit)) * u[:n_valid].float().clamp(-limit, limit)
+    ref = (ref * route_w[:n_valid, None]).bfloat16()
+    ref = fake_quant_fp8(ref, quant_block) if quant_block else ref
+    assert h[n_valid:].isnan().all(), "rows past n_valid must stay unwritten"
+    assert_fp8_close(h[:n_valid], ref)
+
+
+@pytest.mark.parametrize("quant_block", [0, 32, 128])
+def test_swiglu_rows_matches_formula_interpreter(quant_block, interpreter):
+    _swiglu_rows_case(37, 29, 256, quant_block, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_block", [0, 32])
+def test_swiglu_rows_matches_formula_gpu(quant_block):
+    _swiglu_rows_case(3001, 2890, 2304, quant_block, "cuda")

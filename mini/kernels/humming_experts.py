@@ -1,0 +1,199 @@
+"""Library adapter, called only from mini/ops/moe.py: the routed experts' grouped GEMMs through Humming
+(`humming-kernels`, the vLLM project's MXFP4 kernels) on SM90, as W4A16.
+
+Exact like the reference: the activations are bf16 (FP8 fake-quantized values are exact in bf16), E2M1 x E8M0
+weights decode to bf16 exactly, every product is exact in fp32 and summed in fp32, and each GEMM rounds its output
+to bf16 once, as the reference's Linear returns x.dtype. Only the summation order differs.
+
+Layout. Humming reads an expert's weights in its own order (4-bit codes regrouped into the fragments its wgmma
+consumes, [K/16, 2N] int32; scales transposed to [K/32, N] with a shuffle inside every 64 columns). `convert`
+rewrites a layer's stacked buffers in place with Humming's own transform, one expert at a time, so no second copy
+of the experts ever exists. That transform only moves codes and scale bytes; `unpack` moves them back for one
+expert (the reference path reads experts so), with the move learned once per shape by pushing index-valued
+probes through the same transform.
+
+GEMM. "Grouped contiguous": input rows sorted by expert (RoutePlan's order), `expert_offset` [E+1] on the device
+says where each expert's rows are; rows past the last offset are neither read nor written, so nothing is read
+back to the host. The tile config is Humming's SM90 heuristic for the expected row count rounded up to a power of
+two; each (shape, bucket) is compiled once per process (NVRTC/nvcc, ~17 s on a fresh machine, then cached on disk
+under $HUMMING_CACHE_DIR, default ~/.humming/cache).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # MXFP4: one E8M0 scale per 32 codes along K
+COMPUTE_CONFIG = json.dumps({"gemm_type": "grouped_contiguous"})
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library imports and the current GPU is SM90 (the heuristics and kernels used here)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        import humming  # noqa: F401
+    except Exception:  # not installed, or installed without its CUDA bindings: the Triton kernels serve instead
+        return False
+    return True
+
+
+@dataclass(eq=False)
+class HummingStack:
+    """One projection of one layer's local experts in Humming's layout: views of the original buffers."""
+    n: int
+    k: int
+    weight: torch.Tensor  # int32 [E, K/16, 2N]
+    scale: torch.Tensor  # float8_e8m0fnu [E, K/32, N]
+    config: object  # humming.config.LayerConfig for E experts
+    locks: torch.Tensor  # stream-K semaphores (zero between launches)
+
+    @property
+    def experts(self) -> int:
+        return self.weight.shape[0]
+
+
+def _schema():
+    from humming import dtypes
+    from humming.schema import HummingWeightSchema
+    return HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e8m0, weight_scale_group_size=GROUP)
+
+
+@functools.cache
+def _layer_config(n: int, k: int, experts: int):
+    from humming.transform import prepare_layer_config
+    return prepare_layer_config(shape_n=n, shape_k=k, weight_schema=_schema(), num_experts=experts or None,
+                                torch_dtype=torch.bfloat16, device=torch.cuda.current_device())
+
+
+def _transform(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert: codes uint8 [N, K/2] and scales uint8 [N, K/32] -> the same bytes in Humming's order (new
+    tensors, flat uint8)."""
+    from humming.transform import transform_humming_tensors
+    n, k = data.shape[0], 2 * data.shape[1]
+    # N and K need no padding; the scale bytes stay uint8 so that only byte moves touch them (the GEMM reads
+    # them as E8M0 through a view)
+    out = transform_humming_tensors(_layer_config(n, k, 0), {
+        "weight": data.contiguous().view(torch.int32), "weight_scale": scale.contiguous()}, already_padded=True)
+    if set(out) != {"weight", "weight_scale"}:
+        raise RuntimeError(f"humming's MXFP4 W4A16 transform made {sorted(out)}; expected weight and weight_scale")
+    w, s = out["weight"].view(torch.uint8).reshape(-1), out["weight_scale"].view(torch.uint8).reshape(-1)
+    if w.numel() != data.numel() or s.numel() != scale.numel():
+        raise RuntimeError("humming's MXFP4 W4A16 layout changed size; this adapter expects a permutation")
+    return w, s
+
+
+def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
+    """Stacked MXFP4 codes uint8 [E, N, K/2] and scales uint8 [E, N, K/32] on the GPU -> the same buffers
+    rewritten in Humming's layout (in place: afterwards only `unpack` reads them correctly)."""
+    E, n, k2 = data.shape
+    k = 2 * k2
+    if not (data.is_contiguous() and scale.is_contiguous() and scale.shape == (E, n, k // GROUP)):
+        raise ValueError(f"convert: expected contiguous [E, N, K/2] codes and [E, N, K/32] scales, got "
+                         f"{tuple(data.shape)} / {tuple(scale.shape)}")
+    if n % 64 or k % 64:
+        raise ValueError(f"humming needs N and K multiples of 64 (got N={n}, K={k})")
+    for e in range(E):
+        w, s = _transform(data[e], scale[e])
+        data[e].view(-1).copy_(w)
+        scale[e].view(-1).copy_(s)
+    return HummingStack(n=n, k=k, weight=data.view(torch.int32).view(E, k // 16, 2 * n),
+                        scale=scale.view(torch.float8_e8m0fnu).view(E, k // GROUP, n),
+                        config=_layer_config(n, k, E),
+                        locks=torch.zeros(2048, dtype=torch.int32, device=data.device))
+
+
+@functools.cache
+def _moves(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where Humming's transform takes each code and scale byte of an [N, K] expert: for every position of the
+    output, the index of the input element it holds. Learned from probes whose values are digits of the index
+    (4 bits per probe for codes, 8 for scale bytes), and checked to be a permutation."""
+    codes, scales = n * k, n * (k // GROUP)
+    ic = torch.arange(codes, device=device, dtype=torch.int64)
+    is_ = torch.arange(scales, device=device, dtype=torch.int64)
+    src_c = torch.zeros(codes, dtype=torch.int64, device=device)
+    src_s = torch.zeros(scales, dtype=torch.int64, device=device)
+    for d in range(max(-(-(codes - 1).bit_length() // 4), -(-(scales - 1).bit_length() // 8), 1)):
+        nib = ((ic >> (4 * d)) & 15).to(torch.uint8)
+        probe_w = _pack(nib).view(n, k // 2)
+        probe_s = ((is_ >> (8 * d)) & 255).to(torch.uint8).view(n, k // GROUP)
+        w, s = _transform(probe_w, probe_s)
+        src_c |= _nibbles(w).long() << (4 * d)
+        src_s |= s.long() << (8 * d)
+    for name, src in (("codes", src_c), ("scales", src_s)):
+        if not torch.equal(torch.bincount(src, minlength=src.numel()), torch.ones_like(src)):
+            raise RuntimeError(f"humming's transform does not permute the {name}; the reference path cannot "
+                               "read converted experts")
+    return src_c, src_s
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [M] -> uint8 [2M]: low nibble first (code 2i is the low half of byte i, as in the checkpoint)."""
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_nibbles`: uint8 codes [2M] -> bytes [M]."""
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert i in the checkpoint layout again (new tensors): codes uint8 [N, K/2], scales uint8 [N, K/32]."""
+    src_c, src_s = _moves(stack.n, stack.k, stack.weight.device)
+    codes = torch.empty(src_c.numel(), dtype=torch.uint8, device=src_c.device)
+    codes[src_c] = _nibbles(stack.weight[i].view(torch.uint8).reshape(-1))
+    scales = torch.empty(src_s.numel(), dtype=torch.uint8, device=src_s.device)
+    scales[src_s] = stack.scale[i].view(torch.uint8).reshape(-1)
+    data = _pack(codes).view(stack.n, stack.k // 2)
+    return data, scales.view(stack.n, stack.k // GROUP)
+
+
+@functools.cache
+def _tuning(config, rows: int) -> str:
+    from humming.config import GemmType
+    from humming.tune import get_heuristics_config
+    return json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS))
+
+
+def rows_bucket(expected_rows: int) -> int:
+    """The row count a tile config is chosen (and compiled) for: the expected count rounded up to a power of 2."""
+    return 1 << max(4, (max(expected_rows, 1) - 1).bit_length())
+
+
+def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """a bf16 [R, K] rows sorted by expert, expert_offset int32 [E+1] -> out bf16 [R, N] = a W_e^T for the rows
+    of each expert e (rows past expert_offset[E] are left unwritten)."""
+    from humming import ops
+    if a.dtype != torch.bfloat16 or a.shape[1] != stack.k or a.stride(1) != 1:
+        raise ValueError(f"grouped_gemm: expected row-major bf16 [R, {stack.k}], got {a.dtype} {tuple(a.shape)}")
+    if expert_offset.shape != (stack.experts + 1,):
+        raise ValueError(f"grouped_gemm: expert_offset must have {stack.experts + 1} entries")
+    out = torch.empty(a.shape[0], stack.n, dtype=torch.bfloat16, device=a.device) if out is None else out
+    if a.shape[0] == 0:
+        return out
+    bucket = rows_bucket(expected_rows)
+    return ops.humming_gemm(layer_config=stack.config.to_str(), compute_config=COMPUTE_CONFIG,
+                            tuning_config=_tuning(stack.config, bucket), inputs=a, weight=stack.weight,
+                            weight_scale=stack.scale, outputs=out, expert_layout=expert_offset,
+                            locks=stack.locks, valid_shape_m=bucket)
+
+
+def warm_up(stacks: list[HummingStack], expected_rows: list[int]) -> None:
+    """Compile the kernels these stacks need for each of `expected_rows`, side by side (a fresh machine takes
+    ~17 s per kernel; at first use they would compile one after another)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from humming.kernel.humming import HummingKernel
+    keys = {(st.config.to_str(), _tuning(st.config, rows_bucket(m))) for st in stacks for m in expected_rows}
+    dev = torch.cuda.current_device()
+
+    def prepare(key):
+        with torch.cuda.device(dev):
+            HummingKernel.prepare_kernels(key[0], COMPUTE_CONFIG, key[1], dev)  # what humming_gemm looks up
+    with ThreadPoolExecutor(max_workers=max(1, len(keys))) as pool:
+        list(pool.map(prepare, keys))

@@ -1,0 +1,84 @@
+"""The Humming adapter (mini/kernels/humming_experts.py): the in-place layout rewrite undone exactly, the grouped GEMM
+bit for bit on data whose fp32 sums are exact (the routed experts through mini.ops.moe: tests/ops/test_moe.py).
+The library runs on SM90 only: on a GPU machine without it the GPU tests say so and skip. Sizes keep the number of
+kernels to compile small (~17 s each on a fresh machine): N = K, few experts. On CPU, the adapter's own logic
+(learning and undoing the layout's moves) runs against a stand-in transform."""
+import pytest
+import torch
+
+from mini.formats import dequant_mxfp4
+
+
+@pytest.fixture(scope="module")
+def hx():
+    from mini.kernels import humming_experts
+    if not humming_experts.available():
+        pytest.skip("humming-kernels is not importable on an SM90 GPU here (install the wheel, see notes-moe.md)")
+    return humming_experts
+
+
+def _experts(E, N, K, scale_lo, scale_hi):
+    data = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.randint(scale_lo, scale_hi + 1, (E, N, K // 32), dtype=torch.uint8, device="cuda")
+    return data, scale
+
+
+def test_moves_are_learned_and_undone_with_a_stand_in_transform(monkeypatch):
+    """A stand-in for Humming's transform (fixed random permutations of codes and scale bytes): `unpack` must
+    recover every expert from what `_transform` made of it, and a transform that is not a permutation is refused."""
+    from mini.kernels import humming_experts as hx
+    N, K = 64, 128
+    perm_c, perm_s = torch.randperm(N * K), torch.randperm(N * K // 32)
+
+    def stand_in(data, scale):
+        return hx._pack(hx._nibbles(data.reshape(-1))[perm_c]), scale.reshape(-1)[perm_s]
+    monkeypatch.setattr(hx, "_transform", stand_in)
+    hx._moves.cache_clear()
+    data = torch.randint(0, 256, (2, N, K // 2), dtype=torch.uint8)
+    scale = torch.randint(0, 256, (2, N, K // 32), dtype=torch.uint8)
+    packed = [stand_in(data[e], scale[e]) for e in range(2)]
+    weight = torch.stack([p[0] for p in packed]).view(torch.int32).view(2, K // 16, 2 * N)
+    stack = hx.HummingStack(n=N, k=K, weight=weight, scale=torch.stack([p[1] for p in packed]).view(2, K // 32, N),
+                            config=None, locks=None)
+    for e in range(2):
+        d, s = hx.unpack(stack, e)
+        assert torch.equal(d, data[e]) and torch.equal(s, scale[e])
+    monkeypatch.setattr(hx, "_transform", lambda d, s: (d.reshape(-1) & 0x0F, s.reshape(-1)))  # drops codes
+    hx._moves.cache_clear()
+    with pytest.raises(RuntimeError, match="does not permute"):
+        hx.unpack(stack, 0)
+    hx._moves.cache_clear()
+
+
+@pytest.mark.gpu
+def test_convert_rewrites_in_place_and_unpack_undoes_it(hx):
+    data, scale = _experts(3, 192, 256, 100, 140)
+    data0, scale0 = data.clone(), scale.clone()
+    ptr = data.data_ptr(), scale.data_ptr()
+    stack = hx.convert(data, scale)
+    assert (stack.weight.data_ptr(), stack.scale.data_ptr()) == ptr, "the rewrite must stay in the same buffers"
+    assert not torch.equal(data, data0), "the layout changed"
+    for e in range(3):
+        d, s = hx.unpack(stack, e)
+        assert torch.equal(d, data0[e]) and torch.equal(s, scale0[e])
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_is_exact_on_exact_data(hx):
+    """Activations j/8 and scales 2^0..2^1 keep every fp32 sum exact: the GEMM must equal the dequantized product
+    bit for bit, per expert, on the rows expert_offset gives it; later rows stay unwritten (NaN)."""
+    E, N, K = 4, 256, 256
+    data, scale = _experts(E, N, K, 127, 128)
+    W = dequant_mxfp4(data, scale).double()  # [E, N, K], before the in-place rewrite
+    stack = hx.convert(data, scale)
+    counts = torch.tensor([5, 0, 130, 1], device="cuda")
+    offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+    R = int(counts.sum()) + 7
+    a = (torch.randint(-16, 17, (R, K), device="cuda") / 8).bfloat16()
+    out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    hx.grouped_gemm(a, stack, offset, int(counts.sum()), out=out)
+    for e in range(E):
+        lo, hi = int(offset[e]), int(offset[e + 1])
+        assert torch.equal(out[lo:hi], (a[lo:hi].double() @ W[e].t()).bfloat16()), f"expert {e}"
+    assert out[int(offset[-1]):].isnan().all()
+
