@@ -41,6 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true", help="the started server runs decode without CUDA graphs")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -193,6 +194,8 @@ class _StartedServer:
                 cmd += [flag, str(value)]
         if not args.enable_prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if args.enforce_eager:
+            cmd.append("--enforce-eager")
         self.cmd = cmd
         self.timeout = args.server_timeout
         self.proc: subprocess.Popen | None = None
@@ -256,7 +259,8 @@ def run(args) -> dict:
         "backend": args.backend or os.environ.get("MINI_BACKEND") or "default",
         "server": args.url or "mini serve", "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefix_caching": args.enable_prefix_caching, "num_requests": args.num_requests,
+        "prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager,
+        "num_requests": args.num_requests,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,

@@ -28,6 +28,7 @@ class EngineOptions:
     snapshot_prompt_end: bool = False  # see scheduler: trade one step of TTFT for hits on a prompt's first repeat
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds of requests that do not bring their own
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used on CUDA with the fast backend)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -55,6 +56,20 @@ class RequestOutput:
 
 
 @dataclass
+class StepTimes:
+    """Where one step's time went (LLMEngine.step_times): host seconds per phase, the forward's GPU span."""
+    n_seqs: int
+    decode: bool  # every chunk was one decode token
+    graph: bool  # the forward was a CUDA-graph replay
+    schedule_s: float
+    prepare_s: float  # input preparation (ModelRunner.run)
+    forward_s: float  # host time of the forward call: kernel launches or one replay
+    sample_s: float  # block commits, sampling, stop checks, outputs (includes waiting for the GPU to finish)
+    total_s: float
+    gpu_s: float | None  # CUDA events around the forward
+
+
+@dataclass
 class EngineStats:
     prefill_tokens: int = 0  # tokens computed in prefill chunks
     decode_tokens: int = 0
@@ -76,13 +91,16 @@ class LLMEngine:
         shape = size_cache(cache_cls, config, device, o.dtype, o.block_tokens, o.max_num_seqs,
                            o.num_snapshots if o.enable_prefix_caching else 0, o.num_blocks, o.gpu_memory_utilization,
                            o.max_model_len or config.max_position_embeddings)
-        self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls)
+        self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
+                                 shape.n_blocks * o.block_tokens)
+        self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls,
+                                  cuda_graphs=use_cuda_graphs(model, device, o.dtype, o.enforce_eager),
+                                  max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.snapshot_prompt_end),
                                    self.blocks)
-        self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
-                                 shape.n_blocks * o.block_tokens)
+        self.step_times: list[StepTimes] | None = None  # a list: step() appends each step's StepTimes
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._rng = random.Random(o.seed)
@@ -132,6 +150,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
         plan = self.scheduler.schedule()
@@ -140,7 +159,10 @@ class LLMEngine:
             return outputs
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
+        t1 = time.perf_counter()
+        self.runner.timing = self.step_times is not None
         logits = self.runner.run(plan.chunks)
+        t2 = time.perf_counter()
         for c in plan.chunks:
             c.seq.num_computed = c.end
             if c.is_decode:
@@ -152,6 +174,11 @@ class LLMEngine:
         self.runner.copy_slots(snapshots)
         if sampled:
             outputs += self._append_tokens(sampled, logits)
+        if self.step_times is not None:
+            r, end = self.runner.last_timing, time.perf_counter()
+            self.step_times.append(StepTimes(
+                len(plan.chunks), all(c.is_decode for c in plan.chunks), r.graph, t1 - t0, r.prepare_s, r.forward_s,
+                end - t2, end - t0, r.gpu_s()))
         return outputs
 
     def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
@@ -224,6 +251,15 @@ class LLMEngine:
             seq.is_finished, seq.finish_reason, seq.stop_reason,
             list(seq.output_logprobs), seq.num_cached_prefix, seq.arrival_time,
             seq.first_token_time, seq.finish_time)
+
+
+def use_cuda_graphs(model, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
+    """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, on one device, unless
+    enforce_eager: the reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP
+    exchange sizes its messages from the token counts it exchanges on the host."""
+    from mini.ops import backend
+    return (torch.device(device).type == "cuda" and backend() == "fast" and dtype == torch.bfloat16
+            and getattr(model, "moe_exchange", None) is None and not enforce_eager)
 
 
 def build_engine(model_or_path, **opts) -> LLMEngine:

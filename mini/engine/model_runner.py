@@ -4,17 +4,22 @@ Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_u
 total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for
 running sequences plus `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
-Decode with CUDA graphs slots in at `_forward`: a pure-decode step of batch size `B` would pad to the next
-captured bucket and replay; everything else (prefill, mixed steps) runs eagerly. Capture needs the model's Batch
-to live in static buffers, which the model does not offer yet, so every step runs eagerly for now.
+With `cuda_graphs` (CUDA, fast backend, not enforce_eager) pure-decode steps replay CUDA graphs captured per
+batch-size bucket at start-up (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
+one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
+
+`timing = True` records each step's host time (input preparation, the forward call: launches or one replay) and
+its GPU span (CUDA events around the forward) in `last_timing`, for the decode-host benchmark.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from mini.engine.block_manager import SlotCopy
+from mini.engine.cuda_graphs import DecodeGraphs
 from mini.engine.scheduler import ScheduledChunk
 
 
@@ -56,28 +61,70 @@ def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs
     return CacheShape(num_blocks, block_tokens, max_num_seqs, num_snapshots)
 
 
+@dataclass
+class StepTiming:
+    prepare_s: float  # host: chunks -> device inputs (Batch.build, or the graph's buffers)
+    forward_s: float  # host: the forward call (eager launches, or one graph replay)
+    graph: bool
+    events: tuple | None  # CUDA events around the forward (None on CPU)
+
+    def gpu_s(self) -> float | None:
+        """The forward's GPU span; waits for it to finish."""
+        if self.events is None:
+            return None
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class ModelRunner:
-    def __init__(self, model, config, shape: CacheShape, device, dtype, batch_cls, cache_cls, seq_chunk_cls):
+    def __init__(self, model, config, shape: CacheShape, device, dtype, batch_cls, cache_cls, seq_chunk_cls,
+                 cuda_graphs: bool = False, max_model_len: int | None = None):
         self.model = model
         self.config = config
         self.device = torch.device(device)
         self.shape = shape
         self.batch_cls = batch_cls
         self.seq_chunk_cls = seq_chunk_cls
-        self.cache = cache_cls(config, n_slots=shape.n_slots, n_blocks=shape.n_blocks,
+        scratch = int(cuda_graphs)
+        self.cache = cache_cls(config, n_slots=shape.n_slots + scratch, n_blocks=shape.n_blocks + scratch,
                                block_tokens=shape.block_tokens, device=device, dtype=dtype)
         self.hasher = getattr(model, "hasher", None)
+        self.timing, self.last_timing = False, None
+        self.graphs = None
+        if cuda_graphs:
+            from mini.model import DecodeBuffers
+            engram_shape = None
+            if self.hasher is not None:
+                engram_shape = (*self.hasher.primes.shape, config.engram_head_dim)
+            buffers = DecodeBuffers(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
+                                    shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
+                                    device=self.device, engram_shape=engram_shape, engram_dtype=dtype)
+            self.graphs = DecodeGraphs(model, self.cache, buffers, self.hasher)
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order."""
-        seq_chunks = [self.seq_chunk_cls(tokens=_history(c.seq, c.end), start=c.start, slot=c.seq.slot,
-                                         blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
-        batch = self.batch_cls.build(seq_chunks, self.config, self.device, hasher=self.hasher)
-        return self._forward(batch)
-
-    def _forward(self, batch) -> torch.Tensor:
-        return self.model.forward(batch, self.cache).float()
+        t0 = time.perf_counter()
+        graph = self.graphs is not None and self.graphs.fits(chunks)
+        if graph:
+            n = self.graphs.prepare(chunks, _history)
+        else:
+            seq_chunks = [self.seq_chunk_cls(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
+                                             blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
+            batch = self.batch_cls.build(seq_chunks, self.config, self.device, hasher=self.hasher)
+        t1 = time.perf_counter()
+        events = None
+        if self.timing and self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        logits = self.graphs.replay(n, len(chunks)) if graph else self.model.forward(batch, self.cache).float()
+        if events is not None:
+            events[1].record()
+        if self.timing:
+            self.last_timing = StepTiming(t1 - t0, time.perf_counter() - t1, graph, events)
+        return logits
 
     @torch.inference_mode()
     def copy_slots(self, copies: list[SlotCopy]) -> None:
@@ -94,12 +141,14 @@ class ModelRunner:
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
 
-def _history(seq, end: int) -> list[int]:
-    """The sequence's first `end` tokens (one list copy, not two)."""
-    n_prompt = len(seq.prompt_token_ids)
+def _history(seq, start: int, end: int) -> list[int]:
+    """Tokens start..end-1 of the sequence's history (prompt + output), without copying the rest."""
+    prompt, n_prompt = seq.prompt_token_ids, len(seq.prompt_token_ids)
     if end <= n_prompt:
-        return seq.prompt_token_ids[:end]
-    return seq.prompt_token_ids + seq.output_token_ids[:end - n_prompt]
+        return prompt[start:end]
+    if start >= n_prompt:
+        return seq.output_token_ids[start - n_prompt:end - n_prompt]
+    return prompt[start:] + seq.output_token_ids[:end - n_prompt]
 
 
 def _slot_pools(cache) -> list[torch.Tensor]:

@@ -133,9 +133,10 @@ class DecodeBuffers:
 
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
              engram_rows: torch.Tensor | None = None) -> None:
-        """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded."""
+        """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
+        there are no sequences: what a capture's warm-up runs)."""
         k = len(tokens)
-        if not 0 < k <= n <= self.max_seqs:
+        if not 0 <= k <= n <= self.max_seqs or n == 0:
             raise ValueError(f"{k} sequences in a bucket of {n} (buffers hold {self.max_seqs})")
         host, table = self.host_ids, self.host_table
         host[0, :k], host[1, :k], host[2, :k] = tokens, positions, slots
@@ -147,7 +148,7 @@ class DecodeBuffers:
             table[b, :len(blk)] = blk
         self.ids[:, :n].copy_(torch.from_numpy(host[:, :n]))
         self.block_table[:n].copy_(torch.from_numpy(table[:n]))
-        if self.engram_rows is not None:
+        if self.engram_rows is not None and k:
             if engram_rows is None:
                 raise ValueError("this model has Engram layers: fill needs the looked-up rows")
             self.engram_rows[:k].copy_(engram_rows)

@@ -315,6 +315,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="split each prompt at its last block boundary so that its first repeat hits the prefix "
                         "cache (one extra step of TTFT)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (default on CUDA: replay CUDA graphs captured at start-up)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", default="warning")
 
@@ -327,7 +329,7 @@ def engine_opts_from_args(args) -> dict:
                 num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, num_snapshots=args.num_snapshots,
                 snapshot_prompt_end=args.snapshot_prompt_end,
-                max_model_len=args.max_model_len, seed=args.seed)
+                max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
 
 
 def serve(args) -> int:

@@ -1,0 +1,100 @@
+"""decode-host: where the time of a decode step goes at batch B, eager vs CUDA graphs (issue #3, item 8).
+
+One model (`--model`, random tiny weights by default) serves `--batch` requests of `--input-len` random tokens and
+`--output-len` greedy tokens each (EOS ignored) through LLMEngine, once per mode: `eager` (enforce_eager) and
+`graphs` (decode steps replay CUDA graphs; CUDA + fast backend only). LLMEngine.step_times records every step;
+the pure-decode steps at the full batch (after `--skip` of them) are summarised by their medians:
+
+* step_ms         wall time of LLMEngine.step()
+* gpu_ms          CUDA events around the forward (eager: first launch to last kernel, so launch gaps count here)
+* host_ms         step_ms - gpu_ms: scheduling, input preparation, sampling and outputs, outside the forward
+* host_share      host_ms / step_ms (the issue's target: under 10% at batch 64)
+* schedule_ms, prepare_ms, forward_call_ms (host time of the launches / one replay), sample_ms: the host phases
+
+On CPU only `eager` runs and the GPU columns are absent.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+
+import torch
+
+SUITE = "decode-host"
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="tiny-v4.1")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--skip", type=int, default=3, help="full-batch decode steps not timed (warm-up)")
+    p.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's context (default: the model's, as `mini serve`; it sizes the graphs' index "
+                        "tensors)")
+
+
+def _measure(model, config, tokenizer, args, device, graphs: bool) -> dict[str, float]:
+    from mini.engine import SamplingParams
+    from mini.engine.llm import build_engine
+    need = args.input_len + args.output_len + 1
+    engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, max_num_seqs=args.batch,
+                          max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                          max_model_len=args.max_model_len, enforce_eager=not graphs,
+                          num_blocks=None if device == "cuda" else args.batch * -(-need // 128))
+    if graphs and engine.runner.graphs is None:
+        raise ValueError("CUDA graphs need CUDA and the fast backend in bf16")
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, config.vocab_size) for _ in range(args.input_len)], params)
+    engine.step_times = []
+    while engine.has_work():
+        engine.step()
+    steps = [t for t in engine.step_times if t.decode and t.n_seqs == args.batch][args.skip:]
+    if not steps:
+        raise ValueError("no full-batch decode step to time: raise --output-len")
+    if graphs and not all(t.graph for t in steps):
+        raise RuntimeError("a decode step did not replay a graph")
+
+    def med(f) -> float:
+        return 1e3 * statistics.median(f(t) for t in steps)
+
+    out = {"steps": len(steps), "step_ms": med(lambda t: t.total_s), "schedule_ms": med(lambda t: t.schedule_s),
+           "prepare_ms": med(lambda t: t.prepare_s), "forward_call_ms": med(lambda t: t.forward_s),
+           "sample_ms": med(lambda t: t.sample_s)}
+    if steps[0].gpu_s is not None:
+        out["gpu_ms"] = med(lambda t: t.gpu_s)
+        out["host_ms"] = med(lambda t: t.total_s - t.gpu_s)
+        out["host_share"] = statistics.median((t.total_s - t.gpu_s) / t.total_s for t in steps)
+        out["decode_tok_s"] = args.batch / (out["step_ms"] / 1e3)
+    return out
+
+
+def run(args) -> dict:
+    from mini.model import load_model
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    modes = [m for m in args.modes.split(",") if m]
+    if device != "cuda":
+        modes = [m for m in modes if m != "graphs"]
+    if not modes or set(modes) - {"eager", "graphs"}:
+        raise ValueError(f"--modes: eager and/or graphs (graphs on CUDA only), got {args.modes!r}")
+    model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
+    metrics = {}
+    for mode in modes:
+        for k, v in _measure(model, config, tokenizer, args, device, mode == "graphs").items():
+            metrics[f"{mode}_{k}"] = v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    rows = [k.split("_", 1)[1] for k in metrics if k.startswith(modes[0] + "_")]
+    print(f"{'':16s}" + "".join(f"{m:>12s}" for m in modes))
+    for r in rows:
+        print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):12.3f}" for m in modes))
+    definition = {"model": args.model, "device": device, "dtype": "bfloat16", "batch": args.batch,
+                  "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
+                  "modes": ",".join(modes), "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "max_model_len": args.max_model_len}
+    return {"suite": SUITE, "definition": definition, "metrics": metrics}

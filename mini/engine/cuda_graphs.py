@@ -1,0 +1,87 @@
+"""CUDA graphs of pure-decode steps: captured once per batch-size bucket, replayed with new inputs.
+
+A step qualifies when every chunk is one token that samples (decode) and the sequences fit the largest bucket.
+Their last tokens, positions, slots and block tables (and Engram rows, looked up on the host) are copied into
+mini.model.DecodeBuffers, padded to the next bucket, and that bucket's graph is replayed; the logits of the real
+rows are returned. The forward inside the graph builds a DecodeLayout: fixed shapes, no host sync.
+
+Capture runs at start-up, largest bucket first, each after one eager warm-up forward of the same static batch
+(which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Padding rows
+write only into the scratch slot and block that the runner adds past the block manager's (see ModelRunner).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mini.engine.scheduler import ScheduledChunk
+
+
+def buckets(max_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, then every 16, and max_seqs itself."""
+    sizes = [n for n in (1, 2, 4, 8) if n < max_seqs] + list(range(16, max_seqs, 16)) + [max_seqs]
+    return sorted(set(sizes))
+
+
+def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
+    return all(c.length == 1 and c.samples for c in chunks)
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, buffers, hasher=None):
+        self.model, self.cache, self.buffers, self.hasher = model, cache, buffers, hasher
+        self.sizes = buckets(buffers.max_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def fits(self, chunks: list[ScheduledChunk]) -> bool:
+        return len(chunks) <= self.sizes[-1] and is_decode_step(chunks)
+
+    def bucket(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket (CUDA only: on the CPU, replay runs the static step eagerly, which tests use)."""
+        if self.buffers.ids.is_cuda:
+            for n in reversed(self.sizes):
+                self._capture(n)
+
+    def _capture(self, n: int) -> None:
+        device = self.buffers.ids.device
+        self.buffers.fill(n, [], [], [], [])
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.model.forward(self.buffers.batch(n), self.cache)  # warm-up: kernels compiled, one-time copies made
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.forward(self.buffers.batch(n), self.cache)  # a fresh Batch: its layout is captured
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[n] = (graph, logits)
+
+    def prepare(self, chunks: list[ScheduledChunk], history) -> int:
+        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens."""
+        n = self.bucket(len(chunks))
+        tokens = [history(c.seq, c.start, c.end)[0] for c in chunks]
+        rows = None
+        if self.hasher is not None:
+            k = self.hasher.lookback
+            tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
+            for b, c in enumerate(chunks):
+                tail = history(c.seq, max(0, c.end - k), c.end)
+                tails[b, k - len(tail):] = tail
+            rows = self.model.engram_rows(self.hasher.hash_last(tails))
+        self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
+                          [c.seq.blocks for c in chunks], rows)
+        return n
+
+    def replay(self, n: int, n_real: int) -> torch.Tensor:
+        """fp32 logits [n_real, vocab], a view of the graph's output: read it before the next replay."""
+        if n not in self.graphs:
+            return self.model.forward(self.buffers.batch(n), self.cache)[:n_real]
+        graph, logits = self.graphs[n]
+        graph.replay()
+        return logits[:n_real]
