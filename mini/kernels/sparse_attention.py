@@ -8,6 +8,10 @@ One query token attends to
 No concatenated key tensor is built. K = V (one shared latent, MQA), so a program holds BLOCK_H query heads of one
 token and every key tile it loads serves all of them, for the scores and for PV.
 
+With a RoPE table (`rope_out`), the output's last RD channels are rotated back by its conjugate before the store
+(V = K carries the keys' rotation), as mini.ops.rope.apply_rope(inverse=True) does after the op: the fp32 rotation
+of the dtype-rounded output, rounded again. That saves a pass over [T, H, D] per layer.
+
 Numerics follow the reference kernel: fp32 scores and softmax statistics (running max starts at -1e30), P cast to
 the KV dtype (bf16) before PV, fp32 accumulator, and the per-head sink logit (not scaled) added to the denominator
 at the end. exp is computed as exp2 with log2(e) folded into the scale (last-ulp differences only).
@@ -38,12 +42,29 @@ def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr
 
 
 @triton.jit
+def _unrotate(x, rope_ptr, t, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
+    """x [ROWS, D] with its last RD channels, complex pairs (2i, 2i+1), multiplied by the conjugate of token t's
+    table row: fp32 math and result (the store rounds it, as ops.rope.apply_rope(inverse=True) does); the nope
+    pairs see cos 1, sin 0.
+    q is NOT rotated here the same way: a computed QK operand makes Triton keep q in registers through the key
+    loop (wgmma register operand), which spills; see docs/perf/notes-attention.md."""
+    pair = tl.arange(0, D // 2)
+    rot = pair >= (D - RD) // 2
+    off = t.to(tl.int64) * RD + 2 * tl.where(rot, pair - (D - RD) // 2, 0)
+    cos = tl.load(rope_ptr + off, mask=rot, other=1.0)[None, :]
+    sin = tl.load(rope_ptr + off + 1, mask=rot, other=0.0)[None, :]
+    re, im = tl.split(tl.reshape(x.to(tl.float32), [ROWS, D // 2, 2]))
+    return tl.reshape(tl.join(re * cos + im * sin, im * cos - re * sin), [ROWS, D])
+
+
+@triton.jit
 def _sparse_mla_kernel(
-    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, out_ptr,
+    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
     pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
     n_heads, n_comp, scale_log2, rows_per_block,
-    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -86,6 +107,8 @@ def _sparse_mla_kernel(
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
+    if RD > 0:  # rotate back by the conjugate, from the output rounded to its dtype as the unfused op stores it
+        out = _unrotate(out.to(out_ptr.dtype.element_ty), rope_ptr, t, BLOCK_H, D, RD)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=head_ok[:, None])
 
@@ -95,12 +118,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
+                         rope_out: torch.Tensor | None = None, block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
                          ) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
-    with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none). Returns [T, H, D] in q.dtype.
-    The signature is mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
+    with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
+    complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is mini.ops.attention.sparse_attention's
+    (`ratio` is not needed to address the pool)."""
     T, H, D = q.shape
     W = window.shape[1]
     q, kv_new = q.contiguous(), kv_new.contiguous()
@@ -116,14 +140,19 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         assert comp.shape[-1] == D and comp.is_contiguous()
         comp_idx = comp_idx.contiguous()
         rows_per_block = comp.shape[1]
+    rope = None
+    if rope_out is not None:
+        assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D
+        rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h))
     _sparse_mla_kernel[grid](
-        q, kv_new, window, comp, sink, out,
+        q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
         positions, seq_of, slots, start_pos, block_table, comp_idx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D, BLOCK_H=block_h,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
+        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -6,6 +6,8 @@ A query at position p of sequence b attends to
 * compressed groups `comp_idx` (absolute group ids, -1 = none) of the paged pool `comp`: group g lives in row
   `block_table[b, g // rows_per_block] * rows_per_block + g % rows_per_block`.
 K = V (one latent). o[t,h] = Σ_n softmax_n(q[t,h]·k_n · scale) k_n, the denominator also holding exp(sink[h]).
+With a RoPE table `rope_out`, o's tail is rotated back by its conjugate (V = K carries the keys' rotation): the
+kernel does it in its epilogue instead of one more pass over [T, H, D].
 Logits and softmax statistics are fp32; the probabilities are rounded to the activation dtype before P·V, as in
 the reference kernel. `mini.kernels.sparse_attention` implements the same signature on the GPU.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mini.ops import use_fast
+from mini.ops.rope import apply_rope
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 
@@ -49,14 +52,16 @@ def _attend(q, keys, valid, sink, scale):
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
                      positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                      scale: float, comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     comp_idx: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+                     comp_idx: torch.Tensor | None = None, ratio: int = 1,
+                     rope_out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
-    [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids.
+    [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
+    optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     if use_fast(q) and q.dtype == torch.bfloat16:
         from mini.kernels.sparse_attention import sparse_mla_attention
         return sparse_mla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp,
-                                    block_table, comp_idx, ratio)
+                                    block_table, comp_idx, ratio, rope_out)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     new_rows, ring_rows = window_rows(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]
@@ -70,4 +75,4 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
         keys = torch.cat([src[rows[lo:hi].clamp_min(0)] for src, rows in sources], dim=1).float()
         keys = keys.masked_fill(~valid[..., None], 0.0)  # unread slots may hold anything, NaN included
         out[lo:hi] = _attend(q[lo:hi], keys, valid, sink.float(), scale).to(q.dtype)
-    return out
+    return out if rope_out is None else apply_rope(out, rope_out, inverse=True)

@@ -51,21 +51,39 @@ def make_case(random_flat_batch, device, dtype, T_lens, starts, H, D, W, ratio, 
     return b, q, kv_new, window, comp, sink, comp_idx
 
 
-@pytest.mark.parametrize("with_comp", [True, False])
-def test_sparse_attention_interpreter(with_comp, interpreter, flat_batch):
+def rope_for(positions, rope_dim):
+    from mini.ops.rope import rope_frequencies, rope_table
+    return rope_table(positions, rope_frequencies(rope_dim, 160000.0, 256, 4.0).to(positions.device))
+
+
+def rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rope):
+    """The op's contract with a rope_out table: attend, then rotate the output back (fp32 rotation)."""
+    from mini.ops.rope import apply_rope
+    out = oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale)
+    return out if rope is None else apply_rope(out.float(), rope, inverse=True).double()
+
+
+@pytest.mark.parametrize("with_comp,rope_dim", [(True, 0), (False, 0), (True, 8), (False, 32)])
+def test_sparse_attention_interpreter(with_comp, rope_dim, interpreter, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
     H, D, W, ratio, rpb, topk = 5, 32, 8, 2, 4, 7
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, [7, 1, 3], [0, 19, 5],
                                                            H, D, W, ratio, rpb, topk)
     if not with_comp:
         comp_idx = None
+    rope = rope_for(b.positions * 97, rope_dim) if rope_dim else None  # large angles
     scale = D ** -0.5
-    out = sparse_mla_attention(q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, scale,
-                               comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
-                               block_h=8, block_n=4, num_warps=1)
-    ref = oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale)
+    out = torch.full_like(q, float("nan"))
+    out.copy_(sparse_mla_attention(q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, scale,
+                                   comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
+                                   rope_out=rope,
+                                   block_h=8, block_n=4, num_warps=1))
+    ref = rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rope)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    if rope is not None:  # the rotation matters: without it the result is far off
+        plain = oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale)
+        assert (plain - ref).abs().max() > 1e-2
 
 
 @pytest.mark.gpu
@@ -87,15 +105,18 @@ def test_sparse_attention_gpu(H, block_h, flat_batch):
 
 
 @pytest.mark.gpu
-def test_sparse_attention_matches_reference_op(flat_batch):
-    """Real V4.1 shape against mini.ops.attention.sparse_attention (same signature): bf16, P rounded to bf16."""
+@pytest.mark.parametrize("rope_dim", [0, 64])
+def test_sparse_attention_matches_reference_op(rope_dim, flat_batch):
+    """Real V4.1 shape against mini.ops.attention.sparse_attention (same signature): bf16, P rounded to bf16; with
+    a RoPE table the op rotates the output back."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention
     H, D, W, ratio, rpb, topk = 64, 512, 128, 1, 64, 512
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cuda", torch.bfloat16, [601, 1, 1],
                                                            [700, 3000, 5], H, D, W, ratio, rpb, topk)
     args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
-    kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio)
+    kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
+              rope_out=rope_for(b.positions, rope_dim) if rope_dim else None)
     out = torch.full_like(q, float("nan"))
     out.copy_(sparse_mla_attention(*args, **kw))
     ref = sparse_attention(*args, **kw)
