@@ -5,20 +5,25 @@ same seed everywhere, so the shared weights agree), runs `--tokens` new tokens o
 other ranks in every MoE layer (all-gather of FP8 rows -> local experts -> fp32 reduce-scatter). `--layers L`
 keeps all the preset's widths but uses L layers with every V4.1 layer kind: the 8-layer schedule of tiny-v4.1
 (window, Engram, ratio-2 KV + index source, its consumer, ratio-1 KV + candidate source, reindex source, ...)
-followed by L - 8 consumers of the last source. Weights per rank at EP2 (estimate from the inventory): ~3.4 GiB
-per layer, so all 40 layers (~140 GiB) do not fit one H200 and 8 layers take ~31 GiB; at EP4 `--layers 0` is
-the real model (~half that per layer).
+followed by L - 8 consumers of the last source. Memory per rank at EP2, measured on an H200 at 4,096 tokens:
+37.5 GiB peak at 8 layers and 128.5 GiB at 32 (+3.8 GiB per further layer, 3.5 of them weights): 40 layers
+would need ~159 GiB, and ~33 are the most that fit one H200 (139.8 GiB). Run large ones with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: without it the build (draw every expert, then restack them one
+tensor at a time) left 15-29 GiB of cached but unusable blocks and ran out of memory at 30 and at 34 layers. At
+EP4 `--layers 0` is the real model (~half the experts per layer).
 
 Metrics (from rank 0): the step time is the slowest rank's of each step (a barrier starts every step), mean /
 median over `--steps` after `--warmup`; tok/s/GPU = tokens per rank / mean step; peak memory (max over ranks;
-GPU: allocated, CPU: peak RSS); then `--profile-steps` more steps with every stage timed by wrapping its function
-(`mini.bench.profile`), rank 0's ms/step per stage. `communication` is the time inside the collectives: the
-step's token-count all-gather, each MoE layer's all-gather (its call and its `wait()`) and reduce-scatter.
-`exchange_glue` is the rest of the MoE exchange (FP8 pack / unpack, padding, the final add). A collective's
-time includes waiting for the slowest rank to arrive, so uneven ranks show up as communication.
+GPU: allocated, and what the caching allocator reserved; CPU: peak RSS); then `--profile-steps` more steps with
+every stage timed by wrapping its function (`mini.bench.profile`), rank 0's ms/step per stage. `communication`
+is the time inside the collectives: the step's token-count all-gather, each MoE layer's all-gather (its call and
+its `wait()`) and reduce-scatter. `exchange_glue` is the rest of the MoE exchange (FP8 pack / unpack, padding,
+the final add). A collective's time includes waiting for the slowest rank to arrive, so uneven ranks show up as
+communication.
 
     # 2 H200s (one command; the JSON is written by rank 0)
     torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 8 --json ep-prefill.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 32
     torchrun --nproc-per-node 4 -m mini bench ep-prefill --layers 0 --json ep-prefill-ep4.json   # all 40 layers
     # the same with local processes, or on the CPU at tiny size (gloo)
     python -m mini bench ep-prefill --nproc 2 --layers 8
