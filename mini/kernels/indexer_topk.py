@@ -6,8 +6,9 @@ and BLOCK_N of its groups: the q rows of its tokens ([BLOCK_T·H, di], contiguou
 [BLOCK_N, di] in a single dot, so each key tile is read once per BLOCK_T tokens; the head sum happens in registers.
 
 Rounding follows the reference, which runs in the activation dtype: each head's dot and its weighted value are
-rounded to that dtype, the head sum is fp32, and the sum is rounded once more. Top-k is `torch.topk` over the
-[T, N] scores (fp32, one row per token: the only full-size intermediate).
+rounded to that dtype, the head sum is fp32, and the sum is rounded once more and stored in that dtype. Top-k is
+`torch.topk` over the [T, N] scores (one row per token: the only full-size intermediate; bf16 scores let it run
+on 32-bit keys, see ops.indexer.topk_recent).
 """
 import torch
 import triton
@@ -33,7 +34,7 @@ def _index_scores_kernel(
     out_ptrs = out_ptr + toks[:, None].to(tl.int64) * N + j[None, :]
     out_ok = tok_ok[:, None] & (j < N)[None, :]
     if tl.program_id(1) * BLOCK_N >= tl.max(nvis, axis=0):  # nothing visible in this tile
-        tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32), mask=out_ok)
+        tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), out_ptr.dtype.element_ty), mask=out_ok)
         return
 
     r = tl.arange(0, BLOCK_T * H)  # q row r = token (r // H), head (r % H)
@@ -51,7 +52,7 @@ def _index_scores_kernel(
     if HAS_CAND:
         cand = tl.load(cand_ptr + toks[:, None].to(tl.int64) * stride_cand + j[None, :], mask=out_ok, other=0)
         visible = visible & (cand != 0)
-    tl.store(out_ptrs, tl.where(visible, score, float("-inf")), mask=out_ok)
+    tl.store(out_ptrs, tl.where(visible, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
@@ -75,10 +76,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
                  seq_of: torch.Tensor, n_visible: torch.Tensor, candidates: torch.Tensor | None = None,
                  block_t: int = 2, block_n: int = 128, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [T, H, di], weights [T, H], keys [P, di] (flat pool), seq_rows [B, N] (-1 = not complete), seq_of [T],
-    n_visible [T], optional candidates bool [T, N] -> fp32 [T, N] (-inf: not visible / not a candidate)."""
+    n_visible [T], optional candidates bool [T, N] -> [T, N] in q.dtype (-inf: not visible / not a candidate)."""
     T, H, DI = q.shape
     B, N = seq_rows.shape
-    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, N, dtype=q.dtype, device=q.device)
     if T == 0 or N == 0:
         return out
     q = q.contiguous()

@@ -42,33 +42,42 @@ def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
                  seq_of: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
     """q [T, H, di], weights [T, H] (scale folded in), keys [P, di] (flat pool), seq_rows [B, N] pool row of each
-    sequence's group j, n_visible [T] -> fp32 [T, N] scores, -inf where the group is not visible."""
+    sequence's group j, n_visible [T] -> [T, N] scores in q.dtype (the reference rounds the head sum to it), -inf
+    where the group is not visible."""
     if use_fast(q) and q.dtype == torch.bfloat16:
         from mini.kernels.indexer_topk import index_scores as index_scores_kernel
         return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
     T, N = q.shape[0], seq_rows.shape[1]
-    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, N, dtype=q.dtype, device=q.device)
     j = torch.arange(N, device=q.device)
     step = max(1, GATHER_ELEMENTS // (N * q.shape[-1]))
     for lo in range(0, T, step):
         hi = min(lo + step, T)
         k = keys[seq_rows[seq_of[lo:hi]].clamp_min(0)].to(q.dtype)  # [t, N, di]
         s = torch.einsum("thd,tnd->thn", q[lo:hi], k).relu()
-        s = (s * weights[lo:hi, :, None].to(q.dtype)).sum(dim=1).float()
+        s = (s * weights[lo:hi, :, None].to(q.dtype)).sum(dim=1)
         out[lo:hi] = s.masked_fill(j >= n_visible[lo:hi, None], float("-inf"))
     return out
 
 
-def topk_recent(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest entries of each row of fp32 x; equal values go to the higher index (the
-    newer group). Ties are common: relu makes every group with no positive head score exactly 0, and a plain top-k
-    would then pick by layout, so that prefill, chunked prefill and decode could choose differently.
-
-    One top-k over int64 keys (order-preserving bits of the value, then the index) does it in a single pass."""
-    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0: they tie
-    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """Integer keys ordered as x's values, then by index: order-preserving bits of the value above the index.
+    bf16 rows of at most 2^16 entries fit int32 (16 + 16 bits: half the bytes and radix passes), others int64."""
+    x = x + 0.0  # turns -0.0 into 0.0: they tie
     index = torch.arange(x.shape[-1], device=x.device)
-    indices = ((order << 32) | index).topk(k, dim=-1).indices
+    if x.dtype == torch.bfloat16 and x.shape[-1] <= 1 << 16:
+        bits = x.view(torch.int16).int()
+        return ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | index.int()  # negative: larger magnitude, smaller key
+    bits = x.float().contiguous().view(torch.int32).long()
+    return (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | index
+
+
+def topk_recent(x: torch.Tensor, k: int, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row of x (fp32 or bf16); equal values go to the higher
+    index (the newer group); `sorted=False` returns them in any order. Ties are common: relu makes every group with
+    no positive head score exactly 0, and a plain top-k would then pick by layout, so that prefill, chunked prefill
+    and decode could choose differently. One top-k over integer keys (value, then index) does it in a single pass."""
+    indices = _order_keys(x).topk(k, dim=-1, sorted=sorted).indices
     return x.gather(-1, indices), indices
 
 
@@ -82,13 +91,13 @@ def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks
     blocks = blocks.unflatten(-1, (-1, block_size)).amax(-1)
     newest = ((n_visible - 1) // block_size)[:, None]  # -1 when nothing is visible: no block forced
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
-    values, indices = topk_recent(blocks, min(topk_blocks, blocks.shape[-1]))
+    values, indices = topk_recent(blocks, min(topk_blocks, blocks.shape[-1]), sorted=False)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block_size, dim=-1)[:, :N]
 
 
 def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [T, min(k, N)]: the best-scoring groups in ascending order, -1 where fewer are reachable."""
-    values, indices = topk_recent(scores, min(k, scores.shape[-1]))
+    values, indices = topk_recent(scores, min(k, scores.shape[-1]), sorted=False)
     ids = torch.where(values > float("-inf"), indices, -1)
     return ids.sort(dim=-1).values

@@ -29,18 +29,19 @@ def check(b, q, w, keys, seq_rows, n_vis, candidates=None, exact=True, **kw):
     from mini.kernels.indexer_topk import index_scores as kernel_scores
     got = kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, candidates, **kw)
     ref = index_scores(q, w, keys, seq_rows, b.seq_of, n_vis)
+    assert got.dtype == ref.dtype == q.dtype
     if candidates is not None:
         ref = ref.masked_fill(~candidates, float("-inf"))
     assert not got.isnan().any()
     assert torch.equal(got == float("-inf"), ref == float("-inf"))
     fin = ref > float("-inf")
-    scale = ref[fin].abs().max()
-    err = (got[fin] - ref[fin]).abs().max() / scale
+    scale = ref[fin].float().abs().max()
+    err = (got[fin].float() - ref[fin].float()).abs().max() / scale
     assert err < (1e-5 if exact else 2e-2), err
     # top-k: identical wherever the reference's k-th and (k+1)-th scores are apart by more than the score error
     k = 5
     a, r = top_groups(got, k), top_groups(ref, k)
-    srt = ref.sort(-1, descending=True).values
+    srt = ref.float().sort(-1, descending=True).values
     clear = (srt[:, k - 1] - srt[:, k]).abs() > 4 * err * scale if ref.shape[1] > k else torch.ones_like(n_vis).bool()
     assert torch.equal(a[clear], r[clear])
     return got

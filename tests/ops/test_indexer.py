@@ -1,4 +1,5 @@
 """Lightning indexer: scores over visible groups read through the block table, candidate blocks, top-k rules."""
+import pytest
 import torch
 
 import mini.ops.indexer as indexer_op
@@ -58,18 +59,21 @@ def test_top_groups_sorted_minus_one_padded_and_ties_go_to_newer_groups():
     assert top_groups(s, 10).shape == (2, 6)  # k is capped at the number of groups
 
 
-def test_topk_recent_equals_a_stable_sort_that_prefers_newer_entries():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the 32-bit key path
+def test_topk_recent_equals_a_stable_sort_that_prefers_newer_entries(dtype):
     g = torch.Generator().manual_seed(2)
-    specials = torch.tensor([0.0, -0.0, 1.5, NEG, float("inf")])
+    specials = torch.tensor([0.0, -0.0, 1.5, NEG, float("inf"), -3.0])
     for _ in range(50):
         x = torch.randn(5, 37, generator=g)
-        pick = torch.randint(0, 8, (5, 37), generator=g)  # about 5/8 of the entries become a tied special value
-        x = torch.where(pick < 5, specials[pick.clamp(max=4)], x)
+        pick = torch.randint(0, 9, (5, 37), generator=g)  # about 2/3 of the entries become a tied special value
+        x = torch.where(pick < 6, specials[pick.clamp(max=5)], x).to(dtype)
         k = int(torch.randint(1, 38, (), generator=g))
         values, indices = topk_recent(x, k)
-        v, order = x.flip(-1).sort(dim=-1, descending=True, stable=True)
+        v, order = x.float().flip(-1).sort(dim=-1, descending=True, stable=True)
         assert torch.equal(indices, 36 - order[:, :k])
-        assert torch.equal(values, v[:, :k])
+        assert torch.equal(values.float(), v[:, :k])
+        _, unsorted = topk_recent(x, k, sorted=False)  # the same set
+        assert torch.equal(unsorted.sort(-1).values, indices.sort(-1).values)
 
 
 def test_reindex_sources_only_pick_inside_the_candidates():
