@@ -115,6 +115,9 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
 
 
 def bench_mhc(rows: list, sweep: bool, dev="cuda"):
+    """mhc_norm at one V4.1 site (delayed pre): the floor is h read once + y written once (~210 MB, ~49 us at the
+    copy ceiling). The kernel itself moves h once, y three times (written by the split-K pass, read and written
+    by the normalisation): `moved_tbs` counts those bytes."""
     from mini.kernels.mhc_norm import mhc_norm
     from mini.ops import mhc
     from mini.ops.norm import rms_norm
@@ -126,19 +129,25 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     pre_prev = torch.rand(T, HC, device=dev)
     kw = dict(pre_in=pre_prev, iters=20, hc_eps=1e-6, norm_eps=1e-20)
     nbytes = h.numel() * 2 + T * DIM * 2 + fn.numel() * 4  # h once, y once, fn once
-    configs = [dict(block_t=16, block_k=128, block_d=256)]
+    moved = nbytes + 2 * T * DIM * 2
+    configs = [{}]  # the defaults: block_t=64, block_k=64, split=10, 4 warps, 2 stages; finish 8 tokens x 512
     if sweep:
-        configs += [dict(block_t=16, block_k=128, block_d=256, precision="ieee"),
-                    dict(block_t=32, block_k=128, block_d=256), dict(block_t=64, block_k=64, block_d=256)]
+        configs += [dict(num_stages=3), dict(num_warps=8, num_stages=3), dict(block_t=128, num_warps=8),
+                    dict(block_k=32, num_stages=4), dict(split=5), dict(split=20),
+                    dict(finish_block_t=4), dict(finish_block_t=16, finish_warps=8), dict(block_d=1024)]
     for cfg in configs:
         for quant in ((None, "fp8") if cfg is configs[0] else (None,)):
             ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, quant=quant, **cfg))
-            rows.append(dict(kernel=f"mhc_norm/quant={quant}", config=cfg, ms=ms, tbs=nbytes / ms / 1e9,
-                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
-
+            rows.append(dict(kernel=f"mhc_norm/quant={quant}", config=cfg or "default", ms=ms,
+                             tbs=nbytes / ms / 1e9, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS,
+                             moved_tbs=moved / ms / 1e9))
+    ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **dict(kw, pre_in=None)))
+    rows.append(dict(kernel="mhc_norm/V4 own pre (h read twice)", config="default", ms=ms,
+                     tbs=nbytes / ms / 1e9, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
     ms = _bench(lambda: mhc_norm(h, fn, scale, base, None, pre_in=None, iters=20, hc_eps=1e-6, norm_eps=1e-20,
                                  collapse=False))
-    rows.append(dict(kernel="mhc_norm/mixes only", config=configs[0], ms=ms, tbs=h.numel() * 2 / ms / 1e9))
+    rows.append(dict(kernel="mhc_norm/mixes only", config="default", ms=ms, tbs=h.numel() * 2 / ms / 1e9,
+                     frac_copy_peak=h.numel() * 2 / ms / 1e9 / COPY_TBS))
     ms = _bench(_reference(lambda: mhc.mixes(h, fn, scale, base, hc_mult=HC, iters=20, hc_eps=1e-6,
                                                 norm_eps=1e-20)))
     rows.append(dict(kernel="mhc_norm/mixes only", config="torch reference", ms=ms, tbs=h.numel() * 2 / ms / 1e9))

@@ -1,17 +1,29 @@
 """mHC site input, fused: mixes (one rsqrt over hc·D, the 24-wide projection, sigmoids, 20 Sinkhorn iterations on
 the 4×4 comb in registers), the collapse of the hc copies and the weighted RMSNorm of the collapsed row, with an
-optional FP8 1×block fake quant of the normed output. `mini.ops.mhc.pre_norm` calls it at every mHC site. Also a plain RMSNorm kernel with the same optional quant
-(`rms_norm`, not dispatched yet: its GPU parity test has not run).
+optional FP8 1×block fake quant of the normed output. `mini.ops.mhc.pre_norm` calls it at every mHC site. Also a
+plain RMSNorm kernel with the same optional quant (`rms_norm`, not dispatched yet: its GPU parity test has not run).
 
 Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`rms_norm`):
-* the projection is an fp32 dot, by default as 3xTF32 on the tensor cores (fp32-level error, unlike plain tf32:
-  m feeds sigmoids and a softmax); precision="ieee" gives the FMA dot;
+* the projection is an fp32 dot. For a bf16 stream every stream value is exact in bf16, and fn splits exactly into
+  three bf16 pieces (8 + 8 + 8 significant bits): three bf16 MMAs then give every product exactly, summed in the
+  tensor cores' fp32 accumulator (not plain tf32, whose 10-bit fn would feed its error into sigmoids and a softmax).
+  Measured at T=4096 on the H200 against the fp32 torch reference: max relative error of pre / post / comb
+  3.5e-6 / 2.2e-6 / 1.8e-5 (the former one-kernel 3xTF32 version: 5.7e-7 / 5.0e-7 / 2.3e-6; the tests' bounds
+  are 2e-4 / 2e-4 / 5e-4). An fp32 stream uses one fp32 dot (`precision`: 3xTF32 by default, "ieee" for FMA);
 * the collapse sums the copies in order c = 0..hc-1 in fp32 and rounds to the stream dtype before the norm;
 * V4.1 collapses with the previous site's `pre` (delayed, known before this site's mixes); V4 passes none and
   the kernel collapses with the `pre` it just computed.
-A program handles BLOCK_T tokens: pass 1 streams h once for the statistic and the projection; pass 2 re-reads h
-(mostly from L2), writes the collapsed row and its sum of squares; pass 3 normalises the row in place.
+
+Two launches, so that the whole GPU streams h once (a [4096, 4, 5120] bf16 stream is 168 MB; 156 us per V4.1 site
+on the H200 against 574 us for the former one-kernel version, docs/perf/notes-mhc.md):
+1. `_mhc_partial_kernel`, grid (token blocks, D chunks) = split-K over the hc·D reduction: each program reads all
+   hc copies of its D chunk once for its partial sum of squares and partial projection, and (V4.1, delayed pre) the
+   collapsed, rounded row chunk, written to y with its partial sum of squares;
+2. `_mhc_finish_kernel`, grid (token blocks): sums the partials in split order, then the sigmoids and the Sinkhorn,
+   (V4 only: the collapse with its own pre, a second read of h) and the normalisation of y in place.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,43 +31,100 @@ import triton.language as tl
 from mini.formats import quant as _fq
 from mini.kernels.quant import fake_quant_tile, kind_code
 
+PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24), then sum h^2, sum y^2
+# Triton 3.6's interpreter multiplies bf16 tiles wrongly (seen on CPU): there the bf16 pieces are multiplied as fp32
+# tiles holding the same values (still exact products), on the GPU as bf16 MMA operands.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @triton.jit
-def _mhc_norm_kernel(
-    h_ptr, fn_ptr, scale_ptr, base_ptr, norm_w_ptr, pre_in_ptr,
-    pre_ptr, post_ptr, comb_ptr, y_ptr,
-    T, norm_eps, hc_eps,
-    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DELAYED: tl.constexpr, COLLAPSE: tl.constexpr, QUANT: tl.constexpr, QBLOCK: tl.constexpr,
+def _dot_exact_split(x, f, acc, OP: tl.constexpr):
+    """acc + x @ f for a bf16 tile x and an fp32 tile f: f = hi + mid + lo with each piece exact in bf16 (the
+    remainders f - hi and f - hi - mid are exact in fp32), so each of the three products is exact."""
+    hi = f.to(tl.bfloat16)
+    rest = f - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(x.to(OP), hi.to(OP), acc)
+    acc = tl.dot(x.to(OP), mid.to(OP), acc)
+    return tl.dot(x.to(OP), lo.to(OP), acc)
+
+
+@triton.jit
+def _mhc_partial_kernel(
+    h_ptr, fn_ptr, pre_in_ptr, part_ptr, y_ptr, T,
+    D: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, COLLAPSE: tl.constexpr, SPLIT_BF16: tl.constexpr, OP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    NC: tl.constexpr = HC * HC  # comb entries
-    NP: tl.constexpr = 2 * HC  # pre + post entries, padded to 16 columns for the dot
-    t0 = tl.program_id(0) * BLOCK_T
-    toks = t0 + tl.arange(0, BLOCK_T)
+    s = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < T
     K: tl.constexpr = HC * D
+    row0 = toks.to(tl.int64)[:, None] * K  # start of each token's [hc, D] block
     kk = tl.arange(0, BLOCK_K)
-    cols = tl.arange(0, 16)
-    # fn rows: comb entries NP..NP+15 in one tile, pre/post rows 0..NP-1 in another (padding rows read as 0)
-    comb_rows = NP + cols
-    pp_rows = cols
-    pp_ok = cols < NP
+    cols = tl.arange(0, 32)  # fn rows 0..NM-1 (pre, post, comb); rows NM.. read as 0
+    col_ok = cols < NM
 
     sumsq = tl.zeros([BLOCK_T], tl.float32)
-    m_comb = tl.zeros([BLOCK_T, 16], tl.float32)
+    ysq = tl.zeros([BLOCK_T], tl.float32)
+    m = tl.zeros([BLOCK_T, 32], tl.float32)
+    for d0 in range(0, CHUNK, BLOCK_K):
+        d = s * CHUNK + d0 + kk
+        d_ok = d < D
+        ok = tok_ok[:, None] & d_ok[None, :]
+        y = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for c in tl.static_range(HC):
+            x = tl.load(h_ptr + row0 + c * D + d[None, :], mask=ok, other=0.0)
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            f = tl.load(fn_ptr + cols[None, :] * K + c * D + d[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if SPLIT_BF16:
+                m = _dot_exact_split(x, f, m, OP)
+            else:
+                m = tl.dot(xf, f, m, input_precision=PRECISION)
+            if COLLAPSE:
+                w = tl.load(pre_in_ptr + toks * HC + c, mask=tok_ok, other=0.0)
+                y += w[:, None] * xf
+        if COLLAPSE:
+            y = y.to(y_ptr.dtype.element_ty)
+            yf = y.to(tl.float32)
+            ysq += tl.sum(yf * yf, axis=1)
+            tl.store(y_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], y, mask=ok)
+    # one partial row per token: m in cols 0..NM-1 (fn's zero rows leave NM.. at 0), then the two statistics
+    m = tl.where((cols == NM)[None, :], sumsq[:, None], tl.where((cols == NM + 1)[None, :], ysq[:, None], m))
+    tl.store(part_ptr + (s * T + toks.to(tl.int64))[:, None] * 32 + cols[None, :], m, mask=tok_ok[:, None])
+
+
+@triton.jit
+def _mhc_finish_kernel(
+    h_ptr, part_ptr, scale_ptr, base_ptr, norm_w_ptr, pre_in_ptr,
+    pre_ptr, post_ptr, comb_ptr, y_ptr,
+    T, norm_eps, hc_eps,
+    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, DELAYED: tl.constexpr, COLLAPSE: tl.constexpr, QUANT: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    NC: tl.constexpr = HC * HC  # comb entries
+    NP: tl.constexpr = 2 * HC  # pre + post entries
+    K: tl.constexpr = HC * D
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < T
+    cols = tl.arange(0, 16)
+    pp_ok = cols < NP
+
+    # sum the split-K partials in split order (deterministic)
     m_pp = tl.zeros([BLOCK_T, 16], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        x = tl.load(h_ptr + toks[:, None].to(tl.int64) * K + k[None, :], mask=tok_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        sumsq += tl.sum(x * x, axis=1)
-        f_c = tl.load(fn_ptr + comb_rows[None, :] * K + k[:, None], mask=k_ok[:, None], other=0.0)
-        f_p = tl.load(fn_ptr + pp_rows[None, :] * K + k[:, None], mask=k_ok[:, None] & pp_ok[None, :], other=0.0)
-        m_comb = tl.dot(x, f_c, m_comb, input_precision=PRECISION)
-        m_pp = tl.dot(x, f_p, m_pp, input_precision=PRECISION)
+    m_comb = tl.zeros([BLOCK_T, 16], tl.float32)
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    ysq = tl.zeros([BLOCK_T], tl.float32)
+    for s in range(NSPLIT):
+        row = part_ptr + (s * T + toks.to(tl.int64)) * 32
+        m_pp += tl.load(row[:, None] + cols[None, :], mask=tok_ok[:, None] & pp_ok[None, :], other=0.0)
+        m_comb += tl.load(row[:, None] + NP + cols[None, :], mask=tok_ok[:, None], other=0.0)
+        sumsq += tl.load(row + NP + NC, mask=tok_ok, other=0.0)
+        ysq += tl.load(row + NP + NC + 1, mask=tok_ok, other=0.0)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     m_comb = m_comb * inv_rms[:, None]
     m_pp = m_pp * inv_rms[:, None]
@@ -84,46 +153,47 @@ def _mhc_norm_kernel(
     tl.store(comb_ptr + toks[:, None] * NC + cols[None, :], tl.reshape(c, [BLOCK_T, NC]), mask=tok_ok[:, None])
 
     if COLLAPSE:
-        if DELAYED:
-            pre_src = pre_in_ptr
-        else:
-            pre_src = pre_ptr
-            tl.debug_barrier()  # this program's `pre` stores above must land before they are read back
         dd = tl.arange(0, BLOCK_D)
-        ysq = tl.zeros([BLOCK_T], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + dd
-            ok = tok_ok[:, None] & (d < D)[None, :]
-            y = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-            for ci in tl.static_range(HC):
-                w = tl.load(pre_src + toks * HC + ci, mask=tok_ok, other=0.0)
-                hv = tl.load(h_ptr + toks[:, None].to(tl.int64) * K + ci * D + d[None, :], mask=ok, other=0.0)
-                y += w[:, None] * hv.to(tl.float32)
-            y = y.to(y_ptr.dtype.element_ty)
-            yf = y.to(tl.float32)
-            ysq += tl.sum(yf * yf, axis=1)
-            tl.store(y_ptr + toks[:, None] * D + d[None, :], y, mask=ok)
-        tl.debug_barrier()  # pass 3 reads rows other threads of this program wrote
+        y_rows = y_ptr + toks.to(tl.int64)[:, None] * D
+        if not DELAYED:  # V4: collapse with the pre just computed (the delayed case did it in the partial kernel)
+            tl.debug_barrier()  # this program's `pre` stores above must land before they are read back
+            ysq = tl.zeros([BLOCK_T], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + dd
+                ok = tok_ok[:, None] & (d < D)[None, :]
+                y = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+                for ci in tl.static_range(HC):
+                    w = tl.load(pre_ptr + toks * HC + ci, mask=tok_ok, other=0.0)
+                    hv = tl.load(h_ptr + toks[:, None].to(tl.int64) * K + ci * D + d[None, :], mask=ok, other=0.0)
+                    y += w[:, None] * hv.to(tl.float32)
+                y = y.to(y_ptr.dtype.element_ty)
+                yf = y.to(tl.float32)
+                ysq += tl.sum(yf * yf, axis=1)
+                tl.store(y_rows + d[None, :], y, mask=ok)
+            tl.debug_barrier()  # the normalisation reads rows other threads of this program wrote
         inv = 1.0 / tl.sqrt(ysq / D + norm_eps)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + dd
             ok = tok_ok[:, None] & (d < D)[None, :]
-            yf = tl.load(y_ptr + toks[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            yf = tl.load(y_rows + d[None, :], mask=ok, other=0.0).to(tl.float32)
             wn = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
             out = fake_quant_tile(wn[None, :] * (yf * inv[:, None]), BLOCK_T, BLOCK_D, QBLOCK, QUANT)
-            tl.store(y_ptr + toks[:, None] * D + d[None, :], out.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_rows + d[None, :], out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
-             block_t: int = 32, block_k: int = 128, block_d: int = 256, num_warps: int = 4,
-             precision: str = "tf32x3"):
+             block_t: int = 64, block_k: int = 64, split: int = 10, num_warps: int = 4, num_stages: int = 2,
+             finish_block_t: int = 8, block_d: int = 512, finish_warps: int = 4, precision: str = "tf32x3"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
-    pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks."""
+    pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks.
+    Tiles: the partial kernel takes block_t tokens × one of `split` D chunks (block_k columns per step); the
+    finishing kernel takes finish_block_t tokens and walks D in block_d columns."""
     T, HC, D = h.shape
+    NM = (2 + HC) * HC
     assert HC * HC == 16, "the kernel's comb tile is 4x4"
-    assert fn.shape == ((2 + HC) * HC, HC * D)
+    assert fn.shape == (NM, HC * D)
     h = h.contiguous()
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
     dev = h.device
@@ -135,14 +205,24 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
         quant = None
     if quant is not None:
         assert D % quant_block == 0 and block_d % quant_block == 0
-    if T:
-        pre_in_t = pre_in.float().contiguous() if pre_in is not None else pre
-        _mhc_norm_kernel[(triton.cdiv(T, block_t),)](
-            h, fn, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
-            T, norm_eps, hc_eps,
-            D=D, HC=HC, ITERS=iters, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_D=block_d, DELAYED=pre_in is not None,
-            COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, PRECISION=precision,
-            num_warps=num_warps)
+    if not T:
+        return y, pre, post, comb
+    chunk = triton.cdiv(triton.cdiv(D, block_k), split) * block_k  # D columns per split, whole block_k steps
+    nsplit = triton.cdiv(D, chunk)
+    part = torch.empty(nsplit, T, PART_COLS, dtype=torch.float32, device=dev)
+    delayed = pre_in is not None
+    pre_in_t = pre_in.float().contiguous() if delayed else pre
+    split_bf16 = h.dtype == torch.bfloat16
+    _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
+        h, fn, pre_in_t, part, y if collapse else h, T,
+        D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
+        SPLIT_BF16=split_bf16, OP=tl.float32 if _INTERPRET else tl.bfloat16, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages)
+    _mhc_finish_kernel[(triton.cdiv(T, finish_block_t),)](
+        h, part, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
+        T, norm_eps, hc_eps,
+        D=D, HC=HC, ITERS=iters, NSPLIT=nsplit, BLOCK_T=finish_block_t, BLOCK_D=block_d, DELAYED=delayed,
+        COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=finish_warps)
     return y, pre, post, comb
 
 

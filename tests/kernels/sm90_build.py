@@ -6,7 +6,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mini.kernels.indexer_topk import _index_scores_kernel
-from mini.kernels.mhc_norm import _mhc_norm_kernel, _rms_norm_kernel
+from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_kernel, _rms_norm_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _sparse_mla_kernel
 
@@ -26,7 +26,7 @@ def main() -> None:
     idx = {n: "*i64" for n in ("pos_ptr", "seq_ptr", "slot_ptr", "start_ptr", "cidx_ptr", "rows_ptr", "nvis_ptr",
                                "prog_seq_ptr", "prog_t0_ptr", "seq_end_ptr")}
     f32 = {n: "*fp32" for n in ("sink_ptr", "fn_ptr", "scale_ptr", "base_ptr", "pre_in_ptr", "pre_ptr", "post_ptr",
-                                "comb_ptr", "table_ptr")}
+                                "comb_ptr", "table_ptr", "part_ptr")}
     ptrs = {**idx, **f32, "btab_ptr": "*i32", "cand_ptr": "*u8"}
     # (head dim, heads -> BLOCK_H) of V4.1 / tiny-v4.1 / tiny-v4; 0 compressed tiles = window-only layers
     for d, bh in ((512, 64), (64, 16), (128, 16)):
@@ -37,11 +37,14 @@ def main() -> None:
         for cand in (False, True):
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
                   dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand))
-    for d in (5120, 64, 128):
-        for collapse, quant in ((False, 0), (True, 1)):
-            build(_mhc_norm_kernel, ptrs, dict(D=d, HC=4, ITERS=20, BLOCK_T=32, BLOCK_K=128, BLOCK_D=256,
-                                               DELAYED=collapse, COLLAPSE=collapse, QUANT=quant, QBLOCK=32,
-                                               PRECISION="tf32x3"), ("norm_eps", "hc_eps"))
+    # mHC pre-norm, split-K pass + finishing pass: V4.1 (delayed pre, + FP8 quant), V4 (own pre), mixes only
+    for d, delayed, collapse, quant in ((5120, True, True, 1), (64, False, True, 0), (128, False, False, 0)):
+        build(_mhc_partial_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=512 if d == 5120 else 64, BLOCK_T=64,
+                                              BLOCK_K=64, COLLAPSE=delayed and collapse, SPLIT_BF16=True,
+                                              OP=triton.language.bfloat16, PRECISION="tf32x3"))
+        build(_mhc_finish_kernel, ptrs, dict(D=d, HC=4, ITERS=20, NSPLIT=10 if d == 5120 else 1, BLOCK_T=8,
+                                             BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32),
+              ("norm_eps", "hc_eps"))
     for d, rd, quant, qb in ((512, 64, 0, 32), (512, 64, 1, 32), (512, 64, 3, 16), (128, 64, 2, 32), (64, 16, 0, 32),
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,

@@ -3,8 +3,11 @@ the optional FP8 fake quant of the normed output (mini.formats.fake_quant_fp8). 
 counts, NaN-poisoned outputs."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mini.formats import fake_quant_fp8
+from mini.kernels.mhc_norm import _dot_exact_split  # after tests/kernels/conftest.py chose the interpreter or not
 from mini.ops.mhc import collapse, mixes
 from mini.ops.norm import rms_norm
 
@@ -61,16 +64,73 @@ def check(h, fn, scale, base, w, pre_prev, quant, **kw):
 
 @pytest.mark.parametrize("delayed,quant", [(True, False), (False, True)])
 def test_mhc_norm_interpreter(delayed, quant, interpreter):
-    # fp32 stream: the interpreter casts fp32 -> bf16 by truncation, the GPU rounds to nearest even
+    # fp32 stream (the fp32 dot): the interpreter casts fp32 -> bf16 by truncation, the GPU rounds to nearest
+    # even. D = 96 in two split-K chunks of 64 columns, the second one partial; 5 tokens in 4-token blocks
     h, fn, scale, base, w, pre_prev = make(5, 96, "cpu", torch.float32)
-    check(h, fn, scale, base, w, pre_prev if delayed else None, quant, block_t=4, block_k=64, block_d=64)
+    check(h, fn, scale, base, w, pre_prev if delayed else None, quant, block_t=4, block_k=64, split=2,
+          finish_block_t=2, block_d=64)
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
+    """The bf16 stream's path (fn split into three bf16 pieces), three split-K chunks (64, 64, 32 columns). The
+    mixes keep the GPU tolerances; y only within two truncations (the interpreter rounds fp32 -> bf16 towards 0)."""
+    from mini.kernels.mhc_norm import mhc_norm
+    h, fn, scale, base, w, pre_prev = make(7, 160, "cpu", torch.bfloat16)
+    pre_in = pre_prev if delayed else None
+    y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_in, iters=ITERS, hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, block_t=4, block_k=32, split=3, finish_block_t=4, block_d=64)
+    ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_in, False)
+    torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(comb, rcomb, rtol=5e-4, atol=2e-5)
+    row = ry.float().square().mean(-1, keepdim=True).sqrt()
+    atol = (2e-3 if pre_in is None else 1e-5) * row
+    assert ((y.float() - ry.float()).abs() <= 2.0 ** -6 * ry.float().abs() + atol).all()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("delayed,quant", [(True, False), (True, True), (False, False)])
-def test_mhc_norm_gpu(delayed, quant):
-    h, fn, scale, base, w, pre_prev = make(333, 5120, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("T,D,delayed,quant", [(333, 5120, True, False), (333, 5120, True, True),
+                                               (333, 5120, False, False), (77, 1000, True, False)])
+def test_mhc_norm_gpu(T, D, delayed, quant):
+    # D = 1000: the last split-K chunk and the last column tiles are partial
+    h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant)
+
+
+@triton.jit
+def _split_dot_kernel(x_ptr, f_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, OP: tl.constexpr):
+    r, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    x = tl.load(x_ptr + r[:, None] * K + k[None, :])
+    f = tl.load(f_ptr + k[:, None] * N + n[None, :])
+    tl.store(out_ptr + r[:, None] * N + n[None, :], _dot_exact_split(x, f, tl.zeros([M, N], tl.float32), OP))
+
+
+def check_split_dot(device, M, K, N, op):
+    """x (bf16) @ f (fp32) through the three-piece split gives every product exactly: with one nonzero per row of x,
+    each output is one product (32 significant bits) rounded once to fp32 (to nearest, or towards zero on the
+    tensor cores). A split that dropped the third piece (fn's last 8 bits) would be ~2^-17 off instead."""
+    x = torch.zeros(M, K)
+    x[torch.arange(M), torch.randperm(K)[:M]] = torch.randn(M)
+    x = x.to(device).bfloat16()
+    f = torch.randn(K, N, device=device) * torch.exp2(torch.randint(-20, 20, (K, N), device=device).float())
+    out = torch.full((M, N), float("nan"), device=device)
+    _split_dot_kernel[(1,)](x, f, out, M=M, K=K, N=N, OP=op)
+    exact = x.double() @ f.double()
+    bound = 2.0 ** -23 * exact.abs()
+    assert ((out.double() - exact).abs() <= bound).all()
+    hi = f.bfloat16().float()
+    two_pieces = hi + (f - hi).bfloat16().float()
+    assert ((x.double() @ two_pieces.double() - exact).abs() > bound).float().mean() > 0.5
+
+
+def test_split_dot_interpreter(interpreter):
+    check_split_dot("cpu", 16, 32, 8, tl.float32)  # the interpreter's bf16 dot is broken: fp32 tiles, same values
+
+
+@pytest.mark.gpu
+def test_split_dot_gpu():
+    check_split_dot("cuda", 64, 128, 32, tl.bfloat16)
 
 
 def check_rms_norm(x, w, quant):
