@@ -84,3 +84,29 @@ def test_chunked_equals_one_shot_equals_formula(version, ratio, overlap, ape):
     for (s, j), lat in one_shot.items():
         torch.testing.assert_close(chunked[(s, j)], lat, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lat.double(), _oracle(*proj[s], w, j), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_weights_are_kept_and_promoted_on_use():
+    g = torch.Generator().manual_seed(3)
+    state = {"c.wkv.weight": torch.randn(32, D, generator=g).bfloat16(),
+             "c.wgate.weight": torch.randn(32, D, generator=g).bfloat16(), "c.norm.weight": torch.ones(HD * 2)}
+    w = CompressorWeights.from_state(state, "c", 4, True, torch.float32)
+    assert w.wkv.dtype == w.wgate.dtype == torch.bfloat16  # promoted exactly when used
+    w32 = CompressorWeights.from_state({**state, "c.wkv.weight": state["c.wkv.weight"].float()}, "c", 4, True,
+                                       torch.float32)
+    assert w32.wkv.dtype == torch.float32
+    x = torch.randn(5, D, generator=g)
+    from mini.ops.compressor import _linear_fp32
+    assert torch.equal(_linear_fp32(x, w.wkv), torch.nn.functional.linear(x, w32.wkv))
+
+
+@pytest.mark.gpu
+def test_fp32_projection_of_bf16_values_on_tensor_cores_gpu():
+    """bf16 x and weights: the bf16 GEMM with an fp32 result sums the same exact products as the fp32 GEMM."""
+    from mini.ops.compressor import _linear_fp32
+    x = torch.randn(1001, 5120, device="cuda").bfloat16()
+    w = (torch.randn(1024, 5120, device="cuda") / 70).bfloat16()
+    got = _linear_fp32(x, w)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    assert got.dtype == torch.float32
+    assert ((got.double() - ref).abs() <= 1e-5 * ref.abs().amax(-1, keepdim=True)).all()
