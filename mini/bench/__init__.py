@@ -61,6 +61,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("kernels", "mini.bench.kernels", "attention-side kernel micro-benchmarks (H200)"),
     Suite("ep-prefill", "mini.bench.ep_prefill", "lock-step EP prefill steps on N ranks (torchrun or --nproc)"),
     Suite("fastpath-check", "mini.bench.fastpath_check", "fast path vs reference: real-width layers, tiny decode"),
+    Suite("ep-exact", "mini.bench.ep_exact", "N EP/DP ranks vs one rank holding every expert: tokens and logits"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
 )}
 
