@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Attention-side kernels on the H200 (device tool): gpu parity tests, then the micro-benchmarks. Logs under $OUT.
-# Usage: bash scripts/gpu_attention.sh [bench options, e.g. --sweep --only attention]
+# Attention side on the H200 (device tool), one call: gpu parity tests of the attention kernels and ops (+ the
+# fast path vs reference at real width), the before/after micro-benchmarks, then the rank4 per-stage profile.
+# Logs under $OUT. Usage: bash scripts/gpu_attention.sh [extra bench options, e.g. --sweep]
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_attention}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_{sparse_attention,indexer_topk,mhc_norm,rope_quant}.py 2>&1 | tee "$OUT/tests.log"
-python3 -m mini.bench.kernels --json "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
+t0=$SECONDS
+timeout 75 python3 -m pytest -q -n 4 --dist loadfile -m gpu -p no:cacheprovider tests/kernels/test_{sparse_attention,indexer_topk,rope_quant}.py \
+    tests/ops/test_{rope,compressor}.py tests/model/test_fast_path_gpu.py 2>&1 | tee "$OUT/tests.log"
+echo "tests: $((SECONDS - t0)) s"; t0=$SECONDS
+timeout 60 python3 -m mini.bench.kernels --only attention indexer rope_chains attn_glue --json "$OUT/kernels.json" "$@" \
+    2>&1 | tee "$OUT/bench.log"
+echo "bench: $((SECONDS - t0)) s"; t0=$SECONDS
+timeout 110 python3 -m mini.cli profile --suite rank4 --out "$OUT/profile" --steps 2 --warmup 1 --profile-steps 2 \
+    2>&1 | tee "$OUT/profile.log"
+echo "profile: $((SECONDS - t0)) s"

@@ -57,10 +57,11 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention as reference
     cases = [("prefill", 4096, _prefill_batch(4096, 4096, RATIO, dev)), ("decode", 128, _decode_batch(128, 9000, dev))]
-    configs = [dict(block_h=64, block_n=32, num_warps=8, num_stages=2)]
+    from mini.ops.rope import apply_rope, rope_frequencies, rope_table
+    configs = [{}]  # the defaults: block_h 64, block_n 64, 8 warps, 2 stages
     if sweep:
-        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
-                    dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
+                    dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
                     dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
     for name, T, b in cases:
         q = torch.randn(T, H, D, device=dev).bfloat16()
@@ -76,8 +77,18 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
         key_bytes = T * (W + TOPK) * D * 2  # keys as gathered per query (mostly L2 hits)
         for cfg in configs:
             ms = _bench(lambda: sparse_mla_attention(*args, **kw, **cfg))
-            rows.append(dict(kernel=f"sparse_attention/{name}", config=cfg, ms=ms, tflops=flops / ms / 1e9,
-                             frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS, gathered_tbs=key_bytes / ms / 1e9))
+            rows.append(dict(kernel=f"sparse_attention/{name}", config=cfg or "default", ms=ms,
+                             tflops=flops / ms / 1e9, frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS,
+                             gathered_tbs=key_bytes / ms / 1e9))
+        # what the layer runs: the output's inverse RoPE in the epilogue vs a separate apply_rope pass (before)
+        table = rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0))
+        for label, f in (("before: + apply_rope(inverse) pass",
+                          lambda: apply_rope(sparse_mla_attention(*args, **kw), table, inverse=True)),
+                         ("after: rope_out in the epilogue", lambda: sparse_mla_attention(*args, **kw,
+                                                                                          rope_out=table))):
+            ms = _bench(f)
+            rows.append(dict(kernel=f"sparse_attention+rope/{name}", config=label, ms=ms, tflops=flops / ms / 1e9,
+                             frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
         if name == "prefill":
             ms = _bench(_reference(lambda: reference(*args, **kw)))
             rows.append(dict(kernel=f"sparse_attention/{name}", config="torch reference", ms=ms,
@@ -86,7 +97,7 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
 
 def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     from mini.kernels.indexer_topk import index_scores
-    from mini.ops.indexer import index_scores as reference, top_groups
+    from mini.ops.indexer import index_scores as reference, top_groups, topk_recent
     T, start, ratio = 4096, 4096, 1
     b = _prefill_batch(T, start, ratio, dev)
     rpb = BLOCK_TOKENS // ratio
@@ -107,9 +118,19 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
         ms = _bench(lambda: index_scores(*args, **cfg))
         rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
                          frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
-    scores = index_scores(*args)
-    ms = _bench(lambda: top_groups(scores, TOPK))
-    rows.append(dict(kernel="indexer/top_groups (torch.topk+sort)", config=f"[{T},{N}]", ms=ms))
+    scores = index_scores(*args)  # bf16, as the model now gets them
+    f32 = scores.float()
+
+    def before():  # int64 keys from fp32 scores, sorted top-k, then the ascending sort
+        values, indices = topk_recent(f32, TOPK)
+        return torch.where(values > float("-inf"), indices, -1).sort(dim=-1).values
+
+    for label, f in (("before: fp32 scores, int64 keys, sorted top-k", before),
+                     ("fp32 scores, int64 keys, unsorted", lambda: top_groups(f32, TOPK)),
+                     ("after: bf16 scores, int32 keys, unsorted", lambda: top_groups(scores, TOPK))):
+        ms = _bench(f)
+        rows.append(dict(kernel=f"indexer/top_groups [{T},{N}] k={TOPK}", config=label, ms=ms))
+    assert torch.equal(before(), top_groups(scores, TOPK)), "the key paths must pick the same groups"
     ms = _bench(_reference(lambda: reference(*args)))
     rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
 
@@ -180,6 +201,65 @@ def bench_rope(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
+def bench_rope_chains(rows: list, sweep: bool, dev="cuda"):
+    """The attention layer's producer chains, before (eager norm / quant around the RoPE kernel, what
+    attn_layer ran until norm_rope_quant) and after (ops.rope.norm_rope_quant: one fused kernel)."""
+    from mini.formats import fake_quant_fp4, fake_quant_fp8
+    from mini.ops.norm import rms_norm
+    from mini.ops.rope import apply_rope, norm_rope_quant, rope_frequencies, rope_table
+    T = 4096
+    table = rope_table(torch.arange(T, device=dev) + 4096, rope_frequencies(64, 160000.0, 65536, 16.0))
+    kv, iq = torch.randn(T, D, device=dev).bfloat16(), torch.randn(T, IH, IDI, device=dev).bfloat16()
+    ik = torch.randn(T, IDI, device=dev).bfloat16()
+    nw, knw = torch.rand(D, device=dev).bfloat16(), torch.rand(IDI, device=dev).bfloat16()
+    cases = [("window kv: norm+rope+fp8 [4096,512]", kv,
+              lambda: fake_quant_fp8(apply_rope(rms_norm(kv, nw, 1e-20), table), 32),
+              lambda: norm_rope_quant(kv, table, nw, 1e-20, "fp8", 32)),
+             ("index q: rope+fp4 ue8m0 [4096,32,128]", iq,
+              lambda: fake_quant_fp4(apply_rope(iq, table), 32, "ue8m0"),
+              lambda: norm_rope_quant(iq, table, quant="fp4_ue8m0")),
+             ("index k: norm+rope+fp4 ue8m0 [4096,128]", ik,
+              lambda: fake_quant_fp4(apply_rope(rms_norm(ik, knw, 1e-20), table), 32, "ue8m0"),
+              lambda: norm_rope_quant(ik, table, knw, 1e-20, "fp4_ue8m0")),
+             ("compressed kv: rope+fp4 e4m3 [4096,512]", kv,
+              lambda: fake_quant_fp4(apply_rope(kv, table), 16, "e4m3"),
+              lambda: norm_rope_quant(kv, table, quant="fp4_e4m3", quant_block=16))]
+    for name, x, before, after in cases:
+        nbytes = 2 * x.numel() * 2
+        for label, f in (("before: eager norm/quant + rope kernel", before), ("after: norm_rope_quant", after)):
+            ms = _bench(f)
+            rows.append(dict(kernel=name, config=label, ms=ms, tbs=nbytes / ms / 1e9,
+                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
+
+
+def bench_attn_glue(rows: list, sweep: bool, dev="cuda"):
+    """GEMM glue of the attention layer, before / after: the grouped wo_a projection (einsum + transposing copy vs
+    a batched GEMM writing [T, G, r]) and the ratio-2 compressor's fp32 projections (fp32 FMA GEMM vs a bf16
+    tensor-core GEMM with an fp32 result)."""
+    import torch.nn.functional as F
+
+    from mini.model.attn_layer import _grouped_out_proj
+    from mini.ops.compressor import _linear_fp32
+    T, G, R = 4096, 8, 1024
+    o = torch.randn(T, G, H * D // G, device=dev).bfloat16()
+    wo_a = (torch.randn(G, R, H * D // G, device=dev) * 0.02).bfloat16()
+    flops = 2 * T * H * D * R
+    for label, f in (("before: einsum + flatten copy", lambda: torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)),
+                     ("after: bmm into [T, G, r]", lambda: _grouped_out_proj(o, wo_a))):
+        ms = _bench(f)
+        rows.append(dict(kernel="attn/wo_a grouped projection", config=label, ms=ms, tflops=flops / ms / 1e9,
+                         frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
+    x = torch.randn(T, DIM, device=dev).bfloat16()
+    w = (torch.randn(2 * D, DIM, device=dev) * 0.02).bfloat16()
+    wf = w.float()
+    flops = 2 * T * DIM * 2 * D
+    for label, f in (("before: fp32 F.linear", lambda: F.linear(x.float(), wf)),
+                     ("after: bf16 GEMM, fp32 out", lambda: _linear_fp32(x, w))):
+        ms = _bench(f)
+        rows.append(dict(kernel="attn/compressor wkv+wgate [4096,5120]x[5120,1024]", config=label, ms=ms,
+                         tflops=flops / ms / 1e9))
+
+
 def bench_norm(rows: list, sweep: bool, dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.mhc_norm import rms_norm
@@ -197,7 +277,7 @@ def bench_norm(rows: list, sweep: bool, dev="cuda"):
 
 
 BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
-           "norm": bench_norm}
+           "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
