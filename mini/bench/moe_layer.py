@@ -46,8 +46,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="routed experts' GEMM library (auto: mini.ops.moe.routed_gemm)")
     p.add_argument("--humming-sweep", type=int, nargs="*", metavar="ROWS",
                    help="humming: also time the GEMMs with the tile configs its heuristics pick for these row counts")
-    p.add_argument("--fused-w13", action="store_true",
-                   help="humming: also time w1 and w3 as one N = 2I GEMM (a rebuilt copy of both) and compare")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -127,10 +125,11 @@ def run(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
 
     weights, ids = gate(x, w, cfg, plan_l)
-    plan = plan_routes(ids, weights, w.experts, BLOCK_M)
+    tiles = gemm_lib == "triton"  # Humming's GEMMs take expert_offset, not row tiles
+    plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles)
     n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
     ms = {"gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
-          "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M), args.iters, args.warmup)}
+          "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args.iters, args.warmup)}
     parts = _humming_parts if gemm_lib == "humming" else _triton_parts
     part_ms, y, extra = parts(args, cfg, w, x, plan, ids)
     ms.update(part_ms)
@@ -196,50 +195,32 @@ def _triton_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]
 
 
 def _humming_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:
-    """ms of the Humming path's parts and the expert outputs by sorted row; with --fused-w13 extra metrics of one
-    N = 2I GEMM over a copy of w1 and w3 side by side (Humming's layout keeps each 64-row block of N in its own
-    column range, so the fused stack is the two stacks concatenated along their last dim): its ms and how far its
-    output is from the separate g, u (the same dot products: ~0 unless the layout guess is wrong)."""
+    """ms of the Humming path's parts, the expert outputs by sorted row, and (--humming-sweep) the ms of its GEMMs
+    under the tile configs its heuristics pick for other row counts."""
     from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.humming_experts import HummingStack, _layer_config, _tuning, grouped_gemm, rows_bucket, warm_up
+    from mini.kernels.humming_experts import _tuning, grouped_gemm, rows_bucket
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    w1, w3, w2 = w.humming
+    w13, w2 = w.humming
+    I = w13.n // 2
     expect = ids.numel() * len(w.experts) // cfg.n_routed_experts
     n_valid = plan.expert_offset[-1:]
     xs = fp8_act_quant(x, cfg.fp8_block, rows=plan.token, n_valid=n_valid)
-    g = grouped_gemm(xs, w1, plan.expert_offset, expect)
-    u = grouped_gemm(xs, w3, plan.expert_offset, expect)
-    h = swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block)
+    gu = grouped_gemm(xs, w13, plan.expert_offset, expect)
+    h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block)
     ms = {"act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block, out=xs, rows=plan.token, n_valid=n_valid),
                              args.iters, args.warmup),
-          "gemm_w1": _time(lambda: grouped_gemm(xs, w1, plan.expert_offset, expect, out=g), args.iters, args.warmup),
-          "gemm_w3": _time(lambda: grouped_gemm(xs, w3, plan.expert_offset, expect, out=u), args.iters, args.warmup),
-          "swiglu": _time(lambda: swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block, out=h),
-                          args.iters, args.warmup),
+          "gemm_w13": _time(lambda: grouped_gemm(xs, w13, plan.expert_offset, expect, out=gu),
+                            args.iters, args.warmup),
+          "swiglu": _time(lambda: swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit,
+                                              cfg.fp8_block, out=h), args.iters, args.warmup),
           "gemm_w2": _time(lambda: grouped_gemm(h, w2, plan.expert_offset, expect), args.iters, args.warmup)}
     extra = {}
-    for rows in args.humming_sweep or []:  # other tile configs: Humming's heuristic picks for other row counts
-        for name, a, st, o in (("w1", xs, w1, g), ("w2", h, w2, None)):
-            block = "x".join(map(str, json.loads(_tuning(st.config, rows_bucket(rows)))["block_shape"]))
-            tag = f"sweep_{name}_{block}"
-            extra[f"ms_{tag}_rows{rows}"] = _time(lambda: grouped_gemm(a, st, plan.expert_offset, rows, out=o),
-                                                  args.iters, args.warmup)
-    if args.fused_w13:
-        E, n = len(w.experts), w1.n
-        fused = HummingStack(n=2 * n, k=w1.k, weight=torch.cat([w1.weight, w3.weight], dim=2),
-                             scale=torch.cat([w1.scale.view(torch.uint8), w3.scale.view(torch.uint8)],
-                                             dim=2).view(torch.float8_e8m0fnu),
-                             config=_layer_config(2 * n, w1.k, E), locks=torch.zeros_like(w1.locks))
-        warm_up([fused], [expect])
-        gu = grouped_gemm(xs, fused, plan.expert_offset, expect)
-        nv = int(n_valid)
-        extra["fused_w13_max_abs_diff"] = max(float((gu[:nv, :n].float() - g[:nv].float()).abs().max()),
-                                              float((gu[:nv, n:].float() - u[:nv].float()).abs().max()))
-        extra["fused_w13_equal_fraction"] = float(
-            torch.cat([gu[:nv, :n] == g[:nv], gu[:nv, n:] == u[:nv]]).float().mean())
-        extra["ms_fused_w13_gemm"] = _time(lambda: grouped_gemm(xs, fused, plan.expert_offset, expect, out=gu),
-                                           args.iters, args.warmup)
-        del fused, gu
+    for rows in args.humming_sweep or []:
+        for name, a, st, o in (("w13", xs, w13, gu), ("w2", h, w2, None)):
+            tuning = json.loads(_tuning(st.config, rows_bucket(rows)))
+            block = "x".join(map(str, tuning["block_shape"]))
+            extra[f"ms_sweep_{name}_{block}_rows{rows}"] = _time(
+                lambda: grouped_gemm(a, st, plan.expert_offset, rows, out=o), args.iters, args.warmup)  # noqa: B023
     return ms, grouped_gemm(h, w2, plan.expert_offset, expect), extra
 
 

@@ -15,8 +15,10 @@ probes through the same transform.
 GEMM. "Grouped contiguous": input rows sorted by expert (RoutePlan's order), `expert_offset` [E+1] on the device
 says where each expert's rows are; rows past the last offset are neither read nor written, so nothing is read
 back to the host. The tile config is Humming's SM90 heuristic for the expected row count rounded up to a power of
-two; each (shape, bucket) is compiled once per process (NVRTC/nvcc, ~17 s on a fresh machine, then cached on disk
-under $HUMMING_CACHE_DIR, default ~/.humming/cache).
+two, with stream-K off: stream-K splits K between CTAs and adds their partial tiles into the bf16 output (TMA
+reduce-add), a second rounding the reference does not have (measured: 94 % of the outputs bit-equal to the
+reference with it, see docs/perf/notes-moe.md). Each (shape, bucket) compiles once per process (~6 s for two
+kernels side by side on a fresh H200), cached on disk under $HUMMING_CACHE_DIR (default ~/.humming/cache).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 
 GROUP = 32  # MXFP4: one E8M0 scale per 32 codes along K
 COMPUTE_CONFIG = json.dumps({"gemm_type": "grouped_contiguous"})
+CHUNK = 8  # experts rewritten per transform call at load (a few MB of scratch each)
 
 
 @functools.cache
@@ -71,10 +74,10 @@ def _layer_config(n: int, k: int, experts: int):
 
 
 def _transform(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert: codes uint8 [N, K/2] and scales uint8 [N, K/32] -> the same bytes in Humming's order (new
-    tensors, flat uint8)."""
+    """Experts' codes uint8 [..., N, K/2] and scales uint8 [..., N, K/32] -> the same bytes in Humming's order
+    (new tensors, flat uint8)."""
     from humming.transform import transform_humming_tensors
-    n, k = data.shape[0], 2 * data.shape[1]
+    n, k = data.shape[-2], 2 * data.shape[-1]
     # N and K need no padding; the scale bytes stay uint8 so that only byte moves touch them (the GEMM reads
     # them as E8M0 through a view)
     out = transform_humming_tensors(_layer_config(n, k, 0), {
@@ -97,10 +100,10 @@ def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
                          f"{tuple(data.shape)} / {tuple(scale.shape)}")
     if n % 64 or k % 64:
         raise ValueError(f"humming needs N and K multiples of 64 (got N={n}, K={k})")
-    for e in range(E):
-        w, s = _transform(data[e], scale[e])
-        data[e].view(-1).copy_(w)
-        scale[e].view(-1).copy_(s)
+    for e in range(0, E, CHUNK):
+        w, s = _transform(data[e:e + CHUNK], scale[e:e + CHUNK])
+        data[e:e + CHUNK].view(-1).copy_(w)
+        scale[e:e + CHUNK].view(-1).copy_(s)
     return HummingStack(n=n, k=k, weight=data.view(torch.int32).view(E, k // 16, 2 * n),
                         scale=scale.view(torch.float8_e8m0fnu).view(E, k // GROUP, n),
                         config=_layer_config(n, k, E),
@@ -154,9 +157,12 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _tuning(config, rows: int) -> str:
+    """Humming's SM90 heuristic tile config for `rows` rows, without stream-K (see the module docstring)."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
-    return json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS))
+    tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS))
+    tuning["use_stream_k"] = False
+    return json.dumps(tuning)
 
 
 def rows_bucket(expected_rows: int) -> int:

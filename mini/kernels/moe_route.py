@@ -21,6 +21,7 @@ class RoutePlan:
     token: torch.Tensor  # [R] int32: the token of each sorted row (R = rows allotted; rows past the local ones unused)
     weight: torch.Tensor  # [R] fp32: the routing weight of each sorted row
     slot_row: torch.Tensor  # [T, k] int32: the sorted row of each (token, slot); >= n_local rows for remote experts
+    # the row tiles (empty when planned with tiles=False)
     tile_expert: torch.Tensor  # [n_tiles] int32: local expert index of each row tile, -1 = empty tile
     tile_start: torch.Tensor  # [n_tiles] int32: first sorted row of the tile
     tile_end: torch.Tensor  # [n_tiles] int32: end of the tile's expert's rows (tile = start..min(end, start+BM))
@@ -34,16 +35,20 @@ def max_rows(n_tokens: int, k: int, n_local: int) -> int:
     return n_tokens * min(k, n_local)
 
 
-def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128) -> RoutePlan:
-    """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`."""
+def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
+                tiles: bool = True) -> RoutePlan:
+    """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
+    tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them."""
     T, k = ids.shape
     E = len(experts)
     dev = ids.device
     flat = ids.reshape(-1)
     local = (flat >= experts.start) & (flat < experts.stop)
     key = torch.where(local, flat - experts.start, torch.full_like(flat, E)).to(torch.int32)  # 4-byte radix sort
-    order = torch.sort(key, stable=True).indices  # sorted row -> flat (token, slot) index
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key.long(), torch.ones_like(flat))[:E]
+    sorted_key, order = torch.sort(key, stable=True)  # sorted row -> flat (token, slot) index
+    # rows of experts 0..i end where the sorted keys pass i
+    row_end = torch.searchsorted(sorted_key, torch.arange(E, dtype=torch.int32, device=dev), right=True)
+    expert_offset = torch.cat([row_end.new_zeros(1), row_end]).to(torch.int32)
 
     n_rows = max_rows(T, k, E)
     order_local = order[:n_rows]
@@ -51,20 +56,21 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     weight = weights.reshape(-1).float()[order_local]
     slot_row = torch.empty(T * k, dtype=torch.int32, device=dev)
     slot_row[order] = torch.arange(T * k, dtype=torch.int32, device=dev)
+    plan = RoutePlan(token=token, weight=weight, slot_row=slot_row.view(T, k), tile_expert=expert_offset[:0],
+                     tile_start=expert_offset[:0], tile_end=expert_offset[:0], expert_offset=expert_offset,
+                     block_m=block_m, n_rows=n_rows)
+    if not tiles:
+        return plan
 
-    tiles = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
-    tile_end_of_expert = torch.cumsum(tiles, 0)  # inclusive: tiles of experts 0..i
-    row_end = torch.cumsum(counts, 0)
-    row_start = row_end - counts
+    counts = torch.diff(row_end, prepend=row_end.new_zeros(1))
+    n_tiles_of = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
+    tile_end_of_expert = torch.cumsum(n_tiles_of, 0)  # inclusive: tiles of experts 0..i
     n_tiles = -(-n_rows // block_m) + E
     t = torch.arange(n_tiles, dtype=torch.int64, device=dev)
     e = torch.searchsorted(tile_end_of_expert, t, right=True)  # expert whose tiles cover tile t (E: none)
-    valid = e < E
     ec = e.clamp(max=E - 1)
-    first_tile = tile_end_of_expert[ec] - tiles[ec]
-    start = row_start[ec] + (t - first_tile) * block_m
-    return RoutePlan(token=token, weight=weight, slot_row=slot_row.view(T, k),
-                     tile_expert=torch.where(valid, ec, -1).to(torch.int32),
-                     tile_start=start.to(torch.int32), tile_end=row_end[ec].to(torch.int32),
-                     expert_offset=torch.cat([row_end.new_zeros(1), row_end]).to(torch.int32),
-                     block_m=block_m, n_rows=n_rows)
+    first_tile = tile_end_of_expert[ec] - n_tiles_of[ec]
+    plan.tile_expert = torch.where(e < E, ec, -1).to(torch.int32)
+    plan.tile_start = (row_end[ec] - counts[ec] + (t - first_tile) * block_m).to(torch.int32)
+    plan.tile_end = row_end[ec].to(torch.int32)
+    return plan

@@ -116,7 +116,7 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, n_valid
     """The SwiGLU epilogue as its own pass, for GEMMs that cannot fuse it: g, u [R, N] (w1 and w3 outputs by
     sorted row, already in the activation dtype), route_w fp32 [R] -> h [R, N] for the rows below n_valid (a
     one-element int tensor on the device); later rows are left unwritten. quant_block 0 skips the FP8 quant."""
-    if g.shape != u.shape or g.stride(1) != 1 or u.stride(1) != 1:
+    if g.shape != u.shape or g.stride(1) != 1 or u.stride(1) != 1:  # may be two halves of one [R, 2N] tensor
         raise ValueError("swiglu_rows: g and u must be row-major tensors of one shape")
     R, N = g.shape
     if quant_block and N % quant_block:
@@ -124,7 +124,7 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, n_valid
     out = torch.empty(R, N, dtype=g.dtype, device=g.device) if out is None else out
     if R == 0:
         return out
-    BM, BN = 16, max(64, quant_block)
+    BM, BN = 16, max(128, quant_block)
     _swiglu_rows_kernel[(triton.cdiv(R, BM), triton.cdiv(N, BN))](
         g, u, route_w, out, n_valid, N, g.stride(0), u.stride(0), out.stride(0),
         float(limit) if limit > 0 else float("inf"),

@@ -18,8 +18,8 @@ order. The grouped GEMMs come from one of two libraries, chosen once per process
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
   routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
 * "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
-  rewritten into its layout once at load (`MoEWeights.to_humming`, in place), the rows are gathered and
-  FP8-quantized in one pass, w1 and w3 are two GEMMs, the SwiGLU epilogue is its own pass, then w2.
+  rewritten into its layout once at load (`MoEWeights.to_humming`), the rows are gathered and FP8-quantized in
+  one pass, w1 and w3 are one GEMM (N = 2I), the SwiGLU epilogue is its own pass, then w2.
 "auto" (the default) takes Humming when it imports on an SM90 GPU. The CPU reference path reads either layout.
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ class MoEWeights:
     shared_w3: QWeight
     shared_w2: QWeight
     swiglu_limit: float
-    # w1, w3, w2 as humming_experts.HummingStack once `to_humming` rewrote them into Humming's layout (in place:
-    # their QWeights' bytes are then in that layout, and only `expert` reads them for the reference path)
+    # (w13, w2) as humming_experts.HummingStack once `to_humming` rewrote them into Humming's layout: the QWeights'
+    # bytes are then in that layout (w1 / w3 views of the w13 stack), and only `expert` reads them back
     humming: tuple | None = field(default=None, repr=False)
     # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
     _per_expert: dict = field(default_factory=dict, repr=False)
@@ -119,14 +119,26 @@ class MoEWeights:
         return all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
 
     def to_humming(self) -> None:
-        """Rewrite the routed experts into Humming's layout, in place and one expert at a time (no second copy of
-        the experts). Done once, at load; afterwards the fast path runs Humming's GEMMs on them."""
+        """Rewrite the routed experts into Humming's layout, once, at load; afterwards the fast path runs Humming's
+        GEMMs on them. w1 and w3 move side by side into one [E, 2I, D/2] stack (one GEMM with N = 2I: the layout
+        keeps every 64 rows of N in their own columns, so the two halves stay w1's and w3's); their old buffers are
+        freed when nothing else holds them, so a layer needs ~1.1 GB more only while it converts. w2 is rewritten
+        where it is. Both are rewritten in place, a few experts at a time."""
         from mini.kernels.humming_experts import convert
         if self.humming is not None:
             return
         if not self.humming_ready():
             raise ValueError("to_humming needs stacked MXFP4 experts on a CUDA device")
-        self.humming = tuple(convert(q.data, q.scale) for q in (self.w1, self.w3, self.w2))
+        (E, I, half_d), groups = self.w1.data.shape, self.w1.scale.shape[2]
+        d13 = torch.empty(E, 2 * I, half_d, dtype=torch.uint8, device=self.w1.data.device)
+        s13 = torch.empty(E, 2 * I, groups, dtype=torch.uint8, device=self.w1.data.device)
+        for half, q in ((slice(0, I), self.w1), (slice(I, 2 * I), self.w3)):
+            d13[:, half].copy_(q.data)
+            s13[:, half].copy_(q.scale.view(torch.uint8))
+        block = self.w1.block
+        self.w1 = QWeight("mxfp4", d13[:, :I], s13[:, :I], block)
+        self.w3 = QWeight("mxfp4", d13[:, I:], s13[:, I:], block)
+        self.humming = (convert(d13, s13), convert(self.w2.data, self.w2.scale.view(torch.uint8)))
         self._per_expert.clear()  # views taken before hold the old layout's bytes
 
     def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
@@ -134,10 +146,13 @@ class MoEWeights:
         def one(w: QWeight) -> QWeight:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         if i not in self._per_expert:
-            if self.humming is not None:  # rewritten in place: a copy in the checkpoint layout
+            if self.humming is not None:  # rewritten: a copy in the checkpoint layout
                 from mini.kernels.humming_experts import unpack
-                self._per_expert[i] = tuple(QWeight("mxfp4", *unpack(st, i), q.block)
-                                            for st, q in zip(self.humming, (self.w1, self.w3, self.w2)))
+                I = self.w1.data.shape[1]
+                (d13, s13), (d2, s2) = unpack(self.humming[0], i), unpack(self.humming[1], i)
+                self._per_expert[i] = (QWeight("mxfp4", d13[:I], s13[:I], self.w1.block),
+                                       QWeight("mxfp4", d13[I:], s13[I:], self.w3.block),
+                                       QWeight("mxfp4", d2, s2, self.w2.block))
             else:
                 self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
         return self._per_expert[i]
@@ -313,7 +328,7 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
         out = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
         return out if add is None else (out.float() + add.float()).to(out_dtype)
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
-    plan = plan_routes(ids, weights, w.experts, BLOCK_M)
+    plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles=w.humming is None)
     rows = _rows_humming if w.humming is not None else _rows_triton
     y = rows(x, w, plan, ids.numel() * len(w.experts) // w.gate.shape[0], act_quant)
     return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)
@@ -330,15 +345,15 @@ def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) ->
 
 def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
     """Expert outputs by sorted row through Humming: the rows gathered in expert order and FP8-quantized in one
-    pass, w1 and w3 GEMMs, the SwiGLU epilogue (clamps, routing weight, roundings, FP8 quant of w2's input) as its
-    own pass, the w2 GEMM. `expected_rows` (local pairs on average) picks the tile config."""
+    pass, one GEMM for w1 and w3 side by side, the SwiGLU epilogue (clamps, routing weight, roundings, FP8 quant of
+    w2's input) as its own pass, the w2 GEMM. `expected_rows` (local pairs on average) picks the tile config."""
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.humming_experts import grouped_gemm
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    w1, w3, w2 = w.humming
+    w13, w2 = w.humming
+    I = w13.n // 2
     n_valid = plan.expert_offset[-1:]  # the local row count, left on the device
     xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
-    g = grouped_gemm(xs, w1, plan.expert_offset, expected_rows)
-    u = grouped_gemm(xs, w3, plan.expert_offset, expected_rows)
-    h = swiglu_rows(g, u, plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
+    gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows)
+    h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
     return grouped_gemm(h, w2, plan.expert_offset, expected_rows)

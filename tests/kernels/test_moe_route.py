@@ -8,6 +8,10 @@ from mini.kernels.moe_route import max_rows, plan_routes
 def _check_plan(ids, weights, experts, block_m):
     T, k = ids.shape
     p = plan_routes(ids, weights, experts, block_m)
+    bare = plan_routes(ids, weights, experts, block_m, tiles=False)  # the same rows, no tiles
+    for name in ("token", "weight", "slot_row", "expert_offset"):
+        assert torch.equal(getattr(bare, name), getattr(p, name)), name
+    assert bare.tile_expert.numel() == bare.tile_start.numel() == bare.tile_end.numel() == 0
     ids, weights = ids.cpu(), weights.cpu()
     token, weight, slot_row = p.token.cpu().long(), p.weight.cpu(), p.slot_row.cpu().long()
     te, ts, tend = p.tile_expert.cpu().long(), p.tile_start.cpu().long(), p.tile_end.cpu().long()

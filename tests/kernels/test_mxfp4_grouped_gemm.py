@@ -139,9 +139,10 @@ def test_down_gpu(T, k, experts, config):
 
 
 def _swiglu_rows_case(R, n_valid, N, quant_block, device, limit=3.0):
-    """The epilogue as its own pass (for library GEMMs): the same formula as reference_swiglu after its GEMMs."""
-    g = (torch.randn(R, N) * 3).bfloat16().to(device)
-    u = (torch.randn(R, N) * 3).bfloat16().to(device)
+    """The epilogue as its own pass (for library GEMMs): the same formula as reference_swiglu after its GEMMs.
+    g and u are the two halves of one [R, 2N] GEMM output (w1 and w3 side by side)."""
+    gu = (torch.randn(R, 2 * N) * 3).bfloat16().to(device)
+    g, u = gu[:, :N], gu[:, N:]
     route_w = torch.rand(R, device=device)
     out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device=device)
     h = swiglu_rows(g, u, route_w, torch.tensor([n_valid], dtype=torch.int32, device=device), limit, quant_block,
