@@ -65,15 +65,15 @@ class DecodeGraphs:
     def prepare(self, chunks: list[ScheduledChunk], history) -> int:
         """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens."""
         n = self.bucket(len(chunks))
-        tokens = [history(c.seq, c.start, c.end)[0] for c in chunks]
-        rows = None
-        if self.hasher is not None:
+        if self.hasher is None:
+            tokens, rows = [history(c.seq, c.start, c.end)[0] for c in chunks], None
+        else:  # the last `lookback` tokens of each sequence, its decode token last
             k = self.hasher.lookback
             tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
             for b, c in enumerate(chunks):
                 tail = history(c.seq, max(0, c.end - k), c.end)
                 tails[b, k - len(tail):] = tail
-            rows = self.model.engram_rows(self.hasher.hash_last(tails))
+            tokens, rows = tails[:, -1].tolist(), self.model.engram_rows(self.hasher.hash_last(tails))
         self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
                           [c.seq.blocks for c in chunks], rows)
         return n

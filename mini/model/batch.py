@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 import torch
 
 from mini.config import ModelConfig
@@ -106,22 +104,33 @@ class DecodeBuffers:
     """Static device buffers of pure-decode steps of up to `max_seqs` sequences (one token each), for CUDA graphs:
     a captured step reads its inputs from these addresses, so each step copies its values in (`fill`) and replays.
     `batch(n)` views the first n rows as a Batch whose layout is a DecodeLayout. Rows past the step's sequences are
-    padding: token 0 at position 0 in the scratch slot, every block the scratch block."""
+    padding: token 0 at position 0 in the scratch slot, every block the scratch block.
+
+    `fill` writes into pinned host mirrors and copies them over without waiting (on CUDA); a mirror is written again
+    only once the previous copies are done (an event), which a decode step's sampling sync has long made true."""
 
     def __init__(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
                  engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16):
         self.max_seqs, self.max_len, self.block_tokens = max_seqs, max_len, block_tokens
         self.pad_slot, self.pad_block = pad_slot, pad_block
         self.n_table_blocks = -(-max_len // block_tokens)
-        self.host_ids = np.zeros((3, max_seqs), dtype=np.int64)  # token, position, slot
-        self.host_table = np.full((max_seqs, self.n_table_blocks), pad_block, dtype=np.int32)
-        self.ids = torch.zeros(3, max_seqs, dtype=torch.int64, device=device)
-        self.ids[2] = pad_slot
-        self.block_table = torch.from_numpy(self.host_table).to(device)
+        device = torch.device(device)
+        pin = device.type == "cuda"
+
+        def mirrored(host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            host = host.pin_memory() if pin else host
+            return host, host.to(device, copy=True)
+
+        # token, position, slot of each row; the block table; the Engram rows
+        self.host_ids, self.ids = mirrored(torch.tensor([[0], [0], [pad_slot]]).repeat(1, max_seqs))
+        self.host_table, self.block_table = mirrored(
+            torch.full((max_seqs, self.n_table_blocks), pad_block, dtype=torch.int32))
+        self.host_engram = self.engram_rows = None
+        if engram_shape is not None:
+            self.host_engram, self.engram_rows = mirrored(torch.zeros(max_seqs, *engram_shape, dtype=engram_dtype))
+        self.copied = torch.cuda.Event() if pin else None
         self.rows = torch.arange(max_seqs, device=device)
         self.ones = torch.ones(max_seqs, dtype=torch.int64, device=device)
-        self.engram_rows = None if engram_shape is None else \
-            torch.zeros(max_seqs, *engram_shape, dtype=engram_dtype, device=device)
 
     def batch(self, n: int) -> Batch:
         """A new Batch (own layout cache) over the first n rows."""
@@ -134,11 +143,15 @@ class DecodeBuffers:
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
              engram_rows: torch.Tensor | None = None) -> None:
         """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
-        there are no sequences: what a capture's warm-up runs)."""
+        there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host."""
         k = len(tokens)
         if not 0 <= k <= n <= self.max_seqs or n == 0:
             raise ValueError(f"{k} sequences in a bucket of {n} (buffers hold {self.max_seqs})")
-        host, table = self.host_ids, self.host_table
+        if self.engram_rows is not None and k and engram_rows is None:
+            raise ValueError("this model has Engram layers: fill needs the looked-up rows")
+        if self.copied is not None:
+            self.copied.synchronize()  # the mirrors' previous contents have reached the device
+        host, table = self.host_ids.numpy(), self.host_table.numpy()
         host[0, :k], host[1, :k], host[2, :k] = tokens, positions, slots
         host[0, k:n], host[1, k:n], host[2, k:n] = 0, 0, self.pad_slot
         table[:n] = self.pad_block
@@ -146,9 +159,10 @@ class DecodeBuffers:
             if not p < len(blk) * self.block_tokens or p >= self.max_len:
                 raise ValueError(f"position {p} is past the sequence's {len(blk)} blocks or max_len {self.max_len}")
             table[b, :len(blk)] = blk
-        self.ids[:, :n].copy_(torch.from_numpy(host[:, :n]))
-        self.block_table[:n].copy_(torch.from_numpy(table[:n]))
+        self.ids[:, :n].copy_(self.host_ids[:, :n], non_blocking=True)
+        self.block_table[:n].copy_(self.host_table[:n], non_blocking=True)
         if self.engram_rows is not None and k:
-            if engram_rows is None:
-                raise ValueError("this model has Engram layers: fill needs the looked-up rows")
-            self.engram_rows[:k].copy_(engram_rows)
+            self.host_engram[:k].copy_(engram_rows)
+            self.engram_rows[:k].copy_(self.host_engram[:k], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()

@@ -103,10 +103,11 @@ class Model:
         return run(x, blk.moe, self.config, blk.plan, input_ids)
 
     def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """[T, n_engram_layers, n_hash_cols, head_dim] table rows of Batch.engram_ids-style hash ids, on the model's
-        device: the host-side lookup that a captured decode step (Batch.engram_rows) does before its replay."""
+        """[T, n_engram_layers, n_hash_cols, head_dim] table rows of Batch.engram_ids-style hash ids, where the
+        tables are (the host, normally): the lookup that a captured decode step (Batch.engram_rows) does before its
+        replay, leaving one copy to the device."""
         tables = [blk.engram for blk in self.blocks if blk.engram is not None]
-        return torch.stack([w.lookup(hash_ids[:, i], self.dtype, self.device) for i, w in enumerate(tables)], 1)
+        return torch.stack([w.lookup(hash_ids[:, i], self.dtype, w.embed.device) for i, w in enumerate(tables)], 1)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
