@@ -44,8 +44,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true", help="also time the Triton grouped GEMMs under several tile configs")
     p.add_argument("--moe-gemm", choices=["auto", "humming", "triton"], default="auto",
                    help="routed experts' GEMM library (auto: mini.ops.moe.routed_gemm)")
-    p.add_argument("--humming-sweep", type=int, nargs="*", metavar="ROWS",
-                   help="humming: also time the GEMMs with the tile configs its heuristics pick for these row counts")
+    p.add_argument("--humming-tiles", nargs="*", metavar="BMxSTAGES", default=[],
+                   help="humming: also time the GEMMs with its heuristic config changed to these row tiles and "
+                        "pipeline depths, e.g. 128x4 192x4")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -114,8 +115,9 @@ def run(args) -> dict:
         convert_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         expect = args.tokens * cfg.n_activated_experts * args.local_experts // cfg.n_routed_experts
-        warm_up(list(w.humming), [expect, *(args.humming_sweep or [])])
-        print(f"humming: experts rewritten in {convert_ms:.0f} ms, kernels ready in {time.perf_counter() - t0:.1f} s")
+        failed = warm_up([(st, t) for st in w.humming for t in _humming_tunings(args, st, expect).values()])
+        print(f"humming: experts rewritten in {convert_ms:.0f} ms, kernels ready in {time.perf_counter() - t0:.1f} s"
+              + "".join(f"\n  not built: {t}: {e}" for t, e in failed.items()))
     g = torch.Generator(device=dev).manual_seed(args.seed + 1)
     x = torch.randn(args.tokens, cfg.dim, generator=g, device=dev).bfloat16()
     own = x[: args.own_tokens]
@@ -175,6 +177,8 @@ def run(args) -> dict:
         metrics["check_equal_fraction"] = float((out[:n] == ref).float().mean())
     if args.sweep and gemm_lib == "triton":
         metrics.update(_sweep(args, cfg, w, fp8_act_quant(x, cfg.fp8_block), ids, weights))
+    if args.humming_tiles and gemm_lib == "humming":
+        metrics.update(_humming_tiles(args, cfg, w, x, plan, ids))
     definition = {"preset": args.preset, "moe_gemm": gemm_lib, "tokens": args.tokens, "own_tokens": args.own_tokens,
                   "local_experts": args.local_experts, "topk": cfg.n_activated_experts, "dim": D, "inter": I,
                   "dtype": "bfloat16", "seed": args.seed, "device": torch.cuda.get_device_name()}
@@ -194,34 +198,73 @@ def _triton_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]
     return ms, grouped_down(h, plan, w.w2), {}
 
 
-def _humming_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:
-    """ms of the Humming path's parts, the expert outputs by sorted row, and (--humming-sweep) the ms of its GEMMs
-    under the tile configs its heuristics pick for other row counts."""
+def _humming_tunings(args, stack, expect: int) -> dict[str, str]:
+    """Tile configs (JSON) by name: the heuristic's ("default") and the --humming-tiles variants of it."""
+    from mini.kernels.humming_experts import tuning_for
+    base = tuning_for(stack, expect)
+    res = {"default": base}
+    for v in args.humming_tiles:
+        bm, stages = (int(p) for p in v.split("x"))
+        t = json.loads(base)
+        t["block_shape"][0] = t["warp_shape"][0] = bm
+        t["num_stages"] = stages
+        res[f"m{bm}_s{stages}"] = json.dumps(t)
+    return res
+
+
+def _humming_steps(cfg, w, x, plan, ids):
+    """One pass of the Humming path's steps, keeping each output: (expected rows, local row count on the device,
+    gathered + quantized rows, w13 output, SwiGLU output, w2 output)."""
     from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.humming_experts import _tuning, grouped_gemm, rows_bucket
+    from mini.kernels.humming_experts import grouped_gemm
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     w13, w2 = w.humming
-    I = w13.n // 2
     expect = ids.numel() * len(w.experts) // cfg.n_routed_experts
     n_valid = plan.expert_offset[-1:]
     xs = fp8_act_quant(x, cfg.fp8_block, rows=plan.token, n_valid=n_valid)
     gu = grouped_gemm(xs, w13, plan.expert_offset, expect)
-    h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block)
+    h = swiglu_rows(gu[:, :w13.n // 2], gu[:, w13.n // 2:], plan.weight, n_valid, w.swiglu_limit, cfg.fp8_block)
+    return expect, n_valid, xs, gu, h, grouped_gemm(h, w2, plan.expert_offset, expect)
+
+
+def _humming_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:
+    """ms of the Humming path's parts, the expert outputs by sorted row, no extra metrics."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.humming_experts import grouped_gemm
+    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
+    (w13, w2), off = w.humming, plan.expert_offset
+    expect, n_valid, xs, gu, h, y = _humming_steps(cfg, w, x, plan, ids)
+    I = w13.n // 2
     ms = {"act_quant": _time(lambda: fp8_act_quant(x, cfg.fp8_block, out=xs, rows=plan.token, n_valid=n_valid),
                              args.iters, args.warmup),
-          "gemm_w13": _time(lambda: grouped_gemm(xs, w13, plan.expert_offset, expect, out=gu),
-                            args.iters, args.warmup),
+          "gemm_w13": _time(lambda: grouped_gemm(xs, w13, off, expect, out=gu), args.iters, args.warmup),
           "swiglu": _time(lambda: swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit,
                                               cfg.fp8_block, out=h), args.iters, args.warmup),
-          "gemm_w2": _time(lambda: grouped_gemm(h, w2, plan.expert_offset, expect), args.iters, args.warmup)}
-    extra = {}
-    for rows in args.humming_sweep or []:
-        for name, a, st, o in (("w13", xs, w13, gu), ("w2", h, w2, None)):
-            tuning = json.loads(_tuning(st.config, rows_bucket(rows)))
-            block = "x".join(map(str, tuning["block_shape"]))
-            extra[f"ms_sweep_{name}_{block}_rows{rows}"] = _time(
-                lambda: grouped_gemm(a, st, plan.expert_offset, rows, out=o), args.iters, args.warmup)  # noqa: B023
-    return ms, grouped_gemm(h, w2, plan.expert_offset, expect), extra
+          "gemm_w2": _time(lambda: grouped_gemm(h, w2, off, expect, out=y), args.iters, args.warmup)}
+    return ms, y, {}
+
+
+def _humming_tiles(args, cfg, w, x, plan, ids) -> dict:
+    """ms of the GEMMs under the --humming-tiles configs and their largest difference from the default config's
+    output (~0: the same dot products in fp32; a config whose difference is large is wrong, not fast). Run last:
+    a hand-made config that faults leaves the CUDA context unusable."""
+    from mini.kernels.humming_experts import grouped_gemm
+    w13, w2 = w.humming
+    expect, n_valid, xs, gu, h, y = _humming_steps(cfg, w, x, plan, ids)
+    extra, nv = {}, int(n_valid)
+    for name, a, st, ref in (("w13", xs, w13, gu), ("w2", h, w2, y)):
+        for tag, tuning in _humming_tunings(args, st, expect).items():
+            if tag == "default":
+                continue
+            try:
+                o = grouped_gemm(a, st, plan.expert_offset, expect, tuning=tuning)
+                extra[f"tiles_{name}_{tag}_max_abs_diff"] = float((o[:nv].float() - ref[:nv].float()).abs().max())
+                extra[f"ms_tiles_{name}_{tag}"] = _time(
+                    lambda: grouped_gemm(a, st, plan.expert_offset, expect, out=o, tuning=tuning),  # noqa: B023
+                    args.iters, args.warmup)
+            except Exception as e:  # not built or failed at launch: skipped, as the Triton sweep does
+                print(f"tiles {name} {tag}: skipped ({type(e).__name__}: {str(e)[:160]})")
+    return extra
 
 
 def _sweep(args, cfg, w, xq, ids, weights) -> dict:

@@ -170,10 +170,15 @@ def rows_bucket(expected_rows: int) -> int:
     return 1 << max(4, (max(expected_rows, 1) - 1).bit_length())
 
 
+def tuning_for(stack: HummingStack, expected_rows: int) -> str:
+    """The tile config (JSON) the GEMM takes for about `expected_rows` rows."""
+    return _tuning(stack.config, rows_bucket(expected_rows))
+
+
 def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tuning: str | None = None) -> torch.Tensor:
     """a bf16 [R, K] rows sorted by expert, expert_offset int32 [E+1] -> out bf16 [R, N] = a W_e^T for the rows
-    of each expert e (rows past expert_offset[E] are left unwritten)."""
+    of each expert e (rows past expert_offset[E] are left unwritten). `tuning` (JSON) overrides the tile config."""
     from humming import ops
     if a.dtype != torch.bfloat16 or a.shape[1] != stack.k or a.stride(1) != 1:
         raise ValueError(f"grouped_gemm: expected row-major bf16 [R, {stack.k}], got {a.dtype} {tuple(a.shape)}")
@@ -184,22 +189,26 @@ def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tens
         return out
     bucket = rows_bucket(expected_rows)
     return ops.humming_gemm(layer_config=stack.config.to_str(), compute_config=COMPUTE_CONFIG,
-                            tuning_config=_tuning(stack.config, bucket), inputs=a, weight=stack.weight,
+                            tuning_config=tuning or _tuning(stack.config, bucket), inputs=a, weight=stack.weight,
                             weight_scale=stack.scale, outputs=out, expert_layout=expert_offset,
                             locks=stack.locks, valid_shape_m=bucket)
 
 
-def warm_up(stacks: list[HummingStack], expected_rows: list[int]) -> None:
-    """Compile the kernels these stacks need for each of `expected_rows`, side by side (a fresh machine takes
-    ~17 s per kernel; at first use they would compile one after another)."""
+def warm_up(jobs: list[tuple[HummingStack, str]]) -> dict[str, str]:
+    """Compile the kernels of (stack, tile config) pairs side by side (one at a time at first use otherwise; each
+    takes seconds). Returns the error of each config that did not build, by its JSON."""
     from concurrent.futures import ThreadPoolExecutor
 
     from humming.kernel.humming import HummingKernel
-    keys = {(st.config.to_str(), _tuning(st.config, rows_bucket(m))) for st in stacks for m in expected_rows}
+    keys = {(st.config.to_str(), tuning) for st, tuning in jobs}
     dev = torch.cuda.current_device()
 
     def prepare(key):
-        with torch.cuda.device(dev):
-            HummingKernel.prepare_kernels(key[0], COMPUTE_CONFIG, key[1], dev)  # what humming_gemm looks up
+        try:
+            with torch.cuda.device(dev):
+                HummingKernel.prepare_kernels(key[0], COMPUTE_CONFIG, key[1], dev)  # what humming_gemm looks up
+        except Exception as e:  # a hand-made config the kernel does not support: report, keep the others
+            return key[1], f"{type(e).__name__}: {str(e)[:200]}"
+        return key[1], None
     with ThreadPoolExecutor(max_workers=max(1, len(keys))) as pool:
-        list(pool.map(prepare, keys))
+        return {tuning: err for tuning, err in pool.map(prepare, keys) if err is not None}
