@@ -118,13 +118,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         rope_out: torch.Tensor | None = None, block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
+                         rope_out: torch.Tensor | None = None,
+                         block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
                          ) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
-    complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is mini.ops.attention.sparse_attention's
-    (`ratio` is not needed to address the pool)."""
+    complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is
+    mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
     T, H, D = q.shape
     W = window.shape[1]
     q, kv_new = q.contiguous(), kv_new.contiguous()

@@ -1,8 +1,9 @@
 """Every call the tiny V4.1 model makes to the dispatched ops (sparse attention, indexer scores, RoPE, the fused
-norm + RoPE + fake quant, mHC mixes), with its real arguments (paged pools, rings, chunked prefill of two sequences), gives the same result
-through the Triton kernel (interpreter, fp32) as through the reference op. End-to-end logits are not compared:
-a 1e-6 relative change of the attention output alone moves the tiny random model's logits by up to ~0.5 through
-FP8 / top-k flips (checked on the reference itself), so per-call parity is the meaningful check."""
+norm + RoPE + fake quant, mHC mixes), with its real arguments (paged pools, rings, chunked prefill of two
+sequences), gives the same result through the Triton kernel (interpreter, fp32) as through the reference op.
+End-to-end logits are not compared: a 1e-6 relative change of the attention output alone moves the tiny random
+model's logits by up to ~0.5 through FP8 / top-k flips (checked on the reference itself), so per-call parity is the
+meaningful check."""
 import pytest
 import torch
 
