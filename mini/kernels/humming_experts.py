@@ -6,11 +6,10 @@ weights decode to bf16 exactly, every product is exact in fp32 and summed in fp3
 to bf16 once, as the reference's Linear returns x.dtype. Only the summation order differs.
 
 Layout. Humming reads an expert's weights in its own order (4-bit codes regrouped into the fragments its wgmma
-consumes, [K/16, 2N] int32; scales transposed to [K/32, N] with a shuffle inside every 64 columns). `convert`
-rewrites a layer's stacked buffers in place with Humming's own transform, one expert at a time, so no second copy
-of the experts ever exists. That transform only moves codes and scale bytes; `unpack` moves them back for one
-expert (the reference path reads experts so), with the move learned once per shape by pushing index-valued
-probes through the same transform.
+consumes, [K/16, 2N] int32; scales transposed to [K/32, N] with a shuffle inside every 64 columns). That
+transform only moves codes and scale bytes: the moves are learned once per shape by pushing index-valued probes
+through it. `convert` applies them to a layer's stacked buffers in place, a few experts at a time, so no second
+copy of the experts ever exists; `unpack` moves one expert back (the reference path reads experts so).
 
 GEMM. "Grouped contiguous": input rows sorted by expert (RoutePlan's order), `expert_offset` [E+1] on the device
 says where each expert's rows are; rows past the last offset are neither read nor written, so nothing is read
@@ -30,7 +29,7 @@ import torch
 
 GROUP = 32  # MXFP4: one E8M0 scale per 32 codes along K
 COMPUTE_CONFIG = json.dumps({"gemm_type": "grouped_contiguous"})
-CHUNK = 8  # experts rewritten per transform call at load (a few MB of scratch each)
+CHUNK = 4  # experts moved at once at load (scratch: ~60 MB per V4.1-Flash w1+w3 expert)
 
 
 @functools.cache
@@ -92,7 +91,12 @@ def _transform(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
 
 def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
     """Stacked MXFP4 codes uint8 [E, N, K/2] and scales uint8 [E, N, K/32] on the GPU -> the same buffers
-    rewritten in Humming's layout (in place: afterwards only `unpack` reads them correctly)."""
+    rewritten in Humming's layout (in place: afterwards only `unpack` reads them correctly).
+
+    The library's transform called on every expert took 7-10 s per V4.1-Flash layer on the H200 (~5 min for a
+    40-layer rank), so its moves are learned once per shape (`_moves`) and applied as gathers, a few experts at a
+    time. Expert 0 is checked against the library's own result first; if they differ, the library's transform
+    does every expert."""
     E, n, k2 = data.shape
     k = 2 * k2
     if not (data.is_contiguous() and scale.is_contiguous() and scale.shape == (E, n, k // GROUP)):
@@ -100,8 +104,17 @@ def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
                          f"{tuple(data.shape)} / {tuple(scale.shape)}")
     if n % 64 or k % 64:
         raise ValueError(f"humming needs N and K multiples of 64 (got N={n}, K={k})")
+    src_c, src_s = _moves(n, k, data.device)
+
+    def moved(e: int) -> tuple[torch.Tensor, torch.Tensor]:  # experts e..e+CHUNK in Humming's order, flat bytes
+        d, sc = data[e:e + CHUNK], scale[e:e + CHUNK]
+        codes = _nibbles(d.reshape(d.shape[0], -1)).index_select(1, src_c)
+        return _pack(codes).reshape(-1), sc.reshape(sc.shape[0], -1).index_select(1, src_s).reshape(-1)
+    lib_w, lib_s = _transform(data[0], scale[0])
+    w0, s0 = moved(0)
+    learned = torch.equal(w0[:lib_w.numel()], lib_w) and torch.equal(s0[:lib_s.numel()], lib_s)
     for e in range(0, E, CHUNK):
-        w, s = _transform(data[e:e + CHUNK], scale[e:e + CHUNK])
+        w, s = moved(e) if learned else _transform(data[e:e + CHUNK], scale[e:e + CHUNK])
         data[e:e + CHUNK].view(-1).copy_(w)
         scale[e:e + CHUNK].view(-1).copy_(s)
     return HummingStack(n=n, k=k, weight=data.view(torch.int32).view(E, k // 16, 2 * n),
@@ -113,8 +126,8 @@ def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
 @functools.cache
 def _moves(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Where Humming's transform takes each code and scale byte of an [N, K] expert: for every position of the
-    output, the index of the input element it holds. Learned from probes whose values are digits of the index
-    (4 bits per probe for codes, 8 for scale bytes), and checked to be a permutation."""
+    output, the index (int32) of the input element it holds. Learned from probes whose values are digits of the
+    index (4 bits per probe for codes, 8 for scale bytes), and checked to be a permutation."""
     codes, scales = n * k, n * (k // GROUP)
     ic = torch.arange(codes, device=device, dtype=torch.int64)
     is_ = torch.arange(scales, device=device, dtype=torch.int64)
@@ -129,28 +142,29 @@ def _moves(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
         src_s |= s.long() << (8 * d)
     for name, src in (("codes", src_c), ("scales", src_s)):
         if not torch.equal(torch.bincount(src, minlength=src.numel()), torch.ones_like(src)):
-            raise RuntimeError(f"humming's transform does not permute the {name}; the reference path cannot "
-                               "read converted experts")
-    return src_c, src_s
+            raise RuntimeError(f"humming's transform does not permute the {name}; this adapter cannot convert "
+                               "or read back experts (use MINI_MOE_GEMM=triton)")
+    return src_c.int(), src_s.int()
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [M] -> uint8 [2M]: low nibble first (code 2i is the low half of byte i, as in the checkpoint)."""
-    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)
+    """uint8 [..., M] -> uint8 [..., 2M]: low nibble first (code 2i is the low half of byte i, as in the
+    checkpoint)."""
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_nibbles`: uint8 codes [2M] -> bytes [M]."""
-    return codes[0::2] | (codes[1::2] << 4)
+    """The inverse of `_nibbles`: uint8 codes [..., 2M] -> bytes [..., M]."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert i in the checkpoint layout again (new tensors): codes uint8 [N, K/2], scales uint8 [N, K/32]."""
     src_c, src_s = _moves(stack.n, stack.k, stack.weight.device)
     codes = torch.empty(src_c.numel(), dtype=torch.uint8, device=src_c.device)
-    codes[src_c] = _nibbles(stack.weight[i].view(torch.uint8).reshape(-1))
+    codes[src_c.long()] = _nibbles(stack.weight[i].view(torch.uint8).reshape(-1))
     scales = torch.empty(src_s.numel(), dtype=torch.uint8, device=src_s.device)
-    scales[src_s] = stack.scale[i].view(torch.uint8).reshape(-1)
+    scales[src_s.long()] = stack.scale[i].view(torch.uint8).reshape(-1)
     data = _pack(codes).view(stack.n, stack.k // 2)
     return data, scales.view(stack.n, stack.k // GROUP)
 

@@ -23,26 +23,31 @@ def _experts(E, N, K, scale_lo, scale_hi):
     return data, scale
 
 
-def test_moves_are_learned_and_undone_with_a_stand_in_transform(monkeypatch):
-    """A stand-in for Humming's transform (fixed random permutations of codes and scale bytes): `unpack` must
-    recover every expert from what `_transform` made of it, and a transform that is not a permutation is refused."""
+def test_moves_are_learned_applied_and_undone_with_a_stand_in_transform(monkeypatch):
+    """A stand-in for Humming's transform (fixed random permutations of codes and scale bytes): `convert` must
+    give what it gives, in place, `unpack` must recover every expert, and a transform that is not a permutation
+    is refused."""
     from mini.kernels import humming_experts as hx
-    N, K = 64, 128
+    N, K, E = 64, 128, 6  # E > CHUNK: more than one chunk
     perm_c, perm_s = torch.randperm(N * K), torch.randperm(N * K // 32)
 
     def stand_in(data, scale):
-        return hx._pack(hx._nibbles(data.reshape(-1))[perm_c]), scale.reshape(-1)[perm_s]
+        m = data.numel() // (N * K // 2)
+        codes = hx._nibbles(data.reshape(m, -1))[:, perm_c]
+        return hx._pack(codes).reshape(-1), scale.reshape(m, -1)[:, perm_s].reshape(-1)
     monkeypatch.setattr(hx, "_transform", stand_in)
+    monkeypatch.setattr(hx, "_layer_config", lambda n, k, e: None)
     hx._moves.cache_clear()
-    data = torch.randint(0, 256, (2, N, K // 2), dtype=torch.uint8)
-    scale = torch.randint(0, 256, (2, N, K // 32), dtype=torch.uint8)
-    packed = [stand_in(data[e], scale[e]) for e in range(2)]
-    weight = torch.stack([p[0] for p in packed]).view(torch.int32).view(2, K // 16, 2 * N)
-    stack = hx.HummingStack(n=N, k=K, weight=weight, scale=torch.stack([p[1] for p in packed]).view(2, K // 32, N),
-                            config=None, locks=None)
-    for e in range(2):
+    data = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
+    scale = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8)
+    data0, scale0, ptr = data.clone(), scale.clone(), data.data_ptr()
+    stack = hx.convert(data, scale)
+    want_w, want_s = stand_in(data0, scale0)
+    assert stack.weight.data_ptr() == ptr and stack.weight.shape == (E, K // 16, 2 * N)
+    assert torch.equal(data.reshape(-1), want_w) and torch.equal(scale.reshape(-1), want_s)
+    for e in range(E):
         d, s = hx.unpack(stack, e)
-        assert torch.equal(d, data[e]) and torch.equal(s, scale[e])
+        assert torch.equal(d, data0[e]) and torch.equal(s, scale0[e])
     monkeypatch.setattr(hx, "_transform", lambda d, s: (d.reshape(-1) & 0x0F, s.reshape(-1)))  # drops codes
     hx._moves.cache_clear()
     with pytest.raises(RuntimeError, match="does not permute"):
