@@ -243,3 +243,22 @@ def test_routed_through_humming_matches_reference_gpu():
     _assert_close_bf16(fast, ref, 1e-3)
     assert (fast == ref).float().mean() > 0.99
     _assert_close_bf16(fused, ref_moe, 1e-2)
+
+
+def test_routed_gemm_backend_is_resolved_once_from_the_environment(monkeypatch):
+    import mini.ops.moe as moe_mod
+    from mini.kernels import humming_experts
+
+    def resolve(value, have):
+        monkeypatch.setattr(moe_mod, "_ROUTED_GEMM", None)
+        monkeypatch.setattr(humming_experts, "available", lambda: have)
+        monkeypatch.setenv("MINI_MOE_GEMM", value)
+        return moe_mod.routed_gemm()
+    assert resolve("auto", False) == "triton" and resolve("auto", True) == "humming"
+    assert resolve("triton", True) == "triton" and resolve("Humming", True) == "humming"
+    monkeypatch.setenv("MINI_MOE_GEMM", "triton")
+    assert moe_mod.routed_gemm() == "humming", "resolved once: a later change of the variable does not apply"
+    with pytest.raises(RuntimeError, match="does not import"):
+        resolve("humming", False)
+    with pytest.raises(ValueError, match="choose auto, humming or triton"):
+        resolve("cutlass", True)
