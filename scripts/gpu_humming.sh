@@ -3,7 +3,7 @@
 # humming-kernels wheel (carry .whl), the moe-layer suite with Humming (its tile configs compiled side by side, a
 # tile-config alternative), its GPU tests (parity against the reference), and the suite
 # with our Triton kernels for comparison. JSON and logs go to $OUT (./out when run by hand); Humming's compiled
-# kernels come back as humming_cache.tgz (unpack into $HUMMING_CACHE_DIR to skip ~17 s per kernel next time).
+# kernels come back as humming_cache.tgz (put it in .whl/ and carry .whl: it is unpacked into $HUMMING_CACHE_DIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}

@@ -52,7 +52,7 @@ class HummingStack:
     weight: torch.Tensor  # int32 [E, K/16, 2N]
     scale: torch.Tensor  # float8_e8m0fnu [E, K/32, N]
     config: object  # humming.config.LayerConfig for E experts
-    locks: torch.Tensor  # stream-K semaphores (zero between launches)
+    locks: torch.Tensor  # the launcher's stream-K semaphores (stream-K is off here, the argument stays)
 
     @property
     def experts(self) -> int:
