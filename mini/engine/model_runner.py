@@ -4,9 +4,10 @@ Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_u
 total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for
 running sequences plus `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
-With `cuda_graphs` (CUDA, fast backend, not enforce_eager) pure-decode steps replay CUDA graphs captured per
+With `cuda_graphs` (when: mini.engine.llm.use_cuda_graphs) pure-decode steps replay CUDA graphs captured per
 batch-size bucket at start-up (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
+The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves.
 
 `timing = True` records each step's host time (input preparation, the forward call: launches or one replay) and
 its GPU span (CUDA events around the forward) in `last_timing`, for the decode-host benchmark.

@@ -6,6 +6,9 @@ Where each key lives (docs/design.md "Cache pools"):
 * compressed group j (ratio r) of a sequence is pool row `block_table[j // rows_per_block] * rows_per_block +
   j % rows_per_block`, rows_per_block = block_tokens // r;
 * a compressor's partial groups live in state row `slot * state_rows + pos % state_rows`.
+
+StepLayout shapes some tensors from host copies of the sequence sizes (any step). DecodeLayout builds the same
+tensors for a pure-decode step from static buffers with fixed shapes and device ops only (CUDA graphs).
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ class StepLayout:
         return self._groups[key]
 
     def _group_index(self, ratio: int, overlap: bool) -> GroupIndex:
+        """Every group some chunk completes, in sequence order (G from the host sizes)."""
         dev, b = self.device, self.batch
         first = [s // ratio for s in self.start_host]
         counts = [e // ratio - f for e, f in zip(self.end_host, first)]
