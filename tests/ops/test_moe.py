@@ -262,3 +262,38 @@ def test_routed_gemm_backend_is_resolved_once_from_the_environment(monkeypatch):
         resolve("humming", False)
     with pytest.raises(ValueError, match="choose auto, humming or triton"):
         resolve("cutlass", True)
+
+
+def test_reference_path_reads_experts_rewritten_for_humming(tiny, monkeypatch):
+    """`to_humming`'s bookkeeping on CPU, with a stand-in for the library's transform (a fixed random permutation
+    of codes and of scale bytes per shape): w1 and w3 side by side in one stack, everything rewritten in place,
+    and the reference path reads the very same experts back (bit-equal output)."""
+    from mini.kernels import humming_experts as hx
+    cfg, state = tiny
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER, range(3, 12))
+    x = _x(9, cfg, torch.bfloat16)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    before = routed(x, w, cfg, weights, ids)
+    perms = {}
+
+    def stand_in(data, scale):
+        n, k = data.shape[-2], 2 * data.shape[-1]
+        pc, ps = perms.setdefault((n, k), (torch.randperm(n * k), torch.randperm(n * k // 32)))
+        m = data.numel() // (n * k // 2)
+        codes = hx._nibbles(data.reshape(m, -1))[:, pc]
+        return hx._pack(codes).reshape(-1), scale.reshape(m, -1)[:, ps].reshape(-1)
+    monkeypatch.setattr(hx, "_transform", stand_in)
+    monkeypatch.setattr(hx, "_layer_config", lambda n, k, e: None)
+    monkeypatch.setattr(MoEWeights, "humming_ready", lambda self: True)
+    hx._moves.cache_clear()
+    try:
+        w1_data = w.w1.data.clone()
+        w.expert(0)  # a view cached before the rewrite must not survive it
+        w.to_humming()
+        w13, w2 = w.humming
+        assert (w13.n, w13.k, w2.n, w2.k) == (2 * cfg.moe_inter_dim, cfg.dim, cfg.dim, cfg.moe_inter_dim)
+        assert w.w1.data.data_ptr() == w13.weight.data_ptr() and not torch.equal(w.w1.data, w1_data)
+        assert torch.equal(w.expert(2)[0].data, w1_data[2])
+        assert torch.equal(routed(x, w, cfg, weights, ids), before)
+    finally:
+        hx._moves.cache_clear()
