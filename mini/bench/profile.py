@@ -9,6 +9,7 @@ clock on the CPU), so every stage is the GPU time between its first and last ker
       indexer + top-k  mini.model.attn_layer._index
     gate               mini.ops.moe.gate
     routed experts     mini.ops.moe.routed = act quant + routing plan + w1/w3 GEMM + w2 GEMM + combine
+                       (Humming backend: act quant with the row gather + plan + both GEMMs + SwiGLU + combine)
     shared expert      mini.ops.moe.shared
     ep emulation       the rest of bench.prefill.EmulatedEP (synthetic remote rows, the own-row slice, the sum)
     communication      0 here: one GPU emulates an EP4 rank (the exchange is measured on 2 GPUs)
@@ -44,6 +45,9 @@ WRAPPED = [
     ("moe.routed.route_plan", "mini.kernels.moe_route", "plan_routes"),
     ("moe.routed.gemm_w13_swiglu", "mini.kernels.mxfp4_grouped_gemm", "grouped_swiglu"),
     ("moe.routed.gemm_w2", "mini.kernels.mxfp4_grouped_gemm", "grouped_down"),
+    # with the Humming backend (MINI_MOE_GEMM): both GEMMs (w1|w3 side by side, then w2) and the SwiGLU pass
+    ("moe.routed.gemm_humming", "mini.kernels.humming_experts", "grouped_gemm"),
+    ("moe.routed.swiglu", "mini.kernels.mxfp4_grouped_gemm", "swiglu_rows"),
     ("moe.routed.combine", "mini.kernels.moe_combine", "combine"),
     ("moe.shared", "mini.ops.moe", "shared"),
     # pre_norm = mixes + collapse + the site's RMSNorm (one fused kernel on the fast path); wrapping its parts too
@@ -56,32 +60,47 @@ WRAPPED = [
 
 
 class StageTimer:
-    """Wraps functions in place so that each call records its time under a stage name; `restore()` undoes it."""
+    """Wraps functions in place so that each call records its time under a stage name; `restore()` undoes it.
+    A stage "a.b" whose parent "a" is also wrapped counts only the calls made inside a call of the parent (the FP8
+    act quant of the routed experts, not the one every linear layer runs)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.pending: dict[str, list] = defaultdict(list)
         self._undo: list = []
+        self._stages: set[str] = set()
+        self._active: dict[str, int] = defaultdict(int)
 
     def wrap(self, stage: str, owner, attr: str) -> None:
         fn = getattr(owner, attr)
         timer = self
+        self._stages.add(stage)
 
         def timed(*args, **kwargs):
-            if timer.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                out = fn(*args, **kwargs)
-                b.record()
-                timer.pending[stage].append((a, b))
-            else:
-                t0 = time.perf_counter()
-                out = fn(*args, **kwargs)
-                timer.pending[stage].append(1e3 * (time.perf_counter() - t0))
-            return out
+            parent = stage.rpartition(".")[0]
+            if parent in timer._stages and not timer._active[parent]:
+                return fn(*args, **kwargs)
+            timer._active[stage] += 1
+            try:
+                return timer._time(stage, fn, args, kwargs)
+            finally:
+                timer._active[stage] -= 1
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, fn))
+
+    def _time(self, stage: str, fn, args, kwargs):
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn(*args, **kwargs)
+            b.record()
+            self.pending[stage].append((a, b))
+        else:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.pending[stage].append(1e3 * (time.perf_counter() - t0))
+        return out
 
     def restore(self) -> None:
         for owner, attr, fn in reversed(self._undo):

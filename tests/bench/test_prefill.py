@@ -66,3 +66,23 @@ def test_profile_stages_add_up_to_the_step(tmp_path):
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
     suite = json.loads((tmp_path / "rank4.json").read_text())
     assert suite["suite"] == "rank4" and suite["metrics"]["mean_step_ms"] > 0
+
+
+def test_a_sub_stage_counts_only_calls_inside_its_parent():
+    """The routed experts' FP8 act quant is the same function every linear layer calls: only the calls made
+    inside the routed stage may count as its part (else `routed.other` goes negative)."""
+    import types
+
+    from mini.bench.profile import StageTimer
+    mod = types.SimpleNamespace(calls=[])
+    mod.quant = lambda x: mod.calls.append(x) or x
+    mod.routed = lambda x: mod.quant(x) + 1
+    timer = StageTimer(cuda=False)
+    timer.wrap("moe.routed", mod, "routed")
+    timer.wrap("moe.routed.act_quant", mod, "quant")
+    mod.quant(1)  # a linear layer's quant: outside the parent
+    mod.routed(2)
+    mod.quant(3)
+    timer.restore()
+    assert mod.calls == [1, 2, 3]  # every call still runs
+    assert {k: len(v) for k, v in timer.pending.items()} == {"moe.routed": 1, "moe.routed.act_quant": 1}
