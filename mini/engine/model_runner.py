@@ -63,7 +63,7 @@ def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs
 
 
 @dataclass
-class StepTiming:
+class ForwardTiming:
     prepare_s: float  # host: chunks -> device inputs (Batch.build, or the graph's buffers)
     forward_s: float  # host: the forward call (eager launches, or one graph replay)
     graph: bool
@@ -124,7 +124,7 @@ class ModelRunner:
         if events is not None:
             events[1].record()
         if self.timing:
-            self.last_timing = StepTiming(t1 - t0, time.perf_counter() - t1, graph, events)
+            self.last_timing = ForwardTiming(t1 - t0, time.perf_counter() - t1, graph, events)
         return logits
 
     @torch.inference_mode()
