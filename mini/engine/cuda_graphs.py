@@ -28,6 +28,8 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 
 
 class DecodeGraphs:
+    """One captured decode step per bucket over shared static buffers (`buffers`, a DecodeBuffers) and `cache`."""
+
     def __init__(self, model, cache, buffers, hasher=None):
         self.model, self.cache, self.buffers, self.hasher = model, cache, buffers, hasher
         self.sizes = buckets(buffers.max_seqs)
