@@ -38,7 +38,8 @@ def cmd_generate(args) -> int:
     prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if under_torchrun():  # DP ranks: the prompt runs on rank 0, the others serve its MoE layers
         return generate_torchrun(args, prompt, num_blocks)
-    llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4)
+    llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat format")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 positions (default: sized)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.set_defaults(fn=cmd_generate)
     lg = sub.add_parser("logits", help="write fp32 logits of a prefill and N greedy decode steps (parity checks)")
     _model_args(lg)
