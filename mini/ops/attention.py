@@ -9,9 +9,17 @@ K = V (one latent). o[t,h] = Σ_n softmax_n(q[t,h]·k_n · scale) k_n, the denom
 With a RoPE table `rope_out`, o's tail is rotated back by its conjugate (V = K carries the keys' rotation): the
 kernel does it in its epilogue instead of one more pass over [T, H, D].
 Logits and softmax statistics are fp32; the probabilities are rounded to the activation dtype before P·V, as in
-the reference kernel. `mini.kernels.sparse_attention` implements the same signature on the GPU.
+the reference kernel.
+
+On the GPU (bf16) the op runs one of two kernels, chosen once per process by MINI_SPARSE_ATTN (`sparse_backend`):
+our Triton kernel (`mini.kernels.sparse_attention`, same signature), or for prefill-sized steps FlashMLA's SM90
+sparse prefill kernel (`mini.kernels.flashmla_attention`), which reads keys by row from ONE tensor: `scratch_keys`
+lays the step's keys out as such a tensor plus each query's row list.
 """
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 
@@ -19,6 +27,7 @@ from mini.ops import use_fast
 from mini.ops.rope import apply_rope
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
+AUTO_CHECK_TOL = 2e-2  # MINI_SPARSE_ATTN=auto: FlashMLA's first output vs ours, largest per-token relative error
 
 
 def window_rows(positions, seq_of, slots, start_pos, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +68,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     if use_fast(q) and q.dtype == torch.bfloat16:
-        from mini.kernels.sparse_attention import sparse_mla_attention
-        return sparse_mla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp,
-                                    block_table, comp_idx, ratio, rope_out)
+        return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
+                     comp_idx, ratio, rope_out)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     new_rows, ring_rows = window_rows(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]
@@ -76,3 +84,100 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
         keys = keys.masked_fill(~valid[..., None], 0.0)  # unread slots may hold anything, NaN included
         out[lo:hi] = _attend(q[lo:hi], keys, valid, sink.float(), scale).to(q.dtype)
     return out if rope_out is None else apply_rope(out, rope_out, inverse=True)
+
+
+def scratch_keys(kv_new: torch.Tensor, window: torch.Tensor, positions: torch.Tensor, seq_of: torch.Tensor,
+                 slots: torch.Tensor, start_pos: torch.Tensor, comp: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None, comp_idx: torch.Tensor | None = None,
+                 width_multiple: int = 1, valid_first: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys `sparse_attention` reads, as rows of one tensor: (kv [N, D], rows [T, n] int32, count [T] int32).
+
+    kv holds kv_new's T rows, then the ring of each of the step's B sequences (W rows each, ring order), then with
+    a pool the blocks of each block-table row (nb·rpb rows each, so group g of sequence b is row
+    T + B·W + b·nb·rpb + g; entries -1 past a sequence's blocks gather block 0, which no query reads). Query t
+    reads rows[t, :count[t]] (-1 = none; n = W + K rounded up to `width_multiple`, padded with -1); with
+    `valid_first` its rows are sorted descending, so count[t] is its number of keys, else count = n. Every size
+    comes from tensor shapes: no device sync."""
+    T, D = kv_new.shape
+    B, W = slots.shape[0], window.shape[1]
+    new, ring = window_rows(positions, seq_of, torch.arange(B, device=slots.device), start_pos, W)
+    parts, rows = [kv_new, window.index_select(0, slots).view(B * W, D)], [torch.where(ring >= 0, ring + T, new)]
+    if comp_idx is not None and comp_idx.shape[-1]:
+        nb, rpb = block_table.shape[1], comp.shape[1]
+        parts.append(comp.index_select(0, block_table.flatten().long().clamp_min(0)).view(B * nb * rpb, D))
+        rows.append(torch.where(comp_idx >= 0, T + B * W + seq_of[:, None] * (nb * rpb) + comp_idx, -1))
+    rows = torch.cat(rows, dim=1)
+    pad = -rows.shape[1] % width_multiple
+    rows = torch.cat([rows, rows.new_full((T, pad), -1)], dim=1).to(torch.int32)
+    if not valid_first:
+        return torch.cat(parts), rows, torch.full((T,), rows.shape[1], dtype=torch.int32, device=rows.device)
+    rows = rows.sort(dim=-1, descending=True).values
+    return torch.cat(parts), rows, (rows >= 0).sum(-1, dtype=torch.int32)
+
+
+def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
+                       block_table=None, comp_idx=None, ratio: int = 1, rope_out=None) -> torch.Tensor:
+    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys; the output's
+    inverse RoPE is a separate pass (the library has no epilogue for it)."""
+    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
+    kv, rows, count = scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp, block_table,
+                                   comp_idx, TOPK_MULTIPLE)
+    out = sparse_prefill(q, kv, rows, count, sink, scale)
+    return out if rope_out is None else apply_rope(out, rope_out, inverse=True)
+
+
+_SPARSE_BACKEND: str | None = None  # "triton", "flashmla", or "auto-flashmla" (FlashMLA, its first call checked)
+
+
+def sparse_backend() -> str:
+    """The fast path's kernel, resolved once per process from MINI_SPARSE_ATTN = auto (default: FlashMLA where it
+    imports on an SM90 GPU, kept only if its first output matches ours) | flashmla | triton. Steps FlashMLA does
+    not serve (decode-sized, other head counts or widths, CUDA-graph capture) run the Triton kernel either way."""
+    global _SPARSE_BACKEND
+    if _SPARSE_BACKEND is None:
+        from mini.kernels.flashmla_attention import available
+        want = os.environ.get("MINI_SPARSE_ATTN", "auto").strip().lower()
+        if want not in ("auto", "flashmla", "triton"):
+            raise ValueError(f"MINI_SPARSE_ATTN={want!r}: choose auto, flashmla or triton")
+        if want == "flashmla" and not available():
+            raise RuntimeError("MINI_SPARSE_ATTN=flashmla, but sgl-flash-mla (with its SM90 kernels) does not "
+                               "import on an SM90 GPU here")
+        _SPARSE_BACKEND = want if want != "auto" else "auto-flashmla" if available() else "triton"
+    return _SPARSE_BACKEND
+
+
+def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
+          rope_out) -> torch.Tensor:
+    from mini.kernels import flashmla_attention as flashmla
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
+            rope_out)
+    backend = sparse_backend()
+    if backend != "triton":
+        with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
+        keys = [kv_new, window] + ([comp] if with_pool else [])
+        scratch_rows = kv_new.shape[0] + slots.shape[0] * window.shape[1]  # scratch_keys' kv
+        scratch_rows += block_table.shape[0] * block_table.shape[1] * comp.shape[1] if with_pool else 0
+        if flashmla.supported(q, keys, scratch_rows):
+            return flashmla_attention(*args) if backend == "flashmla" else _first_flashmla_call(args)
+    return sparse_mla_attention(*args)
+
+
+def _first_flashmla_call(args) -> torch.Tensor:
+    """MINI_SPARSE_ATTN=auto: run both kernels once and keep FlashMLA for the process only if it ran and matched
+    ours on every token (a library we only hold as a binary must cost one comparison when it is wrong, not a
+    model's output). One device sync, once per process."""
+    global _SPARSE_BACKEND
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    ours = sparse_mla_attention(*args)
+    try:
+        diff = (flashmla_attention(*args).float() - ours.float()).flatten(1).norm(dim=1)
+        err = float((diff / ours.float().flatten(1).norm(dim=1).clamp_min(1e-30)).max())
+        problem = None if err < AUTO_CHECK_TOL else f"differs from the Triton kernel's by {err:.3g} on a token"
+    except Exception as e:  # the library's shape/arch checks raise before launching; a changed API raises too
+        problem = f"failed ({type(e).__name__}: {str(e)[:200]})"
+    if problem:
+        warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
+    _SPARSE_BACKEND = "triton" if problem else "flashmla"
+    return ours

@@ -1,6 +1,7 @@
 """Sparse attention reading keys by index (window ring, fresh chunk, paged pool) vs a dense masked softmax."""
 import math
 
+import pytest
 import torch
 
 import mini.ops.attention as attention_op
@@ -73,3 +74,180 @@ def test_window_only_layer_and_long_chunk_crosses_query_blocks(monkeypatch):
     keys = [kv_new[max(0, t - W + 1): t + 1] for t in range(T)]
     torch.testing.assert_close(out.double(), _dense_oracle(q, keys, sink, D ** -0.5), atol=1e-5, rtol=1e-5)
     assert math.isfinite(out.abs().max().item())
+
+
+# ---------------------------------------------------------------- the FlashMLA backend's inputs (scratch_keys)
+def _library_contract(q, kv, rows, count, sink, scale):
+    """What flash_mla_sparse_fwd computes (its docstring and kernel): query t reads kv rows rows[t, :count[t]]
+    that are >= 0 and < N; fp32 logits, sink in the denominator, P rounded to q.dtype before P·V."""
+    N = kv.shape[0]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        r = rows[t, : int(count[t])].long()
+        keys = kv[r[(r >= 0) & (r < N)]].float()
+        logits = torch.einsum("hd,nd->hn", q[t].float(), keys) * scale
+        peak = torch.maximum(logits.amax(-1), sink.float())
+        p = torch.exp(logits - peak[:, None])
+        denom = p.sum(-1) + torch.exp(sink.float() - peak)
+        out[t] = ((p.to(q.dtype).float() @ keys) / denom[:, None]).to(q.dtype)
+    return out
+
+
+def _random_step(g, lens, starts, H, D, W, ratio, rpb, K, dtype=torch.float32):
+    """Chunks (lens, starts) with random slots and shuffled blocks; a fresh sequence's ring and the blocks no
+    table holds are NaN (nothing may read them); comp_idx picks visible groups with -1 anywhere in a row."""
+    B = len(lens)
+    nb = max(-(-(s + n) // (rpb * ratio)) for s, n in zip(starts, lens))
+    n_blocks, n_slots = B * nb + 3, B + 2
+    table = torch.randperm(n_blocks, generator=g)[: B * nb].view(B, nb).to(torch.int32)
+    table[0, -1] = -1 if -(-(starts[0] + lens[0]) // (rpb * ratio)) < nb else table[0, -1]
+    slots = torch.randperm(n_slots, generator=g)[:B]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    seq_of = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)])
+    T = positions.numel()
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    kv_new = torch.randn(T, D, generator=g).to(dtype)
+    window = torch.randn(n_slots, W, D, generator=g).to(dtype)
+    comp = torch.full((n_blocks, rpb, D), float("nan"), dtype=dtype)
+    used = table[table >= 0].long()
+    comp[used] = torch.randn(used.numel(), rpb, D, generator=g).to(dtype)
+    for b, s in enumerate(starts):
+        if s == 0:
+            window[slots[b]] = float("nan")
+    comp_idx = torch.full((T, K), -1, dtype=torch.long)
+    for t in range(T):
+        n = int(positions[t] + 1) // ratio
+        pick = torch.randperm(n, generator=g)[:K]
+        comp_idx[t, : pick.numel()] = pick
+        comp_idx[t] = comp_idx[t][torch.randperm(K, generator=g)]
+    sink = torch.randn(H, generator=g)
+    return q, kv_new, window, comp, table, comp_idx, sink, positions, seq_of, slots, torch.tensor(starts)
+
+
+def test_scratch_keys_hold_exactly_the_keys_sparse_attention_reads():
+    """Gathering each query's rows of the scratch and attending over them (the library's contract) equals the
+    reference op: several sequences, odd sizes, windows crossing the chunk start, a decode row, -1 padding."""
+    g = torch.Generator().manual_seed(5)
+    H, D, W, ratio, rpb, K = 3, 24, 8, 2, 4, 5
+    q, kv_new, window, comp, table, comp_idx, sink, pos, seq_of, slots, starts = _random_step(
+        g, [7, 1, 5, 3], [0, 19, 5, 30], H, D, W, ratio, rpb, K)
+    ref = sparse_attention(q, kv_new, window, sink, pos, seq_of, slots, starts, D ** -0.5, comp, table, comp_idx,
+                           ratio)
+    assert torch.isfinite(ref).all()
+    for valid_first in (True, False):
+        kv, rows, count = attention_op.scratch_keys(kv_new, window, pos, seq_of, slots, starts, comp, table,
+                                                    comp_idx, width_multiple=16, valid_first=valid_first)
+        assert rows.dtype == count.dtype == torch.int32 and rows.shape == (pos.numel(), 16)
+        assert kv.shape == (pos.numel() + 4 * W + 4 * table.shape[1] * rpb, D)
+        read = torch.arange(16)[None, :] < count[:, None].long()
+        if valid_first:  # the rows a query reads are exactly its keys: W window keys at most plus its groups
+            assert ((rows >= 0) == read).all()
+            n_win = torch.minimum(pos + 1, torch.tensor(W))
+            assert torch.equal(count.long(), n_win + (comp_idx >= 0).sum(-1))
+        else:
+            assert read.all()
+        out = torch.full_like(q, float("nan"))
+        out[:] = _library_contract(q, kv, rows, count, sink, D ** -0.5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_scratch_keys_of_a_window_only_layer():
+    g = torch.Generator().manual_seed(6)
+    H, D, W = 2, 16, 8
+    q, kv_new, window, _, table, _, sink, pos, seq_of, slots, starts = _random_step(
+        g, [11, 2], [3, 40], H, D, W, 4, 2, 1)
+    ref = sparse_attention(q, kv_new, window, sink, pos, seq_of, slots, starts, D ** -0.5)
+    kv, rows, count = attention_op.scratch_keys(kv_new, window, pos, seq_of, slots, starts, width_multiple=128)
+    assert rows.shape == (pos.numel(), 128) and kv.shape == (pos.numel() + 2 * W, D)
+    torch.testing.assert_close(_library_contract(q, kv, rows, count, sink, D ** -0.5), ref, atol=1e-5, rtol=1e-5)
+
+
+def _fake_flash_mla(calls):
+    """A stand-in `flash_mla` module: checks the call against the SM90 kernel's documented requirements and
+    computes the library's contract."""
+    import types
+
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                             use_legacy=False, return_log2_lse=None):
+        T, H, D = q.shape
+        assert use_legacy and d_v == D == 512 and H in (64, 128) and isinstance(sm_scale, float)
+        assert q.dtype == kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, D)
+        assert kv.stride(-1) == 1 and q.stride(-1) == 1 and indices.stride(-1) == 1
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (T, 1) and indices.shape[2] % 128 == 0
+        assert topk_length.dtype == torch.int32 and topk_length.shape == (T,)
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (H,)
+        calls.append(indices.shape[2])
+        out = _library_contract(q, kv[:, 0], indices[:, 0], topk_length, attn_sink, sm_scale)
+        return out, torch.zeros(T, H), torch.zeros(T, H)
+
+    return types.SimpleNamespace(flash_mla_sparse_fwd=flash_mla_sparse_fwd)
+
+
+def test_flashmla_path_matches_reference_op_with_output_rope(monkeypatch):
+    """The whole FlashMLA path (scratch, the adapter's call, the output's inverse RoPE) on CPU against a stand-in
+    library, at the kernel's real shape (64 heads x 512) in bf16."""
+    import sys
+
+    from mini.ops.rope import rope_frequencies, rope_table
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(calls))
+    g = torch.Generator().manual_seed(7)
+    H, D, W, ratio, rpb, K = 64, 512, 16, 4, 8, 37
+    q, kv_new, window, comp, table, comp_idx, sink, pos, seq_of, slots, starts = _random_step(
+        g, [9, 1, 6], [0, 77, 12], H, D, W, ratio, rpb, K, torch.bfloat16)
+    rope = rope_table(pos, rope_frequencies(64, 160000.0, 256, 4.0))
+    args = (q, kv_new, window, sink, pos, seq_of, slots, starts, D ** -0.5, comp, table, comp_idx, ratio, rope)
+    ref = sparse_attention(*args)
+    out = torch.full_like(q, float("nan"))
+    out[:] = attention_op.flashmla_attention(*args)
+    assert calls == [128]
+    err = (out.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)
+    assert torch.isfinite(out).all() and err.max() < 2e-3, err.max()  # same arithmetic, bf16 output rounding
+
+
+def test_sparse_backend_is_chosen_once_from_the_environment(monkeypatch):
+    import mini.kernels.flashmla_attention as flashmla
+    for env, avail, want in [("auto", False, "triton"), ("auto", True, "auto-flashmla"), ("triton", True, "triton"),
+                             ("flashmla", True, "flashmla"), (" FlashMLA ", True, "flashmla")]:
+        monkeypatch.setenv("MINI_SPARSE_ATTN", env)
+        monkeypatch.setattr(flashmla, "available", lambda: avail)
+        monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", None)
+        assert attention_op.sparse_backend() == want
+        monkeypatch.setenv("MINI_SPARSE_ATTN", "triton")  # resolved once: a later change does not count
+        assert attention_op.sparse_backend() == want
+    monkeypatch.setattr(flashmla, "available", lambda: False)
+    for env, error in [("flashmla", RuntimeError), ("cutlass", ValueError)]:
+        monkeypatch.setenv("MINI_SPARSE_ATTN", env)
+        monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", None)
+        with pytest.raises(error):
+            attention_op.sparse_backend()
+
+
+@pytest.mark.parametrize("flashmla_result,kept", [("same", "flashmla"), ("one token off", "triton"),
+                                                  ("nan", "triton"), ("raises", "triton")])
+def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kept, monkeypatch):
+    import warnings
+
+    import mini.kernels.sparse_attention as triton_kernel
+    g = torch.Generator().manual_seed(8)
+    q, kv_new, window, comp, table, comp_idx, sink, pos, seq_of, slots, starts = _random_step(
+        g, [6, 3], [0, 20], 2, 16, 4, 2, 4, 3)
+    args = (q, kv_new, window, sink, pos, seq_of, slots, starts, 0.25, comp, table, comp_idx, 2, None)
+    ours = sparse_attention(*args)
+
+    def theirs(*a):
+        if flashmla_result == "raises":
+            raise RuntimeError("Sparse Attention Forward Kernel is only supported on SM90a")
+        out = ours.clone()
+        if flashmla_result != "same":
+            out[4, 1] = float("nan") if flashmla_result == "nan" else out[4, 1] * 1.05
+        return out
+
+    monkeypatch.setattr(triton_kernel, "sparse_mla_attention", sparse_attention)
+    monkeypatch.setattr(attention_op, "flashmla_attention", theirs)
+    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "auto-flashmla")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = attention_op._first_flashmla_call(args)
+    assert torch.equal(out, ours) and attention_op._SPARSE_BACKEND == kept
+    assert len(caught) == (kept == "triton")
