@@ -64,11 +64,22 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[n] = (graph, logits)
 
-    def prepare(self, chunks: list[ScheduledChunk], history) -> int:
-        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens."""
+    @property
+    def feeds_on_device(self) -> bool:
+        """Decode tokens can come from the device (a previous step's samples). Not with Engram: its rows are
+        hashed from the last tokens and looked up on the host before the replay."""
+        return self.hasher is None
+
+    def prepare(self, chunks: list[ScheduledChunk], history, feed: tuple[torch.Tensor, list[int]] | None = None
+                ) -> int:
+        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens;
+        `feed` (see DecodeBuffers.fill) gives those of rows whose token is still on the device."""
         n = self.bucket(len(chunks))
+        if feed is not None and not self.feeds_on_device:
+            raise ValueError("Engram decode steps need their tokens on the host")
         if self.hasher is None:
-            tokens, rows = [history(c.seq, c.start, c.end)[0] for c in chunks], None
+            fed = feed[1] if feed is not None else [-1] * len(chunks)
+            tokens, rows = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed)], None
         else:  # the last `lookback` tokens of each sequence, its decode token last
             k = self.hasher.lookback
             tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
@@ -77,7 +88,7 @@ class DecodeGraphs:
                 tails[b, k - len(tail):] = tail
             tokens, rows = tails[:, -1].tolist(), self.model.engram_rows(self.hasher.hash_last(tails))
         self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
-                          [c.seq.blocks for c in chunks], rows)
+                          [c.seq.blocks for c in chunks], rows, feed)
         return n
 
     def replay(self, n: int, n_real: int) -> torch.Tensor:

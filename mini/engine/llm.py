@@ -1,4 +1,23 @@
-"""The engine core (one `step()` = schedule, forward, sample, stop checks) and the offline `LLM` front end."""
+"""The engine core (one `step()` = schedule, forward, sample, stop checks) and the offline `LLM` front end.
+
+Overlapped decode steps (`EngineOptions.overlap`; default: on where CUDA graphs are used). A pure-decode step
+without penalties is launched and left in flight: its sampled ids stay on the device, and `step()` returns. The
+next `step()` plans and prepares step N+1 while step N runs, launches it with step N's ids fed on the device
+(mini.model.DecodeBuffers), and only then reads step N's ids back and does its bookkeeping (append, stop checks,
+detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those of the plain engine:
+
+* A sequence whose step-N token ends it is still in step N+1; that extra token is discarded, never emitted, and
+  its slot and blocks are returned only once step N+1 has been read back (the device may still write them).
+  Length limits are known without the token, so such a sequence is not planned again (Sequence.length_capped).
+* A step that is not pure decode, or samples with penalties (they read the whole history), first reads back the
+  step in flight, then runs as the plain engine does, without the sequences that just finished.
+* Engram decode steps (V4.1) hash their last tokens on the host: step N's ids are read back (a wait for the
+  device) before step N+1's inputs are prepared; the bookkeeping still overlaps step N+1. The eager forward
+  (CPU, tests) takes this path too.
+* A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
+  history to recompute); its blocks are reused at once, which is safe because every device write (replays,
+  eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.
+"""
 from __future__ import annotations
 
 import random
@@ -9,8 +28,9 @@ import torch
 
 from mini.engine.block_manager import BlockManager
 from mini.engine.model_runner import ModelRunner, size_cache
-from mini.engine.sampler import SamplingBatch, sample
-from mini.engine.scheduler import Scheduler, SchedulerConfig
+from mini.engine.cuda_graphs import is_decode_step
+from mini.engine.sampler import SampleOutput, SamplingBatch, sample
+from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
 
 
@@ -29,6 +49,7 @@ class EngineOptions:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds of requests that do not bring their own
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used on CUDA with the fast backend)
+    overlap: bool | None = None  # overlapped decode steps (see the module doc); None: on where graphs are used
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -69,6 +90,19 @@ class StepTimes:
     gpu_s: float | None  # CUDA events around the forward
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward and sampling are enqueued; `_fetch` reads its sampled ids back."""
+    seqs: list[Sequence]  # those that sample, in row order
+    out: SampleOutput | None  # on the device (None: nothing samples)
+    host: SampleOutput | None  # copies on the host, valid once `ready` has passed
+    ready: torch.cuda.Event | None  # recorded after the copies (None: already on the host)
+    timing: object | None  # the runner's ForwardTiming (when timed)
+    kept: list[tuple[int, Sequence]] | None = None  # rows whose token was appended (set by _fetch)
+    release_after: list[Sequence] = field(default_factory=list)  # finished while this step was in flight
+    times: StepTimes | None = None  # host phases of the call that launched it; gpu_s filled when read back
+
+
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0  # tokens computed in prefill chunks
@@ -105,6 +139,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self._rng = random.Random(o.seed)
         self._aborted: list[Sequence] = []
+        # off by default on CPU, where nothing runs asynchronously (tests turn it on)
+        self.overlap = o.overlap if o.overlap is not None else (self.runner.graphs is not None
+                                                                and self.runner.device.type == "cuda")
+        self._inflight: _Launched | None = None  # an overlapped step not read back yet
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -141,12 +179,19 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None or seq.is_finished:
             return
-        self.scheduler.abort(seq)
+        self._remove(seq)
         seq.finish("abort")
         self._aborted.append(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._aborted) or self._inflight is not None
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of the scheduler; its cache back now, or once the step in flight that computes it is read back."""
+        later = self._inflight if seq.num_inflight else None
+        self.scheduler.remove(seq, release=later is None)
+        if later is not None:
+            later.release_after.append(seq)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -155,55 +200,125 @@ class LLMEngine:
         self._aborted = []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        prev, self._inflight = self._inflight, None
+        overlap = self.overlap and self._overlappable(plan.chunks)
+        if prev is not None and not overlap:  # this step runs on known tokens: finish the one in flight first
+            outputs += self._resolve(prev)
+            prev = None
+            plan.chunks = [c for c in plan.chunks if not c.seq.is_finished]
         if not plan.chunks:
             return outputs
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
         t1 = time.perf_counter()
-        self.runner.timing = self.step_times is not None
-        logits = self.runner.run(plan.chunks)
+        step = self._launch(plan.chunks, prev)
         t2 = time.perf_counter()
-        for c in plan.chunks:
+        if prev is not None:
+            self._inflight = step  # where _remove defers the cache of sequences that finish now
+            outputs += self._resolve(prev)
+        # the computed blocks' hashes read tokens up to num_computed: all on the host now
+        snapshots = [s for s in (self.blocks.commit(c.seq) for c in plan.chunks if not c.seq.is_finished)
+                     if s is not None]
+        self.runner.copy_slots(snapshots)
+        self._inflight = step if overlap else None
+        if not overlap:
+            outputs += self._resolve(step)
+        if self.step_times is not None:
+            r, end = step.timing, time.perf_counter()
+            step.times = StepTimes(len(plan.chunks), all(c.is_decode for c in plan.chunks), r.graph, t1 - t0,
+                                   r.prepare_s, r.forward_s, end - t2, end - t0, None)
+            if not overlap:
+                self._record(step)
+        return outputs
+
+    def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
+        """The one place that decides: a step may be left in flight (and launched before the previous step is read
+        back) when it is pure decode and no sequence samples with penalties."""
+        return bool(chunks) and is_decode_step(chunks) and not any(c.seq.params.penalized for c in chunks)
+
+    def _launch(self, chunks: list[ScheduledChunk], prev: _Launched | None) -> _Launched:
+        """Forward and sample on the device; start copying the sampled ids to the host. `prev`: the step in flight,
+        whose ids feed this step's rows on the device, or are read back first where the runner needs them."""
+        feed = None
+        if prev is not None:
+            if self.runner.feeds_on_device(chunks):
+                ids = prev.out.token_ids if prev.out is not None else None
+                row_of = {id(s): i for i, s in enumerate(prev.seqs)}
+                rows = [row_of[id(c.seq)] if c.seq.num_inflight else -1 for c in chunks]
+                feed = (ids, rows) if any(r >= 0 for r in rows) else None
+            else:
+                self._fetch(prev)
+        self.runner.timing = self.step_times is not None
+        logits = self.runner.run(chunks, feed)
+        for c in chunks:
             c.seq.num_computed = c.end
             if c.is_decode:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += c.length
-        sampled = [c.seq for c in plan.chunks if c.samples]
-        snapshots = [s for s in (self.blocks.commit(c.seq) for c in plan.chunks) if s is not None]
-        self.runner.copy_slots(snapshots)
-        if sampled:
-            outputs += self._append_tokens(sampled, logits)
-        if self.step_times is not None:
-            r, end = self.runner.last_timing, time.perf_counter()
-            self.step_times.append(StepTimes(
-                len(plan.chunks), all(c.is_decode for c in plan.chunks), r.graph, t1 - t0, r.prepare_s, r.forward_s,
-                end - t2, end - t0, r.gpu_s()))
-        return outputs
+        seqs = [c.seq for c in chunks if c.samples]
+        out = host = ready = None
+        if seqs:
+            out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device))
+            host, ready = _copy_to_host(out)
+            for s in seqs:
+                s.num_inflight += 1
+        return _Launched(seqs, out, host, ready, self.runner.last_timing if self.runner.timing else None)
 
-    def _append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device))
-        ids = out.token_ids.tolist()
-        chosen_lp = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    def _fetch(self, step: _Launched) -> None:
+        """Wait for the step's sampled ids and append them to their sequences' histories. A sequence that finished
+        meanwhile (its previous token ended it, or it was aborted) drops its token."""
+        if step.kept is not None:
+            return
+        step.kept = []
+        if step.out is None:
+            return
+        if step.ready is not None:
+            step.ready.synchronize()
+        ids = step.host.token_ids.tolist()
+        for i, seq in enumerate(step.seqs):
+            seq.num_inflight -= 1
+            if not seq.is_finished:
+                seq.output_token_ids.append(ids[i])
+                step.kept.append((i, seq))
+
+    def _resolve(self, step: _Launched) -> list[RequestOutput]:
+        """Read a launched step back: its tokens, stop checks and outputs; returns the cache it held for sequences
+        that finished while it was in flight."""
+        self._fetch(step)  # the device is done with the step once its ids are on the host
+        for seq in step.release_after:
+            self.blocks.release(seq)
+        step.release_after = []
+        if step.times is not None and self.step_times is not None:
+            self._record(step)
+        if not step.kept:
+            return []
+        h = step.host
+        chosen_lp = h.logprobs.tolist() if h.logprobs is not None else None
+        top_ids = h.top_ids.tolist() if h.top_ids is not None else None
+        top_lp = h.top_logprobs.tolist() if h.top_logprobs is not None else None
         now = time.monotonic()
         results = []
-        for i, seq in enumerate(seqs):
-            n_before = len(seq.output_token_ids)
-            seq.output_token_ids.append(ids[i])
+        for i, seq in step.kept:
+            token = seq.output_token_ids[-1]
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if chosen_lp is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                top = dict(zip(top_ids[i][:k], top_lp[i][:k]))
-                seq.output_logprobs.append(TokenLogprobs(ids[i], chosen_lp[i], top))
-            self._check_stop(seq, ids[i])
+                seq.output_logprobs.append(TokenLogprobs(token, chosen_lp[i], dict(zip(top_ids[i][:k], top_lp[i][:k]))))
+            self._check_stop(seq, token)
             if seq.is_finished:
-                self.scheduler.finish(seq)
+                self._remove(seq)
                 self.requests.pop(seq.request_id, None)
-            results.append(self._output(seq, seq.output_token_ids[n_before:]))
+            results.append(self._output(seq, [token]))
         return results
+
+    def _record(self, step: _Launched) -> None:
+        """Append the step's StepTimes (its GPU span is read now: the step is done or being waited for)."""
+        t = step.times
+        t.gpu_s = step.timing.gpu_s() if step.timing is not None else None
+        self.step_times.append(t)
+        step.times = None
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -218,7 +333,7 @@ class LLMEngine:
             if p.stop and self._stop_string(seq):
                 return
         if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
-                or seq.num_tokens >= seq.max_total_tokens:
+                or len(seq.prompt_token_ids) + len(seq.output_token_ids) >= seq.max_total_tokens:
             self._finish(seq, "length", None)
         elif seq.detok is not None:  # stream only text that can no longer become the start of a stop string
             hold = max((len(s) for s in p.stop), default=1) - 1
@@ -251,6 +366,19 @@ class LLMEngine:
             seq.is_finished, seq.finish_reason, seq.stop_reason,
             list(seq.output_logprobs), seq.num_cached_prefix, seq.arrival_time,
             seq.first_token_time, seq.finish_time)
+
+
+def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
+    """Start copying the sampled ids (and logprobs) to pinned host memory; the event says when they are there."""
+    if out.token_ids.device.type != "cuda":
+        return out, None
+    def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    host = SampleOutput(*map(pinned, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def use_cuda_graphs(model, device, dtype: torch.dtype, enforce_eager: bool) -> bool:

@@ -104,13 +104,22 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.cache, buffers, self.hasher)
             self.graphs.capture_all()
 
+    def feeds_on_device(self, chunks: list[ScheduledChunk]) -> bool:
+        """`run(chunks, feed)` can take decode tokens still on the device (a static decode step without Engram);
+        otherwise every token of the chunks must be in the sequences' histories on the host."""
+        return self.graphs is not None and self.graphs.fits(chunks) and self.graphs.feeds_on_device
+
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order."""
+    def run(self, chunks: list[ScheduledChunk], feed: tuple[torch.Tensor, list[int]] | None = None
+            ) -> torch.Tensor:
+        """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order. `feed`
+        (device token ids, one source row per chunk or -1; only where feeds_on_device): tokens not on the host."""
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
+        if feed is not None and not self.feeds_on_device(chunks):
+            raise ValueError("this step needs its tokens on the host")
         if graph:
-            n = self.graphs.prepare(chunks, _history)
+            n = self.graphs.prepare(chunks, _history, feed)
         else:
             seq_chunks = [self.seq_chunk_cls(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
                                              blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]

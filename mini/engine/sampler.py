@@ -75,7 +75,7 @@ class SamplingBatch:
         # two host tensors, two copies to the device (not one per parameter)
         floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                                 p.repetition_penalty] for p in ps], dtype=torch.float32).to(device).unbind(1)
-        ints = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab, s.seed, len(s.output_token_ids)]
+        ints = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab, s.seed, s.num_output_tokens]
                              for s, p in zip(seqs, ps)], dtype=torch.int64).to(device).unbind(1)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3], frequency=floats[4],

@@ -69,16 +69,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence, release: bool = True) -> None:
+        """Take a finished or aborted sequence out, running or waiting (a sequence preempted while its last token
+        was in flight finishes in the queue). `release=False`: the caller returns its slot and blocks later,
+        because a step still in flight on the device writes them."""
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.release(seq)
+            if release:
+                self.blocks.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.release(seq)
 
     # ------------------------------------------------------------------ the step plan
     def schedule(self) -> StepPlan:
@@ -90,6 +90,8 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted while making room for an earlier one
+                continue
+            if seq.length_capped:  # its token in flight is its last (overlapped steps): no decode after it
                 continue
             if not self._make_room(seq, seq.num_tokens, preempted):
                 continue

@@ -3,6 +3,10 @@
 A Sequence is the scheduler's unit. Its token history is `prompt_token_ids + output_token_ids`;
 `num_computed` of those are already in the cache (prefill chunks advance it by the chunk length, a decode by one).
 After a preemption by recompute the whole history is fed again as a prompt, so `num_computed` simply resets to 0.
+
+With overlapped decode steps (see mini.engine.llm) a sampled token may still be on the device when the next step
+is planned: `num_inflight` counts those tokens. They are part of `num_tokens` (what the scheduler plans with) but
+not yet of `output_token_ids` (what stop checks, outputs and block hashes read).
 """
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling reads the token history (penalties), so every earlier token must be known on the host."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the server turns it into an HTTP 400)."""
@@ -100,6 +109,7 @@ class Sequence:
     decoded: str = ""  # all output text decoded so far
     text: str = ""  # output text with stop strings handled (what the user gets)
     emitted_chars: int = 0  # how much of `text` was already streamed
+    num_inflight: int = 0  # sampled tokens not yet read back from the device (overlapped steps)
 
     @property
     def tokens(self) -> list[int]:
@@ -107,7 +117,20 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """History length, tokens in flight included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, in flight included (the sampler's counter for the next draw)."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def length_capped(self) -> bool:
+        """max_tokens or the context is reached (by a token in flight, when overlapped): no step may follow."""
+        p = self.params
+        return (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) \
+            or self.num_tokens >= self.max_total_tokens
 
     @property
     def num_pending(self) -> int:

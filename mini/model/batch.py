@@ -107,7 +107,10 @@ class DecodeBuffers:
     padding: token 0 at position 0 in the scratch slot, every block the scratch block.
 
     `fill` writes into pinned host mirrors and copies them over without waiting (on CUDA); a mirror is written again
-    only once the previous copies are done (an event), which a decode step's sampling sync has long made true."""
+    only once the previous copies are done (an event), which a decode step's sampling sync has long made true.
+
+    An overlapped decode step (mini.engine.llm) feeds tokens that are still on the device: `fill(feed=(ids, rows))`
+    takes row b's token from `ids[rows[b]]` (the previous step's sampled ids) where rows[b] >= 0, on the device."""
 
     def __init__(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
                  engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16):
@@ -121,8 +124,8 @@ class DecodeBuffers:
             host = host.pin_memory() if pin else host
             return host, host.to(device, copy=True)
 
-        # token, position, slot of each row; the block table; the Engram rows
-        self.host_ids, self.ids = mirrored(torch.tensor([[0], [0], [pad_slot]]).repeat(1, max_seqs))
+        # token, position, slot of each row, and the row of a fed token (-1: none); the block table; the Engram rows
+        self.host_ids, self.ids = mirrored(torch.tensor([[0], [0], [pad_slot], [-1]]).repeat(1, max_seqs))
         self.host_table, self.block_table = mirrored(
             torch.full((max_seqs, self.n_table_blocks), pad_block, dtype=torch.int32))
         self.host_engram = self.engram_rows = None
@@ -141,10 +144,13 @@ class DecodeBuffers:
                      engram_rows=None if self.engram_rows is None else self.engram_rows[:n])
 
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
-             engram_rows: torch.Tensor | None = None) -> None:
+             engram_rows: torch.Tensor | None = None, feed: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
-        there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host."""
+        there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host.
+        `feed` (device ids, one source row per sequence or -1): tokens taken on the device, replacing `tokens`."""
         k = len(tokens)
+        if feed is not None and len(feed[1]) != k:
+            raise ValueError(f"feed has {len(feed[1])} source rows for {k} sequences")
         if not 0 <= k <= n <= self.max_seqs or n == 0:
             raise ValueError(f"{k} sequences in a bucket of {n} (buffers hold {self.max_seqs})")
         if self.engram_rows is not None and k and engram_rows is None:
@@ -153,7 +159,8 @@ class DecodeBuffers:
             self.copied.synchronize()  # the mirrors' previous contents have reached the device
         host, table = self.host_ids.numpy(), self.host_table.numpy()
         host[0, :k], host[1, :k], host[2, :k] = tokens, positions, slots
-        host[0, k:n], host[1, k:n], host[2, k:n] = 0, 0, self.pad_slot
+        host[3, :k] = -1 if feed is None else feed[1]
+        host[0, k:n], host[1, k:n], host[2, k:n], host[3, k:n] = 0, 0, self.pad_slot, -1
         table[:n] = self.pad_block
         for b, (p, blk) in enumerate(zip(positions, blocks)):
             if not p < len(blk) * self.block_tokens or p >= self.max_len:
@@ -161,6 +168,10 @@ class DecodeBuffers:
             table[b, :len(blk)] = blk
         self.ids[:, :n].copy_(self.host_ids[:, :n], non_blocking=True)
         self.block_table[:n].copy_(self.host_table[:n], non_blocking=True)
+        if feed is not None and k:  # stream-ordered after the step that samples feed[0]: no host sync
+            src = self.ids[3, :k]
+            fed = feed[0].index_select(0, src.clamp(min=0)).to(self.ids.dtype)
+            self.ids[0, :k] = torch.where(src >= 0, fed, self.ids[0, :k])
         if self.engram_rows is not None and k:
             self.host_engram[:k].copy_(engram_rows)
             self.engram_rows[:k].copy_(self.host_engram[:k], non_blocking=True)

@@ -107,12 +107,12 @@ class FakeModel:
         return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
 
 
-def fake_llm(**opts):
-    """An LLM over the fake model (CPU)."""
+def fake_llm(model_cls=None, **opts):
+    """An LLM over the fake model (CPU); `model_cls`: a FakeModel subclass."""
     from mini.engine import LLM
     cfg = FakeConfig()
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
-    return LLM(FakeModel(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
+    return LLM((model_cls or FakeModel)(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
                seq_chunk_cls=FakeSeqChunk, **opts)
 
 

@@ -1,0 +1,239 @@
+"""Overlapped decode steps (LLMEngine with overlap=True) give exactly the plain engine's outputs.
+
+On CPU the fake model runs eagerly, so each overlapped step reads the previous step's ids back before its inputs
+are built (the Engram / eager path), but everything else is the real overlap logic: one step of lag, sequences
+planned while their last token is in flight, the extra token of a finished sequence discarded, its cache returned
+only once the step that still computes it is read back. The device-fed path (tokens written into the static decode
+buffers on the device) runs on CPU with tiny-v4's static decode step (no Engram) at the end."""
+import random
+
+import pytest
+import torch
+
+import mini.engine.llm as llm_module
+from fake_model import FakeConfig, FakeModel, fake_llm, scripted_llm
+from mini.engine import LLM, SamplingParams
+
+EOS = FakeConfig().eos_id
+
+
+class EosProneModel(FakeModel):
+    """The fake model with EOS made likely, so that requests end by EOS at many different steps."""
+
+    def forward(self, batch, cache):
+        logits = super().forward(batch, cache)
+        logits[:, EOS] += 6.0
+        return logits
+
+
+def _prompts(n, seed=0, shared=""):
+    rng = random.Random(seed)
+    return [shared + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
+def _run(overlap: bool, prompts, params, make=fake_llm, arrivals=None, aborts=(), **opts):
+    """Step the engine by hand. `arrivals`: {step index: [prompt indices]} added before that step (default: all at
+    0); `aborts`: (step index, prompt index) pairs. Returns the final outputs, the streamed pieces and the LLM."""
+    llm = make(overlap=overlap, **opts)
+    engine = llm.engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    arrivals = arrivals or {0: list(range(len(prompts)))}
+    final, streamed, step = {}, {}, 0
+    while step <= max(arrivals) or engine.has_work():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        for s, i in aborts:
+            if s == step:
+                engine.abort(f"r{i}")
+        for o in engine.step():
+            ids, text = streamed.setdefault(o.request_id, ([], []))
+            ids += o.new_token_ids
+            text.append(o.new_text)
+            if o.finished:
+                final[o.request_id] = o
+        step += 1
+    return [final[f"r{i}"] for i in range(len(prompts))], streamed, llm
+
+
+def _view(o):
+    lps = [(t.token_id, round(t.logprob, 5), sorted(t.top)) for t in o.logprobs]
+    return o.token_ids, o.text, o.finish_reason, o.stop_reason, lps
+
+
+def _check_same(prompts, params, **kw):
+    plain, _, plain_llm = _run(False, prompts, params, **kw)
+    over, streamed, llm = _run(True, prompts, params, **kw)
+    assert [_view(o) for o in over] == [_view(o) for o in plain]
+    for o in over:  # what was streamed is exactly the final output: a discarded token is never emitted
+        ids, text = streamed[o.request_id]
+        assert ids == o.token_ids and "".join(text) == o.text
+    engine = llm.engine
+    assert engine.overlap and not plain_llm.engine.overlap and engine._inflight is None
+    n_blocks = engine.blocks.n_blocks
+    assert engine.blocks.n_free_blocks == n_blocks and len(engine.blocks.free_slots) == engine.blocks.n_seq_slots
+    return plain, over, plain_llm, llm
+
+
+def _eos_llm(**opts):
+    return fake_llm(EosProneModel, **opts)
+
+
+def test_greedy_eos_and_max_tokens_at_different_steps():
+    prompts = _prompts(12, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=3 + i % 7) for i in range(12)]
+    plain, over, plain_llm, llm = _check_same(prompts, params, make=_eos_llm)
+    reasons = {o.finish_reason for o in plain}
+    assert reasons == {"stop", "length"}, reasons
+    assert len({len(o.token_ids) for o in plain}) >= 4  # finishes spread over many steps
+    # sequences ended by EOS were computed one more step (discarded); length limits are known in advance
+    assert sum(map(len, llm.engine.runner.model.calls)) > sum(map(len, plain_llm.engine.runner.model.calls))
+
+
+def test_length_limits_cost_no_extra_step():
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    _, _, plain_llm, llm = _check_same(prompts, params)
+    assert llm.engine.runner.model.calls == plain_llm.engine.runner.model.calls
+
+
+def test_outputs_lag_one_step_behind_the_launch():
+    llm = fake_llm(overlap=True)
+    engine = llm.engine
+    engine.add_request("a", "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    first = engine.step()  # the prefill step is not overlapped: its token comes back at once
+    assert [len(o.token_ids) for o in first] == [1]
+    assert engine.step() == [] and engine._inflight is not None  # decode 1 in flight
+    assert [len(o.token_ids) for o in engine.step()] == [2]  # decode 2 launched, decode 1 read back
+
+
+def test_seeded_sampling_with_logprobs():
+    prompts = _prompts(10, seed=3)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50 if i % 2 else -1, max_tokens=4 + i % 5,
+                             seed=100 + i, logprobs=2 if i % 3 else None) for i in range(10)]
+    _check_same(prompts, params, make=_eos_llm)
+
+
+def test_penalties_run_without_overlap_and_match():
+    prompts = _prompts(5, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=1.5 if i == 2 else 0)
+              for i in range(5)]
+    _check_same(prompts, params)
+
+
+def test_stop_strings_at_different_steps():
+    """The scripted output is the same text for every request, shifted by the prompt length: the stop string ends
+    each request at a different step; one request never meets it and ends by length."""
+    prompts = [list(range(10, 10 + n)) for n in (5, 7, 8, 10, 13)]
+    params = [SamplingParams(temperature=0, max_tokens=30 if i < 4 else 3, ignore_eos=True, stop=["ld!"],
+                             include_stop_str_in_output=i % 2 == 1) for i in range(5)]
+    plain, *_ = _check_same(prompts, params, make=lambda **o: scripted_llm("hello world! ", 8, **o))
+    assert [o.finish_reason for o in plain] == ["stop"] * 4 + ["length"]
+    assert len({len(o.token_ids) for o in plain[:4]}) == 4
+
+
+def test_preemption_while_tokens_are_in_flight():
+    prompts = _prompts(8, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _, _, plain_llm, llm = _check_same(prompts, params, num_blocks=14, max_num_seqs=8)
+    assert plain_llm.engine.stats.preemptions > 0 and llm.engine.stats.preemptions > 0
+
+
+def test_prefix_caching_and_requests_arriving_mid_run():
+    prompts = _prompts(9, seed=6, shared="the quick brown fox jumps ")
+    params = SamplingParams(temperature=0, max_tokens=10)
+    arrivals = {0: [0, 1, 2], 3: [3, 4], 4: [5], 9: [6, 7, 8]}
+    _, over, _, llm = _check_same(prompts, params, make=_eos_llm, arrivals=arrivals, max_num_seqs=4)
+    assert llm.engine.blocks.stats.hits > 0 and any(o.num_cached_tokens for o in over)
+
+
+def test_aborts_leave_the_others_identical_and_free_the_cache():
+    prompts = _prompts(6, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    full, _, _ = _run(False, prompts, params)
+    aborts = [(4, 1), (6, 3), (7, 3)]
+    plain, _, _ = _run(False, prompts, params, aborts=aborts)
+    over, streamed, llm = _run(True, prompts, params, aborts=aborts)
+    for i in range(6):
+        if i in (1, 3):  # the aborted keep a prefix of their tokens (up to one fewer than the plain engine's)
+            assert over[i].finish_reason == plain[i].finish_reason == "abort"
+            assert over[i].token_ids == full[i].token_ids[:len(over[i].token_ids)]
+            assert len(plain[i].token_ids) - 1 <= len(over[i].token_ids) <= len(plain[i].token_ids)
+            assert streamed[f"r{i}"][0] == over[i].token_ids
+        else:
+            assert _view(over[i]) == _view(plain[i]) == _view(full[i])
+    blocks = llm.engine.blocks
+    assert blocks.n_free_blocks == blocks.n_blocks and len(blocks.free_slots) == blocks.n_seq_slots
+
+
+def test_cache_of_a_finished_sequence_is_held_until_its_last_step_is_read_back():
+    """Every release happens when no launched-but-unread step still computes the sequence; and the deferred path
+    (a sequence that ended while its next step was already launched) is taken."""
+    llm = _eos_llm(overlap=True)
+    engine = llm.engine
+    released, deferred = [], []
+    release, remove = engine.blocks.release, engine.scheduler.remove
+
+    def checked_release(seq):
+        step = engine._inflight
+        assert step is None or step.kept is not None or all(s is not seq for s in step.seqs)
+        released.append(seq)
+        release(seq)
+
+    def spied_remove(seq, release=True):
+        if not release:
+            deferred.append(seq)
+        remove(seq, release)
+
+    engine.blocks.release, engine.scheduler.remove = checked_release, spied_remove
+    outs = llm.generate(_prompts(12, seed=8), SamplingParams(temperature=0, max_tokens=12))
+    assert deferred and all(any(r is s for r in released) for s in deferred)
+    assert any(o.finish_reason == "stop" for o in outs)
+
+
+def test_device_fed_tokens_on_the_static_decode_path(monkeypatch):
+    """tiny-v4 (no Engram) through the static decode buffers: the in-flight ids are gathered into the next step's
+    token row on the device (no read-back before the launch); tokens equal the eager plain engine's."""
+    from mini.model import DecodeBuffers
+    fed = []
+    fill = DecodeBuffers.fill
+
+    def spied_fill(self, n, tokens, positions, slots, blocks, engram_rows=None, feed=None):
+        fed.append(feed is not None and any(r >= 0 for r in feed[1]))
+        return fill(self, n, tokens, positions, slots, blocks, engram_rows, feed)
+
+    monkeypatch.setattr(DecodeBuffers, "fill", spied_fill)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 1, 40, 17)]
+    params = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=5 + i, ignore_eos=True)
+              for i in range(4)]
+    runs = {}
+    for static, overlap in ((False, False), (True, True)):
+        monkeypatch.setattr(llm_module, "use_cuda_graphs", lambda *a, s=static: s)
+        llm = LLM("tiny-v4", device="cpu", dtype=torch.float32, num_blocks=8, block_tokens=128, max_num_seqs=4,
+                  max_model_len=256, overlap=overlap)
+        assert (llm.engine.runner.graphs is not None) == static and llm.engine.overlap == overlap
+        runs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert runs[True] == runs[False]
+    assert sum(fed) >= 5  # decode steps fed from the device
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_overlap_equal_eager():
+    """bf16, fast backend: graph replays with overlapped steps == enforce_eager, greedy and seeded, V4.1 (Engram:
+    ids read back before each launch) and V4 (ids fed on the device)."""
+    from mini.ops import set_backend
+    set_backend("fast")
+    rng = random.Random(10)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (64, 70, 90, 100, 127, 150, 181)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=10 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    for model in ("tiny-v4.1", "tiny-v4"):
+        runs = {}
+        for eager in (True, False):
+            llm = LLM(model, device="cuda", dtype=torch.bfloat16, max_num_seqs=8, block_tokens=128,
+                      max_model_len=1024, enforce_eager=eager)
+            assert llm.engine.overlap == (not eager)
+            llm.engine.step_times = []
+            runs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+            assert eager or sum(t.graph for t in llm.engine.step_times) >= 20
+        assert runs[False] == runs[True], model
