@@ -11,6 +11,9 @@ write only into the scratch slot and block that the runner adds past the block m
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -25,6 +28,16 @@ def buckets(max_seqs: int) -> list[int]:
 
 def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
     return all(c.length == 1 and c.samples for c in chunks)
+
+
+@dataclass
+class TokenFeed:
+    """Decode tokens still on the device (an overlapped step's samples, see mini.engine.llm): row b of the step
+    takes `ids[rows[b]]` where rows[b] >= 0. `fetch()` waits for them and appends them to the histories on the
+    host, for a forward that needs them there (eager, or Engram hashing)."""
+    ids: torch.Tensor
+    rows: list[int]
+    fetch: Callable[[], None]
 
 
 class DecodeGraphs:
@@ -64,31 +77,27 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[n] = (graph, logits)
 
-    @property
-    def feeds_on_device(self) -> bool:
-        """Decode tokens can come from the device (a previous step's samples). Not with Engram: its rows are
-        hashed from the last tokens and looked up on the host before the replay."""
-        return self.hasher is None
-
-    def prepare(self, chunks: list[ScheduledChunk], history, feed: tuple[torch.Tensor, list[int]] | None = None
-                ) -> int:
-        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens;
-        `feed` (see DecodeBuffers.fill) gives those of rows whose token is still on the device."""
+    def prepare(self, chunks: list[ScheduledChunk], history, feed: "TokenFeed | None" = None) -> int:
+        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens
+        known on the host; `feed` those of rows whose token is still on the device (copied there, on the device).
+        Engram rows are hashed from the last tokens on the host: with a feed, its tokens are fetched only after
+        everything else is copied, so that the wait for the previous step is as late as it can be."""
         n = self.bucket(len(chunks))
-        if feed is not None and not self.feeds_on_device:
-            raise ValueError("Engram decode steps need their tokens on the host")
-        if self.hasher is None:
-            fed = feed[1] if feed is not None else [-1] * len(chunks)
-            tokens, rows = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed)], None
-        else:  # the last `lookback` tokens of each sequence, its decode token last
-            k = self.hasher.lookback
-            tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
-            for b, c in enumerate(chunks):
-                tail = history(c.seq, max(0, c.end - k), c.end)
-                tails[b, k - len(tail):] = tail
-            tokens, rows = tails[:, -1].tolist(), self.model.engram_rows(self.hasher.hash_last(tails))
+        fed = feed.rows if feed is not None else [-1] * len(chunks)
+        tokens = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed)]
+        rows = None
+        if self.hasher is not None:
+            def rows() -> torch.Tensor:  # the last `lookback` tokens of each sequence, its decode token last
+                if feed is not None:
+                    feed.fetch()
+                k = self.hasher.lookback
+                tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
+                for b, c in enumerate(chunks):
+                    tail = history(c.seq, max(0, c.end - k), c.end)
+                    tails[b, k - len(tail):] = tail
+                return self.model.engram_rows(self.hasher.hash_last(tails))
         self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
-                          [c.seq.blocks for c in chunks], rows, feed)
+                          [c.seq.blocks for c in chunks], rows, None if feed is None else (feed.ids, feed.rows))
         return n
 
     def replay(self, n: int, n_real: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
 * A step that is not pure decode, or samples with penalties (they read the whole history), first reads back the
   step in flight, then runs as the plain engine does, without the sequences that just finished.
 * Engram decode steps (V4.1) hash their last tokens on the host: step N's ids are read back (a wait for the
-  device) before step N+1's inputs are prepared; the bookkeeping still overlaps step N+1. The eager forward
-  (CPU, tests) takes this path too.
+  device) after step N+1's other inputs are copied and before its Engram rows are looked up; the bookkeeping
+  still overlaps step N+1. The eager forward (CPU, tests) reads them back before building its batch.
 * A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
   history to recompute); its blocks are reused at once, which is safe because every device write (replays,
   eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.
@@ -28,7 +28,7 @@ import torch
 
 from mini.engine.block_manager import BlockManager
 from mini.engine.model_runner import ModelRunner, size_cache
-from mini.engine.cuda_graphs import is_decode_step
+from mini.engine.cuda_graphs import TokenFeed, is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
@@ -238,16 +238,12 @@ class LLMEngine:
 
     def _launch(self, chunks: list[ScheduledChunk], prev: _Launched | None) -> _Launched:
         """Forward and sample on the device; start copying the sampled ids to the host. `prev`: the step in flight,
-        whose ids feed this step's rows on the device, or are read back first where the runner needs them."""
+        whose ids feed this step's rows on the device, or are read back where the runner needs them on the host."""
         feed = None
-        if prev is not None:
-            if self.runner.feeds_on_device(chunks):
-                ids = prev.out.token_ids if prev.out is not None else None
-                row_of = {id(s): i for i, s in enumerate(prev.seqs)}
-                rows = [row_of[id(c.seq)] if c.seq.num_inflight else -1 for c in chunks]
-                feed = (ids, rows) if any(r >= 0 for r in rows) else None
-            else:
-                self._fetch(prev)
+        if prev is not None and any(c.seq.num_inflight for c in chunks):
+            row_of = {id(s): i for i, s in enumerate(prev.seqs)}
+            feed = TokenFeed(prev.out.token_ids, [row_of[id(c.seq)] if c.seq.num_inflight else -1 for c in chunks],
+                             lambda: self._fetch(prev))
         self.runner.timing = self.step_times is not None
         logits = self.runner.run(chunks, feed)
         for c in chunks:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mini.engine.block_manager import SlotCopy
-from mini.engine.cuda_graphs import DecodeGraphs
+from mini.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from mini.engine.scheduler import ScheduledChunk
 
 
@@ -104,20 +104,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.cache, buffers, self.hasher)
             self.graphs.capture_all()
 
-    def feeds_on_device(self, chunks: list[ScheduledChunk]) -> bool:
-        """`run(chunks, feed)` can take decode tokens still on the device (a static decode step without Engram);
-        otherwise every token of the chunks must be in the sequences' histories on the host."""
-        return self.graphs is not None and self.graphs.fits(chunks) and self.graphs.feeds_on_device
-
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], feed: tuple[torch.Tensor, list[int]] | None = None
-            ) -> torch.Tensor:
-        """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order. `feed`
-        (device token ids, one source row per chunk or -1; only where feeds_on_device): tokens not on the host."""
+    def run(self, chunks: list[ScheduledChunk], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order. `feed`: tokens
+        still on the device; a static decode step takes them there, the eager forward fetches them first."""
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
-        if feed is not None and not self.feeds_on_device(chunks):
-            raise ValueError("this step needs its tokens on the host")
+        if feed is not None and not graph:
+            feed.fetch()
+            feed = None
         if graph:
             n = self.graphs.prepare(chunks, _history, feed)
         else:

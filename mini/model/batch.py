@@ -146,7 +146,8 @@ class DecodeBuffers:
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
              engram_rows: torch.Tensor | None = None, feed: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
-        there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host.
+        there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host, or be
+        a function giving them, called once the other inputs are on their way (it may wait for `feed`'s tokens).
         `feed` (device ids, one source row per sequence or -1): tokens taken on the device, replacing `tokens`."""
         k = len(tokens)
         if feed is not None and len(feed[1]) != k:
@@ -173,7 +174,7 @@ class DecodeBuffers:
             fed = feed[0].index_select(0, src.clamp(min=0)).to(self.ids.dtype)
             self.ids[0, :k] = torch.where(src >= 0, fed, self.ids[0, :k])
         if self.engram_rows is not None and k:
-            self.host_engram[:k].copy_(engram_rows)
+            self.host_engram[:k].copy_(engram_rows() if callable(engram_rows) else engram_rows)
             self.engram_rows[:k].copy_(self.host_engram[:k], non_blocking=True)
         if self.copied is not None:
             self.copied.record()

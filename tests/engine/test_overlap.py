@@ -190,9 +190,11 @@ def test_cache_of_a_finished_sequence_is_held_until_its_last_step_is_read_back()
     assert any(o.finish_reason == "stop" for o in outs)
 
 
-def test_device_fed_tokens_on_the_static_decode_path(monkeypatch):
-    """tiny-v4 (no Engram) through the static decode buffers: the in-flight ids are gathered into the next step's
-    token row on the device (no read-back before the launch); tokens equal the eager plain engine's."""
+@pytest.mark.parametrize("model,block_tokens", [("tiny-v4", 128), ("tiny-v4.1", 16)])
+def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_tokens):
+    """Through the static decode buffers the in-flight ids are gathered into the next step's token row on the
+    device (tiny-v4: no read-back before the launch; tiny-v4.1: read back only for the Engram lookup, after the
+    other inputs are copied); tokens equal the eager plain engine's."""
     from mini.model import DecodeBuffers
     fed = []
     fill = DecodeBuffers.fill
@@ -209,8 +211,8 @@ def test_device_fed_tokens_on_the_static_decode_path(monkeypatch):
     runs = {}
     for static, overlap in ((False, False), (True, True)):
         monkeypatch.setattr(llm_module, "use_cuda_graphs", lambda *a, s=static: s)
-        llm = LLM("tiny-v4", device="cpu", dtype=torch.float32, num_blocks=8, block_tokens=128, max_num_seqs=4,
-                  max_model_len=256, overlap=overlap)
+        llm = LLM(model, device="cpu", dtype=torch.float32, num_blocks=8 * 128 // block_tokens,
+                  block_tokens=block_tokens, max_num_seqs=4, max_model_len=256, overlap=overlap)
         assert (llm.engine.runner.graphs is not None) == static and llm.engine.overlap == overlap
         runs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]
