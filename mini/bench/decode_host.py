@@ -1,17 +1,23 @@
 """decode-host: where the time of a decode step goes at batch B, eager vs CUDA graphs (issue #3, item 8).
 
 One model (`--model`, random tiny weights by default) serves `--batch` requests of `--input-len` random tokens and
-`--output-len` greedy tokens each (EOS ignored) through LLMEngine, once per mode: `eager` (enforce_eager) and
-`graphs` (decode steps replay CUDA graphs; CUDA + fast backend only). LLMEngine.step_times records every step;
-the pure-decode steps at the full batch (after `--skip` of them) are summarised by their medians:
+`--output-len` greedy tokens each (EOS ignored) through LLMEngine, once per mode: `eager` (enforce_eager),
+`graphs` (decode steps replay CUDA graphs; CUDA + fast backend only), and `graphs+overlap` / `eager+overlap`
+(the same with overlapped decode steps, EngineOptions.overlap: step N+1 is prepared and launched before step N's
+tokens are read back, whose bookkeeping then runs while step N+1 computes). LLMEngine.step_times records every
+step; the pure-decode steps at the full batch (after `--skip` of them) are summarised by their medians:
 
-* step_ms         wall time of LLMEngine.step()
+* step_ms         wall time of LLMEngine.step() (overlapped: of the call that launched the step, which also reads
+                  the previous step back: in steady state one call per step)
 * gpu_ms          CUDA events around the forward (eager: first launch to last kernel, so launch gaps count here)
 * host_ms         step_ms - gpu_ms: scheduling, input preparation, sampling and outputs, outside the forward
 * host_share      host_ms / step_ms (the issue's target: under 10% at batch 64)
+* period_ms       spacing of consecutive full-batch decode steps (start to start): step_ms plus the caller's loop
+* gpu_idle_share  (period_ms - gpu_ms) / period_ms per step: how long the GPU waits for the host (with overlap
+                  this is what is left of the host share; without, the same as host_share up to the loop)
 * schedule_ms, prepare_ms, forward_call_ms (host time of the launches / one replay), sample_ms: the host phases
 
-On CPU only `eager` runs and the GPU columns are absent.
+On CPU the graphs modes are left out and the GPU columns are absent.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import statistics
 import torch
 
 SUITE = "decode-host"
+MODES = ("eager", "graphs", "graphs+overlap", "eager+overlap")
 
 
 def add_args(p) -> None:
@@ -29,7 +36,7 @@ def add_args(p) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--skip", type=int, default=3, help="full-batch decode steps not timed (warm-up)")
-    p.add_argument("--modes", default="eager,graphs", help="comma-separated: eager, graphs")
+    p.add_argument("--modes", default=",".join(MODES[:3]), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None,
@@ -37,16 +44,19 @@ def add_args(p) -> None:
                         "tensors)")
 
 
-def _measure(model, config, tokenizer, args, device, graphs: bool) -> dict[str, float]:
+def _measure(model, config, tokenizer, args, device, mode: str) -> dict[str, float]:
     from mini.engine import SamplingParams
     from mini.engine.llm import build_engine
+    graphs, overlap = mode.startswith("graphs"), mode.endswith("+overlap")
     need = args.input_len + args.output_len + 1
     engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, max_num_seqs=args.batch,
                           max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                          max_model_len=args.max_model_len, enforce_eager=not graphs,
+                          max_model_len=args.max_model_len, enforce_eager=not graphs, overlap=overlap,
                           num_blocks=None if device == "cuda" else args.batch * -(-need // 128))
     if graphs and engine.runner.graphs is None:
         raise ValueError("CUDA graphs need CUDA and the fast backend in bf16")
+    if engine.overlap != overlap:
+        raise RuntimeError(f"mode {mode}: the engine's overlap is {engine.overlap}")
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.batch):
@@ -71,6 +81,11 @@ def _measure(model, config, tokenizer, args, device, graphs: bool) -> dict[str, 
         out["host_ms"] = med(lambda t: t.total_s - t.gpu_s)
         out["host_share"] = statistics.median((t.total_s - t.gpu_s) / t.total_s for t in steps)
         out["decode_tok_s"] = args.batch / (out["step_ms"] / 1e3)
+        ordered = sorted(steps, key=lambda t: t.started)
+        pairs = [(b.started - a.started, a.gpu_s) for a, b in zip(ordered, ordered[1:])]
+        if pairs:
+            out["period_ms"] = 1e3 * statistics.median(p for p, _ in pairs)
+            out["gpu_idle_share"] = statistics.median((p - g) / p for p, g in pairs)
     return out
 
 
@@ -78,21 +93,23 @@ def run(args) -> dict:
     from mini.model import load_model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        raise ValueError(f"--modes: some of {', '.join(MODES)} (graphs on CUDA only), got {args.modes!r}")
     if device != "cuda":
-        modes = [m for m in modes if m != "graphs"]
-    if not modes or set(modes) - {"eager", "graphs"}:
-        raise ValueError(f"--modes: eager and/or graphs (graphs on CUDA only), got {args.modes!r}")
+        modes = [m for m in modes if not m.startswith("graphs")]
+    if not modes:
+        raise ValueError(f"--modes {args.modes!r}: nothing runs on {device} (graphs modes need CUDA)")
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
     metrics = {}
     for mode in modes:
-        for k, v in _measure(model, config, tokenizer, args, device, mode == "graphs").items():
+        for k, v in _measure(model, config, tokenizer, args, device, mode).items():
             metrics[f"{mode}_{k}"] = v
         if device == "cuda":
             torch.cuda.empty_cache()
     rows = [k.split("_", 1)[1] for k in metrics if k.startswith(modes[0] + "_")]
-    print(f"{'':16s}" + "".join(f"{m:>12s}" for m in modes))
+    print(f"{'':16s}" + "".join(f"{m:>16s}" for m in modes))
     for r in rows:
-        print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):12.3f}" for m in modes))
+        print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):16.3f}" for m in modes))
     definition = {"model": args.model, "device": device, "dtype": "bfloat16", "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
                   "modes": ",".join(modes), "max_num_batched_tokens": args.max_num_batched_tokens,

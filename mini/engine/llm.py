@@ -88,6 +88,7 @@ class StepTimes:
     sample_s: float  # block commits, sampling, stop checks, outputs (includes waiting for the GPU to finish)
     total_s: float
     gpu_s: float | None  # CUDA events around the forward
+    started: float = 0.0  # perf_counter at the start of the step() call (spacing of steps: their period)
 
 
 @dataclass(eq=False)
@@ -226,7 +227,7 @@ class LLMEngine:
         if self.step_times is not None:
             r, end = step.timing, time.perf_counter()
             step.times = StepTimes(len(plan.chunks), all(c.is_decode for c in plan.chunks), r.graph, t1 - t0,
-                                   r.prepare_s, r.forward_s, end - t2, end - t0, None)
+                                   r.prepare_s, r.forward_s, end - t2, end - t0, None, t0)
             if not overlap:
                 self._record(step)
         return outputs

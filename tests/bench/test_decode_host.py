@@ -1,4 +1,5 @@
-"""decode-host on CPU (eager only): the full-batch decode steps are found and split into host phases."""
+"""decode-host on CPU (eager and eager+overlap): the full-batch decode steps are found and split into host phases;
+on the GPU (gpu-marked) every mode reports its host share."""
 import pytest
 
 from mini.bench import SUITES, _parser
@@ -9,17 +10,38 @@ def _args(*extra):
         ["decode-host", "--batch", "3", "--input-len", "9", "--output-len", "6", "--skip", "1", *extra])
 
 
-def test_decode_host_on_cpu():
-    res = SUITES["decode-host"](_args("--device", "cpu"))
+@pytest.mark.parametrize("mode", ["eager", "eager+overlap"])
+def test_decode_host_on_cpu(mode):
+    res = SUITES["decode-host"](_args("--device", "cpu", "--modes", f"{mode},graphs+overlap"))
     m = res["metrics"]
-    assert res["definition"]["modes"] == "eager" and "graphs_step_ms" not in m and "eager_gpu_ms" not in m
-    assert m["eager_steps"] == 6 - 1 - 1  # the first token comes from the prefill step; one skipped
-    phases = m["eager_schedule_ms"] + m["eager_prepare_ms"] + m["eager_forward_call_ms"] + m["eager_sample_ms"]
-    assert 0 < m["eager_forward_call_ms"] < m["eager_step_ms"] and phases <= 1.2 * m["eager_step_ms"]  # medians of parts
+    assert res["definition"]["modes"] == mode and not any(k.startswith("graphs") for k in m)
+    assert f"{mode}_gpu_ms" not in m and f"{mode}_host_share" not in m
+    # the first token comes from the prefill step; one skipped; overlap computes no step past max_tokens
+    assert m[f"{mode}_steps"] == 6 - 1 - 1
+    phases = sum(m[f"{mode}_{p}_ms"] for p in ("schedule", "prepare", "forward_call", "sample"))
+    assert 0 < m[f"{mode}_forward_call_ms"] < m[f"{mode}_step_ms"] and phases <= 1.2 * m[f"{mode}_step_ms"]
 
 
 def test_decode_host_rejects_unknown_modes_and_short_runs():
     with pytest.raises(ValueError, match="modes"):
         SUITES["decode-host"](_args("--device", "cpu", "--modes", "fast"))
+    with pytest.raises(ValueError, match="CUDA"):
+        SUITES["decode-host"](_args("--device", "cpu", "--modes", "graphs"))
     with pytest.raises(ValueError, match="output-len"):
         SUITES["decode-host"](_args("--device", "cpu", "--skip", "10"))
+
+
+@pytest.mark.gpu
+def test_decode_host_reports_every_mode_on_the_gpu():
+    from mini.ops import set_backend
+    set_backend("fast")
+    res = SUITES["decode-host"](_args("--batch", "8", "--input-len", "40", "--output-len", "12", "--skip", "2",
+                                      "--max-model-len", "1024"))
+    m = res["metrics"]
+    assert res["definition"]["modes"] == "eager,graphs,graphs+overlap"
+    for mode in ("eager", "graphs", "graphs+overlap"):
+        assert m[f"{mode}_steps"] == 12 - 1 - 2
+        # overlapped: the call that launches a step ends while it runs, so its wall time can be under its GPU span
+        assert m[f"{mode}_gpu_ms"] > 0 and abs(m[f"{mode}_host_share"]) < 1
+        assert m[f"{mode}_period_ms"] > 0 and abs(m[f"{mode}_gpu_idle_share"]) < 1
+    assert m["graphs_gpu_ms"] < m["graphs_step_ms"]
