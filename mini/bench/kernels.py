@@ -95,6 +95,63 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
                              tflops=flops / ms / 1e9))
 
 
+def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
+    """The sparse attention core through FlashMLA's sparse prefill kernel (MINI_SPARSE_ATTN=flashmla) vs our Triton
+    kernel, both with the output's inverse RoPE (what the layer runs). Cases: rank4's (4,096 tokens from position
+    0, a ratio-4 layer's top-512: early queries see fewer groups, -1 padded) and the attention bench's (at 4,096,
+    ratio 2, 512 valid groups). The op path = scratch_keys + kernel + RoPE pass; the kernel rows time the library
+    alone on a prebuilt scratch, with and without the valid-first compaction (topk_length). `tflops` counts the
+    keys actually read (4·H·D per query and key)."""
+    import mini.ops.attention as attention_op
+    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, available, sparse_prefill
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    from mini.ops.rope import apply_rope, rope_frequencies, rope_table
+    if not available():
+        rows.append(dict(kernel="sparse_core/flashmla", error="skipped: sgl-flash-mla does not import on an SM90 "
+                                                              "GPU here (scripts/gpu_flashmla.sh installs it)"))
+        return
+    T = 4096
+    for name, start, ratio in (("rank4 prefill@0 ratio 4", 0, 4), ("prefill@4096 ratio 2", 4096, 2)):
+        b = _prefill_batch(T, start, ratio, dev)
+        q = torch.randn(T, H, D, device=dev).bfloat16()
+        kv_new = torch.randn(T, D, device=dev).bfloat16()
+        window = torch.randn(int(b["slots"].max()) + 1, W, D, device=dev).bfloat16()
+        comp = torch.randn(b["n_blocks"], BLOCK_TOKENS // ratio, D, device=dev).bfloat16()
+        sink = torch.randn(H, device=dev)
+        vis = ((b["positions"] + 1) // ratio)[:, None]
+        j = torch.arange(TOPK, device=dev)[None, :]
+        few = torch.where(j < vis, j, -1)  # a query seeing <= TOPK groups reads them all
+        comp_idx = torch.where(vis <= TOPK, few, (torch.rand(T, TOPK, device=dev) * vis).long()).sort(-1).values
+        table = rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0))
+        args = (q, kv_new, window, sink, b["positions"], b["seq_of"], b["slots"], b["start_pos"], D ** -0.5)
+        kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=ratio, rope_out=table)
+        src = (kv_new, window, b["positions"], b["seq_of"], b["slots"], b["start_pos"], comp, b["block_table"],
+               comp_idx, TOPK_MULTIPLE)
+        kv, key_rows, count = attention_op.scratch_keys(*src)
+        flops = 4 * H * D * float(count.sum())
+        ours = sparse_mla_attention(*args, **kw)
+        theirs = attention_op.flashmla_attention(*args, **kw)
+        diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1) / ours.float().flatten(1).norm(dim=1)
+        kv_all, rows_all, count_all = attention_op.scratch_keys(*src, valid_first=False)
+        kernels = [("triton (rope_out in the epilogue)", lambda: sparse_mla_attention(*args, **kw)),
+                   ("flashmla op: scratch + kernel + rope pass", lambda: attention_op.flashmla_attention(*args, **kw)),
+                   ("flashmla kernel, valid-first rows + topk_length",
+                    lambda: sparse_prefill(q, kv, key_rows, count, sink, D ** -0.5)),
+                   ("flashmla kernel, rows as built (count = n)",
+                    lambda: sparse_prefill(q, kv_all, rows_all, count_all, sink, D ** -0.5))]
+        parts = [("scratch_keys alone", lambda: attention_op.scratch_keys(*src)),
+                 ("inverse rope pass alone", lambda: apply_rope(q, table, inverse=True))]
+        for i, (label, f) in enumerate(kernels + parts):
+            ms = _bench(f)
+            row = dict(kernel=f"sparse_core/{name}", config=label, ms=ms)
+            if i < len(kernels):
+                row.update(tflops=flops / ms / 1e9, frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS,
+                           keys_per_query=float(count.float().mean()), rows_per_query=key_rows.shape[1])
+            if label.startswith("flashmla op"):
+                row.update(max_token_rel_err_vs_triton=float(diff.max()))
+            rows.append(row)
+
+
 def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     from mini.kernels.indexer_topk import index_scores
     from mini.ops.indexer import index_scores as reference, top_groups, topk_recent
@@ -276,7 +333,7 @@ def bench_norm(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
+BENCHES = {"attention": bench_attention, "flashmla": bench_flashmla, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
            "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
 
 
@@ -311,7 +368,7 @@ def main(argv=None) -> None:
             print(f"{r['kernel']:44s} ERROR {r['error']}")
             continue
         rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "frac_copy_peak",
-                                                     "gathered_tbs") if k in r)
+                                                     "gathered_tbs", "max_token_rel_err_vs_triton") if k in r)
         print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r['ms']:8.4f}  {rate}")
     if args.json:
         with open(args.json, "w") as f:

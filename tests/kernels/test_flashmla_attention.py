@@ -1,0 +1,109 @@
+"""FlashMLA's sparse prefill kernel as the sparse attention backend (mini/kernels/flashmla_attention.py) against
+the reference op and our Triton kernel, on the H200 with sgl-flash-mla installed (scripts/gpu_flashmla.sh).
+
+Tolerances (bf16 output): both sides round the output to bf16 (2^-9 relative per element, ~1e-3 of a token's
+norm each) and P to bf16 before P·V, FlashMLA at its running maxima (and rescaled, rounded again, for one
+warpgroup's half) where the reference rounds once at the final maximum: ~1e-3 more. A wrong or missing key in a
+query's list moves that token by ~2e-2 at these sizes (one of <= 640 keys of comparable weight), so the
+per-token bound 1.2e-2 catches indexing errors that a whole-tensor norm would dilute."""
+import pytest
+import torch
+
+from mini.kernels.flashmla_attention import available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not available(), reason="sgl-flash-mla (with its SM90 kernels) does not import on an SM90 GPU here")]
+
+PER_TOKEN_TOL, TOTAL_TOL = 1.2e-2, 6e-3
+
+
+def make_step(flat_batch, lens, starts, H, W, ratio, rpb, topk, D=512):
+    """Random bf16 step on the GPU: table entries past a sequence's blocks are -1 (as Batch.build leaves them);
+    a fresh sequence's ring and the pool blocks no table holds are NaN, since nothing may read them."""
+    b = flat_batch(lens, starts, block_tokens=rpb * ratio, device="cuda")
+    need = (b.start_pos + b.lens + rpb * ratio - 1) // (rpb * ratio)
+    b.block_table[torch.arange(b.block_table.shape[1], device="cuda")[None, :] >= need[:, None]] = -1
+    T = b.positions.numel()
+    q = torch.randn(T, H, D, device="cuda").bfloat16()
+    kv_new = torch.randn(T, D, device="cuda").bfloat16()
+    window = torch.randn(int(b.slots.max()) + 2, W, D, device="cuda").bfloat16()
+    window[b.slots[b.start_pos == 0]] = float("nan")
+    comp = torch.full((b.n_blocks, rpb, D), float("nan"), device="cuda").bfloat16()
+    used = b.block_table[b.block_table >= 0].long()
+    comp[used] = torch.randn(used.numel(), rpb, D, device="cuda").bfloat16()
+    visible = ((b.positions + 1) // ratio).cpu()
+    comp_idx = torch.full((T, topk), -1, dtype=torch.long)
+    for t in range(T):
+        pick = torch.randperm(int(visible[t]))[:topk]
+        comp_idx[t, : pick.numel()] = pick
+        comp_idx[t] = comp_idx[t][torch.randperm(topk)]
+    sink = torch.randn(H, device="cuda")
+    args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
+    return args, dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx.cuda(), ratio=ratio)
+
+
+def rope_table_for(positions):
+    from mini.ops.rope import rope_frequencies, rope_table
+    return rope_table(positions, rope_frequencies(64, 160000.0, 65536, 16.0).to(positions.device))
+
+
+def assert_close_per_token(out, ref):
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape and torch.isfinite(out).all()
+    diff, ref = (out.float() - ref.float()).flatten(1), ref.float().flatten(1)
+    per_token = diff.norm(dim=1) / ref.norm(dim=1)
+    total = diff.norm() / ref.norm()
+    assert per_token.max() < PER_TOKEN_TOL and total < TOTAL_TOL, (per_token.max().item(), total.item())
+
+
+@pytest.mark.parametrize("case", ["small", "small_h128", "real", "real_rope", "window_only"])
+def test_flashmla_matches_reference_op(case, flat_batch, reference_ops):
+    from mini.ops.attention import flashmla_attention, sparse_attention
+    H = 128 if case == "small_h128" else 64
+    if case.startswith("real"):  # V4.1: window 128 + top-512 groups (ratio 4), 64 heads x 512
+        args, kw = make_step(flat_batch, [601, 1, 1, 40], [700, 3000, 5, 0], H, 128, 4, 64, 512)
+    else:
+        args, kw = make_step(flat_batch, [300, 1, 77, 1], [0, 1000, 150, 3], H, 32, 2, 32, 61)
+    if case == "window_only":
+        kw = {}
+    if case == "real_rope":
+        kw["rope_out"] = rope_table_for(args[4])
+    ref = sparse_attention(*args, **kw)  # the plain reference (fixture), bf16 in, fp32 math
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(flashmla_attention(*args, **kw))
+    assert_close_per_token(out, ref)
+
+
+def test_dispatch_runs_flashmla_for_prefill_and_triton_for_decode(flat_batch, monkeypatch):
+    """MINI_SPARSE_ATTN=flashmla through mini.ops.attention.sparse_attention: a prefill-sized step goes to the
+    library (same result as our kernel, output RoPE included), a decode step to our kernel."""
+    import mini.ops.attention as attention_op
+    from mini.kernels.flashmla_attention import MIN_TOKENS
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    calls = []
+
+    def spy(*a, **k):
+        calls.append(a[0].shape[0])
+        return flashmla(*a, **k)
+
+    flashmla = attention_op.flashmla_attention
+    monkeypatch.setattr(attention_op, "flashmla_attention", spy)
+    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "flashmla")
+    for lens, starts in [([MIN_TOKENS + 77, 3], [0, 500]), ([1, 1, 1], [900, 40, 7])]:
+        args, kw = make_step(flat_batch, lens, starts, 64, 128, 4, 64, 512)
+        kw["rope_out"] = rope_table_for(args[4])
+        out = torch.full_like(args[0], float("nan"))
+        out.copy_(attention_op.sparse_attention(*args, **kw))
+        assert_close_per_token(out, sparse_mla_attention(*args, **kw))
+    assert calls == [MIN_TOKENS + 80]
+
+
+def test_auto_keeps_flashmla_after_its_checked_first_call(flat_batch, monkeypatch):
+    import warnings
+
+    import mini.ops.attention as attention_op
+    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "auto-flashmla")
+    args, kw = make_step(flat_batch, [700], [0], 64, 128, 4, 64, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention_op.sparse_attention(*args, **kw, rope_out=rope_table_for(args[4]))
+    assert attention_op._SPARSE_BACKEND == "flashmla"
