@@ -33,11 +33,11 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 @dataclass
 class TokenFeed:
     """Decode tokens still on the device (an overlapped step's samples, see mini.engine.llm): row b of the step
-    takes `ids[rows[b]]` where rows[b] >= 0. `fetch()` waits for them and appends them to the histories on the
-    host, for a forward that needs them there (eager, or Engram hashing)."""
+    takes `ids[rows[b]]` where rows[b] >= 0. `fetch()` waits for them, appends them to the histories on the host
+    (for a forward that needs them there: eager, or Engram hashing) and returns them all (a list like `ids`)."""
     ids: torch.Tensor
     rows: list[int]
-    fetch: Callable[[], None]
+    fetch: Callable[[], list[int]]
 
 
 class DecodeGraphs:
@@ -83,18 +83,21 @@ class DecodeGraphs:
         Engram rows are hashed from the last tokens on the host: with a feed, its tokens are fetched only after
         everything else is copied, so that the wait for the previous step is as late as it can be."""
         n = self.bucket(len(chunks))
-        fed = feed.rows if feed is not None else [-1] * len(chunks)
-        tokens = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed)]
+        fed = np.array(feed.rows if feed is not None else [-1] * len(chunks), dtype=np.int64)
+        tokens = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed.tolist())]
         rows = None
-        if self.hasher is not None:
-            def rows() -> torch.Tensor:  # the last `lookback` tokens of each sequence, its decode token last
-                if feed is not None:
-                    feed.fetch()
-                k = self.hasher.lookback
-                tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
-                for b, c in enumerate(chunks):
-                    tail = history(c.seq, max(0, c.end - k), c.end)
-                    tails[b, k - len(tail):] = tail
+        if self.hasher is not None:  # the last `lookback` tokens of each sequence, its decode token last
+            k = self.hasher.lookback
+            tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
+            for b, c in enumerate(chunks):  # the tokens before the decode token (on the host even when it is fed)
+                tail = history(c.seq, max(0, c.end - k), c.end - 1)
+                tails[b, k - 1 - len(tail):k - 1] = tail
+            tails[:, -1] = tokens
+
+            def rows() -> torch.Tensor:
+                if feed is not None:  # only now wait for the fed tokens: every other input is on its way
+                    fed_rows = fed >= 0
+                    tails[fed_rows, -1] = np.asarray(feed.fetch(), dtype=np.int64)[fed[fed_rows]]
                 return self.model.engram_rows(self.hasher.hash_last(tails))
         self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
                           [c.seq.blocks for c in chunks], rows, None if feed is None else (feed.ids, feed.rows))

@@ -99,6 +99,7 @@ class _Launched:
     host: SampleOutput | None  # copies on the host, valid once `ready` has passed
     ready: torch.cuda.Event | None  # recorded after the copies (None: already on the host)
     timing: object | None  # the runner's ForwardTiming (when timed)
+    ids: list[int] = field(default_factory=list)  # the sampled ids on the host (set by _fetch)
     kept: list[tuple[int, Sequence]] | None = None  # rows whose token was appended (set by _fetch)
     release_after: list[Sequence] = field(default_factory=list)  # finished while this step was in flight
     times: StepTimes | None = None  # host phases of the call that launched it; gpu_s filled when read back
@@ -262,22 +263,24 @@ class LLMEngine:
                 s.num_inflight += 1
         return _Launched(seqs, out, host, ready, self.runner.last_timing if self.runner.timing else None)
 
-    def _fetch(self, step: _Launched) -> None:
-        """Wait for the step's sampled ids and append them to their sequences' histories. A sequence that finished
-        meanwhile (its previous token ended it, or it was aborted) drops its token."""
+    def _fetch(self, step: _Launched) -> list[int]:
+        """Wait for the step's sampled ids, append them to their sequences' histories and return them (one per row
+        of step.seqs). A sequence that finished meanwhile (its previous token ended it, or it was aborted) drops
+        its token."""
         if step.kept is not None:
-            return
+            return step.ids
         step.kept = []
         if step.out is None:
-            return
+            return step.ids
         if step.ready is not None:
             step.ready.synchronize()
-        ids = step.host.token_ids.tolist()
+        ids = step.ids = step.host.token_ids.tolist()
         for i, seq in enumerate(step.seqs):
             seq.num_inflight -= 1
             if not seq.is_finished:
                 seq.output_token_ids.append(ids[i])
                 step.kept.append((i, seq))
+        return ids
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Read a launched step back: its tokens, stop checks and outputs; returns the cache it held for sequences

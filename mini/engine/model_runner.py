@@ -21,6 +21,7 @@ import torch
 
 from mini.engine.block_manager import SlotCopy
 from mini.engine.cuda_graphs import DecodeGraphs, TokenFeed
+from mini.engine.sampler import to_device
 from mini.engine.scheduler import ScheduledChunk
 
 
@@ -140,8 +141,8 @@ class ModelRunner:
             for c in copies:
                 self.cache.copy_slot(c.src, c.dst)
             return
-        src = torch.tensor([c.src for c in copies], device=self.device)
-        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        src = to_device(torch.tensor([c.src for c in copies]), self.device)
+        dst = to_device(torch.tensor([c.dst for c in copies]), self.device)
         for pool in _slot_pools(self.cache):
             pool.index_copy_(0, dst, pool.index_select(0, src))
 

@@ -46,6 +46,14 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> to
     return (_shr(h, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`. On CUDA through pinned memory, without waiting: a copy from pageable
+    memory waits for all the work queued before it (a step in flight), which overlapped steps must not."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters of one step, as tensors on the logits' device."""
@@ -72,11 +80,13 @@ class SamplingBatch:
             out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)
         if any(p.repetition_penalty != 1.0 for p in ps):
             seen = _token_counts([s.tokens for s in seqs], vocab, device) > 0
-        # two host tensors, two copies to the device (not one per parameter)
+        # two host tensors, two copies to the device (not one per parameter), neither waiting for the device
         floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                                p.repetition_penalty] for p in ps], dtype=torch.float32).to(device).unbind(1)
+                                p.repetition_penalty] for p in ps], dtype=torch.float32)
+        floats = to_device(floats, device).unbind(1)
         ints = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab, s.seed, s.num_output_tokens]
-                             for s, p in zip(seqs, ps)], dtype=torch.int64).to(device).unbind(1)
+                             for s, p in zip(seqs, ps)], dtype=torch.int64)
+        ints = to_device(ints, device).unbind(1)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3], frequency=floats[4],
             repetition=floats[5], top_k=ints[0], seeds=ints[1], counters=ints[2],
@@ -96,7 +106,7 @@ def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tenso
     for i, h in enumerate(histories):
         ids[i, :len(h)] = torch.tensor(h, dtype=torch.int64)
         ones[i, :len(h)] = 1.0
-    return counts.scatter_add_(1, ids.to(device), ones.to(device))
+    return counts.scatter_add_(1, to_device(ids, device), to_device(ones, device))
 
 
 @dataclass
