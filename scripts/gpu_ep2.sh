@@ -16,7 +16,7 @@ log="$OUT/log.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$log" 2>&1
 left() { echo $((BUDGET_S - SECONDS)); }
 
-timeout "$EXACT_S" torchrun --nproc-per-node 2 -m mini.bench.ep_exact --json "$OUT/ep_exact.json" \
+timeout "$EXACT_S" torchrun --nproc-per-node 2 -m mini bench ep-exact --json "$OUT/ep_exact.json" \
     >"$OUT/ep_exact.log" 2>&1
 echo "ep-exact rc=$? at ${SECONDS}s" >>"$log"
 

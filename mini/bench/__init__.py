@@ -15,6 +15,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -126,6 +127,30 @@ def _parser(suite: Suite | None) -> argparse.ArgumentParser:
     return p
 
 
+def run_on_ranks(name: str, rank_fn, args, min_ranks: int = 1) -> dict:
+    """A multi-rank suite's run(): one rank under torchrun, else `args.nproc` (default 2) local ranks started here
+    (mini.dist.launch.run_ranks). Every rank returns the same numbers; only rank 0 writes `args.json`."""
+    import torch
+
+    from mini.dist.launch import run_ranks
+    torchrun = "WORLD_SIZE" in os.environ
+    nproc = args.nproc if torchrun else (args.nproc or 2)
+    if not torchrun and nproc < min_ranks:
+        raise SuiteError(f"{name} needs at least {min_ranks} ranks")
+    device = args.device
+    if not torchrun:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and torch.cuda.device_count() < nproc:
+            raise SuiteError(f"{name}: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
+    try:
+        rank, result = run_ranks(rank_fn, args, nproc, device)
+    except ValueError as e:
+        raise SuiteError(f"{name}: {e}") from None
+    if rank != 0:
+        args.json = None
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0].startswith("-"):
@@ -142,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank holds the same numbers
+        return 0
     width = max(len(k) for k in result["metrics"])
     print(f"{suite.name}: " + json.dumps(result["definition"], sort_keys=True))
     for k, v in result["metrics"].items():

@@ -25,26 +25,21 @@ Cases: tiny-v4.1 (fast bf16, reference fp32, reference bf16) and a wide one (V4.
 schedule of ep-prefill, 32 routed experts, prompts of 100s of tokens; fast bf16). On a CPU the fast cases run the
 reference (the fast path needs CUDA).
 
-    torchrun --nproc-per-node 2 -m mini.bench.ep_exact --json ep-exact.json        # 2 GPUs, NCCL
-    python -m mini.bench.ep_exact --nproc 2 --device cpu --cases tiny-reference-fp32  # gloo
+    torchrun --nproc-per-node 2 -m mini bench ep-exact --json ep-exact.json        # 2 GPUs, NCCL
+    mini bench ep-exact --nproc 2 --device cpu --cases tiny-reference-fp32        # gloo
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mini.bench import SuiteError, check_result, environment
+from mini.bench import SuiteError, run_on_ranks
 from mini.config import ModelConfig, preset
 from mini.dist.groups import DistContext
-from mini.dist.launch import run_ranks
 
 
 @dataclass(frozen=True)
@@ -204,44 +199,4 @@ def _rank(ctx: DistContext, args) -> dict:
 
 
 def run(args) -> dict:
-    torchrun = "WORLD_SIZE" in os.environ
-    nproc = args.nproc if torchrun else (args.nproc or 2)
-    device = args.device
-    if not torchrun:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and torch.cuda.device_count() < nproc:
-            raise SuiteError(f"ep-exact: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
-    try:
-        rank, result = run_ranks(_rank, args, nproc, device)
-    except ValueError as e:
-        raise SuiteError(f"ep-exact: {e}") from None
-    if rank != 0:
-        args.json = None  # every rank holds the same numbers; only rank 0 writes the file
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mini.bench.ep_exact` (or under torchrun): the suite's result printed, and written to --json."""
-    p = argparse.ArgumentParser(prog="python -m mini.bench.ep_exact", description=__doc__.split("\n")[0])
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the result (with the environment) to FILE")
-    add_args(p)
-    args = p.parse_args(argv)
-    try:
-        result = check_result("ep-exact", run(args))
-    except SuiteError as e:
-        print(f"ep-exact: {e}", file=sys.stderr)
-        return 2
-    result = {**result, "env": environment()}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if "WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0":
-        width = max(len(k) for k in result["metrics"])
-        print("ep-exact: " + json.dumps({k: v for k, v in result["definition"].items() if k != "cases"}))
-        for k, v in result["metrics"].items():
-            print(f"  {k:{width}s} {v:.6g}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_on_ranks("ep-exact", _rank, args)

@@ -31,7 +31,6 @@ communication.
 """
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import sys
@@ -42,12 +41,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mini.bench import SuiteError
+from mini.bench import SuiteError, run_on_ranks
 from mini.bench import profile
 from mini.config import ModelConfig, preset
 from mini.dist import exchange as exchange_mod
 from mini.dist.groups import DistContext
-from mini.dist.launch import run_ranks
 
 SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
 
@@ -265,19 +263,4 @@ def _rank(ctx: DistContext, args) -> dict:
 
 
 def run(args) -> dict:
-    torchrun = "WORLD_SIZE" in os.environ
-    nproc = args.nproc if torchrun else (args.nproc or 2)
-    if not torchrun and nproc < 2:
-        raise SuiteError("ep-prefill needs at least 2 ranks")
-    device = args.device
-    if not torchrun:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and torch.cuda.device_count() < nproc:
-            raise SuiteError(f"ep-prefill: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
-    try:
-        rank, result = run_ranks(_rank, args, nproc, device)
-    except ValueError as e:
-        raise SuiteError(f"ep-prefill: {e}") from None
-    if rank != 0:
-        args.json = None  # every rank holds the same numbers; only rank 0 writes the file
-    return result
+    return run_on_ranks("ep-prefill", _rank, args, min_ranks=2)
