@@ -51,7 +51,7 @@ def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, count:
     """q [T, H, 512] bf16, kv [N, 512] bf16, rows [T, n] int32 (n a multiple of TOPK_MULTIPLE, -1 = none), count
     [T] int32 (rows read per query), sink [H] -> [T, H, 512] bf16 (arithmetic in the module docstring)."""
     from flash_mla import flash_mla_sparse_fwd
-    out = flash_mla_sparse_fwd(q.contiguous(), kv.unsqueeze(1), rows.unsqueeze(1), float(scale), d_v=HEAD_DIM,
+    out = flash_mla_sparse_fwd(q.contiguous(), kv.unsqueeze(1), rows.unsqueeze(1), float(scale), d_v=q.shape[-1],
                                attn_sink=sink.float().contiguous(), topk_length=count, use_legacy=True)[0]
     if out.shape != q.shape or out.dtype != q.dtype:  # (output, max_logits, lse) is the documented return
         raise RuntimeError(f"flash_mla_sparse_fwd returned {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)}")

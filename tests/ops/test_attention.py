@@ -251,3 +251,49 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
         out = attention_op._first_flashmla_call(args)
     assert torch.equal(out, ours) and attention_op._SPARSE_BACKEND == kept
     assert len(caught) == (kept == "triton")
+
+
+@pytest.mark.parametrize("preset_name,block_tokens,lens,cut", [("tiny-v4.1", 16, (45, 21), (37, 20)),
+                                                               ("tiny-v4", 128, (300, 150), (261, 149))])
+def test_flashmla_path_inside_tiny_models(preset_name, block_tokens, lens, cut, monkeypatch):
+    """Every sparse_attention call of the tiny models, with its real arguments (rings, paged pools with -1 table
+    entries, chunked prefill of two sequences then a chunk and a decode; V4's all-visible ratio-128 ids), gives
+    the reference result through the FlashMLA path (scratch_keys, the adapter, the output RoPE) over a stand-in
+    library that computes its contract (any head count and width here)."""
+    import sys
+    import types
+
+    import mini.model.attn_layer as attn_layer
+    from mini.checkpoint.make import random_state
+    from mini.config import preset
+    from mini.model import Batch, KVCache, Model, SeqChunk
+    from mini.ops.engram import EngramHasher
+    from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+
+    def fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False):
+        assert use_legacy and indices.dtype == topk_length.dtype == torch.int32 and indices.shape[2] % 128 == 0
+        return _library_contract(q, kv[:, 0], indices[:, 0], topk_length, attn_sink, sm_scale), None, None
+
+    monkeypatch.setitem(sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
+    seen = []
+
+    def compared(*args, **kw):
+        ref = sparse_attention(*args, **kw)
+        got = attention_op.flashmla_attention(*args, **kw)
+        seen.append((args[11] is not None and args[11].shape[-1] > 0, args[0].shape[0]))
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        return ref
+
+    monkeypatch.setattr(attn_layer, "sparse_attention", compared)
+    cfg = preset(preset_name)
+    hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size))) \
+        if cfg.engram_layer_ids else None
+    model = Model(cfg, random_state(cfg, seed=0), "cpu", torch.float32)
+    toks = [torch.randint(3, cfg.vocab_size, (n,)).tolist() for n in lens]
+    cache = KVCache(cfg, 4, 16, block_tokens, "cpu", torch.float32)
+    blocks = [[5, 1, 7], [3, 9]]  # enough for both sequences at either block size
+    steps = [[(toks[0][:cut[0]], 0, 2, blocks[0]), (toks[1][:cut[1]], 0, 0, blocks[1])],
+             [(toks[0], cut[0], 2, blocks[0]), (toks[1], cut[1], 0, blocks[1])]]  # a chunk and a decode
+    for step in steps:
+        model.forward(Batch.build([SeqChunk(*c) for c in step], cfg, "cpu", hasher), cache)
+    assert {with_pool for with_pool, _ in seen} == {True, False}, seen
