@@ -10,6 +10,11 @@ Metrics: ms per part and in total (CUDA events, median of --iters after --warmup
 GEMMs against the floor (their FLOPs at the measured bf16 GEMM peak, `--peak-tflops`), peak memory, an output
 checksum, and the relative error of the fast routed output against the reference (`mini.ops.moe` with the
 reference backend) on a sample of tokens. `--sweep` also times the grouped GEMMs under several tile configs.
+
+`ms_gate` / `ms_route_plan` time what the fast path runs: the fused gate kernel (mini/kernels/moe_gate.py) and the
+Triton routing plan (mini/kernels/moe_route.py). `--old-gate-plan` also times the previous implementations in the
+same process (`gate_unfused`: cuBLAS logits + torch epilogue; `plan_routes_torch`: torch sort) and reports how
+the two agree; `--gate-configs` times the gate kernel's configs; `--only-gate-plan` stops there (no experts' GEMMs).
 """
 from __future__ import annotations
 
@@ -47,6 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--humming-tiles", nargs="*", metavar="BMxSTAGES", default=[],
                    help="humming: also time the GEMMs with its heuristic config changed to these row tiles and "
                         "pipeline depths, e.g. 128x4 192x4")
+    p.add_argument("--old-gate-plan", action="store_true",
+                   help="also time the unfused gate and the torch routing plan, and compare their results")
+    p.add_argument("--gate-configs", action="store_true", help="also time every config of the fused gate kernel")
+    p.add_argument("--only-gate-plan", action="store_true", help="time the gate and the routing plan only")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -106,7 +115,7 @@ def run(args) -> dict:
     w = random_layer(cfg, args.local_experts, dev, args.seed)
     gemm_lib = routed_gemm() if args.moe_gemm == "auto" else args.moe_gemm
     convert_ms = 0.0
-    if gemm_lib == "humming":
+    if gemm_lib == "humming" and not args.only_gate_plan:
         from mini.kernels.humming_experts import warm_up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -132,9 +141,22 @@ def run(args) -> dict:
     n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
     ms = {"gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
           "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args.iters, args.warmup)}
+    extra = {}
+    if args.old_gate_plan:
+        extra.update(_old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms))
+    if args.gate_configs:
+        extra.update(_gate_configs(args, cfg, w, x, ids, ms))
+    if args.only_gate_plan:
+        definition = {"preset": args.preset, "tokens": args.tokens, "local_experts": args.local_experts,
+                      "topk": cfg.n_activated_experts, "dim": cfg.dim, "experts": cfg.n_routed_experts,
+                      "route_tiles": tiles, "dtype": "bfloat16", "seed": args.seed,
+                      "device": torch.cuda.get_device_name()}
+        return {"suite": "moe-layer", "definition": definition,
+                "metrics": {**{f"ms_{k}": v for k, v in ms.items()}, "local_pairs": n_local, **extra}}
     parts = _humming_parts if gemm_lib == "humming" else _triton_parts
-    part_ms, y, extra = parts(args, cfg, w, x, plan, ids)
+    part_ms, y, part_extra = parts(args, cfg, w, x, plan, ids)
     ms.update(part_ms)
+    extra.update(part_extra)
     gemm_ms = sum(v for k, v in ms.items() if k.startswith("gemm_"))
     ms["combine"] = _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup)
     ms["routed"] = _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup)
@@ -183,6 +205,49 @@ def run(args) -> dict:
                   "local_experts": args.local_experts, "topk": cfg.n_activated_experts, "dim": D, "inter": I,
                   "dtype": "bfloat16", "seed": args.seed, "device": torch.cuda.get_device_name()}
     return {"suite": "moe-layer", "definition": definition, "metrics": metrics}
+
+
+def _old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms: dict) -> dict:
+    """Adds the previous gate and routing plan's ms to `ms`; returns how their results agree with the new ones:
+    the fraction of equal expert ids, the largest relative weight difference where the ids are equal (the logits'
+    summation order differs), and 1.0 when the two plans are bit-identical in every field (else 0.0)."""
+    from mini.kernels.moe_route import plan_routes, plan_routes_torch
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
+    from mini.ops.moe import gate_unfused
+    ms["gate_unfused"] = _time(lambda: gate_unfused(x, w, cfg, plan_l), args.iters, args.warmup)
+    old_w, old_ids = gate_unfused(x, w, cfg, plan_l)
+    same = ids == old_ids
+    res = {"gate_ids_equal_fraction": float(same.float().mean()),
+           "gate_weight_max_rel_diff": float(((weights - old_w).abs() / old_w.abs()).masked_fill(~same, 0).max())}
+    for tiles in (True, False):
+        tag = "tiles" if tiles else "no_tiles"
+        ms[f"route_plan_{tag}"] = _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles),  # noqa: B023
+                                        args.iters, args.warmup)
+        ms[f"route_plan_torch_{tag}"] = _time(
+            lambda: plan_routes_torch(ids, weights, w.experts, BLOCK_M, tiles), args.iters, args.warmup)  # noqa: B023
+        new, old = plan_routes(ids, weights, w.experts, BLOCK_M, tiles), plan_routes_torch(ids, weights, w.experts,
+                                                                                          BLOCK_M, tiles)
+        res[f"route_plan_{tag}_bit_equal"] = float(all(
+            torch.equal(getattr(new, f), getattr(old, f)) for f in ("token", "weight", "slot_row", "expert_offset",
+                                                                   "tile_expert", "tile_start", "tile_end")))
+    return res
+
+
+def _gate_configs(args, cfg, w, x, ids, ms: dict) -> dict:
+    """Adds the fused gate kernel's ms under each of its configs to `ms`; returns the fraction of expert ids equal
+    to the default config's (different K steps sum in a different order: near-ties may flip)."""
+    from mini.kernels.moe_gate import CONFIGS
+    from mini.ops.moe import fused_gate
+    res = {}
+    for c in CONFIGS:
+        name = f"gate_m{c.BM}_k{c.BK}_w{c.num_warps}_s{c.num_stages}"
+        fn = lambda: fused_gate(x, w, cfg, config=c)  # noqa: E731,B023
+        try:
+            res[name + "_ids_equal_fraction"] = float((fn()[1] == ids).float().mean())
+            ms[name] = _time(fn, args.iters, args.warmup)
+        except Exception as e:  # a config that does not build here (shared memory, registers) is skipped
+            print(f"{name}: skipped ({type(e).__name__}: {str(e)[:160]})")
+    return res
 
 
 def _triton_parts(args, cfg, w, x, plan, ids) -> tuple[dict, torch.Tensor, dict]:

@@ -2,18 +2,29 @@
 
 Sorted row r is one (token, slot) pair; rows of local expert i are contiguous, in increasing (token, slot) order
 (a stable sort, so the layout is deterministic), and pairs routed to experts held elsewhere sort after all local
-ones; `expert_offset` gives that layout as offsets (the "grouped contiguous" form library GEMMs take). The
-grouped GEMMs work in tiles of `block_m` rows that never straddle two experts; `tile_expert`, `tile_start`,
-`tile_end` say which rows a tile covers (tile_expert = -1: nothing to do).
+ones, also in (token, slot) order; `expert_offset` gives that layout as offsets (the "grouped contiguous" form
+library GEMMs take). The grouped GEMMs work in tiles of `block_m` rows that never straddle two experts;
+`tile_expert`, `tile_start`, `tile_end` say which rows a tile covers (tile_expert = -1: nothing to do).
 
 Everything is computed on the device without reading a count back to the host: tensors are sized for the worst
 case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be captured in a CUDA graph.
+
+`plan_routes` is a counting sort in three Triton kernels (on CUDA, or on CPU tensors under Triton's interpreter):
+1. count: per block of BLOCK flat pairs, a histogram over the buckets 0..E-1 (local experts) and E (elsewhere);
+2. scan (one program): per bucket, the exclusive prefix over the blocks; the buckets' starts (`expert_offset`);
+   the row tiles;
+3. place: per block again, each pair's row = its bucket's start + the earlier blocks' count + its rank in the
+   block (a cumulative sum over one-hot rows, which keeps the flat order: the sort is stable).
+Integer arithmetic only, so the plan is bit-identical to `plan_routes_torch` (torch sort + searchsorted), the
+reference the tests compare it to.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass
@@ -35,10 +46,10 @@ def max_rows(n_tokens: int, k: int, n_local: int) -> int:
     return n_tokens * min(k, n_local)
 
 
-def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
-                tiles: bool = True) -> RoutePlan:
-    """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
-    tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them."""
+def plan_routes_torch(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
+                      tiles: bool = True) -> RoutePlan:
+    """`plan_routes` in torch ops (a stable radix sort + searchsorted): the reference for the kernels, and what
+    runs on CPU tensors outside the interpreter."""
     T, k = ids.shape
     E = len(experts)
     dev = ids.device
@@ -74,3 +85,116 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     plan.tile_start = (row_end[ec] - counts[ec] + (t - first_tile) * block_m).to(torch.int32)
     plan.tile_end = row_end[ec].to(torch.int32)
     return plan
+
+
+BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kernels
+
+
+@triton.jit
+def _bucket(ids_ptr, i, ok, start, E: tl.constexpr):
+    """Bucket of flat pairs i: the local expert index, E for an expert held elsewhere, -1 past the end."""
+    e = tl.load(ids_ptr + i, mask=ok, other=0) - start
+    return tl.where(ok, tl.where((e >= 0) & (e < E), e, E), -1).to(tl.int32)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, N, start, E: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                  EB: tl.constexpr):
+    buckets = tl.arange(0, EB)
+    hist = tl.zeros([EB], dtype=tl.int32)
+    for s in range(0, BLOCK, SUB):
+        i = tl.program_id(0) * BLOCK + s + tl.arange(0, SUB)
+        key = _bucket(ids_ptr, i, i < N, start, E)
+        hist += tl.sum((key[:, None] == buckets[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + tl.program_id(0) * EB + buckets, hist)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, base_ptr, offset_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, n_blocks, n_tiles,
+                 E: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr, TILE_M: tl.constexpr, TB: tl.constexpr):
+    buckets = tl.arange(0, EB)
+    total = tl.zeros([EB], dtype=tl.int32)
+    # while loops: Triton 3.6's interpreter cannot take a run-time bound in range()
+    b0 = n_blocks * 0
+    while b0 < n_blocks:  # base[b, e] = pairs of bucket e in blocks before b
+        b = b0 + tl.arange(0, NBB)
+        at = b[:, None] * EB + buckets[None, :]
+        c = tl.load(counts_ptr + at, mask=(b < n_blocks)[:, None], other=0)
+        tl.store(base_ptr + at, tl.cumsum(c, axis=0) - c + total[None, :], mask=(b < n_blocks)[:, None])
+        total += tl.sum(c, axis=0)
+        b0 += NBB
+    first_row = tl.cumsum(total, axis=0) - total  # of each bucket; bucket E (elsewhere) starts at the local count
+    tl.store(offset_ptr + buckets, first_row, mask=buckets <= E)
+    if TILE_M > 0:  # tiles of TILE_M rows per local expert, then empty ones (-1)
+        is_local = buckets < E
+        n_tiles_of = tl.where(is_local, (total + TILE_M - 1) // TILE_M, 0)
+        tiles_through = tl.cumsum(n_tiles_of, axis=0)  # tiles of experts 0..e
+        first_tile = tiles_through - n_tiles_of
+        row_end = first_row + total
+        t0 = n_tiles * 0
+        while t0 < n_tiles:
+            t = t0 + tl.arange(0, TB)
+            e = tl.sum(((tiles_through[None, :] <= t[:, None]) & is_local[None, :]).to(tl.int32), axis=1)
+            ec = tl.minimum(e, E - 1)  # the tiles past the last expert's repeat its numbers, as the torch plan does
+            of_ec = buckets[None, :] == ec[:, None]
+            ft = tl.sum(tl.where(of_ec, first_tile[None, :], 0), axis=1)
+            start_row = tl.sum(tl.where(of_ec, first_row[None, :], 0), axis=1)
+            end_row = tl.sum(tl.where(of_ec, row_end[None, :], 0), axis=1)
+            ok = t < n_tiles
+            tl.store(tile_expert_ptr + t, tl.where(e < E, ec, -1), mask=ok)
+            tl.store(tile_start_ptr + t, start_row + (t - ft) * TILE_M, mask=ok)
+            tl.store(tile_end_ptr + t, end_row, mask=ok)
+            t0 += TB
+
+
+@triton.jit
+def _place_kernel(ids_ptr, weights_ptr, base_ptr, offset_ptr, token_ptr, weight_ptr, slot_row_ptr, N, R, start,
+                  E: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, EB: tl.constexpr):
+    buckets = tl.arange(0, EB)
+    # the next free row of each bucket
+    nxt = (tl.load(base_ptr + tl.program_id(0) * EB + buckets)
+           + tl.load(offset_ptr + buckets, mask=buckets <= E, other=0))
+    for s in range(0, BLOCK, SUB):
+        i = tl.program_id(0) * BLOCK + s + tl.arange(0, SUB)
+        ok = i < N
+        one_hot = (_bucket(ids_ptr, i, ok, start, E)[:, None] == buckets[None, :]).to(tl.int32)
+        rank = tl.cumsum(one_hot, axis=0) - 1 + nxt[None, :]  # stable: earlier pairs of a bucket get lower rows
+        row = tl.sum(one_hot * rank, axis=1)
+        nxt += tl.sum(one_hot, axis=0)
+        tl.store(slot_row_ptr + i, row, mask=ok)
+        kept = ok & (row < R)
+        tl.store(token_ptr + row, i // K, mask=kept)
+        tl.store(weight_ptr + row, tl.load(weights_ptr + i, mask=kept, other=0.0), mask=kept)
+
+
+def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
+                tiles: bool = True) -> RoutePlan:
+    """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
+    tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them."""
+    if not (ids.is_cuda or triton.knobs.runtime.interpret):
+        return plan_routes_torch(ids, weights, experts, block_m, tiles)
+    T, k = ids.shape
+    E, N, dev = len(experts), ids.numel(), ids.device
+    n_rows = max_rows(T, k, E)
+    n_tiles = -(-n_rows // block_m) + E if tiles else 0
+    EB = max(16, triton.next_power_of_2(E + 1))  # buckets: local experts, elsewhere, padding
+    SUB = max(16, min(64, 8192 // EB))  # pairs per step: [SUB, EB] one-hot tiles (registers)
+    if not ids.is_cuda:  # Triton's interpreter: its cost is per operation, so fewer and larger steps
+        SUB *= 4
+    n_blocks = triton.cdiv(N, BLOCK)
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts, base = torch.empty(n_blocks, EB, **i32), torch.empty(n_blocks, EB, **i32)
+    expert_offset = torch.empty(E + 1, **i32)
+    token, slot_row = torch.empty(n_rows, **i32), torch.empty(T, k, **i32)
+    weight = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    tile_expert, tile_start, tile_end = (torch.empty(n_tiles, **i32) for _ in range(3))
+    ids = ids.contiguous()
+    if n_blocks:
+        _count_kernel[(n_blocks,)](ids, counts, N, experts.start, E=E, BLOCK=BLOCK, SUB=SUB, EB=EB)
+    _scan_kernel[(1,)](counts, base, expert_offset, tile_expert, tile_start, tile_end, n_blocks, n_tiles,
+                       E=E, EB=EB, NBB=max(1, 4096 // EB), TILE_M=block_m if tiles else 0, TB=max(1, 4096 // EB))
+    if n_blocks:
+        _place_kernel[(n_blocks,)](ids, weights.float().contiguous(), base, expert_offset, token, weight, slot_row,
+                                   N, n_rows, experts.start, E=E, K=k, BLOCK=BLOCK, SUB=SUB, EB=EB)
+    return RoutePlan(token=token, weight=weight, slot_row=slot_row, tile_expert=tile_expert, tile_start=tile_start,
+                     tile_end=tile_end, expert_offset=expert_offset, block_m=block_m, n_rows=n_rows)

@@ -11,10 +11,10 @@ Every expert is a SwiGLU FFN: g = w1(x), u = w3(x) (each rounded to x.dtype, as 
 u clamped to ±limit and g from above, h = silu(g) * u * routing weight in fp32, then w2(h.to(x.dtype)). Each GEMM
 fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are summed in fp32.
 
-Fast path (CUDA, `mini.ops.use_fast`): the gate's logits come from one bf16 GEMM with an fp32 output (bf16 x bf16
-products are exact in fp32, so only the summation order differs from fp32); the (token, slot) pairs are sorted by
-local expert, the routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot
-order. The grouped GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
+Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel (mini/kernels/moe_gate.py: bf16 GEMM with fp32
+accumulation, bf16 x bf16 products being exact in fp32, so only the summation order differs from fp32; scores, top-k
+and weights in its epilogue); the (token, slot) pairs are sorted by local expert (mini/kernels/moe_route.py), the
+routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
   routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
 * "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
@@ -185,7 +185,35 @@ def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------- gate
 def gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
          image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k]."""
+    """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k].
+    Fast path: one kernel for logits, scores, top-k and weights (mini/kernels/moe_gate.py) where `_fused_gate_ok`;
+    ids as torch.topk's except at exact ties of the biased scores, which go to the lowest expert id there."""
+    if _fused_gate_ok(x, w, cfg, plan):
+        return fused_gate(x, w, cfg, image_mask)
+    return gate_unfused(x, w, cfg, plan, input_ids, image_mask)
+
+
+def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: torch.Tensor | None = None,
+               config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate kernel with this model's normalisation (`config`: a moe_gate.GateConfig, None = its default)."""
+    from mini.kernels.moe_gate import gate_topk
+    k = cfg.n_activated_experts
+    normalize = not cfg.is_v41 or (cfg.norm_topk_prob and k > 1)
+    return gate_topk(x, w.gate, w.bias, k, cfg.route_scale, cfg.gate_temp, 1e-20 if cfg.is_v41 else 0.0,
+                     normalize, w.bias_vl, image_mask, config)
+
+
+def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan) -> bool:
+    """The fused kernel covers bf16 activations and gate weights, sqrtsoftplus scores and a selection bias (V4.1,
+    and V4's non-hash layers); other cases (softmax / sigmoid, hash layers, no bias) run `gate_unfused`."""
+    return (use_fast(x, w.gate) and x.dtype == torch.bfloat16 and w.gate.dtype == torch.bfloat16
+            and cfg.score_func == "sqrtsoftplus" and not plan.hash_routed and w.bias is not None)
+
+
+def gate_unfused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,
+                 input_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate in torch ops: the reference, and the fast path's fallback (logits from one GEMM, `_gate_logits`)."""
     k = cfg.n_activated_experts
     logits = _gate_logits(x, w.gate) / cfg.gate_temp
     if cfg.score_func == "softmax":

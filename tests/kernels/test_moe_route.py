@@ -1,8 +1,11 @@
-"""Routing plan: (token, slot) pairs sorted by local expert, tiles that never straddle two experts."""
+"""Routing plan: (token, slot) pairs sorted by local expert, tiles that never straddle two experts; the Triton
+plan (interpreter on CPU) bit-identical to the torch one."""
 import pytest
 import torch
 
-from mini.kernels.moe_route import max_rows, plan_routes
+from mini.kernels.moe_route import max_rows, plan_routes, plan_routes_torch
+
+FIELDS = ("token", "weight", "slot_row", "expert_offset", "tile_expert", "tile_start", "tile_end")
 
 
 def _check_plan(ids, weights, experts, block_m):
@@ -54,8 +57,64 @@ def test_plan_groups_pairs_by_local_expert(T, k, n_experts, experts, block_m):
     _check_plan(ids, weights, experts, block_m)
 
 
+def _random_ids(T, k, n_experts, distinct=True):
+    """Each token's k experts: distinct (what a top-k gives), or drawn with repeats (hash tables may repeat)."""
+    if not distinct:
+        return torch.randint(0, n_experts, (T, k))
+    return torch.rand(T, n_experts).argsort(dim=1)[:, :k]
+
+
+def _assert_same_plan(ids, weights, experts, block_m):
+    for tiles in (True, False):
+        new = plan_routes(ids, weights, experts, block_m, tiles)
+        old = plan_routes_torch(ids, weights, experts, block_m, tiles)
+        assert (new.block_m, new.n_rows) == (old.block_m, old.n_rows)
+        for f in FIELDS:
+            a, b = getattr(new, f), getattr(old, f)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (f, tiles)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty fills with NaN / -7: an element the kernels fail to write differs from the torch plan."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("T", [1, 5, 300, 4096])
+@pytest.mark.parametrize("experts", [range(0, 1), range(200, 207), range(96, 192)])
+@pytest.mark.parametrize("k", [1, 6])
+def test_triton_plan_equals_torch_plan_interpreter(interpreter, poisoned, T, experts, k):
+    ids = _random_ids(T, k, 384)
+    _assert_same_plan(ids, torch.randn(T, k), experts, 64)
+
+
+@pytest.mark.parametrize("T,k,n_experts,experts,distinct", [
+    (0, 6, 384, range(96, 192), True),  # an idle rank
+    (33, 4, 12, range(12, 12), True),  # no local experts: every pair elsewhere
+    (333, 6, 384, range(0, 384), True),  # every expert local (512 buckets)
+    (777, 6, 40, range(8, 20), False)])  # repeated experts within a token, several blocks of pairs
+def test_triton_plan_edge_cases_interpreter(interpreter, poisoned, T, k, n_experts, experts, distinct):
+    ids = _random_ids(T, k, n_experts, distinct)
+    _assert_same_plan(ids.to(torch.int32), torch.rand(T, k, dtype=torch.float64), experts, 16)
+    _check_plan(ids, torch.rand(T, k), experts, 16)
+
+
 @pytest.mark.gpu
 def test_plan_on_gpu_matches_invariants():
     T, k, n_experts = 300, 6, 384
     ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(T)]).cuda()
     _check_plan(ids, torch.rand(T, k, device="cuda"), range(96, 192), 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 300, 4096, 16384])
+@pytest.mark.parametrize("experts", [range(0, 1), range(200, 207), range(96, 192)])
+@pytest.mark.parametrize("k", [1, 6])
+def test_triton_plan_equals_torch_plan_gpu(T, experts, k):
+    ids = _random_ids(T, k, 384).cuda()
+    _assert_same_plan(ids, torch.randn(T, k, device="cuda"), experts, 128)

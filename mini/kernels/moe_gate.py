@@ -1,0 +1,186 @@
+"""The MoE gate in one kernel (mini/ops/moe.py `gate`, sqrtsoftplus scoring): logits, scores, biased top-k,
+normalisation and scaling, writing only the [T, k] routing weights and expert ids.
+
+A program owns BM rows and every expert. The experts are split into two column blocks whose widths are powers of
+two (NA = the largest power of two <= E, NB = the rest rounded up: 384 = 256 + 128), so that neither the MMA nor
+the registers pay for padding 384 to 512; each block has its own fp32 accumulator. bf16 x bf16 products are exact
+in fp32, so the logits differ from the fp32 reference only by summation order.
+
+Epilogue, per row, element by element as the reference computes it (so the scores are those torch computes from
+the same logits: libdevice exp / log1p as CUDA's, IEEE sqrt and divisions):
+    logit = acc / temp;  score = sqrt(softplus(logit));  sel = score + bias  (bias_img on image rows)
+then k rounds of "take the largest sel": ties go to the lowest expert id, so the ids come out ordered by (sel
+descending, id ascending), which is torch.topk's result wherever no two of the compared values are equal; NaN
+counts as the largest value, as in torch.topk. weight = score / (sum of the k scores + eps) * route_scale, the sum
+taken in pick order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    BM: int  # rows per program
+    BK: int  # K step
+    num_warps: int
+    num_stages: int
+
+
+# Shared memory per stage: (BM + NA + NB) * BK * 2 bytes = 57 KB at V4.1's 384 experts with BK 64. Tried in order
+# until one builds on the device (a build that runs out of shared memory or registers moves to the next).
+CONFIGS = (GateConfig(64, 64, 8, 3), GateConfig(64, 64, 8, 2), GateConfig(64, 32, 8, 4), GateConfig(32, 64, 4, 2))
+_CHOSEN: dict[tuple, GateConfig] = {}
+
+
+@triton.jit
+def _sqrt_softplus(logit, LIBDEVICE: tl.constexpr):
+    """sqrt(softplus(logit)) as torch computes it: softplus = logit above 20, else log1p(exp(logit))."""
+    if LIBDEVICE:
+        soft = libdevice.log1p(libdevice.exp(logit))
+    else:  # Triton's interpreter has no libdevice
+        soft = tl.log(1.0 + tl.exp(logit))
+    return tl.sqrt_rn(tl.where(logit > 20.0, logit, soft))
+
+
+@triton.jit
+def _block_scores(acc, cols, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, logits_ptr, scores_ptr,
+                  E: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One column block's scores and selection values (-inf on padding columns; NaN -> +inf)."""
+    col_ok = cols < E
+    logit = tl.div_rn(acc, temp)
+    score = _sqrt_softplus(logit, LIBDEVICE)
+    if DEBUG:
+        at = rows[:, None].to(tl.int64) * E + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(logits_ptr + at, logit, mask=ok)
+        tl.store(scores_ptr + at, score, mask=ok)
+    sel = score + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_IMG:
+        sel_img = score + tl.load(bias_img_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        sel = tl.where(is_img[:, None], sel_img, sel)
+    sel = tl.where(sel != sel, float("inf"), sel)
+    return score, tl.where(col_ok[None, :], sel, float("-inf"))
+
+
+@triton.jit
+def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids_ptr, logits_ptr, scores_ptr,
+                 T, stride_x, temp, route_scale, eps,
+                 D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr,
+                 NB: tl.constexpr, NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr,
+                 LIBDEVICE: tl.constexpr, DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < T
+    kk = tl.arange(0, BK)
+    # a K mask only when D is not a multiple of BK (a mask that varies along K would stop vectorized loads)
+    k_ok = (kk < BK) if D % BK == 0 else (kk < D)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
+    cols_a = tl.arange(0, NA)
+    wa_ptrs = w_ptr + cols_a[:, None] * D + kk[None, :]
+    acc_a = tl.zeros([BM, NA], dtype=tl.float32)
+    if NB > 0:
+        cols_b = NA + tl.arange(0, NB)
+        wb_ptrs = w_ptr + cols_b[:, None] * D + kk[None, :]
+        acc_b = tl.zeros([BM, NB], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        if D % BK != 0:
+            k_ok = k0 + kk < D
+        a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        wa = tl.load(wa_ptrs + k0, mask=(cols_a < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        acc_a = tl.dot(a, tl.trans(wa), acc_a)
+        if NB > 0:
+            wb = tl.load(wb_ptrs + k0, mask=(cols_b < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+            acc_b = tl.dot(a, tl.trans(wb), acc_b)
+
+    is_img = row_ok  # read only when HAS_IMG
+    if HAS_IMG:
+        is_img = tl.load(img_ptr + rows, mask=row_ok, other=0) != 0
+    score_a, sel_a = _block_scores(acc_a, cols_a, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, logits_ptr,
+                                   scores_ptr, E, HAS_IMG, DEBUG, LIBDEVICE)
+    if NB > 0:
+        score_b, sel_b = _block_scores(acc_b, cols_b, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img,
+                                       logits_ptr, scores_ptr, E, HAS_IMG, DEBUG, LIBDEVICE)
+
+    slots = tl.arange(0, KP)
+    picked_score = tl.zeros([BM, KP], dtype=tl.float32)
+    picked_id = tl.zeros([BM, KP], dtype=tl.int32)
+    total = tl.zeros([BM], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(sel_a, axis=1)
+        if NB > 0:
+            best = tl.maximum(best, tl.max(sel_b, axis=1))
+        idx = tl.min(tl.where(sel_a == best[:, None], cols_a[None, :], NA + NB), axis=1)
+        if NB > 0:
+            idx = tl.minimum(idx, tl.min(tl.where(sel_b == best[:, None], cols_b[None, :], NA + NB), axis=1))
+        hit_a = cols_a[None, :] == idx[:, None]
+        s = tl.sum(tl.where(hit_a, score_a, 0.0), axis=1)  # + exact zeros: the picked score itself
+        sel_a = tl.where(hit_a, float("-inf"), sel_a)
+        if NB > 0:
+            hit_b = cols_b[None, :] == idx[:, None]
+            s += tl.sum(tl.where(hit_b, score_b, 0.0), axis=1)
+            sel_b = tl.where(hit_b, float("-inf"), sel_b)
+        picked_score = tl.where(slots[None, :] == j, s[:, None], picked_score)
+        picked_id = tl.where(slots[None, :] == j, idx[:, None], picked_id)
+        total += s
+
+    w = picked_score
+    if NORMALIZE:
+        w = tl.div_rn(w, (total + eps)[:, None])
+    w = w * route_scale
+    out = rows[:, None].to(tl.int64) * K + slots[None, :]
+    ok = row_ok[:, None] & (slots < K)[None, :]
+    tl.store(weights_ptr + out, w, mask=ok)
+    tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=ok)
+
+
+def column_blocks(n_experts: int) -> tuple[int, int]:
+    """(NA, NB): the largest power of two <= E, and the rest rounded up to a power of two (0 when none)."""
+    na = 1 << (n_experts.bit_length() - 1)
+    return na, (triton.next_power_of_2(n_experts - na) if n_experts > na else 0)
+
+
+def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
+              temp: float = 1.0, eps: float = 0.0, normalize: bool = True, bias_img: torch.Tensor | None = None,
+              image_mask: torch.Tensor | None = None, config: GateConfig | None = None, debug: bool = False):
+    """x [T, D] bf16, weight [E, D] bf16, bias fp32 [E] -> (weights fp32 [T, k], ids int64 [T, k]).
+    bias_img [E] with image_mask bool [T]: that bias on image rows. debug=True also returns the fp32 logits and
+    scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here."""
+    T, D = x.shape
+    E = weight.shape[0]
+    assert weight.shape[1] == D and bias.shape == (E,) and 0 < k <= E
+    dev = x.device
+    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, k, dtype=torch.int64, device=dev)
+    logits = torch.empty(T if debug else 0, E, dtype=torch.float32, device=dev)
+    scores = torch.empty_like(logits)
+    if T == 0:
+        return (weights, ids, logits, scores) if debug else (weights, ids)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    has_img = image_mask is not None and bias_img is not None
+    interpreted = dev.type == "cpu"
+    na, nb = column_blocks(E)
+    args = (x, weight.contiguous(), bias.float().contiguous(),
+            bias_img.float().contiguous() if has_img else bias, image_mask.contiguous().view(torch.uint8) if has_img else x,
+            weights, ids, logits, scores, T, x.stride(0), float(temp), float(route_scale), float(eps))
+    consts = dict(D=D, E=E, K=k, KP=triton.next_power_of_2(k), NA=na, NB=nb, NORMALIZE=normalize, HAS_IMG=has_img,
+                  DEBUG=debug, LIBDEVICE=not interpreted,
+                  # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
+                  DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16)
+    key = (dev.type, dev.index, D, E, k)
+    for cfg in (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS:
+        try:
+            _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, num_warps=cfg.num_warps,
+                                                    num_stages=cfg.num_stages)
+        except triton.runtime.errors.OutOfResources:
+            if config is not None or cfg is CONFIGS[-1]:
+                raise
+            continue
+        _CHOSEN.setdefault(key, cfg)
+        break
+    return (weights, ids, logits, scores) if debug else (weights, ids)

@@ -1,0 +1,151 @@
+"""The fused MoE gate kernel (mini/kernels/moe_gate.py) against torch on its own logits and scores (debug output):
+the selection must be the stable descending sort of score + bias (ties -> lowest expert id; equal to torch.topk
+wherever nothing ties), the weights the normalised scores. CPU: Triton's interpreter; gpu: the compiled kernel at
+V4.1-Flash's shape."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini.kernels.moe_gate import GateConfig, column_blocks, gate_topk
+
+SCALE = 2.5  # route_scale of V4.1
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty comes back filled with NaN / -7, so that an output element the kernel does not write
+    shows up."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _inputs(T, D, E, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).bfloat16()
+    bias = torch.randn(E, generator=g) * 0.1
+    return x.to(device), w.to(device), bias.to(device)
+
+
+def _expected(scores, sel, k, eps, normalize=True):
+    """The documented result from the kernel's own scores: ids by (sel desc, id asc), weights normalised by the
+    sum taken in pick order."""
+    ids = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :k]
+    s = scores.gather(1, ids)
+    total = s[:, 0].clone()
+    for j in range(1, k):
+        total = total + s[:, j]
+    w = s / (total[:, None] + eps) if normalize else s
+    return w * SCALE, ids
+
+
+def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=None, config=None):
+    weights, ids, logits, scores = gate_topk(x, w, bias, k, SCALE, 1.0, eps, normalize, bias_img, image_mask,
+                                             config, debug=True)
+    T, E = x.shape[0], w.shape[0]
+    assert weights.shape == (T, k) and ids.shape == (T, k) and ids.dtype == torch.int64
+    # logits: fp32 sums of exact bf16 products, only the order differs from the fp32 GEMM
+    torch.testing.assert_close(logits, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    # libdevice exp / log1p on the GPU (as CUDA's); the interpreter's log(1 + exp) loses digits on small scores
+    torch.testing.assert_close(scores, F.softplus(logits).sqrt(), rtol=1e-6 if x.is_cuda else 1e-5, atol=0)
+    sel = scores + (bias if image_mask is None else torch.where(image_mask[:, None], bias_img, bias))
+    ew, eids = _expected(scores, sel, k, eps, normalize)
+    assert torch.equal(ids, eids)
+    torch.testing.assert_close(weights, ew, rtol=2e-7, atol=0)  # the same IEEE operations: at most an ulp
+    # torch.topk: the same ids in rows where none of the k + 1 largest values tie, the same values everywhere
+    top = sel.topk(min(k + 1, E), dim=1)
+    tied = (top.values.diff(dim=1) == 0).any(dim=1)
+    assert torch.equal(ids[~tied], top.indices[~tied, :k])
+    assert torch.equal(sel.gather(1, ids), top.values[:, :k])
+    # without the debug outputs: the same kernel, the same results
+    w2, ids2 = gate_topk(x, w, bias, k, SCALE, 1.0, eps, normalize, bias_img, image_mask, config)
+    assert torch.equal(ids2, ids) and torch.equal(w2, weights)
+    return weights, ids
+
+
+@pytest.mark.parametrize("T,D,E,k,config", [
+    (37, 320, 384, 6, None),  # V4.1's expert count, a row tile past T
+    (37, 320, 384, 6, GateConfig(16, 32, 4, 1)),  # several programs, the last one partial
+    (70, 200, 100, 6, GateConfig(16, 64, 4, 1)),  # D not a multiple of BK; E = 64 + 36 (second block padded)
+    (5, 96, 16, 4, None),  # tiny-v4.1: one column block
+    (1, 64, 7, 1, None),  # one token, k = 1
+])
+def test_gate_kernel_matches_torch_interpreter(interpreter, poisoned, T, D, E, k, config):
+    x, w, bias = _inputs(T, D, E)
+    _check(x, w, bias, k, config=config)
+
+
+def test_gate_kernel_v4_normalisation_and_image_bias_interpreter(interpreter, poisoned):
+    x, w, bias = _inputs(23, 128, 48, seed=1)
+    _check(x, w, bias, 6, eps=0.0)  # V4: no epsilon
+    _check(x, w, bias, 1, normalize=False)  # V4.1 with k = 1: scores as they are
+    bias_img = torch.randn(48) * 0.5
+    image_mask = torch.rand(23) < 0.5
+    assert image_mask.any() and (~image_mask).any()
+    _check(x, w, bias, 6, bias_img=bias_img, image_mask=image_mask)
+
+
+def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned):
+    """Planted exact ties: zero gate rows (logit 0 in any summation order) with equal biases, in both column
+    blocks; the lower expert id goes first, the same on every run."""
+    x, w, bias = _inputs(19, 128, 384, seed=2)
+    tied = [7, 41, 42, 300, 383]
+    w[tied] = 0
+    bias[tied] = 10.0  # in every token's top 6
+    weights, ids = _check(x, w, bias, 6)
+    assert (ids[:, :5] == torch.tensor(tied)).all()
+    assert (weights[:, :5] == weights[:, :1]).all()
+    again = gate_topk(x, w, bias, 6, SCALE, eps=1e-20)
+    assert torch.equal(again[1], ids) and torch.equal(again[0], weights)
+
+    flat_bias = torch.zeros(384)
+    flat_bias[[5, 100, 260, 261, 300, 301, 302]] = 1.0  # seven equal maxima for six places
+    w_ids = gate_topk(x, torch.zeros_like(w), flat_bias, 6, SCALE, eps=1e-20)[1]
+    assert (w_ids == torch.tensor([5, 100, 260, 261, 300, 301])).all()
+
+
+def test_gate_kernel_ranks_nan_first_interpreter(interpreter, poisoned):
+    x, w, bias = _inputs(9, 64, 16, seed=3)
+    x[4] = float("nan")
+    weights, ids = gate_topk(x, w, bias, 4, SCALE, eps=1e-20)
+    assert torch.equal(ids[4], torch.arange(4)) and weights[4].isnan().all()
+    rest = torch.arange(9) != 4
+    assert ((ids[rest] >= 0) & (ids[rest] < 16)).all() and weights[rest].isfinite().all()
+
+
+def test_gate_kernel_of_no_tokens_interpreter(interpreter):
+    x, w, bias = _inputs(0, 64, 16)
+    weights, ids = gate_topk(x, w, bias, 4, SCALE)
+    assert weights.shape == (0, 4) and ids.shape == (0, 4)
+
+
+def test_column_blocks():
+    assert column_blocks(384) == (256, 128) and column_blocks(256) == (256, 0) and column_blocks(100) == (64, 64)
+    assert column_blocks(7) == (4, 4) and column_blocks(1) == (1, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4099, 16384])
+def test_gate_kernel_at_v41_flash_shape_gpu(T):
+    """16,384 tokens x 384 experts x D 5120, k 6: exact selection on the kernel's scores, scores as torch computes
+    them from the same logits, and against the unfused fast gate (cuBLAS logits: summation order differs)."""
+    x, w, bias = _inputs(T, 5120, 384, "cuda", seed=T)
+    x = x * 3  # logits of a few units: scores across softplus's curved part
+    weights, ids = _check(x, w, bias, 6)
+    ref_logits = torch.mm(x, w.t(), out_dtype=torch.float32)  # the unfused fast gate's logits (torch >= 2.9)
+    ref_scores = F.softplus(ref_logits).sqrt()
+    ref_w, ref_ids = _expected(ref_scores, ref_scores + bias, 6, 1e-20)
+    same = ids == ref_ids
+    assert same.float().mean() > 0.999
+    torch.testing.assert_close(weights[same], ref_w[same], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gate_kernel_image_bias_gpu():
+    x, w, bias = _inputs(2053, 5120, 384, "cuda", seed=5)
+    image_mask = torch.rand(2053, device="cuda") < 0.3
+    _check(x, w, bias, 6, bias_img=torch.randn(384, device="cuda") * 0.1, image_mask=image_mask)
