@@ -255,6 +255,8 @@ class LLMEngine:
             else:
                 self.stats.prefill_tokens += c.length
         seqs = [c.seq for c in chunks if c.samples]
+        if logits.shape[0] != len(seqs):  # a fetch changed what samples: never sample rows into the wrong sequences
+            raise RuntimeError(f"{logits.shape[0]} logit rows for {len(seqs)} sampling sequences")
         out = host = ready = None
         if seqs:
             out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device))
