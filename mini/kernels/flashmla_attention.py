@@ -5,10 +5,11 @@ The kernel computes, per query token t and head h, over the key rows rows[t, :co
 (rows -1 or >= N skipped): o = Σ_j softmax_j(q·k_j·scale) k_j (K = V, all 512 channels), the denominator also
 holding exp(sink[h]) (unscaled), fp32 logits and statistics, P rounded to bf16 before P·V, output bf16. That is
 `mini.ops.attention.sparse_attention`'s arithmetic before its output RoPE. The SM90 build ("legacy" half of the
-wheel, `use_legacy=True`) takes 64 or 128 heads of width 512 and a row list whose length is a multiple of 128 (it
-walks it two 64-row blocks at a time); `topk_length` (= count) lets a query stop after its valid rows. One CTA
-per (token, 64 heads), so it serves prefill-sized steps; decode steps stay on the Triton kernel (its decode path
-rejects V4.1's cache formats anyway).
+wheel, `use_legacy=True`) takes heads of width 512 and a row list whose length is a multiple of 128 (it walks it
+two 64-row blocks at a time); `topk_length` (= count) lets a query stop after its valid rows. One CTA per (token,
+64 heads), so it serves prefill-sized steps; decode steps stay on the Triton kernel (its decode path rejects
+V4.1's cache formats anyway). Only 64 heads (V4.1-Flash) are used: 128 is in the kernel's feature list, but the
+binary also carries a `params.h_q == 64` assertion of unknown scope and was only run at 64 heads.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-HEADS = (64, 128)
+HEADS = (64,)
 HEAD_DIM = 512  # d_v is fixed at 512, so with K = V the key width must be 512 too (576 would mean V = K[:512])
 TOPK_MULTIPLE = 128
 MIN_TOKENS = 512  # below this the scratch building's launches cost more than the kernel saves
