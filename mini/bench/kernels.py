@@ -333,8 +333,8 @@ def bench_norm(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-BENCHES = {"attention": bench_attention, "flashmla": bench_flashmla, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
-           "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
+BENCHES = {"attention": bench_attention, "flashmla": bench_flashmla, "indexer": bench_indexer, "mhc": bench_mhc,
+           "rope": bench_rope, "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
