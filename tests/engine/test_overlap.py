@@ -165,6 +165,37 @@ def test_aborts_leave_the_others_identical_and_free_the_cache():
     assert blocks.n_free_blocks == blocks.n_blocks and len(blocks.free_slots) == blocks.n_seq_slots
 
 
+class _LateCopy:
+    """Stands in for the CUDA event after the device-to-host copy of the sampled ids: until it is waited for,
+    the host copy holds garbage, as pinned memory does while the copy is in flight."""
+
+    def __init__(self, out, host):
+        self.out, self.host = out, host
+
+    def synchronize(self):
+        for src, dst in zip(vars(self.out).values(), vars(self.host).values()):
+            if src is not None:
+                dst.copy_(src)
+
+
+def test_host_reads_sampled_ids_only_after_waiting(monkeypatch):
+    """Run the CUDA read-back protocol on CPU: any read of the host ids before the wait would see garbage."""
+    from mini.engine.sampler import SampleOutput
+
+    def late_copy(out):
+        host = SampleOutput(*(None if t is None else torch.full_like(t, 7) for t in vars(out).values()))
+        return host, _LateCopy(out, host)
+
+    prompts = _prompts(10, seed=11)
+    params = [SamplingParams(temperature=0.5 * (i % 2), seed=i, max_tokens=4 + i % 6, logprobs=1 if i % 3 else None)
+              for i in range(10)]
+    plain, _, _ = _run(False, prompts, params, make=_eos_llm)
+    monkeypatch.setattr(llm_module, "_copy_to_host", late_copy)
+    for overlap in (False, True):
+        outs, _, _ = _run(overlap, prompts, params, make=_eos_llm)
+        assert [_view(o) for o in outs] == [_view(o) for o in plain]
+
+
 def test_cache_of_a_finished_sequence_is_held_until_its_last_step_is_read_back():
     """Every release happens when no launched-but-unread step still computes the sequence; and the deferred path
     (a sequence that ended while its next step was already launched) is taken."""
