@@ -108,3 +108,18 @@ def test_auto_keeps_flashmla_after_its_checked_first_call(flat_batch, monkeypatc
         attention_op.sparse_attention(*args, **kw, rope_out=rope_table_for(args[4]))
     ours = [str(w.message) for w in caught if "MINI_SPARSE_ATTN" in str(w.message)]
     assert attention_op._SPARSE_BACKEND == "flashmla" and not ours, ours
+
+
+def test_kernel_skips_minus_one_rows_anywhere(flat_batch):
+    """The rows as built (-1 anywhere, count = n: the kernel masks them itself) give what the valid-first rows
+    with topk_length give; the backend uses the latter, the bench times both."""
+    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
+    from mini.ops.attention import scratch_keys
+    args, kw = make_step(flat_batch, [300, 1, 77, 1], [0, 1000, 150, 3], 64, 32, 2, 32, 61)
+    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale = args
+    src = (kv_new, window, positions, seq_of, slots, start_pos, kw["comp"], kw["block_table"], kw["comp_idx"],
+           TOPK_MULTIPLE)
+    packed = sparse_prefill(q, *scratch_keys(*src), sink, scale)
+    as_built = torch.full_like(q, float("nan"))
+    as_built.copy_(sparse_prefill(q, *scratch_keys(*src, valid_first=False), sink, scale))
+    assert_close_per_token(as_built, packed)
