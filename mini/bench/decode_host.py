@@ -39,6 +39,9 @@ def add_args(p) -> None:
     p.add_argument("--modes", default=",".join(MODES[:3]), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="torch.set_num_threads for the run (default: torch's): small host-side torch ops (the "
+                        "Engram lookup, sampling parameters) pay for a wide thread pool")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's context (default: the model's, as `mini serve`; it sizes the graphs' index "
                         "tensors)")
@@ -99,6 +102,8 @@ def run(args) -> dict:
         modes = [m for m in modes if not m.startswith("graphs")]
     if not modes:
         raise ValueError(f"--modes {args.modes!r}: nothing runs on {device} (graphs modes need CUDA)")
+    if args.host_threads is not None:
+        torch.set_num_threads(args.host_threads)
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
     metrics = {}
     for mode in modes:
@@ -113,5 +118,5 @@ def run(args) -> dict:
     definition = {"model": args.model, "device": device, "dtype": "bfloat16", "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
                   "modes": ",".join(modes), "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "max_model_len": args.max_model_len}
+                  "max_model_len": args.max_model_len, "host_threads": torch.get_num_threads()}
     return {"suite": SUITE, "definition": definition, "metrics": metrics}

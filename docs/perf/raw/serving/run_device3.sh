@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Third device call (one H200): overlapped decode steps (EngineOptions.overlap). decode-host at batch 64 in the
-# three modes on tiny-v4.1 (Engram: the in-flight ids are read back before each step's Engram lookup) and graphs
+# three modes on tiny-v4.1 (and graphs+overlap with one host torch thread) (Engram: the in-flight ids are read back before each step's Engram lookup) and graphs
 # vs graphs+overlap on tiny-v4 (no Engram: ids fed on the device, no read-back before a launch); the gpu tests
 # of the engine (graphs+overlap == graphs == eager) and of the suite; tiny-goodput with graphs (overlap on by
 # default). Each command is capped; one failing does not stop the others. Results in $OUT.
@@ -17,6 +17,9 @@ echo "decode-host tiny-v4.1 eager,graphs,graphs+overlap rc=$?" >>"$log"
 timeout 90 python3 -m mini bench decode-host --model tiny-v4 --modes graphs,graphs+overlap \
     --json "$OUT/decode_host_v4.json" >>"$log" 2>&1
 echo "decode-host tiny-v4 graphs,graphs+overlap rc=$?" >>"$log"
+timeout 60 python3 -m mini bench decode-host --modes graphs+overlap --host-threads 1 \
+    --json "$OUT/decode_host_v41_threads1.json" >>"$log" 2>&1
+echo "decode-host tiny-v4.1 graphs+overlap host-threads 1 rc=$?" >>"$log"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_overlap.py \
     tests/engine/test_decode_graphs.py tests/bench/test_decode_host.py >"$OUT/pytest_gpu.log" 2>&1
 echo "pytest rc=$?" >>"$log"; tail -5 "$OUT/pytest_gpu.log" >>"$log"
