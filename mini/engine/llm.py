@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from mini.engine.block_manager import BlockManager
-from mini.engine.model_runner import ModelRunner, size_cache
+from mini.engine.model_runner import ForwardTiming, ModelRunner, size_cache
 from mini.engine.cuda_graphs import TokenFeed, is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -85,7 +85,8 @@ class StepTimes:
     schedule_s: float
     prepare_s: float  # input preparation (ModelRunner.run)
     forward_s: float  # host time of the forward call: kernel launches or one replay
-    sample_s: float  # block commits, sampling, stop checks, outputs (includes waiting for the GPU to finish)
+    sample_s: float  # after the forward call: sampling, block commits, reading back and the bookkeeping of this
+    # step or (overlapped) of the previous one, including the wait for it
     total_s: float
     gpu_s: float | None  # CUDA events around the forward
     started: float = 0.0  # perf_counter at the start of the step() call (spacing of steps: their period)
@@ -98,7 +99,7 @@ class _Launched:
     out: SampleOutput | None  # on the device (None: nothing samples)
     host: SampleOutput | None  # copies on the host, valid once `ready` has passed
     ready: torch.cuda.Event | None  # recorded after the copies (None: already on the host)
-    timing: object | None  # the runner's ForwardTiming (when timed)
+    timing: ForwardTiming | None  # when timed
     ids: list[int] = field(default_factory=list)  # the sampled ids on the host (set by _fetch)
     kept: list[tuple[int, Sequence]] | None = None  # rows whose token was appended (set by _fetch)
     release_after: list[Sequence] = field(default_factory=list)  # finished while this step was in flight
@@ -285,8 +286,8 @@ class LLMEngine:
         return ids
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
-        """Read a launched step back: its tokens, stop checks and outputs; returns the cache it held for sequences
-        that finished while it was in flight."""
+        """Read a launched step back: its tokens, stop checks and outputs. Gives back the cache of sequences that
+        finished while it was in flight (it computed them)."""
         self._fetch(step)  # the device is done with the step once its ids are on the host
         for seq in step.release_after:
             self.blocks.release(seq)
@@ -307,7 +308,8 @@ class LLMEngine:
                 seq.first_token_time = now
             if chosen_lp is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                seq.output_logprobs.append(TokenLogprobs(token, chosen_lp[i], dict(zip(top_ids[i][:k], top_lp[i][:k]))))
+                top = dict(zip(top_ids[i][:k], top_lp[i][:k]))
+                seq.output_logprobs.append(TokenLogprobs(token, chosen_lp[i], top))
             self._check_stop(seq, token)
             if seq.is_finished:
                 self._remove(seq)
@@ -374,6 +376,7 @@ def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | N
     """Start copying the sampled ids (and logprobs) to pinned host memory; the event says when they are there."""
     if out.token_ids.device.type != "cuda":
         return out, None
+
     def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 

@@ -112,7 +112,8 @@ def fake_llm(model_cls=None, **opts):
     from mini.engine import LLM
     cfg = FakeConfig()
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
-    return LLM((model_cls or FakeModel)(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
+    return LLM((model_cls or FakeModel)(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
+               cache_cls=FakeCache,
                seq_chunk_cls=FakeSeqChunk, **opts)
 
 
