@@ -378,7 +378,9 @@ def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | N
         return out, None
 
     def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        if t is None or t.numel() == 0:  # nothing to copy (top_ids of logprobs=0 are [n, 0])
+            return None if t is None else torch.empty(t.shape, dtype=t.dtype)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     host = SampleOutput(*map(pinned, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
     ready = torch.cuda.Event()
