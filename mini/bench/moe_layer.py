@@ -56,6 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also time the unfused gate and the torch routing plan, and compare their results")
     p.add_argument("--gate-configs", action="store_true", help="also time every config of the fused gate kernel")
     p.add_argument("--only-gate-plan", action="store_true", help="time the gate and the routing plan only")
+    p.add_argument("--gate-sweep-tokens", type=int, nargs="*", default=[], metavar="T",
+                   help="also time the fused and the unfused gate on the first T tokens (the dispatch threshold)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -99,6 +101,12 @@ def _time(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _timed(ms: dict, name: str, fn, args) -> None:
+    """ms[name] = _time(fn), printed at once (a run cut short by a time limit still leaves what it measured)."""
+    ms[name] = _time(fn, args.iters, args.warmup)
+    print(f"ms_{name}: {ms[name]:.4f}", flush=True)
+
+
 def run(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("moe-layer needs a CUDA GPU")
@@ -107,7 +115,7 @@ def run(args) -> dict:
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
-    from mini.ops.moe import gate, routed, routed_gemm, shared
+    from mini.ops.moe import fused_gate, gate, gate_unfused, routed, routed_gemm, shared
 
     mini.ops.set_backend("fast")
     cfg = preset(args.preset)
@@ -139,13 +147,18 @@ def run(args) -> dict:
     tiles = gemm_lib == "triton"  # Humming's GEMMs take expert_offset, not row tiles
     plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles)
     n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
-    ms = {"gate": _time(lambda: gate(x, w, cfg, plan_l), args.iters, args.warmup),
-          "route_plan": _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args.iters, args.warmup)}
+    ms = {}
+    _timed(ms, "gate", lambda: gate(x, w, cfg, plan_l), args)
+    _timed(ms, "route_plan", lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args)
     extra = {}
     if args.old_gate_plan:
         extra.update(_old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms))
     if args.gate_configs:
         extra.update(_gate_configs(args, cfg, w, x, ids, ms))
+    for n in args.gate_sweep_tokens:
+        xn = x[:n]
+        _timed(ms, f"gate_fused_t{n}", lambda: fused_gate(xn, w, cfg), args)  # noqa: B023
+        _timed(ms, f"gate_unfused_t{n}", lambda: gate_unfused(xn, w, cfg, plan_l), args)  # noqa: B023
     if args.only_gate_plan:
         definition = {"preset": args.preset, "tokens": args.tokens, "local_experts": args.local_experts,
                       "topk": cfg.n_activated_experts, "dim": cfg.dim, "experts": cfg.n_routed_experts,
@@ -214,17 +227,17 @@ def _old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms: dict) -> dict:
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
     from mini.ops.moe import gate_unfused
-    ms["gate_unfused"] = _time(lambda: gate_unfused(x, w, cfg, plan_l), args.iters, args.warmup)
+    _timed(ms, "gate_unfused", lambda: gate_unfused(x, w, cfg, plan_l), args)
     old_w, old_ids = gate_unfused(x, w, cfg, plan_l)
     same = ids == old_ids
     res = {"gate_ids_equal_fraction": float(same.float().mean()),
            "gate_weight_max_rel_diff": float(((weights - old_w).abs() / old_w.abs()).masked_fill(~same, 0).max())}
     for tiles in (True, False):
         tag = "tiles" if tiles else "no_tiles"
-        ms[f"route_plan_{tag}"] = _time(lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles),  # noqa: B023
-                                        args.iters, args.warmup)
-        ms[f"route_plan_torch_{tag}"] = _time(
-            lambda: plan_routes_torch(ids, weights, w.experts, BLOCK_M, tiles), args.iters, args.warmup)  # noqa: B023
+        _timed(ms, f"route_plan_{tag}",
+               lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args)  # noqa: B023
+        _timed(ms, f"route_plan_torch_{tag}",
+               lambda: plan_routes_torch(ids, weights, w.experts, BLOCK_M, tiles), args)  # noqa: B023
         new, old = plan_routes(ids, weights, w.experts, BLOCK_M, tiles), plan_routes_torch(ids, weights, w.experts,
                                                                                           BLOCK_M, tiles)
         res[f"route_plan_{tag}_bit_equal"] = float(all(
@@ -244,7 +257,7 @@ def _gate_configs(args, cfg, w, x, ids, ms: dict) -> dict:
         fn = lambda: fused_gate(x, w, cfg, config=c)  # noqa: E731,B023
         try:
             res[name + "_ids_equal_fraction"] = float((fn()[1] == ids).float().mean())
-            ms[name] = _time(fn, args.iters, args.warmup)
+            _timed(ms, name, fn, args)
         except Exception as e:  # a config that does not build here (shared memory, registers) is skipped
             print(f"{name}: skipped ({type(e).__name__}: {str(e)[:160]})")
     return res

@@ -153,6 +153,7 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     T, D = x.shape
     E = weight.shape[0]
     assert weight.shape[1] == D and bias.shape == (E,) and 0 < k <= E
+    assert x.dtype == weight.dtype == torch.bfloat16, "the kernel multiplies bf16 (exact products in fp32)"
     dev = x.device
     weights = torch.empty(T, k, dtype=torch.float32, device=dev)
     ids = torch.empty(T, k, dtype=torch.int64, device=dev)
@@ -165,22 +166,26 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     has_img = image_mask is not None and bias_img is not None
     interpreted = dev.type == "cpu"
     na, nb = column_blocks(E)
-    args = (x, weight.contiguous(), bias.float().contiguous(),
-            bias_img.float().contiguous() if has_img else bias, image_mask.contiguous().view(torch.uint8) if has_img else x,
-            weights, ids, logits, scores, T, x.stride(0), float(temp), float(route_scale), float(eps))
+    bias = bias.float().contiguous()
+    bias_img = bias_img.float().contiguous() if has_img else bias
+    img = image_mask.contiguous().view(torch.uint8) if has_img else x
+    args = (x, weight.contiguous(), bias, bias_img, img, weights, ids, logits, scores, T, x.stride(0), float(temp),
+            float(route_scale), float(eps))
     consts = dict(D=D, E=E, K=k, KP=triton.next_power_of_2(k), NA=na, NB=nb, NORMALIZE=normalize, HAS_IMG=has_img,
                   DEBUG=debug, LIBDEVICE=not interpreted,
                   # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
                   DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16)
     key = (dev.type, dev.index, D, E, k)
-    for cfg in (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS:
+    candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS
+    for i, cfg in enumerate(candidates):
         try:
             _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, num_warps=cfg.num_warps,
                                                     num_stages=cfg.num_stages)
         except triton.runtime.errors.OutOfResources:
-            if config is not None or cfg is CONFIGS[-1]:
+            if i == len(candidates) - 1:
                 raise
             continue
-        _CHOSEN.setdefault(key, cfg)
+        if config is None:
+            _CHOSEN.setdefault(key, cfg)
         break
     return (weights, ids, logits, scores) if debug else (weights, ids)

@@ -114,8 +114,9 @@ def _scan_kernel(counts_ptr, base_ptr, offset_ptr, tile_expert_ptr, tile_start_p
                  E: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr, TILE_M: tl.constexpr, TB: tl.constexpr):
     buckets = tl.arange(0, EB)
     total = tl.zeros([EB], dtype=tl.int32)
-    # while loops: Triton 3.6's interpreter cannot take a run-time bound in range()
-    b0 = n_blocks * 0
+    # while loops: Triton 3.6's interpreter cannot take a run-time bound in range(). The counters start from a
+    # tensor: a bound of 1 arrives as a compile-time constant (Triton specializes integer arguments equal to 1)
+    b0 = tl.program_id(0) * 0
     while b0 < n_blocks:  # base[b, e] = pairs of bucket e in blocks before b
         b = b0 + tl.arange(0, NBB)
         at = b[:, None] * EB + buckets[None, :]
@@ -131,7 +132,7 @@ def _scan_kernel(counts_ptr, base_ptr, offset_ptr, tile_expert_ptr, tile_start_p
         tiles_through = tl.cumsum(n_tiles_of, axis=0)  # tiles of experts 0..e
         first_tile = tiles_through - n_tiles_of
         row_end = first_row + total
-        t0 = n_tiles * 0
+        t0 = tl.program_id(0) * 0
         while t0 < n_tiles:
             t = t0 + tl.arange(0, TB)
             e = tl.sum(((tiles_through[None, :] <= t[:, None]) & is_local[None, :]).to(tl.int32), axis=1)
@@ -167,6 +168,16 @@ def _place_kernel(ids_ptr, weights_ptr, base_ptr, offset_ptr, token_ptr, weight_
         tl.store(weight_ptr + row, tl.load(weights_ptr + i, mask=kept, other=0.0), mask=kept)
 
 
+def launch_sizes(n_local: int, interpreted: bool = False) -> tuple[int, int, int]:
+    """(EB buckets: local experts, elsewhere, padding to a power of two; SUB pairs per step of the count and place
+    kernels, whose [SUB, EB] one-hot tiles live in registers; STEP blocks / tiles per step of the scan kernel)."""
+    EB = max(16, triton.next_power_of_2(n_local + 1))
+    SUB = max(16, min(64, 8192 // EB))
+    if interpreted:  # Triton's interpreter costs per operation: fewer, larger steps
+        SUB *= 4
+    return EB, SUB, max(1, 4096 // EB)
+
+
 def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
                 tiles: bool = True) -> RoutePlan:
     """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
@@ -177,10 +188,7 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     E, N, dev = len(experts), ids.numel(), ids.device
     n_rows = max_rows(T, k, E)
     n_tiles = -(-n_rows // block_m) + E if tiles else 0
-    EB = max(16, triton.next_power_of_2(E + 1))  # buckets: local experts, elsewhere, padding
-    SUB = max(16, min(64, 8192 // EB))  # pairs per step: [SUB, EB] one-hot tiles (registers)
-    if not ids.is_cuda:  # Triton's interpreter: its cost is per operation, so fewer and larger steps
-        SUB *= 4
+    EB, SUB, STEP = launch_sizes(E, interpreted=not ids.is_cuda)
     n_blocks = triton.cdiv(N, BLOCK)
     i32 = dict(dtype=torch.int32, device=dev)
     counts, base = torch.empty(n_blocks, EB, **i32), torch.empty(n_blocks, EB, **i32)
@@ -192,7 +200,7 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     if n_blocks:
         _count_kernel[(n_blocks,)](ids, counts, N, experts.start, E=E, BLOCK=BLOCK, SUB=SUB, EB=EB)
     _scan_kernel[(1,)](counts, base, expert_offset, tile_expert, tile_start, tile_end, n_blocks, n_tiles,
-                       E=E, EB=EB, NBB=max(1, 4096 // EB), TILE_M=block_m if tiles else 0, TB=max(1, 4096 // EB))
+                       E=E, EB=EB, NBB=STEP, TILE_M=block_m if tiles else 0, TB=STEP)
     if n_blocks:
         _place_kernel[(n_blocks,)](ids, weights.float().contiguous(), base, expert_offset, token, weight, slot_row,
                                    N, n_rows, experts.start, E=E, K=k, BLOCK=BLOCK, SUB=SUB, EB=EB)

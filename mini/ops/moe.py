@@ -14,7 +14,8 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel (mini/kernels/moe_gate.py: bf16 GEMM with fp32
 accumulation, bf16 x bf16 products being exact in fp32, so only the summation order differs from fp32; scores, top-k
 and weights in its epilogue); the (token, slot) pairs are sorted by local expert (mini/kernels/moe_route.py), the
-routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
+routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot order. The grouped
+GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
   routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
 * "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
@@ -203,11 +204,19 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
                      normalize, w.bias_vl, image_mask, config)
 
 
+# Below this many tokens the unfused gate runs: each program of the fused kernel reads the whole gate weight
+# (3.9 MB at V4.1) through one SM, ~30-50 us however few its rows, where cuBLAS spreads a small GEMM over every
+# SM. An estimate, not measured: `mini bench moe-layer --only-gate-plan --gate-sweep-tokens ...` gives the crossover.
+FUSED_GATE_MIN_TOKENS = 1024
+
+
 def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan) -> bool:
     """The fused kernel covers bf16 activations and gate weights, sqrtsoftplus scores and a selection bias (V4.1,
-    and V4's non-hash layers); other cases (softmax / sigmoid, hash layers, no bias) run `gate_unfused`."""
+    and V4's non-hash layers), from FUSED_GATE_MIN_TOKENS tokens; other cases (softmax / sigmoid, hash layers, no
+    bias, few tokens) run `gate_unfused`."""
     return (use_fast(x, w.gate) and x.dtype == torch.bfloat16 and w.gate.dtype == torch.bfloat16
-            and cfg.score_func == "sqrtsoftplus" and not plan.hash_routed and w.bias is not None)
+            and x.shape[0] >= FUSED_GATE_MIN_TOKENS and cfg.score_func == "sqrtsoftplus" and not plan.hash_routed
+            and w.bias is not None)
 
 
 def gate_unfused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,

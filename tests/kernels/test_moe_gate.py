@@ -149,3 +149,70 @@ def test_gate_kernel_image_bias_gpu():
     x, w, bias = _inputs(2053, 5120, 384, "cuda", seed=5)
     image_mask = torch.rand(2053, device="cuda") < 0.3
     _check(x, w, bias, 6, bias_img=torch.randn(384, device="cuda") * 0.1, image_mask=image_mask)
+
+
+def _build_for_sm90() -> None:
+    """Builds the gate and routing-plan kernels for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch
+    parameters the wrappers use for the models' shapes; prints one line each. Run as a script, without
+    TRITON_INTERPRET."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mini.kernels import moe_route
+    from mini.kernels.moe_gate import CONFIGS, _gate_kernel
+
+    def build(kernel, ptr_types, consts, num_warps=4, num_stages=2):
+        names = kernel.arg_names
+        types = {n: "constexpr" if n in consts else ptr_types.get(n, "*i32") if n.endswith("_ptr")
+                 else "fp32" if n in ("temp", "route_scale", "eps") else "i32" for n in names}
+        src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
+                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+        print(kernel.__name__, consts, "shared", k.metadata.shared, "wgmma" if "wgmma" in k.asm["ptx"] else "", "ok",
+              flush=True)
+
+    gate_ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "bias_img_ptr": "*fp32", "img_ptr": "*u8",
+                 "weights_ptr": "*fp32", "ids_ptr": "*i64", "logits_ptr": "*fp32", "scores_ptr": "*fp32"}
+    # V4.1-Flash (+ image bias + debug outputs), V4-Flash, tiny-v4.1; the default config (the others: the bench)
+    # (the last: one token, which Triton passes as a constant)
+    for D, E, K, img, one in ((5120, 384, 6, False, {}), (5120, 384, 6, True, {}), (4096, 256, 6, False, {}),
+                              (64, 16, 4, False, {}), (64, 7, 1, False, {"T": 1})):
+        na, nb = column_blocks(E)
+        c = CONFIGS[0]
+        build(_gate_kernel, gate_ptrs, dict(**one, D=D, E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb,
+                                            NORMALIZE=True, HAS_IMG=img, DEBUG=img, LIBDEVICE=True,
+                                            DOT_DTYPE=tl.bfloat16, BM=c.BM, BK=c.BK), c.num_warps, c.num_stages)
+    route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
+    for E in (0, 1, 7, 96, 384):
+        EB, SUB, STEP = moe_route.launch_sizes(E)
+        build(moe_route._count_kernel, route_ptrs, dict(E=E, BLOCK=moe_route.BLOCK, SUB=SUB, EB=EB))
+        for tile_m in (0, 128):
+            build(moe_route._scan_kernel, route_ptrs, dict(E=E, EB=EB, NBB=STEP, TILE_M=tile_m, TB=STEP))
+        # one block of pairs, one tile: Triton passes an integer argument equal to 1 as a constant
+        build(moe_route._scan_kernel, route_ptrs, dict(n_blocks=1, n_tiles=1, E=E, EB=EB, NBB=STEP, TILE_M=128,
+                                                       TB=STEP))
+        build(moe_route._place_kernel, route_ptrs, dict(E=E, K=6, BLOCK=moe_route.BLOCK, SUB=SUB, EB=EB))
+
+
+@pytest.mark.slow
+def test_gate_and_route_kernels_build_for_sm90():
+    """The interpreter accepts more than the compiler: build for Hopper in a subprocess (this session may have
+    switched Triton to its interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 5 + 5 * 5, run.stdout
+
+
+if __name__ == "__main__":
+    _build_for_sm90()
