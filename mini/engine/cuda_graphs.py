@@ -77,7 +77,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[n] = (graph, logits)
 
-    def prepare(self, chunks: list[ScheduledChunk], history, feed: "TokenFeed | None" = None) -> int:
+    def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None) -> int:
         """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens
         known on the host; `feed` those of rows whose token is still on the device (copied there, on the device).
         Engram rows are hashed from the last tokens on the host: with a feed, its tokens are fetched only after

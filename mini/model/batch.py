@@ -7,6 +7,7 @@ tensors below and never loops over sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -144,7 +145,8 @@ class DecodeBuffers:
                      engram_rows=None if self.engram_rows is None else self.engram_rows[:n])
 
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
-             engram_rows: torch.Tensor | None = None, feed: tuple[torch.Tensor, list[int]] | None = None) -> None:
+             engram_rows: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+             feed: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
         there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host, or be
         a function giving them, called once the other inputs are on their way (it may wait for `feed`'s tokens).

@@ -221,6 +221,18 @@ def test_cache_of_a_finished_sequence_is_held_until_its_last_step_is_read_back()
     assert any(o.finish_reason == "stop" for o in outs)
 
 
+def test_decode_buffers_take_fed_tokens_on_the_device():
+    from mini.model import DecodeBuffers
+    bufs = DecodeBuffers(max_seqs=8, max_len=64, block_tokens=16, pad_slot=9, pad_block=30, device="cpu")
+    sampled = torch.tensor([41, 42, 43, 44])  # the previous step's ids, one per row of that step
+    bufs.fill(6, [5, 0, 7, 0], [3, 17, 9, 1], [0, 1, 2, 3], [[1], [2, 4], [3], [5]], feed=(sampled, [-1, 3, -1, 0]))
+    assert bufs.batch(6).input_ids.tolist() == [5, 44, 7, 41, 0, 0]
+    bufs.fill(4, [8, 6], [4, 2], [0, 1], [[1], [2]])  # no feed: the bucket's source rows are cleared
+    assert bufs.batch(4).input_ids.tolist() == [8, 6, 0, 0] and bufs.ids[3, :4].tolist() == [-1] * 4
+    with pytest.raises(ValueError, match="source rows"):
+        bufs.fill(2, [8, 6], [4, 2], [0, 1], [[1], [2]], feed=(sampled, [1]))
+
+
 @pytest.mark.parametrize("model,block_tokens", [("tiny-v4", 128), ("tiny-v4.1", 16)])
 def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_tokens):
     """Through the static decode buffers the in-flight ids are gathered into the next step's token row on the
