@@ -20,7 +20,7 @@ echo "decode-host tiny-v4 graphs,graphs+overlap rc=$?" >>"$log"
 timeout 60 python3 -m mini bench decode-host --modes graphs+overlap --host-threads 1 \
     --json "$OUT/decode_host_v41_threads1.json" >>"$log" 2>&1
 echo "decode-host tiny-v4.1 graphs+overlap host-threads 1 rc=$?" >>"$log"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_overlap.py \
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_overlap.py \
     tests/engine/test_decode_graphs.py tests/bench/test_decode_host.py >"$OUT/pytest_gpu.log" 2>&1
 echo "pytest rc=$?" >>"$log"; tail -5 "$OUT/pytest_gpu.log" >>"$log"
 timeout 60 python3 -m mini bench tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 \
