@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Third device call (one H200): overlapped decode steps (EngineOptions.overlap). decode-host at batch 64 in the
-# three modes on tiny-v4.1 (and graphs+overlap with one host torch thread) (Engram: the in-flight ids are read back before each step's Engram lookup) and graphs
-# vs graphs+overlap on tiny-v4 (no Engram: ids fed on the device, no read-back before a launch); the gpu tests
-# of the engine (graphs+overlap == graphs == eager) and of the suite; tiny-goodput with graphs (overlap on by
-# default). Each command is capped; one failing does not stop the others. Results in $OUT.
+# Third device call (one H200): overlapped decode steps (EngineOptions.overlap). decode-host at batch 64:
+# tiny-v4.1 in the three modes (Engram: the in-flight ids are read back before each step's Engram lookup), and
+# graphs+overlap again with one host torch thread; tiny-v4 graphs vs graphs+overlap (no Engram: ids fed on the
+# device, no read-back before a launch); the gpu tests of the engine (graphs+overlap == graphs == eager) and of
+# the suite; tiny-goodput with graphs (overlap on by default). Each command is capped (560 s in all); one
+# failing does not stop the others. Results in $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MINI_MOE_GEMM=triton
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
