@@ -55,7 +55,7 @@ def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=N
     sel = scores + (bias if image_mask is None else torch.where(image_mask[:, None], bias_img, bias))
     ew, eids = _expected(scores, sel, k, eps, normalize)
     assert torch.equal(ids, eids)
-    torch.testing.assert_close(weights, ew, rtol=2e-7, atol=0)  # the same IEEE operations: at most an ulp
+    torch.testing.assert_close(weights, ew, rtol=5e-7, atol=0)  # the same IEEE operations: an ulp or two
     # torch.topk: the same ids in rows where none of the k + 1 largest values tie, the same values everywhere
     top = sel.topk(min(k + 1, E), dim=1)
     tied = (top.values.diff(dim=1) == 0).any(dim=1)
