@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import traceback
 
 import torch
 
@@ -105,13 +106,21 @@ def run(args) -> dict:
     if args.host_threads is not None:
         torch.set_num_threads(args.host_threads)
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
-    metrics = {}
+    metrics, failed = {}, {}
     for mode in modes:
-        for k, v in _measure(model, config, tokenizer, args, device, mode).items():
-            metrics[f"{mode}_{k}"] = v
+        try:
+            for k, v in _measure(model, config, tokenizer, args, device, mode).items():
+                metrics[f"{mode}_{k}"] = v
+        except Exception as e:  # one mode failing keeps the others' numbers (a device call measures them all)
+            if len(modes) == 1:
+                raise
+            traceback.print_exc()
+            failed[mode] = f"{type(e).__name__}: {e}"
         if device == "cuda":
             torch.cuda.empty_cache()
-    rows = [k.split("_", 1)[1] for k in metrics if k.startswith(modes[0] + "_")]
+    if not metrics:
+        raise RuntimeError(f"every mode failed: {failed}")
+    rows = list(dict.fromkeys(k.split("_", 1)[1] for k in metrics))
     print(f"{'':16s}" + "".join(f"{m:>16s}" for m in modes))
     for r in rows:
         print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):16.3f}" for m in modes))
@@ -119,4 +128,8 @@ def run(args) -> dict:
                   "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
                   "modes": ",".join(modes), "max_num_batched_tokens": args.max_num_batched_tokens,
                   "max_model_len": args.max_model_len, "host_threads": torch.get_num_threads()}
-    return {"suite": SUITE, "definition": definition, "metrics": metrics}
+    result = {"suite": SUITE, "definition": definition, "metrics": metrics}
+    if failed:
+        print(f"FAILED modes: {failed}")
+        result["failed_modes"] = failed
+    return result

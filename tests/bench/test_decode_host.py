@@ -31,6 +31,23 @@ def test_decode_host_rejects_unknown_modes_and_short_runs():
         SUITES["decode-host"](_args("--device", "cpu", "--skip", "10"))
 
 
+def test_a_failing_mode_keeps_the_others(monkeypatch):
+    import mini.bench.decode_host as dh
+    measure = dh._measure
+
+    def broken(model, config, tokenizer, args, device, mode):
+        if mode == "eager+overlap":
+            raise RuntimeError("boom")
+        return measure(model, config, tokenizer, args, device, mode)
+
+    monkeypatch.setattr(dh, "_measure", broken)
+    res = SUITES["decode-host"](_args("--device", "cpu", "--modes", "eager+overlap,eager"))
+    assert res["failed_modes"] == {"eager+overlap": "RuntimeError: boom"}
+    assert res["metrics"]["eager_steps"] == 4 and not any(k.startswith("eager+overlap") for k in res["metrics"])
+    with pytest.raises(RuntimeError, match="boom"):  # a mode run alone raises
+        SUITES["decode-host"](_args("--device", "cpu", "--modes", "eager+overlap"))
+
+
 @pytest.mark.gpu
 def test_decode_host_reports_every_mode_on_the_gpu():
     from mini.ops import set_backend
@@ -38,7 +55,7 @@ def test_decode_host_reports_every_mode_on_the_gpu():
     res = SUITES["decode-host"](_args("--batch", "8", "--input-len", "40", "--output-len", "12", "--skip", "2",
                                       "--max-model-len", "1024"))
     m = res["metrics"]
-    assert res["definition"]["modes"] == "eager,graphs,graphs+overlap"
+    assert res["definition"]["modes"] == "eager,graphs,graphs+overlap" and "failed_modes" not in res
     for mode in ("eager", "graphs", "graphs+overlap"):
         assert m[f"{mode}_steps"] == 12 - 1 - 2
         # overlapped: the call that launches a step ends while it runs, so its wall time can be under its GPU span
