@@ -17,5 +17,6 @@ timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/kernels/tes
     tests/kernels/test_moe_route.py 2>&1 | tee "$OUT/gate_pytest.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gate_pytest.log"
 timeout 60 python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
-    --gate-sweep-tokens 1 64 256 1024 4096 --json "$OUT/gate_bench.json" 2>&1 | tee "$OUT/gate_bench.log"
+    --gate-sweep-tokens 1 64 256 1024 4096 --route-blocks 256 512 --json "$OUT/gate_bench.json" 2>&1 \
+    | tee "$OUT/gate_bench.log"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gate_bench.log"

@@ -37,6 +37,9 @@ SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results in docs/
 }
 
 
+ROUTE_PLAN_FIELDS = ("token", "weight", "slot_row", "expert_offset", "tile_expert", "tile_start", "tile_end")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--tokens", type=int, default=16384, help="tokens the gate and the local experts see")
@@ -58,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only-gate-plan", action="store_true", help="time the gate and the routing plan only")
     p.add_argument("--gate-sweep-tokens", type=int, nargs="*", default=[], metavar="T",
                    help="also time the fused and the unfused gate on the first T tokens (the dispatch threshold)")
+    p.add_argument("--route-blocks", type=int, nargs="*", default=[], metavar="PAIRS",
+                   help="also time the routing plan with these pairs per program (powers of two; default 1024)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -155,6 +160,12 @@ def run(args) -> dict:
         extra.update(_old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms))
     if args.gate_configs:
         extra.update(_gate_configs(args, cfg, w, x, ids, ms))
+    for pairs in args.route_blocks:
+        _timed(ms, f"route_plan_block{pairs}",
+               lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles, pairs), args)  # noqa: B023
+        other = plan_routes(ids, weights, w.experts, BLOCK_M, tiles, pairs)
+        extra[f"route_plan_block{pairs}_bit_equal"] = float(all(torch.equal(getattr(other, f), getattr(plan, f))
+                                                                for f in ROUTE_PLAN_FIELDS))
     for n in args.gate_sweep_tokens:
         xn = x[:n]
         _timed(ms, f"gate_fused_t{n}", lambda: fused_gate(xn, w, cfg), args)  # noqa: B023
@@ -240,9 +251,8 @@ def _old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms: dict) -> dict:
                lambda: plan_routes_torch(ids, weights, w.experts, BLOCK_M, tiles), args)  # noqa: B023
         new, old = plan_routes(ids, weights, w.experts, BLOCK_M, tiles), plan_routes_torch(ids, weights, w.experts,
                                                                                           BLOCK_M, tiles)
-        res[f"route_plan_{tag}_bit_equal"] = float(all(
-            torch.equal(getattr(new, f), getattr(old, f)) for f in ("token", "weight", "slot_row", "expert_offset",
-                                                                   "tile_expert", "tile_start", "tile_end")))
+        res[f"route_plan_{tag}_bit_equal"] = float(all(torch.equal(getattr(new, f), getattr(old, f))
+                                                       for f in ROUTE_PLAN_FIELDS))
     return res
 
 

@@ -10,7 +10,7 @@ Everything is computed on the device without reading a count back to the host: t
 case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be captured in a CUDA graph.
 
 `plan_routes` is a counting sort in three Triton kernels (on CUDA, or on CPU tensors under Triton's interpreter):
-1. count: per block of BLOCK flat pairs, a histogram over the buckets 0..E-1 (local experts) and E (elsewhere);
+1. count: per block of `block` flat pairs, a histogram over the buckets 0..E-1 (local experts) and E (elsewhere);
 2. scan (one program): per bucket, the exclusive prefix over the blocks; the buckets' starts (`expert_offset`);
    the row tiles;
 3. place: per block again, each pair's row = its bucket's start + the earlier blocks' count + its rank in the
@@ -87,7 +87,7 @@ def plan_routes_torch(ids: torch.Tensor, weights: torch.Tensor, experts: range, 
     return plan
 
 
-BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kernels
+BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kernels (default; a power of two)
 
 
 @triton.jit
@@ -179,9 +179,10 @@ def launch_sizes(n_local: int, interpreted: bool = False) -> tuple[int, int, int
 
 
 def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
-                tiles: bool = True) -> RoutePlan:
+                tiles: bool = True, block: int = BLOCK) -> RoutePlan:
     """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
-    tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them."""
+    tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them.
+    `block`: pairs per program of the count and place kernels (the plan is the same for any)."""
     if not (ids.is_cuda or triton.knobs.runtime.interpret):
         return plan_routes_torch(ids, weights, experts, block_m, tiles)
     T, k = ids.shape
@@ -189,7 +190,8 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     n_rows = max_rows(T, k, E)
     n_tiles = -(-n_rows // block_m) + E if tiles else 0
     EB, SUB, STEP = launch_sizes(E, interpreted=not ids.is_cuda)
-    n_blocks = triton.cdiv(N, BLOCK)
+    SUB = min(SUB, block)
+    n_blocks = triton.cdiv(N, block)
     i32 = dict(dtype=torch.int32, device=dev)
     counts, base = torch.empty(n_blocks, EB, **i32), torch.empty(n_blocks, EB, **i32)
     expert_offset = torch.empty(E + 1, **i32)
@@ -198,11 +200,11 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     tile_expert, tile_start, tile_end = (torch.empty(n_tiles, **i32) for _ in range(3))
     ids = ids.contiguous()
     if n_blocks:
-        _count_kernel[(n_blocks,)](ids, counts, N, experts.start, E=E, BLOCK=BLOCK, SUB=SUB, EB=EB)
+        _count_kernel[(n_blocks,)](ids, counts, N, experts.start, E=E, BLOCK=block, SUB=SUB, EB=EB)
     _scan_kernel[(1,)](counts, base, expert_offset, tile_expert, tile_start, tile_end, n_blocks, n_tiles,
                        E=E, EB=EB, NBB=STEP, TILE_M=block_m if tiles else 0, TB=STEP)
     if n_blocks:
         _place_kernel[(n_blocks,)](ids, weights.float().contiguous(), base, expert_offset, token, weight, slot_row,
-                                   N, n_rows, experts.start, E=E, K=k, BLOCK=BLOCK, SUB=SUB, EB=EB)
+                                   N, n_rows, experts.start, E=E, K=k, BLOCK=block, SUB=SUB, EB=EB)
     return RoutePlan(token=token, weight=weight, slot_row=slot_row, tile_expert=tile_expert, tile_start=tile_start,
                      tile_end=tile_end, expert_offset=expert_offset, block_m=block_m, n_rows=n_rows)

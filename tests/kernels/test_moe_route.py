@@ -64,9 +64,9 @@ def _random_ids(T, k, n_experts, distinct=True):
     return torch.rand(T, n_experts).argsort(dim=1)[:, :k]
 
 
-def _assert_same_plan(ids, weights, experts, block_m):
+def _assert_same_plan(ids, weights, experts, block_m, block=1024):
     for tiles in (True, False):
-        new = plan_routes(ids, weights, experts, block_m, tiles)
+        new = plan_routes(ids, weights, experts, block_m, tiles, block)
         old = plan_routes_torch(ids, weights, experts, block_m, tiles)
         assert (new.block_m, new.n_rows) == (old.block_m, old.n_rows)
         for f in FIELDS:
@@ -100,7 +100,8 @@ def test_triton_plan_equals_torch_plan_interpreter(interpreter, poisoned, T, exp
     (777, 6, 40, range(8, 20), False)])  # repeated experts within a token, several blocks of pairs
 def test_triton_plan_edge_cases_interpreter(interpreter, poisoned, T, k, n_experts, experts, distinct):
     ids = _random_ids(T, k, n_experts, distinct)
-    _assert_same_plan(ids.to(torch.int32), torch.rand(T, k, dtype=torch.float64), experts, 16)
+    for block in (1024, 256, 16):  # pairs per program: one to many blocks, one to several steps per block
+        _assert_same_plan(ids.to(torch.int32), torch.rand(T, k, dtype=torch.float64), experts, 16, block)
     _check_plan(ids, torch.rand(T, k), experts, 16)
 
 
@@ -118,3 +119,5 @@ def test_plan_on_gpu_matches_invariants():
 def test_triton_plan_equals_torch_plan_gpu(T, experts, k):
     ids = _random_ids(T, k, 384).cuda()
     _assert_same_plan(ids, torch.randn(T, k, device="cuda"), experts, 128)
+    if T == 16384:
+        _assert_same_plan(ids, torch.randn(T, k, device="cuda"), experts, 128, block=256)
