@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv 2>&1 | tee "$OUT/gate_smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 \
     | tee -a "$OUT/gate_smi.txt"
-timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/kernels/test_moe_gate.py \
+timeout 55 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/kernels/test_moe_gate.py \
     tests/kernels/test_moe_route.py 2>&1 | tee "$OUT/gate_pytest.log"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gate_pytest.log"
 timeout 60 python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
