@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lead's device calls (one H200), carry [".whl", ".cache/bench_rev"]. Everything lands in $OUT.
-#   PHASE=checks   every gpu-marked test (4 workers), the moe-layer suite (Humming, gate and route-plan kernels),
-#                  the decode host share (eager / graphs / graphs + overlap) and the tiny goodput benchmark
+#   PHASE=checks   every gpu-marked test (4 workers), gate + route plan old vs new, the moe-layer suite (Humming),
+#                  the FlashMLA sparse attention micro-benchmark, the decode host share (eager / graphs / graphs +
+#                  overlap; tiny-v4.1 and tiny-v4) and the tiny goodput benchmark
 #   PHASE=measure  A/B of the rank4 suite between the packed base revision and HEAD (`tools/bench_rev.py pack
 #                  BASE HEAD` first: tarballs in .cache/bench_rev), then the per-stage profile of HEAD
 # Backends are chosen by the environment (MINI_MOE_GEMM, MINI_SPARSE_ATTN, ...), so a failed check in the first
@@ -29,11 +30,16 @@ step() {  # step NAME SECONDS CMD...: run with a time cap, log its exit status
 }
 
 if [ "${PHASE:-checks}" = checks ]; then
-    step pytest_gpu "${T_TESTS:-170}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests
-    step moe_layer "${T_MOE:-60}" python3 -m mini.cli bench moe-layer --json "$OUT/moe_layer.json"
-    step decode_host "${T_DECODE:-60}" python3 -m mini.cli bench decode-host --json "$OUT/decode_host.json"
-    step goodput "${T_GOODPUT:-60}" python3 -m mini.cli bench tiny-goodput --backend fast --num-requests 64 \
-        --input-len 128 --output-len 64 --json "$OUT/goodput.json"
+    step pytest_gpu "${T_TESTS:-170}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE tests
+    step gate_plan 60 python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
+        --gate-sweep-tokens 1 64 256 1024 4096 --route-blocks 256 512 --json "$OUT/gate_plan.json"
+    step moe_layer 60 python3 -m mini.cli bench moe-layer --json "$OUT/moe_layer.json"
+    step flashmla 30 python3 -m mini.bench.kernels --only flashmla --json "$OUT/kernels_flashmla.json"
+    step decode_host_v41 75 python3 -m mini.cli bench decode-host --json "$OUT/decode_host_v41.json"
+    step decode_host_v4 45 python3 -m mini.cli bench decode-host --model tiny-v4 --modes graphs,graphs+overlap \
+        --json "$OUT/decode_host_v4.json"
+    step goodput 45 python3 -m mini.cli bench tiny-goodput --backend fast --num-requests 64 --input-len 128 \
+        --output-len 64 --json "$OUT/goodput.json"
 else
     a=$(ls .cache/bench_rev/*.tar.gz | grep -v HEAD | head -1); b=.cache/bench_rev/HEAD.tar.gz  # no .git there
     step ab "${T_AB:-200}" python3 tools/bench_rev.py run "$a" "$b" --suite rank4 --repeat 1 --out "$OUT/ab" \
