@@ -44,6 +44,14 @@ def available() -> bool:
     return True
 
 
+def supports(n: int, k: int) -> bool:
+    """Whether an [N, K] expert projection fits Humming's SM90 tiles. Its heuristics halve the N tile (from 256)
+    until it divides N and assert that it keeps a four-warp wgmma group of 32 columns (bf16 activations): N must
+    be a multiple of 128, and K is held to multiples of 128 (V4.1-Flash: N 4608 / 5120, K 5120 / 2304; tiny-v4, D
+    128, ran on the H200). tiny-v4.1 (D 64) fails that assertion, so it stays on the Triton kernels."""
+    return n % 128 == 0 and k % 128 == 0
+
+
 @dataclass(eq=False)
 class HummingStack:
     """One projection of one layer's local experts in Humming's layout: views of the original buffers."""

@@ -116,8 +116,11 @@ class MoEWeights:
         return w
 
     def humming_ready(self) -> bool:
-        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device."""
-        return all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
+        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device, in shapes Humming's tiles fit."""
+        from mini.kernels.humming_experts import supports
+        (_, inter, half_d), (_, dim, half_i) = self.w1.data.shape, self.w2.data.shape
+        return (all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
+                and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i))
 
     def to_humming(self) -> None:
         """Rewrite the routed experts into Humming's layout, once, at load; afterwards the fast path runs Humming's

@@ -338,3 +338,15 @@ def test_reference_path_reads_experts_rewritten_for_humming(tiny, monkeypatch):
         assert torch.equal(routed(x, w, cfg, weights, ids), before)
     finally:
         hx._moves.cache_clear()
+
+
+def test_humming_takes_only_the_shapes_its_tiles_fit():
+    """Humming's SM90 heuristics assert on an N that is not a multiple of 128 (tiny-v4.1's D = 64 crashed every
+    tiny-v4.1 engine on the H200 once `auto` picked Humming); those experts stay on our kernels."""
+    from mini.kernels.humming_experts import supports
+    for name, fits in (("v4.1-flash", True), ("v4-flash", True), ("v4-pro", True), ("tiny-v4", True),
+                       ("tiny-v4.1", False)):
+        cfg = preset(name)
+        assert supports(2 * cfg.moe_inter_dim, cfg.dim) == fits, name
+        assert supports(cfg.dim, cfg.moe_inter_dim) == fits, name
+    assert not supports(4608, 5120 + 64) and not supports(4608 + 64, 5120)
