@@ -72,6 +72,8 @@ class Rank4:
     cache: object
     exchange: EmulatedEP
     n_tokens: int
+    built_gb: float | None = None  # GPU memory the built step holds (weights, caches, inputs)
+    build_peak_gb: float | None = None  # the build's own peak (weights drawn, stacked, converted)
 
     def step(self) -> torch.Tensor:
         return self.model.forward(self.batch, self.cache)
@@ -175,6 +177,9 @@ def setup(args) -> tuple[Rank4, float]:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     r = build(args)
+    if args.device.startswith("cuda"):
+        r.build_peak_gb = torch.cuda.max_memory_allocated() / 2**30
+        r.built_gb = torch.cuda.memory_allocated() / 2**30
     return r, time.perf_counter() - t0
 
 
@@ -193,5 +198,7 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
     metrics = {"mean_step_ms": mean, "median_step_ms": statistics.median(steps), "min_step_ms": min(steps),
                "max_step_ms": max(steps), "tok_per_s_per_gpu": r.n_tokens / (mean / 1e3), "setup_s": setup_s}
     if dev.type == "cuda":
-        metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30  # build and steps
+        if r.built_gb is not None:
+            metrics["built_mem_gb"], metrics["build_peak_mem_gb"] = r.built_gb, r.build_peak_gb
     return {"suite": "rank4", "definition": definition(args), "metrics": metrics, "raw": {"step_ms": steps}}
