@@ -18,12 +18,11 @@ lays the step's keys out as such a tensor plus each query's row list.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
-from mini.ops import use_fast
+from mini.ops import library_choice, use_fast
 from mini.ops.rope import apply_rope
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
@@ -137,13 +136,7 @@ def sparse_backend() -> str:
     global _SPARSE_BACKEND
     if _SPARSE_BACKEND is None:
         from mini.kernels.flashmla_attention import available
-        want = os.environ.get("MINI_SPARSE_ATTN", "auto").strip().lower()
-        if want not in ("auto", "flashmla", "triton"):
-            raise ValueError(f"MINI_SPARSE_ATTN={want!r}: choose auto, flashmla or triton")
-        if want == "flashmla" and not available():
-            raise RuntimeError("MINI_SPARSE_ATTN=flashmla, but sgl-flash-mla (with its SM90 kernels) does not "
-                               "import on an SM90 GPU here")
-        _SPARSE_BACKEND = want if want != "auto" else "auto-flashmla" if available() else "triton"
+        _SPARSE_BACKEND = library_choice("MINI_SPARSE_ATTN", "flashmla", available)
     return _SPARSE_BACKEND
 
 

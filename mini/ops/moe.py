@@ -25,14 +25,13 @@ GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
-from mini.ops import use_fast
+from mini.ops import library_choice, use_fast
 from mini.ops.linear import QWeight, linear
 
 
@@ -334,12 +333,7 @@ def routed_gemm() -> str:
     global _ROUTED_GEMM
     if _ROUTED_GEMM is None:
         from mini.kernels.humming_experts import available
-        want = os.environ.get("MINI_MOE_GEMM", "auto").strip().lower()
-        if want not in ("auto", "humming", "triton"):
-            raise ValueError(f"MINI_MOE_GEMM={want!r}: choose auto, humming or triton")
-        if want == "humming" and not available():
-            raise RuntimeError("MINI_MOE_GEMM=humming, but humming-kernels does not import on an SM90 GPU here")
-        _ROUTED_GEMM = "humming" if want == "humming" or (want == "auto" and available()) else "triton"
+        _ROUTED_GEMM = library_choice("MINI_MOE_GEMM", "humming", available).removeprefix("auto-")
     return _ROUTED_GEMM
 
 
