@@ -79,10 +79,10 @@ class Rank4:
         return self.model.forward(self.batch, self.cache)
 
 
-def restack_experts(state: dict, cfg: ModelConfig, experts: range) -> None:
+def restack_experts(state: dict, cfg: ModelConfig, experts: range) -> dict:
     """Move each layer's routed-expert tensors into one [E_local, ...] buffer per tensor name, leaving views in
-    `state`. MoEWeights.from_state then uses the buffers as they are; without this the experts would exist twice
-    while the model is built (2 x 72 GB at V4.1-Flash EP4). One tensor is copied at a time."""
+    `state` (returned). MoEWeights.from_state then uses the buffers as they are; without this the experts would
+    exist twice while the model is built (2 x 72 GB at V4.1-Flash EP4). One tensor is copied at a time."""
     for i in range(cfg.n_layers):
         for proj in ("w1", "w3", "w2"):
             for leaf in ("weight", "scale"):
@@ -92,6 +92,7 @@ def restack_experts(state: dict, cfg: ModelConfig, experts: range) -> None:
                 for j, n in enumerate(names):
                     buf[j].copy_(state[n])
                     state[n] = buf[j]  # the drawn tensor is freed here
+    return state
 
 
 def hasher_of(cfg: ModelConfig):
@@ -108,9 +109,10 @@ def rank_model(cfg: ModelConfig, device, dtype, seed: int, experts: range, engra
     """A model with random weights drawn on `device`, holding only `experts` (one EP rank), stacked in place."""
     from mini.checkpoint import random_state
     from mini.model import Model
-    state = random_state(cfg, device, seed, experts=experts, engram_rows=engram_rows)
-    restack_experts(state, cfg, experts)
-    return Model(cfg, state, device, dtype, moe_exchange=moe_exchange, experts=experts)
+    state = restack_experts(random_state(cfg, device, seed, experts=experts, engram_rows=engram_rows), cfg, experts)
+    # consumed: experts rewritten into new buffers (Humming's w1|w3 stack) free the old ones layer by layer, not
+    # at the end of the build (40 layers x 1.2 GB)
+    return Model(cfg, state, device, dtype, moe_exchange=moe_exchange, experts=experts, consume_state=True)
 
 
 def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, block_tokens: int,

@@ -39,7 +39,8 @@ def load_model(path_or_preset: str | Path, device="cpu", dtype=torch.bfloat16, e
     path = str(path_or_preset)
     root = preset_checkpoint(path) if path in PRESETS and not Path(path).exists() else Path(path)
     config = ModelConfig.load(root)
-    model = Model(config, load_state(root, config, experts, progress=False), device, dtype, experts=experts)
+    model = Model(config, load_state(root, config, experts, progress=False), device, dtype, experts=experts,
+                  consume_state=True)
     if config.engram_layer_ids:
         from mini.ops.engram import EngramHasher
         model.hasher = EngramHasher(config, load_token_map(root))

@@ -50,12 +50,13 @@ class BlockWeights:
     engram: EngramWeights | None
 
 
-def _on_device(state: dict, device) -> dict:
+def _on_device(state: dict, device, consume: bool) -> dict:
     """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped), the
     routed experts too until MoEWeights stacks them on the device (one copy, never two), and the parts mini does
-    not run are dropped with one log line."""
+    not run are dropped with one log line. `consume` empties `state` on the way."""
     kept, skipped = {}, {}
-    for name, t in state.items():
+    for name in list(state):
+        t = state.pop(name) if consume else state[name]
         what = next((v for k, v in _SKIPPED.items() if name.startswith(k)), None)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
@@ -71,13 +72,15 @@ def _on_device(state: dict, device) -> dict:
 
 class Model:
     def __init__(self, config: ModelConfig, state: dict, device="cpu", dtype=torch.bfloat16, moe_exchange=None,
-                 experts: range | None = None):
+                 experts: range | None = None, consume_state: bool = False):
         """`state`: checkpoint tensors by official name; `experts`: the routed experts it holds (EP, None = all);
-        `moe_exchange(x, moe_weights, config, plan, input_ids)`, when given, replaces `moe()` (the EP exchange)."""
+        `moe_exchange(x, moe_weights, config, plan, input_ids)`, when given, replaces `moe()` (the EP exchange).
+        `consume_state` empties `state` while taking its tensors: a layer's experts rewritten into new buffers at
+        load (the Humming layout) then free the old ones at once, not when the caller drops `state`."""
         cfg = self.config = config
         self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
         self.hasher = None  # EngramHasher for Batch.build; load_model sets it
-        state = _on_device(state, self.device)
+        state = _on_device(state, self.device, consume_state)
         self.embed = state["embed.weight"]
         self.norm = state["norm.weight"]
         self.head = state["head.weight"].float()  # the reference keeps the head in fp32

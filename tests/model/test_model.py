@@ -103,3 +103,22 @@ def test_logit_rows_default_to_the_last_token_of_each_sequence(tiny_model):
     assert batch.logit_rows.tolist() == [8, 9 + 3 + 4]
     logits = model.forward(batch, KVCache(cfg, 3, 3, 16, "cpu", torch.float32))
     assert logits.shape == (2, cfg.vocab_size) and logits.dtype == torch.float32
+
+
+def test_a_consumed_state_is_emptied_and_gives_the_same_model():
+    """`consume_state` hands the tensors over (so buffers replaced at load can be freed at once); the model is the
+    same as one built from a state the caller keeps."""
+    import weakref
+
+    from mini.checkpoint import random_state
+    from mini.config import preset
+    from mini.model import Model
+    cfg = preset("tiny-v4.1")
+    kept_state, state = random_state(cfg, "cpu", 0), random_state(cfg, "cpu", 0)
+    expert = weakref.ref(state["layers.0.ffn.experts.0.w1.weight"])
+    a = Model(cfg, kept_state, "cpu", torch.float32)
+    b = Model(cfg, state, "cpu", torch.float32, consume_state=True)
+    assert state == {} and len(kept_state) > 0
+    assert expert() is None  # copied into the model's expert stack and freed: nothing else held it
+    assert kept_state["layers.0.ffn.experts.0.w1.weight"] is not None
+    assert torch.equal(a.blocks[0].moe.w1.data, b.blocks[0].moe.w1.data) and torch.equal(a.head, b.head)
