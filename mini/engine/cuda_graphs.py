@@ -1,9 +1,11 @@
 """CUDA graphs of pure-decode steps: captured once per batch-size bucket, replayed with new inputs.
 
 A step qualifies when every chunk is one token that samples (decode) and the sequences fit the largest bucket.
-Their last tokens, positions, slots and block tables (and Engram rows, looked up on the host) are copied into
-mini.model.DecodeBuffers, padded to the next bucket, and that bucket's graph is replayed; the logits of the real
-rows are returned. The forward inside the graph builds a DecodeLayout: fixed shapes, no host sync.
+Their last tokens, positions, slots and block tables are copied into mini.model.DecodeBuffers, padded to the next
+bucket, and that bucket's graph is replayed; the logits of the real rows are returned. The forward inside the
+graph builds a DecodeLayout: fixed shapes, no host sync. Engram (V4.1): with the tables on the device
+(Model.engram_on_device) the tokens before each decode token are copied too and the graph hashes and looks up on
+the device; with the tables on the host the rows are hashed and looked up on the host, before the replay.
 
 Capture runs at start-up, largest bucket first, each after one eager warm-up forward of the same static batch
 (which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Padding rows
@@ -34,7 +36,8 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 class TokenFeed:
     """Decode tokens still on the device (an overlapped step's samples, see mini.engine.llm): row b of the step
     takes `ids[rows[b]]` where rows[b] >= 0. `fetch()` waits for them, appends them to the histories on the host
-    (for a forward that needs them there: eager, or Engram hashing) and returns them all (a list like `ids`)."""
+    (for a forward that needs them there: eager, or Engram hashing on the host) and returns them all (a list like
+    `ids`)."""
     ids: torch.Tensor
     rows: list[int]
     fetch: Callable[[], list[int]]
@@ -80,27 +83,32 @@ class DecodeGraphs:
     def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None) -> int:
         """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens
         known on the host; `feed` those of rows whose token is still on the device (copied there, on the device).
-        Engram rows are hashed from the last tokens on the host: with a feed, its tokens are fetched only after
-        everything else is copied, so that the wait for the previous step is as late as it can be."""
+        Engram: the tokens before each decode token are known on the host (even when the decode token is fed).
+        With the tables on the device they go to the buffers and nothing waits for `feed`. Otherwise the rows are
+        hashed from the last tokens on the host: with a feed, its tokens are fetched only after everything else
+        is copied, so that the wait for the previous step is as late as it can be."""
         n = self.bucket(len(chunks))
         fed = np.array(feed.rows if feed is not None else [-1] * len(chunks), dtype=np.int64)
         tokens = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed.tolist())]
-        rows = None
+        rows = prefix = None
         if self.hasher is not None:  # the last `lookback` tokens of each sequence, its decode token last
             k = self.hasher.lookback
             tails = np.full((len(chunks), k), -1, dtype=np.int64)  # -1: before the sequence's start
-            for b, c in enumerate(chunks):  # the tokens before the decode token (on the host even when it is fed)
+            for b, c in enumerate(chunks):  # the tokens before the decode token
                 tail = history(c.seq, max(0, c.end - k), c.end - 1)
                 tails[b, k - 1 - len(tail):k - 1] = tail
             tails[:, -1] = tokens
-
-            def rows() -> torch.Tensor:
-                if feed is not None:  # only now wait for the fed tokens: every other input is on its way
-                    fed_rows = fed >= 0
-                    tails[fed_rows, -1] = np.asarray(feed.fetch(), dtype=np.int64)[fed[fed_rows]]
-                return self.model.engram_rows(self.hasher.hash_last(tails))
+            if self.buffers.n_prefix:  # tables on the device: hashed there, with the token the buffers hold
+                prefix = tails[:, :-1]
+            else:
+                def rows() -> torch.Tensor:  # tables on the host
+                    if feed is not None:  # only now wait for the fed tokens: every other input is on its way
+                        fed_rows = fed >= 0
+                        tails[fed_rows, -1] = np.asarray(feed.fetch(), dtype=np.int64)[fed[fed_rows]]
+                    return self.model.engram_rows(self.hasher.hash_last(tails))
         self.buffers.fill(n, tokens, [c.start for c in chunks], [c.seq.slot for c in chunks],
-                          [c.seq.blocks for c in chunks], rows, None if feed is None else (feed.ids, feed.rows))
+                          [c.seq.blocks for c in chunks], rows,
+                          None if feed is None else (feed.ids, feed.rows), engram_prefix=prefix)
         return n
 
     def replay(self, n: int, n_real: int) -> torch.Tensor:

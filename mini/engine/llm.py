@@ -11,9 +11,12 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
   Length limits are known without the token, so such a sequence is not planned again (Sequence.length_capped).
 * A step that is not pure decode, or samples with penalties (they read the whole history), first reads back the
   step in flight, then runs as the plain engine does, without the sequences that just finished.
-* Engram decode steps (V4.1) hash their last tokens on the host: step N's ids are read back (a wait for the
-  device) after step N+1's other inputs are copied and before its Engram rows are looked up; the bookkeeping
-  still overlaps step N+1. The eager forward (CPU, tests) reads them back before building its batch.
+* Engram decode steps (V4.1) with the tables on the device (Model.engram_on_device: tables that fit, e.g. the
+  tiny models') hash and look up on the device, from the tokens before each decode token (on the host) and the
+  fed token: nothing waits. With the tables on the host (V4.1-Flash) they hash their last tokens on the host:
+  step N's ids are read back (a wait for the device) after step N+1's other inputs are copied and before its
+  Engram rows are looked up; the bookkeeping still overlaps step N+1. The eager forward (CPU, tests) reads them
+  back before building its batch.
 * A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
   history to recompute); its blocks are reused at once, which is safe because every device write (replays,
   eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.

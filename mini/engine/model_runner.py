@@ -96,12 +96,15 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs:
             from mini.model import DecodeBuffers
-            engram_shape = None
-            if self.hasher is not None:
-                engram_shape = (*self.hasher.primes.shape, config.engram_head_dim)
+            engram_shape, engram_lookback = None, 0
+            if self.hasher is not None and getattr(model, "engram_on_device", False):
+                engram_lookback = self.hasher.lookback  # hashed and looked up on the device, inside the graph
+            elif self.hasher is not None:
+                engram_shape = (*self.hasher.primes.shape, config.engram_head_dim)  # rows looked up on the host
             buffers = DecodeBuffers(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
                                     shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
-                                    device=self.device, engram_shape=engram_shape, engram_dtype=dtype)
+                                    device=self.device, engram_shape=engram_shape, engram_dtype=dtype,
+                                    engram_lookback=engram_lookback)
             self.graphs = DecodeGraphs(model, self.cache, buffers, self.hasher)
             self.graphs.capture_all()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mini.config import ModelConfig
@@ -49,6 +50,9 @@ class Batch:
     pad_slot: int = -1  # the scratch slot and block that padding rows write into
     pad_block: int = -1
     engram_rows: torch.Tensor | None = None  # [T, n_engram_layers, n_hash_cols, head_dim] looked up on the host
+    # or, with the tables on the device: the lookback - 1 tokens before each row's token (-1 before the sequence's
+    # start), [T, lookback - 1]; the model hashes them with input_ids on the device (Model.hash_on_device)
+    engram_prefix: torch.Tensor | None = None
     _layouts: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -111,10 +115,19 @@ class DecodeBuffers:
     only once the previous copies are done (an event), which a decode step's sampling sync has long made true.
 
     An overlapped decode step (mini.engine.llm) feeds tokens that are still on the device: `fill(feed=(ids, rows))`
-    takes row b's token from `ids[rows[b]]` (the previous step's sampled ids) where rows[b] >= 0, on the device."""
+    takes row b's token from `ids[rows[b]]` (the previous step's sampled ids) where rows[b] >= 0, on the device.
+
+    Engram (V4.1), one of two ways: `engram_shape` (tables on the host): a buffer of table rows looked up on the
+    host, `fill(engram_rows=)`; `engram_lookback` (tables on the device): the lookback - 1 tokens before each row's
+    token ride in extra rows of the ids buffer (`fill(engram_prefix=)`), and the model hashes them together with
+    the row's token, fed or not, on the device (Batch.engram_prefix): nothing waits for a fed token."""
 
     def __init__(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
-                 engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16):
+                 engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16,
+                 engram_lookback: int = 0):
+        if engram_shape is not None and engram_lookback:
+            raise ValueError("Engram rows come from the host (engram_shape) or are hashed on the device "
+                             "(engram_lookback), not both")
         self.max_seqs, self.max_len, self.block_tokens = max_seqs, max_len, block_tokens
         self.pad_slot, self.pad_block = pad_slot, pad_block
         self.n_table_blocks = -(-max_len // block_tokens)
@@ -125,8 +138,11 @@ class DecodeBuffers:
             host = host.pin_memory() if pin else host
             return host, host.to(device, copy=True)
 
-        # token, position, slot of each row, and the row of a fed token (-1: none); the block table; the Engram rows
-        self.host_ids, self.ids = mirrored(torch.tensor([[0], [0], [pad_slot], [-1]]).repeat(1, max_seqs))
+        # token, position, slot of each row, the row of a fed token (-1: none), then (engram_lookback) the tokens
+        # before the row's token, oldest first (-1: none); the block table; the Engram rows (engram_shape)
+        self.n_prefix = max(engram_lookback - 1, 0)
+        self.host_ids, self.ids = mirrored(torch.tensor([[0], [0], [pad_slot]] + [[-1]] * (1 + self.n_prefix))
+                                           .repeat(1, max_seqs))
         self.host_table, self.block_table = mirrored(
             torch.full((max_seqs, self.n_table_blocks), pad_block, dtype=torch.int32))
         self.host_engram = self.engram_rows = None
@@ -142,15 +158,18 @@ class DecodeBuffers:
         return Batch(input_ids=ids, positions=pos, seq_of=self.rows[:n], slots=slots, start_pos=pos,
                      lens=self.ones[:n], block_table=self.block_table[:n], logit_rows=self.rows[:n], engram_ids=None,
                      max_len=self.max_len, pad_slot=self.pad_slot, pad_block=self.pad_block,
-                     engram_rows=None if self.engram_rows is None else self.engram_rows[:n])
+                     engram_rows=None if self.engram_rows is None else self.engram_rows[:n],
+                     engram_prefix=self.ids[4:, :n].T if self.n_prefix else None)
 
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
              engram_rows: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-             feed: tuple[torch.Tensor, list[int]] | None = None) -> None:
+             feed: tuple[torch.Tensor, list[int]] | None = None, engram_prefix=None) -> None:
         """Copy a step of len(tokens) <= n sequences into the buffers; rows up to n are padded (all of them when
         there are no sequences: what a capture's warm-up runs). `engram_rows` [k, ...] may be on the host, or be
         a function giving them, called once the other inputs are on their way (it may wait for `feed`'s tokens).
-        `feed` (device ids, one source row per sequence or -1): tokens taken on the device, replacing `tokens`."""
+        `feed` (device ids, one source row per sequence or -1): tokens taken on the device, replacing `tokens`.
+        `engram_prefix` [k, lookback - 1] int (engram_lookback buffers): the tokens before each sequence's token,
+        oldest first, -1 before its start."""
         k = len(tokens)
         if feed is not None and len(feed[1]) != k:
             raise ValueError(f"feed has {len(feed[1])} source rows for {k} sequences")
@@ -158,12 +177,17 @@ class DecodeBuffers:
             raise ValueError(f"{k} sequences in a bucket of {n} (buffers hold {self.max_seqs})")
         if self.engram_rows is not None and k and engram_rows is None:
             raise ValueError("this model has Engram layers: fill needs the looked-up rows")
+        if self.n_prefix and k and (engram_prefix is None or np.shape(engram_prefix) != (k, self.n_prefix)):
+            raise ValueError(f"these buffers hash Engram ids on the device: fill needs the {self.n_prefix} tokens "
+                             f"before each of the {k} sequences' tokens")
         if self.copied is not None:
             self.copied.synchronize()  # the mirrors' previous contents have reached the device
         host, table = self.host_ids.numpy(), self.host_table.numpy()
         host[0, :k], host[1, :k], host[2, :k] = tokens, positions, slots
         host[3, :k] = -1 if feed is None else feed[1]
-        host[0, k:n], host[1, k:n], host[2, k:n], host[3, k:n] = 0, 0, self.pad_slot, -1
+        host[0, k:n], host[1, k:n], host[2, k:n], host[3:, k:n] = 0, 0, self.pad_slot, -1
+        if self.n_prefix and k:
+            host[4:, :k] = np.asarray(engram_prefix).T
         table[:n] = self.pad_block
         for b, (p, blk) in enumerate(zip(positions, blocks)):
             if not p < len(blk) * self.block_tokens or p >= self.max_len:

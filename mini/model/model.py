@@ -50,18 +50,25 @@ class BlockWeights:
     engram: EngramWeights | None
 
 
-def _on_device(state: dict, device, consume: bool) -> dict:
-    """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped), the
-    routed experts too until MoEWeights stacks them on the device (one copy, never two), and the parts mini does
-    not run are dropped with one log line. `consume` empties `state` on the way."""
+ENGRAM_DEVICE_BYTES = 1 << 30  # Engram tables (all layers, values + scales) up to this size go to the device
+
+
+def _is_engram_table(name: str) -> bool:
+    return ".engram.embed." in name
+
+
+def _on_device(state: dict, device, consume: bool, engram_tables: bool) -> dict:
+    """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped) unless
+    `engram_tables`, the routed experts too until MoEWeights stacks them on the device (one copy, never two), and
+    the parts mini does not run are dropped with one log line. `consume` empties `state` on the way."""
     kept, skipped = {}, {}
     for name in list(state):
         t = state.pop(name) if consume else state[name]
         what = next((v for k, v in _SKIPPED.items() if name.startswith(k)), None)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
-        elif ".engram.embed." in name or ".ffn.experts." in name:
-            kept[name] = t  # Engram tables stay on the host; experts are stacked straight onto the device
+        elif (_is_engram_table(name) and not engram_tables) or ".ffn.experts." in name:
+            kept[name] = t  # host-side Engram tables stay put; experts are stacked straight onto the device
         else:
             kept[name] = t.to(device)
     if skipped:
@@ -72,15 +79,22 @@ def _on_device(state: dict, device, consume: bool) -> dict:
 
 class Model:
     def __init__(self, config: ModelConfig, state: dict, device="cpu", dtype=torch.bfloat16, moe_exchange=None,
-                 experts: range | None = None, consume_state: bool = False):
+                 experts: range | None = None, consume_state: bool = False,
+                 engram_device_bytes: int = ENGRAM_DEVICE_BYTES):
         """`state`: checkpoint tensors by official name; `experts`: the routed experts it holds (EP, None = all);
         `moe_exchange(x, moe_weights, config, plan, input_ids)`, when given, replaces `moe()` (the EP exchange).
         `consume_state` empties `state` while taking its tensors: a layer's experts rewritten into new buffers at
-        load (the Humming layout) then free the old ones at once, not when the caller drops `state`."""
+        load (the Humming layout) then free the old ones at once, not when the caller drops `state`.
+        The Engram tables move to `device` when they take at most `engram_device_bytes` in all (tiny models: a few
+        MB; V4.1-Flash: far more, they stay on the host); then `engram_on_device` is True and a static decode step
+        hashes and looks up on the device (`Batch.engram_prefix`). 0 keeps them on the host (even on CPU, where
+        only the code path differs)."""
         cfg = self.config = config
         self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
+        table_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if _is_engram_table(n))
+        self.engram_on_device = bool(cfg.engram_layer_ids) and table_bytes <= engram_device_bytes
         self.hasher = None  # EngramHasher for Batch.build; load_model sets it
-        state = _on_device(state, self.device, consume_state)
+        state = _on_device(state, self.device, consume_state, self.engram_on_device)
         self.embed = state["embed.weight"]
         self.norm = state["norm.weight"]
         self.head = state["head.weight"].float()  # the reference keeps the head in fp32
@@ -105,6 +119,24 @@ class Model:
         run = self.moe_exchange or moe
         return run(x, blk.moe, self.config, blk.plan, input_ids)
 
+    @property
+    def hasher(self):
+        """EngramHasher (host) of the model, or None; setting it also makes its device copy when the tables are on
+        the device (before any capture: the copy comes from the host)."""
+        return self._hasher
+
+    @hasher.setter
+    def hasher(self, hasher) -> None:
+        self._hasher = hasher
+        self._device_hasher = hasher.on_device(self.device) if hasher is not None and self.engram_on_device else None
+
+    def hash_on_device(self, prefix: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Engram hash ids [B, n_engram_layers, n_hash_cols] of decode tokens `last` [B] whose predecessors are
+        `prefix` [B, lookback - 1] (-1 before the sequence's start), on the device (Batch.engram_prefix)."""
+        if self._device_hasher is None:
+            raise ValueError("hashing on the device needs the Engram tables there and the model's hasher set")
+        return self._device_hasher.hash_last(torch.cat([prefix, last[:, None]], 1))
+
     def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """[T, n_engram_layers, n_hash_cols, head_dim] table rows of Batch.engram_ids-style hash ids, where the
         tables are (the host, normally): the lookup that a captured decode step (Batch.engram_rows) does before its
@@ -122,15 +154,17 @@ class Model:
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
         pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
         pre_mix[:, 0] = 1.0  # V4.1: layer 0 starts from copy 0 (all copies are equal)
-        engram_col = 0
+        engram_col, engram_ids = 0, batch.engram_ids
+        if batch.engram_prefix is not None:  # a static decode step with the tables on the device
+            engram_ids = self.hash_on_device(batch.engram_prefix, batch.input_ids)
         for blk in self.blocks:
             if blk.engram is not None:
-                if batch.engram_rows is not None:  # looked up before a CUDA-graph replay
+                if batch.engram_rows is not None:  # looked up on the host before a CUDA-graph replay
                     h = engram(h, None, blk.engram, cfg, rows=batch.engram_rows[:, engram_col])
-                elif batch.engram_ids is None:
+                elif engram_ids is None:
                     raise ValueError("the batch has no Engram hash ids (Batch.build needs a hasher)")
                 else:
-                    h = engram(h, batch.engram_ids[:, engram_col], blk.engram, cfg)
+                    h = engram(h, engram_ids[:, engram_col], blk.engram, cfg)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)

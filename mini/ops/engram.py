@@ -1,4 +1,5 @@
-"""Engram n-gram memory of V4.1 (spec §2.3, official `engram.py`): hashing on the host, the gated lookup on device.
+"""Engram n-gram memory of V4.1 (spec §2.3, official `engram.py`): hashing (host, numpy; or on the device for a
+decode step, torch, bit-equal), the table lookup, the gated update.
 
 Hashing. Token ids are first mapped to compressed ids (`mini.tokenizer.compressed_token_map`). Position p of a
 sequence looks back `max_ngram - 1` tokens; a look-back that leaves the sequence or crosses a dead token (image
@@ -138,12 +139,44 @@ class EngramHasher:
 
     def _hash(self, toks: np.ndarray) -> torch.Tensor:
         """toks [L, lookback] compressed ids of each position and its predecessors (pad once blocked) -> hash ids."""
-        prod = toks[:, None, :] * self.multipliers[None]  # [L, Le, N]
-        rolling, cols = prod[..., 0], []
-        for n in range(1, self.lookback):
-            rolling = rolling ^ prod[..., n]
-            cols.append(rolling[..., None] % self.primes[None, :, (n - 1) * self.heads:n * self.heads])
-        return torch.from_numpy(np.concatenate(cols, -1) + self.offsets[None])
+        return torch.from_numpy(_fold(toks, self.multipliers, self.primes, self.offsets, self.heads, np.concatenate))
+
+    def on_device(self, device) -> "DeviceEngramHasher":
+        return DeviceEngramHasher(self, device)
+
+
+class DeviceEngramHasher:
+    """`EngramHasher.hash_last` in torch on `device`, from that hasher's own parameter arrays (copied once, here):
+    a captured decode step hashes its token window without a trip to the host. Bit-equal to the numpy path: the
+    same int64 operations (products, XOR, floor-modulo; numpy and torch both wrap int64 products modulo 2^64,
+    though the multipliers are bounded so that no product overflows)."""
+
+    def __init__(self, hasher: EngramHasher, device):
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        self.token_map, self.multipliers = put(hasher.token_map), put(hasher.multipliers)
+        self.primes, self.offsets = put(hasher.primes), put(hasher.offsets)
+        self.pad, self.lookback, self.heads = int(hasher.pad), hasher.lookback, hasher.heads
+
+    def hash_last(self, tails: torch.Tensor) -> torch.Tensor:
+        """tails [B, lookback] int64 on the device, as for EngramHasher.hash_last -> [B, n_engram_layers, n_hash_cols].
+        Device ops only (no host sync, fixed shapes): a CUDA graph can capture it."""
+        comp = torch.where(tails < 0, DEAD, self.token_map[tails.clamp(min=0)]).flip(1)  # column = shift back
+        blocked = (comp == DEAD).to(torch.int32).cummax(1).values.bool()  # logical_or.accumulate along the shifts
+        return _fold(torch.where(blocked, self.pad, comp), self.multipliers, self.primes, self.offsets, self.heads,
+                     torch.cat)
+
+
+def _fold(toks, multipliers, primes, offsets, heads: int, cat):
+    """The hash of `toks` [L, lookback] (numpy or torch int64 alike; `cat` joins along the last axis): multiply by
+    each layer's multipliers, XOR-fold one look-back at a time, each column modulo its prime plus its row offset."""
+    prod = toks[:, None, :] * multipliers[None]  # [L, Le, N]
+    rolling, cols = prod[..., 0], []
+    for n in range(1, toks.shape[1]):
+        rolling = rolling ^ prod[..., n]
+        cols.append(rolling[..., None] % primes[None, :, (n - 1) * heads:n * heads])
+    return cat(cols, -1) + offsets[None]
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -167,9 +200,16 @@ class EngramWeights:
         """Dequantized table rows [..., head_dim] (fp8 value * E8M0 scale per group, exact in bf16)."""
         ids = hash_ids.to(self.embed.device)
         vals = self.embed.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float().to(device)
-        scale = e8m0_to_float(self.embed_scale.view(torch.uint8)[ids]).to(device)
+        scale = _e8m0_values(self.embed.device)[self.embed_scale.view(torch.uint8)[ids].long()].to(device)
         group = vals.shape[-1] // scale.shape[-1]
         return (vals.unflatten(-1, (-1, group)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+@lru_cache(maxsize=8)
+def _e8m0_values(device: torch.device) -> torch.Tensor:
+    """fp32 [256]: the value of every E8M0 byte, on `device` (made once, outside any capture: decoding the bytes
+    directly would copy constants from the host on each call, which a CUDA graph cannot capture)."""
+    return e8m0_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device)
 
 
 def engram(h: torch.Tensor, hash_ids: torch.Tensor | None, w: EngramWeights, cfg: ModelConfig,

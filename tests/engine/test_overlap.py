@@ -13,6 +13,7 @@ import torch
 import mini.engine.llm as llm_module
 from fake_model import FakeConfig, FakeModel, fake_llm, scripted_llm
 from mini.engine import LLM, SamplingParams
+from mini.engine.cuda_graphs import TokenFeed
 
 EOS = FakeConfig().eos_id
 
@@ -233,20 +234,48 @@ def test_decode_buffers_take_fed_tokens_on_the_device():
         bufs.fill(2, [8, 6], [4, 2], [0, 1], [[1], [2]], feed=(sampled, [1]))
 
 
-@pytest.mark.parametrize("model,block_tokens", [("tiny-v4", 128), ("tiny-v4.1", 16)])
-def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_tokens):
-    """Through the static decode buffers the in-flight ids are gathered into the next step's token row on the
-    device (tiny-v4: no read-back before the launch; tiny-v4.1: read back only for the Engram lookup, after the
-    other inputs are copied); tokens equal the eager plain engine's."""
-    from mini.model import DecodeBuffers
-    fed = []
-    fill = DecodeBuffers.fill
+def _tiny_llm(model, engram_tables, device="cpu", dtype=torch.float32, **opts):
+    """LLM of a tiny preset; engram_tables "host" keeps its Engram tables on the host (the rows are looked up
+    there), "device" lets them go to the device (hashed and looked up inside the step; on CPU only the path
+    differs)."""
+    from mini.model import load_model
+    m, cfg, tok = load_model(model, device=device, dtype=dtype,
+                             engram_device_bytes=0 if engram_tables == "host" else 1 << 30)
+    return LLM(m, config=cfg, tokenizer=tok, device=device, dtype=dtype, **opts)
 
-    def spied_fill(self, n, tokens, positions, slots, blocks, engram_rows=None, feed=None):
+
+def _count_fetches_in_run(monkeypatch) -> list:
+    """Spy on ModelRunner.run: the returned list gets an entry for each fetch of the step in flight made while the
+    runner prepares a step, i.e. before that step is launched."""
+    from mini.engine.model_runner import ModelRunner
+    early, run = [], ModelRunner.run
+
+    def spied_run(self, chunks, feed=None):
+        if feed is not None:
+            fetch = feed.fetch
+            feed = TokenFeed(feed.ids, feed.rows, lambda: early.append(1) or fetch())
+        return run(self, chunks, feed)
+
+    monkeypatch.setattr(ModelRunner, "run", spied_run)
+    return early
+
+
+@pytest.mark.parametrize("model,block_tokens,engram_tables", [("tiny-v4", 128, None), ("tiny-v4.1", 16, "host"),
+                                                              ("tiny-v4.1", 16, "device")])
+def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_tokens, engram_tables):
+    """Through the static decode buffers the in-flight ids are gathered into the next step's token row on the
+    device; tokens equal the eager plain engine's. No read-back of the step in flight before the next launch
+    (tiny-v4; tiny-v4.1 with its tables on the device: hashed on the device), except with the Engram tables on the
+    host (read back for the lookup, after the other inputs are copied)."""
+    from mini.model import DecodeBuffers
+    fed, fill = [], DecodeBuffers.fill
+
+    def spied_fill(self, n, tokens, positions, slots, blocks, engram_rows=None, feed=None, **kw):
         fed.append(feed is not None and any(r >= 0 for r in feed[1]))
-        return fill(self, n, tokens, positions, slots, blocks, engram_rows, feed)
+        return fill(self, n, tokens, positions, slots, blocks, engram_rows, feed, **kw)
 
     monkeypatch.setattr(DecodeBuffers, "fill", spied_fill)
+    early_fetches = _count_fetches_in_run(monkeypatch)
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 1, 40, 17)]
     params = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=5 + i, ignore_eos=True)
@@ -254,34 +283,57 @@ def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_t
     runs = {}
     for static, overlap in ((False, False), (True, True)):
         monkeypatch.setattr(llm_module, "use_cuda_graphs", lambda *a, s=static: s)
-        llm = LLM(model, device="cpu", dtype=torch.float32, num_blocks=8 * 128 // block_tokens,
-                  block_tokens=block_tokens, max_num_seqs=4, max_model_len=256, overlap=overlap)
-        assert (llm.engine.runner.graphs is not None) == static and llm.engine.overlap == overlap
+        early_fetches.clear()
+        llm = _tiny_llm(model, engram_tables, num_blocks=8 * 128 // block_tokens, block_tokens=block_tokens,
+                        max_num_seqs=4, max_model_len=256, overlap=overlap)
+        engine = llm.engine
+        assert (engine.runner.graphs is not None) == static and engine.overlap == overlap
+        if static and engram_tables is not None:
+            assert bool(engine.runner.graphs.buffers.n_prefix) == (engram_tables == "device")
         runs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]
     assert sum(fed) >= 5  # decode steps fed from the device
+    if engram_tables == "host":
+        assert len(early_fetches) >= 5  # each fed step waited for the one in flight before its Engram lookup
+    else:
+        assert early_fetches == []  # no fed step waited for the step in flight before its launch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["tiny-v4.1", "tiny-v4"])
-def test_cuda_graphs_with_overlap_equal_eager(model):
-    """bf16, fast backend, V4.1 (Engram: ids read back before each lookup) and V4 (ids fed on the device): graph
-    replays with overlapped steps give the eager tokens (greedy rows) and exactly the tokens of graph replays
-    without overlap (every row: same graphs, same batches, so bit-equal logits; seeded rows too)."""
+@pytest.mark.parametrize("model,engram_tables", [("tiny-v4.1", "device"), ("tiny-v4.1", "host"), ("tiny-v4", None)])
+def test_cuda_graphs_with_overlap_equal_eager(monkeypatch, model, engram_tables):
+    """bf16, fast backend, V4.1 with its Engram tables on the device (hashed and looked up inside the graph, no
+    read-back before a launch) or on the host (ids read back before each lookup), and V4 (ids fed on the device):
+    graph replays with overlapped steps give the eager tokens (greedy rows) and exactly the tokens of graph replays
+    without overlap (every row: same graphs, same batches, so bit-equal logits; seeded rows too). With the tables
+    on the device the tokens also equal, every row, those of graphs with host-side rows (the same table rows,
+    dequantized exactly either way)."""
     from mini.ops import set_backend
     set_backend("fast")
     rng = random.Random(10)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (64, 70, 90, 100, 127, 150, 181)]
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=10 + 2 * i, ignore_eos=True)
               for i in range(len(prompts))]
+    early_fetches = _count_fetches_in_run(monkeypatch)
+    modes = [("eager", engram_tables, {"enforce_eager": True}), ("graphs", engram_tables, {"overlap": False}),
+             ("overlap", engram_tables, {})]
+    if engram_tables == "device":
+        modes.append(("host graphs", "host", {"overlap": False}))
     runs = {}
-    for mode, opts in (("eager", {"enforce_eager": True}), ("graphs", {"overlap": False}), ("overlap", {})):
-        llm = LLM(model, device="cuda", dtype=torch.bfloat16, max_num_seqs=8, block_tokens=128, max_model_len=1024,
-                  **opts)
+    for mode, tables, opts in modes:
+        early_fetches.clear()
+        llm = _tiny_llm(model, tables, device="cuda", dtype=torch.bfloat16, max_num_seqs=8, block_tokens=128,
+                        max_model_len=1024, **opts)
         assert llm.engine.overlap == (mode == "overlap")
+        if mode != "eager" and tables is not None:
+            assert bool(llm.engine.runner.graphs.buffers.n_prefix) == (tables == "device")
         llm.engine.step_times = []
         runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         assert [len(t) for t in runs[mode]] == [p.max_tokens for p in params]
         assert mode == "eager" or sum(t.graph for t in llm.engine.step_times) >= 20
+        if mode == "overlap":
+            assert (len(early_fetches) >= 10) if tables == "host" else early_fetches == []
     assert runs["overlap"] == runs["graphs"]
     assert runs["overlap"][1::2] == runs["eager"][1::2]
+    if engram_tables == "device":
+        assert runs["graphs"] == runs["host graphs"]

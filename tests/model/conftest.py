@@ -42,7 +42,8 @@ def batch_invariant_gemms(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """name -> (a random fp32 model of that tiny preset, its Engram hasher or None), built once per process."""
+    """name -> (a random fp32 model of that tiny preset, its Engram hasher or None), built once per process; its
+    Engram tables count as on the device (engram_on_device)."""
     models: dict = {}
 
     def get(name: str) -> tuple[Model, EngramHasher | None]:
@@ -51,7 +52,9 @@ def tiny_model():
             hasher = None
             if cfg.engram_layer_ids:
                 hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size)))
-            models[name] = Model(cfg, random_state(cfg, seed=0), "cpu", torch.float32), hasher
+            model = Model(cfg, random_state(cfg, seed=0), "cpu", torch.float32)
+            model.hasher = hasher  # tables "on the device" (the CPU): the model can also hash there
+            models[name] = model, hasher
         return models[name]
 
     return get

@@ -25,6 +25,22 @@ def _engram_rows(model, hasher, histories, positions):
     return model.engram_rows(ids)
 
 
+def _engram_prefix(hasher, histories, positions):
+    """[B, lookback - 1] the tokens before each position, -1 before the start."""
+    k = hasher.lookback - 1
+    return [[-1] * (k - min(p, k)) + h[max(0, p - k):p] for h, p in zip(histories, positions)]
+
+
+def _buffers(cfg, hasher, max_len, bt, pad_slot, pad_block, on_device):
+    engram = {}
+    if hasher is not None and on_device:
+        engram = {"engram_lookback": hasher.lookback}
+    elif hasher is not None:
+        engram = {"engram_shape": (len(cfg.engram_layer_ids), hasher.primes.shape[1], cfg.engram_head_dim)}
+    return DecodeBuffers(max_seqs=8, max_len=max_len, block_tokens=bt, pad_slot=pad_slot, pad_block=pad_block,
+                         device="cpu", engram_dtype=torch.float32, **engram)
+
+
 def _close(a, b, what):
     """Equal up to summation order: the static step has more (masked) key columns and padding rows."""
     assert a.shape == b.shape and torch.isfinite(a).all() and torch.isfinite(b).all(), what
@@ -32,8 +48,11 @@ def _close(a, b, what):
     assert err.max() < 5e-4, f"{what}: max error {err.max():.2e}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_static_decode_step_equals_built_step(name, tiny_model, batch_invariant_gemms):
+@pytest.mark.parametrize("name,engram_on_device", [("tiny-v4.1", False), ("tiny-v4.1", True), ("tiny-v4", False)])
+def test_static_decode_step_equals_built_step(name, engram_on_device, tiny_model, batch_invariant_gemms):
+    """engram_on_device: the static step hashes its Engram ids on the device from the buffers' token window (the
+    decode token as the buffers hold it) instead of taking rows looked up on the host; its hash ids equal
+    Batch.build's and its logits equal, bit for bit, those of the host-looked-up static step."""
     model, hasher = tiny_model(name)
     cfg = model.config
     bt, max_len, lengths = CASES[name]
@@ -53,10 +72,12 @@ def test_static_decode_step_equals_built_step(name, tiny_model, batch_invariant_
     for pool in _pools(static):  # scratch rows start as garbage: a real sequence must never read them
         _scratch(pool, static, pad_slot, pad_block).fill_(float("nan"))
 
-    bufs = DecodeBuffers(max_seqs=8, max_len=max_len, block_tokens=bt, pad_slot=pad_slot, pad_block=pad_block,
-                         device="cpu", engram_dtype=torch.float32,
-                         engram_shape=None if hasher is None else
-                         (len(cfg.engram_layer_ids), hasher.primes.shape[1], cfg.engram_head_dim))
+    bufs = _buffers(cfg, hasher, max_len, bt, pad_slot, pad_block, engram_on_device)
+    if engram_on_device:  # the same step with host-looked-up rows, on its own copy of the cache
+        host_bufs = _buffers(cfg, hasher, max_len, bt, pad_slot, pad_block, False)
+        host_static = KVCache(cfg, n_seqs + 1, n_seqs * nb + 1, bt, "cpu", torch.float32)
+        for src, dst in zip(_pools(static), _pools(host_static)):
+            dst.copy_(src)
     next_tokens = first
     for step in range(STEPS):
         for h, t in zip(histories, next_tokens):
@@ -66,8 +87,19 @@ def test_static_decode_step_equals_built_step(name, tiny_model, batch_invariant_
                             "cpu", hasher)
         want = model.forward(built, eager)
         n = n_seqs + 1 + step  # padding rows: one, two, three
-        bufs.fill(n, [h[-1] for h in histories], pos, slots, blocks, _engram_rows(model, hasher, histories, pos))
-        got = model.forward(bufs.batch(n), static)
+        fill = (n, [h[-1] for h in histories], pos, slots, blocks)
+        if engram_on_device:
+            bufs.fill(*fill, engram_prefix=_engram_prefix(hasher, histories, pos))
+            batch = bufs.batch(n)
+            assert torch.equal(model.hash_on_device(batch.engram_prefix, batch.input_ids)[:n_seqs],
+                               built.engram_ids)
+            got = model.forward(batch, static)
+            host_bufs.fill(*fill, _engram_rows(model, hasher, histories, pos))
+            # real rows only: a padding row's Engram input is its hashed token 0 here, whatever the host left there
+            assert torch.equal(got[:n_seqs], model.forward(host_bufs.batch(n), host_static)[:n_seqs])
+        else:
+            bufs.fill(*fill, _engram_rows(model, hasher, histories, pos))
+            got = model.forward(bufs.batch(n), static)
         assert got.shape == (n, cfg.vocab_size)
         _close(got[:n_seqs], want, f"logits of step {step}")
         assert got[:n_seqs].argmax(-1).tolist() == want.argmax(-1).tolist()
@@ -88,6 +120,24 @@ def _pools(cache):
 
 def _scratch(pool, cache, pad_slot, pad_block):
     return pool[pad_slot] if pool.shape[0] == cache.n_slots else pool[pad_block]
+
+
+def test_static_buffers_carry_the_engram_window():
+    bufs = DecodeBuffers(max_seqs=4, max_len=64, block_tokens=16, pad_slot=9, pad_block=30, device="cpu",
+                         engram_lookback=4)
+    assert bufs.engram_rows is None
+    sampled = torch.tensor([70, 71])
+    bufs.fill(3, [5, 0], [17, 1], [2, 0], [[4, 7], [1]], feed=(sampled, [-1, 1]),
+              engram_prefix=[[11, 12, 13], [-1, -1, 20]])
+    b = bufs.batch(3)
+    assert b.engram_prefix.tolist() == [[11, 12, 13], [-1, -1, 20], [-1, -1, -1]]
+    assert b.input_ids.tolist() == [5, 71, 0]  # the window's last column: the token fed on the device
+    with pytest.raises(ValueError, match="tokens before"):
+        bufs.fill(2, [1], [3], [0], [[1]])
+    with pytest.raises(ValueError, match="tokens before"):
+        bufs.fill(2, [1], [3], [0], [[1]], engram_prefix=[[1, 2]])
+    with pytest.raises(ValueError, match="not both"):
+        DecodeBuffers(4, 64, 16, 9, 30, "cpu", engram_shape=(2, 6, 32), engram_lookback=4)
 
 
 def test_static_buffers_pad_and_check():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mini.config import TINY_V41, V41_FLASH
-from mini.formats import dequant_fp8, fake_quant_fp8, quantize_fp8
+from mini.formats import dequant_fp8, e8m0_to_float, fake_quant_fp8, quantize_fp8
 from mini.ops.engram import DEAD, EngramHasher, EngramWeights, engram, engram_layout, hash_multipliers
 
 
@@ -127,6 +127,50 @@ def test_hasher_first_position_is_all_pad_lookback():
     assert torch.equal(a, b)
 
 
+def _random_tails(rng, n, k, vocab, dead=0.15, top=0.3):
+    """[n, k] windows as hash_last takes them: a history of 1..k+2 tokens (dead ones -1), the last k of it,
+    left-filled with -1; a share `top` of the tokens drawn from the last 16 ids of the vocabulary."""
+    tails = np.full((n, k), -1, dtype=np.int64)
+    for b in range(n):
+        h = rng.integers(0, vocab, rng.integers(1, k + 3))
+        h = np.where(rng.random(len(h)) < top, rng.integers(vocab - 16, vocab, len(h)), h)
+        h = np.where(rng.random(len(h)) < dead, -1, h)[-k:]
+        tails[b, k - len(h):] = h
+    return tails
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY_V41, engram_max_ngram_size=m) for m in (2, 3, 4, 5)]
+                         + [V41_FLASH], ids=["tiny-n2", "tiny-n3", "tiny-n4", "tiny-n5", "v4.1-flash"])
+def test_device_hash_last_equals_numpy(cfg):
+    """Every n-gram order (all hash columns), dead tokens, windows of short sequences (-1 fill), the largest token
+    ids; V4.1-Flash's compressed vocabulary and multipliers make products close to 2^63."""
+    tmap = _token_map(cfg, 5)
+    tmap[-16:] = cfg.engram_compressed_vocab_size - 1 - np.arange(16)  # large ids -> the largest compressed ids
+    hasher = EngramHasher(cfg, tmap)
+    tails = _random_tails(np.random.default_rng(6), 400, hasher.lookback, cfg.vocab_size)
+    assert (tails == -1).any() and (tails >= cfg.vocab_size - 16).any() and (tails[:, -1] == -1).any()
+    want = hasher.hash_last(tails)
+    got = hasher.on_device("cpu").hash_last(torch.from_numpy(tails))
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    # the window of a 1-token sequence and of a token right after a dead one: the token then pad only
+    lone = torch.tensor([[-1] * (hasher.lookback - 1) + [7], [3] * (hasher.lookback - 2) + [-1, 7]])
+    assert torch.equal(hasher.on_device("cpu").hash_last(lone), hasher.hash_ids([7], 0, 1).expand(2, -1, -1))
+
+
+def test_device_hash_wraps_int64_products_like_numpy():
+    """Multipliers past the overflow bound: numpy and torch both wrap the products modulo 2^64, and both take the
+    floor modulo of the (then negative) XOR: still bit-equal (the real multipliers never overflow)."""
+    cfg = TINY_V41
+    hasher = EngramHasher(cfg, _token_map(cfg, 7))
+    rng = np.random.default_rng(8)
+    hasher.multipliers = rng.integers(2 ** 61, 2 ** 63 - 1, hasher.multipliers.shape, dtype=np.int64) | 1
+    tails = _random_tails(rng, 200, hasher.lookback, cfg.vocab_size)
+    want = hasher.hash_last(tails)
+    big = hasher.token_map[np.maximum(tails, 0)][:, None, :] * hasher.multipliers[None]
+    assert (big < 0).any()  # some products did wrap
+    assert torch.equal(hasher.on_device("cpu").hash_last(torch.from_numpy(tails)), want)
+
+
 def test_hasher_rejects_a_map_of_the_wrong_size():
     with pytest.raises(ValueError):
         EngramHasher(TINY_V41, np.arange(TINY_V41.vocab_size) % 10)
@@ -180,6 +224,19 @@ def test_engram_matches_float64_rederivation(dtype, prefix_form):
     torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=tol, atol=tol)
 
 
+def test_lookup_decodes_every_scale_byte():
+    """The lookup's E8M0 scales (a per-device table of the 256 byte values) == e8m0_to_float, NaN byte included."""
+    cfg = TINY_V41
+    st = _engram_state(cfg, "layers.1.", seed=4)
+    st["layers.1.engram.embed.scale"].view(torch.uint8)[:256] = torch.arange(256, dtype=torch.int32)[:, None]
+    w = EngramWeights.from_state(st, "layers.1.", cfg)
+    ids = torch.arange(256).flip(0).view(16, 16)
+    vals = st["layers.1.engram.embed.weight"][ids].float()
+    scale = e8m0_to_float(st["layers.1.engram.embed.scale"][ids])
+    want = (vals.unflatten(-1, (-1, 32)) * scale.unsqueeze(-1)).flatten(-2)
+    torch.testing.assert_close(w.lookup(ids, torch.float32, "cpu"), want, equal_nan=True, rtol=0, atol=0)
+
+
 def test_engram_gate_is_per_copy_and_mask_closes_it():
     cfg = TINY_V41
     st = _engram_state(cfg, "layers.1.", seed=3)
@@ -196,3 +253,32 @@ def test_engram_gate_is_per_copy_and_mask_closes_it():
     mask = torch.tensor([True, False, True, False, True])
     masked = engram(h, ids, w, cfg, token_mask=mask)
     assert torch.equal(masked[~mask], h[~mask]) and torch.equal(masked[mask], base[mask])
+
+
+@pytest.mark.gpu
+def test_device_hash_and_lookup_in_a_cuda_graph_equal_the_host():
+    """The device hash and table lookup, captured in a CUDA graph and replayed on new windows, == numpy hash_last
+    and the host lookup (bit for bit)."""
+    cfg = TINY_V41
+    hasher = EngramHasher(cfg, _token_map(cfg, 9))
+    dev_hasher = hasher.on_device("cuda")
+    st = _engram_state(cfg, "layers.1.", seed=5)
+    host_w = EngramWeights.from_state(st, "layers.1.", cfg)
+    dev_w = EngramWeights.from_state({k: v.cuda() for k, v in st.items()}, "layers.1.", cfg)
+    rng = np.random.default_rng(10)
+    window = torch.from_numpy(_random_tails(rng, 37, hasher.lookback, cfg.vocab_size)).cuda()
+
+    def step():
+        return dev_w.lookup(dev_hasher.hash_last(window)[:, 0], torch.bfloat16, "cuda")
+
+    step()  # warm-up outside the capture (the E8M0 value table is made here)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = step()
+    for _ in range(3):
+        tails = _random_tails(rng, 37, hasher.lookback, cfg.vocab_size)
+        window.copy_(torch.from_numpy(tails))
+        graph.replay()
+        ids = hasher.hash_last(tails)
+        assert torch.equal(dev_hasher.hash_last(window).cpu(), ids)
+        assert torch.equal(rows.cpu(), host_w.lookup(ids[:, 0], torch.bfloat16, "cpu"))
