@@ -85,8 +85,8 @@ class Model:
         `moe_exchange(x, moe_weights, config, plan, input_ids)`, when given, replaces `moe()` (the EP exchange).
         `consume_state` empties `state` while taking its tensors: a layer's experts rewritten into new buffers at
         load (the Humming layout) then free the old ones at once, not when the caller drops `state`.
-        The Engram tables move to `device` when they take at most `engram_device_bytes` in all (tiny models: a few
-        MB; V4.1-Flash: far more, they stay on the host); then `engram_on_device` is True and a static decode step
+        The Engram tables move to `device` when they take at most `engram_device_bytes` in all (tiny-v4.1: 0.4
+        MB; V4.1-Flash: ~200 GB, they stay on the host); then `engram_on_device` is True and a static decode step
         hashes and looks up on the device (`Batch.engram_prefix`). 0 keeps them on the host (even on CPU, where
         only the code path differs)."""
         cfg = self.config = config
