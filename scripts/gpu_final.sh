@@ -30,7 +30,8 @@ step() {  # step NAME SECONDS CMD...: run with a time cap, log its exit status
 }
 
 if [ "${PHASE:-checks}" = checks ]; then
-    step pytest_gpu "${T_TESTS:-300}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE tests
+    step pytest_gpu "${T_TESTS:-300}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE --durations=25 \
+        --timeout=150 tests
     step gate_plan 60 python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
         --gate-sweep-tokens 1 64 256 1024 4096 --route-blocks 256 512 --json "$OUT/gate_plan.json"
     step moe_layer 60 python3 -m mini.cli bench moe-layer --json "$OUT/moe_layer.json"
