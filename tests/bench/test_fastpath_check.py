@@ -55,6 +55,7 @@ def test_equal_backends_give_zero_error():
     assert m["decode_tokens_identical"] == 1 and m["decode_first_divergence_step"] == -1
     assert m["decode_max_logit_rel_err"] == 0 == m["decode_forced_max_logit_rel_err"]
     assert m["decode_forced_argmax_agree"] == 1 and "decode_ref_top2_gap_at_divergence" not in m
+    assert -1 <= m["decode_bf16_vs_fp32_first_divergence_step"] <= 5
     assert mini.ops.backend() == "reference" and mm.attention is attention  # restored
 
 
@@ -82,3 +83,9 @@ def test_a_fault_shows_up_where_it_is(faulty_fast_moe):
     assert m["decode_forced_max_logit_rel_err"] > 0
     diverged = m["decode_tokens_identical"] == 0
     assert diverged == (m["decode_first_divergence_step"] >= 0) == ("decode_ref_top2_gap_at_divergence" in m)
+
+
+def test_decode_only_skips_the_layer_check():
+    res = fc.run(_args(["--decode-only", "--no-fp32"]))
+    assert res["layers"] == [] and not _layer_metrics(res["metrics"], "_rel_err")
+    assert res["metrics"]["decode_tokens_identical"] == 1
