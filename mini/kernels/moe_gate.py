@@ -4,7 +4,11 @@ normalisation and scaling, writing only the [T, k] routing weights and expert id
 A program owns BM rows and every expert. The experts are split into two column blocks whose widths are powers of
 two (NA = the largest power of two <= E, NB = the rest rounded up: 384 = 256 + 128), so that neither the MMA nor
 the registers pay for padding 384 to 512; each block has its own fp32 accumulator. bf16 x bf16 products are exact
-in fp32, so the logits differ from the fp32 reference only by summation order.
+in fp32, but Hopper's tensor cores do not add them as IEEE fp32 does: each MMA aligns its products to the largest
+exponent and truncates, so the logits drift towards zero by up to 2^-23 of the running sum per 16-wide K group
+(~4e-5 on V4.1's logits over K = 5120, measured on the H200). So each K chunk of STEPS_PER_SUM MMA steps runs
+into a fresh accumulator, which is then added in fp32 on the CUDA cores (DeepGEMM's "promotion"): the drift is
+bounded by a few groups of a partial sum, and the logits stay at fp32 GEMM accuracy.
 
 Epilogue, per row, element by element as the reference computes it (so the scores are those torch computes from
 the same logits: libdevice exp / log1p as CUDA's, IEEE sqrt and divisions):
@@ -32,9 +36,12 @@ class GateConfig:
     num_stages: int
 
 
-# Shared memory per stage: (BM + NA + NB) * BK * 2 bytes = 57 KB at V4.1's 384 experts with BK 64. Tried in order
-# until one builds on the device (a build that runs out of shared memory or registers moves to the next).
-CONFIGS = (GateConfig(64, 64, 8, 3), GateConfig(64, 64, 8, 2), GateConfig(64, 32, 8, 4), GateConfig(32, 64, 4, 2))
+# MMA steps of BK per tensor-core partial sum. Two or more: a chain of dots is not folded back into the running
+# accumulator by Triton (a single dot with a zero accumulator would be). The software pipeline holds whole chunks,
+# (BM + NA + NB) * STEPS_PER_SUM * BK * 2 bytes per stage: 57 KB at V4.1's 384 experts with BM 64, BK 32. CONFIGS
+# are tried in order until one builds on the device (out of shared memory or registers moves to the next).
+STEPS_PER_SUM = 2
+CONFIGS = (GateConfig(64, 32, 8, 3), GateConfig(64, 32, 8, 2), GateConfig(64, 16, 8, 4), GateConfig(32, 32, 4, 2))
 _CHOSEN: dict[tuple, GateConfig] = {}
 
 
@@ -73,7 +80,8 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids
                  T, stride_x, temp, route_scale, eps,
                  D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr,
                  NB: tl.constexpr, NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr,
-                 LIBDEVICE: tl.constexpr, DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                 LIBDEVICE: tl.constexpr, DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 STEPS: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < T
     kk = tl.arange(0, BK)
@@ -87,15 +95,27 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids
         cols_b = NA + tl.arange(0, NB)
         wb_ptrs = w_ptr + cols_b[:, None] * D + kk[None, :]
         acc_b = tl.zeros([BM, NB], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        if D % BK != 0:
-            k_ok = k0 + kk < D
-        a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        wa = tl.load(wa_ptrs + k0, mask=(cols_a < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        acc_a = tl.dot(a, tl.trans(wa), acc_a)
+    for k0 in range(0, D, STEPS * BK):
+        # the first MMA of a chunk takes no accumulator, the others chain on it; the chunk is added on the CUDA cores
+        for j in tl.static_range(STEPS):
+            kj = k0 + j * BK
+            if D % (STEPS * BK) != 0:
+                k_ok = kj + kk < D
+            a = tl.load(x_ptrs + kj, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+            wa = tl.load(wa_ptrs + kj, mask=(cols_a < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+            if j == 0:
+                part_a = tl.dot(a, tl.trans(wa))
+            else:
+                part_a = tl.dot(a, tl.trans(wa), part_a)
+            if NB > 0:
+                wb = tl.load(wb_ptrs + kj, mask=(cols_b < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+                if j == 0:
+                    part_b = tl.dot(a, tl.trans(wb))
+                else:
+                    part_b = tl.dot(a, tl.trans(wb), part_b)
+        acc_a += part_a
         if NB > 0:
-            wb = tl.load(wb_ptrs + k0, mask=(cols_b < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            acc_b = tl.dot(a, tl.trans(wb), acc_b)
+            acc_b += part_b
 
     is_img = row_ok  # read only when HAS_IMG
     if HAS_IMG:
@@ -179,8 +199,8 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS
     for i, cfg in enumerate(candidates):
         try:
-            _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, num_warps=cfg.num_warps,
-                                                    num_stages=cfg.num_stages)
+            _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, STEPS=STEPS_PER_SUM,
+                                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         except triton.runtime.errors.OutOfResources:
             if i == len(candidates) - 1:
                 raise

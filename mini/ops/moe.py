@@ -253,26 +253,9 @@ def gate_unfused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPl
 
 
 def _gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits x @ W^T. The fast path multiplies bf16 x bf16 with an fp32 output: every product is exact
-    in fp32, so the result differs from the fp32 GEMM only by summation order."""
-    if use_fast(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _mm_fp32_out_works():
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    """fp32 logits x @ W^T, as the official gate computes them: an IEEE fp32 GEMM (no TF32). A bf16 GEMM with an
+    fp32 output would not do: Hopper's tensor cores truncate their sums (see mini/kernels/moe_gate.py)."""
     return x.float() @ weight.float().t()
-
-
-_MM_FP32_OUT: bool | None = None
-
-
-def _mm_fp32_out_works() -> bool:
-    """Whether this torch has `mm(..., out_dtype=float32)` for bf16 on CUDA (torch >= 2.9); checked once."""
-    global _MM_FP32_OUT
-    if _MM_FP32_OUT is None:
-        try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
-            _MM_FP32_OUT = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_FP32_OUT = False
-    return _MM_FP32_OUT
 
 
 # ------------------------------------------------------------------------------------------------------- experts

@@ -81,7 +81,6 @@ def test_gate_dispatches_to_the_fused_kernel_interpreter(tiny, monkeypatch):
     real = moe_gate.gate_topk
     monkeypatch.setattr(moe_gate, "gate_topk", counted)
     monkeypatch.setattr(moe_mod, "use_fast", lambda *t: True)
-    monkeypatch.setattr(moe_mod, "_MM_FP32_OUT", False)  # the unfused gate's logits: fp32 GEMM on CPU
     monkeypatch.setattr(moe_mod, "FUSED_GATE_MIN_TOKENS", 16)
     w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
     w.bias_vl = torch.randn_like(w.bias)
