@@ -14,11 +14,13 @@ the reference kernel.
 On the GPU (bf16) the op runs one of two kernels, chosen once per process by MINI_SPARSE_ATTN (`sparse_backend`):
 our Triton kernel (`mini.kernels.sparse_attention`, same signature), or for prefill-sized steps FlashMLA's SM90
 sparse prefill kernel (`mini.kernels.flashmla_attention`), which reads keys by row from ONE tensor: `scratch_keys`
-lays the step's keys out as such a tensor plus each query's row list.
+lays the step's keys out as such a tensor plus each query's row list (the plain definition); `StepRows` gives the
+same bits, building what a step's layers share once per step.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,15 +117,106 @@ def scratch_keys(kv_new: torch.Tensor, window: torch.Tensor, positions: torch.Te
     return torch.cat(parts), rows, (rows >= 0).sum(-1, dtype=torch.int32)
 
 
+@dataclass
+class _RowLists:
+    """Row lists built for one layer's keys, kept for the next layers of the step that read the same ones."""
+    ids: torch.Tensor | None  # the comp_idx they were built from (held, so its identity stays unique), None = none
+    shape: tuple[int, ...]  # (W, nb, rows_per_block, n): what else the row numbers depend on
+    rows: torch.Tensor  # [T, n] int32
+    count: torch.Tensor  # [T] int32
+
+
+@dataclass
+class StepRows:
+    """`scratch_keys(..., valid_first=True)` bit for bit, for the FlashMLA calls of one step, building once what
+    its layers share (design.md: every layer sees the same Batch; the layers of one index source read the same
+    top-k ids, one tensor):
+    * the window part of the row lists, per W: it depends only on the step's positions, sequences and starts;
+    * the pool's flat block ids (the block table's);
+    * the whole row lists and counts of the last index source, reused while a layer passes the same `comp_idx`
+      tensor (by identity: top-k ids are a new tensor every step and never written in place) and sizes.
+    Each call still copies its own keys (chunk KV, rings, pool blocks) into a fresh scratch: three copies.
+
+    Row order: every pool row (>= T + B·W) lies above every ring row (>= T) above every chunk row, so a query's
+    descending list is its groups' rows, descending, then its window rows, descending, then -1 padding; the
+    window part is sorted once per step, the groups once per index source, and the two are joined with one
+    scatter. The step is recognised by the identity of its index tensors (held until the next step, so no other
+    tensor can take their ids); FlashMLA serves neither decode nor CUDA-graph capture, where static buffers are
+    rewritten in place (flashmla_attention.supported)."""
+    step: tuple[torch.Tensor, ...] = ()  # (positions, seq_of, slots, start_pos) of the step served
+    window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows [T, W], count
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, its flat block ids, -1 -> block 0)
+    lists: _RowLists | None = None
+
+    def scratch_keys(self, kv_new, window, positions, seq_of, slots, start_pos, comp=None, block_table=None,
+                     comp_idx=None, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv [N, D], rows [T, n] int32, count [T] int32) exactly as `scratch_keys` lays them out."""
+        step = (positions, seq_of, slots, start_pos)
+        if len(self.step) != 4 or any(a is not b for a, b in zip(step, self.step)):
+            self.step, self.window, self.blocks, self.lists = step, {}, None, None
+        T, D = kv_new.shape
+        B, W = slots.shape[0], window.shape[1]
+        with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
+        nb, rpb = (block_table.shape[1], comp.shape[1]) if with_pool else (0, 0)
+        kv = kv_new.new_empty(T + B * W + B * nb * rpb, D)
+        kv[:T] = kv_new
+        torch.index_select(window, 0, slots, out=kv[T:T + B * W].view(B, W, D))
+        if with_pool:
+            torch.index_select(comp, 0, self._block_ids(block_table), out=kv[T + B * W:].view(B * nb, rpb, D))
+        n = W + (comp_idx.shape[-1] if with_pool else 0)
+        shape = (W, nb, rpb, n + -n % width_multiple)
+        ids = comp_idx if with_pool else None
+        if self.lists is None or self.lists.ids is not ids or self.lists.shape != shape:
+            self.lists = _RowLists(ids, shape, *self._row_lists(ids, T, B, shape))
+        return kv, self.lists.rows, self.lists.count
+
+    def _block_ids(self, block_table: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None or self.blocks[0] is not block_table:
+            self.blocks = (block_table, block_table.flatten().long().clamp_min(0))
+        return self.blocks[1]
+
+    def _window_rows(self, T: int, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, W] int32 window rows of each query, valid first in descending order, and their count [T]."""
+        if W not in self.window:
+            positions, seq_of, slots, start_pos = self.step
+            new, ring = window_rows(positions, seq_of, torch.arange(B, device=slots.device), start_pos, W)
+            rows = torch.where(ring >= 0, ring + T, new).to(torch.int32).sort(dim=-1, descending=True).values
+            self.window[W] = rows, (rows >= 0).sum(-1, dtype=torch.int32)
+        return self.window[W]
+
+    def _row_lists(self, ids, T: int, B: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        W, nb, rpb, n = shape
+        win, win_count = self._window_rows(T, B, W)
+        rows = win.new_full((T, n), -1)
+        if ids is None:
+            rows[:, :W] = win
+            return rows, win_count
+        groups = ids.to(torch.int32).sort(dim=-1, descending=True).values  # a query's groups first, -1 last
+        valid = groups >= 0
+        first_row = T + B * W + self.step[1].to(torch.int32) * (nb * rpb)  # group 0 of each query's sequence
+        rows[:, : groups.shape[1]] = torch.where(valid, groups + first_row[:, None], -1)
+        n_groups = valid.sum(-1, dtype=torch.int32)
+        # window row i goes right after the groups, at column n_groups + i (the -1 tail lands on -1 padding)
+        rows.scatter_(1, n_groups[:, None].long() + torch.arange(W, device=rows.device), win)
+        return rows, n_groups + win_count
+
+
+_STEP_ROWS = StepRows()  # the current step's (FlashMLA path only)
+
+
 def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
                        block_table=None, comp_idx=None, ratio: int = 1, rope_out=None) -> torch.Tensor:
-    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys; the output's
-    inverse RoPE is a separate pass (the library has no epilogue for it)."""
+    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys (`StepRows`). The
+    output's inverse RoPE is a separate pass (the library has no epilogue for it), over the rotated channels only,
+    in place: the others are left as the kernel wrote them."""
     from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
-    kv, rows, count = scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp, block_table,
-                                   comp_idx, TOPK_MULTIPLE)
+    kv, rows, count = _STEP_ROWS.scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp,
+                                              block_table, comp_idx, TOPK_MULTIPLE)
     out = sparse_prefill(q, kv, rows, count, sink, scale)
-    return out if rope_out is None else apply_rope(out, rope_out, inverse=True)
+    if rope_out is not None:
+        tail = out[..., -2 * rope_out.shape[-1]:]
+        tail.copy_(apply_rope(tail, rope_out, inverse=True))
+    return out
 
 
 _SPARSE_BACKEND: str | None = None  # "triton", "flashmla", or "auto-flashmla" (FlashMLA, its first call checked)

@@ -11,8 +11,11 @@ import torch
 
 from mini.kernels.flashmla_attention import available
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not available(), reason="sgl-flash-mla (with its SM90 kernels) does not import on an SM90 GPU here")]
+
+def needs_flashmla(test):
+    return pytest.mark.gpu(pytest.mark.skipif(
+        not available(), reason="sgl-flash-mla (with its SM90 kernels) does not import on an SM90 GPU here")(test))
+
 
 PER_TOKEN_TOL, TOTAL_TOL = 1.2e-2, 6e-3
 
@@ -55,6 +58,7 @@ def assert_close_per_token(out, ref):
     assert per_token.max() < PER_TOKEN_TOL and total < TOTAL_TOL, (per_token.max().item(), total.item())
 
 
+@needs_flashmla
 @pytest.mark.parametrize("case", ["small", "real", "real_rope", "window_only"])
 def test_flashmla_matches_reference_op(case, flat_batch, reference_ops):
     from mini.ops.attention import flashmla_attention, sparse_attention
@@ -73,6 +77,7 @@ def test_flashmla_matches_reference_op(case, flat_batch, reference_ops):
     assert_close_per_token(out, ref)
 
 
+@needs_flashmla
 def test_dispatch_runs_flashmla_for_prefill_and_triton_for_decode(flat_batch, monkeypatch):
     """MINI_SPARSE_ATTN=flashmla through mini.ops.attention.sparse_attention: a prefill-sized step goes to the
     library (same result as our kernel, output RoPE included), a decode step to our kernel."""
@@ -97,6 +102,7 @@ def test_dispatch_runs_flashmla_for_prefill_and_triton_for_decode(flat_batch, mo
     assert calls == [MIN_TOKENS + 80]
 
 
+@needs_flashmla
 def test_auto_keeps_flashmla_after_its_checked_first_call(flat_batch, monkeypatch):
     import warnings
 
@@ -110,6 +116,7 @@ def test_auto_keeps_flashmla_after_its_checked_first_call(flat_batch, monkeypatc
     assert attention_op._SPARSE_BACKEND == "flashmla" and not ours, ours
 
 
+@needs_flashmla
 def test_kernel_skips_minus_one_rows_anywhere(flat_batch):
     """The rows as built (-1 anywhere, count = n: the kernel masks them itself) give what the valid-first rows
     with topk_length give; the backend uses the latter, the bench times both."""
@@ -123,3 +130,77 @@ def test_kernel_skips_minus_one_rows_anywhere(flat_batch):
     as_built = torch.full_like(q, float("nan"))
     as_built.copy_(sparse_prefill(q, *scratch_keys(*src, valid_first=False), sink, scale))
     assert_close_per_token(as_built, packed)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _sorted_scratch_path(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
+                         block_table=None, comp_idx=None, ratio=1, rope_out=None):
+    """The FlashMLA path as first written (and timed at rank4): scratch_keys with one sorted list per query, the
+    kernel, the output's inverse RoPE as a pass over all channels."""
+    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
+    from mini.ops.attention import scratch_keys
+    from mini.ops.rope import apply_rope
+    scratch = scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp, block_table, comp_idx,
+                           TOPK_MULTIPLE)
+    return apply_rope(sparse_prefill(q, *scratch, sink, scale), rope_out, inverse=True), scratch
+
+
+@needs_flashmla
+@pytest.mark.parametrize("ratio", [4, 2])
+@pytest.mark.parametrize("lens,starts", [([4096], [0]), ([401, 1, 187], [700, 3000, 0])], ids=["rank4", "odd589"])
+def test_step_rows_path_is_bit_identical_to_the_sorted_scratch_path(ratio, lens, starts, flat_batch, monkeypatch):
+    """flashmla_attention (StepRows: window rows once per step, row lists once per index source, the output's
+    inverse RoPE over its rotated channels in place) gives the first FlashMLA path's output bit for bit at the real
+    shape (64 heads x 512, window 128, top-512): a step's first layer, then a layer with other keys reading the
+    same top-k ids (its rows reused). The scratch tensors are compared too, NaN rows included."""
+    import mini.ops.attention as attention_op
+    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
+    args, kw = make_step(flat_batch, lens, starts, 64, 128, ratio, 256 // ratio, 512)
+    kw["rope_out"] = rope_table_for(args[4])
+    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale = args
+    lists = None
+    for layer in range(2):
+        if layer:  # another layer of the same index source: new keys, same ids tensor
+            kv_new, window = torch.randn_like(kv_new), torch.where(window.isnan(), window, torch.randn_like(window))
+            kw["comp"] = torch.where(kw["comp"].isnan(), kw["comp"], torch.randn_like(kw["comp"]))
+            args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale)
+        want, want_scratch = _sorted_scratch_path(*args, **kw)
+        out = torch.full_like(q, float("nan"))
+        out.copy_(attention_op.flashmla_attention(*args, **kw))
+        assert torch.isfinite(out).all() and torch.equal(_bits(out), _bits(want))
+        lists = lists or attention_op._STEP_ROWS.lists  # the first layer's
+        got_scratch = (attention_op._STEP_ROWS.scratch_keys(kv_new, window, positions, seq_of, slots, start_pos,
+                                                            kw["comp"], kw["block_table"], kw["comp_idx"], 128))
+        assert attention_op._STEP_ROWS.lists is lists  # built by the first layer, reused
+        assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got_scratch, want_scratch, strict=True))
+
+
+def _tail_rotation_matches_full_pass(x, table, rotate):
+    """The output's inverse RoPE over its last rope channels in place == over the whole row, bit for bit."""
+    rd = 2 * table.shape[-1]
+    in_place = x.clone()
+    tail = in_place[..., -rd:]
+    tail.copy_(rotate(tail, table, inverse=True))
+    full = torch.full_like(x, float("nan"))
+    full.copy_(rotate(x, table, inverse=True))
+    assert torch.isfinite(full).all() and torch.equal(_bits(in_place), _bits(full))
+
+
+def test_tail_rotation_is_the_full_pass_interpreter(interpreter):
+    """The RoPE kernel at D = RD (the tail view alone) under the interpreter, fp32."""
+    from mini.kernels.rope_quant import rope_quant
+    _tail_rotation_matches_full_pass(torch.randn(37, 3, 512) * 30, rope_table_for(torch.arange(37) * 997),
+                                     rope_quant)
+
+
+@pytest.mark.gpu
+def test_tail_rotation_is_the_full_pass_gpu():
+    """What flashmla_attention runs on the H200: ops.rope.apply_rope (the RoPE kernel) on the [T, 64, 64] tail
+    view of a bf16 [T, 64, 512] output vs on the whole output."""
+    from mini.ops.rope import apply_rope
+    T = 4096
+    _tail_rotation_matches_full_pass(torch.randn(T, 64, 512, device="cuda").bfloat16() * 30,
+                                     rope_table_for(torch.arange(T, device="cuda") * 7), apply_rope)

@@ -162,6 +162,49 @@ def test_scratch_keys_of_a_window_only_layer():
     torch.testing.assert_close(_library_contract(q, kv, rows, count, sink, D ** -0.5), ref, atol=1e-5, rtol=1e-5)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a tensor: equality that holds for NaN too (the scratch copies NaN rows nothing reads)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_same_bits(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(_bits(g), _bits(w))
+
+
+def _other_layer(g, *keys):
+    """The same key tensors' shapes for another layer: new values, NaN where nothing may be read."""
+    return [torch.where(k.isnan(), k, torch.randn(k.shape, generator=g).to(k.dtype)) for k in keys]
+
+
+def test_step_rows_are_scratch_keys_bit_for_bit_building_shared_parts_once():
+    """StepRows through a step's layers (window-only, two layers of one index source, another source, another
+    pool width, another width multiple), then a new step: every call gives scratch_keys' (kv, rows, count) bit for
+    bit; the window rows are built once per step and the row lists once per index source."""
+    g = torch.Generator().manual_seed(9)
+    D, W, ratio, rpb, K = 24, 8, 2, 4, 5
+    step_rows = attention_op.StepRows()
+    for lens, starts in [([7, 1, 5, 3], [0, 19, 5, 30]), ([13, 2], [3, 40])]:
+        _, kv_new, window, comp, table, ids_a, _, pos, seq_of, slots, starts_t = _random_step(
+            g, lens, starts, 2, D, W, ratio, rpb, K, torch.bfloat16)
+        ids_b = ids_a[:, torch.randperm(K, generator=g)].clone()
+        wide = torch.cat([comp, *_other_layer(g, comp)], dim=1)  # a pool with twice the rows per block
+        step = (pos, seq_of, slots, starts_t)
+        calls = [(kv_new, window, None, None, None, 128), (kv_new, window, comp, table, ids_a, 16),
+                 (*_other_layer(g, kv_new, window, comp), table, ids_a, 16), (kv_new, window, comp, table, ids_b, 16),
+                 (kv_new, window, wide, table, ids_b, 16), (kv_new, window, comp, table, ids_b, 1)]
+        lists = []
+        for kv_l, window_l, comp_l, table_l, ids, multiple in calls:
+            got = step_rows.scratch_keys(kv_l, window_l, *step, comp_l, table_l, ids, multiple)
+            want = attention_op.scratch_keys(kv_l, window_l, *step, comp_l, table_l, ids, multiple)
+            _assert_same_bits(got, want)
+            lists.append(got[1])
+            if len(lists) == 1:
+                window_built = step_rows.window[W][0]
+        assert list(step_rows.window) == [W] and step_rows.window[W][0] is window_built
+        assert lists[2] is lists[1] and len({id(rows) for rows in lists}) == len(calls) - 1
+
+
 def _fake_flash_mla(calls):
     """A stand-in `flash_mla` module: checks the call against the SM90 kernel's documented requirements and
     computes the library's contract."""
@@ -198,11 +241,28 @@ def test_flashmla_path_matches_reference_op_with_output_rope(monkeypatch):
     rope = rope_table(pos, rope_frequencies(64, 160000.0, 256, 4.0))
     args = (q, kv_new, window, sink, pos, seq_of, slots, starts, D ** -0.5, comp, table, comp_idx, ratio, rope)
     ref = sparse_attention(*args)
+    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
     out = torch.full_like(q, float("nan"))
     out[:] = attention_op.flashmla_attention(*args)
     assert calls == [128]
     err = (out.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)
     assert torch.isfinite(out).all() and err.max() < 2e-3, err.max()  # same arithmetic, bf16 output rounding
+    _assert_same_bits([out], [_sorted_scratch_path(*args)])
+    layer2 = (q, *_other_layer(g, kv_new, window), sink, pos, seq_of, slots, starts, D ** -0.5,
+              *_other_layer(g, comp), table, comp_idx, ratio, rope)  # reads the first call's rows
+    _assert_same_bits([attention_op.flashmla_attention(*layer2)], [_sorted_scratch_path(*layer2)])
+
+
+def _sorted_scratch_path(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
+                         block_table=None, comp_idx=None, ratio=1, rope_out=None):
+    """The FlashMLA path as first written: scratch_keys (one list per query, sorted), the library, the output's
+    inverse RoPE over all channels."""
+    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
+    from mini.ops.rope import apply_rope
+    scratch = attention_op.scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp, block_table,
+                                        comp_idx, TOPK_MULTIPLE)
+    out = sparse_prefill(q, *scratch, sink, scale)
+    return out if rope_out is None else apply_rope(out, rope_out, inverse=True)
 
 
 def test_sparse_backend_is_chosen_once_from_the_environment(monkeypatch):
@@ -275,15 +335,23 @@ def test_flashmla_path_inside_tiny_models(preset_name, block_tokens, lens, cut, 
         return _library_contract(q, kv[:, 0], indices[:, 0], topk_length, attn_sink, sm_scale), None, None
 
     monkeypatch.setitem(sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
-    seen = []
+    seen, built = [], []
 
     def compared(*args, **kw):
         ref = sparse_attention(*args, **kw)
         got = attention_op.flashmla_attention(*args, **kw)
         seen.append((args[11] is not None and args[11].shape[-1] > 0, args[0].shape[0]))
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        _assert_same_bits([got], [_sorted_scratch_path(*args, **kw)])
         return ref
 
+    def counted(self, *a):
+        built.append(a[0] is not None)
+        return row_lists(self, *a)
+
+    row_lists = attention_op.StepRows._row_lists
+    monkeypatch.setattr(attention_op.StepRows, "_row_lists", counted)
+    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
     monkeypatch.setattr(attn_layer, "sparse_attention", compared)
     cfg = preset(preset_name)
     hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size))) \
@@ -297,3 +365,6 @@ def test_flashmla_path_inside_tiny_models(preset_name, block_tokens, lens, cut, 
     for step in steps:
         model.forward(Batch.build([SeqChunk(*c) for c in step], cfg, "cpu", hasher), cache)
     assert {with_pool for with_pool, _ in seen} == {True, False}, seen
+    # once per step for the window-only layers and per index source (V4's ratio-128 ids: a new tensor per layer)
+    sources = {p.index_layer if p.index_layer >= 0 else ("all", p.layer) for p in cfg.layers if p.ratio}
+    assert len(built) == len(steps) * (1 + len(sources)) < len(seen), (len(built), len(seen))
