@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import mini.ops
+from mini.formats.quant import no_fake_quant
 from mini.bench.prefill import hasher_of
 from mini.config import ModelConfig, preset
 
@@ -52,6 +53,9 @@ def add_args(p) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-only", action="store_true", help="skip the real-width layer check")
+    p.add_argument("--decode-no-fake-quant", action="store_true",
+                   help="decode with the activation/KV fake quantization off: without its FP8/FP4 roundings, which "
+                        "turn summation-order differences into whole quantization steps, the paths should agree")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -271,10 +275,12 @@ def definition(args) -> dict:
             "dim": cfg.dim, "experts": cfg.n_routed_experts, "topk_experts": cfg.n_activated_experts,
             "candidate_blocks": cfg.candidate_topk_blocks, "tokens": args.tokens, "block_tokens": args.block_tokens,
             "engram_rows": args.engram_rows, "decode_preset": args.decode_preset, "prompt_len": args.prompt_len,
-            "decode_steps": args.decode_steps, "dtype": "bfloat16", "seed": args.seed, "device": dev}
+            "decode_steps": args.decode_steps, "decode_fake_quant": not args.decode_no_fake_quant, "dtype": "bfloat16",
+            "seed": args.seed, "device": dev}
 
 
 def run(args) -> dict:
     metrics, rows = ({}, []) if args.decode_only else check_layers(args)
-    metrics.update(check_decode(args))
+    with no_fake_quant() if args.decode_no_fake_quant else contextlib.nullcontext():
+        metrics.update(check_decode(args))
     return {"suite": "fastpath-check", "definition": definition(args), "metrics": metrics, "layers": rows}

@@ -7,6 +7,7 @@ import pytest
 import mini.model.model as mm
 from mini.model.attn_layer import attention
 import mini.ops
+from mini.formats.quant import fake_quant_enabled
 from mini.bench import check_result, get_suite
 from mini.bench import fastpath_check as fc
 
@@ -85,7 +86,12 @@ def test_a_fault_shows_up_where_it_is(faulty_fast_moe):
     assert diverged == (m["decode_first_divergence_step"] >= 0) == ("decode_ref_top2_gap_at_divergence" in m)
 
 
-def test_decode_only_skips_the_layer_check():
-    res = fc.run(_args(["--decode-only", "--no-fp32"]))
-    assert res["layers"] == [] and not _layer_metrics(res["metrics"], "_rel_err")
-    assert res["metrics"]["decode_tokens_identical"] == 1
+def test_decode_only_skips_the_layer_check(monkeypatch):
+    seen = []
+    real = fc.check_decode
+    monkeypatch.setattr(fc, "check_decode", lambda a: seen.append(fake_quant_enabled()) or real(a))
+    for extra in ([], ["--decode-no-fake-quant"]):
+        res = fc.run(_args(["--decode-only", "--no-fp32"] + extra))
+        assert res["layers"] == [] and not _layer_metrics(res["metrics"], "_rel_err")
+        assert res["metrics"]["decode_tokens_identical"] == 1
+    assert seen == [True, False] and fake_quant_enabled()  # off only inside the decode check, then restored
