@@ -99,9 +99,11 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
     """The sparse attention core through FlashMLA's sparse prefill kernel (MINI_SPARSE_ATTN=flashmla) vs our Triton
     kernel, both with the output's inverse RoPE (what the layer runs). Cases: rank4's (4,096 tokens from position
     0, a ratio-4 layer's top-512: early queries see fewer groups, -1 padded) and the attention bench's (at 4,096,
-    ratio 2, 512 valid groups). The op path = scratch_keys + kernel + RoPE pass; the kernel rows time the library
-    alone on a prebuilt scratch, with and without the valid-first compaction (topk_length). `tflops` counts the
-    keys actually read (4·H·D per query and key)."""
+    ratio 2, 512 valid groups). The op path = scratch (StepRows) + kernel + in-place RoPE of the rotated channels,
+    timed as a step's first layer (nothing kept) and as a later layer of the same index source (row lists kept);
+    the kernel rows time the library alone on a prebuilt scratch, with and without the valid-first compaction
+    (topk_length); the scratch rows time the first (sorted, per layer) scratch_keys against StepRows' three cases.
+    `tflops` counts the keys actually read (4·H·D per query and key)."""
     import mini.ops.attention as attention_op
     from mini.kernels.flashmla_attention import TOPK_MULTIPLE, available, sparse_prefill
     from mini.kernels.sparse_attention import sparse_mla_attention
@@ -133,14 +135,39 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
         theirs = attention_op.flashmla_attention(*args, **kw)
         diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1) / ours.float().flatten(1).norm(dim=1)
         kv_all, rows_all, count_all = attention_op.scratch_keys(*src, valid_first=False)
+
+        def first_layer(build):  # a new step: nothing kept from an earlier call
+            attention_op._STEP_ROWS = attention_op.StepRows()
+            return build()
+
+        warm = attention_op.StepRows()
+        warm.scratch_keys(*src)
+
+        def new_source():  # the step's window rows kept, the row lists built
+            warm.lists = None
+            return warm.scratch_keys(*src)
+
+        rotated = q.clone()  # rotated again at every repetition: the time does not depend on the values
+
+        def tail_rope():
+            tail = rotated[..., -2 * table.shape[-1]:]
+            return tail.copy_(apply_rope(tail, table, inverse=True))
+
         kernels = [("triton (rope_out in the epilogue)", lambda: sparse_mla_attention(*args, **kw)),
-                   ("flashmla op: scratch + kernel + rope pass", lambda: attention_op.flashmla_attention(*args, **kw)),
+                   ("flashmla op, a step's first layer (StepRows cold)",
+                    lambda: first_layer(lambda: attention_op.flashmla_attention(*args, **kw))),
+                   ("flashmla op, a layer sharing its source's top-k ids (rows kept)",
+                    lambda: attention_op.flashmla_attention(*args, **kw)),
                    ("flashmla kernel, valid-first rows + topk_length",
                     lambda: sparse_prefill(q, kv, key_rows, count, sink, D ** -0.5)),
                    ("flashmla kernel, rows as built (count = n)",
                     lambda: sparse_prefill(q, kv_all, rows_all, count_all, sink, D ** -0.5))]
-        parts = [("scratch_keys alone", lambda: attention_op.scratch_keys(*src)),
-                 ("inverse rope pass alone", lambda: apply_rope(q, table, inverse=True))]
+        parts = [("scratch_keys alone (before: sorted lists per layer)", lambda: attention_op.scratch_keys(*src)),
+                 ("StepRows scratch, a step's first layer", lambda: attention_op.StepRows().scratch_keys(*src)),
+                 ("StepRows scratch, an index source's first layer", new_source),
+                 ("StepRows scratch, a layer sharing its source's ids", lambda: warm.scratch_keys(*src)),
+                 ("inverse rope pass alone (before)", lambda: apply_rope(q, table, inverse=True)),
+                 ("inverse rope of the rotated channels in place", tail_rope)]
         for i, (label, f) in enumerate(kernels + parts):
             ms = _bench(f)
             row = dict(kernel=f"sparse_core/{name}", config=label, ms=ms)
