@@ -1,5 +1,5 @@
 """FlashMLA's SM90 sparse prefill kernel (`sgl-flash-mla`, `flash_mla_sparse_fwd`) for the sparse attention core:
-library adapter, called only from mini/ops/attention.py (which builds its inputs with `scratch_keys`).
+library adapter, called only from mini/ops/attention.py (which builds its inputs: `StepRows`, `scratch_keys`).
 
 The kernel computes, per query token t and head h, over the key rows rows[t, :count[t]] of one bf16 tensor kv
 (rows -1 or >= N skipped): o = Σ_j softmax_j(q·k_j·scale) k_j (K = V, all 512 channels), the denominator also
