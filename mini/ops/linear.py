@@ -85,6 +85,17 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return F.linear(fake_quant_fp8(x, w.block).float(), w.prepare(torch.float32)).to(x.dtype)
 
 
+def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
+    """The weights' dequantized copies in `dtype`, stacked along the output dimension: one GEMM for several
+    projections of one input. Each weight's cached copy becomes its view into the stack, so it is held once."""
+    stack = torch.cat([w.prepare(dtype) for w in ws])
+    row = 0
+    for w in ws:
+        w._dequant[dtype] = stack[row:row + w.out_features]
+        row += w.out_features
+    return stack
+
+
 def _fast_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     """fake_quant_fp8 as one Triton pass (mini.kernels.fp8_act_quant), honouring the no_fake_quant() switch."""
     if not fake_quant_enabled():

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
+from mini.formats.quant import fake_quant_enabled
 from mini.ops import library_choice, use_fast
 from mini.ops.linear import QWeight, linear
 
@@ -57,6 +58,8 @@ class MoEWeights:
     humming: tuple | None = field(default=None, repr=False)
     # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
     _per_expert: dict = field(default_factory=dict, repr=False)
+    # the shared w1 and w3 dequantized to bf16 side by side (linear.stack_dequantized), built at first fast use
+    _shared_w13: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
@@ -294,7 +297,27 @@ def shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
 
 
 def _shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    if use_fast(x) and x.dtype == torch.bfloat16 and x.shape[0] > 0 and w.shared_w1.kind != "bf16":
+        return _shared_fast(x, w)
     return expert_ffn(x, w.shared_w1, w.shared_w3, w.shared_w2, w.swiglu_limit)
+
+
+def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """`expert_ffn` for the shared expert in four passes instead of a dozen: x's FP8 act quant once, one GEMM for
+    w1 and w3 side by side, the SwiGLU pass (clamps, fp32 math, bf16 rounding and w2's FP8 act quant, as
+    `linear` would do them), the w2 GEMM. The same roundings; only the GEMMs' summation order may differ."""
+    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
+    from mini.ops.linear import _fast_act_quant, stack_dequantized
+    w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
+    if w._shared_w13 is None:
+        w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
+    T, inter = x.shape[0], w1.out_features
+    gu = F.linear(_fast_act_quant(x, w1.block), w._shared_w13)
+    route_w = torch.ones(T, dtype=torch.float32, device=x.device)  # x 1.0: exact
+    n_valid = torch.full((1,), T, dtype=torch.int32, device=x.device)
+    h = swiglu_rows(gu[:, :inter], gu[:, inter:], route_w, n_valid, w.swiglu_limit,
+                    w2.block if fake_quant_enabled() else 0)
+    return F.linear(h, w2.prepare(torch.bfloat16))
 
 
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
@@ -324,7 +347,6 @@ def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
     """The kernels take MXFP4 experts and multiply in bf16: exact for bf16 activations and for fake-quantized
     ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off. Humming's GEMMs
     also round their outputs to bf16, which is the reference's rounding only for bf16 activations."""
-    from mini.formats.quant import fake_quant_enabled
     if w.humming is not None:
         return use_fast(x, ids) and x.dtype == torch.bfloat16
     return (use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4"
@@ -336,7 +358,6 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
     """The routed experts through the GPU kernels: sort the (token, slot) pairs by local expert, the experts'
     GEMMs (Humming's when the experts were converted, else ours), then per token the sum of its local rows in
     slot order (+ `add`)."""
-    from mini.formats.quant import fake_quant_enabled
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M

@@ -11,6 +11,7 @@ import mini.ops
 from mini.checkpoint.make import random_state
 from mini.config import preset
 from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_fp8, quantize_mxfp4
+from mini.ops.linear import QWeight
 from mini.ops.moe import MoEWeights, expert_ffn, gate, moe, routed, shared
 
 if not torch.cuda.is_available():  # the fast path's kernels run under Triton's interpreter on CPU tensors
@@ -349,3 +350,64 @@ def test_humming_takes_only_the_shapes_its_tiles_fit():
         assert supports(2 * cfg.moe_inter_dim, cfg.dim) == fits, name
         assert supports(cfg.dim, cfg.moe_inter_dim) == fits, name
     assert not supports(4608, 5120 + 64) and not supports(4608 + 64, 5120)
+
+
+@pytest.mark.parametrize("fake_quant", [True, False])
+def test_shared_expert_fast_path_matches_expert_ffn_interpreter(tiny, monkeypatch, fake_quant):
+    """The shared expert's fast path (x quantized once, w1 and w3 in one GEMM, the SwiGLU pass with w2's act quant)
+    against expert_ffn on the same (pretended-CUDA) fast linear layers: the same roundings, so equal up to the
+    GEMMs' summation order; the stacked bf16 weights share memory with w1's and w3's cached copies."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: test_shared_expert_fast_path_gpu covers the compiled kernels")
+    import contextlib
+
+    import mini.ops.linear as linear_mod
+    import mini.ops.moe as moe_mod
+    from mini.formats.quant import no_fake_quant
+    cfg, state = tiny
+    monkeypatch.setattr(moe_mod, "use_fast", lambda *t: True)
+    monkeypatch.setattr(linear_mod, "use_fast", lambda *t: True)
+    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
+    x = _x(37, cfg, torch.bfloat16, scale=3.0)
+    with contextlib.nullcontext() if fake_quant else no_fake_quant():
+        ref = expert_ffn(x, w.shared_w1, w.shared_w3, w.shared_w2, w.swiglu_limit)
+        out = moe_mod._shared(x, w)
+    assert w._shared_w13 is not None and out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert w.shared_w1.prepare(torch.bfloat16).data_ptr() == w._shared_w13.data_ptr()  # a view, not a copy
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-3)
+    assert (out == ref).float().mean() > 0.9
+
+
+def _shared_case(device):
+    cfg = preset("v4.1-flash")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    D, inter = cfg.dim, cfg.moe_inter_dim
+
+    def fp8(out, inp):
+        data, scale = quantize_fp8(torch.randn(out, inp, generator=g) / inp ** 0.5, 32)
+        return QWeight("fp8", data.to(device), scale.to(device), 32)
+    return cfg, fp8(inter, D), fp8(inter, D), fp8(D, inter), (torch.randn(333, D, generator=g) * 2).bfloat16()
+
+
+@pytest.mark.gpu
+def test_shared_expert_fast_path_gpu():
+    """At V4.1-Flash's width (D 5120, inter 2304, FP8 32 x 32 blocks), T = 333: the fused shared expert against
+    expert_ffn's fast linear layers (same roundings; cuBLAS summation order may differ) and the reference."""
+    import mini.ops.moe as moe_mod
+    cfg, w1, w3, w2, x = _shared_case("cuda")
+    x = x.cuda()
+    w = MoEWeights(gate=None, bias=None, bias_vl=None, tid2eid=None, experts=range(0), w1=w1, w3=w3, w2=w2,
+                   shared_w1=w1, shared_w3=w3, shared_w2=w2, swiglu_limit=cfg.swiglu_limit)
+    ref = expert_ffn(x, w1, w3, w2, cfg.swiglu_limit)  # the fast linear layers (CUDA, bf16)
+    out = moe_mod._shared(x, w)
+    assert w._shared_w13 is not None
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"shared expert fused vs unfused: rel {rel:.3g}, equal {(out == ref).float().mean().item():.4f}")
+    assert torch.isfinite(out).all() and rel < 5e-3
+    before = mini.ops.backend()
+    mini.ops.set_backend("reference")
+    try:
+        exact = expert_ffn(x, w1, w3, w2, cfg.swiglu_limit)
+    finally:
+        mini.ops.set_backend(before)
+    assert ((out.float() - exact.float()).norm() / exact.float().norm()).item() < 2e-2
