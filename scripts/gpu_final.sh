@@ -39,10 +39,10 @@ step() {  # step NAME SECONDS CMD...: run with a time cap, log its exit status, 
 if [ "${PHASE:-checks}" = checks ]; then
     step pytest_gpu "${T_TESTS:-250}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE --durations=25 \
         --timeout=150 tests
-    step fastpath_decode 60 bash -c 'for s in 0 1 2 3; do python3 -m mini.cli bench fastpath-check --decode-only \
-        --seed $s --json "$0/fastpath_decode_$s.json" || exit 1; done' "$OUT"
+    step fastpath_decode 60 bash -c 'for fq in "" --decode-no-fake-quant; do python3 -m mini.cli bench fastpath-check \
+        --decode-only $fq --json "$0/fastpath_decode${fq:+_nofq}.json" || exit 1; done' "$OUT"
     step gate_plan 45 python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
-        --gate-sweep-tokens 1 64 256 1024 4096 --route-blocks 256 512 --json "$OUT/gate_plan.json"
+        --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 --json "$OUT/gate_plan.json"
     step moe_layer 50 python3 -m mini.cli bench moe-layer --json "$OUT/moe_layer.json"
     step flashmla 25 python3 -m mini.bench.kernels --only flashmla --json "$OUT/kernels_flashmla.json"
     step decode_host_v41 75 python3 -m mini.cli bench decode-host --json "$OUT/decode_host_v41.json"
@@ -52,7 +52,7 @@ if [ "${PHASE:-checks}" = checks ]; then
         --output-len 64 --json "$OUT/goodput.json"
 else
     a=$(ls .cache/bench_rev/*.tar.gz | grep -v HEAD | head -1); b=.cache/bench_rev/HEAD.tar.gz  # no .git there
-    step ab "${T_AB:-200}" python3 tools/bench_rev.py run "$a" "$b" --suite rank4 --repeat 1 --out "$OUT/ab" \
+    step ab "${T_AB:-230}" python3 tools/bench_rev.py run "$a" "$b" --suite rank4 --repeat 1 --out "$OUT/ab" \
         -- --steps 5 --warmup 1
     step profile "${T_PROFILE:-130}" python3 -m mini.cli profile --suite rank4 --steps 5 --warmup 1 \
         --out "$OUT/profile"
