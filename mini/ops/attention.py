@@ -141,8 +141,10 @@ class StepRows:
     descending list is its groups' rows, descending, then its window rows, descending, then -1 padding; the
     window part is sorted once per step, the groups once per index source, and the two are joined with one
     scatter. The step is recognised by the identity of its index tensors (held until the next step, so no other
-    tensor can take their ids); FlashMLA serves neither decode nor CUDA-graph capture, where static buffers are
-    rewritten in place (flashmla_attention.supported)."""
+    tensor can take their ids): callers must not rewrite a step's index tensors or top-k ids in place between its
+    layers, nor reuse them for another step's values. The model does neither: a Batch's tensors are fixed, static
+    decode buffers are seen through new views each step (DecodeBuffers.batch), and CUDA-graph capture never
+    reaches FlashMLA (flashmla_attention.supported)."""
     step: tuple[torch.Tensor, ...] = ()  # (positions, seq_of, slots, start_pos) of the step served
     window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows [T, W], count
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, its flat block ids, -1 -> block 0)

@@ -205,6 +205,24 @@ def test_step_rows_are_scratch_keys_bit_for_bit_building_shared_parts_once():
         assert lists[2] is lists[1] and len({id(rows) for rows in lists}) == len(calls) - 1
 
 
+def test_step_rows_follow_buffers_rewritten_in_place_through_new_views():
+    """Static decode buffers (DecodeBuffers) are rewritten in place and seen through new views each step: StepRows
+    must rebuild for the new views (same storage, other positions)."""
+    g = torch.Generator().manual_seed(10)
+    D, W, ratio, rpb, K = 16, 8, 2, 4, 3
+    B = 6
+    pos_buf, seq_buf, slot_buf = torch.zeros(B, dtype=torch.long), torch.arange(B), torch.zeros(B, dtype=torch.long)
+    step_rows = attention_op.StepRows()
+    for first in ([30, 5, 17, 2, 40, 9], [31, 6, 18, 3, 41, 10]):
+        _, kv_new, window, comp, table, ids, _, pos, _, slots, _ = _random_step(
+            g, [1] * B, first, 2, D, W, ratio, rpb, K)
+        pos_buf.copy_(pos)
+        slot_buf.copy_(slots)
+        step = (pos_buf[:B], seq_buf[:B], slot_buf[:B], pos_buf[:B])  # a decode step: start_pos = positions
+        got = step_rows.scratch_keys(kv_new, window, *step, comp, table, ids, 16)
+        _assert_same_bits(got, attention_op.scratch_keys(kv_new, window, *step, comp, table, ids, 16))
+
+
 def _fake_flash_mla(calls):
     """A stand-in `flash_mla` module: checks the call against the SM90 kernel's documented requirements and
     computes the library's contract."""
