@@ -256,18 +256,39 @@ def _old_gate_plan(args, cfg, w, x, plan_l, weights, ids, ms: dict) -> dict:
     return res
 
 
+def _gate_sweep():
+    """The gate kernel's CONFIGS and variants around them: other tiles, chunk lengths (`steps`), the chunk as a
+    pipelined loop, and no promotion (steps=1, for the time the promotion costs)."""
+    from mini.kernels.moe_gate import CONFIGS, GateConfig as G
+    return CONFIGS + (G(32, 32, 4, 3), G(32, 64, 4, 2), G(32, 32, 4, 2, steps=4), G(32, 16, 4, 4, steps=4),
+                      G(64, 64, 8, 3, steps=4, inner_loop=True), G(64, 64, 8, 3, steps=8, inner_loop=True),
+                      G(32, 64, 4, 3, steps=4, inner_loop=True), G(32, 64, 4, 3, steps=8, inner_loop=True),
+                      G(32, 64, 4, 3, steps=16, inner_loop=True), G(64, 32, 8, 4, steps=8, inner_loop=True),
+                      G(32, 32, 4, 4, steps=8, inner_loop=True), G(64, 32, 8, 4, steps=1), G(32, 32, 4, 2, steps=1))
+
+
 def _gate_configs(args, cfg, w, x, ids, ms: dict) -> dict:
-    """Adds the fused gate kernel's ms under each of its configs to `ms`; returns the fraction of expert ids equal
-    to the default config's (different K steps sum in a different order: near-ties may flip)."""
-    from mini.kernels.moe_gate import CONFIGS
+    """Adds the fused gate kernel's ms under each config of `_gate_sweep` to `ms`, at all tokens and at the first
+    4,096 (one EP4 rank's own); returns per config the fraction of expert ids equal to the default config's
+    (different K steps sum in a different order: near-ties may flip) and the max |logit error| against float64
+    over 1,024 rows, also as a multiple of the IEEE fp32 GEMM's (the reference's logits)."""
+    from mini.kernels.moe_gate import gate_topk
     from mini.ops.moe import fused_gate
     res = {}
-    for c in CONFIGS:
-        name = f"gate_m{c.BM}_k{c.BK}_w{c.num_warps}_s{c.num_stages}"
+    xs = x[:1024]
+    exact = xs.double() @ w.gate.double().t()
+    err_fp32 = float((xs.float() @ w.gate.float().t() - exact).abs().max())
+    res["gate_fp32_gemm_logit_err"] = err_fp32
+    for c in _gate_sweep():
+        name = f"gate_m{c.BM}_k{c.BK}_w{c.num_warps}_s{c.num_stages}_c{c.steps}{'_loop' if c.inner_loop else ''}"
         fn = lambda: fused_gate(x, w, cfg, config=c)  # noqa: E731,B023
         try:
             res[name + "_ids_equal_fraction"] = float((fn()[1] == ids).float().mean())
+            logits = gate_topk(xs, w.gate, w.bias, cfg.n_activated_experts, 1.0, debug=True, config=c)[2]
+            err = float((logits.double() - exact).abs().max())
+            res[name + "_logit_err"], res[name + "_logit_err_vs_fp32"] = err, err / err_fp32
             _timed(ms, name, fn, args)
+            _timed(ms, name + "_t4096", lambda: fused_gate(x[:4096], w, cfg, config=c), args)  # noqa: B023
         except Exception as e:  # a config that does not build here (shared memory, registers) is skipped
             print(f"{name}: skipped ({type(e).__name__}: {str(e)[:160]})")
     return res

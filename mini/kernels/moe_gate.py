@@ -6,7 +6,7 @@ two (NA = the largest power of two <= E, NB = the rest rounded up: 384 = 256 + 1
 the registers pay for padding 384 to 512; each block has its own fp32 accumulator. bf16 x bf16 products are exact
 in fp32, but Hopper's tensor cores do not add them as IEEE fp32 does: each MMA aligns its products to the largest
 exponent and truncates, so the logits drift towards zero by up to 2^-23 of the running sum per 16-wide K group
-(~4e-5 on V4.1's logits over K = 5120, measured on the H200). So each K chunk of STEPS_PER_SUM MMA steps runs
+(~4e-5 on V4.1's logits over K = 5120, measured on the H200). So each K chunk of `steps` MMA steps runs
 into a fresh accumulator, which is then added in fp32 on the CUDA cores (DeepGEMM's "promotion"): the drift is
 bounded by a few groups of a partial sum, and the logits stay at fp32 GEMM accuracy.
 
@@ -31,16 +31,18 @@ from triton.language.extra import libdevice
 @dataclass(frozen=True)
 class GateConfig:
     BM: int  # rows per program
-    BK: int  # K step
+    BK: int  # K step (one MMA per column block)
     num_warps: int
     num_stages: int
+    # K steps per tensor-core partial sum (module docstring). 1 = no promotion (the sums stay in the MMA
+    # accumulator; only for comparison). With unrolled chunks two or more steps are needed, as Triton folds a
+    # single dot with a zero accumulator back into the running one; the software pipeline then holds whole chunks,
+    # (BM + NA + NB) * steps * BK * 2 bytes per stage. inner_loop: a pipelined loop over the chunk's steps instead.
+    steps: int = 2
+    inner_loop: bool = False
 
 
-# MMA steps of BK per tensor-core partial sum. Two or more: a chain of dots is not folded back into the running
-# accumulator by Triton (a single dot with a zero accumulator would be). The software pipeline holds whole chunks,
-# (BM + NA + NB) * STEPS_PER_SUM * BK * 2 bytes per stage: 57 KB at V4.1's 384 experts with BM 64, BK 32. CONFIGS
-# are tried in order until one builds on the device (out of shared memory or registers moves to the next).
-STEPS_PER_SUM = 2
+# Tried in order until one builds on the device (out of shared memory or registers moves to the next).
 CONFIGS = (GateConfig(64, 32, 8, 3), GateConfig(64, 32, 8, 2), GateConfig(64, 16, 8, 4), GateConfig(32, 32, 4, 2))
 _CHOSEN: dict[tuple, GateConfig] = {}
 
@@ -76,43 +78,64 @@ def _block_scores(acc, cols, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img,
 
 
 @triton.jit
+def _load_step(x_ptrs, wa_ptrs, wb_ptrs, k0, kk, row_ok, cols_a, cols_b, D: tl.constexpr, E: tl.constexpr,
+               NB: tl.constexpr, DOT_DTYPE: tl.constexpr, BK: tl.constexpr, CHUNK: tl.constexpr):
+    """The x tile and the two weight tiles of the K step at k0 (K masked only when D is not a multiple of the
+    chunk: a mask that varies along K would stop vectorized loads)."""
+    k_ok = (kk < BK) if D % CHUNK == 0 else (k0 + kk < D)
+    a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+    wa = tl.load(wa_ptrs + k0, mask=(cols_a < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+    wb = wa
+    if NB > 0:
+        wb = tl.load(wb_ptrs + k0, mask=(cols_b < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+    return a, wa, wb
+
+
+@triton.jit
 def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids_ptr, logits_ptr, scores_ptr,
                  T, stride_x, temp, route_scale, eps,
                  D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr,
                  NB: tl.constexpr, NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr,
                  LIBDEVICE: tl.constexpr, DOT_DTYPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                 STEPS: tl.constexpr):
+                 STEPS: tl.constexpr, INNER_LOOP: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < T
     kk = tl.arange(0, BK)
     # a K mask only when D is not a multiple of BK (a mask that varies along K would stop vectorized loads)
-    k_ok = (kk < BK) if D % BK == 0 else (kk < D)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
     cols_a = tl.arange(0, NA)
     wa_ptrs = w_ptr + cols_a[:, None] * D + kk[None, :]
     acc_a = tl.zeros([BM, NA], dtype=tl.float32)
+    cols_b, wb_ptrs = cols_a, wa_ptrs  # read only when NB > 0
     if NB > 0:
         cols_b = NA + tl.arange(0, NB)
         wb_ptrs = w_ptr + cols_b[:, None] * D + kk[None, :]
         acc_b = tl.zeros([BM, NB], dtype=tl.float32)
     for k0 in range(0, D, STEPS * BK):
-        # the first MMA of a chunk takes no accumulator, the others chain on it; the chunk is added on the CUDA cores
-        for j in tl.static_range(STEPS):
-            kj = k0 + j * BK
-            if D % (STEPS * BK) != 0:
-                k_ok = kj + kk < D
-            a = tl.load(x_ptrs + kj, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            wa = tl.load(wa_ptrs + kj, mask=(cols_a < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            if j == 0:
-                part_a = tl.dot(a, tl.trans(wa))
-            else:
-                part_a = tl.dot(a, tl.trans(wa), part_a)
+        # each chunk's MMAs chain on a fresh accumulator (none for the first), then it is added on the CUDA cores
+        if INNER_LOOP:  # the chunk's K steps as a (software-pipelined) loop
+            part_a = tl.zeros([BM, NA], dtype=tl.float32)
             if NB > 0:
-                wb = tl.load(wb_ptrs + kj, mask=(cols_b < E)[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-                if j == 0:
-                    part_b = tl.dot(a, tl.trans(wb))
-                else:
+                part_b = tl.zeros([BM, NB], dtype=tl.float32)
+            for j in range(STEPS):
+                a, wa, wb = _load_step(x_ptrs, wa_ptrs, wb_ptrs, k0 + j * BK, kk, row_ok, cols_a, cols_b, D, E,
+                                       NB, DOT_DTYPE, BK, STEPS * BK)
+                part_a = tl.dot(a, tl.trans(wa), part_a)
+                if NB > 0:
                     part_b = tl.dot(a, tl.trans(wb), part_b)
+        else:  # unrolled: the software pipeline then holds whole chunks
+            for j in tl.static_range(STEPS):
+                a, wa, wb = _load_step(x_ptrs, wa_ptrs, wb_ptrs, k0 + j * BK, kk, row_ok, cols_a, cols_b, D, E,
+                                       NB, DOT_DTYPE, BK, STEPS * BK)
+                if j == 0:
+                    part_a = tl.dot(a, tl.trans(wa))
+                else:
+                    part_a = tl.dot(a, tl.trans(wa), part_a)
+                if NB > 0:
+                    if j == 0:
+                        part_b = tl.dot(a, tl.trans(wb))
+                    else:
+                        part_b = tl.dot(a, tl.trans(wb), part_b)
         acc_a += part_a
         if NB > 0:
             acc_b += part_b
@@ -199,7 +222,8 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS
     for i, cfg in enumerate(candidates):
         try:
-            _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, STEPS=STEPS_PER_SUM,
+            _gate_kernel[(triton.cdiv(T, cfg.BM),)](*args, **consts, BM=cfg.BM, BK=cfg.BK, STEPS=cfg.steps,
+                                                    INNER_LOOP=cfg.inner_loop,
                                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         except triton.runtime.errors.OutOfResources:
             if i == len(candidates) - 1:

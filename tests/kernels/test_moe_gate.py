@@ -71,6 +71,8 @@ def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=N
     (37, 320, 384, 6, None),  # V4.1's expert count, a row tile past T
     (37, 320, 384, 6, GateConfig(16, 32, 4, 1)),  # several programs, the last one partial
     (70, 200, 100, 6, GateConfig(16, 64, 4, 1)),  # D not a multiple of BK; E = 64 + 36 (second block padded)
+    (70, 200, 100, 6, GateConfig(16, 32, 4, 1, steps=3, inner_loop=True)),  # chunks as a loop, the last partial
+    (37, 320, 384, 6, GateConfig(16, 32, 4, 1, steps=1)),  # no promotion
     (5, 96, 16, 4, None),  # tiny-v4.1: one column block
     (1, 64, 7, 1, None),  # one token, k = 1
 ])
@@ -168,7 +170,7 @@ def _build_for_sm90() -> None:
     from triton.compiler import ASTSource
 
     from mini.kernels import moe_route
-    from mini.kernels.moe_gate import CONFIGS, STEPS_PER_SUM, _gate_kernel
+    from mini.kernels.moe_gate import CONFIGS, _gate_kernel
 
     def build(kernel, ptr_types, consts, num_warps=4, num_stages=2):
         names = kernel.arg_names
@@ -192,7 +194,8 @@ def _build_for_sm90() -> None:
         c = CONFIGS[0]
         build(_gate_kernel, gate_ptrs, dict(**one, D=D, E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb,
                                             NORMALIZE=True, HAS_IMG=img, DEBUG=img, LIBDEVICE=True,
-                                            DOT_DTYPE=tl.bfloat16, BM=c.BM, BK=c.BK, STEPS=STEPS_PER_SUM),
+                                            DOT_DTYPE=tl.bfloat16, BM=c.BM, BK=c.BK, STEPS=c.steps,
+                                            INNER_LOOP=c.inner_loop),
               c.num_warps, c.num_stages)
     route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     for E in (0, 1, 7, 96, 384):
