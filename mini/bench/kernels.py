@@ -235,12 +235,11 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     kw = dict(pre_in=pre_prev, iters=20, hc_eps=1e-6, norm_eps=1e-20)
     nbytes = h.numel() * 2 + T * DIM * 2 + fn.numel() * 4  # h once, y once, fn once
     moved = nbytes + 2 * T * DIM * 2
-    configs = [{}]  # the defaults: block_t=64, block_k=64, split=10, 4 warps, 2 stages; finish 8 tokens x 512
+    configs = [{}]  # the defaults: block_t=64, block_k=16, split=8, 4 warps, 3 stages; finish 8 tokens x 512
     if sweep:
-        # measured (docs/perf/notes-mhc.md): split=20 -3%, the others slower; block_k=32 with 2-3 stages (4 or 3
-        # programs per SM by registers / shared memory, built offline) not yet timed
-        configs += [dict(split=20), dict(block_k=32), dict(block_k=32, num_stages=3), dict(block_k=32, split=20),
-                    dict(num_stages=3), dict(block_t=128, num_warps=8), dict(finish_block_t=4)]
+        # the neighbours of the default among the 35 configurations of docs/perf/raw/mhc2 (the default was fastest)
+        configs += [dict(block_k=16, num_stages=4, split=6), dict(block_k=16, num_stages=2, split=10),
+                    dict(block_k=16, split=20), dict(block_k=32), dict(finish_block_t=4)]
     for cfg in configs:
         for quant in ((None, "fp8") if cfg is configs[0] else (None,)):
             ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, quant=quant, **cfg))
