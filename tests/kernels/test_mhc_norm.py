@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mini.formats import fake_quant_fp8
-from mini.kernels.mhc_norm import _dot_exact_split  # after tests/kernels/conftest.py chose the interpreter or not
+from mini.kernels.mhc_norm import _dot_pieces, fn_pieces  # after tests/kernels/conftest.py chose the interpreter or not
 from mini.ops.mhc import collapse, mixes
 from mini.ops.norm import rms_norm
 
@@ -73,13 +73,14 @@ def test_mhc_norm_interpreter(delayed, quant, interpreter):
 
 @pytest.mark.parametrize("delayed", [True, False])
 def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
-    """The bf16 stream's path (fn split into three bf16 pieces), three split-K chunks (64, 64, 32 columns). The
-    mixes keep the GPU tolerances; y only within two truncations (the interpreter rounds fp32 -> bf16 towards 0)."""
+    """The bf16 stream's path (fn's three bf16 pieces), three split-K chunks of 64, 64 and 22 columns in steps of 16
+    (the last step partial). The mixes keep the GPU tolerances; y only within two truncations (the interpreter
+    rounds fp32 -> bf16 towards 0)."""
     from mini.kernels.mhc_norm import mhc_norm
-    h, fn, scale, base, w, pre_prev = make(7, 160, "cpu", torch.bfloat16)
+    h, fn, scale, base, w, pre_prev = make(7, 150, "cpu", torch.bfloat16)
     pre_in = pre_prev if delayed else None
     y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_in, iters=ITERS, hc_eps=HC_EPS,
-                                  norm_eps=NORM_EPS, block_t=4, block_k=32, split=3, finish_block_t=4, block_d=64)
+                                  norm_eps=NORM_EPS, block_t=4, block_k=16, split=3, finish_block_t=4, block_d=64)
     ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_in, False)
     torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
     torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
@@ -98,30 +99,55 @@ def test_mhc_norm_gpu(T, D, delayed, quant):
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant)
 
 
+def test_fn_pieces_sum_exactly_to_fn():
+    """hi + mid + lo == fn in float64 (no bit of fn lost), each piece a bf16 value, fn transposed into K-major rows
+    with zero columns past NM; two pieces alone would lose fn's last bits."""
+    fn = torch.randn(24, 4 * 37) * torch.exp2(torch.randint(-20, 20, (24, 4 * 37)).float())
+    pieces = fn_pieces(fn)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, 4 * 37, 32)
+    assert torch.equal(pieces.double().sum(0)[:, :24], fn.double().T)
+    assert not pieces[:, :, 24:].any()
+    assert (pieces[:2].double().sum(0)[:, :24] != fn.double().T).float().mean() > 0.5
+
+
+def test_pieces_are_cached_per_weight_tensor():
+    from mini.kernels.mhc_norm import _PIECES, _pieces_of
+    fn = torch.randn(24, 64)
+    first = _pieces_of(fn)
+    assert _pieces_of(fn) is first and torch.equal(first, fn_pieces(fn))
+    other = fn.clone()  # same values, another tensor: its own entry
+    assert _pieces_of(other) is not first
+    key = id(fn)
+    del fn, first
+    assert key not in _PIECES  # dropped with its weight
+
+
 @triton.jit
-def _split_dot_kernel(x_ptr, f_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, OP: tl.constexpr):
+def _split_dot_kernel(x_ptr, p_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, OP: tl.constexpr):
     r, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
     x = tl.load(x_ptr + r[:, None] * K + k[None, :])
-    f = tl.load(f_ptr + k[:, None] * N + n[None, :])
-    tl.store(out_ptr + r[:, None] * N + n[None, :], _dot_exact_split(x, f, tl.zeros([M, N], tl.float32), OP))
+    p = p_ptr + k[:, None] * N + n[None, :]
+    hi, mid, lo = tl.load(p), tl.load(p + K * N), tl.load(p + 2 * K * N)
+    tl.store(out_ptr + r[:, None] * N + n[None, :], _dot_pieces(x, hi, mid, lo, tl.zeros([M, N], tl.float32), OP))
 
 
 def check_split_dot(device, M, K, N, op):
-    """x (bf16) @ f (fp32) through the three-piece split gives every product exactly: with one nonzero per row of x,
-    each output is one product (32 significant bits) rounded once to fp32 (to nearest, or towards zero on the
-    tensor cores). A split that dropped the third piece (fn's last 8 bits) would be ~2^-17 off instead."""
+    """x (bf16) @ f (fp32) through the three pieces gives every product exactly: with one nonzero per row of x, each
+    output is x*hi + x*mid + x*lo, three exact products summed in the fp32 accumulator. x*hi + x*mid can span 25
+    bits, so the sum may round twice (towards zero on the tensor cores: 1.1 ulp seen on the H200), within 2^-22
+    relative. A split that dropped the third piece (fn's last 8 bits) would be ~2^-17 off instead."""
     x = torch.zeros(M, K)
     x[torch.arange(M), torch.randperm(K)[:M]] = torch.randn(M)
     x = x.to(device).bfloat16()
     f = torch.randn(K, N, device=device) * torch.exp2(torch.randint(-20, 20, (K, N), device=device).float())
+    pieces = fn_pieces(f.T)[:, :, :N].contiguous()  # fn_pieces takes fn as [N, K]
     out = torch.full((M, N), float("nan"), device=device)
-    _split_dot_kernel[(1,)](x, f, out, M=M, K=K, N=N, OP=op)
+    _split_dot_kernel[(1,)](x, pieces, out, M=M, K=K, N=N, OP=op)
     exact = x.double() @ f.double()
-    bound = 2.0 ** -23 * exact.abs()
+    bound = 2.0 ** -22 * exact.abs()
     assert ((out.double() - exact).abs() <= bound).all()
-    hi = f.bfloat16().float()
-    two_pieces = hi + (f - hi).bfloat16().float()
-    assert ((x.double() @ two_pieces.double() - exact).abs() > bound).float().mean() > 0.5
+    two_pieces = pieces[:2].double().sum(0)
+    assert ((x.double() @ two_pieces - exact).abs() > bound).float().mean() > 0.5
 
 
 def test_split_dot_interpreter(interpreter):
