@@ -9,7 +9,8 @@ Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`r
   then give every product exactly, summed in the tensor cores' fp32 accumulator (not plain tf32, whose 10-bit fn
   would feed its error into sigmoids and a softmax). Measured at T=4096 on the H200 against the fp32 torch
   reference: max relative error of pre / post / comb 5.6e-6 / 2.9e-6 / 1.9e-5 (the former one-kernel 3xTF32
-  version: 5.7e-7 / 5.0e-7 / 2.3e-6; the tests' bounds are 2e-4 / 2e-4 / 5e-4). An fp32 stream uses one fp32 dot (`precision`: 3xTF32 by default, "ieee" for FMA);
+  version: 5.7e-7 / 5.0e-7 / 2.3e-6; the tests' bounds are 2e-4 / 2e-4 / 5e-4). An fp32 stream uses one fp32
+  dot (`precision`: 3xTF32 by default, "ieee" for FMA);
 * the collapse sums the hc weighted copies in fp32 (a tree sum) and rounds to the stream dtype before the norm;
 * V4.1 collapses with the previous site's `pre` (delayed, known before this site's mixes); V4 passes none and
   the kernel collapses with the `pre` it just computed.
