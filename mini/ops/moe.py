@@ -11,9 +11,9 @@ Every expert is a SwiGLU FFN: g = w1(x), u = w3(x) (each rounded to x.dtype, as 
 u clamped to ±limit and g from above, h = silu(g) * u * routing weight in fp32, then w2(h.to(x.dtype)). Each GEMM
 fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are summed in fp32.
 
-Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel (mini/kernels/moe_gate.py: bf16 GEMM with fp32
-accumulation, bf16 x bf16 products being exact in fp32, so only the summation order differs from fp32; scores, top-k
-and weights in its epilogue); the (token, slot) pairs are sorted by local expert (mini/kernels/moe_route.py), the
+Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
+GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
+GEMM's; scores, top-k and weights in its epilogue), below that the reference's fp32 GEMM; the (token, slot) pairs are sorted by local expert (mini/kernels/moe_route.py), the
 routed experts run as grouped GEMMs, and a combine kernel sums each token's local rows in slot order. The grouped
 GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
