@@ -5,8 +5,11 @@
 #                  overlap; tiny-v4.1 and tiny-v4) and the tiny goodput benchmark
 #   PHASE=measure  A/B of the rank4 suite between the packed base revision and HEAD (`tools/bench_rev.py pack
 #                  BASE HEAD` first: tarballs in .cache/bench_rev), then the per-stage profile of HEAD
-# The gpu tests took more than 170 s on 4 workers (this session). Backends are chosen by the environment (MINI_MOE_GEMM, MINI_SPARSE_ATTN, ...), so a failed check in the first
-# call can be routed around in the second without a code change.
+# Durations on the H200 (session 3): gpu tests ~200 s on 4 workers, the checks phase ~390 s in all; the rank4 A/B
+# ~100 s per revision (build ~35 s + 6 steps), the profile ~50 s. Run from a clean tree (`git archive HEAD`,
+# extracted on the device) so that nobody's uncommitted work travels. Backends are chosen by the environment
+# (MINI_MOE_GEMM, MINI_SPARSE_ATTN, ...), so a failed check can be routed around in the next call without a code
+# change.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
