@@ -15,7 +15,8 @@ Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens 
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
 GEMM's; scores, top-k and weights in its epilogue), below that the reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
-kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once per process by MINI_MOE_GEMM (`routed_gemm`):
+kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
+per process by MINI_MOE_GEMM (`routed_gemm`):
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
   routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
 * "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
