@@ -29,7 +29,7 @@ def _setup(args) -> tuple:
 
 
 def cmd_generate(args) -> int:
-    from mini.dist.serve import generate_torchrun, under_torchrun
+    from mini.parallel.serve import generate_torchrun, under_torchrun
     from mini.engine import LLM, SamplingParams
     from mini.tokenizer import render_chat
     device, dtype = _setup(args)
@@ -100,7 +100,7 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from mini.dist.serve import serve_local, serve_torchrun, under_torchrun
+    from mini.parallel.serve import serve_local, serve_torchrun, under_torchrun
     if under_torchrun():
         if args.ep not in (None, 1):
             print("error: --ep starts its own ranks; under torchrun use --nproc-per-node", file=sys.stderr)

@@ -129,10 +129,10 @@ def _parser(suite: Suite | None) -> argparse.ArgumentParser:
 
 def run_on_ranks(name: str, rank_fn, args, min_ranks: int = 1) -> dict:
     """A multi-rank suite's run(): one rank under torchrun, else `args.nproc` (default 2) local ranks started here
-    (mini.dist.launch.run_ranks). Every rank returns the same numbers; only rank 0 writes `args.json`."""
+    (mini.parallel.launch.run_ranks). Every rank returns the same numbers; only rank 0 writes `args.json`."""
     import torch
 
-    from mini.dist.launch import run_ranks
+    from mini.parallel.launch import run_ranks
     torchrun = "WORLD_SIZE" in os.environ
     nproc = args.nproc if torchrun else (args.nproc or 2)
     if not torchrun and nproc < min_ranks:

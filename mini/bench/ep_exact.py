@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from mini.bench import SuiteError, run_on_ranks
 from mini.config import ModelConfig, preset
-from mini.dist.groups import DistContext
+from mini.parallel.groups import DistContext
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def worst(ctx: DistContext, m: dict[str, float]) -> dict[str, float]:
 def run_case(ctx: DistContext, case: Case, args) -> dict[str, float]:
     import mini.ops
     from mini.checkpoint import expert_range
-    from mini.dist.exchange import MoEExchange
+    from mini.parallel.exchange import MoEExchange
     mini.ops.set_backend(case.backend)
     cfg = case.config()
     prompts = prompts_of(cfg, case, ctx.rank, args.seed)

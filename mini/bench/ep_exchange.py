@@ -1,4 +1,4 @@
-"""`ep-exchange`: the communication of one EP MoE layer (`mini.dist.exchange.MoEExchange.exchange`) on N local
+"""`ep-exchange`: the communication of one EP MoE layer (`mini.parallel.exchange.MoEExchange.exchange`) on N local
 ranks: NCCL on N GPUs, gloo on the CPU.
 
 Each rank brings `--tokens` tokens; the experts and the shared expert are stand-ins that return ready fp32
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mini.bench import SuiteError
-from mini.dist.exchange import MoEExchange, all_gather, reduce_scatter
-from mini.dist.groups import DistContext
-from mini.dist.launch import spawn
+from mini.parallel.exchange import MoEExchange, all_gather, reduce_scatter
+from mini.parallel.groups import DistContext
+from mini.parallel.launch import spawn
 
 
 def add_args(p) -> None:

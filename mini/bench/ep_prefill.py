@@ -1,4 +1,4 @@
-"""`ep-prefill`: lock-step prefill steps of real EP ranks (DP attention, `mini.dist.exchange.MoEExchange`).
+"""`ep-prefill`: lock-step prefill steps of real EP ranks (DP attention, `mini.parallel.exchange.MoEExchange`).
 
 Every rank draws the model with its own 1/N of the routed experts (`random_state(..., experts=expert_range(...))`,
 same seed everywhere, so the shared weights agree), runs `--tokens` new tokens of its own per step, and meets the
@@ -44,8 +44,8 @@ import torch.distributed as dist
 from mini.bench import SuiteError, run_on_ranks
 from mini.bench import profile
 from mini.config import ModelConfig, preset
-from mini.dist import exchange as exchange_mod
-from mini.dist.groups import DistContext
+from mini.parallel import exchange as exchange_mod
+from mini.parallel.groups import DistContext
 
 SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
 
@@ -138,7 +138,7 @@ def staged(cuda: bool):
     """profile.WRAPPED with the real exchange as the MoE stage, plus the collectives as communication."""
     # the exchange calls gate / routed / shared through its own module's names
     own = {"moe": "MoEExchange.__call__", "moe.gate": "gate", "moe.routed": "routed", "moe.shared": "shared"}
-    wrapped = [w for w in profile.WRAPPED if w[0] not in own] + [(k, "mini.dist.exchange", v) for k, v in own.items()]
+    wrapped = [w for w in profile.WRAPPED if w[0] not in own] + [(k, "mini.parallel.exchange", v) for k, v in own.items()]
     timer = profile.StageTimer(cuda)
     mod = sys.modules[__name__]
     originals = {n: getattr(exchange_mod, n) for n in ("all_gather", "reduce_scatter")}

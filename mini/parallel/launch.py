@@ -1,7 +1,7 @@
 """Start EP/DP ranks: under torchrun, or as local processes.
 
-    torchrun --nproc-per-node N -m mini.dist.launch generate --model tiny-v4.1 --prompt "a" --prompt "b"
-    python -m mini.dist.launch --nproc N generate ...        # same, N local processes (gloo on CPU, NCCL on GPU)
+    torchrun --nproc-per-node N -m mini.parallel.launch generate --model tiny-v4.1 --prompt "a" --prompt "b"
+    python -m mini.parallel.launch --nproc N generate ...        # same, N local processes (gloo on CPU, NCCL on GPU)
 
 `spawn(world, fn, *args)` runs `fn(ctx, *args)` on `world` local processes (each joined to the group by
 `groups.init`) and returns their results in rank order; tests use it with gloo on the CPU.
@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from mini.dist.groups import DistContext, init, shutdown
+from mini.parallel.groups import DistContext, init, shutdown
 
 
 def _free_port() -> int:
@@ -83,7 +83,7 @@ def run_ranks(fn, args, nproc: int | None, device: str | None = None) -> tuple[i
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
-    from mini.dist.dp import generate, load_ep_model
+    from mini.parallel.dp import generate, load_ep_model
     from mini.engine import LLM, SamplingParams
     model, cfg, tok = load_ep_model(args.model, ctx, getattr(torch, args.dtype))
     llm = LLM(model, config=cfg, tokenizer=tok, device=str(ctx.device), dtype=getattr(torch, args.dtype),
@@ -94,7 +94,7 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mini.dist.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mini.parallel.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to start (default 1; under torchrun each process is one rank)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")

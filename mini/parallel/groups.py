@@ -2,7 +2,7 @@
 
 One process per GPU (or per CPU worker in tests). Every rank holds the whole attention and the shared experts,
 runs its own requests, and holds routed experts [r*E/N, (r+1)*E/N) (`mini.checkpoint.expert_range`); the MoE
-exchange (`mini.dist.exchange`) is the only place ranks talk to each other.
+exchange (`mini.parallel.exchange`) is the only place ranks talk to each other.
 
 `init()` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): NCCL on CUDA,
 gloo on CPU. Without WORLD_SIZE (or with 1) it returns a single-rank context and starts no process group.

@@ -3,9 +3,9 @@ as one process, with log-probabilities within fp32 reduction-order noise."""
 import pytest
 import torch
 
-from mini.dist.dp import generate, load_ep_model
-from mini.dist.groups import DistContext
-from mini.dist.launch import spawn
+from mini.parallel.dp import generate, load_ep_model
+from mini.parallel.groups import DistContext
+from mini.parallel.launch import spawn
 from mini.engine import LLM, SamplingParams
 from mini.model import load_model
 

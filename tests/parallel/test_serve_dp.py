@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from mini.dist.serve import RequestError, Router, slim
+from mini.parallel.serve import RequestError, Router, slim
 from mini.engine.llm import RequestOutput
 from mini.engine.sequence import TokenLogprobs
 from mini.server.app import BackgroundServer, build_app

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mini.config import LayerPlan, ModelConfig
-from mini.dist.groups import DistContext
+from mini.parallel.groups import DistContext
 from mini.formats.e8m0 import e8m0_to_float, pow2_ceil_scale
 from mini.formats.fp8 import FP8_MAX, to_e4m3
 from mini.formats.quant import fake_quant_enabled
@@ -54,7 +54,7 @@ def decode_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: tor
 class MoEExchange:
     """A drop-in for `mini.ops.moe.moe` (same call signature) that spreads the routed experts over the ranks of
     `ctx`; pass it as `Model(..., moe_exchange=...)` on a rank that holds the routed experts
-    `mini.checkpoint.expert_range(config, ctx.rank, ctx.world)` (`mini.dist.dp.DPModel` does both)."""
+    `mini.checkpoint.expert_range(config, ctx.rank, ctx.world)` (`mini.parallel.dp.DPModel` does both)."""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx

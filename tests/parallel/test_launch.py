@@ -1,7 +1,7 @@
 """The launch entry: local ranks (spawned, gloo) print what one process prints; torchrun and --nproc conflict."""
 import pytest
 
-from mini.dist import launch
+from mini.parallel import launch
 
 ARGS = ["--device", "cpu", "generate", "--model", "tiny-v4.1", "--prompt", "hello", "--prompt", "the world",
         "--prompt", "abc", "--max-tokens", "3", "--num-blocks", "16", "--dtype", "float32"]

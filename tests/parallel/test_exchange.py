@@ -6,9 +6,9 @@ import torch
 
 from mini.checkpoint import expert_range, random_state
 from mini.config import TINY_V4, TINY_V41
-from mini.dist.exchange import MoEExchange, decode_fp8, encode_fp8
-from mini.dist.groups import DistContext
-from mini.dist.launch import spawn
+from mini.parallel.exchange import MoEExchange, decode_fp8, encode_fp8
+from mini.parallel.groups import DistContext
+from mini.parallel.launch import spawn
 from mini.formats import fake_quant_fp8
 from mini.formats.quant import no_fake_quant
 from mini.ops.moe import MoEWeights, moe

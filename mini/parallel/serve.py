@@ -29,11 +29,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from mini.dist.groups import DistContext, init, shutdown
+from mini.parallel.groups import DistContext, init, shutdown
 from mini.engine.async_engine import AsyncLLM
 from mini.engine.llm import LLMEngine, RequestOutput
 
-log = logging.getLogger("mini.dist.serve")
+log = logging.getLogger("mini.parallel.serve")
 
 IDLE_POLL_S = 1.0  # longest wait of an idle rank 0 before the next (empty) step message
 
@@ -242,7 +242,7 @@ class DPAsyncLLM(AsyncLLM):
 
 # ---------------------------------------------------------------------------------------------------- entry points
 def _build_worker(ctx: DistContext, args) -> DPWorker:
-    from mini.dist.dp import load_ep_model
+    from mini.parallel.dp import load_ep_model
     from mini.engine import build_engine
     from mini.server.app import engine_opts_from_args
     opts = {**engine_opts_from_args(args), "device": str(ctx.device)}
@@ -333,7 +333,7 @@ def generate_torchrun(args, prompt: str, num_blocks: int | None) -> int:
     """`mini generate` under torchrun: the prompt runs on rank 0 while the other ranks serve its MoE layers;
     rank 0 prints the text. `args`: the generate command's."""
     from mini.cli import _setup
-    from mini.dist.launch import _generate_rank
+    from mini.parallel.launch import _generate_rank
     device, _ = _setup(args)
     ctx = init(device)
     try:

@@ -8,8 +8,8 @@ import torch
 
 from mini.bench import check_result, ep_prefill
 from mini.checkpoint import random_state
-from mini.dist.groups import DistContext
-from mini.dist.launch import spawn
+from mini.parallel.groups import DistContext
+from mini.parallel.launch import spawn
 from mini.model import Model
 
 TOP_STAGES = ("sparse_attention_core", "key_gathering", "indexer_topk", "other_attention", "routed_experts", "gate",

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from mini.checkpoint import expert_range
 from mini.config import PRESETS, ModelConfig, preset
-from mini.dist.exchange import MoEExchange
-from mini.dist.groups import DistContext
+from mini.parallel.exchange import MoEExchange
+from mini.parallel.groups import DistContext
 
 
 class DPModel:
