@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The one device script: `bash scripts/gpu.sh PHASE[:SECONDS] ...` runs the named phases in order on the GPU
+# machine, each under its own time cap, and leaves everything under $OUT (one bundle.tgz plus log.txt: at most
+# 8 files come back from a device call). Carry `.whl` (the optional wheels, see README) with the call.
+#
+# A phase is a shell function `phase_NAME` below that writes its results under "$OUT/NAME/". Phases see
+# $OUT, $PHASE_DIR (= $OUT/NAME) and the installed wheels. Add a phase next to the others of its area.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HUMMING_CACHE_DIR=/tmp/humming_cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+log="$OUT/log.txt"
+DEADLINE=${DEADLINE:-580}  # seconds for the whole script, under the call's 600 s limit
+
+install_wheels() {  # carried wheels: the server's pure-Python deps, grammar engine, optional GPU libraries
+    local wheels
+    wheels=$(ls .whl/serve/*.whl .whl/gpu/*.whl 2>/dev/null)
+    if [ -n "$wheels" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels >>"$log" 2>&1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    mkdir -p "$HUMMING_CACHE_DIR"
+    [ -f .whl/humming_cache.tgz ] && tar xzf .whl/humming_cache.tgz -C "$HUMMING_CACHE_DIR"
+}
+
+bundle() {
+    (cd "$OUT" && tar czf bundle.tgz --exclude bundle.tgz --exclude '*.gz' . 2>/dev/null)
+}
+
+# ---------------------------------------------------------------- phases (one function each)
+
+phase_env() {  # what machine and software the results come from
+    { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+      git log --oneline -1 2>/dev/null; env | grep '^MINI_'; } >"$PHASE_DIR/env.txt" 2>&1
+    cat "$PHASE_DIR/env.txt"
+}
+
+phase_gpu_tests() {  # every gpu-marked test
+    python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE --durations=25 --timeout=200 tests \
+        --junitxml="$PHASE_DIR/junit.xml"
+}
+
+# ---------------------------------------------------------------- driver
+
+install_wheels
+for arg in "${@:-env gpu_tests}"; do
+    for item in $arg; do
+        name=${item%%:*}; cap=${item#*:}; [ "$cap" = "$item" ] && cap=300
+        left=$((DEADLINE - SECONDS)); [ "$left" -lt "$cap" ] && cap=$left
+        if [ "$cap" -le 5 ]; then echo "$name skipped (deadline)" >>"$log"; continue; fi
+        export PHASE_DIR="$OUT/$name"; mkdir -p "$PHASE_DIR"
+        timeout "$cap" bash -c "$(declare -f); phase_$name" >"$PHASE_DIR/out.log" 2>&1
+        echo "== $name rc=$? (${SECONDS}s)" >>"$log"; tail -6 "$PHASE_DIR/out.log" >>"$log"; bundle
+    done
+done
+bundle
+cat "$log"
