@@ -42,6 +42,115 @@ phase_gpu_tests() {  # every gpu-marked test
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
+# ---------------------------------------------------------------- phases: measurements (docs/perf/README.md)
+# Folded from the former scripts/gpu_{final,attention,moe,gate,humming,flashmla,ep2}.sh. Durations are those
+# measured on the H200 in reports 004-007; give each phase a cap above them (`NAME:SECONDS`). Knobs are
+# environment variables with the defaults shown; e.g. `AB_REPEAT=2 bash scripts/gpu.sh rank4_ab:500`.
+
+phase_rank4_ab() {  # rank4 A/B of two revisions, interleaved (~100 s a run): first `python3 tools/bench_rev.py
+    # pack BASE HEAD` here, then carry .cache/bench_rev (no .git on the device). AB_REPEAT runs per revision.
+    local a b=.cache/bench_rev/HEAD.tar.gz
+    a=$(ls .cache/bench_rev/*.tar.gz 2>/dev/null | grep -v '/HEAD\.tar\.gz$' | head -1)
+    if [ -z "$a" ] || [ ! -f "$b" ]; then
+        echo "rank4_ab: no tarballs; run 'python3 tools/bench_rev.py pack BASE HEAD' and carry .cache/bench_rev"
+        return 2
+    fi
+    python3 tools/bench_rev.py run "$a" "$b" --suite rank4 --repeat "${AB_REPEAT:-1}" --out "$PHASE_DIR" \
+        -- --steps 5 --warmup 1
+}
+
+phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.json (trace.json.gz stays out of the bundle)
+    python3 -m mini.cli profile --suite rank4 --steps "${PROFILE_STEPS:-5}" --warmup 1 --out "$PHASE_DIR"
+}
+
+phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
+    python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
+}
+
+phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, then new vs old in one process,
+    # the gate kernel's configs and fused vs unfused by token count (mini.ops.moe.FUSED_GATE_MIN_TOKENS)
+    local rc=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py \
+        tests/kernels/test_moe_route.py --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
+        --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 --json "$PHASE_DIR/gate_plan.json" || rc=$?
+    return $rc
+}
+
+phase_humming() {  # routed experts on Humming (~270 s on a cold kernel cache): the moe-layer suite with its tile
+    # variants, its gpu tests, the suite on our Triton kernels for comparison; the compiled kernels come back as
+    # humming_cache.tgz (put it in .whl/ and carry .whl: install_wheels unpacks it)
+    local rc=0
+    python3 -m mini.cli bench moe-layer --moe-gemm humming \
+        --humming-tiles ${HUMMING_TILES:-128x4 128x6 192x4 208x3 176x5} --json "$PHASE_DIR/moe_layer_humming.json" || rc=$?
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_humming_experts.py \
+        tests/ops/test_moe.py -k "humming" --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.cli bench moe-layer --moe-gemm triton --json "$PHASE_DIR/moe_layer_triton.json" || rc=$?
+    tar czf "$PHASE_DIR/humming_cache.tgz" -C "$HUMMING_CACHE_DIR" . || rc=$?
+    return $rc
+}
+
+phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-shape micro-benchmark, then the
+    # in-model fast-path check with FlashMLA forced
+    local rc=0
+    python3 -c "import flash_mla; from mini.kernels.flashmla_attention import available; \
+print('flash_mla', flash_mla.__version__, 'available', available())" || return 2
+    python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/kernels/test_flashmla_attention.py \
+        --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.bench.kernels --only flashmla --json "$PHASE_DIR/kernels_flashmla.json" || rc=$?
+    MINI_SPARSE_ATTN=flashmla python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_fast_path_gpu.py \
+        || rc=$?
+    return $rc
+}
+
+phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS names them, KERNELS_ARGS=--sweep
+    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc rope_chains attn_glue norm} \
+        ${KERNELS_ARGS:-} --json "$PHASE_DIR/kernels.json"
+}
+
+phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and without fake quant (~60 s);
+    # FASTPATH_LAYERS=1 also runs the real-width layer check first (~100 s more); FASTPATH_ARGS e.g. --device cpu
+    local rc=0
+    if [ "${FASTPATH_LAYERS:-0}" = 1 ]; then
+        python3 -m mini.cli bench fastpath-check ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
+    fi
+    python3 -m mini.cli bench fastpath-check --decode-only ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
+    python3 -m mini.cli bench fastpath-check --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
+        --json "$PHASE_DIR/fastpath_decode_nofq.json" || rc=$?
+    return $rc
+}
+
+phase_decode_host() {  # host vs GPU share of a batch-64 decode step (~115 s): tiny-v4.1 eager / graphs /
+    # graphs+overlap, tiny-v4 graphs / graphs+overlap
+    local rc=0
+    python3 -m mini.cli bench decode-host --json "$PHASE_DIR/decode_host_v41.json" || rc=$?
+    python3 -m mini.cli bench decode-host --model tiny-v4 --modes graphs,graphs+overlap \
+        --json "$PHASE_DIR/decode_host_v4.json" || rc=$?
+    return $rc
+}
+
+phase_goodput() {  # tiny-v4.1 behind `mini serve`, 64 requests x 128 in / 64 out, burst (~45 s; needs the serve wheels)
+    python3 -m mini.cli bench tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 \
+        --json "$PHASE_DIR/goodput.json"
+}
+
+phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (tokens, logits), then EP2 prefill
+    # at EP2_LAYERS (32: 128.5 GiB per GPU, report 004), EP2_FALLBACK layers if that fails with > 60 s left
+    local rc=0 left
+    timeout "${EP2_EXACT_S:-90}" torchrun --nproc-per-node 2 -m mini bench ep-exact \
+        --json "$PHASE_DIR/ep_exact.json" || rc=$?
+    ep2_prefill() {
+        torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers "$1" --steps 5 --warmup 1 --profile-steps 2 \
+            --json "$PHASE_DIR/ep2_L$1.json"
+    }
+    if ! ep2_prefill "${EP2_LAYERS:-32}"; then
+        rc=1; left=$((${EP2_BUDGET_S:-235} - SECONDS))
+        [ "$left" -gt 60 ] && timeout "$left" bash -c "$(declare -f ep2_prefill); ep2_prefill ${EP2_FALLBACK:-28}"
+    fi
+    nvidia-smi --query-gpu=memory.used --format=csv
+    return $rc
+}
+
 # ---------------------------------------------------------------- driver
 
 install_wheels
