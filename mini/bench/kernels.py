@@ -129,6 +129,8 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
         kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=ratio, rope_out=table)
         src = (kv_new, window, b["positions"], b["seq_of"], b["slots"], b["start_pos"], comp, b["block_table"],
                comp_idx, TOPK_MULTIPLE)
+        step = src[2:6]
+        own = (kv_new, window, comp, b["block_table"], comp_idx, TOPK_MULTIPLE)  # a StepRows call's arguments
         kv, key_rows, count = attention_op.scratch_keys(*src)
         flops = 4 * H * D * float(count.sum())
         ours = sparse_mla_attention(*args, **kw)
@@ -136,16 +138,14 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
         diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1) / ours.float().flatten(1).norm(dim=1)
         kv_all, rows_all, count_all = attention_op.scratch_keys(*src, valid_first=False)
 
-        def first_layer(build):  # a new step: nothing kept from an earlier call
-            attention_op._STEP_ROWS = attention_op.StepRows()
-            return build()
-
-        warm = attention_op.StepRows()
-        warm.scratch_keys(*src)
+        kept = attention_op.step_rows(*step)  # a step's rows, built by its first layer
+        attention_op.flashmla_attention(*args, **kw, key_rows=kept)
+        warm = attention_op.step_rows(*step)
+        warm.scratch_keys(*own)
 
         def new_source():  # the step's window rows kept, the row lists built
             warm.lists = None
-            return warm.scratch_keys(*src)
+            return warm.scratch_keys(*own)
 
         rotated = q.clone()  # rotated again at every repetition: the time does not depend on the values
 
@@ -155,17 +155,17 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
 
         kernels = [("triton (rope_out in the epilogue)", lambda: sparse_mla_attention(*args, **kw)),
                    ("flashmla op, a step's first layer (StepRows cold)",
-                    lambda: first_layer(lambda: attention_op.flashmla_attention(*args, **kw))),
+                    lambda: attention_op.flashmla_attention(*args, **kw, key_rows=attention_op.step_rows(*step))),
                    ("flashmla op, a layer sharing its source's top-k ids (rows kept)",
-                    lambda: attention_op.flashmla_attention(*args, **kw)),
+                    lambda: attention_op.flashmla_attention(*args, **kw, key_rows=kept)),
                    ("flashmla kernel, valid-first rows + topk_length",
                     lambda: sparse_prefill(q, kv, key_rows, count, sink, D ** -0.5)),
                    ("flashmla kernel, rows as built (count = n)",
                     lambda: sparse_prefill(q, kv_all, rows_all, count_all, sink, D ** -0.5))]
         parts = [("scratch_keys alone (before: sorted lists per layer)", lambda: attention_op.scratch_keys(*src)),
-                 ("StepRows scratch, a step's first layer", lambda: attention_op.StepRows().scratch_keys(*src)),
+                 ("StepRows scratch, a step's first layer", lambda: attention_op.step_rows(*step).scratch_keys(*own)),
                  ("StepRows scratch, an index source's first layer", new_source),
-                 ("StepRows scratch, a layer sharing its source's ids", lambda: warm.scratch_keys(*src)),
+                 ("StepRows scratch, a layer sharing its source's ids", lambda: warm.scratch_keys(*own)),
                  ("inverse rope pass alone (before)", lambda: apply_rope(q, table, inverse=True)),
                  ("inverse rope of the rotated channels in place", tail_rope)]
         for i, (label, f) in enumerate(kernels + parts):

@@ -1,5 +1,6 @@
 """FlashMLA's SM90 sparse prefill kernel (`sgl-flash-mla`, `flash_mla_sparse_fwd`) for the sparse attention core:
-library adapter, called only from mini/ops/attention.py (which builds its inputs: `StepRows`, `scratch_keys`).
+library adapter, called only from mini/ops/attention.py: `StepRows` lays a step's keys out as the kernel reads them
+(the plain definition is mini.ops.attention.scratch_keys), `sparse_prefill` calls the kernel.
 
 The kernel computes, per query token t and head h, over the key rows rows[t, :count[t]] of one bf16 tensor kv
 (rows -1 or >= N skipped): o = Σ_j softmax_j(q·k_j·scale) k_j (K = V, all 512 channels), the denominator also
@@ -14,6 +15,8 @@ binary also carries a `params.h_q == 64` assertion of unknown scope and was only
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,3 +60,88 @@ def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, count:
     if out.shape != q.shape or out.dtype != q.dtype:  # (output, max_logits, lse) is the documented return
         raise RuntimeError(f"flash_mla_sparse_fwd returned {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)}")
     return out
+
+
+@dataclass
+class _RowLists:
+    """Row lists built for one layer's keys, kept for the next layers of the step that read the same ones."""
+    ids: torch.Tensor | None  # the comp_idx they were built from (held, so its identity stays unique), None = none
+    shape: tuple[int, ...]  # (W, nb, rows_per_block, n): what else the row numbers depend on
+    rows: torch.Tensor  # [T, n] int32
+    count: torch.Tensor  # [T] int32
+
+
+class StepRows:
+    """The kernel's inputs for the FlashMLA calls of ONE step (the step's layout holds it, so it dies with the step):
+    `mini.ops.attention.scratch_keys(..., valid_first=True)` bit for bit, building once what its layers share
+    (design.md: every layer sees the same Batch; the layers of one index source read the same top-k ids, one
+    tensor):
+    * the window part of the row lists, per W: it depends only on the step's positions, sequences and starts;
+    * the pool's flat block ids (the block table's);
+    * the whole row lists and counts of the last index source, reused while a layer passes the same `comp_idx`
+      tensor (by identity, held here: top-k ids are a new tensor every layer that computes them and are never
+      written in place) and sizes.
+    Each call still copies its own keys (chunk KV, rings, pool blocks) into a fresh scratch: three copies.
+
+    Row order: every pool row (>= T + B·W) lies above every ring row (>= T) above every chunk row, so a query's
+    descending list is its groups' rows, descending, then its window rows, descending, then -1 padding; the
+    window part is sorted once per step, the groups once per index source, and the two are joined with one
+    scatter. `window_rows` is mini.ops.attention.window_rows (where a query's window keys live)."""
+
+    def __init__(self, positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+                 window_rows: Callable):
+        self.step = (positions, seq_of, slots, start_pos)
+        self._window_rows_of = window_rows
+        self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> rows [T, W], count
+        self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, flat block ids, -1 -> 0)
+        self.lists: _RowLists | None = None
+
+    def scratch_keys(self, kv_new, window, comp=None, block_table=None, comp_idx=None, width_multiple: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv [N, D], rows [T, n] int32, count [T] int32) exactly as `scratch_keys` lays them out."""
+        slots = self.step[2]
+        T, D = kv_new.shape
+        B, W = slots.shape[0], window.shape[1]
+        with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
+        nb, rpb = (block_table.shape[1], comp.shape[1]) if with_pool else (0, 0)
+        kv = kv_new.new_empty(T + B * W + B * nb * rpb, D)
+        kv[:T] = kv_new
+        torch.index_select(window, 0, slots, out=kv[T:T + B * W].view(B, W, D))
+        if with_pool:
+            torch.index_select(comp, 0, self._block_ids(block_table), out=kv[T + B * W:].view(B * nb, rpb, D))
+        n = W + (comp_idx.shape[-1] if with_pool else 0)
+        shape = (W, nb, rpb, n + -n % width_multiple)
+        ids = comp_idx if with_pool else None
+        if self.lists is None or self.lists.ids is not ids or self.lists.shape != shape:
+            self.lists = _RowLists(ids, shape, *self._row_lists(ids, T, B, shape))
+        return kv, self.lists.rows, self.lists.count
+
+    def _block_ids(self, block_table: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None or self.blocks[0] is not block_table:
+            self.blocks = (block_table, block_table.flatten().long().clamp_min(0))
+        return self.blocks[1]
+
+    def _window_rows(self, T: int, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, W] int32 window rows of each query, valid first in descending order, and their count [T]."""
+        if W not in self.window:
+            positions, seq_of, slots, start_pos = self.step
+            new, ring = self._window_rows_of(positions, seq_of, torch.arange(B, device=slots.device), start_pos, W)
+            rows = torch.where(ring >= 0, ring + T, new).to(torch.int32).sort(dim=-1, descending=True).values
+            self.window[W] = rows, (rows >= 0).sum(-1, dtype=torch.int32)
+        return self.window[W]
+
+    def _row_lists(self, ids, T: int, B: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        W, nb, rpb, n = shape
+        win, win_count = self._window_rows(T, B, W)
+        rows = win.new_full((T, n), -1)
+        if ids is None:
+            rows[:, :W] = win
+            return rows, win_count
+        groups = ids.to(torch.int32).sort(dim=-1, descending=True).values  # a query's groups first, -1 last
+        valid = groups >= 0
+        first_row = T + B * W + self.step[1].to(torch.int32) * (nb * rpb)  # group 0 of each query's sequence
+        rows[:, : groups.shape[1]] = torch.where(valid, groups + first_row[:, None], -1)
+        n_groups = valid.sum(-1, dtype=torch.int32)
+        # window row i goes right after the groups, at column n_groups + i (the -1 tail lands on -1 padding)
+        rows.scatter_(1, n_groups[:, None].long() + torch.arange(W, device=rows.device), win)
+        return rows, n_groups + win_count

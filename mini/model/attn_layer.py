@@ -172,7 +172,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     b, ring = lay.batch, cache.window[plan.layer]
     # rope_out: the keys' rotation carried through V = K is removed from the output
     o = sparse_attention(q, kv, ring, w.sink, b.positions, b.seq_of, b.slots, b.start_pos, d ** -0.5,
-                         comp, b.block_table, comp_ids, plan.ratio, rope_out=table)
+                         comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
     return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)

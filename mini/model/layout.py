@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mini.ops.attention import group_rows
+from mini.ops.attention import group_rows, step_rows
 from mini.ops.compressor import GroupIndex
 
 if TYPE_CHECKING:
@@ -126,6 +126,13 @@ class StepLayout:
         if name not in self._tables:
             self._tables[name] = make()
         return self._tables[name]
+
+    @property
+    def key_rows(self):
+        """The step's row lists for the FlashMLA path (mini.ops.attention.step_rows): held here, so the step's
+        layers share them and they go with the step; built lazily by the calls that read them."""
+        b = self.batch
+        return self.table("key_rows", lambda: step_rows(b.positions, b.seq_of, b.slots, b.start_pos))
 
 
 class DecodeLayout(StepLayout):

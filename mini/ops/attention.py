@@ -14,16 +14,17 @@ the reference kernel.
 On the GPU (bf16) the op runs one of two kernels, chosen once per process by MINI_SPARSE_ATTN (`sparse_backend`):
 our Triton kernel (`mini.kernels.sparse_attention`, same signature), or for prefill-sized steps FlashMLA's SM90
 sparse prefill kernel (`mini.kernels.flashmla_attention`), which reads keys by row from ONE tensor: `scratch_keys`
-lays the step's keys out as such a tensor plus each query's row list (the plain definition); `StepRows` gives the
-same bits, building what a step's layers share once per step.
+lays the step's keys out as such a tensor plus each query's row list (the plain definition); the adapter's
+`StepRows` (one per step, held by the step's layout: `step_rows`) gives the same bits, building what a step's
+layers share once per step.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
+from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
 from mini.ops import library_choice, use_fast
 from mini.ops.rope import apply_rope
 
@@ -50,39 +51,86 @@ def group_rows(group_ids, seq, block_table, rows_per_block: int) -> torch.Tensor
     return torch.where(group_ids >= 0, rows, -1)
 
 
+SOFTMAX_BLOCK = 64  # the official kernel's online softmax walks a query's key list in blocks of this many keys
+
+
+def reference_window_rows(positions, seq_of, slots, start_pos, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's window keys in the official reference's order, as ([T, n] rows of kv_new, [T, n] flat ring
+    rows), -1 = not from that source / no key. The order fixes the rounding (the online softmax's blocks and sums):
+    oldest first; a chunk that starts its sequence lists `min(chunk, W)` positions max(0, p-W+1).. with the empty
+    ones after them (the reference's prefill), any other chunk W positions p-W+1..p with those before the
+    sequence's start first (the reference's decode ring, read oldest first)."""
+    T, dev = positions.shape[0], positions.device
+    starts_seq = start_pos[seq_of] == 0
+    chunk_len = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of]
+    width = W if T == 0 or bool((~starts_seq).any()) else min(W, int(chunk_len.max()))
+    k = torch.arange(width, device=dev)
+    key_pos = torch.where(starts_seq[:, None], (positions[:, None] - W + 1).clamp_min(0) + k,
+                          positions[:, None] - W + 1 + k)
+    valid = (key_pos >= 0) & (key_pos <= positions[:, None])
+    fresh = key_pos >= start_pos[seq_of][:, None]
+    row = torch.arange(T, device=dev)[:, None] - (positions[:, None] - key_pos)
+    new = torch.where(valid & fresh, row, -1)
+    ring = torch.where(valid & ~fresh, slots[seq_of][:, None] * W + key_pos % W, -1)
+    return new, ring
+
+
+def _valid_first(rows: torch.Tensor) -> torch.Tensor:
+    """Valid rows first, in their order, then the -1s: the reference lists its top-k ids ascending with the
+    unreachable ones (-1) last."""
+    return rows.gather(-1, torch.sort((rows < 0).to(torch.int8), dim=-1, stable=True).indices)
+
+
 def _attend(q, keys, valid, sink, scale):
-    logits = torch.einsum("thd,tnd->thn", q.float(), keys) * scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    peak = torch.maximum(logits.amax(-1), sink[None, :])  # [t, H]
-    p = torch.exp(logits - peak[..., None])
-    denom = p.sum(-1) + torch.exp(sink[None, :] - peak)
-    return torch.einsum("thn,tnd->thd", p.to(q.dtype).float(), keys) / denom[..., None]
+    """The official sparse-attention kernel's arithmetic: an online softmax over blocks of SOFTMAX_BLOCK keys whose
+    running maximum is over the logits alone (from -1e30, so a query with no key gets 0), the probabilities
+    rounded to q.dtype before P·V, an fp32 denominator, and the sink only in the final denominator."""
+    t, H = q.shape[0], q.shape[1]
+    qf = q.float()
+    acc = torch.zeros(t, H, q.shape[-1], dtype=torch.float32, device=q.device)
+    denom = torch.zeros(t, H, dtype=torch.float32, device=q.device)
+    peak = torch.full((t, H), -1e30, dtype=torch.float32, device=q.device)
+    for lo in range(0, keys.shape[1], SOFTMAX_BLOCK):
+        k_blk, v_blk = keys[:, lo:lo + SOFTMAX_BLOCK], valid[:, lo:lo + SOFTMAX_BLOCK]
+        logits = torch.where(v_blk[:, None, :], torch.einsum("thd,tnd->thn", qf, k_blk), float("-inf")) * scale
+        prev, peak = peak, torch.maximum(peak, logits.amax(-1))
+        rescale = torch.exp(prev - peak)
+        p = torch.exp(logits - peak[..., None])
+        denom = denom * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.einsum("thn,tnd->thd", p.to(q.dtype).float(), k_blk)
+    return acc / (denom + torch.exp(sink[None, :] - peak))[..., None]
 
 
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
                      positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                      scale: float, comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                     rope_out: torch.Tensor | None = None) -> torch.Tensor:
+                     rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
-    optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output).
+    optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
+    the step's `step_rows` (what the FlashMLA path's layers share; only it reads them).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     if use_fast(q) and q.dtype == torch.bfloat16:
         return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
-                     comp_idx, ratio, rope_out)
+                     comp_idx, ratio, rope_out, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
-    new_rows, ring_rows = window_rows(positions, seq_of, slots, start_pos, W)
+    new_rows, ring_rows = reference_window_rows(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]
-    if comp_idx is not None and comp_idx.shape[-1]:
-        sources.append((comp.view(-1, D), group_rows(comp_idx, seq_of[:, None], block_table, comp.shape[1])))
+    if comp_idx is not None and comp_idx.shape[-1]:  # the compressed keys follow the window's in each list
+        none = new_rows.new_full((T, comp_idx.shape[-1]), -1)
+        comp_rows = _valid_first(group_rows(comp_idx, seq_of[:, None], block_table, comp.shape[1]))
+        sources = [(kv_new, torch.cat([new_rows, none], 1)), (window.view(-1, D), torch.cat([ring_rows, none], 1)),
+                   (comp.view(-1, D), torch.cat([torch.full_like(new_rows, -1), comp_rows], 1))]
+    n = sources[0][1].shape[1]
     out = torch.empty_like(q)
-    step = max(1, GATHER_ELEMENTS // (sum(rows.shape[1] for _, rows in sources) * D))
+    step = max(1, GATHER_ELEMENTS // (n * D))
     for lo in range(0, T, step):
         hi = min(lo + step, T)
-        valid = torch.cat([rows[lo:hi] >= 0 for _, rows in sources], dim=1)
-        keys = torch.cat([src[rows[lo:hi].clamp_min(0)] for src, rows in sources], dim=1).float()
-        keys = keys.masked_fill(~valid[..., None], 0.0)  # unread slots may hold anything, NaN included
+        keys = torch.zeros(hi - lo, n, D, dtype=torch.float32, device=q.device)
+        for src, rows in sources:  # each list entry comes from one source at most; unread rows (NaN even) stay out
+            keys = torch.where((rows[lo:hi] >= 0)[..., None], src[rows[lo:hi].clamp_min(0)].float(), keys)
+        valid = torch.stack([rows[lo:hi] >= 0 for _, rows in sources]).any(0)
         out[lo:hi] = _attend(q[lo:hi], keys, valid, sink.float(), scale).to(q.dtype)
     return out if rope_out is None else apply_rope(out, rope_out, inverse=True)
 
@@ -117,103 +165,23 @@ def scratch_keys(kv_new: torch.Tensor, window: torch.Tensor, positions: torch.Te
     return torch.cat(parts), rows, (rows >= 0).sum(-1, dtype=torch.int32)
 
 
-@dataclass
-class _RowLists:
-    """Row lists built for one layer's keys, kept for the next layers of the step that read the same ones."""
-    ids: torch.Tensor | None  # the comp_idx they were built from (held, so its identity stays unique), None = none
-    shape: tuple[int, ...]  # (W, nb, rows_per_block, n): what else the row numbers depend on
-    rows: torch.Tensor  # [T, n] int32
-    count: torch.Tensor  # [T] int32
-
-
-@dataclass
-class StepRows:
-    """`scratch_keys(..., valid_first=True)` bit for bit, for the FlashMLA calls of one step, building once what
-    its layers share (design.md: every layer sees the same Batch; the layers of one index source read the same
-    top-k ids, one tensor):
-    * the window part of the row lists, per W: it depends only on the step's positions, sequences and starts;
-    * the pool's flat block ids (the block table's);
-    * the whole row lists and counts of the last index source, reused while a layer passes the same `comp_idx`
-      tensor (by identity: top-k ids are a new tensor every step and never written in place) and sizes.
-    Each call still copies its own keys (chunk KV, rings, pool blocks) into a fresh scratch: three copies.
-
-    Row order: every pool row (>= T + B·W) lies above every ring row (>= T) above every chunk row, so a query's
-    descending list is its groups' rows, descending, then its window rows, descending, then -1 padding; the
-    window part is sorted once per step, the groups once per index source, and the two are joined with one
-    scatter. The step is recognised by the identity of its index tensors (held until the next step, so no other
-    tensor can take their ids): callers must not rewrite a step's index tensors or top-k ids in place between its
-    layers, nor reuse them for another step's values. The model does neither: a Batch's tensors are fixed, static
-    decode buffers are seen through new views each step (DecodeBuffers.batch), and CUDA-graph capture never
-    reaches FlashMLA (flashmla_attention.supported)."""
-    step: tuple[torch.Tensor, ...] = ()  # (positions, seq_of, slots, start_pos) of the step served
-    window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # W -> rows [T, W], count
-    blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, its flat block ids, -1 -> block 0)
-    lists: _RowLists | None = None
-
-    def scratch_keys(self, kv_new, window, positions, seq_of, slots, start_pos, comp=None, block_table=None,
-                     comp_idx=None, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv [N, D], rows [T, n] int32, count [T] int32) exactly as `scratch_keys` lays them out."""
-        step = (positions, seq_of, slots, start_pos)
-        if len(self.step) != 4 or any(a is not b for a, b in zip(step, self.step)):
-            self.step, self.window, self.blocks, self.lists = step, {}, None, None
-        T, D = kv_new.shape
-        B, W = slots.shape[0], window.shape[1]
-        with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
-        nb, rpb = (block_table.shape[1], comp.shape[1]) if with_pool else (0, 0)
-        kv = kv_new.new_empty(T + B * W + B * nb * rpb, D)
-        kv[:T] = kv_new
-        torch.index_select(window, 0, slots, out=kv[T:T + B * W].view(B, W, D))
-        if with_pool:
-            torch.index_select(comp, 0, self._block_ids(block_table), out=kv[T + B * W:].view(B * nb, rpb, D))
-        n = W + (comp_idx.shape[-1] if with_pool else 0)
-        shape = (W, nb, rpb, n + -n % width_multiple)
-        ids = comp_idx if with_pool else None
-        if self.lists is None or self.lists.ids is not ids or self.lists.shape != shape:
-            self.lists = _RowLists(ids, shape, *self._row_lists(ids, T, B, shape))
-        return kv, self.lists.rows, self.lists.count
-
-    def _block_ids(self, block_table: torch.Tensor) -> torch.Tensor:
-        if self.blocks is None or self.blocks[0] is not block_table:
-            self.blocks = (block_table, block_table.flatten().long().clamp_min(0))
-        return self.blocks[1]
-
-    def _window_rows(self, T: int, B: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, W] int32 window rows of each query, valid first in descending order, and their count [T]."""
-        if W not in self.window:
-            positions, seq_of, slots, start_pos = self.step
-            new, ring = window_rows(positions, seq_of, torch.arange(B, device=slots.device), start_pos, W)
-            rows = torch.where(ring >= 0, ring + T, new).to(torch.int32).sort(dim=-1, descending=True).values
-            self.window[W] = rows, (rows >= 0).sum(-1, dtype=torch.int32)
-        return self.window[W]
-
-    def _row_lists(self, ids, T: int, B: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
-        W, nb, rpb, n = shape
-        win, win_count = self._window_rows(T, B, W)
-        rows = win.new_full((T, n), -1)
-        if ids is None:
-            rows[:, :W] = win
-            return rows, win_count
-        groups = ids.to(torch.int32).sort(dim=-1, descending=True).values  # a query's groups first, -1 last
-        valid = groups >= 0
-        first_row = T + B * W + self.step[1].to(torch.int32) * (nb * rpb)  # group 0 of each query's sequence
-        rows[:, : groups.shape[1]] = torch.where(valid, groups + first_row[:, None], -1)
-        n_groups = valid.sum(-1, dtype=torch.int32)
-        # window row i goes right after the groups, at column n_groups + i (the -1 tail lands on -1 padding)
-        rows.scatter_(1, n_groups[:, None].long() + torch.arange(W, device=rows.device), win)
-        return rows, n_groups + win_count
-
-
-_STEP_ROWS = StepRows()  # the current step's (FlashMLA path only)
+def step_rows(positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
+              ) -> StepRows:
+    """The FlashMLA row lists of one step, built on first use and shared by the step's layers (StepLayout.key_rows
+    holds one per step): `scratch_keys(..., valid_first=True)` bit for bit."""
+    return StepRows(positions, seq_of, slots, start_pos, window_rows)
 
 
 def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
-                       block_table=None, comp_idx=None, ratio: int = 1, rope_out=None) -> torch.Tensor:
-    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys (`StepRows`). The
-    output's inverse RoPE is a separate pass (the library has no epilogue for it), over the rotated channels only,
-    in place: the others are left as the kernel wrote them."""
-    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
-    kv, rows, count = _STEP_ROWS.scratch_keys(kv_new, window, positions, seq_of, slots, start_pos, comp,
-                                              block_table, comp_idx, TOPK_MULTIPLE)
+                       block_table=None, comp_idx=None, ratio: int = 1, rope_out=None,
+                       key_rows: StepRows | None = None) -> torch.Tensor:
+    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys (`key_rows`, the
+    step's StepRows; None builds them for this call alone). The output's inverse RoPE is a separate pass (the
+    library has no epilogue for it), over the rotated channels only, in place: the others are left as the kernel
+    wrote them."""
+    if key_rows is None:
+        key_rows = step_rows(positions, seq_of, slots, start_pos)
+    kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
     out = sparse_prefill(q, kv, rows, count, sink, scale)
     if rope_out is not None:
         tail = out[..., -2 * rope_out.shape[-1]:]
@@ -236,7 +204,7 @@ def sparse_backend() -> str:
 
 
 def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
-          rope_out) -> torch.Tensor:
+          rope_out, key_rows) -> torch.Tensor:
     from mini.kernels import flashmla_attention as flashmla
     from mini.kernels.sparse_attention import sparse_mla_attention
     args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
@@ -248,11 +216,13 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
         scratch_rows = kv_new.shape[0] + slots.shape[0] * window.shape[1]  # scratch_keys' kv
         scratch_rows += block_table.shape[0] * block_table.shape[1] * comp.shape[1] if with_pool else 0
         if flashmla.supported(q, keys, scratch_rows):
-            return flashmla_attention(*args) if backend == "flashmla" else _first_flashmla_call(args)
+            if backend == "flashmla":
+                return flashmla_attention(*args, key_rows=key_rows)
+            return _first_flashmla_call(args, key_rows)
     return sparse_mla_attention(*args)
 
 
-def _first_flashmla_call(args) -> torch.Tensor:
+def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
     """MINI_SPARSE_ATTN=auto: run both kernels once and keep FlashMLA for the process only if it ran and matched
     ours on every token (a library we only hold as a binary must cost one comparison when it is wrong, not a
     model's output). One device sync, once per process."""
@@ -260,7 +230,7 @@ def _first_flashmla_call(args) -> torch.Tensor:
     from mini.kernels.sparse_attention import sparse_mla_attention
     ours = sparse_mla_attention(*args)
     try:
-        diff = (flashmla_attention(*args).float() - ours.float()).flatten(1).norm(dim=1)
+        diff = (flashmla_attention(*args, key_rows=key_rows).float() - ours.float()).flatten(1).norm(dim=1)
         err = float((diff / ours.float().flatten(1).norm(dim=1).clamp_min(1e-30)).max())
         problem = None if err < AUTO_CHECK_TOL else f"differs from the Triton kernel's by {err:.3g} on a token"
     except Exception as e:  # the library's shape/arch checks raise before launching; a changed API raises too

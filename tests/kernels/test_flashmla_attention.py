@@ -152,15 +152,15 @@ def _sorted_scratch_path(q, kv_new, window, sink, positions, seq_of, slots, star
 @pytest.mark.parametrize("ratio", [4, 2])
 @pytest.mark.parametrize("lens,starts", [([4096], [0]), ([401, 1, 187], [700, 3000, 0])], ids=["rank4", "odd589"])
 def test_step_rows_path_is_bit_identical_to_the_sorted_scratch_path(ratio, lens, starts, flat_batch, monkeypatch):
-    """flashmla_attention (StepRows: window rows once per step, row lists once per index source, the output's
-    inverse RoPE over its rotated channels in place) gives the first FlashMLA path's output bit for bit at the real
-    shape (64 heads x 512, window 128, top-512): a step's first layer, then a layer with other keys reading the
-    same top-k ids (its rows reused). The scratch tensors are compared too, NaN rows included."""
+    """flashmla_attention over the step's rows (StepRows: window rows once per step, row lists once per index
+    source; the output's inverse RoPE over its rotated channels in place) gives the first FlashMLA path's output
+    bit for bit at the real shape (64 heads x 512, window 128, top-512): a step's first layer, then a layer with
+    other keys reading the same top-k ids (its rows reused). The scratch tensors are compared too, NaN rows included."""
     import mini.ops.attention as attention_op
-    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
     args, kw = make_step(flat_batch, lens, starts, 64, 128, ratio, 256 // ratio, 512)
     kw["rope_out"] = rope_table_for(args[4])
     q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale = args
+    step_rows = attention_op.step_rows(positions, seq_of, slots, start_pos)  # what the step's layout holds
     lists = None
     for layer in range(2):
         if layer:  # another layer of the same index source: new keys, same ids tensor
@@ -169,12 +169,11 @@ def test_step_rows_path_is_bit_identical_to_the_sorted_scratch_path(ratio, lens,
             args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale)
         want, want_scratch = _sorted_scratch_path(*args, **kw)
         out = torch.full_like(q, float("nan"))
-        out.copy_(attention_op.flashmla_attention(*args, **kw))
+        out.copy_(attention_op.flashmla_attention(*args, **kw, key_rows=step_rows))
         assert torch.isfinite(out).all() and torch.equal(_bits(out), _bits(want))
-        lists = lists or attention_op._STEP_ROWS.lists  # the first layer's
-        got_scratch = (attention_op._STEP_ROWS.scratch_keys(kv_new, window, positions, seq_of, slots, start_pos,
-                                                            kw["comp"], kw["block_table"], kw["comp_idx"], 128))
-        assert attention_op._STEP_ROWS.lists is lists  # built by the first layer, reused
+        lists = lists or step_rows.lists  # the first layer's
+        got_scratch = step_rows.scratch_keys(kv_new, window, kw["comp"], kw["block_table"], kw["comp_idx"], 128)
+        assert step_rows.lists is lists  # built by the first layer, reused
         assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got_scratch, want_scratch, strict=True))
 
 

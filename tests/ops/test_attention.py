@@ -183,19 +183,19 @@ def test_step_rows_are_scratch_keys_bit_for_bit_building_shared_parts_once():
     bit; the window rows are built once per step and the row lists once per index source."""
     g = torch.Generator().manual_seed(9)
     D, W, ratio, rpb, K = 24, 8, 2, 4, 5
-    step_rows = attention_op.StepRows()
     for lens, starts in [([7, 1, 5, 3], [0, 19, 5, 30]), ([13, 2], [3, 40])]:
         _, kv_new, window, comp, table, ids_a, _, pos, seq_of, slots, starts_t = _random_step(
             g, lens, starts, 2, D, W, ratio, rpb, K, torch.bfloat16)
         ids_b = ids_a[:, torch.randperm(K, generator=g)].clone()
         wide = torch.cat([comp, *_other_layer(g, comp)], dim=1)  # a pool with twice the rows per block
         step = (pos, seq_of, slots, starts_t)
+        step_rows = attention_op.step_rows(*step)  # one per step (StepLayout.key_rows)
         calls = [(kv_new, window, None, None, None, 128), (kv_new, window, comp, table, ids_a, 16),
                  (*_other_layer(g, kv_new, window, comp), table, ids_a, 16), (kv_new, window, comp, table, ids_b, 16),
                  (kv_new, window, wide, table, ids_b, 16), (kv_new, window, comp, table, ids_b, 1)]
         lists = []
         for kv_l, window_l, comp_l, table_l, ids, multiple in calls:
-            got = step_rows.scratch_keys(kv_l, window_l, *step, comp_l, table_l, ids, multiple)
+            got = step_rows.scratch_keys(kv_l, window_l, comp_l, table_l, ids, multiple)
             want = attention_op.scratch_keys(kv_l, window_l, *step, comp_l, table_l, ids, multiple)
             _assert_same_bits(got, want)
             lists.append(got[1])
@@ -205,22 +205,25 @@ def test_step_rows_are_scratch_keys_bit_for_bit_building_shared_parts_once():
         assert lists[2] is lists[1] and len({id(rows) for rows in lists}) == len(calls) - 1
 
 
-def test_step_rows_follow_buffers_rewritten_in_place_through_new_views():
-    """Static decode buffers (DecodeBuffers) are rewritten in place and seen through new views each step: StepRows
-    must rebuild for the new views (same storage, other positions)."""
-    g = torch.Generator().manual_seed(10)
-    D, W, ratio, rpb, K = 16, 8, 2, 4, 3
-    B = 6
-    pos_buf, seq_buf, slot_buf = torch.zeros(B, dtype=torch.long), torch.arange(B), torch.zeros(B, dtype=torch.long)
-    step_rows = attention_op.StepRows()
-    for first in ([30, 5, 17, 2, 40, 9], [31, 6, 18, 3, 41, 10]):
-        _, kv_new, window, comp, table, ids, _, pos, _, slots, _ = _random_step(
-            g, [1] * B, first, 2, D, W, ratio, rpb, K)
-        pos_buf.copy_(pos)
-        slot_buf.copy_(slots)
-        step = (pos_buf[:B], seq_buf[:B], slot_buf[:B], pos_buf[:B])  # a decode step: start_pos = positions
-        got = step_rows.scratch_keys(kv_new, window, *step, comp, table, ids, 16)
-        _assert_same_bits(got, attention_op.scratch_keys(kv_new, window, *step, comp, table, ids, 16))
+def test_each_step_layout_holds_its_own_row_lists():
+    """The row lists live in the step's layout: a Batch's layers share one StepRows; the next step (a new Batch,
+    e.g. static decode buffers rewritten in place and seen through new views) gets a new one, so nothing built for
+    one step's values is read by another (no cache keyed by tensor identity outlives its step)."""
+    from mini.model.batch import DecodeBuffers
+    from mini.ops.attention import window_rows
+    buffers = DecodeBuffers(4, 64, 16, pad_slot=5, pad_block=9, device="cpu")
+    seen = []
+    for positions in ([30, 5, 17], [31, 6, 18]):
+        buffers.fill(3, [1, 2, 3], positions, [0, 2, 1], [[0, 1], [2], [3, 4]])
+        lay = buffers.batch(3).layout(16, 8)
+        assert lay.key_rows is lay.key_rows and all(a is b for a, b in zip(lay.key_rows.step, (
+            lay.batch.positions, lay.batch.seq_of, lay.batch.slots, lay.batch.start_pos)))
+        rows, count = lay.key_rows._window_rows(3, 3, 8)
+        new, ring = window_rows(lay.batch.positions, lay.batch.seq_of, torch.arange(3), lay.batch.start_pos, 8)
+        want = torch.where(ring >= 0, ring + 3, new).to(torch.int32).sort(dim=-1, descending=True).values
+        assert torch.equal(rows, want) and torch.equal(count, (want >= 0).sum(-1, dtype=torch.int32))
+        seen.append(lay.key_rows)
+    assert seen[0] is not seen[1]
 
 
 def _fake_flash_mla(calls):
@@ -259,20 +262,20 @@ def test_flashmla_path_matches_reference_op_with_output_rope(monkeypatch):
     rope = rope_table(pos, rope_frequencies(64, 160000.0, 256, 4.0))
     args = (q, kv_new, window, sink, pos, seq_of, slots, starts, D ** -0.5, comp, table, comp_idx, ratio, rope)
     ref = sparse_attention(*args)
-    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
+    key_rows = attention_op.step_rows(pos, seq_of, slots, starts)  # the step's, shared by its layers
     out = torch.full_like(q, float("nan"))
-    out[:] = attention_op.flashmla_attention(*args)
+    out[:] = attention_op.flashmla_attention(*args, key_rows=key_rows)
     assert calls == [128]
     err = (out.float() - ref.float()).flatten(1).norm(dim=1) / ref.float().flatten(1).norm(dim=1)
     assert torch.isfinite(out).all() and err.max() < 2e-3, err.max()  # same arithmetic, bf16 output rounding
     _assert_same_bits([out], [_sorted_scratch_path(*args)])
     layer2 = (q, *_other_layer(g, kv_new, window), sink, pos, seq_of, slots, starts, D ** -0.5,
               *_other_layer(g, comp), table, comp_idx, ratio, rope)  # reads the first call's rows
-    _assert_same_bits([attention_op.flashmla_attention(*layer2)], [_sorted_scratch_path(*layer2)])
+    _assert_same_bits([attention_op.flashmla_attention(*layer2, key_rows=key_rows)], [_sorted_scratch_path(*layer2)])
 
 
 def _sorted_scratch_path(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
-                         block_table=None, comp_idx=None, ratio=1, rope_out=None):
+                         block_table=None, comp_idx=None, ratio=1, rope_out=None, key_rows=None):
     """The FlashMLA path as first written: scratch_keys (one list per query, sorted), the library, the output's
     inverse RoPE over all channels."""
     from mini.kernels.flashmla_attention import TOPK_MULTIPLE, sparse_prefill
@@ -313,7 +316,7 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
     args = (q, kv_new, window, sink, pos, seq_of, slots, starts, 0.25, comp, table, comp_idx, 2, None)
     ours = sparse_attention(*args)
 
-    def theirs(*a):
+    def theirs(*a, **kw):
         if flashmla_result == "raises":
             raise RuntimeError("Sparse Attention Forward Kernel is only supported on SM90a")
         out = ours.clone()
@@ -369,7 +372,6 @@ def test_flashmla_path_inside_tiny_models(preset_name, block_tokens, lens, cut, 
 
     row_lists = attention_op.StepRows._row_lists
     monkeypatch.setattr(attention_op.StepRows, "_row_lists", counted)
-    monkeypatch.setattr(attention_op, "_STEP_ROWS", attention_op.StepRows())
     monkeypatch.setattr(attn_layer, "sparse_attention", compared)
     cfg = preset(preset_name)
     hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size))) \
