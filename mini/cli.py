@@ -10,36 +10,23 @@ import dataclasses
 import sys
 import time
 
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-v4.1", help="checkpoint directory or preset name (default: tiny-v4.1)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
-    p.add_argument("--backend", default=None, choices=["reference", "fast"], help="ops backend (default: fast on CUDA)")
-
-
-def _setup(args) -> tuple:
-    import torch
-
-    from mini import ops
-    if args.backend:
-        ops.set_backend(args.backend)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return device, getattr(torch, args.dtype)
+from mini.args import (UsageError, add_engine_args, add_model_args, add_serve_args, check_model, count, engine_opts,
+                       non_negative, resolve_device)
 
 
 def cmd_generate(args) -> int:
     from mini.parallel.serve import generate_torchrun, under_torchrun
     from mini.engine import LLM, SamplingParams
     from mini.tokenizer import render_chat
-    device, dtype = _setup(args)
+    check_model(args.model)
+    opts = engine_opts(args)
     # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request
-    num_blocks = args.num_blocks or (None if device.startswith("cuda") else 8 + (args.max_tokens + 4096) // 128)
+    if args.num_blocks is None and not opts["device"].startswith("cuda"):
+        opts["num_blocks"] = 8 + (args.max_tokens + 4096) // args.block_tokens
     prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if under_torchrun():  # DP ranks: the prompt runs on rank 0, the others serve its MoE layers
-        return generate_torchrun(args, prompt, num_blocks)
-    llm = LLM(args.model, device=device, dtype=dtype, num_blocks=num_blocks, max_num_seqs=4,
-              enforce_eager=args.enforce_eager)
+        return generate_torchrun(args, prompt, opts.get("num_blocks"))
+    llm = LLM(args.model, **opts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
@@ -57,7 +44,8 @@ def cmd_logits(args) -> int:
     import torch
 
     from mini.model import Batch, KVCache, SeqChunk, load_model
-    device, dtype = _setup(args)
+    check_model(args.model)
+    device, dtype = resolve_device(args)
     try:
         ids = [int(t) for t in args.ids.split(",") if t.strip()]
     except ValueError:
@@ -93,18 +81,35 @@ def cmd_logits(args) -> int:
 
 
 def cmd_make_checkpoint(args) -> int:
-    from mini.checkpoint import make_checkpoint
-    out = make_checkpoint(args.preset, args.out_dir, seed=args.seed)
+    import shutil
+    from pathlib import Path
+
+    from mini.args import REAL_SIZE_BYTES
+    from mini.checkpoint.make import checkpoint_bytes, make_checkpoint
+    from mini.config import PRESETS
+    size = checkpoint_bytes(PRESETS[args.preset])
+    out = Path(args.out_dir)
+    existing = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(existing).free
+    print(f"{args.preset}: {size / 1e9:,.3f} GB of random weights into {out} ({free / 1e9:,.1f} GB free there)",
+          file=sys.stderr)
+    if size > free:
+        raise UsageError(f"not enough free space in {existing}: the checkpoint takes {size / 1e9:,.1f} GB, "
+                         f"{free / 1e9:,.1f} GB are free")
+    if size > REAL_SIZE_BYTES and not args.yes:
+        raise UsageError(f"{args.preset} is a real-size model ({size / 1e9:,.0f} GB); pass --yes to write it")
+    make_checkpoint(args.preset, out, seed=args.seed, progress=True)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_serve(args) -> int:
     from mini.parallel.serve import serve_local, serve_torchrun, under_torchrun
+    check_model(args.model)
+    resolve_device(args)  # a missing GPU is a usage error here, before any rank starts
     if under_torchrun():
         if args.ep not in (None, 1):
-            print("error: --ep starts its own ranks; under torchrun use --nproc-per-node", file=sys.stderr)
-            return 2
+            raise UsageError("--ep starts its own ranks; under torchrun use --nproc-per-node")
         return serve_torchrun(args)
     if args.ep is not None and args.ep > 1:
         return serve_local(args, args.ep)
@@ -122,6 +127,47 @@ def cmd_profile(argv: list[str]) -> int:
     return profile_main(argv) or 0
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mini", description="Inference engine for DeepSeek-V4.1-Flash / V4")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    add_model_args(g)
+    add_engine_args(g)
+    g.set_defaults(max_num_seqs=4)  # one prompt
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=count(1), default=32)
+    g.add_argument("--temperature", type=non_negative, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat format")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+    lg = sub.add_parser("logits", help="write fp32 logits of a prefill and N greedy decode steps (parity checks)")
+    add_model_args(lg)
+    lg.add_argument("--ids", required=True, help="comma-separated prompt token ids")
+    lg.add_argument("--decode", type=count(0), default=0)
+    lg.add_argument("--out", required=True)
+    lg.set_defaults(fn=cmd_logits)
+    mc = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
+    mc.add_argument("preset", choices=_preset_names())
+    mc.add_argument("out_dir")
+    mc.add_argument("--seed", type=int, default=0)
+    mc.add_argument("--yes", action="store_true", help="write a real-size checkpoint (hundreds of GB)")
+    mc.set_defaults(fn=cmd_make_checkpoint)
+    sv = sub.add_parser("serve", help="OpenAI-compatible server")
+    add_serve_args(sv)
+    sv.add_argument("--ep", type=count(1), default=None,
+                    help="start N local EP/DP ranks (gloo on CPU, NCCL on GPU) and serve on rank 0")
+    sv.set_defaults(fn=cmd_serve)
+    sub.add_parser("bench", help="benchmark suites: mini bench --help")
+    sub.add_parser("profile", help="per-stage profiler: mini profile --help")
+    return p
+
+
+def _preset_names() -> list[str]:
+    from mini.config import PRESETS  # config imports no torch
+    return list(PRESETS)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # bench and profile parse their own arguments (each suite adds its own)
@@ -129,43 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     if argv and argv[0] == "profile":
         return cmd_profile(argv[1:])
-    p = argparse.ArgumentParser(prog="mini", description="Inference engine for DeepSeek-V4.1-Flash / V4")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt")
-    _model_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat format")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 positions (default: sized)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.set_defaults(fn=cmd_generate)
-    lg = sub.add_parser("logits", help="write fp32 logits of a prefill and N greedy decode steps (parity checks)")
-    _model_args(lg)
-    lg.add_argument("--ids", required=True, help="comma-separated prompt token ids")
-    lg.add_argument("--decode", type=int, default=0)
-    lg.add_argument("--out", required=True)
-    lg.set_defaults(fn=cmd_logits)
-    mc = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
-    mc.add_argument("preset")
-    mc.add_argument("out_dir")
-    mc.add_argument("--seed", type=int, default=0)
-    mc.set_defaults(fn=cmd_make_checkpoint)
-    sv = sub.add_parser("serve", help="OpenAI-compatible server")
+    args = parser().parse_args(argv)
     try:
-        from mini.server import add_serve_args
-        add_serve_args(sv)
-    except ImportError:
-        _model_args(sv)
-    sv.add_argument("--ep", type=int, default=None,
-                    help="start N local EP/DP ranks (gloo on CPU, NCCL on GPU) and serve on rank 0")
-    sv.set_defaults(fn=cmd_serve)
-    sub.add_parser("bench", help="benchmark suites: mini bench --help")
-    sub.add_parser("profile", help="per-stage profiler: mini profile --help")
-    args = p.parse_args(argv)
-    return args.fn(args)
+        return args.fn(args)
+    except UsageError as e:  # a mistake in the command line: one line, no traceback
+        print(f"mini {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,18 +30,11 @@ SUITE = "tiny-goodput"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from mini.args import add_engine_args, add_model_args
     p.add_argument("--url", default=None, help="benchmark a running server (default: start `mini serve`)")
-    p.add_argument("--model", default="tiny-v4.1", help="model the started server loads (and the vocab source)")
+    add_model_args(p)  # of the started server; --model is also the vocab source
+    add_engine_args(p, unset=True)  # forwarded to the started server when given
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--backend", default=None, choices=["reference", "fast"], help="ops backend of the started server")
-    p.add_argument("--num-blocks", type=int, default=None, help="server cache blocks (default: 512 on CPU)")
-    p.add_argument("--block-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enforce-eager", action="store_true", help="the started server runs decode without CUDA graphs")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -178,6 +171,7 @@ class _StartedServer:
     """`mini serve` in a subprocess on a free port."""
 
     def __init__(self, args):
+        from mini.args import engine_argv
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -185,17 +179,13 @@ class _StartedServer:
         cmd = [sys.executable, "-m", "mini", "serve", "--model", args.model, "--port", str(self.port),
                "--dtype", args.dtype]
         on_cpu = (args.device or ("cuda" if _cuda() else "cpu")) == "cpu"
-        num_blocks = args.num_blocks if args.num_blocks is not None else (512 if on_cpu else None)
-        for flag, value in (("--device", args.device), ("--backend", args.backend), ("--num-blocks", num_blocks),
-                            ("--block-tokens", args.block_tokens), ("--max-num-seqs", args.max_num_seqs),
-                            ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        if on_cpu and args.num_blocks is None:
+            args = argparse.Namespace(**{**vars(args), "num_blocks": 512})
+        for flag, value in (("--device", args.device), ("--backend", args.backend),
                             ("--served-model-name", args.served_model_name)):
             if value is not None:
                 cmd += [flag, str(value)]
-        if not args.enable_prefix_caching:
-            cmd.append("--no-enable-prefix-caching")
-        if args.enforce_eager:
-            cmd.append("--enforce-eager")
+        cmd += engine_argv(args)
         self.cmd = cmd
         self.timeout = args.server_timeout
         self.proc: subprocess.Popen | None = None
@@ -259,7 +249,7 @@ def run(args) -> dict:
         "backend": args.backend or os.environ.get("MINI_BACKEND") or "default",
         "server": args.url or "mini serve", "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefix_caching": args.enable_prefix_caching, "enforce_eager": args.enforce_eager,
+        "prefix_caching": args.enable_prefix_caching is not False, "enforce_eager": bool(args.enforce_eager),
         "num_requests": args.num_requests,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",

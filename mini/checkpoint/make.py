@@ -68,6 +68,11 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
     return out
 
 
+def checkpoint_bytes(config: ModelConfig) -> int:
+    """Bytes of the weights `make_checkpoint` writes for `config` (the shards, without their small headers)."""
+    return sum(s.nbytes for w in weights(config) for s in w.tensors(config.fp8_block).values())
+
+
 def random_state(config: ModelConfig, device: str | torch.device = "cpu", seed: int = 0,
                  experts: range | None = None, engram_rows: int | None = None) -> dict[str, torch.Tensor]:
     """The state dict `load_state` would return for a random checkpoint, drawn directly on `device`.

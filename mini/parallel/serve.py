@@ -244,8 +244,8 @@ class DPAsyncLLM(AsyncLLM):
 def _build_worker(ctx: DistContext, args) -> DPWorker:
     from mini.parallel.dp import load_ep_model
     from mini.engine import build_engine
-    from mini.server.app import engine_opts_from_args
-    opts = {**engine_opts_from_args(args), "device": str(ctx.device)}
+    from mini.args import engine_opts
+    opts = {**engine_opts(args), "device": str(ctx.device)}
     model, cfg, tok = load_ep_model(args.model, ctx, opts["dtype"])
     engine = build_engine(model, config=cfg, tokenizer=tok, **opts)
     if ctx.multi:  # pools sized from free memory may differ: rank 0 admits prompts that fit on every rank
@@ -284,8 +284,8 @@ def serve_rank(ctx: DistContext, args) -> None:
 
 def serve_torchrun(args) -> int:
     """`mini serve` in a process of a torchrun (or `--ep`) job."""
-    from mini.cli import _setup
-    device, _ = _setup(args)
+    from mini.args import resolve_device
+    device, _ = resolve_device(args)
     ctx = init(device)
     if ctx.device.type == "cpu" and ctx.multi and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world))
@@ -332,9 +332,9 @@ def under_torchrun() -> bool:
 def generate_torchrun(args, prompt: str, num_blocks: int | None) -> int:
     """`mini generate` under torchrun: the prompt runs on rank 0 while the other ranks serve its MoE layers;
     rank 0 prints the text. `args`: the generate command's."""
-    from mini.cli import _setup
+    from mini.args import resolve_device
     from mini.parallel.launch import _generate_rank
-    device, _ = _setup(args)
+    device, _ = resolve_device(args)
     ctx = init(device)
     try:
         texts = _generate_rank(ctx, argparse.Namespace(**{**vars(args), "prompt": [prompt], "num_blocks": num_blocks}))

@@ -6,7 +6,6 @@ responses are cancelled by Starlette, non-streaming ones are watched.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -296,45 +295,10 @@ def build_app(model_or_path, model_name: str | None = None, **engine_opts) -> Fa
     return app
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from mini.cli import _model_args
-    _model_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in a batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    p.add_argument("--block-tokens", type=int, default=128, help="positions per cache block")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="cache blocks (default: from free GPU memory; 1 GiB on CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory mini may use; the cache gets what the model leaves")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--num-snapshots", type=int, default=32, help="state snapshots kept for prefix caching")
-    p.add_argument("--snapshot-prompt-end", action=argparse.BooleanOptionalAction, default=False,
-                   help="split each prompt at its last block boundary so that its first repeat hits the prefix "
-                        "cache (one extra step of TTFT)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly (default on CUDA: replay CUDA graphs captured at start-up)")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that bring none")
-    p.add_argument("--log-level", default="warning")
-
-
-def engine_opts_from_args(args) -> dict:
-    from mini.cli import _setup
-    device, dtype = _setup(args)
-    return dict(device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_tokens=args.block_tokens,
-                num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                enable_prefix_caching=args.enable_prefix_caching, num_snapshots=args.num_snapshots,
-                snapshot_prompt_end=args.snapshot_prompt_end,
-                max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
-
-
 def serve(args) -> int:
     import uvicorn
-    app = build_app(args.model, args.served_model_name, **engine_opts_from_args(args))
+    from mini.args import engine_opts
+    app = build_app(args.model, args.served_model_name, **engine_opts(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -1,0 +1,119 @@
+"""The import graph of `mini/` is a DAG, between modules and between its top-level parts (packages and modules
+directly under mini/: config, formats, checkpoint, ops, kernels, model, engine, args, server, parallel, bench, cli,
+...). Imports are read from the source with `ast`, wherever they are written: a function-level (lazy) import is an
+edge like a module-level one, since it runs whenever that function does. Only imports under `if TYPE_CHECKING:`
+are left out (they never run)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "mini"
+
+
+def module_name(path: Path) -> str:
+    parts = ("mini", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def imported(path: Path, known: dict[str, Path]) -> set[str]:
+    """mini modules that `path` imports (module or function level); `from pkg import name` counts as an import
+    of pkg.name when that is a module, else of pkg."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `import mini.x.y.attr`-like: the longest known prefix
+                t = t.rpartition(".")[0]
+            if t.startswith("mini.") and t != name:
+                out.add(t)
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except the bodies of `if TYPE_CHECKING:` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(path, known) for name, path in known.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path [a, b, ..., a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(edges):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(edges[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(edges.get(nxt, ()))))
+    return None
+
+
+def part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_finder_sees_cycles_and_every_kind_of_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    g = graph()
+    assert "mini.server.app" in g["mini.cli"] or "mini.server" in g["mini.cli"]  # a function-level import
+    assert "mini.engine.llm" in g["mini.engine"]  # from a package's own __init__
+    assert "mini.config" in g["mini.args"]
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n")
+    assert [n.names[0].name for n in _runtime_nodes(tree) if isinstance(n, ast.Import)] == ["b"]
+
+
+def test_modules_form_a_dag():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_top_level_parts_form_a_dag():
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        parts.setdefault(part(module), set()).update(part(t) for t in targets if part(t) != part(module))
+    cycle = find_cycle(parts)
+    assert cycle is None, "import cycle between parts of mini: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("entry", ["mini.server", "mini.engine", "mini.parallel", "mini.args"])
+def test_nothing_below_the_cli_imports_it(entry):
+    g = graph()
+    below = {m for m in g if m == entry or m.startswith(entry + ".")}
+    assert not any("mini.cli" in g[m] for m in below)
