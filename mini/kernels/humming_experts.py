@@ -131,6 +131,29 @@ def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
                         locks=torch.zeros(2048, dtype=torch.int32, device=data.device))
 
 
+def side_by_side(w1, w3) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """w1 and w3 of a layer's experts, each (codes uint8 [E, I, D/2], scales uint8 [E, I, D/32]), side by side in
+    one [E, 2I, ...] stack for one GEMM with N = 2I (Humming's layout keeps every 64 rows of N in their own
+    columns, so the two halves stay w1's and w3's after `convert`). Returns ((w1, w3) as views of the new stack,
+    (codes, scales) of the stack); the caller drops the old buffers before converting the stack."""
+    (d1, s1), (d3, s3) = w1, w3
+    (E, I, half_d), groups = d1.shape, s1.shape[2]
+    d13 = torch.empty(E, 2 * I, half_d, dtype=torch.uint8, device=d1.device)
+    s13 = torch.empty(E, 2 * I, groups, dtype=torch.uint8, device=d1.device)
+    for half, (d, sc) in ((slice(0, I), (d1, s1)), (slice(I, 2 * I), (d3, s3))):
+        d13[:, half].copy_(d)
+        s13[:, half].copy_(sc)
+    return ((d13[:, :I], s13[:, :I]), (d13[:, I:], s13[:, I:])), (d13, s13)
+
+
+def unpack_expert(w13: HummingStack, w2: HummingStack, i: int) -> tuple[tuple, tuple, tuple]:
+    """Expert i of a layer's converted stacks (w13 from `side_by_side`) in the checkpoint layout again (new tensors): (codes, scales) of its
+    w1, w3 and w2."""
+    I = w13.n // 2
+    (d13, s13), d2s2 = unpack(w13, i), unpack(w2, i)
+    return (d13[:I], s13[:I]), (d13[I:], s13[I:]), d2s2
+
+
 @functools.cache
 def _moves(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Where Humming's transform takes each code and scale byte of an [N, K] expert: for every position of the

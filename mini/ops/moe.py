@@ -126,26 +126,19 @@ class MoEWeights:
                 and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i))
 
     def to_humming(self) -> None:
-        """Rewrite the routed experts into Humming's layout, once, at load; afterwards the fast path runs Humming's
-        GEMMs on them. w1 and w3 move side by side into one [E, 2I, D/2] stack (one GEMM with N = 2I: the layout
-        keeps every 64 rows of N in their own columns, so the two halves stay w1's and w3's); their old buffers are
-        freed when nothing else holds them, so a layer needs ~1.1 GB more only while it converts. w2 is rewritten
-        where it is. Both are rewritten in place, a few experts at a time."""
-        from mini.kernels.humming_experts import convert
+        """Rewrite the routed experts into Humming's layout, once, at load (mini/kernels/humming_experts.py:
+        `side_by_side` stacks w1 and w3 for one GEMM, `convert` rewrites a stack in place); afterwards the fast path
+        runs Humming's GEMMs on them. The old w1 and w3 buffers are freed when nothing else holds them, before the
+        rewrite, so a layer needs ~1.1 GB more only while it converts."""
+        from mini.kernels.humming_experts import convert, side_by_side
         if self.humming is not None:
             return
         if not self.humming_ready():
             raise ValueError("to_humming needs stacked MXFP4 experts on a CUDA device")
-        (E, I, half_d), groups = self.w1.data.shape, self.w1.scale.shape[2]
-        d13 = torch.empty(E, 2 * I, half_d, dtype=torch.uint8, device=self.w1.data.device)
-        s13 = torch.empty(E, 2 * I, groups, dtype=torch.uint8, device=self.w1.data.device)
-        for half, q in ((slice(0, I), self.w1), (slice(I, 2 * I), self.w3)):
-            d13[:, half].copy_(q.data)
-            s13[:, half].copy_(q.scale.view(torch.uint8))
+        (w1, w3), w13 = side_by_side(*((q.data, q.scale.view(torch.uint8)) for q in (self.w1, self.w3)))
         block = self.w1.block
-        self.w1 = QWeight("mxfp4", d13[:, :I], s13[:, :I], block)
-        self.w3 = QWeight("mxfp4", d13[:, I:], s13[:, I:], block)
-        self.humming = (convert(d13, s13), convert(self.w2.data, self.w2.scale.view(torch.uint8)))
+        self.w1, self.w3 = QWeight("mxfp4", *w1, block), QWeight("mxfp4", *w3, block)  # the old buffers go here
+        self.humming = (convert(*w13), convert(self.w2.data, self.w2.scale.view(torch.uint8)))
         self._per_expert.clear()  # views taken before hold the old layout's bytes
 
     def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
@@ -154,12 +147,9 @@ class MoEWeights:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         if i not in self._per_expert:
             if self.humming is not None:  # rewritten: a copy in the checkpoint layout
-                from mini.kernels.humming_experts import unpack
-                I = self.w1.data.shape[1]
-                (d13, s13), (d2, s2) = unpack(self.humming[0], i), unpack(self.humming[1], i)
-                self._per_expert[i] = (QWeight("mxfp4", d13[:I], s13[:I], self.w1.block),
-                                       QWeight("mxfp4", d13[I:], s13[I:], self.w3.block),
-                                       QWeight("mxfp4", d2, s2, self.w2.block))
+                from mini.kernels.humming_experts import unpack_expert
+                self._per_expert[i] = tuple(QWeight("mxfp4", *ds, q.block) for ds, q in
+                                            zip(unpack_expert(*self.humming, i), (self.w1, self.w3, self.w2)))
             else:
                 self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
         return self._per_expert[i]
