@@ -147,8 +147,8 @@ def side_by_side(w1, w3) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def unpack_expert(w13: HummingStack, w2: HummingStack, i: int) -> tuple[tuple, tuple, tuple]:
-    """Expert i of a layer's converted stacks (w13 from `side_by_side`) in the checkpoint layout again (new tensors): (codes, scales) of its
-    w1, w3 and w2."""
+    """Expert i of a layer's converted stacks (w13 from `side_by_side`) in the checkpoint layout again (new
+    tensors): (codes, scales) of its w1, w3 and w2."""
     I = w13.n // 2
     (d13, s13), d2s2 = unpack(w13, i), unpack(w2, i)
     return (d13[:I], s13[:I]), (d13[I:], s13[I:]), d2s2
