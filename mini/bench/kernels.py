@@ -180,7 +180,7 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
 
 
 def bench_indexer(rows: list, sweep: bool, dev="cuda"):
-    from mini.kernels.indexer_topk import index_scores
+    from mini.kernels.indexer_scores import index_scores
     from mini.ops.indexer import index_scores as reference, top_groups, topk_recent
     T, start, ratio = 4096, 4096, 1
     b = _prefill_batch(T, start, ratio, dev)

@@ -45,7 +45,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     sequence's group j, n_visible [T] -> [T, N] scores in q.dtype (the reference rounds the head sum to it), -inf
     where the group is not visible."""
     if use_fast(q) and q.dtype == torch.bfloat16:
-        from mini.kernels.indexer_topk import index_scores as index_scores_kernel
+        from mini.kernels.indexer_scores import index_scores as index_scores_kernel
         return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=q.dtype, device=q.device)

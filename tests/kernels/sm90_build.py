@@ -5,7 +5,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mini.kernels.indexer_topk import _index_scores_kernel
+from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_kernel, _rms_norm_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _sparse_mla_kernel

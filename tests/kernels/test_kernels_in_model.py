@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("reference_ops")
 def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch):
     import mini.model.attn_layer as attn_layer
     import mini.ops.mhc as mhc_ops
-    from mini.kernels.indexer_topk import index_scores
+    from mini.kernels.indexer_scores import index_scores
     from mini.kernels.mhc_norm import mhc_norm
     from mini.kernels.rope_quant import rope_quant, supported
     from mini.kernels.sparse_attention import sparse_mla_attention
@@ -41,8 +41,11 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
             return ref  # the model goes on with the reference result
         return call
 
+    def kernel_attention(*args, key_rows=None, **kw):  # key_rows: the FlashMLA path's (StepLayout.key_rows)
+        return sparse_mla_attention(*args, **kw)
+
     monkeypatch.setattr(attn_layer, "sparse_attention", compared("attention", attn_layer.sparse_attention,
-                                                                 sparse_mla_attention))
+                                                                 kernel_attention))
     monkeypatch.setattr(attn_layer, "index_scores", compared("indexer", attn_layer.index_scores, index_scores))
     monkeypatch.setattr(attn_layer, "apply_rope", compared("rope", attn_layer.apply_rope, rope_quant))
     chain = attn_layer.norm_rope_quant

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores and top-k without a [tokens × groups × heads] tensor (mini/ops/indexer.py).
+"""Lightning-indexer scores without a [tokens × groups × heads] tensor (mini/ops/indexer.py).
 
 score[t, j] = Σ_h relu(q[t,h] · k[j]) · w[t,h] for the groups j < n_visible[t] of t's sequence, -inf elsewhere (and
 outside the V4.1 candidate blocks when a mask is given). A program takes BLOCK_T consecutive tokens of ONE sequence
@@ -7,8 +7,8 @@ and BLOCK_N of its groups: the q rows of its tokens ([BLOCK_T·H, di], contiguou
 
 Rounding follows the reference, which runs in the activation dtype: each head's dot and its weighted value are
 rounded to that dtype, the head sum is fp32, and the sum is rounded once more and stored in that dtype. Top-k is
-`torch.topk` over the [T, N] scores (one row per token: the only full-size intermediate; bf16 scores let it run
-on 32-bit keys, see ops.indexer.topk_recent).
+not this kernel's: `torch.topk` over the [T, N] scores (one row per token: the only full-size intermediate; bf16
+scores let it run on 32-bit keys, see ops.indexer.topk_recent).
 """
 import torch
 import triton

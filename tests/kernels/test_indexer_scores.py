@@ -26,7 +26,7 @@ def make(flat_batch, lens, starts, H, DI, ratio, rpb, device, dtype):
 
 
 def check(b, q, w, keys, seq_rows, n_vis, candidates=None, exact=True, **kw):
-    from mini.kernels.indexer_topk import index_scores as kernel_scores
+    from mini.kernels.indexer_scores import index_scores as kernel_scores
     got = kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, candidates, **kw)
     ref = index_scores(q, w, keys, seq_rows, b.seq_of, n_vis)
     assert got.dtype == ref.dtype == q.dtype
