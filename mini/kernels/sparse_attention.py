@@ -83,8 +83,9 @@ def _sparse_mla_kernel(
 
     # sliding window: fresh rows of this chunk are contiguous in the flat batch, earlier ones sit in the ring
     for j0 in range(0, W, BLOCK_N):
-        kpos = pos - W + 1 + j0 + tl.arange(0, BLOCK_N)
-        ok = kpos >= 0
+        j = j0 + tl.arange(0, BLOCK_N)
+        kpos = pos - W + 1 + j
+        ok = (kpos >= 0) & (j < W)  # a last tile past W would reach the query's future (and past kv_new's end)
         fresh = kpos >= start
         rowptr = tl.where(fresh, kv_new_ptr + tl.where(fresh, t - (pos - kpos), 0).to(tl.int64) * D,
                           window_ptr + slot * stride_win + tl.where(ok, kpos % W, 0) * D)

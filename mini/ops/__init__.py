@@ -9,6 +9,9 @@ import torch
 
 _BACKENDS = ("reference", "fast")
 _backend: str | None = os.environ.get("MINI_BACKEND") or None
+# Tests only: the fast backend also takes CPU tensors, running the Triton kernels under Triton's interpreter
+# (TRITON_INTERPRET=1), so that the fast path's dispatch and kernels can be checked on a CPU machine.
+_interpret_on_cpu = False
 
 
 def backend() -> str:
@@ -19,16 +22,36 @@ def backend() -> str:
     return _backend
 
 
-def set_backend(name: str) -> None:
-    global _backend
+def set_backend(name: str, interpret_on_cpu: bool | None = None) -> None:
+    """Choose the backend. `interpret_on_cpu` (tests): True lets CPU tensors take the fast path too, its Triton
+    kernels running under the interpreter, which must then be on (TRITON_INTERPRET=1 before triton is imported);
+    False: the fast backend serves CUDA tensors only and CPU tensors run the reference; None keeps the setting
+    (so that code switching backends back and forth leaves a test's choice alone)."""
+    global _backend, _interpret_on_cpu
     if name not in _BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    if interpret_on_cpu:
+        import triton
+        if not triton.knobs.runtime.interpret:
+            raise ValueError("interpret_on_cpu needs TRITON_INTERPRET=1, set before triton is imported")
+        from mini.kernels.interpreter import patch_bf16
+        patch_bf16()  # the interpreter as shipped computes bf16 tiles on their raw bits
     _backend = name
+    if interpret_on_cpu is not None:
+        _interpret_on_cpu = interpret_on_cpu
+
+
+def interpreting_on_cpu() -> bool:
+    """Whether the fast backend runs CPU tensors through the Triton interpreter (set_backend(interpret_on_cpu))."""
+    return _interpret_on_cpu
 
 
 def use_fast(*tensors: torch.Tensor) -> bool:
-    """True when the fast backend is active and every given tensor lives on a CUDA device."""
-    return backend() == "fast" and all(t.is_cuda for t in tensors)
+    """True when the fast backend is active and every given tensor lives on a CUDA device (or, with
+    set_backend("fast", interpret_on_cpu=True), every one on the CPU)."""
+    if backend() != "fast":
+        return False
+    return all(t.is_cuda for t in tensors) or (_interpret_on_cpu and not any(t.is_cuda for t in tensors))
 
 
 def library_choice(env: str, library: str, available) -> str:

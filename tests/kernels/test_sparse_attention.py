@@ -64,9 +64,10 @@ def rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rop
 
 
 @pytest.mark.parametrize("with_comp,rope_dim", [(True, 0), (False, 0), (True, 8), (False, 32)])
-def test_sparse_attention_interpreter(with_comp, rope_dim, interpreter, flat_batch):
+@pytest.mark.parametrize("W,block_n", [(8, 4), (6, 4), (16, 64)])  # windows that are not whole key tiles too
+def test_sparse_attention_interpreter(with_comp, rope_dim, W, block_n, interpreter, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
-    H, D, W, ratio, rpb, topk = 5, 32, 8, 2, 4, 7
+    H, D, ratio, rpb, topk = 5, 32, 2, 4, 7
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, [7, 1, 3], [0, 19, 5],
                                                            H, D, W, ratio, rpb, topk)
     if not with_comp:
@@ -77,7 +78,7 @@ def test_sparse_attention_interpreter(with_comp, rope_dim, interpreter, flat_bat
     out.copy_(sparse_mla_attention(q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, scale,
                                    comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
                                    rope_out=rope,
-                                   block_h=8, block_n=4, num_warps=1))
+                                   block_h=8, block_n=block_n, num_warps=1))
     ref = rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rope)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
