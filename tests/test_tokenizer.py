@@ -192,7 +192,7 @@ def test_chat_mid_conversation_system_and_tool_results():
 
 
 def test_chat_rejects_unsupported_features():
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError):
         render_chat([{"role": "user", "content": "q", "tools": [{"type": "function"}]}])
     with pytest.raises(ValueError):
         render_chat([{"role": "narrator", "content": "q"}])
@@ -202,3 +202,130 @@ def test_chat_prompt_encodes_with_special_ids(tiny):
     ids = tiny.encode(render_chat(CONVERSATION, thinking=True))
     assert ids[:2] == [0, 5] and ids[-2:] == [4, 6]
     assert ids.count(1) == 1 and ids.count(3) == 2
+
+
+# ------------------------------------------------------------------------------------------ tools (DSML)
+# Written out by hand from the V4.1 encoder's rules (spec §5): the tools section follows the first system message's
+# text after a blank line; calls follow an assistant turn's content after a blank line; results join the user turn.
+TOOLS_SECTION = """## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<｜DSML｜ calls>" block like the following:
+
+<｜DSML｜ calls>
+<｜DSML｜ invoke name="$TOOL_NAME">
+<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜ parameter>
+...
+</｜DSML｜ invoke>
+<｜DSML｜ invoke name="$TOOL_NAME2">
+...
+</｜DSML｜ invoke>
+</｜DSML｜ calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
+
+Otherwise, output directly after </think> with tool calls or final response.
+
+### Available Tool Schemas
+
+{"name": "get_weather", "description": "Météo", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}
+{"description": "Local time", "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"description": "Local time", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}}}},  # key order is kept as given
+]
+CALLS_TEXT = ('\n\n<｜DSML｜ calls>\n'
+              '<｜DSML｜ invoke name="get_weather">\n'
+              '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+              '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
+              '</｜DSML｜ invoke>\n'
+              '<｜DSML｜ invoke name="get_time">\n'
+              '<｜DSML｜ parameter name="tz" string="true">CET</｜DSML｜ parameter>\n'
+              '</｜DSML｜ invoke>\n'
+              '</｜DSML｜ calls>')
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather and time?"},
+    {"role": "assistant", "content": "", "reasoning_content": "r1", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 3}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]},
+    # results arrive out of order: the prompt puts them in the order of the calls
+    {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny, noon.", "reasoning_content": "r2"},
+    {"role": "user", "content": "thanks"},
+]
+
+
+def test_chat_tools_single_turn():
+    msgs = [{"role": "user", "content": "Weather?"}]
+    assert render_chat(msgs, tools=TOOLS) == f"{BOS}{SYSTEM}\n\n{TOOLS_SECTION}{USER}Weather?{ASSISTANT}{END_THINK}"
+    assert render_chat(msgs, thinking=True, tools=TOOLS) == (
+        f"{BOS}{SYSTEM}{EFFORT.format(75)}\n\n{TOOLS_SECTION}{USER}Weather?{ASSISTANT}{THINK}")
+    sys_msgs = [{"role": "developer", "content": "Be brief."}, *msgs]  # developer is a system message
+    assert render_chat(sys_msgs, tools=TOOLS) == (
+        f"{BOS}{SYSTEM}Be brief.\n\n{TOOLS_SECTION}{USER}Weather?{ASSISTANT}{END_THINK}")
+
+
+def test_chat_multi_turn_tool_use_chat_mode():
+    assert render_chat(TOOL_CONVERSATION, tools=TOOLS) == (
+        f"{BOS}{SYSTEM}You are helpful.\n\n{TOOLS_SECTION}"
+        f"{USER}Weather and time?{ASSISTANT}{END_THINK}{CALLS_TEXT}{EOS}"
+        f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_result>{ASSISTANT}{END_THINK}"
+        f"Sunny, noon.{EOS}{USER}thanks{ASSISTANT}{END_THINK}")
+
+
+def test_chat_multi_turn_tool_use_thinking_keeps_all_reasoning():
+    # with tools the encoder does not drop earlier reasoning, and every header opens <think>
+    assert render_chat(TOOL_CONVERSATION, thinking=True, tools=TOOLS, reasoning_effort="max") == (
+        f"{BOS}{SYSTEM}{EFFORT.format(100)}You are helpful.\n\n{TOOLS_SECTION}"
+        f"{USER}Weather and time?{ASSISTANT}{THINK}r1{END_THINK}{CALLS_TEXT}{EOS}"
+        f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_result>{ASSISTANT}{THINK}"
+        f"r2{END_THINK}Sunny, noon.{EOS}{USER}thanks{ASSISTANT}{THINK}")
+
+
+def test_chat_tool_history_without_tools_drops_earlier_reasoning():
+    got = render_chat(TOOL_CONVERSATION, thinking=True)
+    assert got == (
+        f"{BOS}{SYSTEM}{EFFORT.format(75)}You are helpful."
+        f"{USER}Weather and time?{ASSISTANT}{END_THINK}{CALLS_TEXT}{EOS}"
+        f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_result>{ASSISTANT}{END_THINK}"
+        f"Sunny, noon.{EOS}{USER}thanks{ASSISTANT}{THINK}")
+    # tool results make a user turn: the reasoning before them is dropped too
+    tail = TOOL_CONVERSATION[:5]
+    assert render_chat(tail, thinking=True).endswith(
+        f"{USER}Weather and time?{ASSISTANT}{END_THINK}{CALLS_TEXT}{EOS}"
+        f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_result>{ASSISTANT}{THINK}")
+
+
+def test_chat_tool_call_argument_forms():
+    def call(args):
+        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}]
+    head = f"{BOS}{USER}q{ASSISTANT}{END_THINK}ok\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n"
+    tail = "\n</｜DSML｜ invoke>\n</｜DSML｜ calls>" + EOS
+    nested = '<｜DSML｜ parameter name="a" string="false">[1, "é", {"b": null}]</｜DSML｜ parameter>'
+    assert render_chat(call({"a": [1, "é", {"b": None}]})) == head + nested + tail  # an object as is
+    assert render_chat(call(json.dumps(json.dumps({"a": [1, "é", {"b": None}]})))) == head + nested + tail
+    assert render_chat(call("not json")) == (
+        head + '<｜DSML｜ parameter name="arguments" string="true">not json</｜DSML｜ parameter>' + tail)
+    assert render_chat(call("{}")) == head + tail  # no parameters: an empty line
+    with pytest.raises(ValueError):
+        render_chat(call("{}")[:1], tools=[{"type": "function", "function": {"name": "a::b::c"}}])
+
+
+def test_chat_text_parts_join_with_a_blank_line():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "x"},
+            {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "r"},
+                                                              {"type": "text", "text": "s"}]}]
+    assert render_chat(msgs) == (f"{BOS}{USER}a\n\nb{ASSISTANT}{END_THINK}x{EOS}"
+                                 f"{USER}<tool_result>r\n\ns</tool_result>{ASSISTANT}{END_THINK}")
