@@ -110,7 +110,7 @@ def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
     from mini.ops.rope import apply_rope, rope_frequencies, rope_table
     if not available():
         rows.append(dict(kernel="sparse_core/flashmla", error="skipped: sgl-flash-mla does not import on an SM90 "
-                                                              "GPU here (scripts/gpu_flashmla.sh installs it)"))
+                                                              "GPU here (scripts/gpu.sh installs .whl/gpu)"))
         return
     T = 4096
     for name, start, ratio in (("rank4 prefill@0 ratio 4", 0, 4), ("prefill@4096 ratio 2", 4096, 2)):

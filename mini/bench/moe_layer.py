@@ -28,7 +28,7 @@ import torch
 
 from mini.config import preset
 
-SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results in docs/perf/notes-moe.md
+SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results: docs/kernels.md (MoE)
     # 256-row tiles decode each weight tile for twice the rows (the decode, not the MMA, is the limit today)
     "swiglu": [(128, 64, 64, 4, 4, False), (128, 128, 64, 8, 4, False), (128, 64, 64, 4, 4, True),
                (256, 64, 64, 8, 3, False), (256, 64, 64, 8, 3, True)],

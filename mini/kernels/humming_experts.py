@@ -16,7 +16,7 @@ says where each expert's rows are; rows past the last offset are neither read no
 back to the host. The tile config is Humming's SM90 heuristic for the expected row count rounded up to a power of
 two, with stream-K off: stream-K splits K between CTAs and adds their partial tiles into the bf16 output (TMA
 reduce-add), a second rounding the reference does not have (measured: 94 % of the outputs bit-equal to the
-reference with it, see docs/perf/notes-moe.md). Each (shape, bucket) compiles once per process (~6 s for two
+reference with it, see docs/kernels.md). Each (shape, bucket) compiles once per process (~6 s for two
 kernels side by side on a fresh H200), cached on disk under $HUMMING_CACHE_DIR (default ~/.humming/cache).
 """
 from __future__ import annotations

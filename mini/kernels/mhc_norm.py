@@ -16,7 +16,7 @@ Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`r
   the kernel collapses with the `pre` it just computed.
 
 Two launches, so that the whole GPU streams h once (a [4096, 4, 5120] bf16 stream is 168 MB; 135 us per V4.1 site
-on the H200 against 574 us for the former one-kernel version, docs/perf/notes-mhc.md):
+on the H200 against 574 us for the former one-kernel version, docs/kernels.md):
 1. `_mhc_partial_kernel`, grid (token blocks, D chunks) = split-K over the hc·D reduction: each program reads all
    hc copies of its D chunk once (per step one [block_t, hc·block_k] tile, the copies side by side along K, and
    the matching [hc·block_k, 32] tiles of fn's three pieces: three MMAs per step) for its partial sum of squares
@@ -230,7 +230,7 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     Tiles: the partial kernel takes block_t tokens × one of `split` D chunks (block_k columns of every copy per
     step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. The defaults were the
     fastest of 35 configurations on the H200 (block_k 16, 3 stages: 4 programs per SM; split 8: 512 programs, one
-    wave; docs/perf/notes-mhc.md)."""
+    wave; docs/kernels.md)."""
     T, HC, D = h.shape
     NM = (2 + HC) * HC
     assert HC * HC == 16, "the kernel's comb tile is 4x4"

@@ -22,7 +22,7 @@ import triton.language as tl
 from mini.kernels.fp8_act_quant import fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
-# tile configs for the H200 (see docs/perf/notes-moe.md); the row tile is the routing plan's block_m
+# tile configs for the H200 (see docs/kernels.md); the row tile is the routing plan's block_m
 BLOCK_M = 128
 CONFIG = {"swiglu": dict(BN=64, BK=64, num_warps=4, num_stages=4),
           "down": dict(BN=128, BK=64, num_warps=8, num_stages=4)}

@@ -47,7 +47,7 @@ def _unrotate(x, rope_ptr, t, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.conste
     table row: fp32 math and result (the store rounds it, as ops.rope.apply_rope(inverse=True) does); the nope
     pairs see cos 1, sin 0.
     q is NOT rotated here the same way: a computed QK operand makes Triton keep q in registers through the key
-    loop (wgmma register operand), which spills; see docs/perf/notes-attention.md."""
+    loop (wgmma register operand), which spills; see docs/kernels.md."""
     pair = tl.arange(0, D // 2)
     rot = pair >= (D - RD) // 2
     off = t.to(tl.int64) * RD + 2 * tl.where(rot, pair - (D - RD) // 2, 0)

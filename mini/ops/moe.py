@@ -202,7 +202,7 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 
 # Below this many tokens the unfused gate runs: each program of the fused kernel reads the whole gate weight
 # (3.9 MB at V4.1) through one SM, ~0.2 ms however few its rows, where the fp32 GEMM spreads over every SM. On the
-# H200 (docs/perf/raw/007: gate_plan.log, gate/gate_sweep.log) the unfused gate takes 0.19 ms at 1,024 tokens and
+# H200 (docs/perf/raw/007: final/gate_plan.json, gate/gate_sweep.txt) the unfused gate takes 0.19 ms at 1,024 tokens and
 # 0.55 at 4,096; the fused one 0.21 ms at 4,096 (64 programs, one wave; fewer tokens run fewer programs of the
 # same length, so about as long) and 0.39 at 16,384: about even at this threshold.
 FUSED_GATE_MIN_TOKENS = 1024

@@ -42,7 +42,7 @@ def test_prefix_caching_equals_no_caching(alone):
 @pytest.mark.gpu
 def test_cuda_pools_sized_from_free_memory():
     free_before, total = torch.cuda.mem_get_info()
-    # eager: decode graphs would pad their index tensors to the 1M context (see docs/perf/notes-serving.md)
+    # eager: decode graphs would pad their index tensors to the 1M context (docs/engine.md, Limits)
     llm = LLM("tiny-v4.1", device="cuda", dtype=torch.bfloat16, gpu_memory_utilization=0.3, block_tokens=128,
               max_num_seqs=8, max_model_len=1 << 20, enforce_eager=True)
     eng = llm.engine

@@ -1,5 +1,5 @@
 """FlashMLA's sparse prefill kernel as the sparse attention backend (mini/kernels/flashmla_attention.py) against
-the reference op and our Triton kernel, on the H200 with sgl-flash-mla installed (scripts/gpu_flashmla.sh).
+the reference op and our Triton kernel, on the H200 with sgl-flash-mla installed (phase flashmla of scripts/gpu.sh).
 
 Tolerances (bf16 output): both sides round the output to bf16 (2^-9 relative per element, ~1e-3 of a token's
 norm each) and P to bf16 before P·V, FlashMLA at its running maxima (and rescaled, rounded again, for one

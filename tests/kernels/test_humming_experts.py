@@ -13,7 +13,7 @@ from mini.formats import dequant_mxfp4
 def hx():
     from mini.kernels import humming_experts
     if not humming_experts.available():
-        pytest.skip("humming-kernels is not importable on an SM90 GPU here (install the wheel, see notes-moe.md)")
+        pytest.skip("humming-kernels is not importable on an SM90 GPU here (install the wheel, see docs/kernels.md)")
     return humming_experts
 
 
