@@ -29,6 +29,8 @@ import torch
 
 GROUP = 32  # MXFP4: one E8M0 scale per 32 codes along K
 COMPUTE_CONFIG = json.dumps({"gemm_type": "grouped_contiguous"})
+# the deterministic mode's: the library's batch-invariant kernels (it asserts one K partition, no stream-K)
+INVARIANT_COMPUTE_CONFIG = json.dumps({"gemm_type": "grouped_contiguous", "use_batch_invariant": True})
 CHUNK = 4  # experts moved at once at load (scratch: ~60 MB per V4.1-Flash w1+w3 expert)
 
 
@@ -201,11 +203,20 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _tuning(config, rows: int) -> str:
-    """Humming's SM90 heuristic tile config for `rows` rows, without stream-K (see the module docstring)."""
+def _tuning(config, rows: int, invariant: bool = False) -> str:
+    """Humming's SM90 heuristic tile config for `rows` rows, without stream-K (see the module docstring).
+
+    The heuristic's configs differ by row count in more than the row tile: for few rows (buckets up to 64-128 at
+    V4.1-Flash's shapes) it takes mma.sync tiles whose K is split between two warps and summed through shared
+    memory, from 128-256 rows wgmma tiles with one K partition. A row of an expert therefore rounds differently
+    when the expert has few rows (decode, or a rank's share under EP) than when it has many. `invariant` (the
+    deterministic mode) asks the library for its batch-invariant schedule instead: one K partition of a fixed
+    width (64 for bf16 activations) and no stream-K at every row count; only the row tile still follows the
+    rows, which changes no row's sums."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
-    tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS))
+    tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
+                                        use_batch_invariant=invariant))
     tuning["use_stream_k"] = False
     return json.dumps(tuning)
 
@@ -215,15 +226,17 @@ def rows_bucket(expected_rows: int) -> int:
     return 1 << max(4, (max(expected_rows, 1) - 1).bit_length())
 
 
-def tuning_for(stack: HummingStack, expected_rows: int) -> str:
-    """The tile config (JSON) the GEMM takes for about `expected_rows` rows."""
-    return _tuning(stack.config, rows_bucket(expected_rows))
+def tuning_for(stack: HummingStack, expected_rows: int, invariant: bool = False) -> str:
+    """The tile config (JSON) the GEMM takes for about `expected_rows` rows (`invariant`: see `_tuning`)."""
+    return _tuning(stack.config, rows_bucket(expected_rows), invariant)
 
 
 def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,
-                 out: torch.Tensor | None = None, tuning: str | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tuning: str | None = None, invariant: bool = False
+                 ) -> torch.Tensor:
     """a bf16 [R, K] rows sorted by expert, expert_offset int32 [E+1] -> out bf16 [R, N] = a W_e^T for the rows
-    of each expert e (rows past expert_offset[E] are left unwritten). `tuning` (JSON) overrides the tile config."""
+    of each expert e (rows past expert_offset[E] are left unwritten). `tuning` (JSON) overrides the tile config;
+    `invariant` takes the library's batch-invariant schedule (the deterministic mode, see `_tuning`)."""
     from humming import ops
     if a.dtype != torch.bfloat16 or a.shape[1] != stack.k or a.stride(1) != 1:
         raise ValueError(f"grouped_gemm: expected row-major bf16 [R, {stack.k}], got {a.dtype} {tuple(a.shape)}")
@@ -233,8 +246,10 @@ def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tens
     if a.shape[0] == 0:
         return out
     bucket = rows_bucket(expected_rows)
-    return ops.humming_gemm(layer_config=stack.config.to_str(), compute_config=COMPUTE_CONFIG,
-                            tuning_config=tuning or _tuning(stack.config, bucket), inputs=a, weight=stack.weight,
+    return ops.humming_gemm(layer_config=stack.config.to_str(),
+                            compute_config=INVARIANT_COMPUTE_CONFIG if invariant else COMPUTE_CONFIG,
+                            tuning_config=tuning or _tuning(stack.config, bucket, invariant), inputs=a,
+                            weight=stack.weight,
                             weight_scale=stack.scale, outputs=out, expert_layout=expert_offset,
                             locks=stack.locks, valid_shape_m=bucket)
 

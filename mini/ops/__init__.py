@@ -54,6 +54,26 @@ def use_fast(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) or (_interpret_on_cpu and not any(t.is_cuda for t in tensors))
 
 
+_deterministic = False
+
+
+def deterministic() -> bool:
+    """Whether the deterministic mode is on (`set_deterministic`)."""
+    return _deterministic
+
+
+def set_deterministic(on: bool) -> None:
+    """The deterministic mode, process-wide (`--deterministic`, EngineOptions.deterministic): every fast-path
+    choice that would depend on how many rows a step has is fixed, so a request's result does not depend on what
+    else is batched with it (docs/design.md, Determinism). On CUDA it also routes aten's GEMMs through the
+    fixed-tile kernel of mini/kernels/batch_invariant.py instead of cuBLAS."""
+    global _deterministic
+    _deterministic = bool(on)
+    if torch.cuda.is_available():
+        from mini.kernels import batch_invariant
+        (batch_invariant.enable if on else batch_invariant.disable)()
+
+
 def library_choice(env: str, library: str, available) -> str:
     """An optional library's switch, read from the environment variable `env`: "auto" (the default) picks the
     library where `available()` says it imports on this GPU, else "triton" (our kernels); naming the library forces

@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
-from mini.ops import library_choice, use_fast
+from mini.ops import deterministic, library_choice, use_fast
 from mini.ops.rope import apply_rope
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
@@ -209,7 +209,7 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
     from mini.kernels.sparse_attention import sparse_mla_attention
     args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
             rope_out)
-    backend = sparse_backend()
+    backend = "triton" if deterministic() else sparse_backend()  # FlashMLA serves only big steps: a choice by T
     if backend != "triton":
         with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
         keys = [kv_new, window] + ([comp] if with_pool else [])

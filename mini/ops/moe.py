@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
 from mini.formats.quant import fake_quant_enabled
-from mini.ops import library_choice, use_fast
+from mini.ops import deterministic, library_choice, use_fast
 from mini.ops.linear import QWeight, linear
 
 
@@ -211,10 +211,11 @@ FUSED_GATE_MIN_TOKENS = 1024
 def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan) -> bool:
     """The fused kernel covers bf16 activations and gate weights, sqrtsoftplus scores and a selection bias (V4.1,
     and V4's non-hash layers), from FUSED_GATE_MIN_TOKENS tokens; other cases (softmax / sigmoid, hash layers, no
-    bias, few tokens) run `gate_unfused`."""
+    bias, few tokens) run `gate_unfused`. In the deterministic mode the token count does not choose: the fused
+    kernel (fixed tiles, one program per row block) serves every step it covers."""
     return (use_fast(x, w.gate) and x.dtype == torch.bfloat16 and w.gate.dtype == torch.bfloat16
-            and x.shape[0] >= FUSED_GATE_MIN_TOKENS and cfg.score_func == "sqrtsoftplus" and not plan.hash_routed
-            and w.bias is not None)
+            and (x.shape[0] >= FUSED_GATE_MIN_TOKENS or deterministic()) and cfg.score_func == "sqrtsoftplus"
+            and not plan.hash_routed and w.bias is not None)
 
 
 def gate_unfused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,
@@ -385,6 +386,7 @@ def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -
     I = w13.n // 2
     n_valid = plan.expert_offset[-1:]  # the local row count, left on the device
     xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
-    gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows)
+    invariant = deterministic()  # the library's batch-invariant schedules (humming_experts._tuning)
+    gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows, invariant=invariant)
     h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
-    return grouped_gemm(h, w2, plan.expert_offset, expected_rows)
+    return grouped_gemm(h, w2, plan.expert_offset, expected_rows, invariant=invariant)

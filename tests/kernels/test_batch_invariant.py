@@ -1,0 +1,95 @@
+"""The deterministic mode's GEMM (mini/kernels/batch_invariant.py): parity with torch, and a row's bits do not
+depend on how many rows the call has (rows alone == the same rows inside a larger batch, bit for bit). On CPU
+under Triton's interpreter; the gpu test checks the compiled kernel and the aten overrides."""
+import pytest
+import torch
+
+from mini.kernels import batch_invariant as bi
+
+
+@pytest.fixture
+def bf16_interpreter(interpreter):
+    from mini.kernels.interpreter import patch_bf16
+    patch_bf16()
+
+
+def _data(M, K, N, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = torch.randn(N, K, generator=g).to(dtype).to(device)  # [N, K] like a linear weight
+    return a, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_matches_torch(bf16_interpreter, dtype):
+    a, w = _data(37, 96, 70, dtype)
+    got = bi.matmul(a, w.t(), out_dtype=torch.float32)
+    want = a.double() @ w.double().t()
+    tol = 1e-5 if dtype == torch.float32 else 1e-5  # bf16 products are exact in fp32: only fp32 sums differ
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    out = torch.full((37, 70), float("nan"), dtype=dtype)
+    bi.matmul(a, w.t(), out=out)
+    assert not out.isnan().any()
+    assert torch.equal(out, got.to(dtype))  # one rounding of the same fp32 sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_alone_equal_rows_in_a_larger_batch(bf16_interpreter, dtype):
+    """The property the mode needs: row r's bits depend only on row r (and B), for any M, including M = 1 and
+    row counts that are not multiples of the tile. K = 200: several K steps and a partial last one."""
+    a, w = _data(150, 200, 72, dtype, seed=1)
+    full = bi.matmul(a, w.t())
+    for lo, hi in ((0, 1), (5, 6), (3, 40), (64, 129), (149, 150)):
+        part = bi.matmul(a[lo:hi], w.t())
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
+    # the same rows in another batch (other neighbours, other position in the tile)
+    mixed = torch.cat([torch.randn(9, 200).to(dtype), a[10:20]])
+    assert torch.equal(bi.matmul(mixed, w.t())[9:], full[10:20])
+
+
+def test_addmm_and_bmm_forms(bf16_interpreter):
+    a, w = _data(21, 64, 40, torch.float32, seed=2)
+    bias = torch.randn(40)
+    got = bi.matmul(a, w.t(), add=bias, alpha=1.0, beta=1.0)
+    assert torch.allclose(got, torch.addmm(bias, a, w.t()), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 17, 64)
+    y = torch.randn(3, 64, 24)
+    b = bi.bmm(x, y)
+    assert torch.allclose(b, torch.bmm(x, y), rtol=1e-5, atol=1e-5)
+    assert torch.equal(bi.bmm(x[:, 4:9], y), b[:, 4:9])
+    # strided operands (a transposed view, as F.linear passes the weight)
+    assert torch.equal(bi.matmul(a.t().contiguous().t(), w.t()), bi.matmul(a, w.t().contiguous()))
+
+
+def test_refuses_what_it_has_no_kernel_for():
+    with pytest.raises(NotImplementedError, match="float64"):
+        bi.matmul(torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="bfloat16 x torch.float32"):
+        bi.matmul(torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2))
+
+
+@pytest.mark.gpu
+def test_overrides_make_cuda_gemms_batch_invariant():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import torch.nn.functional as F
+    bi.enable()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            a, w = _data(4096, 5120, 1536, dtype, device="cuda", seed=3)
+            full = F.linear(a, w)
+            want = a.double() @ w.double().t()
+            rel = float((full.double() - want).norm() / want.norm())
+            assert rel < (1e-6 if dtype == torch.float32 else 4e-3), rel
+            for n in (1, 3, 17, 64, 100, 1000):
+                assert torch.equal(F.linear(a[:n], w), full[:n]), (dtype, n)
+            x = a[:300].view(3, 100, 5120)
+            assert torch.equal(torch.einsum("btk,nk->btn", x, w)[1], full[100:200])
+            if hasattr(torch.ops.aten.mm, "dtype") and dtype == torch.bfloat16:
+                f32 = torch.mm(a, w.t(), out_dtype=torch.float32)
+                assert torch.equal(torch.mm(a[:5], w.t(), out_dtype=torch.float32), f32[:5])
+    finally:
+        bi.disable()
+    # cuBLAS again
+    a, w = _data(8, 64, 8, torch.float32, device="cuda")
+    assert torch.allclose(F.linear(a, w), (a.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
