@@ -1,4 +1,4 @@
-"""The engine over the real tiny-v4.1 model on CPU. Activations in fp32 (MINI_DTYPE=float32 numerics): greedy
+"""The engine over the real tiny-v4.1 model on CPU. Activations in fp32 (design.md, numerics contract): greedy
 near-ties in bf16 could flip a token between batch shapes, which is rounding, not an engine bug."""
 import pytest
 import torch
