@@ -149,6 +149,7 @@ class LLMEngine:
         self.overlap = o.overlap if o.overlap is not None else (self.runner.graphs is not None
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
+        self._grammars = None  # see `grammars`
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -166,6 +167,16 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds this "
                              f"server's context of {self.max_model_len} tokens")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
+
+    @property
+    def grammars(self):
+        """The grammar backend (mini.engine.structured), made on first use; ValueError without a tokenizer."""
+        if self._grammars is None:
+            from mini.engine.structured import GrammarBackend
+            self._grammars = GrammarBackend(self.tokenizer, self.config.vocab_size)
+        return self._grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         if request_id in self.requests:
@@ -177,6 +188,8 @@ class LLMEngine:
                        max_total_tokens=self.max_model_len)
         if self.tokenizer is not None:
             seq.detok = self.tokenizer.stream(skip_special_tokens=True)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -263,7 +276,8 @@ class LLMEngine:
             raise RuntimeError(f"{logits.shape[0]} logit rows for {len(seqs)} sampling sequences")
         out = host = ready = None
         if seqs:
-            out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device))
+            out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device,
+                                                         self._grammar_masks(seqs, prev, logits.device)))
             host, ready = _copy_to_host(out)
             for s in seqs:
                 s.num_inflight += 1
@@ -285,8 +299,21 @@ class LLMEngine:
             seq.num_inflight -= 1
             if not seq.is_finished:
                 seq.output_token_ids.append(ids[i])
+                if seq.matcher is not None:
+                    self.grammars.consume(seq.matcher, ids[i])
                 step.kept.append((i, seq))
         return ids
+
+    def _grammar_masks(self, seqs: list[Sequence], prev: _Launched | None, device):
+        """The bitmask of the rows with a grammar (None: no row has one). Called after the forward is launched:
+        a row whose previous token is still in flight (overlapped steps) needs it first, so the step in flight is
+        read back here, while this step's forward runs on the device; the mask is then computed on the host and
+        the sampling enqueued behind the forward (docs/design.md, "Structured outputs")."""
+        if not any(s.matcher is not None for s in seqs):
+            return None
+        if prev is not None and any(s.matcher is not None and s.num_inflight for s in seqs):
+            self._fetch(prev)
+        return self.grammars.bitmask([s.matcher for s in seqs], device)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Read a launched step back: its tokens, stop checks and outputs. Gives back the cache of sequences that

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: penalties, logit bias, grammar masks, temperature, top-k / top-p / min-p, seeded draws,
+logprobs.
 
 All the math runs on `[n, vocab]` tensors; the only per-sequence work is packing parameters into tensors.
 
@@ -68,12 +69,16 @@ class SamplingBatch:
     repetition: torch.Tensor  # [n] f32
     output_counts: torch.Tensor | None  # [n, vocab] f32 counts of output tokens (None: no penalties)
     seen: torch.Tensor | None  # [n, vocab] bool, token appears in prompt or output (None: no repetition penalty)
+    bias: torch.Tensor | None  # [n, vocab] f32 added to the logits (OpenAI logit_bias; None: no row has one)
+    allowed: torch.Tensor | None  # [n, words] int32 bitmask of the tokens a row's grammar allows (None: no grammar)
     n_logprobs: int  # max top-n over the rows (-1: none wants logprobs)
     all_greedy: bool
     any_filter: bool  # some row uses top-k, top-p or min-p (else the sort is skipped)
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], vocab: int, device) -> "SamplingBatch":
+    def from_seqs(cls, seqs: list[Sequence], vocab: int, device, allowed: torch.Tensor | None = None
+                  ) -> "SamplingBatch":
+        """`allowed`: the rows' grammar bitmask on `device` (mini.engine.structured.GrammarBackend.bitmask)."""
         ps = [s.params for s in seqs]
         out_counts = seen = None
         if any(p.presence_penalty or p.frequency_penalty for p in ps):
@@ -90,10 +95,21 @@ class SamplingBatch:
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3], frequency=floats[4],
             repetition=floats[5], top_k=ints[0], seeds=ints[1], counters=ints[2],
-            output_counts=out_counts, seen=seen,
+            output_counts=out_counts, seen=seen, bias=_logit_bias(ps, vocab, device), allowed=allowed,
             n_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
             all_greedy=all(p.temperature == 0 for p in ps),
             any_filter=any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in ps))
+
+
+def _logit_bias(ps: list, vocab: int, device) -> torch.Tensor | None:
+    if not any(p.logit_bias for p in ps):
+        return None
+    bias = torch.zeros(len(ps), vocab, dtype=torch.float32)
+    for i, p in enumerate(ps):
+        for tid, value in (p.logit_bias or {}).items():
+            if tid < vocab:
+                bias[i, tid] = value
+    return to_device(bias, device)
 
 
 def _token_counts(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -142,10 +158,19 @@ def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
 
 
+def apply_bias_and_mask(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.bias is not None:
+        logits = logits + b.bias
+    if b.allowed is not None:  # tokens outside a row's grammar can never be drawn
+        from mini.engine.structured import unpack_bitmask
+        logits = logits.masked_fill(~unpack_bitmask(b.allowed, logits.shape[-1]), float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
-    """Choose one token per row of `logits` (fp32 `[n, vocab]`)."""
+    """Choose one token per row of `logits` (fp32 `[n, vocab]`). Logprobs are those of the raw logits."""
     raw = logits
-    logits = apply_penalties(logits, b)
+    logits = apply_bias_and_mask(apply_penalties(logits, b), b)
     ids = logits.argmax(dim=-1)
     if not b.all_greedy:
         probs = filtered_probs(logits, b)

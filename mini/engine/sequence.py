@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled token's)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    grammar: str | None = None  # llguidance Lark grammar the output must follow (mini.engine.structured)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -66,6 +68,9 @@ class SamplingParams:
         need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        need(all(isinstance(t, int) and t >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+                 for t, v in (self.logit_bias or {}).items()),
+             "logit_bias maps token ids >= 0 to values in [-100, 100]")
 
 
 class Status(enum.Enum):
@@ -110,6 +115,7 @@ class Sequence:
     text: str = ""  # output text with stop strings handled (what the user gets)
     emitted_chars: int = 0  # how much of `text` was already streamed
     num_inflight: int = 0  # sampled tokens not yet read back from the device (overlapped steps)
+    matcher: object | None = None  # grammar state (llguidance matcher) when params.grammar is set
 
     @property
     def tokens(self) -> list[int]:

@@ -100,3 +100,45 @@ def test_logprobs_top_n():
 def test_bad_params_rejected(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def _bits(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """int32 [n, words] bitmask from allowed-id lists (reference packing, one bit at a time)."""
+    words = (vocab + 31) // 32
+    mask = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for i, ids in enumerate(allowed):
+        for t in ids:
+            mask[i, t // 32] |= 1 << (t % 32)
+    return torch.where(mask >= 1 << 31, mask - (1 << 32), mask).to(torch.int32)  # the same bits as int32
+
+
+@pytest.mark.parametrize("vocab", [37, 64, 100])
+def test_grammar_mask_only_allowed_tokens_are_drawn(vocab):
+    torch.manual_seed(3)
+    rng = torch.Generator().manual_seed(4)
+    allowed = [sorted(torch.randperm(vocab, generator=rng)[:k].tolist()) for k in (1, 3, 5, vocab)]
+    allowed[1] = [vocab - 1, 31, 0]  # the high bits of a word (bit 31 is the int32 sign)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.5), SamplingParams(temperature=0)]
+    logits = torch.randn(4, vocab) * 4
+    b = SamplingBatch.from_seqs(_seqs(params), vocab, "cpu", _bits(allowed, vocab))
+    for counter in range(20):
+        b.counters = torch.full((4,), counter, dtype=torch.int64)
+        got = sample(logits, b).token_ids.tolist()
+        assert all(t in a for t, a in zip(got, allowed))
+    # greedy rows: the argmax among the allowed; the unrestricted row: the plain argmax
+    assert got[0] == max(allowed[0], key=lambda t: logits[0, t]) and got[3] == int(logits[3].argmax())
+
+
+def test_logit_bias_is_added_before_the_draw_and_not_to_logprobs():
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=1),
+              SamplingParams(temperature=0, logit_bias={3: -100.0}, logprobs=1)]
+    b = SamplingBatch.from_seqs(_seqs(params), 10, "cpu")
+    out = sample(logits, b)
+    assert out.token_ids.tolist()[0] == 7 and out.token_ids.tolist()[1] != 3
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

@@ -1,0 +1,103 @@
+"""llguidance grammars (Lark syntax) for what the OpenAI API asks to enforce: `response_format` (a JSON object, a
+JSON schema) and forced tool calls (`tool_choice` "required" or a named function), the latter in V4.1's DSML
+markup with each argument checked against its schema.
+
+JSON is written with `, ` and `: ` and no other whitespace (a model cannot pad it forever). In thinking mode the
+output starts with free reasoning up to `</think>`; the constraint applies after it.
+"""
+from __future__ import annotations
+
+import json
+
+from mini.tokenizer import CALLS_CLOSE, DSML, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
+    param_open
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY = r"(.|\n)"
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _containing(text: str) -> str:
+    """A Lark regex: any text that contains `text`."""
+    escaped = "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
+    return f"/{_ANY}*{escaped}{_ANY}*/"
+
+
+def _without(text: str, length: str = "*") -> str:
+    """A Lark regex: text of `length` (a regex repeat) that does not contain `text`."""
+    return f"/{_ANY}{length}/ & ~{_containing(text)}"
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def _with_reasoning(body: list[str], thinking: bool) -> str:
+    """`body`: rules, the first named `answer`."""
+    head = [f"start: REASONING {_lit(END_THINK)} answer", f"REASONING: {_without(END_THINK)}"] if thinking \
+        else ["start: answer"]
+    return "\n".join(head + body) + "\n"
+
+
+def json_grammar(schema: dict | None, thinking: bool = False) -> str:
+    """`schema` None: any JSON object (response_format json_object)."""
+    return _with_reasoning([f"answer: {_json(schema if schema is not None else {'type': 'object'})}"], thinking)
+
+
+def _is_plain_string(schema: dict) -> bool:
+    """Written raw (string="true"): a string schema with nothing a raw value could not be checked against."""
+    return schema.get("type") == "string" and not set(schema) & {"pattern", "format", "const", "anyOf", "oneOf",
+                                                                   "allOf", "$ref", "not"}
+
+
+def _raw_string(schema: dict) -> str:
+    if "enum" in schema:
+        return " | ".join(_lit(v) for v in schema["enum"] if isinstance(v, str)) or '""'
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    return _without(f"</{DSML}", f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*"))
+
+
+def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
+    """`invoke{i}`: one call of the tool, its declared parameters in schema order (required ones always)."""
+    props = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    rules, items = [], []
+    for j, (key, sub) in enumerate(props.items()):
+        if not isinstance(sub, dict) or any(c in key for c in '"\\\n'):
+            raise ValueError(f"tool {name!r}: parameter {key!r} cannot be enforced")
+        value = f"V{i}_{j}"
+        if _is_plain_string(sub):
+            rules.append(f"{value}: {_raw_string(sub)}")
+            head = param_open(key, True)
+        else:
+            rules.append(f"p{i}_{j}_value: {_json({**sub, **defs})}")
+            value = f"p{i}_{j}_value"
+            head = param_open(key, False)
+        rules.append(f"p{i}_{j}: {_lit(head)} {value} {_lit(PARAM_CLOSE + chr(10))}")
+        items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+    rules.insert(0, f"invoke{i}: {_lit(invoke_open(name) + chr(10))} {' '.join(items)} {_lit(INVOKE_CLOSE)}")
+    return rules
+
+
+def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool = True,
+                      thinking: bool = False) -> str:
+    """A calls block (and nothing else) calling the offered tools (`only`: just that one); `parallel` False: one
+    call. Arguments follow each tool's `parameters` schema."""
+    rules, invokes = [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        rules += _invoke_rules(i, fn["name"], fn.get("parameters") or {})
+        invokes.append(f"invoke{i}")
+    if not invokes:
+        raise ValueError(f"no tool named {only!r} is offered")
+    more = f' ("\\n" call)*' if parallel else ""
+    body = [f"answer: {_lit(TOOL_CALLS_START + chr(10))} call{more} {_lit(chr(10) + CALLS_CLOSE)}",
+            f"call: {' | '.join(invokes)}", *rules]
+    return _with_reasoning(body, thinking)

@@ -1,0 +1,117 @@
+"""The model's side of V4.1 tool calling: its DSML calls block parsed back into OpenAI `tool_calls`.
+
+An assistant turn that calls tools is `content` + `\\n\\n<｜DSML｜ calls>` + invokes + `</｜DSML｜ calls>`
+(mini.tokenizer.render_tool_calls writes the same markup into prompts). The parser is strict about the markup and
+total: text that is not a well-formed block naming offered tools (a random-weight model writes such text) is
+returned as content, never an error. Streaming holds back everything from a possible block start until the
+output ends, then gives the calls or the held text, so a stream and a full response always agree.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from mini.tokenizer import CALLS_CLOSE, DSML, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START
+
+_INVOKE_HEAD = f'<{DSML} invoke name="'
+_PARAM_HEAD = f'<{DSML} parameter name="'
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class _Malformed(Exception):
+    pass
+
+
+class _Cursor:
+    def __init__(self, text: str):
+        self.text, self.pos = text, 0
+
+    def skip_newlines(self) -> None:
+        while self.text.startswith("\n", self.pos):
+            self.pos += 1
+
+    def take(self, literal: str) -> bool:
+        if self.text.startswith(literal, self.pos):
+            self.pos += len(literal)
+            return True
+        return False
+
+    def expect(self, literal: str) -> None:
+        if not self.take(literal):
+            raise _Malformed(f"expected {literal!r} at {self.pos}")
+
+    def until(self, literal: str) -> str:
+        end = self.text.find(literal, self.pos)
+        if end < 0:
+            raise _Malformed(f"no {literal!r}")
+        value, self.pos = self.text[self.pos:end], end + len(literal)
+        return value
+
+
+def _parse_block(block: str, names: set[str] | None) -> list[ToolCall]:
+    """The invokes of a calls block (the text after `<｜DSML｜ calls>`); raises _Malformed."""
+    cur, calls = _Cursor(block), []
+    cur.skip_newlines()
+    while not cur.take(CALLS_CLOSE):
+        cur.expect(_INVOKE_HEAD)
+        name = cur.until('">')
+        if not name or "\n" in name or (names is not None and name not in names):
+            raise _Malformed(f"unknown tool {name!r}")
+        args: dict = {}
+        cur.skip_newlines()
+        while not cur.take(INVOKE_CLOSE):
+            cur.expect(_PARAM_HEAD)
+            key = cur.until('" string="')
+            flag = cur.until('">')
+            raw = cur.until(PARAM_CLOSE)
+            if key in args or flag not in ("true", "false") or "\n" in key:
+                raise _Malformed(f"bad parameter {key!r}")
+            if flag == "true":
+                args[key] = raw
+            else:
+                try:
+                    args[key] = json.loads(raw)
+                except ValueError:
+                    raise _Malformed(f"parameter {key!r} is not JSON") from None
+            cur.skip_newlines()
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        cur.skip_newlines()
+    if cur.text[cur.pos:].strip() or not calls:
+        raise _Malformed("text after the calls block" if calls else "no calls")
+    return calls
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished assistant turn (reasoning already split off). `names`: the offered tools;
+    a call of any other name makes the block malformed. A malformed block leaves the whole text as content."""
+    i = text.find(TOOL_CALLS_START)
+    if i < 0:
+        return text, []
+    try:
+        return text[:i], _parse_block(text[i + len(TOOL_CALLS_START):], names)
+    except _Malformed:
+        return text, []
+
+
+def held_back(text: str) -> int:
+    """Where streamed content must stop: at the calls block's start, or at a tail that could begin it."""
+    i = text.find(TOOL_CALLS_START)
+    if i >= 0:
+        return i
+    for k in range(len(TOOL_CALLS_START) - 1, 0, -1):
+        if text.endswith(TOOL_CALLS_START[:k]):
+            return len(text) - k
+    return len(text)
