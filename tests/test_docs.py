@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILE = re.compile(r"[\w./-]+\.(?:py|sh|md|json|txt|toml)\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 SWITCH = re.compile(r"\bMINI_[A-Z0-9_]+\b")
+FOLDER = re.compile(r"(?<![\w/.-])(?:mini|tests|docs|scripts|tools)/(?:[\w.-]+/)*")
 
 
 def current_docs() -> list[Path]:
@@ -39,12 +40,16 @@ OUTSIDE = {"inference/model.py"}  # the official reference code, which the docs 
 OUTPUT = re.compile(r"(?:--[\w-]+[ =]|> ?|\b[0-9a-f]{7,40}:)\S+")  # a command's output file, a path in git history
 
 
+def spans(text: str) -> list[str]:
+    """Fenced code blocks and inline code spans."""
+    fenced = re.findall(r"```.*?```", text, flags=re.S)
+    return fenced + re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", " ", text, flags=re.S))
+
+
 def named_files(text: str) -> set[str]:
     """Paths in backticks, without a test id (`file.py::test`), skipping patterns and placeholders."""
     names = set()
-    fenced = re.findall(r"```.*?```", text, flags=re.S)
-    spans = fenced + re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", " ", text, flags=re.S))
-    for span in spans:
+    for span in spans(text):
         for m in FILE.findall(OUTPUT.sub(" ", span.split("::")[0])):
             if not any(c in m for c in "*{}$") and "NNN" not in m and m not in OUTSIDE:
                 names.add(m.lstrip("./"))
@@ -58,6 +63,13 @@ def test_named_files_exist(doc):
     missing = sorted(n for n in named_files(doc.read_text())
                      if not any(f == n or f.endswith("/" + n) for f in files))
     assert not missing, f"{doc.relative_to(ROOT)} names files that are not in the tree: {missing}"
+
+
+@pytest.mark.parametrize("doc", current_docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_folders_exist(doc):
+    named = {m for span in spans(doc.read_text()) for m in FOLDER.findall(OUTPUT.sub(" ", span)) if "NNN" not in m}
+    missing = sorted(d for d in named if not (ROOT / d).is_dir())
+    assert not missing, f"{doc.relative_to(ROOT)} names folders that are not in the tree: {missing}"
 
 
 @pytest.mark.parametrize("doc", current_docs(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -77,4 +89,5 @@ def test_the_checks_can_fail():
     assert named_files("`mini bench x --json out.json > log.txt; git show 4816eaa:docs/a.json`") == set()
     assert named_files("```\nmini/a.py  x\n```\nand `b.py`, `c.py`") == {"mini/a.py", "b.py", "c.py"}
     assert "MINI_DTYPE" not in code_names()  # the switch the design notes once named
+    assert FOLDER.findall("`mini/dist/` and `tests/parallel/x.py` and `a/mini/b/`") == ["mini/dist/", "tests/parallel/"]
     assert LINK.findall("[x](model.md#sizes) [y](https://e.org)") == ["model.md", "https://e.org"]
