@@ -15,7 +15,7 @@ from mini.args import (UsageError, add_engine_args, add_model_args, add_serve_ar
 
 
 def cmd_generate(args) -> int:
-    from mini.parallel.serve import generate_torchrun, under_torchrun
+    from mini.parallel.launch import generate_torchrun, under_torchrun
     from mini.engine import LLM, SamplingParams
     from mini.tokenizer import render_chat
     check_model(args.model)
@@ -104,17 +104,38 @@ def cmd_make_checkpoint(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from mini.parallel.serve import serve_local, serve_torchrun, under_torchrun
+    from mini.parallel.launch import under_torchrun
+    from mini.parallel.serve import serve_local, serve_torchrun
     check_model(args.model)
     resolve_device(args)  # a missing GPU is a usage error here, before any rank starts
     if under_torchrun():
         if args.ep not in (None, 1):
             raise UsageError("--ep starts its own ranks; under torchrun use --nproc-per-node")
-        return serve_torchrun(args)
+        return serve_torchrun(args, serve_dp_http)
     if args.ep is not None and args.ep > 1:
-        return serve_local(args, args.ep)
+        return serve_local(args, args.ep, serve_dp_http)
     from mini.server import serve
     return serve(args) or 0
+
+
+def serve_dp_http(args, engine, driver, routes: dict) -> None:
+    """Rank 0 of `mini serve` over DP ranks (mini.parallel.serve): the HTTP server over the engine the ranks
+    built, its steps run by `driver`, plus GET `routes` (path -> fn() -> dict); serves until stopped."""
+    import uvicorn
+
+    from mini.engine.async_engine import AsyncLLM
+    from mini.server import create_app
+    from mini.server.metrics import ServerMetrics
+    metrics = ServerMetrics(engine)  # gauges (cache use, queue) are rank 0's engine only
+    llm = AsyncLLM(engine, on_output=metrics.observe, driver=driver)
+    try:
+        app = create_app(llm, metrics, args.served_model_name or args.model)
+        app.router.on_shutdown.append(llm.shutdown)  # before uvicorn re-raises the signal that stopped it
+        for path, status in routes.items():
+            app.get(path)(status)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()
 
 
 def cmd_bench(argv: list[str]) -> int:

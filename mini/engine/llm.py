@@ -79,6 +79,16 @@ class RequestOutput:
     finish_time: float | None = None
 
 
+class StepOutputs(list):
+    """What `step()` returns: its RequestOutputs (a list), and whether it ran a forward (`forward`). A step that
+    only flushed aborts or read back the step in flight runs none; a data-parallel rank then still joins the
+    other ranks' MoE layers with an empty batch (mini.parallel)."""
+
+    def __init__(self, outputs=(), forward: bool = False):
+        super().__init__(outputs)
+        self.forward = forward
+
+
 @dataclass
 class StepTimes:
     """Where one step's time went (LLMEngine.step_times): host seconds per phase, the forward's GPU span."""
@@ -213,7 +223,7 @@ class LLMEngine:
             later.release_after.append(seq)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         t0 = time.perf_counter()
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
@@ -226,7 +236,7 @@ class LLMEngine:
             prev = None
             plan.chunks = [c for c in plan.chunks if not c.seq.is_finished]
         if not plan.chunks:
-            return outputs
+            return StepOutputs(outputs, forward=False)
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
         t1 = time.perf_counter()
@@ -248,7 +258,7 @@ class LLMEngine:
                                    r.prepare_s, r.forward_s, end - t2, end - t0, None, t0)
             if not overlap:
                 self._record(step)
-        return outputs
+        return StepOutputs(outputs, forward=True)
 
     def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
         """The one place that decides: a step may be left in flight (and launched before the previous step is read

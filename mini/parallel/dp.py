@@ -8,7 +8,7 @@ the MoE layers of all ranks meet in the exchange once per layer.
 
 A step in which a rank has no tokens still has to take part in every MoE layer (its experts serve the other
 ranks' tokens): `DPModel.join_idle` runs the exchange with empty inputs; `generate` calls it whenever the rank's
-engine step ran no forward, and stops when no rank has work left.
+engine step ran no forward (`LLMEngine.step().forward`), and stops when no rank has work left.
 """
 from __future__ import annotations
 
@@ -28,14 +28,12 @@ class DPModel:
     def __init__(self, model, ctx: DistContext):
         self.model, self.exchange = model, MoEExchange(ctx)
         model.moe_exchange = self.exchange
-        self.forwards = 0  # forwards run so far (generate uses it to spot steps without one)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def forward(self, batch, cache) -> torch.Tensor:
         self.exchange.begin_step(batch.n_tokens)
-        self.forwards += 1
         return self.model.forward(batch, cache)
 
     @torch.inference_mode()
@@ -76,10 +74,12 @@ def generate(llm, ctx: DistContext, prompts: list, params) -> list:
         engine.add_request(f"dp-{i}", prompts[i], params[i])
     final = {}
     while _any_rank(ctx, engine.has_work()):
-        before = dp.forwards
+        ran_forward = False
         if engine.has_work():
-            final.update({o.request_id: o for o in engine.step() if o.finished})
-        if dp.forwards == before:
+            outputs = engine.step()
+            final.update({o.request_id: o for o in outputs if o.finished})
+            ran_forward = outputs.forward
+        if not ran_forward:
             dp.join_idle()
     outputs = [final[f"dp-{i}"] for i in mine]
     if not ctx.multi:

@@ -1,16 +1,20 @@
-"""Start EP/DP ranks: under torchrun, or as local processes.
+"""Start EP/DP ranks: under torchrun, or as local processes. The one place that starts local ranks.
 
     torchrun --nproc-per-node N -m mini.parallel.launch generate --model tiny-v4.1 --prompt "a" --prompt "b"
     python -m mini.parallel.launch --nproc N generate ...        # same, N local processes (gloo on CPU, NCCL on GPU)
 
-`spawn(world, fn, *args)` runs `fn(ctx, *args)` on `world` local processes (each joined to the group by
-`groups.init`) and returns their results in rank order; tests use it with gloo on the CPU.
+* `spawn(world, fn, *args)` runs `fn(ctx, *args)` on `world` local processes (each joined to the group by
+  `groups.init`) and returns their results in rank order; tests use it with gloo on the CPU;
+* `run_ranks(fn, args, nproc)`: this process as one rank under torchrun, else `spawn`;
+* `run_local(world, fn, *args)`: `fn(*args)` on `world` local processes set up as torchrun sets its processes up
+  (they join the group themselves), this process forwarding Ctrl-C to rank 0 (`mini serve --ep N`).
 """
 from __future__ import annotations
 
 import argparse
 import io
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -27,9 +31,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _rank_env(rank: int, world: int, port: int) -> None:
+    """What torchrun sets for a process of a one-host job."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _start(world: int, target, *args):
+    """`target(rank, world, port, *args)` on `world` fresh processes (spawned), not joined."""
+    return mp.start_processes(target, args=(world, _free_port(), *args), nprocs=world, join=False,
+                              start_method="spawn")
+
+
 def _worker(rank, world, port, device, results, fn, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _rank_env(rank, world, port)
     ctx = None
     try:
         ctx = init(device)
@@ -48,10 +67,8 @@ def _worker(rank, world, port, device, results, fn, args):
 def spawn(world: int, fn, *args, device: str | None = None) -> list:
     """fn(ctx, *args) on `world` fresh processes; returns the results in rank order. `fn` and its arguments and
     result must be picklable (a module-level function)."""
-    mctx = mp.get_context("spawn")
-    results = mctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, _free_port(), device, results, fn, args), nprocs=world,
-                               join=False, start_method="spawn")
+    results = mp.get_context("spawn").SimpleQueue()
+    procs = _start(world, _worker, device, results, fn, args)
     out, errors = {}, []
     for _ in range(world):
         rank, ok, value = results.get()
@@ -81,6 +98,28 @@ def run_ranks(fn, args, nproc: int | None, device: str | None = None) -> tuple[i
         shutdown(ctx)
 
 
+def _local_rank(rank: int, world: int, port: int, fn, args) -> None:
+    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches rank 0 once, through run_local
+    _rank_env(rank, world, port)
+    fn(*args)
+
+
+def run_local(world: int, fn, *args) -> None:
+    """`fn(*args)` on `world` local processes with torchrun's environment (fn joins the group), waiting for them.
+    SIGINT / SIGTERM / SIGHUP to this process become one SIGINT to rank 0, which is to stop the others (e.g. a
+    server: uvicorn re-raises the signals it caught after its shutdown: one SIGINT ends the rank quietly; a second
+    one, or a SIGTERM, would not). `fn` and `args` must be picklable."""
+    procs = _start(world, _local_rank, fn, args)
+
+    def stop_rank0(signum, frame):
+        if procs.processes[0].is_alive():
+            os.kill(procs.processes[0].pid, signal.SIGINT)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_rank0)
+    while not procs.join():
+        pass
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
     from mini.parallel.dp import generate, load_ep_model
@@ -91,6 +130,21 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     return [o.text for o in generate(llm, ctx, args.prompt, params)]
+
+
+def generate_torchrun(args, prompt: str, num_blocks: int | None) -> int:
+    """`mini generate` under torchrun: the prompt runs on rank 0 while the other ranks serve its MoE layers;
+    rank 0 prints the text. `args`: the generate command's."""
+    from mini.args import resolve_device
+    device, _ = resolve_device(args)
+    ctx = init(device)
+    try:
+        texts = _generate_rank(ctx, argparse.Namespace(**{**vars(args), "prompt": [prompt], "num_blocks": num_blocks}))
+    finally:
+        shutdown(ctx)
+    if ctx.rank == 0:
+        print(texts[0])
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:

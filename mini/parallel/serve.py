@@ -2,7 +2,10 @@
 rank; every rank runs its own LLMEngine (scheduler, cache pools) over a `DPModel`.
 
     torchrun --nproc-per-node N -m mini serve --model DIR ...   # one process per rank
-    mini serve --ep N --model DIR ...                            # the same, N local processes started here
+    mini serve --ep N --model DIR ...                            # the same, N local processes (parallel.launch)
+
+Rank 0's HTTP server is the caller's (`serve_http`, mini.server.app.serve_engine for `mini serve`): it runs an
+AsyncLLM whose engine thread runs `DPDriver` instead of stepping one engine. Nothing here imports the server.
 
 The ranks move in lock step. Each step starts with one all-gather of a small `StepMessage` per rank: rank 0's
 carries the new requests and aborts (each addressed to one rank) and a stop flag; every rank's carries whether its
@@ -18,20 +21,19 @@ A failed step on any rank breaks the lock step: that rank raises, and rank 0 fai
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import queue
 import signal
-import socket
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from mini.parallel.groups import DistContext, init, shutdown
-from mini.engine.async_engine import AsyncLLM
+from mini.engine.async_engine import Abort, Add, Failed
 from mini.engine.llm import LLMEngine, RequestOutput
+from mini.parallel.groups import DistContext, init, shutdown
+from mini.parallel.launch import run_local
 
 log = logging.getLogger("mini.parallel.serve")
 
@@ -160,10 +162,12 @@ class DPWorker:
                 self._outbox.append(RequestError(cmd.request_id, str(e)))
         if not commands and not any(m.has_work for m in messages):
             return False
-        forwards = self.dp.forwards
+        ran_forward = False
         if self.engine.has_work():
-            self._outbox += [slim(o) for o in self.engine.step()]
-        if self.dp.forwards == forwards:  # no forward of our own: serve the other ranks' tokens
+            outputs = self.engine.step()
+            self._outbox += [slim(o) for o in outputs]
+            ran_forward = outputs.forward
+        if not ran_forward:  # no forward of our own: serve the other ranks' tokens
             self.dp.join_idle()
         return True
 
@@ -177,67 +181,60 @@ class DPWorker:
 
 
 # ---------------------------------------------------------------------------------------------------- rank 0
-class DPAsyncLLM(AsyncLLM):
-    """The server's engine on rank 0: the AsyncLLM caller side (validate, generate, abort) unchanged; its engine
-    thread routes requests to the ranks and drives the lock step instead of stepping one engine."""
+class DPDriver:
+    """Rank 0's engine thread (an AsyncLLM driver, mini.engine.async_engine.Driver): routes each request to a
+    rank and drives the lock step; the outputs of every rank come back through the step messages. After a failed
+    step the ranks are out of step: every open request fails, and every new one, until shutdown."""
+    poll_s = IDLE_POLL_S
 
-    def __init__(self, worker: DPWorker, on_output=None):
+    def __init__(self, worker: DPWorker):
         self.worker, self.router = worker, Router(worker.ctx.world)
-        super().__init__(worker.engine, on_output)
+        self._idle = True
+        self._failed: Exception | None = None
 
-    def _loop(self) -> None:
+    def status(self) -> dict:
+        """Requests per rank (GET /dp), for operators and tests."""
+        return self.router.status()
+
+    def start(self) -> None:
         if self.worker.ctx.device.type == "cuda":  # the CUDA device is per thread
             torch.cuda.set_device(self.worker.ctx.device)
-        idle = True
+
+    def idle(self) -> bool:
+        return self._idle
+
+    def step(self, commands: list[Add | Abort], stop: bool) -> list[RequestOutput | Failed]:
+        if self._failed is not None:
+            return [Failed(c.request_id, self._failed) for c in commands if isinstance(c, Add)]
         try:
-            while True:
-                stop = self._stop.is_set()
-                messages = self.worker.sync(self._commands(wait=idle and not stop), stop)
-                for m in messages:
-                    self._deliver(m.outputs)
-                if stop:
-                    return
-                idle = not self.worker.step(messages)
+            messages = self.worker.sync(self._route(commands), stop)
+            outputs = [out for m in messages for out in self._receive(m.outputs)]
+            if not stop:
+                self._idle = not self.worker.step(messages)
+            return outputs
         except Exception as e:  # the ranks are out of step now: nothing more can run
             log.exception("DP engine loop failed")
-            self._refuse(RuntimeError(f"engine step failed: {e}"))
+            self._failed, self._idle = RuntimeError(f"engine step failed: {e}"), True
+            return [Failed(request_id, self._failed) for request_id in list(self.router.tracks)]
 
-    def _commands(self, wait: bool) -> list:
-        """Drain the inbox into commands addressed to ranks; when idle, wait up to IDLE_POLL_S for the first."""
-        commands = []
-        try:
-            cmd = self._inbox.get(timeout=IDLE_POLL_S) if wait else self._inbox.get_nowait()
-            while True:
-                if cmd[0] == "add":
-                    _, request_id, ids, params = cmd
-                    commands.append(AddRequest(self.router.place(request_id, ids), request_id, ids, params))
-                elif cmd[0] == "abort" and (rank := self.router.owner(cmd[1])) is not None:
-                    commands.append(AbortRequest(rank, cmd[1]))
-                cmd = self._inbox.get_nowait()
-        except queue.Empty:
-            return commands
+    def _route(self, commands: list[Add | Abort]) -> list:
+        """The commands addressed to the ranks: a new request to the least loaded, an abort to the owner."""
+        routed = []
+        for cmd in commands:
+            if isinstance(cmd, Add):
+                rank = self.router.place(cmd.request_id, cmd.prompt_ids)
+                routed.append(AddRequest(rank, cmd.request_id, cmd.prompt_ids, cmd.params))
+            elif (rank := self.router.owner(cmd.request_id)) is not None:
+                routed.append(AbortRequest(rank, cmd.request_id))
+        return routed
 
-    def _deliver(self, outputs: list) -> None:
+    def _receive(self, outputs: list) -> list[RequestOutput | Failed]:
+        received = []
         for out in outputs:
             out = self.router.receive(out)
-            if isinstance(out, RequestError):
-                self._send(out.request_id, ValueError(out.message))
-                continue
-            if self.on_output is not None:
-                self.on_output(out)
-            self._send(out.request_id, out)
-
-    def _refuse(self, error: Exception) -> None:
-        """After a failure: fail every open request, then every new one, until shutdown."""
-        for request_id in list(self.router.tracks):
-            self._send(request_id, error)
-        while not self._stop.is_set():
-            try:
-                cmd = self._inbox.get(timeout=IDLE_POLL_S)
-            except queue.Empty:
-                continue
-            if cmd[0] == "add":
-                self._send(cmd[1], error)
+            received.append(Failed(out.request_id, ValueError(out.message)) if isinstance(out, RequestError)
+                            else out)
+        return received
 
 
 # ---------------------------------------------------------------------------------------------------- entry points
@@ -255,7 +252,12 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
     return DPWorker(engine, ctx)
 
 
-def serve_rank(ctx: DistContext, args) -> None:
+# serve_http(args, engine, driver, routes): rank 0's HTTP server over `engine`, stepped by `driver`, with extra GET
+# `routes` (path -> fn() -> dict); it serves until stopped (mini.server.app.serve_engine)
+ServeHTTP = Callable[..., object]
+
+
+def serve_rank(ctx: DistContext, args, serve_http: ServeHTTP) -> None:
     """This process's part of `mini serve` over DP ranks: rank 0 serves HTTP until stopped (Ctrl-C / SIGTERM)
     and then stops the other ranks; they ignore Ctrl-C and follow rank 0."""
     if ctx.rank != 0:
@@ -264,25 +266,11 @@ def serve_rank(ctx: DistContext, args) -> None:
     if ctx.rank != 0:
         worker.follow()
         return
-    import uvicorn
-
-    from mini.server.app import create_app
-    from mini.server.metrics import ServerMetrics
-    metrics = ServerMetrics(worker.engine)  # gauges (cache use, queue) are rank 0's engine only
-    llm = DPAsyncLLM(worker, on_output=metrics.observe)
-    try:
-        app = create_app(llm, metrics, args.served_model_name or args.model)
-        app.router.on_shutdown.append(llm.shutdown)  # before uvicorn re-raises the signal that stopped it
-
-        @app.get("/dp")
-        async def dp_status() -> dict:  # requests per rank, for operators and tests
-            return llm.router.status()
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        llm.shutdown()
+    driver = DPDriver(worker)
+    serve_http(args, worker.engine, driver, {"/dp": driver.status})  # gauges (cache use, queue): rank 0's engine
 
 
-def serve_torchrun(args) -> int:
+def serve_torchrun(args, serve_http: ServeHTTP) -> int:
     """`mini serve` in a process of a torchrun (or `--ep`) job."""
     from mini.args import resolve_device
     device, _ = resolve_device(args)
@@ -290,56 +278,14 @@ def serve_torchrun(args) -> int:
     if ctx.device.type == "cpu" and ctx.multi and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world))
     try:
-        serve_rank(ctx, args)
+        serve_rank(ctx, args, serve_http)
     finally:
         shutdown(ctx)
     return 0
 
 
-def _local_rank(rank: int, world: int, port: int, args) -> None:
-    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches rank 0 once, through serve_local
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    serve_torchrun(args)
-
-
-def serve_local(args, world: int) -> int:
-    """`mini serve --ep N`: start N local ranks as torchrun would and wait for them. SIGINT / SIGTERM / SIGHUP
-    to this process become one SIGINT to rank 0, which shuts the server down and stops the other ranks (uvicorn
-    re-raises the signals it caught after its shutdown: one SIGINT ends the rank quietly; a second one, or a
-    SIGTERM, would not)."""
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = mp.start_processes(_local_rank, args=(world, port, args), nprocs=world, join=False,
-                               start_method="spawn")
-
-    def stop_rank0(signum, frame):
-        if procs.processes[0].is_alive():
-            os.kill(procs.processes[0].pid, signal.SIGINT)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop_rank0)
-    while not procs.join():
-        pass
-    return 0
-
-
-def under_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def generate_torchrun(args, prompt: str, num_blocks: int | None) -> int:
-    """`mini generate` under torchrun: the prompt runs on rank 0 while the other ranks serve its MoE layers;
-    rank 0 prints the text. `args`: the generate command's."""
-    from mini.args import resolve_device
-    from mini.parallel.launch import _generate_rank
-    device, _ = resolve_device(args)
-    ctx = init(device)
-    try:
-        texts = _generate_rank(ctx, argparse.Namespace(**{**vars(args), "prompt": [prompt], "num_blocks": num_blocks}))
-    finally:
-        shutdown(ctx)
-    if ctx.rank == 0:
-        print(texts[0])
+def serve_local(args, world: int, serve_http: ServeHTTP) -> int:
+    """`mini serve --ep N`: N local ranks started as torchrun would (mini.parallel.launch.run_local: signals to
+    this process become one SIGINT to rank 0, which shuts the server down and stops the other ranks)."""
+    run_local(world, serve_torchrun, args, serve_http)
     return 0
