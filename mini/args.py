@@ -138,6 +138,8 @@ ENGINE_FLAGS = (
          count(2)),
     Flag("--enforce-eager", False, "run decode steps eagerly (default on CUDA: replay CUDA graphs captured at "
          "start-up)"),
+    Flag("--deterministic", False, "a request's tokens and logprobs do not depend on what else is batched with "
+         "it: batch-invariant kernels, fixed prefill chunks, prefix caching off (docs/design.md, Determinism)"),
 )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -53,12 +53,27 @@ class EngineOptions:
     seed: int = 0  # seeds of requests that do not bring their own
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used on CUDA with the fast backend)
     overlap: bool | None = None  # overlapped decode steps (see the module doc); None: on where graphs are used
+    deterministic: bool = False  # a request's output does not depend on its batch (docs/design.md, Determinism)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
         """Split keyword options into engine options and the rest."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in opts.items() if k in names}), {k: v for k, v in opts.items() if k not in names}
+
+
+def deterministic_options(o: EngineOptions) -> EngineOptions:
+    """EngineOptions.deterministic: switch the kernels' mode on (process-wide, before any CUDA graph is captured)
+    and prefix caching off, saying so: a hit starts a prompt's computation at a cached block boundary, a chunking
+    the miss did not have (the scheduler's deterministic chunks are fixed per prompt only without it)."""
+    import warnings
+
+    import mini.ops
+    mini.ops.set_deterministic(True)
+    if o.enable_prefix_caching:
+        warnings.warn("deterministic mode: prefix caching is off (a cache hit would change a prompt's chunking)",
+                      stacklevel=3)
+    return replace(o, enable_prefix_caching=False, snapshot_prompt_end=False)
 
 
 @dataclass
@@ -135,7 +150,7 @@ class LLMEngine:
         if batch_cls is None or cache_cls is None or seq_chunk_cls is None:
             from mini.model import Batch, KVCache, SeqChunk
             batch_cls, cache_cls, seq_chunk_cls = batch_cls or Batch, cache_cls or KVCache, seq_chunk_cls or SeqChunk
-        o = options
+        o = deterministic_options(options) if options.deterministic else options
         self.options, self.config, self.tokenizer = o, config, tokenizer
         device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shape = size_cache(cache_cls, config, device, o.dtype, o.block_tokens, o.max_num_seqs,
@@ -148,8 +163,9 @@ class LLMEngine:
                                   max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.snapshot_prompt_end),
-                                   self.blocks)
+        chunk = SchedulerConfig.deterministic_chunk(o.max_num_seqs, o.max_num_batched_tokens) if o.deterministic else 0
+        self.scheduler = Scheduler(SchedulerConfig(o.max_num_seqs, o.max_num_batched_tokens, o.snapshot_prompt_end,
+                                                   chunk), self.blocks)
         self.step_times: list[StepTimes] | None = None  # a list: step() appends each step's StepTimes
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()

@@ -11,6 +11,12 @@ state at that boundary can be snapshotted (see block_manager), and a chunk also 
 stop matching the prefix cache (`Sequence.split_at`). `snapshot_prompt_end` additionally splits every prompt's
 last chunk at its last block boundary: one extra step before the first token, so that even a prompt's first
 repeat hits.
+
+Deterministic mode (`SchedulerConfig.chunk_tokens` > 0, EngineOptions.deterministic): a prompt's chunk boundaries
+depend on the prompt alone, never on what else is queued or on the budget left in a step: chunk j covers tokens
+[j·C, (j+1)·C) of the history (C = chunk_tokens), and a chunk is scheduled whole or not at all in a step (the
+sequences after it wait too, oldest first). C is at most the budget less one decode token per sequence, so the
+oldest prefill always fits next to the decodes: every step makes progress.
 """
 from __future__ import annotations
 
@@ -26,6 +32,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     snapshot_prompt_end: bool = False
+    chunk_tokens: int = 0  # > 0: deterministic chunks of this many tokens (see the module doc)
+
+    @staticmethod
+    def deterministic_chunk(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The deterministic mode's chunk length: what the budget leaves beside one decode token per sequence."""
+        c = max_num_batched_tokens - max_num_seqs
+        if c < 1:
+            raise ValueError(f"deterministic mode: --max-num-batched-tokens ({max_num_batched_tokens}) must exceed "
+                             f"--max-num-seqs ({max_num_seqs}), so that a prompt chunk fits beside the decodes")
+        return c
 
 
 @dataclass
@@ -103,6 +119,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             n = self._chunk_len(seq, budget)
+            if n == 0:  # deterministic mode: its whole chunk does not fit; it and those after it wait
+                break
             if not self._make_room(seq, seq.num_computed + n, preempted):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
@@ -113,7 +131,7 @@ class Scheduler:
             seq = self.waiting[0]
             restore = self.blocks.admit(seq)
             n = self._chunk_len(seq, budget)
-            if not self.blocks.grow(seq, seq.num_computed + n):
+            if n == 0 or not self.blocks.grow(seq, seq.num_computed + n):
                 self.blocks.release(seq)  # no room now; cached blocks stay cached
                 seq.num_computed = 0
                 break
@@ -132,6 +150,10 @@ class Scheduler:
         return StepPlan(chunks, restores, preempted)
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        c = self.config.chunk_tokens
+        if c > 0:  # deterministic: the chunk up to the next multiple of c, whole or not at all (0)
+            n = min(seq.num_tokens, (seq.num_computed // c + 1) * c) - seq.num_computed
+            return n if n <= budget else 0
         n = min(seq.num_pending, budget)
         bt = self.blocks.block_tokens
         if self.blocks.prefix_caching:

@@ -33,7 +33,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N,
                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
-               K: tl.constexpr, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               K: tl.constexpr, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
+               DOT_DTYPE: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)  # N tiles of one row tile are neighbours: the row tile stays in L2
     pid_m = tl.program_id(1)
@@ -56,8 +57,8 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N,
         acc = acc * alpha
     ok = row_ok[:, None] & col_ok[None, :]
     if HAS_ADD:
-        add = tl.load(add_ptr + bat * s_addb + rows.to(tl.int64)[:, None] * s_addm + cols.to(tl.int64)[None, :] * s_addn,
-                      mask=ok, other=0.0).to(tl.float32)
+        add_ptrs = add_ptr + bat * s_addb + rows.to(tl.int64)[:, None] * s_addm + cols.to(tl.int64)[None, :] * s_addn
+        add = tl.load(add_ptrs, mask=ok, other=0.0).to(tl.float32)
         acc = acc + beta * add
     c = c_ptr + bat * s_cb + rows.to(tl.int64)[:, None] * s_cm + cols.to(tl.int64)[None, :] * s_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
@@ -93,8 +94,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     _mm_kernel[grid](a, b, out, add_t, M, N, *a.stride(), *b.stride(), *out.stride(), *add_t.stride(),
                      float(alpha), float(beta), K=K, HAS_ADD=add is not None, SCALE=alpha != 1.0,
                      PRECISION="ieee" if fp32 else "tf32",
-                     DOT_DTYPE=tl.float32 if (fp32 or _INTERPRET) else (tl.bfloat16 if a.dtype == torch.bfloat16
-                                                                         else tl.float16),
+                     DOT_DTYPE=tl.float32 if (fp32 or _INTERPRET) else
+                     (tl.bfloat16 if a.dtype == torch.bfloat16 else tl.float16),
                      BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
                      num_stages=cfg["num_stages"])
     return out
