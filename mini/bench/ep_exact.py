@@ -78,6 +78,8 @@ def add_args(p) -> None:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="run in the deterministic mode (batch-invariant kernels: mini.ops.set_deterministic)")
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -157,6 +159,7 @@ def run_case(ctx: DistContext, case: Case, args) -> dict[str, float]:
     from mini.checkpoint import expert_range
     from mini.parallel.exchange import MoEExchange
     mini.ops.set_backend(case.backend)
+    mini.ops.set_deterministic(getattr(args, "deterministic", False))
     cfg = case.config()
     prompts = prompts_of(cfg, case, ctx.rank, args.seed)
     t0 = time.perf_counter()
@@ -194,6 +197,7 @@ def _rank(ctx: DistContext, args) -> dict:
     cuda = ctx.device.type == "cuda"
     definition = {"cases": {n: {**CASES[n].__dict__, "lens": [list(x) for x in CASES[n].lens]} for n in names},
                   "ranks": ctx.world, "decode_steps": args.decode_steps, "seed": args.seed, "backend": ctx.backend,
+                  "deterministic": bool(getattr(args, "deterministic", False)),
                   "device": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
     return {"suite": "ep-exact", "definition": definition, "metrics": metrics}
 

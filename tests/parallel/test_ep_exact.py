@@ -55,3 +55,18 @@ def test_two_gpus_decode_like_one():
     assert m["tiny-reference-fp32.max_abs_logit_diff"] <= 1e-5
     # bf16 activations: a flipped bf16 rounding of one MoE output may spread, but stays at bf16 noise
     assert m["tiny-fast-bf16.max_rel_logit_diff"] <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "deterministic"])
+def test_two_gpus_wide_fast_bf16_bit_identical(mode):
+    """The case that regressed (issue 18): V4.1-Flash widths on the fast path, bf16. Report 004 had every logit of
+    EP2 equal to one rank's; an expert's rows come from both ranks under EP, so any kernel whose rounding depends
+    on how many rows it sees breaks this. Both modes must hold it (the deterministic one by construction)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    extra = ("--deterministic",) if mode == "deterministic" else ()
+    m = ep_exact.run(_args("--device", "cuda", "--cases", "wide-fast-bf16", *extra))["metrics"]
+    assert m["wide-fast-bf16.tokens_identical"] == 1
+    assert m["wide-fast-bf16.rows_bit_identical"] == 1, m
+    assert m["wide-fast-bf16.max_abs_logit_diff"] == 0, m
