@@ -59,7 +59,7 @@ phase_rank4_ab() {  # rank4 A/B of two revisions, interleaved (~100 s a run): fi
         -- --steps 5 --warmup 1
 }
 
-phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.json (trace.json.gz stays out of the bundle)
+phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.json (the bundle leaves out trace.json.gz)
     python3 -m mini.cli profile --suite rank4 --steps "${PROFILE_STEPS:-5}" --warmup 1 --out "$PHASE_DIR"
 }
 
@@ -73,7 +73,8 @@ phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, th
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py \
         tests/kernels/test_moe_route.py --junitxml="$PHASE_DIR/junit.xml" || rc=$?
     python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
-        --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 --json "$PHASE_DIR/gate_plan.json" || rc=$?
+        --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 \
+        --json "$PHASE_DIR/gate_plan.json" || rc=$?
     return $rc
 }
 
@@ -82,7 +83,8 @@ phase_humming() {  # routed experts on Humming (~270 s on a cold kernel cache): 
     # humming_cache.tgz (put it in .whl/ and carry .whl: install_wheels unpacks it)
     local rc=0
     python3 -m mini.cli bench moe-layer --moe-gemm humming \
-        --humming-tiles ${HUMMING_TILES:-128x4 128x6 192x4 208x3 176x5} --json "$PHASE_DIR/moe_layer_humming.json" || rc=$?
+        --humming-tiles ${HUMMING_TILES:-128x4 128x6 192x4 208x3 176x5} \
+        --json "$PHASE_DIR/moe_layer_humming.json" || rc=$?
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_humming_experts.py \
         tests/ops/test_moe.py -k "humming" --junitxml="$PHASE_DIR/junit.xml" || rc=$?
     python3 -m mini.cli bench moe-layer --moe-gemm triton --json "$PHASE_DIR/moe_layer_triton.json" || rc=$?
@@ -114,7 +116,8 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     if [ "${FASTPATH_LAYERS:-0}" = 1 ]; then
         python3 -m mini.cli bench fastpath-check ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
     fi
-    python3 -m mini.cli bench fastpath-check --decode-only ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
+    python3 -m mini.cli bench fastpath-check --decode-only ${FASTPATH_ARGS:-} \
+        --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
     python3 -m mini.cli bench fastpath-check --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
         --json "$PHASE_DIR/fastpath_decode_nofq.json" || rc=$?
     return $rc
@@ -129,7 +132,7 @@ phase_decode_host() {  # host vs GPU share of a batch-64 decode step (~115 s): t
     return $rc
 }
 
-phase_goodput() {  # tiny-v4.1 behind `mini serve`, 64 requests x 128 in / 64 out, burst (~45 s; needs the serve wheels)
+phase_goodput() {  # tiny-v4.1 behind `mini serve`, 64 requests x 128 in / 64 out, burst (~45 s; the serve wheels)
     python3 -m mini.cli bench tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 \
         --json "$PHASE_DIR/goodput.json"
 }
