@@ -154,6 +154,35 @@ phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (
     return $rc
 }
 
+phase_determinism() {  # issue 17 (<= 3 min): the mode's gpu tests, then how many of 24 greedy answers change
+    # under load without and with the mode (tools/det_drift.py; JSON per mode). Expect the tests to pass and
+    # drift_det.json changed_tokens = changed_logprobs = 0; drift_default.json is the default mode's count.
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=150 tests/server/test_deterministic_gpu.py \
+        tests/kernels/test_batch_invariant.py --junitxml="$PHASE_DIR/junit.xml"
+    timeout 60 python3 tools/det_drift.py --json "$PHASE_DIR/drift_default.json"
+    timeout 60 python3 tools/det_drift.py --deterministic --json "$PHASE_DIR/drift_det.json"
+}
+
+phase_det_cost() {  # issue 17 (<= 4 min): rank4 and tiny goodput without / with the mode, A/B in one job
+    local det="import sys, mini.ops; mini.ops.set_deterministic(True); from mini.cli import main; sys.exit(main())"
+    timeout 95 mini bench rank4 --steps 5 --warmup 1 --json "$PHASE_DIR/rank4_default.json"
+    timeout 95 python3 -c "$det" bench rank4 --steps 5 --warmup 1 --json "$PHASE_DIR/rank4_det.json"
+    timeout 35 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json"
+    timeout 35 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json"
+}
+
+phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.1 width; which part drifts
+    # default, deterministic, and our Triton grouped GEMM instead of Humming (attribution); then the 2-GPU tests.
+    # Expect rows_bit_identical 1 / max_abs_logit_diff 0 for wide-fast-bf16 in every run that is exact.
+    timeout 60 torchrun --nproc-per-node 2 -m mini bench ep-exact --json "$PHASE_DIR/ep_exact.json"
+    timeout 45 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 --deterministic \
+        --json "$PHASE_DIR/ep_exact_det.json"
+    MINI_MOE_GEMM=triton timeout 45 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 \
+        --json "$PHASE_DIR/ep_exact_triton.json"
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=120 tests/parallel \
+        --junitxml="$PHASE_DIR/junit.xml"
+}
+
 # ---------------------------------------------------------------- driver
 
 install_wheels
