@@ -158,11 +158,17 @@ def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
 
 
+def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The allowed tokens of grammar rows (mini.engine.structured writes the mask): bool [n, vocab] from an int32
+    [n, words] bitmask (bit t % 32 of word t // 32)."""
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
+    return ((mask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+
+
 def apply_bias_and_mask(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.bias is not None:
         logits = logits + b.bias
     if b.allowed is not None:  # tokens outside a row's grammar can never be drawn
-        from mini.engine.structured import unpack_bitmask
         logits = logits.masked_fill(~unpack_bitmask(b.allowed, logits.shape[-1]), float("-inf"))
     return logits
 

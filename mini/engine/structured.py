@@ -66,9 +66,3 @@ class GrammarBackend:
                 mask[i] = 0
                 mask[i, self.eos_id // 32] = 1 << bit if bit < 31 else -(1 << 31)  # int32 bits
         return to_device(mask, device)
-
-
-def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool [n, vocab] from an int32 [n, words] bitmask (bit t % 32 of word t // 32)."""
-    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
-    return ((mask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
