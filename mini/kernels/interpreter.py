@@ -6,7 +6,9 @@ The interpreter stores bf16 as raw uint16 bits and, as shipped, (a) multiplies, 
 bits as integers (a bf16 `tl.dot` returns ~1e10 for unit inputs; `tl.maximum(x, 0.0)` keeps negative values),
 and (b) casts fp32 to bf16 by truncation. The patch decodes bf16 operands to fp32 for every floating-point
 operation (arithmetic, comparisons, min/max, clamps, math functions, dot, reductions) and rounds fp32 results to
-bf16 to nearest even, as the GPU's cvt.rn.bf16.f32 does; a bf16 dot accumulates in fp32 like an MMA. Bit-level
+bf16 to nearest even, as the GPU's cvt.rn.bf16.f32 does. Every floating-point dot (bf16 and fp32 operands) sums
+in float64 and rounds once to its accumulator's dtype: numpy's fp32 matmul flushes denormal results to zero,
+which an MMA does not (the MXFP4 decode tests reach 2^-128). Bit-level
 operations (loads, stores, bitcasts, selects, reshapes) are untouched. Applied once per process by
 `mini.ops.set_backend(..., interpret_on_cpu=True)` and by the kernel tests; compiled kernels never see it.
 """
@@ -111,11 +113,12 @@ def patch_bf16() -> None:
     dot = B.create_dot
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if scalar(a) != bf16 and scalar(b) != bf16:
+        if not (a.dtype.scalar.is_floating() and b.dtype.scalar.is_floating()) or 8 in (
+                a.dtype.scalar.primitive_bitwidth, b.dtype.scalar.primitive_bitwidth):
             return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        acc = value(d)
-        out = np.matmul(value(a).astype(np.float32), value(b).astype(np.float32), dtype=np.float32) + acc
-        return ti.TensorHandle(out if scalar(d) != bf16 else to_bf16(out), scalar(d))
+        # float64 products and sums, rounded once: numpy's fp32 matmul (BLAS) flushes denormal results to zero
+        out = np.matmul(value(a).astype(np.float64), value(b).astype(np.float64)) + value(d).astype(np.float64)
+        return ti.TensorHandle(out.astype(np.float32) if scalar(d) != bf16 else to_bf16(out), scalar(d))
     B.create_dot = patched_dot
 
     R = ti.ReduceOps

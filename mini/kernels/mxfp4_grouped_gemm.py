@@ -3,8 +3,10 @@
 Weights are the checkpoint's bytes stacked per local expert: packed E2M1 `[E, N, K/2]` (low nibble = even k) and
 one E8M0 scale per 32 k, `[E, N, K/32]`. Each K step loads a [BN, BK/2] byte tile and its [BN, BK/32] scales and
 decodes them with integer ops: for a magnitude code c = 2*E + m (value 2^(E-1) * (1 + m/2), or m/2 when E = 0),
-the fp32 with bits (c << 22) is value * 2^-126 (code 1 becomes a denormal), and one multiply by 2^(s-1) gives
-value * 2^(s-127) exactly, for scale bytes 0..128 (|w| <= 12; real checkpoints stay far inside). On Hopper the
+the fp32 with bits (c << 22) is value * 2^-126 (code 1 becomes a denormal); times 2^126 it is the value, exact,
+and times the scale's fp32 value 2^(s-127) (s = 0: the denormal 2^-127; s = 255: NaN, as E8M0 defines it) the
+weight, exact wherever fp32 holds it and +-inf where it overflows, as the CPU decoder (mini.formats.dequant_mxfp4)
+gives it, for every scale byte. (The former single multiply by 2^(s-1) overflowed above byte 128.) On Hopper the
 product is a bf16 `tl.dot` with fp32 accumulation (`tl.dot_scaled` bf16 x e2m1 gave wrong results on sm90). Under
 Triton's interpreter (CPU tensors) the dot runs in fp32 on the same bf16-exact values (its bf16 dot is broken).
 
@@ -36,6 +38,14 @@ def _e2m1_unscaled(code):
 
 
 @triton.jit
+def e8m0_value(s):
+    """E8M0 bytes (int32 0..255) -> fp32 2^(s-127): bits s << 23 for 1..254, the denormal 2^-127 for 0, NaN for 255
+    (mini/formats/e8m0.py)."""
+    bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_DTYPE: tl.constexpr):
     """Load a [BN, BK/2] tile of packed MXFP4 and its [BN, BK/32] scales; return it as [BN, BK] in DOT_DTYPE."""
@@ -45,12 +55,10 @@ def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.conste
     else:
         packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
         scale = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-    # 2^126 * 2^(s-127) = 2^(s-1): a normal fp32 for scale bytes 0..128 (weights up to +-12); the product with a
-    # denormal is exact (Triton's fp32 multiply keeps denormals)
-    mult = ((scale + 126) << 23).to(tl.float32, bitcast=True)
-    mult = tl.reshape(tl.broadcast_to(mult[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
-    lo = _e2m1_unscaled(packed & 15) * mult
-    hi = _e2m1_unscaled(packed >> 4) * mult
+    mult = tl.reshape(tl.broadcast_to(e8m0_value(scale)[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
+    # two exact multiplies: the code's value, then the scale (one multiply by 2^(s-1) cannot reach bytes above 128)
+    lo = (_e2m1_unscaled(packed & 15) * 8.507059173023462e37) * mult  # 2^126
+    hi = (_e2m1_unscaled(packed >> 4) * 8.507059173023462e37) * mult
     return tl.reshape(tl.join(lo, hi), [BN, BK]).to(DOT_DTYPE)
 
 

@@ -1,5 +1,6 @@
 """Kernel tests. Without CUDA, the Triton kernels run under Triton's interpreter: TRITON_INTERPRET is read when a
-kernel is decorated, so it is set here, before any test imports mini.kernels (mini.ops imports kernels lazily)."""
+kernel is decorated, so it is set here, before any test imports mini.kernels (mini.ops imports kernels lazily),
+with mini/kernels/interpreter.py's bf16 semantics."""
 import os
 from dataclasses import dataclass
 
@@ -8,6 +9,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from mini.kernels.interpreter import patch_bf16
+    patch_bf16()  # bf16 tiles computed as on the GPU (the shipped interpreter works on their raw bits)
 
 
 @pytest.fixture

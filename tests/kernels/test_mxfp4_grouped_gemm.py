@@ -9,6 +9,7 @@ from mini.formats import dequant_mxfp4, fake_quant_fp8, quantize_mxfp4
 from mini.kernels.moe_route import plan_routes
 from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu, swiglu_rows
 from mini.ops.linear import QWeight
+from mxfp4_probe import N_ROWS, expected, mismatches, probe_weights
 
 SMALL = dict(BN=32, BK=64, num_warps=4, num_stages=1)
 SMALL_SWAPPED = dict(SMALL, SWAP_AB=True)
@@ -98,29 +99,31 @@ def test_down_is_exact_on_exact_data_interpreter(dtype, config, interpreter):
     _down_case(11, 3, 12, range(0, 5), 80, 96, "cpu", dtype, 8, config)
 
 
-def _decode_case(device, config):
-    """Every E2M1 code next to scale bytes 100..128 (the top of the supported 1..128), through the plain GEMM with
-    one-hot activations: row r of the output is column r of W."""
-    E, N, K = 1, 32, 64
-    codes = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(4, 1)  # every byte (= two codes)
-    scale = torch.randint(100, 129, (E, N, K // 32), dtype=torch.uint8)
-    scale[0, :2] = 128
-    w = QWeight("mxfp4", codes[None].to(device), scale.to(device), 32)
+def _decode_case(device, config, K=64):
+    """Every E2M1 code under every E8M0 scale byte 0..255 (mxfp4_probe.py), through the plain GEMM with one-hot
+    activations, into a NaN-poisoned output: each output is one decoded weight, bit for bit as the CPU decoder
+    gives it (denormal scale 2^-127 at byte 0, inf where fp32 overflows, NaN at byte 255)."""
+    codes, scales = probe_weights(K)
+    w = QWeight("mxfp4", codes[None].to(device), scales[None].to(device), 32)
     ids = torch.zeros(K, 1, dtype=torch.long, device=device)
     plan = plan_routes(ids, torch.ones(K, 1, device=device), range(0, 1), 64)
-    y = grouped_down(torch.eye(K, device=device), plan, w, config=config)
-    assert torch.equal(y[:K], dequant_mxfp4(w.data[0], w.scale[0]).t())
+    out = torch.full((plan.n_rows, N_ROWS), float("nan"), dtype=torch.bfloat16, device=device)
+    y = grouped_down(torch.eye(K, device=device, dtype=torch.bfloat16), plan, w, out=out, config=config)
+    assert y[K:].isnan().all(), "rows past the routed ones must stay unwritten"
+    n_bad, first = mismatches(y[:K], expected(codes, scales), codes, scales)
+    assert n_bad == 0, f"{n_bad} outputs differ: {first}"
 
 
 @pytest.mark.parametrize("config", [SMALL, SMALL_SWAPPED])
-def test_decode_spans_all_codes_and_scales(config, interpreter):
+def test_decode_all_codes_and_scales_interpreter(config, interpreter):
     _decode_case("cpu", config)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GPU_CONFIGS)
-def test_decode_spans_all_codes_and_scales_gpu(config):
-    _decode_case("cuda", config)
+@pytest.mark.parametrize("K", [64, 96])  # 96: the last K step is partial (masked loads)
+def test_decode_all_codes_and_scales_gpu(config, K):
+    _decode_case("cuda", config, K)
 
 
 @pytest.mark.gpu
