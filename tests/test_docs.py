@@ -91,3 +91,17 @@ def test_the_checks_can_fail():
     assert "MINI_DTYPE" not in code_names()  # the switch the design notes once named
     assert FOLDER.findall("`mini/dist/` and `tests/parallel/x.py` and `a/mini/b/`") == ["mini/dist/", "tests/parallel/"]
     assert LINK.findall("[x](model.md#sizes) [y](https://e.org)") == ["model.md", "https://e.org"]
+
+
+def test_the_op_table_names_functions_that_exist():
+    """design.md "One op, visible": each `file.py`: `name`, ... cell names functions or classes of that file."""
+    table = (ROOT / "docs" / "design.md").read_text().split("## One op, visible", 1)[1].split("\n## ", 1)[0]
+    cells = re.findall(r"`(mini/[\w/]+\.py)`: ((?:`\w+`[^`|;]*)+)", table)
+    assert len(cells) >= 10, "the table lost its reference column"
+    missing = []
+    for path, names in cells:
+        source = (ROOT / path).read_text()
+        for name in re.findall(r"`(\w+)`", names):
+            if not re.search(rf"^\s*(?:def|class) {name}\b|^{name} = ", source, flags=re.M):
+                missing.append(f"{path}: {name}")
+    assert not missing, f"design.md's op table names what its files do not define: {missing}"
