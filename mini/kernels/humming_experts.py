@@ -54,6 +54,23 @@ def supports(n: int, k: int) -> bool:
     return n % 128 == 0 and k % 128 == 0
 
 
+# E8M0 scale bytes whose decode through Humming's GEMM tests/kernels/test_humming_experts.py checks bit for bit
+# (`test_grouped_gemm_decodes_all_codes_and_scales`, gpu; it also reports what the library makes of the others).
+# Byte 255 is NaN in E8M0 and the checkpoint loader refuses it; byte 0 (2^-127, a bf16 denormal: weights below
+# 1e-38, never in a real checkpoint) is kept off the library until that test shows it decodes exactly.
+SCALE_BYTES = range(1, 255)
+
+
+def scales_supported(*scales: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of these scale tensors is in SCALE_BYTES (experts with others stay on the Triton
+    kernels, which decode all 256). One min/max pass per tensor, at load."""
+    for s in scales:
+        b = s.view(torch.uint8)
+        if b.numel() and (int(b.min()) < SCALE_BYTES.start or int(b.max()) >= SCALE_BYTES.stop):
+            return False
+    return True
+
+
 @dataclass(eq=False)
 class HummingStack:
     """One projection of one layer's local experts in Humming's layout: views of the original buffers."""

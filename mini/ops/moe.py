@@ -119,11 +119,13 @@ class MoEWeights:
         return w
 
     def humming_ready(self) -> bool:
-        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device, in shapes Humming's tiles fit."""
-        from mini.kernels.humming_experts import supports
+        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device, in shapes Humming's tiles fit, with
+        scale bytes it is known to decode exactly (humming_experts.SCALE_BYTES)."""
+        from mini.kernels.humming_experts import scales_supported, supports
         (_, inter, half_d), (_, dim, half_i) = self.w1.data.shape, self.w2.data.shape
         return (all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
-                and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i))
+                and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i)
+                and scales_supported(self.w1.scale, self.w3.scale, self.w2.scale))
 
     def to_humming(self) -> None:
         """Rewrite the routed experts into Humming's layout, once, at load (mini/kernels/humming_experts.py:

@@ -87,3 +87,41 @@ def test_grouped_gemm_is_exact_on_exact_data(hx):
         assert torch.equal(out[lo:hi], (a[lo:hi].double() @ W[e].t()).bfloat16()), f"expert {e}"
     assert out[int(offset[-1]):].isnan().all()
 
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_decodes_all_codes_and_scales(hx):
+    """Every E2M1 code under every E8M0 scale byte (mxfp4_probe.py) through Humming's GEMM with one-hot activations
+    into a NaN-poisoned output: bit for bit as the CPU decoder gives it for the bytes the adapter lets through
+    (hx.SCALE_BYTES); what the library makes of the others is printed (the adapter keeps them on our kernels)."""
+    from mxfp4_probe import N_ROWS, expected, mismatches, probe_weights
+    K = 128
+    codes, scales = probe_weights(K)
+    want = expected(codes, scales)  # [K, N]
+    data, scale = codes[None].cuda().contiguous(), scales[None].cuda().contiguous()
+    stack = hx.convert(data, scale)
+    offset = torch.tensor([0, K], dtype=torch.int32, device="cuda")
+    out = torch.full((K + 5, N_ROWS), float("nan"), dtype=torch.bfloat16, device="cuda")
+    a = torch.zeros(K + 5, K, device="cuda", dtype=torch.bfloat16)
+    a[:K] = torch.eye(K)
+    hx.grouped_gemm(a, stack, offset, K, out=out)
+    assert out[K:].isnan().all(), "rows past expert_offset[-1] must stay unwritten"
+    got = out[:K].cpu()
+    # a column is covered when all its blocks' scale bytes are in SCALE_BYTES
+    inside = torch.tensor([all(int(b) in hx.SCALE_BYTES for b in row) for row in scales])
+    n_bad, first = mismatches(got[:, inside], want[:, inside], codes[inside], scales[inside])
+    n_out, first_out = mismatches(got[:, ~inside], want[:, ~inside], codes[~inside], scales[~inside])
+    print(f"outside SCALE_BYTES: {n_out} of {int((~inside).sum()) * K} outputs differ: {first_out}")
+    assert n_bad == 0, f"{n_bad} outputs differ: {first}"
+
+
+def test_scales_supported_refuses_bytes_outside():
+    """Experts whose scale bytes leave SCALE_BYTES do not go to the library (humming_ready is False)."""
+    from mini.kernels import humming_experts as hx
+    ok = torch.full((2, 4, 3), 127, dtype=torch.uint8)
+    assert hx.scales_supported(ok, ok.view(torch.float8_e8m0fnu))
+    for byte in (0, 255):
+        if byte not in hx.SCALE_BYTES:
+            bad = ok.clone()
+            bad[1, 2, 0] = byte
+            assert not hx.scales_supported(ok, bad)
