@@ -112,6 +112,9 @@ def environment() -> dict:
     if torch is not None:
         env["torch"] = torch.__version__
         env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    if "mini.ops" in sys.modules:  # what the suite's ops ran on (mini.ops.backends)
+        from mini.ops.backends import current
+        env["backends"] = current().as_dict()
     return env
 
 

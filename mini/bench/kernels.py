@@ -397,8 +397,9 @@ def main(argv=None) -> None:
                                                      "gathered_tbs", "max_token_rel_err_vs_triton") if k in r)
         print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r['ms']:8.4f}  {rate}")
     if args.json:
+        from mini.bench import environment
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({**res, "env": environment()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 shared expert over the rank's own 4,096 tokens. Random weights drawn on the GPU (uniform E2M1 codes, E8M0 scales
 near 2^-6), random bf16 activations.
 
-`--moe-gemm` picks the routed experts' GEMM library (auto = what `mini.ops.moe.routed_gemm` resolves: Humming
+`--moe-gemm` picks the routed experts' GEMM library (auto = what `mini.ops.backends.moe_gemm` resolves: Humming
 where it imports on SM90, else Triton); Humming rewrites the experts into its layout first (`to_humming`).
 
 Metrics: ms per part and in total (CUDA events, median of --iters after --warmup), achieved TFLOP/s of the routed
@@ -51,7 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=256, help="tokens compared against the reference (0: off)")
     p.add_argument("--sweep", action="store_true", help="also time the Triton grouped GEMMs under several tile configs")
     p.add_argument("--moe-gemm", choices=["auto", "humming", "triton"], default="auto",
-                   help="routed experts' GEMM library (auto: mini.ops.moe.routed_gemm)")
+                   help="routed experts' GEMM library (auto: mini.ops.backends.moe_gemm)")
     p.add_argument("--humming-tiles", nargs="*", metavar="BMxSTAGES", default=[],
                    help="humming: also time the GEMMs with its heuristic config changed to these row tiles and "
                         "pipeline depths, e.g. 128x4 192x4")
@@ -120,13 +120,14 @@ def run(args) -> dict:
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
-    from mini.ops.moe import fused_gate, gate, gate_unfused, routed, routed_gemm, shared
+    from mini.ops.backends import moe_gemm
+    from mini.ops.moe import fused_gate, gate, gate_unfused, routed, shared
 
     mini.ops.set_backend("fast")
     cfg = preset(args.preset)
     dev = torch.device("cuda")
     w = random_layer(cfg, args.local_experts, dev, args.seed)
-    gemm_lib = routed_gemm() if args.moe_gemm == "auto" else args.moe_gemm
+    gemm_lib = moe_gemm() if args.moe_gemm == "auto" else args.moe_gemm
     convert_ms = 0.0
     if gemm_lib == "humming" and not args.only_gate_plan:
         from mini.kernels.humming_experts import warm_up

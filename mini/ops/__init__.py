@@ -72,18 +72,3 @@ def set_deterministic(on: bool) -> None:
     if torch.cuda.is_available():
         from mini.kernels import batch_invariant
         (batch_invariant.enable if on else batch_invariant.disable)()
-
-
-def library_choice(env: str, library: str, available) -> str:
-    """An optional library's switch, read from the environment variable `env`: "auto" (the default) picks the
-    library where `available()` says it imports on this GPU, else "triton" (our kernels); naming the library forces
-    it (an error if it is missing); "triton" keeps our kernels. Returns `library`, "auto-" + `library` (chosen by
-    auto, so the caller may still check it on first use) or "triton". Call sites resolve it once per process."""
-    want = os.environ.get(env, "auto").strip().lower()
-    if want not in ("auto", library, "triton"):
-        raise ValueError(f"{env}={want!r}: choose auto, {library} or triton")
-    if want == library and not available():
-        raise RuntimeError(f"{env}={library}, but {library} does not import on an SM90 GPU here")
-    if want == "auto":
-        return f"auto-{library}" if available() else "triton"
-    return want

@@ -11,7 +11,7 @@ kernel does it in its epilogue instead of one more pass over [T, H, D].
 Logits and softmax statistics are fp32; the probabilities are rounded to the activation dtype before P·V, as in
 the reference kernel.
 
-On the GPU (bf16) the op runs one of two kernels, chosen once per process by MINI_SPARSE_ATTN (`sparse_backend`):
+On the GPU (bf16) the op runs one of two kernels, chosen once per process by MINI_SPARSE_ATTN (mini.ops.backends):
 our Triton kernel (`mini.kernels.sparse_attention`, same signature), or for prefill-sized steps FlashMLA's SM90
 sparse prefill kernel (`mini.kernels.flashmla_attention`), which reads keys by row from ONE tensor: `scratch_keys`
 lays the step's keys out as such a tensor plus each query's row list (the plain definition); the adapter's
@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
-from mini.ops import deterministic, library_choice, use_fast
+from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
@@ -189,27 +189,13 @@ def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_
     return out
 
 
-_SPARSE_BACKEND: str | None = None  # "triton", "flashmla", or "auto-flashmla" (FlashMLA, its first call checked)
-
-
-def sparse_backend() -> str:
-    """The fast path's kernel, resolved once per process from MINI_SPARSE_ATTN = auto (default: FlashMLA where it
-    imports on an SM90 GPU, kept only if its first output matches ours) | flashmla | triton. Steps FlashMLA does
-    not serve (decode-sized, other head counts or widths, CUDA-graph capture) run the Triton kernel either way."""
-    global _SPARSE_BACKEND
-    if _SPARSE_BACKEND is None:
-        from mini.kernels.flashmla_attention import available
-        _SPARSE_BACKEND = library_choice("MINI_SPARSE_ATTN", "flashmla", available)
-    return _SPARSE_BACKEND
-
-
 def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
           rope_out, key_rows) -> torch.Tensor:
     from mini.kernels import flashmla_attention as flashmla
     from mini.kernels.sparse_attention import sparse_mla_attention
     args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
             rope_out)
-    backend = "triton" if deterministic() else sparse_backend()  # FlashMLA serves only big steps: a choice by T
+    backend = "triton" if deterministic() else backends.sparse_attn()  # FlashMLA serves only big steps: a choice by T
     if backend != "triton":
         with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
         keys = [kv_new, window] + ([comp] if with_pool else [])
@@ -226,7 +212,6 @@ def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
     """MINI_SPARSE_ATTN=auto: run both kernels once and keep FlashMLA for the process only if it ran and matched
     ours on every token (a library we only hold as a binary must cost one comparison when it is wrong, not a
     model's output). One device sync, once per process."""
-    global _SPARSE_BACKEND
     from mini.kernels.sparse_attention import sparse_mla_attention
     ours = sparse_mla_attention(*args)
     try:
@@ -237,5 +222,5 @@ def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
         problem = f"failed ({type(e).__name__}: {str(e)[:200]})"
     if problem:
         warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
-    _SPARSE_BACKEND = "triton" if problem else "flashmla"
+    backends.settle_sparse_attn("triton" if problem else "flashmla")
     return ours

@@ -1,10 +1,11 @@
 """KV compressor (spec §2.4.4): pools `ratio` consecutive tokens into one latent, carrying open groups across steps.
 
 * ratio 1 (V4.1): `norm(wkv(x))` per token, bf16 weights, no gate.
-* ratio > 1: `kv = wkv(x)`, `score = wgate(x) (+ ape[pos % ratio], V4)` in fp32 (bf16 x and weights promoted; on
-  the GPU one bf16 tensor-core GEMM with an fp32 result: the same exact products); each channel is softmax-pooled
-  over the group's tokens. V4 ratio 4 overlaps: group j pools group j-1's tokens on channel half 0 and its own on
-  half 1 (group -1 is kv 0 / score -inf). The pooled latent is cast to x.dtype and RMS-normed.
+* ratio > 1: `kv = wkv(x)`, `score = wgate(x) (+ ape[pos % ratio], V4)` in fp32 (bf16 x and weights promoted;
+  with the fast backend on the GPU one bf16 tensor-core GEMM with an fp32 result: the same exact products); each
+  channel is softmax-pooled over the group's tokens. V4 ratio 4 overlaps: group j pools group j-1's tokens on
+  channel half 0 and its own on half 1 (group -1 is kv 0 / score -inf). The pooled latent is cast to x.dtype and
+  RMS-normed.
 The result is pre-RoPE: the caller makes index keys from it, then rotates it at position j·ratio and quantizes it.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mini.ops import use_fast
 from mini.ops.norm import rms_norm
 
 
@@ -57,7 +59,7 @@ def _linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     tensor-core GEMM with an fp32 result (0.03 ms instead of 0.43 ms for [4096, 5120] x [5120, 1024] with fp32
     FMAs) gives the same sums up to order and the tensor cores' truncation of their partial sums (~1e-5 of a sum
     over K = 5120, see mini/kernels/moe_gate.py), far below the bf16 rounding of what the compressor feeds."""
-    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
+    if use_fast(x) and x.dtype == w.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
         return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
     return F.linear(x.float(), w.float())
 

@@ -16,7 +16,7 @@ GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its log
 GEMM's; scores, top-k and weights in its epilogue), below that the reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
-per process by MINI_MOE_GEMM (`routed_gemm`):
+per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
 * "triton": ours (mini/kernels/mxfp4_grouped_gemm.py), decoding MXFP4 in the main loop, w1/w3 with SwiGLU, clamps,
   routing weight and the FP8 quant of w2's input fused into the epilogue, then w2;
 * "humming": the humming-kernels library (SM90, W4A16; adapter mini/kernels/humming_experts.py): the experts are
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
 from mini.formats.quant import fake_quant_enabled
-from mini.ops import deterministic, library_choice, use_fast
+from mini.ops import backends, deterministic, use_fast
 from mini.ops.linear import QWeight, linear
 
 
@@ -114,7 +114,7 @@ class MoEWeights:
                 w1=stacked("w1"), w3=stacked("w3"), w2=stacked("w2"),
                 shared_w1=single("w1"), shared_w3=single("w3"), shared_w2=single("w2"),
                 swiglu_limit=cfg.swiglu_limit)
-        if w.humming_ready() and routed_gemm() == "humming":
+        if w.humming_ready() and backends.moe_gemm() == "humming":
             w.to_humming()
         return w
 
@@ -326,19 +326,6 @@ def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)
-_ROUTED_GEMM: str | None = None
-
-
-def routed_gemm() -> str:
-    """The library of the routed experts' grouped GEMMs on CUDA, "humming" or "triton", resolved once per process
-    from MINI_MOE_GEMM = auto (default: Humming where it imports on an SM90 GPU) | humming | triton."""
-    global _ROUTED_GEMM
-    if _ROUTED_GEMM is None:
-        from mini.kernels.humming_experts import available
-        _ROUTED_GEMM = library_choice("MINI_MOE_GEMM", "humming", available).removeprefix("auto-")
-    return _ROUTED_GEMM
-
-
 def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
     """The kernels take MXFP4 experts and multiply in bf16: exact for bf16 activations and for fake-quantized
     ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off. Humming's GEMMs

@@ -83,6 +83,7 @@ def test_dispatch_runs_flashmla_for_prefill_and_triton_for_decode(flat_batch, mo
     library (same result as our kernel, output RoPE included), a decode step to our kernel."""
     import mini.ops.attention as attention_op
     from mini.kernels.flashmla_attention import MIN_TOKENS
+    from mini.ops import backends
     from mini.kernels.sparse_attention import sparse_mla_attention
     calls = []
 
@@ -92,7 +93,7 @@ def test_dispatch_runs_flashmla_for_prefill_and_triton_for_decode(flat_batch, mo
 
     flashmla = attention_op.flashmla_attention
     monkeypatch.setattr(attention_op, "flashmla_attention", spy)
-    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "flashmla")
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "flashmla"})
     for lens, starts in [([MIN_TOKENS + 77, 3], [0, 500]), ([1, 1, 1], [900, 40, 7])]:
         args, kw = make_step(flat_batch, lens, starts, 64, 128, 4, 64, 512)
         kw["rope_out"] = rope_table_for(args[4])
@@ -107,13 +108,14 @@ def test_auto_keeps_flashmla_after_its_checked_first_call(flat_batch, monkeypatc
     import warnings
 
     import mini.ops.attention as attention_op
-    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "auto-flashmla")
+    from mini.ops import backends
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "auto-flashmla"})
     args, kw = make_step(flat_batch, [700], [0], 64, 128, 4, 64, 512)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         attention_op.sparse_attention(*args, **kw, rope_out=rope_table_for(args[4]))
     ours = [str(w.message) for w in caught if "MINI_SPARSE_ATTN" in str(w.message)]
-    assert attention_op._SPARSE_BACKEND == "flashmla" and not ours, ours
+    assert backends.sparse_attn() == "flashmla" and not ours, ours
 
 
 @needs_flashmla

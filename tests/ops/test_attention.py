@@ -288,20 +288,21 @@ def _sorted_scratch_path(q, kv_new, window, sink, positions, seq_of, slots, star
 
 def test_sparse_backend_is_chosen_once_from_the_environment(monkeypatch):
     import mini.kernels.flashmla_attention as flashmla
+    from mini.ops import backends
     for env, avail, want in [("auto", False, "triton"), ("auto", True, "auto-flashmla"), ("triton", True, "triton"),
                              ("flashmla", True, "flashmla"), (" FlashMLA ", True, "flashmla")]:
         monkeypatch.setenv("MINI_SPARSE_ATTN", env)
         monkeypatch.setattr(flashmla, "available", lambda: avail)
-        monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", None)
-        assert attention_op.sparse_backend() == want
+        monkeypatch.setattr(backends, "_libraries", {})
+        assert backends.sparse_attn() == want and backends.current().sparse_attn == want
         monkeypatch.setenv("MINI_SPARSE_ATTN", "triton")  # resolved once: a later change does not count
-        assert attention_op.sparse_backend() == want
+        assert backends.sparse_attn() == want
     monkeypatch.setattr(flashmla, "available", lambda: False)
     for env, error in [("flashmla", RuntimeError), ("cutlass", ValueError)]:
         monkeypatch.setenv("MINI_SPARSE_ATTN", env)
-        monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", None)
+        monkeypatch.setattr(backends, "_libraries", {})
         with pytest.raises(error):
-            attention_op.sparse_backend()
+            backends.sparse_attn()
 
 
 @pytest.mark.parametrize("flashmla_result,kept", [("same", "flashmla"), ("one token off", "triton"),
@@ -310,6 +311,7 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
     import warnings
 
     import mini.kernels.sparse_attention as triton_kernel
+    from mini.ops import backends
     g = torch.Generator().manual_seed(8)
     q, kv_new, window, comp, table, comp_idx, sink, pos, seq_of, slots, starts = _random_step(
         g, [6, 3], [0, 20], 2, 16, 4, 2, 4, 3)
@@ -326,11 +328,11 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
 
     monkeypatch.setattr(triton_kernel, "sparse_mla_attention", sparse_attention)
     monkeypatch.setattr(attention_op, "flashmla_attention", theirs)
-    monkeypatch.setattr(attention_op, "_SPARSE_BACKEND", "auto-flashmla")
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "auto-flashmla"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = attention_op._first_flashmla_call(args)
-    assert torch.equal(out, ours) and attention_op._SPARSE_BACKEND == kept
+    assert torch.equal(out, ours) and backends.sparse_attn() == kept
     assert len(caught) == (kept == "triton")
 
 

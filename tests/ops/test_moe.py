@@ -287,18 +287,19 @@ def test_routed_through_humming_matches_reference_gpu():
 
 
 def test_routed_gemm_backend_is_resolved_once_from_the_environment(monkeypatch):
-    import mini.ops.moe as moe_mod
     from mini.kernels import humming_experts
+    from mini.ops import backends
 
     def resolve(value, have):
-        monkeypatch.setattr(moe_mod, "_ROUTED_GEMM", None)
+        monkeypatch.setattr(backends, "_libraries", {})
         monkeypatch.setattr(humming_experts, "available", lambda: have)
         monkeypatch.setenv("MINI_MOE_GEMM", value)
-        return moe_mod.routed_gemm()
+        return backends.moe_gemm()
     assert resolve("auto", False) == "triton" and resolve("auto", True) == "humming"
     assert resolve("triton", True) == "triton" and resolve("Humming", True) == "humming"
     monkeypatch.setenv("MINI_MOE_GEMM", "triton")
-    assert moe_mod.routed_gemm() == "humming", "resolved once: a later change of the variable does not apply"
+    assert backends.moe_gemm() == "humming", "resolved once: a later change of the variable does not apply"
+    assert backends.current().moe_gemm == "humming"
     with pytest.raises(RuntimeError, match="does not import"):
         resolve("humming", False)
     with pytest.raises(ValueError, match="choose auto, humming or triton"):
