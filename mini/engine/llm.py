@@ -193,6 +193,8 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds this "
                              f"server's context of {self.max_model_len} tokens")
+        if params.logit_bias and max(params.logit_bias) >= self.config.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.config.vocab_size})")
         if params.grammar is not None:
             self.grammars.check(params.grammar)
 

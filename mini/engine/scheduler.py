@@ -162,7 +162,7 @@ class Scheduler:
                 aligned = seq.split_at
             elif end < seq.num_tokens:
                 aligned = end // bt * bt  # a chunk that stops early stops on a boundary
-            elif self.config.snapshot_prompt_end:
+            elif self.config.snapshot_prompt_end or seq.params.share_prompt:
                 aligned = (seq.num_tokens - 1) // bt * bt  # the prompt's last full-block boundary
             else:
                 aligned = end

@@ -35,6 +35,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     grammar: str | None = None  # llguidance Lark grammar the output must follow (mini.engine.structured)
+    share_prompt: bool = False  # other requests will take this prompt from the prefix cache (n > 1): end its
+    # prefill with a snapshot at the prompt's last block boundary (see mini.engine.scheduler)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

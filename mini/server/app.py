@@ -11,14 +11,17 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from mini.engine import RequestOutput, SamplingParams
 from mini.engine.async_engine import AsyncLLM
+from mini.server.chat_output import ChatChoice, split_reasoning  # noqa: F401 (split_reasoning: re-exported)
 from mini.server.metrics import ServerMetrics
 from mini.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -57,27 +60,57 @@ async def parse_body(request: Request, schema):
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        raise ApiError(f"invalid value for '{loc}': {err['msg']}", param=loc or None) from None
+        if err["type"] == "extra_forbidden":  # never accepted and ignored
+            raise ApiError(f"'{loc}' is not supported by this server", param=loc,
+                           code="unsupported_parameter") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(f"invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
 
 
-def _usage(out: RequestOutput) -> dict:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(*outs: RequestOutput) -> dict:
+    """Usage of a request's choices: the prompt once, every choice's output."""
+    n_prompt, n_out = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
-def split_reasoning(text: str, final: bool) -> tuple[str, str]:
-    """Thinking mode: the model writes its reasoning, `</think>`, then the answer. While the text is still
-    growing, a tail that could be the start of the marker is held back (it is neither part yet)."""
-    from mini.tokenizer import END_THINK
-    i = text.find(END_THINK)
-    if i >= 0:
-        return text[:i], text[i + len(END_THINK):]
-    if not final:
-        for k in range(len(END_THINK) - 1, 0, -1):
-            if text.endswith(END_THINK[:k]):
-                return text[:-k], ""
-    return text, ""
+async def _indexed(streams: list, later=None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merge choice streams into (index, output) pairs as they come. `later()`: an awaitable giving the streams of
+    the choices after the first ones, started once the first stream has produced an output. Closing the merged
+    stream closes (and so aborts) every choice's stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    def start(streams_, first_index):
+        for k, st in enumerate(streams_):
+            tasks.append(asyncio.ensure_future(pump(first_index + k, st)))
+    start(streams, 0)
+    running = len(streams)
+    try:
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if later is not None:
+                more, later = await later(), None
+                start(more, len(streams))
+                running += len(more)
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _sse(obj) -> str:
@@ -93,7 +126,23 @@ class OpenAIServer:
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise ApiError(f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+                           param="model", status=404, code="model_not_found")
+
+    async def _start_n(self, prompt, params: SamplingParams, request_id: str, n: int
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`n` samples of one prompt as (choice index, output) pairs. Choice 0 ends its prefill with a snapshot at
+        the prompt's last block boundary (`share_prompt`); the others are submitted once it has its first token and
+        take the prompt's full blocks and that snapshot from the prefix cache: each computes only the prompt's
+        last partial block. A seed gives choice i the seed + i."""
+        if n == 1:
+            stream = self._start(prompt, params, request_id)
+            return _indexed([stream])
+        first = self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0")
+
+        async def later():
+            return [self._start(prompt, replace(params, seed=None if params.seed is None else params.seed + i),
+                                      f"{request_id}-{i}") for i in range(1, n)]
+        return _indexed([first], later)
 
     def _start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         try:
@@ -105,13 +154,14 @@ class OpenAIServer:
         return self.llm.generate(ids, params, request_id)
 
     @staticmethod
-    async def _final(stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
-        """Run a request to the end, aborting it if the client goes away."""
+    async def _final(stream: AsyncIterator[tuple[int, RequestOutput]], request: Request) -> list[RequestOutput]:
+        """Run a request's choices to the end (their last outputs, by index), aborting them if the client goes
+        away."""
         async def consume():
-            last = None
-            async for out in stream:
-                last = out
-            return last
+            last = {}
+            async for i, out in stream:
+                last[i] = out
+            return [last[i] for i in sorted(last)]
         task = asyncio.ensure_future(consume())
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -146,36 +196,39 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(str(e)) from None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self._start(req.prompt, params, rid)
+        stream = await self._start_n(req.prompt, params, rid, req.n)
         want_lp = req.logprobs is not None
         if not req.stream:
-            out = await self._final(stream, request)
-            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                      "logprobs": self._completion_logprobs(out, len(out.token_ids), 0) if want_lp else None}
-            if isinstance(out.stop_reason, (str, int)):
-                choice["stop_reason"] = out.stop_reason
+            choices = []
+            outs = await self._final(stream, request)
+            for i, out in enumerate(outs):
+                choice = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
+                          "logprobs": self._completion_logprobs(out, len(out.token_ids), 0) if want_lp else None}
+                if isinstance(out.stop_reason, (str, int)):
+                    choice["stop_reason"] = out.stop_reason
+                choices.append(choice)
             return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": self.model_name, "choices": [choice], "usage": _usage(out)})
+                                 "model": self.model_name, "choices": choices, "usage": _usage(*outs)})
 
         async def events():
-            sent = 0
-            last = None
+            sent = [0] * req.n
+            last = {}
             try:
-                async for out in stream:
-                    last = out
+                async for i, out in stream:
+                    last[i] = out
                     if out.new_token_ids or out.finished:  # one chunk per token, even if its text is held back
-                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent) if want_lp else None
+                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent[i]) if want_lp else None
                         yield _sse({"id": rid, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [
-                                        {"index": 0, "text": out.new_text, "logprobs": lp,
+                                        {"index": i, "text": out.new_text, "logprobs": lp,
                                          "finish_reason": out.finish_reason if out.finished else None}]})
-                        sent += len(out.new_text)
+                        sent[i] += len(out.new_text)
             except RuntimeError as e:
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
                 return
-            if req.include_usage and last is not None:
+            if req.include_usage and last:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage(last)})
+                            "choices": [], "usage": _usage(*last.values())})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -190,7 +243,6 @@ class OpenAIServer:
                              "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
 
     async def chat(self, request: Request):
-        from mini.tokenizer import render_chat
         req = await parse_body(request, ChatCompletionRequest)
         self._check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -200,52 +252,50 @@ class OpenAIServer:
         req.max_tokens = max_tokens
         try:
             params = req.sampling_params(None, n_lp)
-            prompt = render_chat(req.rendered_messages(), thinking=req.thinking_mode)
-        except (ValueError, NotImplementedError) as e:
-            raise ApiError(str(e), param="messages" if isinstance(e, NotImplementedError) else None) from None
+            prompt = req.prompt()
+        except ValueError as e:
+            raise ApiError(str(e), param="messages") from None
+        try:
+            params.grammar = req.grammar()
+        except ValueError as e:
+            raise ApiError(str(e), param="response_format" if req.response_format else "tools") from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self._start(prompt, params, rid)
-        thinking = req.thinking_mode
+        stream = await self._start_n(prompt, params, rid, req.n)
+        names = req.tool_names if req.parses_tool_calls else None
+        choices = [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)]
         if not req.stream:
-            out = await self._final(stream, request)
-            message = {"role": "assistant", "content": out.text}
-            if thinking:
-                message["reasoning_content"], message["content"] = split_reasoning(out.text, final=True)
-            choice = {"index": 0, "message": message,
-                      "finish_reason": out.finish_reason,
-                      "logprobs": self._chat_logprobs(out, len(out.token_ids)) if req.logprobs else None}
+            outs = await self._final(stream, request)
+            body = [{"index": i, "message": c.message(out), "finish_reason": c.finish_reason(out),
+                     "logprobs": self._chat_logprobs(out, len(out.token_ids)) if req.logprobs else None}
+                    for i, (c, out) in enumerate(zip(choices, outs))]
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                                 "model": self.model_name, "choices": [choice], "usage": _usage(out)})
+                                 "model": self.model_name, "choices": body, "usage": _usage(*outs)})
 
-        def chunk(delta: dict, finish=None, lp=None):
+        def chunk(i: int, delta: dict, finish=None, lp=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
+                         "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
 
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            last = None
-            sent_reasoning = sent_content = 0
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            last = {}
             try:
-                async for out in stream:
-                    last = out
+                async for i, out in stream:
+                    last[i] = out
                     lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
-                    if thinking:
-                        reasoning, content = split_reasoning(out.text, out.finished)
-                        delta = {"reasoning_content": reasoning[sent_reasoning:], "content": content[sent_content:]}
-                        sent_reasoning, sent_content = len(reasoning), len(content)
-                    else:
-                        delta = {"content": out.new_text}
-                    if out.new_token_ids and (any(delta.values()) or not out.finished):
-                        yield chunk(delta, lp=lp)  # one chunk per token, as in completions
-                        lp = None
+                    for k, delta in enumerate(choices[i].deltas(out)):
+                        # one chunk per token (its text may be held back), as in completions; calls at the end
+                        if (k == 0 and out.new_token_ids and (any(delta.values()) or not out.finished)) or k > 0:
+                            yield chunk(i, delta, lp=lp)
+                            lp = None
                     if out.finished:
-                        yield chunk({}, finish=out.finish_reason, lp=lp)
+                        yield chunk(i, {}, finish=choices[i].finish_reason(out), lp=lp)
             except RuntimeError as e:
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
                 return
-            if req.include_usage and last is not None:
+            if req.include_usage and last:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [], "usage": _usage(last)})
+                            "model": self.model_name, "choices": [], "usage": _usage(*last.values())})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -263,6 +313,20 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAP
     async def _internal(request: Request, exc: Exception):
         log.exception("request failed")
         return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Routing errors in OpenAI's shape: an unknown path (404), a method the path does not take (405)."""
+        if exc.status_code == 404:
+            error = ApiError(f"no such endpoint: {request.url.path}", status=404, code="not_found")
+        elif exc.status_code == 405:
+            error = ApiError(f"{request.method} is not allowed on {request.url.path}", status=405,
+                             code="method_not_allowed")
+        else:
+            error = ApiError(str(exc.detail), status=exc.status_code)
+        response = error.response()
+        response.headers.update(exc.headers or {})
+        return response
 
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)

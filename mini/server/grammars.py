@@ -85,9 +85,10 @@ def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
 
 
 def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool = True,
-                      thinking: bool = False) -> str:
+                      thinking: bool = False, optional: bool = False) -> str:
     """A calls block (and nothing else) calling the offered tools (`only`: just that one); `parallel` False: one
-    call. Arguments follow each tool's `parameters` schema."""
+    call. Arguments follow each tool's `parameters` schema. `optional`: free content first, then at most one
+    block (tool_choice "auto" with parallel_tool_calls false)."""
     rules, invokes = [], []
     for i, tool in enumerate(tools):
         fn = tool["function"]
@@ -98,6 +99,8 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
     if not invokes:
         raise ValueError(f"no tool named {only!r} is offered")
     more = f' ("\\n" call)*' if parallel else ""
-    body = [f"answer: {_lit(TOOL_CALLS_START + chr(10))} call{more} {_lit(chr(10) + CALLS_CLOSE)}",
-            f"call: {' | '.join(invokes)}", *rules]
+    block = f"{_lit(TOOL_CALLS_START + chr(10))} call{more} {_lit(chr(10) + CALLS_CLOSE)}"
+    answer = [f"answer: CONTENT ({block})?", f"CONTENT: {_without(TOOL_CALLS_START)}"] if optional \
+        else [f"answer: {block}"]
+    body = [*answer, f"call: {' | '.join(invokes)}", *rules]
     return _with_reasoning(body, thinking)

@@ -1,32 +1,38 @@
-"""OpenAI request bodies (the fields mini honours) and their translation to SamplingParams.
+"""OpenAI request bodies (the fields mini honours) and their translation to SamplingParams, prompts and grammars.
 
-Unknown fields are accepted and ignored, as the OpenAI clients send extras; wrong types and out-of-range values
-are errors that name the field.
+Every field is either honoured or refused: a field mini does not know, or knows and does not support, is a 400
+that names it (`extra="forbid"`); wrong types and out-of-range values are errors that name the field. The README's
+API section lists the fields.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mini.engine import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -35,14 +41,16 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    user: str | None = None  # an end-user id for the caller's own records: nothing to do here
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _one_choice(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _no_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("best_of is not supported (use n to get several samples)")
         return v
 
     @field_validator("stop")
@@ -59,6 +67,16 @@ class _Common(BaseModel):
             raise ValueError("seed must fit in 64 bits")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return v
+
     def sampling_params(self, max_tokens_default: int | None, n_logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad value."""
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -69,7 +87,8 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logprobs=n_logprobs, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
     @property
     def include_usage(self) -> bool:
@@ -103,20 +122,79 @@ class CompletionRequest(_Common):
         return v
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# ------------------------------------------------------------------------------------------ chat
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    name: str | None = None  # tool only (redundant with tool_call_id); other roles have no name in V4.1's format
+    reasoning_content: str | None = None  # assistant (also accepted as `reasoning`)
+    reasoning: str | None = None
+    refusal: str | None = None  # assistant: must be empty, V4.1 has no refusal field
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                parts.append(part["text"])
-            return "".join(parts)
-        return self.content or ""
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.name is not None and self.role != "tool":
+            raise ValueError(f"'name' is not supported on {self.role} messages (V4.1's format has no names)")
+        if (self.reasoning_content or self.reasoning) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        if self.refusal:
+            raise ValueError("'refusal' is not supported")
+        return self
+
+    def for_prompt(self) -> dict:
+        """The message as mini.tokenizer.render_chat takes it."""
+        msg: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content or self.reasoning:
+            msg["reasoning_content"] = self.reasoning_content or self.reasoning
+        return msg
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_needed(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs 'json_schema'")
+        return self
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -124,17 +202,95 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None  # kept as sent: the prompt writes each function object with its key order
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["low", "medium", "high", "max", "none"] | int | None = None
     thinking: bool = False  # V4.1 thinking mode (also read from chat_template_kwargs)
     chat_template_kwargs: dict | None = None
 
-    def rendered_messages(self) -> list[dict]:
-        msgs = []
-        for m in self.messages:
-            extra = {k: v for k, v in (m.model_extra or {}).items() if k == "reasoning_content"}
-            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(), **extra})
-        return msgs
+    @field_validator("tools")
+    @classmethod
+    def _tools_shape(cls, v):
+        for i, tool in enumerate(v or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}].function needs a name")
+            if set(fn) - {"name", "description", "parameters", "strict"}:
+                raise ValueError(f"tools[{i}].function has unsupported fields {sorted(set(fn) - {'name', 'description', 'parameters', 'strict'})}")
+            if "parameters" in fn and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        names = [t["function"]["name"] for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _known_kwargs(cls, v):
+        unknown = set(v or {}) - {"thinking", "enable_thinking", "reasoning_effort"}
+        if unknown:
+            raise ValueError(f"unsupported chat_template_kwargs {sorted(unknown)}")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if (self.forced_tool_call or (self.parses_tool_calls and not self.parallel_tool_calls)) \
+                and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("tool calls and a response_format cannot both be enforced")
+        return self
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools or []}
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The output is read for calls: tools are offered and not switched off."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def thinking_mode(self) -> bool:
         kw = self.chat_template_kwargs or {}
+        if self.effort == "none":
+            return False
         return bool(kw.get("thinking", kw.get("enable_thinking", self.thinking)))
+
+    @property
+    def effort(self):
+        """reasoning_effort ("medium" is OpenAI's default level: V4.1's default, "high")."""
+        e = (self.chat_template_kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        return "high" if e == "medium" else e
+
+    def prompt(self) -> str:
+        """The V4.1 prompt (ValueError names what cannot be rendered)."""
+        from mini.tokenizer import render_chat
+        effort = None if self.effort == "none" else self.effort
+        return render_chat([m.for_prompt() for m in self.messages], thinking=self.thinking_mode,
+                           reasoning_effort=effort, tools=self.tools or None)
+
+    def grammar(self) -> str | None:
+        """What decoding must follow: a forced call (tool_choice required / named) or response_format."""
+        from mini.server import grammars
+        thinking = self.thinking_mode
+        if self.forced_tool_call:
+            only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            return grammars.tool_call_grammar(self.tools, only, self.parallel_tool_calls, thinking)
+        if not self.parallel_tool_calls and self.parses_tool_calls:  # auto, at most one call: enforced too
+            return grammars.tool_call_grammar(self.tools, None, False, thinking, optional=True)
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        return grammars.json_grammar(fmt.json_schema.schema_ or {} if fmt.type == "json_schema" else None, thinking)

@@ -72,7 +72,6 @@ BAD = [
     (b'{"model": "fake", "prompt": "\xff\xfe"}', "UTF-8"),
     (b'{"model": "fake", "prompt": "\\ud800"}', "Unicode"),
     (b'[1, 2]', "JSON object"),
-    (b'{"model": "nope", "prompt": "hi"}', "does not exist"),
     (b'{"model": "fake", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"model": "fake", "prompt": "hi", "max_tokens": -5}', "max_tokens"),
     (b'{"model": "fake", "prompt": "hi", "max_tokens": 100000000}', "max_tokens"),
