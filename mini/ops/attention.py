@@ -211,11 +211,14 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
 def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
     """MINI_SPARSE_ATTN=auto: run both kernels once and keep FlashMLA for the process only if it ran and matched
     ours on every token (a library we only hold as a binary must cost one comparison when it is wrong, not a
-    model's output). One device sync, once per process."""
+    model's output). One device sync, once per process. Returns the output of the kernel kept, so that this call
+    gives what every later one would: returning ours here made a step's result depend on whether it held the
+    process's first FlashMLA-sized call (issue 18: EP2 vs one rank in one process, 0.49 apart at V4.1 width)."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     ours = sparse_mla_attention(*args)
     try:
-        diff = (flashmla_attention(*args, key_rows=key_rows).float() - ours.float()).flatten(1).norm(dim=1)
+        theirs = flashmla_attention(*args, key_rows=key_rows)
+        diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1)
         err = float((diff / ours.float().flatten(1).norm(dim=1).clamp_min(1e-30)).max())
         problem = None if err < AUTO_CHECK_TOL else f"differs from the Triton kernel's by {err:.3g} on a token"
     except Exception as e:  # the library's shape/arch checks raise before launching; a changed API raises too
@@ -223,4 +226,4 @@ def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
     if problem:
         warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
     backends.settle_sparse_attn("triton" if problem else "flashmla")
-    return ours
+    return ours if problem else theirs

@@ -321,7 +321,7 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
     def theirs(*a, **kw):
         if flashmla_result == "raises":
             raise RuntimeError("Sparse Attention Forward Kernel is only supported on SM90a")
-        out = ours.clone()
+        out = (ours.float() * 1.001).to(ours.dtype)  # within the check's tolerance, but not ours bit for bit
         if flashmla_result != "same":
             out[4, 1] = float("nan") if flashmla_result == "nan" else out[4, 1] * 1.05
         return out
@@ -332,8 +332,13 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = attention_op._first_flashmla_call(args)
-    assert torch.equal(out, ours) and backends.sparse_attn() == kept
+    assert backends.sparse_attn() == kept
     assert len(caught) == (kept == "triton")
+    # the first call returns what the kept kernel returns, as every later call will (issue 18: returning ours
+    # made the process's first FlashMLA-sized step differ from the same step run later)
+    want = ours if kept == "triton" else (ours.float() * 1.001).to(ours.dtype)
+    assert torch.equal(out, want)
+    assert kept == "triton" or not torch.equal(out, ours)
 
 
 @pytest.mark.parametrize("preset_name,block_tokens,lens,cut", [("tiny-v4.1", 16, (45, 21), (37, 20)),
