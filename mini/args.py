@@ -174,7 +174,7 @@ def engine_opts(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- server
-DEFAULT_MAX_BODY_MB = 16
+DEFAULT_MAX_BODY_MB = 16  # mini.server.guard.DEFAULT_MAX_BODY_BYTES, in MB
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -196,8 +196,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"largest request body in MB, larger get 413 (default: {DEFAULT_MAX_BODY_MB})")
     p.add_argument("--request-timeout", type=non_negative, default=30.0,
                    help="seconds a client may take to send a request's headers, and its body between chunks")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="before answering, run the shapes the first requests use (compile kernels)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="before answering, run the step shapes the first requests use, so that their kernels are "
+                        "compiled (default: on CUDA)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -121,19 +121,18 @@ def cmd_serve(args) -> int:
 def serve_dp_http(args, engine, driver, routes: dict) -> None:
     """Rank 0 of `mini serve` over DP ranks (mini.parallel.serve): the HTTP server over the engine the ranks
     built, its steps run by `driver`, plus GET `routes` (path -> fn() -> dict); serves until stopped."""
-    import uvicorn
-
     from mini.engine.async_engine import AsyncLLM
     from mini.server import create_app
+    from mini.server.app import policy_from_args, run_http
     from mini.server.metrics import ServerMetrics
     metrics = ServerMetrics(engine)  # gauges (cache use, queue) are rank 0's engine only
     llm = AsyncLLM(engine, on_output=metrics.observe, driver=driver)
     try:
-        app = create_app(llm, metrics, args.served_model_name or args.model)
+        app = create_app(llm, metrics, args.served_model_name or args.model, policy_from_args(args))
         app.router.on_shutdown.append(llm.shutdown)  # before uvicorn re-raises the signal that stopped it
         for path, status in routes.items():
             app.get(path)(status)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_http(app, args)
     finally:
         llm.shutdown()
 

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from mini.engine import RequestOutput, SamplingParams
 from mini.engine.async_engine import AsyncLLM
 from mini.server.chat_output import ChatChoice, split_reasoning  # noqa: F401 (split_reasoning: re-exported)
+from mini.server.guard import LOOPBACK_HOSTS, Guard, Policy, h11_with_header_timeout
 from mini.server.metrics import ServerMetrics
 from mini.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -39,8 +40,18 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
+MAX_JSON_DEPTH = 64  # nesting of a request body: OpenAI requests need < 10; deeper is refused, never recursed into
+PROMPT_CHARS_PER_TOKEN = 8  # a text prompt longer than this many characters per token of context cannot fit
+
+
 async def parse_body(request: Request, schema):
+    """The body (read and size-checked by the Guard) decoded, parsed and validated in a worker thread: a large
+    body never holds the event loop."""
     raw = await request.body()
+    return await asyncio.to_thread(_parse, raw, schema)
+
+
+def _parse(raw: bytes, schema):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -49,8 +60,12 @@ async def parse_body(request: Request, schema):
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(f"invalid JSON in the request body: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -65,6 +80,18 @@ async def parse_body(request: Request, schema):
                            code="unsupported_parameter") from None
         msg = err["msg"].removeprefix("Value error, ")
         raise ApiError(f"invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 def _usage(*outs: RequestOutput) -> dict:
@@ -135,18 +162,25 @@ class OpenAIServer:
         take the prompt's full blocks and that snapshot from the prefix cache: each computes only the prompt's
         last partial block. A seed gives choice i the seed + i."""
         if n == 1:
-            stream = self._start(prompt, params, request_id)
+            stream = await self._start(prompt, params, request_id)
             return _indexed([stream])
-        first = self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0")
+        first = await self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0")
 
         async def later():
-            return [self._start(prompt, replace(params, seed=None if params.seed is None else params.seed + i),
+            return [await self._start(prompt, replace(params, seed=None if params.seed is None else params.seed + i),
                                       f"{request_id}-{i}") for i in range(1, n)]
         return _indexed([first], later)
 
-    def _start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Tokenize and check in a worker thread (a long prompt never holds the event loop), then submit. A text
+        prompt that cannot fit the context even at PROMPT_CHARS_PER_TOKEN is refused before tokenizing."""
+        limit = PROMPT_CHARS_PER_TOKEN * self.llm.engine.max_model_len
+        if isinstance(prompt, str) and len(prompt) > limit:
+            raise ApiError(f"the prompt has {len(prompt):,} characters; this server's context of "
+                           f"{self.llm.engine.max_model_len:,} tokens takes at most {limit:,}", param="prompt",
+                           code="context_length_exceeded")
         try:
-            ids = self.llm.validate(prompt, params)
+            ids = await asyncio.to_thread(self.llm.validate, prompt, params)
         except ValueError as e:
             raise ApiError(str(e)) from None
         except (UnicodeError, TypeError) as e:
@@ -300,10 +334,18 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAPI:
+def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: Policy | None = None) -> FastAPI:
+    """The app over a running AsyncLLM. `policy` (default: Policy(), loopback hosts, no key): what every request
+    must pass first (mini.server.guard); listed origins also get CORS headers and preflight answers."""
     server = OpenAIServer(llm, metrics, model_name)
     app = FastAPI(title="mini", docs_url=None, redoc_url=None)
     app.state.server = server
+    app.state.policy = policy = policy or Policy()
+    if policy.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(Guard, policy=policy)  # added last: the outermost
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -347,31 +389,115 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str) -> FastAP
     return app
 
 
-def build_app(model_or_path, model_name: str | None = None, **engine_opts) -> FastAPI:
-    """Engine + background loop + app, for `serve` and tests. `engine_opts` go to mini.engine.build_engine."""
+def build_app(model_or_path, model_name: str | None = None, policy: Policy | None = None, warmup: bool = False,
+              **engine_opts) -> FastAPI:
+    """Engine + background loop + app, for `serve` and tests. `engine_opts` go to mini.engine.build_engine;
+    `warmup` runs mini.engine.warmup before the engine thread starts (and so before the app can answer)."""
     from mini.engine import build_engine
     engine = build_engine(model_or_path, **engine_opts)
+    if warmup:
+        from mini.engine.warmup import warm_up
+        engine.warmup_s = warm_up(engine)
     metrics = ServerMetrics(engine)
     llm = AsyncLLM(engine, on_output=metrics.observe)
     name = model_name or (model_or_path if isinstance(model_or_path, str) else "mini")
-    app = create_app(llm, metrics, name)
+    app = create_app(llm, metrics, name, policy)
     app.router.on_shutdown.append(llm.shutdown)
     return app
 
 
+def policy_from_args(args) -> Policy:
+    """The Policy of `mini serve`'s flags. Hosts default to the loopback names plus --host; a wildcard bind
+    (0.0.0.0, ::) without --allowed-hosts accepts any Host, since the names clients use are unknown here."""
+    from mini.args import split_list
+    if args.allowed_hosts is not None:
+        hosts = split_list(args.allowed_hosts)
+    elif args.host in ("0.0.0.0", "::", ""):
+        hosts = None
+    else:
+        hosts = (*LOOPBACK_HOSTS, args.host.lower())
+    return Policy(api_key=args.api_key, allowed_origins=split_list(args.allowed_origins), allowed_hosts=hosts,
+                  max_body_bytes=args.max_body_mb * 1000 * 1000, read_timeout_s=args.request_timeout)
+
+
+def exposure_warning(host: str, policy: Policy) -> str | None:
+    if is_loopback(host) or policy.api_key is not None:
+        return None
+    return (f"mini serve: warning: listening on {host}, beyond this machine, without an API key: anyone who can "
+            "reach it can use it (set --api-key or MINI_API_KEY)")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def startup_line(app: FastAPI, url: str) -> str:
+    """One line: model, dtype and device, the backends chosen, the cache, memory, warm-up and address."""
+    import torch
+
+    from mini.ops import backend
+    engine = app.state.server.llm.engine
+    o, runner = engine.options, engine.runner
+    if runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        memory = f"GPU memory {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
+    else:
+        memory = f"RSS {_rss_bytes() / 2**30:.2f} GiB"
+    warm = getattr(engine, "warmup_s", None)
+    return (f"mini serve: {app.state.server.model_name} · {str(o.dtype).removeprefix('torch.')} on {runner.device}"
+            f" · ops {backend()}, decode {'CUDA graphs' if runner.graphs is not None else 'eager'}"
+            f"{', overlapped' if engine.overlap else ''} · cache {engine.blocks.n_blocks} blocks x "
+            f"{engine.blocks.block_tokens} positions, context {engine.max_model_len:,} · {memory}"
+            f"{f' · warmed up in {warm:.1f} s' if warm is not None else ''} · {url}"
+            f"{'' if app.state.policy.api_key is None else ' (API key required)'}")
+
+
+def _rss_bytes() -> int:
+    import os
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def serve(args) -> int:
-    import uvicorn
+    """`mini serve` on one engine: build, warm up (default on CUDA), say so in one line, serve until stopped."""
     from mini.args import engine_opts
-    app = build_app(args.model, args.served_model_name, **engine_opts(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    policy = policy_from_args(args)
+    opts = engine_opts(args)
+    warmup = args.warmup if args.warmup is not None else str(opts["device"]).startswith("cuda")
+    app = build_app(args.model, args.served_model_name, policy, warmup, **opts)
+    run_http(app, args)
     return 0
+
+
+def run_http(app: FastAPI, args) -> None:
+    """Serve `app` (made with policy_from_args(args)) on --host/--port until stopped, after the start-up line (and a
+    warning when it listens beyond this machine without an API key)."""
+    import sys
+
+    import uvicorn
+    warning = exposure_warning(args.host, app.state.policy)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(startup_line(app, f"http://{args.host}:{args.port}"), file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=h11_with_header_timeout(app.state.policy.read_timeout_s))
 
 
 class BackgroundServer:
     """Serve an app from a thread of this process (tests, in-process benchmarks):
     `with BackgroundServer(app) as url: ...`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import socket
         import threading
 
@@ -381,7 +507,9 @@ class BackgroundServer:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        policy = getattr(app.state, "policy", None) or Policy()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    http=h11_with_header_timeout(policy.read_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

@@ -37,10 +37,11 @@ async def _good(client, prompt, i, max_tokens):
 
 
 async def _bad(url, i):
-    async with httpx.AsyncClient() as h:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as h:  # no read deadline: pytest-timeout bounds it
         await asyncio.sleep(random.Random(100 + i).random() * 0.2)
         if i % 3 == 0:
-            r = await h.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": ')
+            r = await h.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": ',
+                             headers={"content-type": "application/json"})
             assert r.status_code == 400
         elif i % 3 == 1:
             r = await h.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": -1})

@@ -1,0 +1,41 @@
+"""Warm-up before serving: run the step shapes the first requests will use, so that their kernels are compiled
+(Triton JIT, cuBLAS handles, allocator pools) before the server says it is ready, not during the first burst.
+
+Decode graphs are captured when the engine is built (mini.engine.cuda_graphs); this adds what they do not cover:
+prefill steps at the full token budget (one long prompt, in budget-sized chunks, the second over cached context),
+steps of many short prompts at once, mixed prefill + decode steps, and eager decode at shrinking batch sizes
+(requests of different lengths finish one after another), greedy and sampled. The prompts are random token ids
+from a fixed seed; every request runs to its end, so the engine is left empty, and its counters are reset.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+from mini.engine.llm import EngineStats, LLMEngine
+from mini.engine.sequence import SamplingParams
+
+
+def warm_up(engine: LLMEngine, seed: int = 0) -> float:
+    """Run the warm-up requests to their end on `engine` (not yet shared with another thread); returns seconds."""
+    t0 = time.perf_counter()
+    o = engine.options
+    rng = random.Random(seed)
+    budget, n_seqs, context = o.max_num_batched_tokens, o.max_num_seqs, engine.max_model_len
+    vocab = engine.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(min(16, vocab - 1), vocab) for _ in range(max(1, min(n, context - 9)))]
+
+    requests = [(prompt(2 * budget), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))]
+    short = max(1, 2 * budget // n_seqs)
+    for i in range(n_seqs):  # a burst: prefill steps of many chunks, then decode at shrinking batch sizes
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=2 + i % 8, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=2 + i % 8, ignore_eos=True)
+        requests.append((prompt(rng.randint(1, short)), sampled if i % 2 else greedy))
+    for i, (ids, params) in enumerate(requests):
+        engine.add_request(f"warmup-{i}", ids, params)
+    while engine.has_work():
+        engine.step()
+    engine.stats = EngineStats()
+    return time.perf_counter() - t0
