@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from mini.engine.block_manager import BlockManager
-from mini.engine.model_runner import ForwardTiming, ModelRunner, size_cache
+from mini.engine.model_runner import ForwardTiming, ModelRunner, StepModel, size_cache
 from mini.engine.cuda_graphs import TokenFeed, is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -145,7 +145,7 @@ class EngineStats:
 class LLMEngine:
     """Synchronous core. Not thread-safe: one thread calls add_request / abort / step (see async_engine)."""
 
-    def __init__(self, model, config, tokenizer, options: EngineOptions, batch_cls=None, cache_cls=None,
+    def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions, batch_cls=None, cache_cls=None,
                  seq_chunk_cls=None):
         if batch_cls is None or cache_cls is None or seq_chunk_cls is None:
             from mini.model import Batch, KVCache, SeqChunk
@@ -159,8 +159,7 @@ class LLMEngine:
         self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
                                  shape.n_blocks * o.block_tokens)
         self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls,
-                                  cuda_graphs=use_cuda_graphs(model, device, o.dtype, o.enforce_eager),
-                                  max_model_len=self.max_model_len)
+                                  enforce_eager=o.enforce_eager, max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
         chunk = SchedulerConfig.deterministic_chunk(o.max_num_seqs, o.max_num_batched_tokens) if o.deterministic else 0
@@ -444,15 +443,6 @@ def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | N
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
-
-
-def use_cuda_graphs(model, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
-    """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, on one device, unless
-    enforce_eager: the reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP
-    exchange sizes its messages from the token counts it exchanges on the host."""
-    from mini.ops import backend
-    return (torch.device(device).type == "cuda" and backend() == "fast" and dtype == torch.bfloat16
-            and getattr(model, "moe_exchange", None) is None and not enforce_eager)
 
 
 def build_engine(model_or_path, **opts) -> LLMEngine:

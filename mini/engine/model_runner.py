@@ -4,10 +4,14 @@ Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_u
 total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for
 running sequences plus `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
-With `cuda_graphs` (when: mini.engine.llm.use_cuda_graphs) pure-decode steps replay CUDA graphs captured per
+With CUDA graphs (`use_cuda_graphs`) pure-decode steps replay CUDA graphs captured per
 batch-size bucket at start-up (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
 The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves.
+
+The model and its cache are reached through two small protocols, `StepModel` and `StepCache` (mini.model's Model
+and KVCache, mini.parallel.dp.DPModel, the tests' fake model). The runner also owns the ops backends: it resolves
+and logs them once at start-up (mini.ops.backends).
 
 `timing = True` records each step's host time (input preparation, the forward call: launches or one replay) and
 its GPU span (CUDA events around the forward) in `last_timing`, for the decode-host benchmark.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +28,38 @@ from mini.engine.block_manager import SlotCopy
 from mini.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from mini.engine.sampler import to_device
 from mini.engine.scheduler import ScheduledChunk
+from mini.ops.backends import resolve as resolve_backends
+
+
+class StepModel(Protocol):
+    """What the engine steps. `hasher`: the EngramHasher Batch.build needs (None without Engram layers);
+    `engram_on_device`: a static decode step hashes and looks up Engram rows on the device, else they are looked
+    up on the host (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks on
+    the host (EP), so its steps cannot be captured in CUDA graphs."""
+    config: object
+    hasher: object | None
+    engram_on_device: bool
+    exchanges_tokens: bool
+
+    def forward(self, batch, cache) -> torch.Tensor: ...
+
+    def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class StepCache(Protocol):
+    """The cache pools the runner keeps for the model (`cache_cls(config, n_slots, n_blocks, block_tokens, device,
+    dtype)`, sized by its bytes per block and per slot)."""
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every per-sequence state row of slots `src` to slots `dst` (int64, on the cache's device)."""
+
+
+def use_cuda_graphs(model: StepModel, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
+    """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, on one device, unless
+    enforce_eager: the reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP
+    exchange sizes its messages from the token counts it exchanges on the host."""
+    return (torch.device(device).type == "cuda" and resolve_backends().ops == "fast" and dtype == torch.bfloat16
+            and not model.exchanges_tokens and not enforce_eager)
 
 
 @dataclass
@@ -80,8 +117,10 @@ class ForwardTiming:
 
 
 class ModelRunner:
-    def __init__(self, model, config, shape: CacheShape, device, dtype, batch_cls, cache_cls, seq_chunk_cls,
-                 cuda_graphs: bool = False, max_model_len: int | None = None):
+    def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, batch_cls, cache_cls,
+                 seq_chunk_cls, enforce_eager: bool = False, max_model_len: int | None = None):
+        self.backends = resolve_backends()  # logged once
+        cuda_graphs = use_cuda_graphs(model, device, dtype, enforce_eager)
         self.model = model
         self.config = config
         self.device = torch.device(device)
@@ -89,15 +128,15 @@ class ModelRunner:
         self.batch_cls = batch_cls
         self.seq_chunk_cls = seq_chunk_cls
         scratch = int(cuda_graphs)
-        self.cache = cache_cls(config, n_slots=shape.n_slots + scratch, n_blocks=shape.n_blocks + scratch,
-                               block_tokens=shape.block_tokens, device=device, dtype=dtype)
-        self.hasher = getattr(model, "hasher", None)
+        self.cache: StepCache = cache_cls(config, n_slots=shape.n_slots + scratch, n_blocks=shape.n_blocks + scratch,
+                                          block_tokens=shape.block_tokens, device=device, dtype=dtype)
+        self.hasher = model.hasher
         self.timing, self.last_timing = False, None
         self.graphs = None
         if cuda_graphs:
             from mini.model import DecodeBuffers
             engram_shape, engram_lookback = None, 0
-            if self.hasher is not None and getattr(model, "engram_on_device", False):
+            if self.hasher is not None and model.engram_on_device:
                 engram_lookback = self.hasher.lookback  # hashed and looked up on the device, inside the graph
             elif self.hasher is not None:
                 engram_shape = (*self.hasher.primes.shape, config.engram_head_dim)  # rows looked up on the host
@@ -140,14 +179,9 @@ class ModelRunner:
         """Copy per-sequence state rows between slots (prefix-cache snapshot / restore)."""
         if not copies:
             return
-        if hasattr(self.cache, "copy_slot"):
-            for c in copies:
-                self.cache.copy_slot(c.src, c.dst)
-            return
         src = to_device(torch.tensor([c.src for c in copies]), self.device)
         dst = to_device(torch.tensor([c.dst for c in copies]), self.device)
-        for pool in _slot_pools(self.cache):
-            pool.index_copy_(0, dst, pool.index_select(0, src))
+        self.cache.copy_slots(src, dst)
 
 
 def _history(seq, start: int, end: int) -> list[int]:
@@ -158,13 +192,3 @@ def _history(seq, start: int, end: int) -> list[int]:
     if start >= n_prompt:
         return seq.output_token_ids[start - n_prompt:end - n_prompt]
     return prompt[start:] + seq.output_token_ids[:end - n_prompt]
-
-
-def _slot_pools(cache) -> list[torch.Tensor]:
-    """The per-slot tensors of mini.model.KVCache (window rings, compressor states): every row of dim 0 is a slot.
-    Paged pools (comp_kv, index_k) are indexed by block and are not copied."""
-    pools = list(cache.window)
-    for states in (cache.comp_state, cache.index_state):
-        for kv_and_score in states.values():
-            pools += list(kv_and_score)
-    return pools

@@ -49,6 +49,16 @@ class KVCache:
                 if not cfg.is_v41:  # V4: the indexer pools its own keys
                     self.index_state[p.layer] = self._state(p.ratio, di)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the per-slot state rows (window rings, compressor states) of slots `src` to slots `dst` (prefix-cache
+        snapshot / restore). Paged pools (comp_kv, index_k) are indexed by block and are not copied."""
+        pools = list(self.window)
+        for states in (self.comp_state, self.index_state):
+            for kv_and_score in states.values():
+                pools += list(kv_and_score)
+        for pool in pools:
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
     def _state(self, ratio: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = state_shape(self.config, ratio, head_dim)
         kv = torch.zeros(self.n_slots, rows, width, dtype=torch.float32, device=self.device)

@@ -120,6 +120,11 @@ class Model:
         return run(x, blk.moe, self.config, blk.plan, input_ids)
 
     @property
+    def exchanges_tokens(self) -> bool:
+        """Whether each forward exchanges token counts with other ranks (an EP exchange replaces `moe`)."""
+        return self.moe_exchange is not None
+
+    @property
     def hasher(self):
         """EngramHasher (host) of the model, or None; setting it also makes its device copy when the tables are on
         the device (before any capture: the copy comes from the host)."""

@@ -22,15 +22,25 @@ from mini.parallel.groups import DistContext
 
 
 class DPModel:
-    """A Model of one EP/DP rank: each forward first exchanges the step's token counts. Other attributes are the
-    wrapped model's, so the engine uses it as a Model."""
+    """A Model of one EP/DP rank, as the engine steps it (mini.engine.model_runner.StepModel): each forward first
+    exchanges the step's token counts."""
+    exchanges_tokens = True
 
     def __init__(self, model, ctx: DistContext):
         self.model, self.exchange = model, MoEExchange(ctx)
         model.moe_exchange = self.exchange
+        self.config = model.config
 
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+    @property
+    def hasher(self):
+        return self.model.hasher
+
+    @property
+    def engram_on_device(self) -> bool:
+        return self.model.engram_on_device
+
+    def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.engram_rows(hash_ids)
 
     def forward(self, batch, cache) -> torch.Tensor:
         self.exchange.begin_step(batch.n_tokens)

@@ -70,9 +70,10 @@ class FakeCache:
     def bytes_per_slot(config, dtype):
         return config.window_size * 8 + 8
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        self.ring[dst] = self.ring[src]
-        self.state[dst] = self.state[src]
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.ring[d] = self.ring[s]
+            self.state[d] = self.state[s]
 
 
 def _mix(h: int, token: int, pos: int) -> int:
@@ -80,6 +81,8 @@ def _mix(h: int, token: int, pos: int) -> int:
 
 
 class FakeModel:
+    hasher, engram_on_device, exchanges_tokens = None, False, False  # mini.engine.model_runner.StepModel
+
     def __init__(self, config: FakeConfig):
         self.config = config
         self.calls: list[list[tuple[int, int]]] = []  # (start, length) of each chunk, per forward
@@ -120,6 +123,7 @@ def fake_llm(model_cls=None, **opts):
 class ScriptedModel:
     """Greedy output follows `script` (one-hot logits): the token after a history of n tokens is
     script[(n - prompt_len) % len(script)]. For exact stop-string / detokenization tests."""
+    hasher, engram_on_device, exchanges_tokens = None, False, False
 
     def __init__(self, config: FakeConfig, script: list[int], prompt_len: int):
         self.config, self.script, self.prompt_len = config, script, prompt_len

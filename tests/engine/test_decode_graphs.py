@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import mini.engine.llm as llm_module
+import mini.engine.model_runner as runner_module
 from mini.config import preset
 from mini.engine import LLM, SamplingParams
 from mini.engine.cuda_graphs import buckets
@@ -45,7 +45,7 @@ def test_buckets():
 
 
 def _generate(static: bool, monkeypatch, prompts, max_tokens):
-    monkeypatch.setattr(llm_module, "use_cuda_graphs", lambda *a: static)
+    monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a: static)
     llm = LLM("tiny-v4.1", device="cpu", dtype=torch.float32, num_blocks=64, block_tokens=16, max_num_seqs=8)
     llm.engine.step_times = []
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mini.engine.llm as llm_module
+import mini.engine.model_runner as runner_module
 from fake_model import FakeConfig, FakeModel, fake_llm, scripted_llm
 from mini.engine import LLM, SamplingParams
 from mini.engine.cuda_graphs import TokenFeed
@@ -282,7 +283,7 @@ def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_t
               for i in range(4)]
     runs = {}
     for static, overlap in ((False, False), (True, True)):
-        monkeypatch.setattr(llm_module, "use_cuda_graphs", lambda *a, s=static: s)
+        monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a, s=static: s)
         early_fetches.clear()
         llm = _tiny_llm(model, engram_tables, num_blocks=8 * 128 // block_tokens, block_tokens=block_tokens,
                         max_num_seqs=4, max_model_len=256, overlap=overlap)
