@@ -66,7 +66,8 @@ def device_name(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------- model
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-v4.1", help="checkpoint directory or preset name (default: tiny-v4.1)")
-    p.add_argument("--device", default=None, type=device_name, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", default=None, type=device_name,
+                   help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
     p.add_argument("--backend", default=None, choices=["reference", "fast"], help="ops backend (default: fast on CUDA)")
 

@@ -93,11 +93,11 @@ def cmd_make_checkpoint(args) -> int:
     free = shutil.disk_usage(existing).free
     print(f"{args.preset}: {size / 1e9:,.3f} GB of random weights into {out} ({free / 1e9:,.1f} GB free there)",
           file=sys.stderr)
+    if size > REAL_SIZE_BYTES and not args.yes:
+        raise UsageError(f"{args.preset} is a real-size model ({size / 1e9:,.0f} GB); pass --yes to write it")
     if size > free:
         raise UsageError(f"not enough free space in {existing}: the checkpoint takes {size / 1e9:,.1f} GB, "
                          f"{free / 1e9:,.1f} GB are free")
-    if size > REAL_SIZE_BYTES and not args.yes:
-        raise UsageError(f"{args.preset} is a real-size model ({size / 1e9:,.0f} GB); pass --yes to write it")
     make_checkpoint(args.preset, out, seed=args.seed, progress=True)
     print(f"wrote {out}")
     return 0
@@ -147,8 +147,14 @@ def cmd_profile(argv: list[str]) -> int:
     return profile_main(argv) or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line instead of the usage block (which `--help` shows)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mini", description="Inference engine for DeepSeek-V4.1-Flash / V4")
+    p = _Parser(prog="mini", description="Inference engine for DeepSeek-V4.1-Flash / V4")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     add_model_args(g)

@@ -72,7 +72,8 @@ def iter_state(path: str | Path, config: ModelConfig | None = None, experts: ran
     for name, file in weight_map.items():
         listed.setdefault(file, set()).add(name)
     total = sum(s.nbytes for s in wanted.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {root.name}", disable=not progress) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {root.name}",
+              disable=None if progress is None else not progress) as bar:
         for file in sorted(by_file):
             for name, tensor in _read_shard(root / file, by_file[file], listed[file], wanted, config, device):
                 bar.update(wanted[name].nbytes)

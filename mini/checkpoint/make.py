@@ -47,15 +47,20 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
     out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(config, shard_bytes)
     n, weight_map, total = len(shards), {}, 0
-    for k, group in enumerate(tqdm(shards, desc=f"writing {out.name}", disable=not progress), start=1):
-        file = f"model-{k:05d}-of-{n:05d}.safetensors"
-        tensors: dict[str, torch.Tensor] = {}
-        with _one_cpu_thread():
-            for w in group:
-                tensors.update(_draw(w, config, seed, torch.device("cpu")))
-        save_file(tensors, out / file, metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(tensors, file))
+    bar = tqdm(total=checkpoint_bytes(config), unit="B", unit_scale=True, desc=f"writing {out.name}",
+               disable=None if progress is None else not progress)  # None: a bar on a terminal only
+    with bar:
+        for k, group in enumerate(shards, start=1):
+            file = f"model-{k:05d}-of-{n:05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = {}
+            with _one_cpu_thread():
+                for w in group:
+                    drawn = _draw(w, config, seed, torch.device("cpu"))
+                    tensors.update(drawn)
+                    bar.update(sum(t.numel() * t.element_size() for t in drawn.values()))
+            save_file(tensors, out / file, metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, file))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")

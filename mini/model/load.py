@@ -32,16 +32,16 @@ def preset_checkpoint(name: str, seed: int = 0) -> Path:
 
 
 def load_model(path_or_preset: str | Path, device="cpu", dtype=torch.bfloat16, experts: range | None = None,
-               engram_device_bytes: int = ENGRAM_DEVICE_BYTES):
+               engram_device_bytes: int = ENGRAM_DEVICE_BYTES, progress: bool | None = None):
     """(Model, ModelConfig, Tokenizer). `experts` keeps only those routed experts (an EP rank). The model's
     `hasher` (Engram hash ids for Batch.build) is set when the model has Engram layers; its Engram tables go to
-    `device` when they fit in `engram_device_bytes` (see Model)."""
+    `device` when they fit in `engram_device_bytes` (see Model). `progress`: a loading bar (None: on a terminal)."""
     from mini.checkpoint.load import load_state
     from mini.tokenizer import Tokenizer, load_token_map
     path = str(path_or_preset)
     root = preset_checkpoint(path) if path in PRESETS and not Path(path).exists() else Path(path)
     config = ModelConfig.load(root)
-    model = Model(config, load_state(root, config, experts, progress=False), device, dtype, experts=experts,
+    model = Model(config, load_state(root, config, experts, progress=progress), device, dtype, experts=experts,
                   consume_state=True, engram_device_bytes=engram_device_bytes)
     if config.engram_layer_ids:
         from mini.ops.engram import EngramHasher
