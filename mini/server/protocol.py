@@ -146,7 +146,7 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self):
-        if self.tool_calls and self.role != "assistant":
+        if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")

@@ -1,0 +1,182 @@
+"""Tool calling through the official `openai` client over tiny-v4.1 (random weights): tools and tool history
+reach the prompt exactly as mini.tokenizer renders them, forced calls (tool_choice required / named) come back as
+tool_calls whose arguments validate against the tool's schema, a stream's tool_call deltas rebuild the same call,
+and whatever else the model writes comes back as content, never an error."""
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from conftest import MODEL
+from mini.server.app import BackgroundServer, build_app
+from mini.server.tool_calls import parse_tool_calls
+from mini.tokenizer import render_chat
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "unit": {"type": "string", "enum": ["C", "F"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """tiny-v4.1 on CPU (fp32) with a 4,096-token context: the tools section alone is ~1,000 tiny tokens."""
+    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, num_blocks=256, block_tokens=16,
+                    max_num_seqs=8)
+    with BackgroundServer(app) as url:
+        yield url, app
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _check_call(name, arguments):
+    assert name in SCHEMAS
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_tools_and_history_are_rendered_into_the_prompt(server):
+    url, app = server
+    tok = app.state.server.llm.engine.tokenizer
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "C"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]},
+        {"role": "tool", "tool_call_id": "call_b", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
+    for msgs in (USER, history):
+        r = _client(url).chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=1,
+                                                 temperature=0)
+        assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs, tools=TOOLS)))
+    assert "<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_result>" in render_chat(history, tools=TOOLS)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_call_validates_and_streams_the_same(server, choice):
+    url, _ = server
+    c = _client(url)
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+              max_tokens=300, temperature=1.0, seed=5)
+    r = c.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    _check_call(call.function.name, call.function.arguments)
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    # the stream: rebuild the call from its deltas, OpenAI style (by index; name and arguments accumulate)
+    rebuilt, finish, content = {}, None, ""
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            entry = rebuilt.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = d.id or entry["id"]
+            entry["name"] += (d.function.name or "") if d.function else ""
+            entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        content += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == "" and list(rebuilt) == [0]
+    assert rebuilt[0]["id"].startswith("call_")
+    assert (rebuilt[0]["name"], rebuilt[0]["arguments"]) == (call.function.name, call.function.arguments)
+
+
+def test_required_parallel_calls_each_validate(server):
+    url, _ = server
+    r = _client(url).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
+                                             max_tokens=400, temperature=0.7, seed=2)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        _check_call(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
+def test_unforced_output_of_a_random_model_is_content(server, tool_choice):
+    url, _ = server
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    for stream in (False, True):
+        r = _client(url).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=12,
+                                                 temperature=1.0, seed=1, stream=stream, **extra)
+        if stream:
+            chunks = list(r)
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            assert not any(ch.choices[0].delta.tool_calls for ch in chunks)
+        else:
+            assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+def test_auto_with_one_call_at_most_is_enforced(server):
+    url, _ = server
+    r = _client(url).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, parallel_tool_calls=False,
+                                             max_tokens=40, temperature=1.0, seed=3)
+    ch = r.choices[0]
+    assert ch.finish_reason in ("stop", "length", "tool_calls")
+    assert "<｜DSML｜ calls>" not in (ch.message.content or "")  # a block can only be a well-formed single call
+    for call in ch.message.tool_calls or []:
+        _check_call(call.function.name, call.function.arguments)
+
+
+def test_bad_tool_requests_are_400(server):
+    url, _ = server
+    c = _client(url)
+    bad = [dict(tools=[{"type": "function", "function": {"description": "no name"}}]),
+           dict(tools=[{"type": "retrieval"}]),
+           dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "missing"}}),
+           dict(tools=TOOLS + TOOLS[:1]),
+           dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+           dict(messages=[{"role": "tool", "content": "r"}]),  # no tool_call_id
+           dict(messages=[{"role": "user", "content": "x", "tool_calls": []}])]
+    for kw in bad:
+        kw = {"messages": USER, **kw}
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=MODEL, max_tokens=2, **kw)
+
+
+# ------------------------------------------------------------------------------------------ the parser itself
+CALL = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+        '<｜DSML｜ parameter name="city" string="true">Pa"ris\n</｜DSML｜ parameter>\n'
+        '<｜DSML｜ parameter name="days" string="false">[1, {"a": null}]</｜DSML｜ parameter>\n'
+        '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+
+
+def test_parser_reads_a_well_formed_block():
+    content, calls = parse_tool_calls("Let me check." + CALL, {"get_weather"})
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments) == {"city": 'Pa"ris\n', "days": [1, {"a": None}]}
+
+
+@pytest.mark.parametrize("text", [
+    CALL.replace("get_weather", "rm_rf"),  # a tool that is not offered
+    CALL.replace("[1, {", "[1, {{"),  # a non-string value that is not JSON
+    CALL.replace('string="false"', 'string="maybe"'),
+    CALL[:-5],  # cut short
+    CALL + " trailing words",
+    CALL.replace("</｜DSML｜ invoke>", ""),
+    "\n\n<｜DSML｜ calls>\n</｜DSML｜ calls>",  # no call
+    CALL.replace('name="days"', 'name="city"'),  # a duplicate parameter
+])
+def test_malformed_blocks_are_content(text):
+    assert parse_tool_calls(text, {"get_weather"}) == (text, [])
+
+
+def test_parser_never_raises_on_garbage():
+    rng = random.Random(0)
+    pieces = ["\n\n<｜DSML｜ calls>", "\n", '<｜DSML｜ invoke name="get_weather">', '<｜DSML｜ parameter name="',
+              'city" string="', 'true">', 'false">', "x", "1", "{", "</｜DSML｜ parameter>", "</｜DSML｜ invoke>",
+              "</｜DSML｜ calls>", '"', ">", "<", "｜"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        content, calls = parse_tool_calls(text, {"get_weather"})
+        assert (content, calls) == (text, []) or (calls and text.startswith(content))
+        for c in calls:
+            assert isinstance(json.loads(c.arguments), dict)
