@@ -393,8 +393,7 @@ class LLMEngine:
             seq.decoded += seq.detok.push(token)
             if p.stop and self._stop_string(seq):
                 return
-        if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
-                or len(seq.prompt_token_ids) + len(seq.output_token_ids) >= seq.max_total_tokens:
+        if seq.at_length_limit():  # the tokens read back so far (one of a later step may be in flight)
             self._finish(seq, "length", None)
         elif seq.detok is not None:  # stream only text that can no longer become the start of a stop string
             hold = max((len(s) for s in p.stop), default=1) - 1

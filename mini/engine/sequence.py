@@ -133,12 +133,17 @@ class Sequence:
         """Output tokens sampled so far, in flight included (the sampler's counter for the next draw)."""
         return len(self.output_token_ids) + self.num_inflight
 
+    def at_length_limit(self, count_inflight: bool = False) -> bool:
+        """The one "finished by length" rule: max_tokens output tokens, or the context (max_total_tokens) full.
+        `count_inflight`: count the tokens still in flight too (see `length_capped`)."""
+        p, n_out = self.params, len(self.output_token_ids) + (self.num_inflight if count_inflight else 0)
+        return (p.max_tokens is not None and n_out >= p.max_tokens) \
+            or len(self.prompt_token_ids) + n_out >= self.max_total_tokens
+
     @property
     def length_capped(self) -> bool:
         """max_tokens or the context is reached (by a token in flight, when overlapped): no step may follow."""
-        p = self.params
-        return (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) \
-            or self.num_tokens >= self.max_total_tokens
+        return self.at_length_limit(count_inflight=True)
 
     @property
     def num_pending(self) -> int:

@@ -198,3 +198,20 @@ def test_abort_frees_cache():
     outs = eng.step()
     assert [o.finish_reason for o in outs] == ["abort"]
     assert eng.blocks.n_free_blocks == 64 and not eng.has_work()
+
+
+def test_one_length_rule_with_and_without_tokens_in_flight():
+    """Sequence.at_length_limit is the length rule of both the stop check (tokens read back) and the scheduler's
+    `length_capped` (tokens in flight too): max_tokens, or the context full, whichever comes first."""
+    from mini.engine.sequence import Sequence
+    seq = Sequence("r", [5] * 4, SamplingParams(max_tokens=3), seed=0, max_total_tokens=100)
+    seq.output_token_ids, seq.num_inflight = [7, 7], 1
+    assert not seq.at_length_limit() and seq.at_length_limit(count_inflight=True) and seq.length_capped
+    seq.output_token_ids, seq.num_inflight = [7, 7, 7], 0
+    assert seq.at_length_limit() and seq.length_capped
+    ctx = Sequence("c", [5] * 4, SamplingParams(max_tokens=None), seed=0, max_total_tokens=7)
+    ctx.output_token_ids, ctx.num_inflight = [7, 7], 1
+    assert not ctx.at_length_limit() and ctx.length_capped  # 4 + 2 + 1 = 7 positions
+    ctx.output_token_ids.append(7)
+    ctx.num_inflight = 0
+    assert ctx.at_length_limit()
