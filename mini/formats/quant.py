@@ -36,6 +36,17 @@ def fake_quant_enabled() -> bool:
     return _enabled
 
 
+def quant_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 1xblock FP8 e4m3 with power-of-two scales s = 2^ceil(log2(max(amax, 1e-4) / 448)), split:
+    (e4m3 values as fp32 [..., n], s fp32 [..., n / block]); values * s is `fake_quant_fp8`. Inside
+    no_fake_quant() the values are x itself (fp32) and every scale is 1."""
+    g = x.float().unflatten(-1, (-1, block))
+    if not _enabled:
+        return g.flatten(-2), torch.ones(g.shape[:-1], dtype=torch.float32, device=x.device)
+    s = pow2_ceil_scale(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1.0 / FP8_MAX))
+    return to_e4m3(g / s).float().flatten(-2), s.squeeze(-1)
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-row 1xblock FP8 e4m3 with power-of-two scales: s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
     if not _enabled:

@@ -15,6 +15,8 @@ from mini.config import LayerPlan, ModelConfig
 from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
+from mini.ops import indexer as indexer_op
+from mini.ops import use_fast
 from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
@@ -132,11 +134,15 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
     scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
+    # the reference backend ranks as the official code does (torch.topk at each sequence's width); the fast path
+    # breaks ties toward the newer group, the same in prefill, chunked prefill and decode
+    widths = lay.tok_end // plan.ratio if indexer_op.RANK_AS_OFFICIAL and not use_fast(scores) else None
     if plan.candidate_source:
-        shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
+                                                 widths)
     elif plan.uses_candidates:
         scores = scores.masked_fill(~shared["candidates"], float("-inf"))
-    return top_groups(scores, cfg.index_topk)
+    return top_groups(scores, cfg.index_topk, n_vis, widths)
 
 
 def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: dict) -> torch.Tensor:

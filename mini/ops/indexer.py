@@ -15,6 +15,11 @@ from mini.formats import fake_quant_fp4
 from mini.ops import use_fast
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
+# The reference backend ranks groups as the official code does (`widths` of select_candidates / top_groups): its
+# choice among exactly equal scores depends on the row's width, so prefill, chunked prefill and decode may keep
+# different groups at a tie, as the official code's own do. False: ties go to the newer group everywhere (the fast
+# path's rule, layout-invariant), for tests that compare layouts with each other.
+RANK_AS_OFFICIAL = True
 
 
 @lru_cache(maxsize=8)
@@ -45,8 +50,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     sequence's group j, n_visible [T] -> [T, N] scores in q.dtype (the reference rounds the head sum to it), -inf
     where the group is not visible."""
     if use_fast(q) and q.dtype == torch.bfloat16:
-        from mini.kernels.indexer_scores import index_scores as index_scores_kernel
-        return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
+        from mini.kernels.indexer_scores import index_scores as index_scores_kernel, supported
+        if supported(q.shape[1], q.shape[2]):
+            return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=q.dtype, device=q.device)
     j = torch.arange(N, device=q.device)
@@ -81,11 +87,15 @@ def topk_recent(x: torch.Tensor, k: int, sorted: bool = True) -> tuple[torch.Ten
     return x.gather(-1, indices), indices
 
 
-def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int,
-                      block_size: int) -> torch.Tensor:
+def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block_size: int,
+                      widths: torch.Tensor | None = None) -> torch.Tensor:
     """Level one of V4.1's two-level top-k: bool [T, N], True inside the kept blocks. A block scores its best
     group; the block of the newest visible group is forced in (it is only partly filled); unreachable blocks
-    (score -inf) are never kept."""
+    (score -inf) are never kept. Ties go to the newer block; with `widths` ([T]: the groups of each query's
+    sequence at the step's end) they are the official reference's instead (`_by_width`)."""
+    if widths is not None:
+        return _by_width(scores, widths, torch.zeros_like(scores, dtype=torch.bool),
+                         lambda s, rows: _official_candidates(s, n_visible[rows], topk_blocks, block_size))
     N = scores.shape[-1]
     blocks = torch.nn.functional.pad(scores, (0, -N % block_size), value=float("-inf"))
     blocks = blocks.unflatten(-1, (-1, block_size)).amax(-1)
@@ -96,8 +106,43 @@ def select_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks
     return keep.repeat_interleave(block_size, dim=-1)[:, :N]
 
 
-def top_groups(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [T, min(k, N)]: the best-scoring groups in ascending order, -1 where fewer are reachable."""
+def _by_width(scores: torch.Tensor, widths: torch.Tensor, out: torch.Tensor, fn) -> torch.Tensor:
+    """`out` with out[rows, :w] = fn(scores[rows, :w], rows) for the rows of each width w: the official reference
+    ranks one sequence's [queries, end // ratio] scores with torch.topk, whose choice among equal scores depends on
+    the row's length, so each row is ranked at its own sequence's width (a loop over the step's distinct widths)."""
+    for w in torch.unique(widths).tolist():
+        rows = torch.nonzero(widths == w).flatten()
+        if w > 0:
+            got = fn(scores[rows, :w], rows)
+            out[rows, :got.shape[1]] = got
+    return out
+
+
+def _official_candidates(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int,
+                         block_size: int) -> torch.Tensor:
+    """The reference's `select_candidate_blocks` on rows of one width: a sorted torch.topk of the block scores."""
+    width = scores.shape[-1]
+    blocks = torch.nn.functional.pad(scores, (0, -width % block_size), value=float("-inf"))
+    blocks = blocks.unflatten(-1, (-1, block_size)).amax(-1)
+    newest = ((n_visible - 1) // block_size)[:, None]
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[:, :width]
+
+
+def top_groups(scores: torch.Tensor, k: int, n_visible: torch.Tensor | None = None,
+               widths: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [T, min(k, N)]: the best-scoring groups in ascending order, -1 where fewer are reachable; ties go to
+    the newer group. With `widths` (and `n_visible`, [T] each) the official reference's selection instead: per
+    query, torch.topk(min(k, width)) of its sequence's `width` scores, ascending, ids at or past n_visible -> -1
+    (a visible group outside the candidate blocks can then be kept, when too few candidates are visible)."""
+    if widths is not None:
+        def official(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            ids = s.topk(min(k, s.shape[-1]), dim=-1, sorted=False).indices.sort(dim=-1).values
+            return torch.where(ids < n_visible[rows, None], ids, -1)
+        out = torch.full((scores.shape[0], min(k, scores.shape[-1])), -1, dtype=torch.int64, device=scores.device)
+        return _by_width(scores, widths, out, official)
     values, indices = topk_recent(scores, min(k, scores.shape[-1]), sorted=False)
     ids = torch.where(values > float("-inf"), indices, -1)
     return ids.sort(dim=-1).values

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mini.formats import dequant_fp8, dequant_mxfp4, fake_quant_fp8
-from mini.formats.quant import fake_quant_enabled
+from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
+from mini.formats.quant import fake_quant_enabled, quant_fp8
 from mini.ops import use_fast
 
 _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 pairs
@@ -68,6 +68,21 @@ class QWeight:
             return dequant_mxfp4(self.data, self.scale, dtype)
         return self.data.to(dtype)
 
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(values fp32 [out, in], scales fp32 [out, in / k_block], k_block) of an fp8 or mxfp4 weight, cached: the
+        stored values and each output row's scale per K block (fp8: block x block tiles, mxfp4: 1 x 32)."""
+        if "blocks" not in self._dequant:
+            if self.kind == "fp8":
+                values = self.data.view(torch.float8_e4m3fn).float()
+                scales = e8m0_to_float(self.scale).repeat_interleave(self.block, 0)[:values.shape[0]]
+                self._dequant["blocks"] = values, scales, self.block
+            elif self.kind == "mxfp4":
+                values = E2M1_VALUES.to(self.data.device)[unpack_fp4_codes(self.data).long()]
+                self._dequant["blocks"] = values, e8m0_to_float(self.scale), 32
+            else:
+                raise ValueError("a bf16 weight has no scale blocks")
+        return self._dequant["blocks"]
+
     def prepare(self, dtype=torch.float32) -> torch.Tensor:
         """The dequantized weight in `dtype`, computed once and cached (the reference path's copy)."""
         if dtype not in self._dequant:
@@ -84,7 +99,22 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; cuBLAS accumulates in fp32
         return F.linear(_fast_act_quant(x, w.block), w.prepare(torch.bfloat16))
-    return F.linear(fake_quant_fp8(x, w.block).float(), w.prepare(torch.float32)).to(x.dtype)
+    return blockwise_gemm(x, w).to(x.dtype)
+
+
+def blockwise_gemm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """fp32 [..., out]: the official FP8 / FP4 GEMM kernels' arithmetic (their CPU port): the activation quantized
+    to FP8 values a and scales a_s (1 x block), the weight's values b and scales b_s; for each K block of the weight
+    scale (block for fp8, 32 for mxfp4), in K order, acc += (a_k @ b_k^T) * a_s[:, k] * b_s[:, k]. Each block's
+    products are exact in fp32, so only this order of the sums is left to match."""
+    values, scales, k_block = w.blocks()
+    a, a_s = quant_fp8(x.reshape(-1, x.shape[-1]), w.block)
+    a_s = a_s.repeat_interleave(w.block // k_block, dim=1) if w.block > k_block else a_s
+    acc = torch.zeros(a.shape[0], values.shape[0], dtype=torch.float32, device=x.device)
+    for k in range(values.shape[1] // k_block):
+        cols = slice(k * k_block, (k + 1) * k_block)
+        acc += (a[:, cols] @ values[:, cols].T) * a_s[:, k:k + 1] * scales[:, k].unsqueeze(0)
+    return acc.view(*x.shape[:-1], -1)
 
 
 def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:

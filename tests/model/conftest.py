@@ -58,3 +58,19 @@ def tiny_model():
         return models[name]
 
     return get
+
+
+@pytest.fixture
+def layout_invariant_rounding(monkeypatch):
+    """Two official roundings that depend on a step's layout, replaced by layout-invariant ones, for tests that
+    compare one prefill, chunked prefill, decode and batching with each other (the official code's own results
+    move between those layouts: its prefix vs single prefill noise, tests/fixtures/v41_reference/README.md):
+    * the indexer breaks exact score ties toward the newer group instead of torch.topk's order at the row's width
+      (ties are common: relu zeroes whole groups' scores);
+    * sparse attention lists every query's window as W keys p-W+1..p and runs its softmax over one block of all
+      keys, instead of the reference's list (as long as the chunk for a chunk that starts its sequence, W
+      otherwise) in the kernel's blocks of 64: both move the fp32 sums' rounding with the layout."""
+    from mini.ops import attention, indexer
+    monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
+    monkeypatch.setattr(attention, "reference_window_rows", attention.window_rows)
+    monkeypatch.setattr(attention, "SOFTMAX_BLOCK", 1 << 30)

@@ -57,7 +57,7 @@ def _close(a, b):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_prefill_equals_chunked_prefill_equals_decode(name, tiny_model, batch_invariant_gemms):
+def test_prefill_equals_chunked_prefill_equals_decode(name, tiny_model, batch_invariant_gemms, layout_invariant_rounding):
     model, hasher = tiny_model(name)
     L, bt, decode_from = CASES[name]
     tokens = _prompt(model.config, L, seed=1)
@@ -74,7 +74,7 @@ def test_prefill_equals_chunked_prefill_equals_decode(name, tiny_model, batch_in
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_batched_sequences_equal_each_alone(name, tiny_model, batch_invariant_gemms):
+def test_batched_sequences_equal_each_alone(name, tiny_model, batch_invariant_gemms, layout_invariant_rounding):
     """Two sequences of different lengths, in different slots and blocks, stepped together (a prefill chunk next
     to a decode, then two prefill chunks) give the logits each gives alone."""
     model, hasher = tiny_model(name)
