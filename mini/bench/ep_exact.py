@@ -103,8 +103,8 @@ def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, fo
     for i in range(steps + 1):
         batch = Batch.build([SeqChunk(h, s, j, blocks[j]) for j, (h, s) in enumerate(zip(history, starts))],
                             cfg, dev, model.hasher)
-        if batch.engram_ids is not None and case.engram_rows:
-            batch.engram_ids = batch.engram_ids % case.engram_rows  # the capped tables' rows
+        if batch.engram is not None and case.engram_rows:
+            batch.engram.data = batch.engram.data % case.engram_rows  # hash ids -> the capped tables' rows
         if exchange is not None:
             exchange.begin_step(batch.n_tokens)
         out = model.forward(batch, cache).float()

@@ -146,8 +146,8 @@ def prefill(model, tokens: list[int], block_tokens: int, engram_rows: int | None
     cfg, dev = model.config, model.device
     blocks = list(range(-(-len(tokens) // block_tokens)))
     batch = Batch.build([SeqChunk(tokens, 0, 0, blocks)], cfg, dev, hasher_of(cfg))
-    if batch.engram_ids is not None and engram_rows:
-        batch.engram_ids = batch.engram_ids % engram_rows  # the capped tables' rows
+    if batch.engram is not None and engram_rows:
+        batch.engram.data = batch.engram.data % engram_rows  # hash ids -> the capped tables' rows
     batch.logit_rows = torch.arange(len(tokens), device=dev)
 
     def cache():

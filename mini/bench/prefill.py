@@ -123,8 +123,8 @@ def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, bloc
     nb = -(-max(len(t) for t in tokens) // block_tokens)
     chunks = [SeqChunk(t, 0, i, list(range(i * nb, (i + 1) * nb))) for i, t in enumerate(tokens)]
     batch = Batch.build(chunks, cfg, device, hasher_of(cfg))
-    if batch.engram_ids is not None and engram_rows:
-        batch.engram_ids = batch.engram_ids % engram_rows  # the capped tables' rows
+    if batch.engram is not None and engram_rows:
+        batch.engram.data = batch.engram.data % engram_rows  # hash ids -> the capped tables' rows
     return batch, KVCache(cfg, len(tokens), len(tokens) * nb, block_tokens, device, dtype)
 
 

@@ -30,6 +30,23 @@ class SeqChunk:
 
 
 @dataclass
+class EngramInput:
+    """A step's Engram input (V4.1), in one of three forms, by where the hash and the tables are:
+    * "ids": hash ids [T, n_engram_layers, n_hash_cols] int64, hashed on the host (Batch.build); the model looks
+      the rows up where the tables are;
+    * "rows": table rows [T, n_engram_layers, n_hash_cols, head_dim] looked up on the host before a CUDA-graph
+      replay (static decode buffers, tables on the host);
+    * "prefix": the lookback - 1 tokens before each row's token [T, lookback - 1] (-1 before the sequence's
+      start); the model hashes them with input_ids and looks up on the device (Model.hash_on_device)."""
+    form: str  # "ids" | "rows" | "prefix"
+    data: torch.Tensor
+
+    def __post_init__(self):
+        if self.form not in ("ids", "rows", "prefix"):
+            raise ValueError(f"Engram input form {self.form!r}: ids, rows or prefix")
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute
@@ -39,7 +56,7 @@ class Batch:
     lens: torch.Tensor  # [B] int64
     block_table: torch.Tensor  # [B, nb] int32, -1 past a sequence's blocks
     logit_rows: torch.Tensor  # [n] int64
-    engram_ids: torch.Tensor | None  # [T, n_engram_layers, n_hash_cols] int64 (V4.1)
+    engram: EngramInput | None  # V4.1 models; None without Engram layers
     # host copies of the per-sequence sizes, so that index tensors can be shaped without a device sync
     start_host: list[int] = field(default_factory=list)
     lens_host: list[int] = field(default_factory=list)
@@ -49,10 +66,6 @@ class Batch:
     max_len: int | None = None
     pad_slot: int = -1  # the scratch slot and block that padding rows write into
     pad_block: int = -1
-    engram_rows: torch.Tensor | None = None  # [T, n_engram_layers, n_hash_cols, head_dim] looked up on the host
-    # or, with the tables on the device: the lookback - 1 tokens before each row's token (-1 before the sequence's
-    # start), [T, lookback - 1]; the model hashes them with input_ids on the device (Model.hash_on_device)
-    engram_prefix: torch.Tensor | None = None
     _layouts: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -93,7 +106,7 @@ class Batch:
             input_ids=t(ids), positions=t(pos), seq_of=t(seq_of), slots=t([c.slot for c in chunks]),
             start_pos=t([c.start for c in chunks]), lens=t([len(c.tokens) - c.start for c in chunks]),
             block_table=table.to(device), logit_rows=t(logit_rows),
-            engram_ids=torch.cat(engram).to(device) if engram else None,
+            engram=EngramInput("ids", torch.cat(engram).to(device)) if engram else None,
             start_host=[c.start for c in chunks], lens_host=[len(c.tokens) - c.start for c in chunks],
             n_blocks_host=[len(c.blocks) for c in chunks])
 
@@ -120,7 +133,7 @@ class DecodeBuffers:
     Engram (V4.1), one of two ways: `engram_shape` (tables on the host): a buffer of table rows looked up on the
     host, `fill(engram_rows=)`; `engram_lookback` (tables on the device): the lookback - 1 tokens before each row's
     token ride in extra rows of the ids buffer (`fill(engram_prefix=)`), and the model hashes them together with
-    the row's token, fed or not, on the device (Batch.engram_prefix): nothing waits for a fed token."""
+    the row's token, fed or not, on the device (EngramInput "prefix"): nothing waits for a fed token."""
 
     def __init__(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
                  engram_shape: tuple[int, int, int] | None = None, engram_dtype=torch.bfloat16,
@@ -155,11 +168,14 @@ class DecodeBuffers:
     def batch(self, n: int) -> Batch:
         """A new Batch (own layout cache) over the first n rows."""
         ids, pos, slots = self.ids[0, :n], self.ids[1, :n], self.ids[2, :n]
+        engram = None
+        if self.engram_rows is not None:
+            engram = EngramInput("rows", self.engram_rows[:n])
+        elif self.n_prefix:
+            engram = EngramInput("prefix", self.ids[4:, :n].T)
         return Batch(input_ids=ids, positions=pos, seq_of=self.rows[:n], slots=slots, start_pos=pos,
-                     lens=self.ones[:n], block_table=self.block_table[:n], logit_rows=self.rows[:n], engram_ids=None,
-                     max_len=self.max_len, pad_slot=self.pad_slot, pad_block=self.pad_block,
-                     engram_rows=None if self.engram_rows is None else self.engram_rows[:n],
-                     engram_prefix=self.ids[4:, :n].T if self.n_prefix else None)
+                     lens=self.ones[:n], block_table=self.block_table[:n], logit_rows=self.rows[:n], engram=engram,
+                     max_len=self.max_len, pad_slot=self.pad_slot, pad_block=self.pad_block)
 
     def fill(self, n: int, tokens: list[int], positions: list[int], slots: list[int], blocks: list[list[int]],
              engram_rows: torch.Tensor | Callable[[], torch.Tensor] | None = None,

@@ -15,7 +15,7 @@ import torch
 
 from mini.config import LayerPlan, ModelConfig
 from mini.model.attn_layer import AttentionWeights, attention
-from mini.model.batch import Batch
+from mini.model.batch import Batch, EngramInput
 from mini.model.cache import KVCache
 from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
@@ -87,7 +87,7 @@ class Model:
         load (the Humming layout) then free the old ones at once, not when the caller drops `state`.
         The Engram tables move to `device` when they take at most `engram_device_bytes` in all (tiny-v4.1: 0.4
         MB; V4.1-Flash: ~200 GB, they stay on the host); then `engram_on_device` is True and a static decode step
-        hashes and looks up on the device (`Batch.engram_prefix`). 0 keeps them on the host (even on CPU, where
+        hashes and looks up on the device (EngramInput "prefix"). 0 keeps them on the host (even on CPU, where
         only the code path differs)."""
         cfg = self.config = config
         self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
@@ -137,14 +137,14 @@ class Model:
 
     def hash_on_device(self, prefix: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Engram hash ids [B, n_engram_layers, n_hash_cols] of decode tokens `last` [B] whose predecessors are
-        `prefix` [B, lookback - 1] (-1 before the sequence's start), on the device (Batch.engram_prefix)."""
+        `prefix` [B, lookback - 1] (-1 before the sequence's start), on the device (EngramInput "prefix")."""
         if self._device_hasher is None:
             raise ValueError("hashing on the device needs the Engram tables there and the model's hasher set")
         return self._device_hasher.hash_last(torch.cat([prefix, last[:, None]], 1))
 
     def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """[T, n_engram_layers, n_hash_cols, head_dim] table rows of Batch.engram_ids-style hash ids, where the
-        tables are (the host, normally): the lookup that a captured decode step (Batch.engram_rows) does before its
+        """[T, n_engram_layers, n_hash_cols, head_dim] table rows of hash ids (EngramInput "ids"), where the
+        tables are (the host, normally): the lookup that a captured decode step (EngramInput "rows") does before its
         replay, leaving one copy to the device."""
         tables = [blk.engram for blk in self.blocks if blk.engram is not None]
         return torch.stack([w.lookup(hash_ids[:, i], self.dtype, w.embed.device) for i, w in enumerate(tables)], 1)
@@ -159,17 +159,17 @@ class Model:
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
         pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
         pre_mix[:, 0] = 1.0  # V4.1: layer 0 starts from copy 0 (all copies are equal)
-        engram_col, engram_ids = 0, batch.engram_ids
-        if batch.engram_prefix is not None:  # a static decode step with the tables on the device
-            engram_ids = self.hash_on_device(batch.engram_prefix, batch.input_ids)
+        engram_col, eng = 0, batch.engram
+        if any(blk.engram is not None for blk in self.blocks) and eng is None:
+            raise ValueError("the batch has no Engram input (Batch.build needs a hasher)")
+        if eng is not None and eng.form == "prefix":  # a static decode step with the tables on the device
+            eng = EngramInput("ids", self.hash_on_device(eng.data, batch.input_ids))
         for blk in self.blocks:
             if blk.engram is not None:
-                if batch.engram_rows is not None:  # looked up on the host before a CUDA-graph replay
-                    h = engram(h, None, blk.engram, cfg, rows=batch.engram_rows[:, engram_col])
-                elif engram_ids is None:
-                    raise ValueError("the batch has no Engram hash ids (Batch.build needs a hasher)")
+                if eng.form == "rows":  # looked up on the host before a CUDA-graph replay
+                    h = engram(h, None, blk.engram, cfg, rows=eng.data[:, engram_col])
                 else:
-                    h = engram(h, engram_ids[:, engram_col], blk.engram, cfg)
+                    h = engram(h, eng.data[:, engram_col], blk.engram, cfg)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)

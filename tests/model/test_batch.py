@@ -22,7 +22,7 @@ def test_build_flattens_the_chunks():
     assert b.slots.tolist() == [2, 0] and b.start_pos.tolist() == [9, 5] and b.lens.tolist() == [1, 3]
     assert b.block_table.tolist() == [[3, 1, 5], [4, 0, -1]] and b.block_table.dtype == torch.int32
     assert b.logit_rows.tolist() == [0, 3]
-    assert b.engram_ids is None
+    assert b.engram is None
 
 
 def test_build_needs_a_hasher_for_engram_models():

@@ -91,8 +91,8 @@ def test_static_decode_step_equals_built_step(name, engram_on_device, tiny_model
         if engram_on_device:
             bufs.fill(*fill, engram_prefix=_engram_prefix(hasher, histories, pos))
             batch = bufs.batch(n)
-            assert torch.equal(model.hash_on_device(batch.engram_prefix, batch.input_ids)[:n_seqs],
-                               built.engram_ids)
+            assert batch.engram.form == "prefix" and built.engram.form == "ids"
+            assert torch.equal(model.hash_on_device(batch.engram.data, batch.input_ids)[:n_seqs], built.engram.data)
             got = model.forward(batch, static)
             host_bufs.fill(*fill, _engram_rows(model, hasher, histories, pos))
             # real rows only: a padding row's Engram input is its hashed token 0 here, whatever the host left there
@@ -130,7 +130,7 @@ def test_static_buffers_carry_the_engram_window():
     bufs.fill(3, [5, 0], [17, 1], [2, 0], [[4, 7], [1]], feed=(sampled, [-1, 1]),
               engram_prefix=[[11, 12, 13], [-1, -1, 20]])
     b = bufs.batch(3)
-    assert b.engram_prefix.tolist() == [[11, 12, 13], [-1, -1, 20], [-1, -1, -1]]
+    assert b.engram.form == "prefix" and b.engram.data.tolist() == [[11, 12, 13], [-1, -1, 20], [-1, -1, -1]]
     assert b.input_ids.tolist() == [5, 71, 0]  # the window's last column: the token fed on the device
     with pytest.raises(ValueError, match="tokens before"):
         bufs.fill(2, [1], [3], [0], [[1]])
