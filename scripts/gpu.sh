@@ -183,6 +183,14 @@ phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
+phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap) without and with a
+    # JSON schema on every request, 3 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance
+    # wheel in .whl/serve). Then the grammar gpu tests. Expect slowdown <= 0.10 in grammar.json and 1 passed.
+    timeout 100 python3 -m mini.bench.grammar_tpot --json "$PHASE_DIR/grammar.json"
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=60 tests/engine/test_grammar.py \
+        --junitxml="$PHASE_DIR/junit.xml"
+}
+
 # ---------------------------------------------------------------- driver
 
 install_wheels

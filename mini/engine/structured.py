@@ -12,6 +12,8 @@ rather than xgrammar, and what it costs: docs/design.md, "Structured outputs".
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mini.engine.sampler import to_device
@@ -19,7 +21,7 @@ from mini.engine.sampler import to_device
 class GrammarBackend:
     """The tokenizer as llguidance sees it (built once) and a thread pool for the batch's masks."""
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int = 2):
+    def __init__(self, tokenizer, vocab_size: int, threads: int | None = None):
         import llguidance
         self._ll = llguidance
         backend = getattr(tokenizer, "backend", None)
@@ -28,7 +30,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.eos_id = tokenizer.eos_id
         self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
-        self.executor = llguidance.LLExecutor(threads)
+        # a batch's masks in parallel (llguidance drops the GIL): half the cores, at most 8
+        self.executor = llguidance.LLExecutor(threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
         self.words = (vocab_size + 31) // 32
 
     def check(self, grammar: str) -> None:

@@ -1,0 +1,120 @@
+"""What grammar-constrained decoding costs: batch-B decode TPOT with and without a JSON schema on every request.
+
+One engine (tiny-v4.1 by default; on CUDA: bf16, fast backend, CUDA-graph decode with overlapped steps, as
+`mini serve`) runs rounds of `--batch` requests of `--input-len` random tokens and `--output-len` sampled tokens
+(EOS ignored), alternating plain rounds and rounds where every request follows SCHEMA (an array of at least 64
+small objects: the grammar stays active for the whole output). Per round, over the full-batch decode steps after
+`--skip`: TPOT = the median spacing of consecutive steps (start to start; with overlap one step() call per step),
+the step() wall time, the forward's GPU span, and the host time spent in LLMEngine._grammar_masks (reading back
+the step in flight, then filling the bitmask). The result: the median of each over the rounds of a kind and
+`slowdown` = TPOT(schema) / TPOT(plain) - 1 (issue 14's target: <= 0.10).
+
+    python3 -m mini.bench.grammar_tpot --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                     "name": {"type": "string", "maxLength": 12},
+                                     "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b", "c"]}},
+    "required": ["id", "name", "ok", "kind"], "additionalProperties": False}}
+
+
+def _round(engine, config, args, grammar, seed: int) -> dict:
+    from mini.engine import SamplingParams
+    from mini.engine.llm import LLMEngine
+    rng = random.Random(seed)
+    spent, masks = [], LLMEngine._grammar_masks
+
+    def timed(self, seqs, prev, device):
+        t = time.perf_counter()
+        out = masks(self, seqs, prev, device)
+        spent.append(time.perf_counter() - t)
+        return out
+
+    LLMEngine._grammar_masks = timed
+    try:
+        for i in range(args.batch):
+            params = SamplingParams(temperature=0.8, seed=seed * 1000 + i, max_tokens=args.output_len,
+                                    ignore_eos=True, grammar=grammar)
+            engine.add_request(f"{seed}-{i}", [rng.randrange(8, config.vocab_size) for _ in range(args.input_len)],
+                               params)
+        engine.step_times = []
+        while engine.has_work():
+            engine.step()
+    finally:
+        LLMEngine._grammar_masks = masks
+    steps = sorted((t for t in engine.step_times if t.decode and t.n_seqs == args.batch), key=lambda t: t.started)
+    steps = steps[args.skip:]
+    if len(steps) < 3:
+        raise ValueError("too few full-batch decode steps: raise --output-len")
+    out = {"steps": len(steps), "tpot_ms": 1e3 * statistics.median(b.started - a.started
+                                                                    for a, b in zip(steps, steps[1:])),
+           "step_ms": 1e3 * statistics.median(t.total_s for t in steps)}
+    if steps[0].gpu_s is not None:
+        out["gpu_ms"] = 1e3 * statistics.median(t.gpu_s for t in steps)
+    if grammar is not None:
+        out["grammar_host_ms"] = 1e3 * statistics.median(spent[-len(steps):])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-v4.1")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternating")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from mini.engine import SamplingParams
+    from mini.engine.llm import build_engine
+    from mini.model import load_model
+    from mini.server.grammars import json_grammar
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        from mini.ops import set_backend
+        set_backend("fast")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, config, tokenizer = load_model(args.model, device=device, dtype=dtype)
+    need = args.input_len + args.output_len + 1
+    engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, dtype=dtype,
+                          max_num_seqs=args.batch, enable_prefix_caching=False, max_model_len=need + 128,
+                          num_blocks=args.batch * -(-need // 128) + 8)
+    grammar = json_grammar(SCHEMA)
+    engine.check_prompt([5], SamplingParams(grammar=grammar))  # compiles against the vocabulary, or says why not
+    rounds = {"plain": [], "schema": []}
+    for r in range(args.rounds):
+        for kind in ("plain", "schema"):
+            res = _round(engine, config, args, grammar if kind == "schema" else None, seed=2 * r + (kind == "schema"))
+            rounds[kind].append(res)
+            print(kind, r, json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
+    metrics = {}
+    for kind, rs in rounds.items():
+        for key in rs[0]:
+            metrics[f"{kind}_{key}"] = statistics.median(x[key] for x in rs)
+    metrics["slowdown"] = metrics["schema_tpot_ms"] / metrics["plain_tpot_ms"] - 1
+    result = {"suite": "grammar-tpot", "definition": {
+        "model": args.model, "device": device, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
+        "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip, "rounds": args.rounds,
+        "graphs": engine.runner.graphs is not None, "overlap": engine.overlap, "schema": SCHEMA},
+        "metrics": metrics, "rounds": rounds}
+    print(json.dumps(metrics, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
