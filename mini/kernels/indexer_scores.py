@@ -55,6 +55,12 @@ def _index_scores_kernel(
     tl.store(out_ptrs, tl.where(visible, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
+def supported(heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes this indexer shape: head count and head dim are tile dimensions (powers of two),
+    and a dot needs K >= 16. Others run the reference (mini.ops.indexer.index_scores)."""
+    return heads & (heads - 1) == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
+
+
 def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
     """Per program: its sequence (-1 = idle) and first token, so that a program never mixes sequences. Built on
     the device without a sync; the grid is the upper bound cdiv(T, block_t) + n_seqs."""
@@ -85,7 +91,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     q = q.contiguous()
     weights = weights.to(q.dtype).contiguous()
     keys, seq_rows = keys.to(q.dtype).contiguous(), seq_rows.contiguous()
-    assert H & (H - 1) == 0 and DI & (DI - 1) == 0, "head count and head dim must be powers of two"
+    if not supported(H, DI):
+        raise ValueError(f"index_scores kernel: {H} heads x {DI} need powers of two (head dim >= 16)")
     block_t = max(block_t, 16 // H)  # a dot needs at least 16 rows
     prog_seq, prog_t0, seq_end = _programs(seq_of, B, block_t)
     cand = candidates.view(torch.uint8) if candidates is not None else out

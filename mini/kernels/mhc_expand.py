@@ -38,12 +38,18 @@ def _mhc_expand_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T,
              mask=ok[:, None, :])
 
 
+def supported(hc: int) -> bool:
+    """hc is a tile dimension: a power of two (others run mini.ops.mhc.expand's reference)."""
+    return hc & (hc - 1) == 0
+
+
 def mhc_expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
                block_t: int = 2, block_d: int = 512, num_warps: int = 4) -> torch.Tensor:
     """f [T, D], residual [T, hc, D] (same dtype), post [T, hc], comb [T, hc, hc] fp32 -> [T, hc, D] in f.dtype."""
     T, HC, D = residual.shape
     assert f.shape == (T, D) and post.shape == (T, HC) and comb.shape == (T, HC, HC)
-    assert HC & (HC - 1) == 0, "hc must be a power of two (one tile dimension)"
+    if not supported(HC):
+        raise ValueError(f"mhc_expand kernel: hc {HC} is not a power of two")
     f, residual = f.contiguous(), residual.contiguous()
     post, comb = post.float().contiguous(), comb.float().contiguous()
     out = torch.empty(T, HC, D, dtype=f.dtype, device=f.device)

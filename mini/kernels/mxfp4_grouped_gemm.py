@@ -222,8 +222,10 @@ def _launch(a, plan: RoutePlan, w, v, out, gather: bool, swiglu: bool, limit: fl
         raise ValueError(f"activation width {a.shape[1]} does not match the weights' K = {K} (a multiple of 32)")
     cfg = config
     BM = plan.block_m
-    if quant_block and cfg["BN"] % quant_block:
-        raise ValueError(f"BN {cfg['BN']} must be a multiple of the quant block {quant_block}")
+    if quant_block and cfg["BN"] % quant_block:  # the epilogue's FP8 groups lie inside one N tile (V4: 1x128)
+        if quant_block & (quant_block - 1):
+            raise ValueError(f"quant block {quant_block} is not a power of two")
+        cfg = dict(cfg, BN=max(cfg["BN"], quant_block))
     if a.stride(1) != 1:
         a = a.contiguous()
     data = w.data.view(torch.uint8)

@@ -53,8 +53,11 @@ def _rope_quant_kernel(
 
 
 def supported(d: int, rope_dim: int, quant: str | None, quant_block: int) -> bool:
-    """Whether the kernel can run this shape: quant blocks must not straddle the nope/rope boundary (the tiny
-    presets' 64-wide KV with a 16-wide RoPE tail and 1x32 blocks cannot)."""
+    """Whether the kernel can run this shape: the RoPE tail is a tile dimension (a power of two, its pairs too), and
+    quant blocks must not straddle the nope/rope boundary (the tiny presets' 64-wide KV with a 16-wide RoPE tail
+    and 1x32 blocks cannot)."""
+    if rope_dim < 2 or rope_dim & (rope_dim - 1):
+        return False
     return quant is None or (rope_dim % quant_block == 0 and (d - rope_dim) % quant_block == 0)
 
 
@@ -69,7 +72,9 @@ def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm
     assert x.shape[0] == table.shape[0]
     if not _fq._enabled:
         quant = None
-    assert supported(D, RD, quant, quant_block), "quant blocks straddle the rope boundary"
+    if not supported(D, RD, quant, quant_block):
+        raise ValueError(f"rope_quant: width {D} with RoPE {RD} and {quant} blocks of {quant_block} is not a shape "
+                         "the kernel takes (supported())")
     x = x.contiguous()
     out = torch.empty_like(x)
     R = x.numel() // D

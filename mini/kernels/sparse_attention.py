@@ -114,6 +114,12 @@ def _sparse_mla_kernel(
              mask=head_ok[:, None])
 
 
+def supported(head_dim: int) -> bool:
+    """Whether the kernel takes this head width: a tile dimension (a power of two, at least a dot's 16). Windows,
+    head counts, top-k widths and RoPE widths are any (masked tiles)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
                          positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor,
                          start_pos: torch.Tensor, scale: float,
@@ -129,6 +135,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
     T, H, D = q.shape
     W = window.shape[1]
+    if not supported(D):
+        raise ValueError(f"sparse_mla_attention: head dim {D} is not a power of two >= 16")
     q, kv_new = q.contiguous(), kv_new.contiguous()
     assert kv_new.shape == (T, D) and window.shape[2] == D and window.stride(-1) == 1 and window.stride(1) == D
     out = torch.empty_like(q)

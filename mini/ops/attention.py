@@ -111,7 +111,7 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
     the step's `step_rows` (what the FlashMLA path's layers share; only it reads them).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
-    if use_fast(q) and q.dtype == torch.bfloat16:
+    if use_fast(q) and q.dtype == torch.bfloat16 and _fast_supported(q):
         return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                      comp_idx, ratio, rope_out, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
@@ -187,6 +187,12 @@ def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_
         tail = out[..., -2 * rope_out.shape[-1]:]
         tail.copy_(apply_rope(tail, rope_out, inverse=True))
     return out
+
+
+def _fast_supported(q: torch.Tensor) -> bool:
+    """Whether the fast path's kernels take this head width (FlashMLA's narrower set is checked per call)."""
+    from mini.kernels.sparse_attention import supported
+    return supported(q.shape[-1])
 
 
 def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,

@@ -59,7 +59,7 @@ def _linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     tensor-core GEMM with an fp32 result (0.03 ms instead of 0.43 ms for [4096, 5120] x [5120, 1024] with fp32
     FMAs) gives the same sums up to order and the tensor cores' truncation of their partial sums (~1e-5 of a sum
     over K = 5120, see mini/kernels/moe_gate.py), far below the bf16 rounding of what the compressor feeds."""
-    if use_fast(x) and x.dtype == w.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
+    if use_fast(x) and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and _MM_OUT_DTYPE:  # (CUDA-only mm)
         return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
     return F.linear(x.float(), w.float())
 

@@ -57,8 +57,9 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
     if use_fast(f, residual) and f.dtype == residual.dtype == torch.bfloat16:
-        from mini.kernels.mhc_expand import mhc_expand
-        return mhc_expand(f, residual, post, comb)  # same order, no FMA contraction: bit-identical
+        from mini.kernels.mhc_expand import mhc_expand, supported
+        if supported(residual.shape[1]):
+            return mhc_expand(f, residual, post, comb)  # same order, no FMA contraction: bit-identical
     comb, res = comb.float(), residual.float()
     mixed = comb[:, 0, :, None] * res[:, 0, None, :]
     for j in range(1, res.shape[1]):  # sequential over j, as the reference's sum: bit-identical results

@@ -73,8 +73,9 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> t
     """Rotate the last 2·table.shape[-1] channels of x ([n, d] or [n, heads, d]) by `table` ([n, rope_dim // 2]);
     returns a new tensor in x.dtype (the math is fp32)."""
     if use_fast(x) and x.dtype == torch.bfloat16:
-        from mini.kernels.rope_quant import rope_quant
-        return rope_quant(x, table, inverse)
+        from mini.kernels.rope_quant import rope_quant, supported
+        if supported(x.shape[-1], 2 * table.shape[-1], None, 1):
+            return rope_quant(x, table, inverse)
     rd = 2 * table.shape[-1]
     if inverse:
         table = table.conj()
