@@ -48,14 +48,21 @@ def cmd_logits(args) -> int:
     device, dtype = resolve_device(args)
     try:
         ids = [int(t) for t in args.ids.split(",") if t.strip()]
+        forced = [int(t) for t in (args.force_tokens or "").split(",") if t.strip()]
     except ValueError:
-        print(f"error: --ids must be comma-separated integers, got {args.ids!r}", file=sys.stderr)
+        print(f"error: --ids and --force-tokens must be comma-separated integers, got {args.ids!r}, "
+              f"{args.force_tokens!r}", file=sys.stderr)
         return 2
+    if forced and args.decode not in (0, len(forced)):
+        print(f"error: --decode {args.decode} but --force-tokens gives {len(forced)} tokens", file=sys.stderr)
+        return 2
+    steps = len(forced) or args.decode
     model, cfg, _ = load_model(args.model, device=device, dtype=dtype)
-    if not ids or min(ids) < 0 or max(ids) >= cfg.vocab_size:
-        print(f"error: --ids must be non-empty token ids in [0, {cfg.vocab_size})", file=sys.stderr)
+    if not ids or min(ids + forced) < 0 or max(ids + forced) >= cfg.vocab_size:
+        print(f"error: --ids (non-empty) and --force-tokens must be token ids in [0, {cfg.vocab_size})",
+              file=sys.stderr)
         return 2
-    total = len(ids) + args.decode
+    total = len(ids) + steps
     block_tokens = 128
     cache = KVCache(cfg, n_slots=1, n_blocks=(total + block_tokens - 1) // block_tokens, block_tokens=block_tokens,
                     device=device, dtype=dtype)
@@ -66,8 +73,8 @@ def cmd_logits(args) -> int:
         prefill = model.forward(batch, cache)  # every prompt position
         history, decode_logits = list(ids), []
         nxt = int(prefill[-1].argmax())
-        for _ in range(args.decode):
-            history.append(nxt)
+        for step in range(steps):  # fed the forced tokens when given (decode by definition), else greedy ones
+            history.append(forced[step] if forced else nxt)
             batch = Batch.build([SeqChunk(tokens=history, start=len(history) - 1, slot=0, blocks=blocks)], cfg,
                                 device, hasher=model.hasher)
             row = model.forward(batch, cache)[0]
@@ -171,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(lg)
     lg.add_argument("--ids", required=True, help="comma-separated prompt token ids")
     lg.add_argument("--decode", type=count(0), default=0)
+    lg.add_argument("--force-tokens", default=None, metavar="IDS",
+                    help="comma-separated tokens that the decode steps are fed instead of greedy ones")
     lg.add_argument("--out", required=True)
     lg.set_defaults(fn=cmd_logits)
     mc = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
