@@ -137,6 +137,14 @@ phase_goodput() {  # tiny-v4.1 behind `mini serve`, 64 requests x 128 in / 64 ou
         --json "$PHASE_DIR/goodput.json"
 }
 
+phase_goodput_cold() {  # issue 15 (<= 2 min): the goodput workload above from a fresh `mini serve` process with an
+    # empty Triton cache, 3 bursts: the first burst (first_*) apart from the median of the two after it. The server
+    # warms up before /health answers (its start-up line in the log says how long). Expect failed 0 and
+    # first_ttft_p50_over_warm <= 1.2 in goodput_cold.json (before warm-up: TTFT p50 1,878 vs 270 ms).
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 115 python3 -m mini.cli bench tiny-goodput --backend fast \
+        --num-requests 64 --input-len 128 --output-len 64 --repeat 3 --json "$PHASE_DIR/goodput_cold.json"
+}
+
 phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (tokens, logits), then EP2 prefill
     # at EP2_LAYERS (32: 128.5 GiB per GPU, report 004), EP2_FALLBACK layers if that fails with > 60 s left
     local rc=0 left

@@ -49,6 +49,22 @@ def test_against_a_running_server():
         assert run["itl_p99_ms"] > 0
     assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["tpot_p50_ms"] <= m["tpot_p99_ms"]
     assert result["definition"]["num_requests"] == 6 and result["definition"]["ignore_eos"] is True
+    first, warm = result["runs"]  # the first burst apart, the metrics of the one after it
+    assert m["first_ttft_p50_ms"] == first["ttft_p50_ms"] and m["ttft_p50_ms"] == warm["ttft_p50_ms"]
+    assert m["first_ttft_p50_over_warm"] == pytest.approx(first["ttft_p50_ms"] / warm["ttft_p50_ms"])
+
+
+def test_first_burst_apart_from_the_warm_median():
+    runs = [{"ttft_p50_ms": 900.0, "ttft_p99_ms": 950.0, "tpot_p50_ms": 9.0, "request_throughput": 1.0,
+             "goodput_req_s": 0.0, "failed": 0.0}] + \
+        [{"ttft_p50_ms": t, "ttft_p99_ms": t, "tpot_p50_ms": 5.0, "request_throughput": 8.0, "goodput_req_s": 8.0,
+          "failed": 0.0} for t in (100.0, 300.0, 200.0)]
+    m = goodput.warm_and_first(runs)
+    assert m["ttft_p50_ms"] == 200.0 and m["goodput_req_s"] == 8.0  # median of the three after the first
+    assert m["first_ttft_p50_ms"] == 900.0 and m["first_goodput_req_s"] == 0.0
+    assert m["first_ttft_p50_over_warm"] == 4.5
+    one = goodput.warm_and_first(runs[:1])  # a single burst is its own "warm" median
+    assert one["ttft_p50_ms"] == one["first_ttft_p50_ms"] == 900.0
 
 
 def test_cpu_smoke_tiny_model_started_server():
