@@ -1,35 +1,13 @@
 """FP8 e4m3 activation fake quantization, 1 x block groups with power-of-two (ue8m0) scales, in one pass.
 
-Same function as `mini.formats.fake_quant_fp8`: s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the bits of the fp32
-value (exponent + (mantissa != 0)), q = e4m3_rne(clamp(x / s, ±448)), out = q * s in x's dtype. Division and
-product by a power of two are exact, so the only rounding is the e4m3 one.
+Same function as `mini.formats.fake_quant_fp8` (the tile math: mini.kernels.quant.fp8_group_quant), out in x's
+dtype; optionally gathering rows by index first (the routed experts' rows in expert order).
 """
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def e4m3_round(v):
-    """fp32 v (|v| <= 448) -> the nearest e4m3 value, ties to even, as fp32. Written with bit arithmetic rather than
-    a cast so that it rounds the same everywhere (Triton's interpreter casts with ties away from zero)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits (mask 0xFFF00000)
-    sub = (v * 512.0 + 12582912.0) - 12582912.0  # below 2^-6 the step is 2^-9: round v * 2^9 to an integer
-    return tl.where(tl.abs(v) < 0.015625, sub * (1.0 / 512.0), normal.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def fp8_group_quant(v, GROUPS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Fake-quantize fp32 `v` [ROWS, GROUPS * BLOCK] in groups of BLOCK consecutive columns; returns fp32."""
-    g = tl.reshape(v, [ROWS, GROUPS, BLOCK])
-    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4) * (1.0 / 448.0)
-    bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = e4m3_round(tl.clamp(g * inv[:, :, None], -448.0, 448.0))
-    return tl.reshape(q * scale[:, :, None], [ROWS, GROUPS * BLOCK])
+from mini.kernels.quant import fp8_group_quant
 
 
 @triton.jit

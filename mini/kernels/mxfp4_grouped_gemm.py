@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.kernels.fp8_act_quant import fp8_group_quant
+from mini.kernels.quant import fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/kernels.md); the row tile is the routing plan's block_m

@@ -1,8 +1,14 @@
-"""Fake quantization inside Triton kernels, the same formulas as mini/formats/quant.py, applied to a register tile
-so that a producer (norm, RoPE) writes already-quantized values. Tiles are [ROWS, BLOCK*n]; each row's consecutive
-BLOCK channels share one scale.
+"""The Triton quantization toolbox: fake quantization inside kernels, the same formulas as mini/formats/quant.py,
+applied to a register tile so that a producer (norm, RoPE, a GEMM epilogue, the activation quant) writes
+already-quantized values. Every Triton kernel that rounds to FP8 / FP4 takes its helpers from here:
+* `e4m3_round`, `e2m1_round`: round fp32 to the nearest e4m3 / E2M1 value, ties to even;
+* `fp8_group_quant`: FP8 e4m3 with power-of-two (ue8m0) scales, 1 x BLOCK groups of a [ROWS, GROUPS·BLOCK] tile;
+* `fake_quant_tile`: a tile [ROWS, BLOCK·n] by `kind` (fp8, fp4 with ue8m0 or e4m3 scales; host codes from
+  `kind_code`), each row's consecutive BLOCK channels sharing one scale.
 
-Scale rounding reproduces `pow2_ceil_scale` from the fp32 bits (exponent + (mantissa != 0)).
+Scale rounding reproduces `pow2_ceil_scale` from the fp32 bits (exponent + (mantissa != 0)). Rounding is written
+with bit arithmetic rather than a cast, so that it rounds the same everywhere (Triton's interpreter casts to fp8
+with ties away from zero and without rounding carries).
 """
 import triton
 import triton.language as tl
@@ -26,24 +32,36 @@ def _pow2_ceil(x):
 
 
 @triton.jit
-def _e4m3_round(v):
-    """Nearest float8 e4m3fn value of v (|v| <= 448), ties to even, subnormals below 2^-6 (spacing 2^-9). Done in fp32
-    arithmetic: Triton's interpreter converts to fp8 without rounding carries, so a hardware cast would leave the
-    CPU tests unable to check this path."""
-    bits = tl.abs(v).to(tl.int32, bitcast=True)
-    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # spacing of e4m3 values in v's binade
-    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |x| < 2^22 to an integer, ties to even
-    return ((v / step + magic) - magic) * step
+def e4m3_round(v):
+    """fp32 v (|v| <= 448) -> the nearest e4m3 value, ties to even, as fp32 (subnormals below 2^-6, spacing 2^-9)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits (mask 0xFFF00000)
+    sub = (v * 512.0 + 12582912.0) - 12582912.0  # below 2^-6 the step is 2^-9: round v * 2^9 to an integer
+    return tl.where(tl.abs(v) < 0.015625, sub * (1.0 / 512.0), normal.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _e2m1_round(v):
+def e2m1_round(v):
     """Nearest E2M1 value of v (|v| <= 6), ties to the even code: 0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up."""
     a = tl.abs(v)
     q = tl.where(a <= 0.25, 0.0, tl.where(a < 0.75, 0.5, tl.where(a <= 1.25, 1.0, tl.where(
         a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))))))
     return tl.where(v < 0, -q, q)
+
+
+@triton.jit
+def fp8_group_quant(v, GROUPS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Fake-quantize fp32 `v` [ROWS, GROUPS * BLOCK] in groups of BLOCK consecutive columns; returns fp32.
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(v / s, ±448)), out = q * s: the division and the product
+    by a power of two are exact (v times 2^-e), so the only rounding is the e4m3 one."""
+    g = tl.reshape(v, [ROWS, GROUPS, BLOCK])
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4) * (1.0 / 448.0)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    q = e4m3_round(tl.clamp(g * inv[:, :, None], -448.0, 448.0))
+    return tl.reshape(q * scale[:, :, None], [ROWS, GROUPS * BLOCK])
 
 
 @triton.jit
@@ -53,17 +71,15 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constex
     which a tile narrower than BLOCK could not do (an early `return` does not stop it)."""
     if KIND == 0:
         out = x
+    elif KIND == 1:
+        out = fp8_group_quant(x, COLS // BLOCK, BLOCK, ROWS)
     else:
         g = tl.reshape(x, [ROWS, COLS // BLOCK, BLOCK])
         amax = tl.max(tl.abs(g), axis=2)
-        if KIND == 1:
-            s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-            v = _e4m3_round(tl.clamp(g / s[:, :, None], -448.0, 448.0))
-        elif KIND == 2:
+        if KIND == 2:
             s = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0))
-            v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
         else:
-            s = _e4m3_round(tl.minimum(tl.maximum(amax, 6.0 * 2.0 ** -9) / 6.0, 448.0))
-            v = _e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
+            s = e4m3_round(tl.minimum(tl.maximum(amax, 6.0 * 2.0 ** -9) / 6.0, 448.0))
+        v = e2m1_round(tl.clamp(g / s[:, :, None], -6.0, 6.0))
         out = tl.reshape(v * s[:, :, None], [ROWS, COLS])
     return out
