@@ -66,9 +66,12 @@ def set_deterministic(on: bool) -> None:
     """The deterministic mode, process-wide (`--deterministic`, EngineOptions.deterministic): every fast-path
     choice that would depend on how many rows a step has is fixed, so a request's result does not depend on what
     else is batched with it (docs/design.md, Determinism). On CUDA it also routes aten's GEMMs through the
-    fixed-tile kernel of mini/kernels/batch_invariant.py instead of cuBLAS."""
+    fixed-tile kernel of mini/kernels/batch_invariant.py instead of cuBLAS; on the CPU through the row-by-row
+    products of mini/ops/cpu_batch_invariant.py instead of MKL's M-dependent kernels."""
     global _deterministic
     _deterministic = bool(on)
+    from mini.ops import cpu_batch_invariant
+    (cpu_batch_invariant.enable if on else cpu_batch_invariant.disable)()
     if torch.cuda.is_available():
         from mini.kernels import batch_invariant
         (batch_invariant.enable if on else batch_invariant.disable)()
