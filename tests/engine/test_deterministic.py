@@ -144,7 +144,7 @@ def test_one_token_prompt_batched_equals_alone():
 # prompt lengths at the layout's edges for tiny-v4.1 (compress ratios 2 and 1, blocks of 16, the deterministic
 # chunk 48 - 16 = 32): a lone token, one ratio-2 group, a group and one open token, a block, a block and one,
 # one chunk, a chunk and one (a prompt cut in two)
-EDGE_LENS = [1, 2, 3, 16, 17, 32, 33]
+EDGE_LENS = [1, 2, 3] + [pytest.param(n, marks=pytest.mark.slow) for n in (16, 17, 32, 33)]  # 6-8 s each
 
 
 @pytest.mark.parametrize("n", EDGE_LENS)
