@@ -42,6 +42,22 @@ phase_gpu_tests() {  # every gpu-marked test
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
+phase_fidelity() {  # issue 12 (~1 min): the fast backend on the official-reference V4.1 fixtures
+    # (tests/fixtures/v41_reference). Writes fidelity_fast.json (default libraries) and fidelity_fast_triton.json
+    # (our kernels only): per fixture rel-MAE / top-1 / max_abs of prefill and forced decode vs the reference, and
+    # its own noise; then the gpu tests of tests/parity/test_official_v41.py (bound: 2x the reference's noise).
+    # Expect rel-MAE <= 2x noise (f1 <= 0.136, f2 <= 0.116 prefill) and 3 passed; the rows go to docs/fidelity.md.
+    local rc=0
+    timeout 120 python3 tests/parity/official_fixture.py --backend fast --device cuda \
+        --json "$PHASE_DIR/fidelity_fast.json" || rc=1
+    MINI_SPARSE_ATTN=triton MINI_MOE_GEMM=triton timeout 120 python3 tests/parity/official_fixture.py \
+        --backend fast --device cuda --json "$PHASE_DIR/fidelity_fast_triton.json" || rc=1
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -s tests/parity/test_official_v41.py \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    grep -E "^\{|passed|failed|Error" "$PHASE_DIR/tests.log" | tail -8
+    return $rc
+}
+
 # ---------------------------------------------------------------- phases: measurements (docs/perf/README.md)
 # Folded from the former scripts/gpu_{final,attention,moe,gate,humming,flashmla,ep2}.sh. Durations are those
 # measured on the H200 in reports 004-007; give each phase a cap above them (`NAME:SECONDS`). Knobs are

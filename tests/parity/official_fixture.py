@@ -139,4 +139,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's `mini`, installed or not
     raise SystemExit(main())
