@@ -51,7 +51,8 @@ def named_files(text: str) -> set[str]:
     names = set()
     for span in spans(text):
         for m in FILE.findall(OUTPUT.sub(" ", span.split("::")[0])):
-            if not any(c in m for c in "*{}$") and "NNN" not in m and m not in OUTSIDE:
+            bare_output = "/" not in m and m.endswith((".json", ".txt"))  # what a command writes, e.g. rank4.json
+            if not any(c in m for c in "*{}$") and "NNN" not in m and m not in OUTSIDE and not bare_output:
                 names.add(m.lstrip("./"))
     return names
 
@@ -88,6 +89,7 @@ def test_the_checks_can_fail():
     assert named_files("see `mini/ops/nonexistent_op.py::test_x` and `a/*.py`") == {"mini/ops/nonexistent_op.py"}
     assert named_files("`mini bench x --json out.json > log.txt; git show 4816eaa:docs/a.json`") == set()
     assert named_files("```\nmini/a.py  x\n```\nand `b.py`, `c.py`") == {"mini/a.py", "b.py", "c.py"}
+    assert named_files("`rank4.json` and `docs/perf/raw/x.json`") == {"docs/perf/raw/x.json"}
     assert "MINI_DTYPE" not in code_names()  # the switch the design notes once named
     assert FOLDER.findall("`mini/dist/` and `tests/parallel/x.py` and `a/mini/b/`") == ["mini/dist/", "tests/parallel/"]
     assert LINK.findall("[x](model.md#sizes) [y](https://e.org)") == ["model.md", "https://e.org"]
