@@ -42,6 +42,32 @@ phase_gpu_tests() {  # every gpu-marked test
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
+phase_fuzz() {  # issue 12 (<= ~4 min): the config fuzzer (32 random V4.1/V4 configs, fast vs reference per op,
+    # per layer, end to end), MXFP4 decode of every code x scale byte (Triton + Humming), the sparse attention at the
+    # fixtures' shape, the fast path on the official fixtures (also with our kernels only). Look at:
+    # fuzz_summary.txt (configs passed, failures by seed, kernels that ran), kernels.log, humming_decode.log
+    # ("outside SCALE_BYTES: ..."), fixtures_fast*.json (rel-MAE / top-1 per fixture vs the reference's noise).
+    local rc=0
+    MINI_FUZZ_LOG="$PHASE_DIR/fuzz.jsonl" timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider -rf \
+        --durations=10 tests/fuzz/test_fuzz_gpu.py --junitxml="$PHASE_DIR/fuzz.xml" >"$PHASE_DIR/fuzz.log" 2>&1 \
+        || rc=1
+    tail -15 "$PHASE_DIR/fuzz.log"
+    python3 tests/fuzz/summary.py "$PHASE_DIR/fuzz.jsonl" >"$PHASE_DIR/fuzz_summary.txt" 2>&1 || rc=1
+    cat "$PHASE_DIR/fuzz_summary.txt"
+    timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -k "decode_all_codes or sparse_attention_gpu" \
+        tests/kernels/test_mxfp4_grouped_gemm.py tests/kernels/test_sparse_attention.py \
+        --junitxml="$PHASE_DIR/kernels.xml" >"$PHASE_DIR/kernels.log" 2>&1 || rc=1
+    tail -5 "$PHASE_DIR/kernels.log"
+    timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -s -k "all_codes" \
+        tests/kernels/test_humming_experts.py >"$PHASE_DIR/humming_decode.log" 2>&1 || rc=1
+    grep -E "outside SCALE_BYTES|passed|failed|skipped|Error" "$PHASE_DIR/humming_decode.log" | tail -5
+    timeout 30 python3 tests/parity/official_fixture.py --backend fast --device cuda \
+        --json "$PHASE_DIR/fixtures_fast.json" || rc=1
+    MINI_SPARSE_ATTN=triton MINI_MOE_GEMM=triton timeout 30 python3 tests/parity/official_fixture.py \
+        --backend fast --device cuda --json "$PHASE_DIR/fixtures_fast_triton.json" || rc=1
+    return $rc
+}
+
 phase_fidelity() {  # issue 12 (~1 min): the fast backend on the official-reference V4.1 fixtures
     # (tests/fixtures/v41_reference). Writes fidelity_fast.json (default libraries) and fidelity_fast_triton.json
     # (our kernels only): per fixture rel-MAE / top-1 / max_abs of prefill and forced decode vs the reference, and

@@ -88,10 +88,11 @@ def test_sparse_attention_interpreter(with_comp, rope_dim, W, block_n, interpret
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,block_h", [(64, 64), (64, 32), (13, 16)])
-def test_sparse_attention_gpu(H, block_h, flat_batch):
+@pytest.mark.parametrize("H,block_h,D,W", [(64, 64, 512, 128), (64, 32, 512, 128), (13, 16, 512, 128),
+                                           (8, 64, 128, 16)])  # the last: the official fixtures' shape
+def test_sparse_attention_gpu(H, block_h, D, W, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
-    D, W, ratio, rpb, topk = 512, 128, 2, 32, 61
+    ratio, rpb, topk = 2, 32, 61
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cuda", torch.bfloat16, [300, 1, 77, 1],
                                                            [0, 1000, 150, 3], H, D, W, ratio, rpb, topk)
     scale = D ** -0.5
