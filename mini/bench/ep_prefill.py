@@ -15,7 +15,7 @@ EP4 `--layers 0` is the real model (~half the experts per layer).
 Metrics (from rank 0): the step time is the slowest rank's of each step (a barrier starts every step), mean /
 median over `--steps` after `--warmup`; tok/s/GPU = tokens per rank / mean step; peak memory (max over ranks;
 GPU: allocated, and what the caching allocator reserved; CPU: peak RSS); then `--profile-steps` more steps with
-every stage timed by wrapping its function (`mini.bench.profile`), rank 0's ms/step per stage. `communication`
+every stage timed (its named range, `mini.bench.profile`), rank 0's ms/step per stage. `communication`
 is the time inside the collectives: the step's token-count all-gather, each MoE layer's all-gather (its call and
 its `wait()`) and reduce-scatter. `exchange_glue` is the rest of the MoE exchange (FP8 pack / unpack, padding,
 the final add). A collective's time includes waiting for the slowest rank to arrive, so uneven ranks show up as
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import resource
 import statistics
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from mini.bench import SuiteError, run_on_ranks
 from mini.bench import profile
 from mini.config import ModelConfig, preset
 from mini.parallel import exchange as exchange_mod
+from mini.ops.stages import recording
 from mini.parallel.groups import DistContext
 
 SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
@@ -115,40 +115,34 @@ def rank_tokens(cfg: ModelConfig, args, rank: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------- stages
-def _moe_collective(fn, *a, **kw):  # the callers, wrapped as stages while profiling, tell the two apart
-    return fn(*a, **kw)
-
-
-def _count_collective(fn, *a, **kw):
-    return fn(*a, **kw)
-
-
 class _Pending:
     """An async collective's handle whose `wait()` is timed (the exchange overlaps the shared expert with it)."""
 
-    def __init__(self, work):
-        self.work = work
+    def __init__(self, work, timer):
+        self.work, self.timer = work, timer
 
     def wait(self):
-        return self.work.wait()
+        with self.timer("communication.moe"):
+            return self.work.wait()
+
+
+COMMUNICATION = ("communication.moe", "communication.counts")
 
 
 @contextmanager
 def staged(cuda: bool):
-    """profile.WRAPPED with the real exchange as the MoE stage, plus the collectives as communication."""
-    # the exchange calls gate / routed / shared through its own module's names
-    own = {"moe": "MoEExchange.__call__", "moe.gate": "gate", "moe.routed": "routed", "moe.shared": "shared"}
-    wrapped = [w for w in profile.WRAPPED if w[0] not in own] + [(k, "mini.parallel.exchange", v) for k, v in own.items()]
-    timer = profile.StageTimer(cuda)
-    mod = sys.modules[__name__]
+    """profile.staged's stages (the real exchange is the MoE stage: Model._ffn), plus the collectives as
+    communication: the exchange's own (its MoE rows) and those of its token counts (begin_step)."""
+    timer = profile.StageTimer(cuda, profile.STAGES + COMMUNICATION)
     originals = {n: getattr(exchange_mod, n) for n in ("all_gather", "reduce_scatter")}
     begin_step = exchange_mod.MoEExchange.begin_step
     in_counts = [False]
 
     def collective(fn):
         def call(*a, **kw):
-            work = (mod._count_collective if in_counts[0] else mod._moe_collective)(fn, *a, **kw)
-            return _Pending(work) if kw.get("async_op") else work
+            with timer(COMMUNICATION[1] if in_counts[0] else COMMUNICATION[0]):
+                work = fn(*a, **kw)
+            return _Pending(work, timer) if kw.get("async_op") else work
         return call
 
     def counted_begin_step(self, n):
@@ -159,20 +153,15 @@ def staged(cuda: bool):
             in_counts[0] = False
 
     try:
-        for stage, path, attr in wrapped:
-            timer.wrap(stage, *profile._resolve(path, attr))
-        timer.wrap("communication.moe", mod, "_moe_collective")
-        timer.wrap("communication.moe", _Pending, "wait")
-        timer.wrap("communication.counts", mod, "_count_collective")
         for n, fn in originals.items():
             setattr(exchange_mod, n, collective(fn))
         exchange_mod.MoEExchange.begin_step = counted_begin_step
-        yield timer
+        with recording(timer):
+            yield timer
     finally:
         exchange_mod.MoEExchange.begin_step = begin_step
         for n, fn in originals.items():
             setattr(exchange_mod, n, fn)
-        timer.restore()
 
 
 def stage_report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, float]:

@@ -1,23 +1,26 @@
 """`mini profile --suite rank4`: ms per step of each stage of the rank4 prefill step, adding up to the step.
 
-Stages are timed by wrapping the functions that implement them (CUDA events around each call on the GPU, the wall
-clock on the CPU), so every stage is the GPU time between its first and last kernel, launch gaps included:
+Stages are the named ranges the model and op code marks (mini/ops/stages.py: `@staged` / `stage`); the profiler
+times each marked call (CUDA events around it on the GPU, the wall clock on the CPU), so every stage is the GPU time
+between its first and last kernel, launch gaps included:
 
-    attention          mini.model.model.attention (whole)  = sparse core + key gathering + indexer + other
-      sparse core      mini.model.attn_layer.sparse_attention (the kernel reads window / pool keys by index)
+    attention          mini.model.attn_layer.attention (whole)  = sparse core + key gathering + indexer + other
+      sparse core      mini.ops.attention.sparse_attention (the kernel reads window / pool keys by index)
       key gathering    mini.model.attn_layer._compressed_ids (top-k groups -> pool rows; no key tensor is built)
       indexer + top-k  mini.model.attn_layer._index
     gate               mini.ops.moe.gate
     routed experts     mini.ops.moe.routed = act quant + routing plan + w1/w3 GEMM + w2 GEMM + combine
                        (Humming backend: act quant with the row gather + plan + both GEMMs + SwiGLU + combine)
     shared expert      mini.ops.moe.shared
-    ep emulation       the rest of bench.prefill.EmulatedEP (synthetic remote rows, the own-row slice, the sum)
+    ep emulation       the rest of the MoE (Model._ffn: bench.prefill.EmulatedEP's synthetic remote rows, the
+                       own-row slice, the sum)
     communication      0 here: one GPU emulates an EP4 rank (the exchange is measured on 2 GPUs)
-    hc / norm / other  mHC mixes / collapse / expand, block RMSNorms, Engram
-    unattributed       step - everything above (embedding, final norm and head, Python between stages)
+    hc / norm / other  mHC pre-norm (mixes, collapse, RMSNorm) and expand, the final RMSNorm, Engram
+    unattributed       step - everything above (embedding, head, Python between stages)
 
 The run first measures the rank4 suite as `mini bench rank4` does (written as rank4.json: one model build serves
-both), then the staged steps; one more step runs under torch.profiler, its Chrome trace gzipped beside them.
+both), then the staged steps; one more step runs under torch.profiler with every stage a named range
+(record_function), its Chrome trace gzipped beside them.
 """
 from __future__ import annotations
 
@@ -32,80 +35,45 @@ from pathlib import Path
 
 import torch
 
-# (stage, module path, attribute): the function whose calls are timed as that stage
-WRAPPED = [
-    ("attention", "mini.model.model", "attention"),
-    ("attention.sparse_core", "mini.model.attn_layer", "sparse_attention"),
-    ("attention.key_gathering", "mini.model.attn_layer", "_compressed_ids"),
-    ("attention.indexer_topk", "mini.model.attn_layer", "_index"),
-    ("moe", "mini.bench.prefill", "EmulatedEP.__call__"),
-    ("moe.gate", "mini.ops.moe", "gate"),
-    ("moe.routed", "mini.ops.moe", "routed"),
-    ("moe.routed.act_quant", "mini.kernels.fp8_act_quant", "fp8_act_quant"),
-    ("moe.routed.route_plan", "mini.kernels.moe_route", "plan_routes"),
-    ("moe.routed.gemm_w13_swiglu", "mini.kernels.mxfp4_grouped_gemm", "grouped_swiglu"),
-    ("moe.routed.gemm_w2", "mini.kernels.mxfp4_grouped_gemm", "grouped_down"),
-    # with the Humming backend (MINI_MOE_GEMM): both GEMMs (w1|w3 side by side, then w2) and the SwiGLU pass
-    ("moe.routed.gemm_humming", "mini.kernels.humming_experts", "grouped_gemm"),
-    ("moe.routed.swiglu", "mini.kernels.mxfp4_grouped_gemm", "swiglu_rows"),
-    ("moe.routed.combine", "mini.kernels.moe_combine", "combine"),
-    ("moe.shared", "mini.ops.moe", "shared"),
-    # pre_norm = mixes + collapse + the site's RMSNorm (one fused kernel on the fast path); wrapping its parts too
-    # would count them twice on the reference path
-    ("hc_norm_other.mhc", "mini.ops.mhc", "pre_norm"),
-    ("hc_norm_other.mhc", "mini.ops.mhc", "expand"),
-    ("hc_norm_other.norm", "mini.model.model", "rms_norm"),
-    ("hc_norm_other.engram", "mini.model.model", "engram"),
-]
+# the stages timed; a stage "a.b" whose parent "a" is one of them counts only the calls made inside a call of the
+# parent (the FP8 act quant of the routed experts, not the one every linear layer runs)
+STAGES = ("attention", "attention.sparse_core", "attention.key_gathering", "attention.indexer_topk",
+          "moe", "moe.gate", "moe.routed", "moe.routed.act_quant", "moe.routed.route_plan",
+          "moe.routed.gemm_w13_swiglu", "moe.routed.gemm_w2",
+          "moe.routed.gemm_humming", "moe.routed.swiglu",  # with the Humming backend (MINI_MOE_GEMM)
+          "moe.routed.combine", "moe.shared",
+          # pre_norm = mixes + collapse + the site's RMSNorm (one fused kernel on the fast path)
+          "hc_norm_other.mhc", "hc_norm_other.norm", "hc_norm_other.engram")
 
 
 class StageTimer:
-    """Wraps functions in place so that each call records its time under a stage name; `restore()` undoes it.
-    A stage "a.b" whose parent "a" is also wrapped counts only the calls made inside a call of the parent (the FP8
-    act quant of the routed experts, not the one every linear layer runs)."""
+    """A stage recorder (mini.ops.stages.recording): each call of one of `stages` records its time."""
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, cuda: bool, stages: tuple[str, ...] = STAGES):
+        self.cuda, self.stages = cuda, stages
         self.pending: dict[str, list] = defaultdict(list)
-        self._undo: list = []
-        self._stages: set[str] = set()
         self._active: dict[str, int] = defaultdict(int)
 
-    def wrap(self, stage: str, owner, attr: str) -> None:
-        fn = getattr(owner, attr)
-        timer = self
-        self._stages.add(stage)
-
-        def timed(*args, **kwargs):
-            parent = stage.rpartition(".")[0]
-            if parent in timer._stages and not timer._active[parent]:
-                return fn(*args, **kwargs)
-            timer._active[stage] += 1
-            try:
-                return timer._time(stage, fn, args, kwargs)
-            finally:
-                timer._active[stage] -= 1
-
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, fn))
-
-    def _time(self, stage: str, fn, args, kwargs):
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = fn(*args, **kwargs)
-            b.record()
-            self.pending[stage].append((a, b))
-        else:
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.pending[stage].append(1e3 * (time.perf_counter() - t0))
-        return out
-
-    def restore(self) -> None:
-        for owner, attr, fn in reversed(self._undo):
-            setattr(owner, attr, fn)
-        self._undo.clear()
+    @contextmanager
+    def __call__(self, stage: str):
+        parent = stage.rpartition(".")[0]
+        if stage not in self.stages or (parent in self.stages and not self._active[parent]):
+            yield
+            return
+        self._active[stage] += 1
+        try:
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                yield
+                b.record()
+                self.pending[stage].append((a, b))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self.pending[stage].append(1e3 * (time.perf_counter() - t0))
+        finally:
+            self._active[stage] -= 1
 
     def totals(self) -> dict[str, float]:
         """ms per stage, summed over every call so far."""
@@ -115,25 +83,13 @@ class StageTimer:
         return {s: sum(a.elapsed_time(b) for a, b in ps) for s, ps in self.pending.items()}
 
 
-def _resolve(path: str, attr: str):
-    """(owner object, attribute name) of 'module' + 'Class.method' or 'function'."""
-    import importlib
-    owner = importlib.import_module(path)
-    *classes, name = attr.split(".")
-    for c in classes:
-        owner = getattr(owner, c)
-    return owner, name
-
-
 @contextmanager
 def staged(cuda: bool):
+    """Time the marked stages while open; yields the StageTimer."""
+    from mini.ops.stages import recording
     timer = StageTimer(cuda)
-    try:
-        for stage, path, attr in WRAPPED:
-            timer.wrap(stage, *_resolve(path, attr))
+    with recording(timer):
         yield timer
-    finally:
-        timer.restore()
 
 
 def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, float]:
@@ -171,6 +127,7 @@ def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, fl
 
 def main(argv: list[str] | None = None) -> int:
     from mini.bench import check_result, environment, prefill
+    from mini.ops.stages import recording
     p = argparse.ArgumentParser(prog="mini profile", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=("rank4",), default="rank4")
     p.add_argument("--out", type=Path, default=Path("profile-out"), help="folder for the JSON report and the trace")
@@ -188,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = report(totals, step_ms, len(timed))
     args.out.mkdir(parents=True, exist_ok=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities) as prof, recording(torch.profiler.record_function):
         r.step()
         prefill._sync(r.batch.input_ids.device)
     trace = args.out / "trace.json"

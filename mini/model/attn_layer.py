@@ -23,6 +23,7 @@ from mini.ops.indexer import index_scores, quantize_index, select_candidates, to
 from mini.ops.linear import QWeight, linear
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
+from mini.ops.stages import staged
 
 
 @dataclass
@@ -122,6 +123,7 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
     pool.view(-1, pool.shape[-1])[groups.pool_row] = latent.to(pool.dtype)
 
 
+@staged("attention.indexer_topk")
 def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
            table: torch.Tensor, shared: dict) -> torch.Tensor:
     """This index source's top-k group ids [T, k] (-1 = none); V4.1's candidate source also publishes its blocks."""
@@ -145,6 +147,7 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     return top_groups(scores, cfg.index_topk, n_vis, widths)
 
 
+@staged("attention.key_gathering")
 def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: dict) -> torch.Tensor:
     """[T, K] absolute group ids each query reads (-1 = none)."""
     if plan.index_layer < 0:  # V4 ratio 128: every visible group
@@ -153,6 +156,7 @@ def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: dict) -> torch.Ten
     return shared[("topk", plan.index_layer)]
 
 
+@staged("attention")
 def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout,
               cache: KVCache, shared: dict) -> torch.Tensor:
     """x [T, D] (normed collapsed input) -> [T, D]; writes this layer's caches."""

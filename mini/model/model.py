@@ -21,6 +21,7 @@ from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
+from mini.ops.stages import staged
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Model:
         return mhc.pre_norm(h, w.fn, w.scale, w.base, norm_weight, pre_in, hc_mult=c.hc_mult,
                             iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
 
+    @staged("moe")
     def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
         run = self.moe_exchange or moe
         return run(x, blk.moe, self.config, blk.plan, input_ids)
@@ -183,4 +185,8 @@ class Model:
         else:
             w = self.hc_head
             x = mhc.hc_head(h, w.fn, w.scale, w.base, hc_eps=cfg.hc_eps, norm_eps=eps)
-        return torch.nn.functional.linear(rms_norm(x, self.norm, eps).float(), self.head)
+        return torch.nn.functional.linear(self._final_norm(x).float(), self.head)
+
+    @staged("hc_norm_other.norm")
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.norm, self.config.norm_eps)

@@ -27,6 +27,7 @@ import torch
 from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
+from mini.ops.stages import staged
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 AUTO_CHECK_TOL = 2e-2  # MINI_SPARSE_ATTN=auto: FlashMLA's first output vs ours, largest per-token relative error
@@ -101,6 +102,7 @@ def _attend(q, keys, valid, sink, scale):
     return acc / (denom + torch.exp(sink[None, :] - peak))[..., None]
 
 
+@staged("attention.sparse_core")
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
                      positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                      scale: float, comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,

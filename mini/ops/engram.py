@@ -21,6 +21,7 @@ import torch
 from mini.config import ModelConfig
 from mini.formats import e8m0_to_float
 from mini.ops.linear import QWeight, linear
+from mini.ops.stages import staged
 
 DEAD = -1  # compressed id of a token that takes part in no n-gram (image spans)
 GATE_FLOOR = 1e-6  # |dot| is clamped here before the signed square root, as in the training kernel
@@ -212,6 +213,7 @@ def _e8m0_values(device: torch.device) -> torch.Tensor:
     return e8m0_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device)
 
 
+@staged("hc_norm_other.engram")
 def engram(h: torch.Tensor, hash_ids: torch.Tensor | None, w: EngramWeights, cfg: ModelConfig,
            token_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, hc, D], hash_ids [T, n_hash_cols] -> h + gate * value [T, hc, D] in h.dtype. `rows` [T, n_hash_cols,

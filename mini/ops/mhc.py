@@ -10,6 +10,7 @@ import torch
 
 from mini.ops import use_fast
 from mini.ops.norm import rms_norm
+from mini.ops.stages import staged
 
 
 def _projected(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -54,6 +55,7 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
 
 
+@staged("hc_norm_other.mhc")
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
     if use_fast(f, residual) and f.dtype == residual.dtype == torch.bfloat16:
@@ -67,6 +69,7 @@ def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
     return (post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(f.dtype)
 
 
+@staged("hc_norm_other.mhc")
 def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
              pre_in: torch.Tensor | None, *, hc_mult: int, iters: int, hc_eps: float,
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ from mini.config import LayerPlan, ModelConfig
 from mini.formats.quant import fake_quant_enabled
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.linear import QWeight, linear
+from mini.ops.stages import stage, staged
 
 
 @dataclass(eq=False)
@@ -182,6 +183,7 @@ def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- gate
+@staged("moe.gate")
 def gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
          image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k].
@@ -272,6 +274,7 @@ def expert_ffn(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, limit: fl
     return linear(h.to(x.dtype), w2)
 
 
+@staged("moe.routed")
 def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
            ids: torch.Tensor) -> torch.Tensor:
     """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0."""
@@ -287,6 +290,7 @@ def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tens
     return y
 
 
+@staged("moe.shared")
 def shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """The shared expert every token goes through, fp32 [T, D] (holding x.dtype-rounded values)."""
     return _shared(x, w).float()
@@ -349,19 +353,26 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
         out = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
         return out if add is None else (out.float() + add.float()).to(out_dtype)
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
-    plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles=w.humming is None)
+    with stage("moe.routed.route_plan"):
+        plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles=w.humming is None)
     rows = _rows_humming if w.humming is not None else _rows_triton
     y = rows(x, w, plan, ids.numel() * len(w.experts) // w.gate.shape[0], act_quant)
-    return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)
+    with stage("moe.routed.combine"):
+        return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)
 
 
 def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
     """Expert outputs by sorted row through our kernels: grouped w1/w3 GEMM + SwiGLU epilogue, grouped w2 GEMM."""
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.mxfp4_grouped_gemm import grouped_down, grouped_swiglu
-    xq = fp8_act_quant(x, w.w1.block) if act_quant else x
-    h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
-    return grouped_down(h, plan, w.w2)
+    xq = x
+    if act_quant:
+        with stage("moe.routed.act_quant"):
+            xq = fp8_act_quant(x, w.w1.block)
+    with stage("moe.routed.gemm_w13_swiglu"):
+        h = grouped_swiglu(xq, plan, w.w1, w.w3, w.swiglu_limit, quant_block=w.w2.block if act_quant else 0)
+    with stage("moe.routed.gemm_w2"):
+        return grouped_down(h, plan, w.w2)
 
 
 def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
@@ -374,8 +385,12 @@ def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -
     w13, w2 = w.humming
     I = w13.n // 2
     n_valid = plan.expert_offset[-1:]  # the local row count, left on the device
-    xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
+    with stage("moe.routed.act_quant"):
+        xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
     invariant = deterministic()  # the library's batch-invariant schedules (humming_experts._tuning)
-    gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows, invariant=invariant)
-    h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
-    return grouped_gemm(h, w2, plan.expert_offset, expected_rows, invariant=invariant)
+    with stage("moe.routed.gemm_humming"):
+        gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows, invariant=invariant)
+    with stage("moe.routed.swiglu"):
+        h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
+    with stage("moe.routed.gemm_humming"):
+        return grouped_gemm(h, w2, plan.expert_offset, expected_rows, invariant=invariant)

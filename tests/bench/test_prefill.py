@@ -70,19 +70,28 @@ def test_profile_stages_add_up_to_the_step(tmp_path):
 
 def test_a_sub_stage_counts_only_calls_inside_its_parent():
     """The routed experts' FP8 act quant is the same function every linear layer calls: only the calls made
-    inside the routed stage may count as its part (else `routed.other` goes negative)."""
-    import types
-
+    inside the routed stage may count as its part (else `routed.other` goes negative). Stages are named ranges
+    (mini.ops.stages); without a recorder they only run the function."""
     from mini.bench.profile import StageTimer
-    mod = types.SimpleNamespace(calls=[])
-    mod.quant = lambda x: mod.calls.append(x) or x
-    mod.routed = lambda x: mod.quant(x) + 1
-    timer = StageTimer(cuda=False)
-    timer.wrap("moe.routed", mod, "routed")
-    timer.wrap("moe.routed.act_quant", mod, "quant")
-    mod.quant(1)  # a linear layer's quant: outside the parent
-    mod.routed(2)
-    mod.quant(3)
-    timer.restore()
-    assert mod.calls == [1, 2, 3]  # every call still runs
+    from mini.ops.stages import recording, stage, staged
+    calls = []
+
+    @staged("moe.routed.act_quant")
+    def quant(x):
+        calls.append(x)
+        return x
+
+    @staged("moe.routed")
+    def routed(x):
+        with stage("not.a.profiled.stage"):
+            return quant(x) + 1
+
+    assert routed(0) == 1 and calls == [0]
+    timer = StageTimer(cuda=False, stages=("moe.routed", "moe.routed.act_quant"))
+    with recording(timer):
+        quant(1)  # a linear layer's quant: outside the parent
+        routed(2)
+        quant(3)
+    routed(4)  # after the recorder is gone: not timed
+    assert calls == [0, 1, 2, 3, 4]  # every call still runs
     assert {k: len(v) for k, v in timer.pending.items()} == {"moe.routed": 1, "moe.routed.act_quant": 1}
