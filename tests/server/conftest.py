@@ -16,9 +16,9 @@ MODEL = "fake"
 def fake_app(**opts):
     cfg = FakeConfig()
     opts = {"num_blocks": 256, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, "max_num_seqs": 16,
-            "max_num_batched_tokens": 64, **opts}
-    return build_app(FakeModel(cfg), MODEL, config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
-                     cache_cls=FakeCache, seq_chunk_cls=FakeSeqChunk, **opts)
+            "max_num_batched_tokens": 64, "tokenizer": FakeTokenizer(), **opts}
+    return build_app(FakeModel(cfg), MODEL, config=cfg, batch_cls=FakeBatch, cache_cls=FakeCache,
+                     seq_chunk_cls=FakeSeqChunk, **opts)
 
 
 @pytest.fixture(scope="module")

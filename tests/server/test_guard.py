@@ -5,7 +5,9 @@ server's deadlines are set short here and the test waits generously for their ef
 import json
 import logging
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import httpx
@@ -13,6 +15,7 @@ import openai
 import pytest
 
 from conftest import MODEL, fake_app
+from fake_model import FakeTokenizer
 from mini.args import add_serve_args
 from mini.server.app import BackgroundServer, exposure_warning, policy_from_args, startup_line
 from mini.server.guard import LOOPBACK_HOSTS, Policy, host_name
@@ -215,6 +218,34 @@ def test_defaults_refuse_foreign_hosts_and_origins_without_a_key(open_server):
     _error(httpx.get(open_server + "/v1/models", headers={"host": "rebound.example"}), 400, "host_not_allowed")
     _error(httpx.get(open_server + "/v1/models", headers={"origin": "http://evil.example"}), 403,
            "origin_not_allowed")
+
+
+class HeldTokenizer(FakeTokenizer):
+    """Tokenizing the prompt "hold" waits until the test lets it go."""
+
+    def __init__(self):
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if text == "hold":
+            self.entered.set()
+            self.gate.wait(300)
+        return super().encode(text)
+
+
+def test_tokenizing_runs_off_the_event_loop():
+    """While one request's prompt is being tokenized, /health answers: with tokenization on the event loop it
+    could not until the tokenizer lets go, which happens only after /health answered (or its 120 s wait)."""
+    tok = HeldTokenizer()
+    with BackgroundServer(fake_app(tokenizer=tok)) as url, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, url + "/v1/completions", timeout=None,
+                           json={"model": MODEL, "prompt": "hold", "max_tokens": 1})
+        assert tok.entered.wait(120)
+        try:
+            assert httpx.get(url + "/health", timeout=120).status_code == 200
+        finally:
+            tok.gate.set()
+        assert held.result().status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------------- flags, messages
