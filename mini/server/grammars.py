@@ -4,12 +4,16 @@ markup with each argument checked against its schema.
 
 JSON is written with `, ` and `: ` and no other whitespace (a model cannot pad it forever). In thinking mode the
 output starts with free reasoning up to `</think>`; the constraint applies after it.
+
+Free text that ends at a delimiter (the reasoning, a raw string argument, content before a calls block) is a lazy
+rule, `name[suffix="DELIMITER"]: /regex/`: it ends at the delimiter's first occurrence. llguidance's lexemes are
+greedy otherwise, so "any text without X, then X" written as a regex intersection could never end at X.
 """
 from __future__ import annotations
 
 import json
 
-from mini.tokenizer import CALLS_CLOSE, DSML, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
+from mini.tokenizer import CALLS_CLOSE, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
     param_open
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -21,15 +25,15 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _containing(text: str) -> str:
-    """A Lark regex: any text that contains `text`."""
-    escaped = "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
-    return f"/{_ANY}*{escaped}{_ANY}*/"
+def _until(name: str, delimiter: str, length: str = "*") -> str:
+    """Rule `name`: text of `length` (a regex repeat) up to the first `delimiter`, which it includes."""
+    return f"{name}[suffix={_lit(delimiter)}]: /{_ANY}{length}/"
 
 
-def _without(text: str, length: str = "*") -> str:
-    """A Lark regex: text of `length` (a regex repeat) that does not contain `text`."""
-    return f"/{_ANY}{length}/ & ~{_containing(text)}"
+def _without(text: str) -> str:
+    """A Lark regex (for a terminal that ends the output): any text that does not contain `text`."""
+    escaped = "".join("\\n" if c == "\n" else "\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
+    return f"/{_ANY}*/ & ~/{_ANY}*{escaped}{_ANY}*/"
 
 
 def _json(schema: dict) -> str:
@@ -38,8 +42,7 @@ def _json(schema: dict) -> str:
 
 def _with_reasoning(body: list[str], thinking: bool) -> str:
     """`body`: rules, the first named `answer`."""
-    head = [f"start: REASONING {_lit(END_THINK)} answer", f"REASONING: {_without(END_THINK)}"] if thinking \
-        else ["start: answer"]
+    head = ["start: reasoning answer", _until("reasoning", END_THINK)] if thinking else ["start: answer"]
     return "\n".join(head + body) + "\n"
 
 
@@ -54,11 +57,15 @@ def _is_plain_string(schema: dict) -> bool:
                                                                    "allOf", "$ref", "not"}
 
 
-def _raw_string(schema: dict) -> str:
+def _raw_value(name: str, schema: dict) -> str:
+    """Rule `name`: a string argument written raw, with the parameter's closing tag."""
     if "enum" in schema:
-        return " | ".join(_lit(v) for v in schema["enum"] if isinstance(v, str)) or '""'
+        values = [v for v in schema["enum"] if isinstance(v, str)]
+        if not values:
+            raise ValueError(f"enum {schema['enum']!r} of a string parameter has no string")
+        return f"{name}: ({' | '.join(_lit(v) for v in values)}) {_lit(PARAM_CLOSE)}"
     lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-    return _without(f"</{DSML}", f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*"))
+    return _until(name, PARAM_CLOSE, f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*"))
 
 
 def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
@@ -70,15 +77,14 @@ def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
     for j, (key, sub) in enumerate(props.items()):
         if not isinstance(sub, dict) or any(c in key for c in '"\\\n'):
             raise ValueError(f"tool {name!r}: parameter {key!r} cannot be enforced")
-        value = f"V{i}_{j}"
+        value = f"v{i}_{j}"  # the value and the closing tag
         if _is_plain_string(sub):
-            rules.append(f"{value}: {_raw_string(sub)}")
+            rules.append(_raw_value(value, sub))
             head = param_open(key, True)
         else:
-            rules.append(f"p{i}_{j}_value: {_json({**sub, **defs})}")
-            value = f"p{i}_{j}_value"
+            rules += [f"{value}: {value}_json {_lit(PARAM_CLOSE)}", f"{value}_json: {_json({**sub, **defs})}"]
             head = param_open(key, False)
-        rules.append(f"p{i}_{j}: {_lit(head)} {value} {_lit(PARAM_CLOSE + chr(10))}")
+        rules.append(f"p{i}_{j}: {_lit(head)} {value} {_lit(chr(10))}")
         items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
     rules.insert(0, f"invoke{i}: {_lit(invoke_open(name) + chr(10))} {' '.join(items)} {_lit(INVOKE_CLOSE)}")
     return rules
@@ -99,8 +105,11 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
     if not invokes:
         raise ValueError(f"no tool named {only!r} is offered")
     more = f' ("\\n" call)*' if parallel else ""
-    block = f"{_lit(TOOL_CALLS_START + chr(10))} call{more} {_lit(chr(10) + CALLS_CLOSE)}"
-    answer = [f"answer: CONTENT ({block})?", f"CONTENT: {_without(TOOL_CALLS_START)}"] if optional \
-        else [f"answer: {block}"]
+    calls = f"call{more} {_lit(chr(10) + CALLS_CLOSE)}"
+    if optional:  # all text, or text up to the block's start and then the block
+        answer = [f"answer: TEXT | content {calls}", f"TEXT: {_without(TOOL_CALLS_START)}",
+                  _until("content", TOOL_CALLS_START + "\n")]
+    else:
+        answer = [f"answer: {_lit(TOOL_CALLS_START + chr(10))} {calls}"]
     body = [*answer, f"call: {' | '.join(invokes)}", *rules]
     return _with_reasoning(body, thinking)

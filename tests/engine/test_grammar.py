@@ -167,3 +167,64 @@ def test_cuda_graphs_with_overlap_follow_the_grammar():
     assert all(llm.engine.runner.graphs is not None for _, llm in llms)
     runs = _constrained_runs(llms, n=8)
     assert runs["overlap"] == runs["graphs"]
+
+
+@pytest.mark.parametrize("grammar", [json_grammar(SCHEMA, thinking=True), tool_call_grammar(TOOLS, thinking=True)])
+def test_thinking_mode_constrains_only_after_the_reasoning(grammar):
+    from mini.engine.sampler import unpack_bitmask
+    from mini.engine.structured import GrammarBackend
+    tok = ByteTokenizer()
+    backend = GrammarBackend(tok, FakeConfig().vocab_size)
+    m = backend.matcher(grammar)
+
+    def allowed(text):
+        return bool(unpack_bitmask(backend.bitmask([m], "cpu"), FakeConfig().vocab_size)[0, tok.encode(text)[0]])
+
+    assert allowed("x") and allowed("{")  # free reasoning, anything but the end marker
+    assert m.consume_tokens(tok.encode("free text, {not json</thi"))
+    assert m.consume_tokens(tok.encode("nk>"))
+    first = "{" if "%json" in grammar.split("answer:")[1].split("\n")[0] else "\n"
+    assert allowed(first) and not allowed("x") and not allowed(chr(1) if first == "{" else "{")
+
+
+def _matcher(grammar):
+    from mini.engine.structured import GrammarBackend
+    tok = ByteTokenizer()
+    backend = GrammarBackend(tok, FakeConfig().vocab_size)
+    return tok, backend, backend.matcher(grammar)
+
+
+def _eos_allowed(backend, m):
+    from mini.engine.sampler import unpack_bitmask
+    return bool(unpack_bitmask(backend.bitmask([m], "cpu"), FakeConfig().vocab_size)[0, 1])
+
+
+UNBOUNDED = [{"type": "function", "function": {"name": "echo", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}, "required": ["text"]}}}]
+
+
+def test_free_text_ends_at_its_delimiter():
+    """Reasoning, raw string arguments and content before a block end at the first delimiter even when they hold
+    its prefixes ('<', '</thi', '</｜DSML｜ par')."""
+    text = ('reason </thi < </think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="echo">\n'
+            '<｜DSML｜ parameter name="text" string="true">a </｜DSML｜ par <b> \n</｜DSML｜ parameter>\n'
+            '<｜DSML｜ parameter name="n" string="false">12</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    tok, backend, m = _matcher(tool_call_grammar(UNBOUNDED, thinking=True))
+    assert m.consume_tokens(tok.encode(text)), m.get_error()
+    assert _eos_allowed(backend, m) and m.is_accepting()
+    _, calls = parse_tool_calls(text.split("</think>")[1], {"echo"})
+    assert json.loads(calls[0].arguments) == {"text": "a </｜DSML｜ par <b> \n", "n": 12}
+
+
+@pytest.mark.parametrize("text,complete", [
+    ("plain words with \n\n< and <｜DSML｜ but no block", True),
+    ('some text\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="echo">\n<｜DSML｜ parameter name="text" string="true">'
+     'x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>', True),
+    ('some text\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="echo">\n', False),
+])
+def test_auto_with_at_most_one_call(text, complete):
+    tok, backend, m = _matcher(tool_call_grammar(UNBOUNDED, parallel=False, optional=True))
+    assert m.consume_tokens(tok.encode(text)), m.get_error()
+    assert _eos_allowed(backend, m) == complete
+    if complete and "calls>" in text:  # the block is closed: nothing but EOS may follow
+        assert not m.consume_tokens(tok.encode("\n"))
