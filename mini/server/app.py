@@ -441,7 +441,7 @@ def startup_line(app: FastAPI, url: str) -> str:
     """One line: model, dtype and device, the backends chosen, the cache, memory, warm-up and address."""
     import torch
 
-    from mini.ops import backend
+    from mini.ops.backends import current
     engine = app.state.server.llm.engine
     o, runner = engine.options, engine.runner
     if runner.device.type == "cuda":
@@ -451,7 +451,7 @@ def startup_line(app: FastAPI, url: str) -> str:
         memory = f"RSS {_rss_bytes() / 2**30:.2f} GiB"
     warm = getattr(engine, "warmup_s", None)
     return (f"mini serve: {app.state.server.model_name} · {str(o.dtype).removeprefix('torch.')} on {runner.device}"
-            f" · ops {backend()}, decode {'CUDA graphs' if runner.graphs is not None else 'eager'}"
+            f" · {current()}, decode {'CUDA graphs' if runner.graphs is not None else 'eager'}"
             f"{', overlapped' if engine.overlap else ''} · cache {engine.blocks.n_blocks} blocks x "
             f"{engine.blocks.block_tokens} positions, context {engine.max_model_len:,} · {memory}"
             f"{f' · warmed up in {warm:.1f} s' if warm is not None else ''} · {url}"
