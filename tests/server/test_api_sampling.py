@@ -58,3 +58,21 @@ def test_logit_bias_forces_and_forbids_tokens(server):
     banned = c.completions.create(model=MODEL, prompt="hello", max_tokens=1, temperature=0,
                                   logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
     assert tok.encode(banned.choices[0].text)[:1] != [first]
+
+
+def test_disconnect_mid_stream_aborts_every_choice(server):
+    import asyncio
+
+    import httpx
+    url, app = server
+    engine = app.state.server.llm.engine
+    body = {"model": MODEL, "prompt": PROMPT, "n": 3, "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 12:
+                break
+    for _ in range(300):
+        if not engine.requests and not engine.scheduler.running:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert not engine.requests and not engine.scheduler.running and engine.blocks.usage == 0.0
