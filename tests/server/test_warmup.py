@@ -27,6 +27,9 @@ def test_warm_up_runs_the_budget_and_a_burst_then_leaves_the_engine_empty():
     assert warm_up(engine) > 0
     assert not engine.requests and engine.blocks.usage == 0.0 and not engine.has_work()
     assert engine.stats.steps == 0 and engine.stats.prefill_tokens == 0  # counters reset
+    assert engine.blocks.stats.queries == 0 and engine.blocks.stats.hits == 0
+    cold = build_engine("tiny-v4.1", **TINY)
+    assert engine._rng.getrandbits(62) == cold._rng.getrandbits(62)  # unseeded requests draw the same seeds
     assert max(tokens) == 64  # a step at the full token budget
     times = engine.step_times
     assert max(t.n_seqs for t in times) == 4  # a full batch
