@@ -156,11 +156,11 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     # FASTPATH_LAYERS=1 also runs the real-width layer check first (~100 s more); FASTPATH_ARGS e.g. --device cpu
     local rc=0
     if [ "${FASTPATH_LAYERS:-0}" = 1 ]; then
-        python3 -m mini.cli bench fastpath-check ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
+        python3 -m mini.cli check fastpath ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
     fi
-    python3 -m mini.cli bench fastpath-check --decode-only ${FASTPATH_ARGS:-} \
+    python3 -m mini.cli check fastpath --decode-only ${FASTPATH_ARGS:-} \
         --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
-    python3 -m mini.cli bench fastpath-check --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
+    python3 -m mini.cli check fastpath --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
         --json "$PHASE_DIR/fastpath_decode_nofq.json" || rc=$?
     return $rc
 }
@@ -236,8 +236,8 @@ phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.
 phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap) without and with a
     # JSON schema on every request, 3 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance
     # wheel in .whl/serve). Then the grammar gpu tests. Expect slowdown <= 0.10 in grammar.json and 1 passed.
-    timeout 100 python3 -m mini.bench.grammar_tpot --json "$PHASE_DIR/grammar.json"
-    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=60 tests/engine/test_grammar.py \
+    timeout 80 python3 -m mini.bench.grammar_tpot --json "$PHASE_DIR/grammar.json"
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/engine/test_grammar.py \
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
