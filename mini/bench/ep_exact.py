@@ -25,13 +25,21 @@ Cases: tiny-v4.1 (fast bf16, reference fp32, reference bf16) and a wide one (V4.
 schedule of ep-prefill, 32 routed experts, prompts of 100s of tokens; fast bf16). On a CPU the fast cases run the
 reference (the fast path needs CUDA).
 
+With `--trace`, each rank also records, for the first `--trace-steps` steps (the prefill, then decode steps), per
+layer: the attention output, the MoE input, the gate's ids and weights, the routed sum of its tokens (under EP
+after the reduce-scatter) and the shared expert's output, plus the logits; the `one` run compares its own at
+the same points as it goes. The result's "trace" gives, per rank, every site's largest difference and the
+first (step, layer, site) in forward order that is not bit-identical: where EP and one rank part.
+
     torchrun --nproc-per-node 2 -m mini bench ep-exact --json ep-exact.json        # 2 GPUs, NCCL
     mini bench ep-exact --nproc 2 --device cpu --cases tiny-reference-fp32        # gloo
+    torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 --trace --decode-steps 1
 """
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +88,10 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true",
                    help="run in the deterministic mode (batch-invariant kernels: mini.ops.set_deterministic)")
+    p.add_argument("--trace", action="store_true",
+                   help="record every layer's attention output, MoE input, gate, routed and shared outputs and "
+                        "report where EP and one rank first differ")
+    p.add_argument("--trace-steps", type=int, default=2, help="steps --trace records (prefill = step 0)")
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -88,11 +100,11 @@ def prompts_of(cfg: ModelConfig, case: Case, rank: int, seed: int) -> list[list[
     return [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in case.lens[rank % len(case.lens)]]
 
 
-def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, forced: list[list[int]] | None = None
-           ) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, forced: list[list[int]] | None = None,
+           tracer: "Tracer | None" = None) -> tuple[list[list[int]], torch.Tensor]:
     """(argmax tokens [steps + 1][S], fp32 logits [steps + 1, S, vocab]) of a prefill of every prompt and `steps`
     decode steps. With `forced`, the histories take those tokens instead of the argmax. `exchange` (or None)
-    gets each step's token count."""
+    gets each step's token count; `tracer` (or None) the step number and each step's logits."""
     from mini.model import Batch, KVCache, SeqChunk
     cfg, dev = model.config, model.device
     per_seq = -(-(max(map(len, prompts)) + steps + 1) // case.block_tokens)
@@ -107,7 +119,11 @@ def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, fo
             batch.engram.data = batch.engram.data % case.engram_rows  # hash ids -> the capped tables' rows
         if exchange is not None:
             exchange.begin_step(batch.n_tokens)
+        if tracer is not None:
+            tracer.step = i
         out = model.forward(batch, cache).float()
+        if tracer is not None:
+            tracer(cfg.n_layers, "logits", out)
         tokens.append(out.argmax(-1).tolist())
         logits.append(out)
         starts = [len(h) for h in history]
@@ -121,6 +137,75 @@ def build_model(cfg: ModelConfig, case: Case, device, seed: int, experts: range,
     model = rank_model(cfg, device, getattr(torch, case.dtype), seed, experts, case.engram_rows, exchange)
     model.hasher = hasher_of(cfg)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------- tracing
+class Tracer:
+    """Called as tracer(layer, site, tensor) at each traced point of a forward (`step` set by `greedy`). First it
+    records (the EP run: a copy of every tensor of the first `steps` steps, on its device); after `compare()` it
+    compares each call with the recording of the same (step, layer, site) and keeps the difference."""
+
+    def __init__(self, steps: int):
+        self.steps, self.step = steps, 0
+        self.saved: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.sites: list[dict] | None = None  # the comparison, in forward order
+
+    def compare(self) -> None:
+        self.sites = []
+
+    def __call__(self, layer: int, site: str, t: torch.Tensor) -> None:
+        if self.step >= self.steps:
+            return
+        key = (self.step, layer, site)
+        if self.sites is None:
+            self.saved[key] = t.detach().clone()
+            return
+        self.sites.append({"step": self.step, "layer": layer, "site": site, **_difference(t, self.saved.pop(key, None))})
+
+    def summary(self) -> dict:
+        """{"first_difference": the first site not bit-identical (None: all were), "sites": every site}."""
+        sites = self.sites or []
+        first = next((d for d in sites if not d["bit_identical"]), None)
+        return {"first_difference": first, "sites": sites,
+                "unmatched": [list(k) for k in self.saved]}  # recorded by EP, never reached by one
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor | None) -> dict:
+    """How `got` (the one-rank run's) differs from `want` (EP's): bit identity, the largest absolute and relative
+    (to want's largest magnitude) difference, how many elements and which first row differ."""
+    if want is None or got.shape != want.shape or got.dtype != want.dtype:
+        return {"bit_identical": False, "problem": f"EP recorded {None if want is None else tuple(want.shape)} "
+                f"{None if want is None else want.dtype}, one rank {tuple(got.shape)} {got.dtype}"}
+    same = got.contiguous().view(torch.uint8).view(got.shape[0], -1) == want.contiguous().view(torch.uint8).view(
+        want.shape[0], -1) if got.numel() else torch.ones(got.shape[0], 1, dtype=torch.bool, device=got.device)
+    rows = (~same.all(-1)).nonzero().flatten()
+    d = (got.double() - want.double()).abs() if got.numel() else got.new_zeros(1).double()
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    return {"bit_identical": rows.numel() == 0, "max_abs": float(d.nan_to_num(float("inf")).max()),
+            "max_rel": float(d.max()) / scale if scale else 0.0,
+            "elements_differing": int((d != 0).sum()), "rows_differing": int(rows.numel()),
+            "first_row": int(rows[0]) if rows.numel() else -1, "rows": int(got.shape[0]) if got.dim() else 1}
+
+
+@contextmanager
+def traced_attention(tracer: Tracer | None):
+    """While in it, every attention sub-layer's output goes to `tracer` (site "attn") as the model computes it."""
+    if tracer is None:
+        yield
+        return
+    import mini.model.model as model_module
+    inner = model_module.attention
+
+    def attention(x, w, plan, *args, **kwargs):
+        out = inner(x, w, plan, *args, **kwargs)
+        tracer(plan.layer, "attn", out)
+        return out
+
+    model_module.attention = attention
+    try:
+        yield
+    finally:
+        model_module.attention = inner
 
 
 # ---------------------------------------------------------------------------------------------------- comparing
@@ -154,23 +239,38 @@ def worst(ctx: DistContext, m: dict[str, float]) -> dict[str, float]:
     return {k: (-v if k in SMALLEST else v) for k, v in zip(keys, signed.tolist())}
 
 
-def run_case(ctx: DistContext, case: Case, args) -> dict[str, float]:
+def run_case(ctx: DistContext, case: Case, args, trace: dict | None = None) -> dict[str, float]:
+    """The case's metrics (worst over the ranks); with args.trace, this rank's Tracer summary goes into `trace`
+    (with the backends each run started from)."""
     import mini.ops
     from mini.checkpoint import expert_range
+    from mini.ops import backends
     from mini.parallel.exchange import MoEExchange
     mini.ops.set_backend(case.backend)
     mini.ops.set_deterministic(getattr(args, "deterministic", False))
     cfg = case.config()
     prompts = prompts_of(cfg, case, ctx.rank, args.seed)
+    tracer = Tracer(args.trace_steps) if getattr(args, "trace", False) else None
+    started = {"ep": str(backends.current())}
     t0 = time.perf_counter()
     ep_exchange = MoEExchange(ctx)
+    ep_exchange.trace = tracer
     model = build_model(cfg, case, ctx.device, args.seed, expert_range(cfg, ctx.rank, ctx.world), ep_exchange)
-    ep_tokens, ep_logits = greedy(model, ep_exchange, prompts, args.decode_steps, case)
+    with traced_attention(tracer):
+        ep_tokens, ep_logits = greedy(model, ep_exchange, prompts, args.decode_steps, case, tracer=tracer)
     del model
     t1 = time.perf_counter()
+    started["one"] = str(backends.current())
     one_exchange = MoEExchange(DistContext(0, 1, ctx.device, None))
     model = build_model(cfg, case, ctx.device, args.seed, range(cfg.n_routed_experts), one_exchange)
-    one_tokens, one_logits = greedy(model, one_exchange, prompts, args.decode_steps, case, forced=ep_tokens)
+    if tracer is not None:
+        tracer.compare()
+        one_exchange.trace = tracer
+    with traced_attention(tracer) if tracer is not None else nullcontext():
+        one_tokens, one_logits = greedy(model, one_exchange, prompts, args.decode_steps, case, forced=ep_tokens,
+                                        tracer=tracer)
+    if tracer is not None and trace is not None:
+        trace.update(rank=ctx.rank, backends_at_start=started, **tracer.summary())
     model.moe_exchange = None  # the same weights through mini.ops.moe.moe
     _, plain_logits = greedy(model, None, prompts, args.decode_steps, case, forced=ep_tokens)
     del model
@@ -188,18 +288,40 @@ def _rank(ctx: DistContext, args) -> dict:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SuiteError(f"ep-exact: unknown cases {unknown}; known: {', '.join(CASES)}")
-    metrics = {}
+    metrics, traces = {}, {}
+    tracing = bool(getattr(args, "trace", False))
     for name in names:
-        m = run_case(ctx, CASES[name], args)
+        mine: dict = {}
+        m = run_case(ctx, CASES[name], args, mine)
+        if tracing:
+            traces[name] = _gather(ctx, mine)
+            m["trace_sites_differing"] = float(max(sum(not d["bit_identical"] for d in t["sites"])
+                                                   for t in traces[name]))
         if ctx.rank == 0:  # as it comes: a run cut short keeps the cases it finished
             print(f"ep-exact {name}: {json.dumps(m)}", flush=True)
+            for t in traces.get(name, []):
+                print(f"ep-exact {name} trace, rank {t['rank']}: started {t['backends_at_start']}; first difference "
+                      f"{json.dumps(t['first_difference'])}", flush=True)
         metrics.update({f"{name}.{k}": v for k, v in m.items()})
     cuda = ctx.device.type == "cuda"
     definition = {"cases": {n: {**CASES[n].__dict__, "lens": [list(x) for x in CASES[n].lens]} for n in names},
                   "ranks": ctx.world, "decode_steps": args.decode_steps, "seed": args.seed, "backend": ctx.backend,
                   "deterministic": bool(getattr(args, "deterministic", False)),
+                  "trace_steps": args.trace_steps if tracing else 0,
                   "device": torch.cuda.get_device_name(ctx.device) if cuda else "cpu"}
-    return {"suite": "ep-exact", "definition": definition, "metrics": metrics}
+    result = {"suite": "ep-exact", "definition": definition, "metrics": metrics}
+    if tracing:
+        result["trace"] = traces
+    return result
+
+
+def _gather(ctx: DistContext, obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.multi:
+        return [obj]
+    out = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def run(args) -> dict:

@@ -60,6 +60,10 @@ class MoEExchange:
         self.ctx = ctx
         self.counts: list[int] | None = None
         self._rows: torch.Tensor | None = None  # valid rows of the padded gather (None: no padding)
+        # diagnostics (`mini bench ep-exact --trace`): called as trace(layer, site, tensor) with this rank's
+        # MoE input, gate ids and weights, routed sum (after the reduce-scatter) and shared expert output
+        self.trace = None
+        self._layer = -1
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, n_tokens: int) -> int:
@@ -91,11 +95,22 @@ class MoEExchange:
             raise RuntimeError(f"MoEExchange: call begin_step({x.shape[0]}) before the step's forward "
                                f"(counts of this step: {self.counts})")
         weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
+        self._layer = plan.layer
+        self._record("moe_in", x)
+        self._record("gate_ids", ids)
+        self._record("gate_weights", weights)
         if not self.ctx.multi:
-            return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
+            mine, own = routed(x, w, cfg, weights, ids), shared(x, w)
+            self._record("routed", mine)
+            self._record("shared", own)
+            return (mine + own).to(x.dtype)
         out = self.exchange(x, weights, ids, cfg.fp8_block,
                             experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia), local=lambda: shared(x, w))
         return out.to(x.dtype)
+
+    def _record(self, site: str, t: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace(self._layer, site, t)
 
     def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block: int, experts, local
                  ) -> torch.Tensor:
@@ -108,7 +123,10 @@ class MoEExchange:
         own = local()
         pending.wait()
         partial = experts(*self._unpack(recv, widths, x.dtype, block))  # fp32 [sum T, D]
-        return self._scatter(partial)[: x.shape[0]] + own
+        mine = self._scatter(partial)[: x.shape[0]]
+        self._record("routed", mine)
+        self._record("shared", own)
+        return mine + own
 
     def pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
         """One byte row per token, padded to the step's largest count: (rows [T_max, width], field widths).

@@ -40,6 +40,59 @@ def test_compare_finds_a_planted_difference():
     assert ep_exact.case_metrics(tokens, want, tokens, want, want)["max_abs_logit_diff"] == 0
 
 
+SITES = ("attn", "moe_in", "gate_ids", "gate_weights", "routed", "shared")
+
+
+def test_trace_on_two_cpu_ranks_covers_every_layer_and_step():
+    """`--trace` on gloo: each rank reports every (step, layer, site) of the prefill and the first decode step, in
+    forward order, with the first difference (here at most fp32 reordering of the routed sum: an expert's outputs
+    are summed in two partial sums under EP)."""
+    from mini.config import preset
+    n_layers = preset("tiny-v4.1").n_layers
+    result = check_result("ep-exact", ep_exact.run(_args("--device", "cpu", "--cases", "tiny-reference-fp32",
+                                                         "--trace", "--decode-steps", "1")))
+    ranks = result["trace"]["tiny-reference-fp32"]
+    assert [t["rank"] for t in ranks] == [0, 1] and result["definition"]["trace_steps"] == 2
+    for t in ranks:
+        want = [(step, layer, site) for step in (0, 1) for layer in range(n_layers) for site in SITES]
+        want = [k for step in (0, 1) for k in [w for w in want if w[0] == step] + [(step, n_layers, "logits")]]
+        assert [(d["step"], d["layer"], d["site"]) for d in t["sites"]] == want and not t["unmatched"]
+        assert all(d["bit_identical"] for d in t["sites"] if d["site"] in ("attn", "gate_ids") and d["layer"] == 0)
+        first = t["first_difference"]
+        assert first is None or (first["site"] == "routed" and first["max_rel"] < 1e-6), first
+        assert t["backends_at_start"]["ep"] == t["backends_at_start"]["one"]
+    differing = max(sum(not d["bit_identical"] for d in t["sites"]) for t in ranks)
+    assert result["metrics"]["tiny-reference-fp32.trace_sites_differing"] == differing
+
+
+def test_tracer_finds_a_planted_difference():
+    """The first site (in forward order) whose bits differ, with its size and first row; sites after it count
+    too; a site EP never recorded is named."""
+    tracer = ep_exact.Tracer(steps=1)
+    a, b = torch.randn(5, 8), torch.randn(5, 8)
+    ids = torch.arange(10).view(5, 2)
+    tracer(0, "attn", a)
+    tracer(0, "gate_ids", ids)
+    tracer(1, "attn", b)
+    tracer.step = 1
+    tracer(0, "attn", a)  # past `steps`: not recorded
+    tracer.compare()
+    tracer.step = 0
+    tracer(0, "attn", a.clone())
+    ids2 = ids.clone()
+    ids2[3, 1] = 0  # was 7
+    tracer(0, "gate_ids", ids2)
+    b2 = b.clone()
+    b2[4, 2] += 0.5
+    tracer(1, "attn", b2)
+    tracer(2, "shared", a)
+    s = tracer.summary()
+    assert s["first_difference"]["site"] == "gate_ids" and s["first_difference"]["first_row"] == 3
+    assert s["first_difference"]["elements_differing"] == 1 and s["first_difference"]["max_abs"] == 7
+    assert s["sites"][0]["bit_identical"] and s["sites"][2]["max_abs"] == pytest.approx(0.5)
+    assert s["sites"][2]["rows_differing"] == 1 and "problem" in s["sites"][3]
+
+
 def test_unknown_case_is_refused():
     with pytest.raises(RuntimeError, match="unknown cases"):
         ep_exact.run(_args("--device", "cpu", "--cases", "tiny-nope"))
