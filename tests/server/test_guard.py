@@ -84,7 +84,8 @@ def test_cross_origin_requests_need_a_listed_origin(keyed):
         r = httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON, **headers}, content=body)
         _error(r, 403, "origin_not_allowed")
     same = "http://" + urlparse(keyed).netloc  # the server's own page
-    assert httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON, "origin": same}, content=body).status_code == 200
+    r = httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON, "origin": same}, content=body)
+    assert r.status_code == 200, r.text
     r = httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON, "origin": "http://app.example",
                                                        "sec-fetch-site": "cross-site"}, content=body)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
