@@ -233,6 +233,33 @@ phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.
         --junitxml="$PHASE_DIR/junit.xml"
 }
 
+phase_ep_diag() {  # issue 18 item 1 (2 GPUs, <= 3 min): where EP2 and one rank first differ at V4.1 width.
+    # ep-exact --trace compares per layer the attention output, MoE input, gate ids/weights, routed sum and shared
+    # expert of the prefill and the first decode step. Runs: MINI_SPARSE_ATTN auto (the default), triton, flashmla.
+    # Cause found by reading (fixed in 63c63c0): auto's checked first FlashMLA call returned the Triton kernel's
+    # output, so EP (first in the process) had Triton at prefill layer 0, one rank FlashMLA. Expect in every run:
+    # rows_bit_identical 1, first_difference null on both ranks (summary.txt); in ep_diag_auto.json
+    # backends_at_start ep "auto-flashmla", one "flashmla". Before the fix auto would show step 0 layer 0 attn.
+    local mode rc=0
+    for mode in auto triton flashmla; do
+        MINI_SPARSE_ATTN=$mode timeout 60 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 \
+            --decode-steps 3 --trace --json "$PHASE_DIR/ep_diag_$mode.json" >"$PHASE_DIR/$mode.log" 2>&1 || rc=1
+        tail -4 "$PHASE_DIR/$mode.log"
+    done
+    python3 - "$PHASE_DIR" >"$PHASE_DIR/summary.txt" 2>&1 <<'PY' || rc=1
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("ep_diag_*.json")):
+    r = json.loads(f.read_text())
+    m = r["metrics"]
+    print(f.stem, {k.split(".", 1)[1]: v for k, v in m.items() if "bit_identical" in k or "max_abs" in k
+                   or "tokens" in k or "trace" in k})
+    for t in r["trace"]["wide-fast-bf16"]:
+        print("  rank", t["rank"], t["backends_at_start"], "first difference:", t["first_difference"])
+PY
+    cat "$PHASE_DIR/summary.txt"
+    return $rc
+}
+
 phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap) without and with a
     # JSON schema on every request, 3 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance
     # wheel in .whl/serve). Then the grammar gpu tests. Expect slowdown <= 0.10 in grammar.json and 1 passed.
