@@ -19,6 +19,13 @@ MAX_CHOICES = 16  # n
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """A field sent as null asks for nothing: it is the field left out (clients send `"temperature": null`, and
+        messages dumped from a response carry `"refusal": null, "audio": null, "function_call": null`)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False

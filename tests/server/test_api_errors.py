@@ -49,7 +49,7 @@ def test_unknown_path_and_wrong_method(server):
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "chunk_size": 4}}, "chunk_size"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "name"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": None}]}, "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "audio"),
     ("/v1/chat/completions", {"best_of": 2}, "best_of"),
     ("/v1/chat/completions", {"n": 17}, "n"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"drop_thinking": False}}, "drop_thinking"),
@@ -76,3 +76,17 @@ def test_openai_client_raises_bad_request_for_unsupported_fields(server):
         _client(url).completions.create(model=MODEL, prompt="x", best_of=2, n=1)
     with pytest.raises(openai.BadRequestError, match="service_tier"):
         _client(url).chat.completions.create(model=MODEL, messages=CHAT["messages"], service_tier="flex")
+
+
+def test_null_fields_are_left_out(server):
+    """null is "not given" (never an error, never a setting): top-level fields and the nulls of a message dumped
+    from a response (`message.model_dump()`)."""
+    url, _ = server
+    body = {**CHAT, "temperature": None, "stop": None, "seed": None, "metadata": None, "service_tier": None,
+            "messages": [{"role": "user", "content": "hi", "name": None},
+                         {"role": "assistant", "content": "yo", "refusal": None, "audio": None, "function_call": None,
+                          "tool_calls": None, "annotations": None},
+                         {"role": "user", "content": "again"}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    _error(httpx.post(url + "/v1/chat/completions", json={**CHAT, "metadata": {"k": "v"}}), 400)
