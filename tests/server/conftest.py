@@ -21,10 +21,15 @@ def fake_app(**opts):
                      seq_chunk_cls=FakeSeqChunk, **opts)
 
 
-@pytest.fixture(scope="module")
-def server():
-    """tiny-v4.1 on CPU (fp32), served as MODEL; context = 64 blocks of 16 = 1024 tokens."""
-    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, num_blocks=64, block_tokens=16,
+def tiny_server(num_blocks: int = 64):
+    """tiny-v4.1 on CPU (fp32), served as MODEL; context = num_blocks blocks of 16 tokens. Yields (url, app)."""
+    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, num_blocks=num_blocks, block_tokens=16,
                     max_num_seqs=8)
     with BackgroundServer(app) as url:
         yield url, app
+
+
+@pytest.fixture(scope="module")
+def server():
+    """tiny-v4.1 with a 1,024-token context."""
+    yield from tiny_server()

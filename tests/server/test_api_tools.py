@@ -8,10 +8,8 @@ import random
 import jsonschema
 import openai
 import pytest
-import torch
 
-from conftest import MODEL
-from mini.server.app import BackgroundServer, build_app
+from conftest import MODEL, tiny_server
 from mini.server.tool_calls import parse_tool_calls
 from mini.tokenizer import render_chat
 
@@ -27,11 +25,8 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    """tiny-v4.1 on CPU (fp32) with a 4,096-token context: the tools section alone is ~1,000 tiny tokens."""
-    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, num_blocks=256, block_tokens=16,
-                    max_num_seqs=8)
-    with BackgroundServer(app) as url:
-        yield url, app
+    """tiny-v4.1 with a 4,096-token context: the tools section alone is ~1,000 tiny tokens."""
+    yield from tiny_server(num_blocks=256)
 
 
 def _client(url):
