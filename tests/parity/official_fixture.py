@@ -63,6 +63,12 @@ def own_noise(name: str) -> Agreement:
     return compare(ref["prefix_logits"], ref["prefill_logits"], scale_of(name))
 
 
+def decode_noise(name: str) -> Agreement:
+    """The reference's decode steps vs its replay prefill: what decode vs replay moves by in the reference itself."""
+    ref = reference(name)
+    return compare(ref["decode_logits"], ref["replay_logits"], scale_of(name))
+
+
 def load(name: str, device="cpu", dtype=torch.bfloat16):
     from mini.model import load_model
     model, cfg, _ = load_model(FIXTURES / name, device=device, dtype=dtype)
@@ -96,12 +102,25 @@ def run_logits(model, cfg, ids: list[int], forced: list[int], device="cpu", dtyp
 class FixtureResult:
     name: str
     noise: Agreement  # the reference's prefix prefills vs its single prefill
+    decode_noise: Agreement  # the reference's decode steps vs its replay
     prefill: Agreement  # mini's prefill vs the reference's prefill
     decode: Agreement  # mini's forced decode vs the reference's replay
+    decode_steps: Agreement  # mini's forced decode vs the reference's own decode steps (the same computation)
+    prefill_rows: list[float]  # max |mini - reference| per prompt row
+    decode_rows: list[float]  # max |mini - reference decode step| per step
 
     def row(self) -> dict:
-        return {"fixture": self.name, "noise": self.noise.row(), "prefill": self.prefill.row(),
-                "decode": self.decode.row()}
+        return {"fixture": self.name, "noise": self.noise.row(), "decode_noise": self.decode_noise.row(),
+                "prefill": self.prefill.row(), "decode": self.decode.row(), "decode_steps": self.decode_steps.row(),
+                "prefill_rows": [float(f"{x:.3g}") for x in self.prefill_rows],
+                "decode_rows": [float(f"{x:.3g}") for x in self.decode_rows]}
+
+    @classmethod
+    def from_row(cls, r: dict) -> "FixtureResult":
+        def agreement(d):
+            return Agreement(d["rel_mae"], d["top1"], d["max_abs"])
+        return cls(r["fixture"], *(agreement(r[k]) for k in ("noise", "decode_noise", "prefill", "decode",
+                                                              "decode_steps")), r["prefill_rows"], r["decode_rows"])
 
 
 def measure(name: str, device="cpu", dtype=torch.bfloat16, model=None) -> FixtureResult:
@@ -113,8 +132,10 @@ def measure(name: str, device="cpu", dtype=torch.bfloat16, model=None) -> Fixtur
     forced = [int(t) for t in ref["greedy_ids"][:DECODE_STEPS]]
     prefill, decode = run_logits(model, cfg, [int(t) for t in ref["prompt_ids"]], forced, device, dtype)
     scale = scale_of(name)
-    return FixtureResult(name, own_noise(name), compare(prefill, ref["prefill_logits"], scale),
-                         compare(decode, ref["replay_logits"], scale))
+    return FixtureResult(name, own_noise(name), decode_noise(name), compare(prefill, ref["prefill_logits"], scale),
+                         compare(decode, ref["replay_logits"], scale), compare(decode, ref["decode_logits"], scale),
+                         np.abs(prefill - ref["prefill_logits"]).max(-1).tolist(),
+                         np.abs(decode - ref["decode_logits"]).max(-1).tolist())
 
 
 def main(argv=None) -> int:
@@ -128,6 +149,7 @@ def main(argv=None) -> int:
     from mini import ops
     ops.set_backend(args.backend)
     rows = []
+    torch.set_num_threads(1)  # as the reference ran
     for name in args.fixtures.split(","):
         r = measure(name, args.device).row()
         r.update(backend=args.backend, device=args.device)

@@ -1,16 +1,29 @@
 """mini against DeepSeek's own V4.1 inference code: the official-reference fixtures (tests/fixtures/v41_reference,
 README there; harness and measures in official_fixture.py). Reference backend, bf16, CPU.
 
-Bounds, from the reference's own movement (NOISE below: its prefix prefills vs its single prefill; DECODE_NOISE:
-its decode steps vs its replay prefill, which already differ by more than the prefix noise on f1 and f2):
-* f0 (window only: no top-k, no compression) is bit-stable in the reference, so mini must reproduce its logits to
-  the last fp32 bits (max |diff| <= 1e-5), prefill and decode;
-* prefill: rel-MAE <= 1.5 x NOISE and top-1 agreement >= the reference's own;
-* forced decode (fed greedy_ids[:8]) vs the replay: rel-MAE <= 1.5 x DECODE_NOISE, top-1 >= the reference's own.
-f1 does not meet them yet (docs/fidelity.md): its checks are strict xfails, and a guard keeps it from getting worse
-than measured. A wiring or kernel error moves the logits by O(1) (rel-MAE ~1), far past all of these.
+The reference's numbers depend on the BLAS it ran on: its fp32 GEMMs (the FP8/FP4 GEMMs' K-block sums, the mHC and
+gate projections, attention's QK and PV) sum in the order of MKL's kernel for the machine, and a last-bit difference
+there flips an FP8/FP4 rounding now and then, which these random models amplify. MKL's AVX2 code path reproduces
+the fixtures' sums: the checks run the harness in a subprocess with MKL_CBWR=AVX2,STRICT (one thread, as the
+reference ran). Under it mini reproduces the reference bit for bit on f0 and f2 (prefill, replay, six of eight
+decode steps) and on f1's first 44 prompt rows; with MKL's default path on an AVX-512 machine f1/f2 sit at about
+the reference's own noise instead (docs/fidelity.md).
+
+Bounds, from the reference's own movement (noise: its prefix prefills vs its single prefill; decode noise: its
+decode steps vs its replay prefill, which already differ by more than the prefix noise):
+* bit-level (max |diff| <= 1e-5) where the reference is reproduced: f0 prefill and decode, f2 prefill and its first
+  six decode steps, f1's rows 0-43 (to 1e-3: row 3 differs by 1.5e-4);
+* prefill: rel-MAE <= 1.5 x noise and top-1 agreement >= the reference's own;
+* forced decode (fed greedy_ids[:8]) vs the replay: rel-MAE <= 1.5 x decode noise, top-1 >= the reference's own.
+A wiring or kernel error moves the logits by O(1) (rel-MAE ~1), far past all of these.
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,29 +34,22 @@ import official_fixture as of
 BOUND = 1.5  # x the reference's own noise (issue 12)
 GPU_BOUND = 2.0  # the fast backend on the GPU
 F0_GPU_REL_MAE = 0.1  # f0's own noise is 0: the fast backend gets about 2x the other fixtures' noise
-F1_GUARD = {"prefill": 0.18, "decode": 0.22}  # measured 0.162 / 0.203 (before issue 12: 0.282 / 0.284)
-
-
-def decode_noise(name: str) -> of.Agreement:
-    ref = of.reference(name)
-    return of.compare(ref["decode_logits"], ref["replay_logits"], of.scale_of(name))
-
-
-def _measure(device: str, backend: str) -> dict:
-    from mini import ops
-    prev, threads = ops.backend(), torch.get_num_threads()
-    ops.set_backend(backend)
-    torch.set_num_threads(1)  # the reference ran on one thread
-    try:
-        return {name: of.measure(name, device) for name in of.NAMES}
-    finally:
-        ops.set_backend(prev)
-        torch.set_num_threads(threads)
+BITS = 1e-5  # "bit-identical" logits: fp32 rounding of the last operations only
+REFERENCE_BLAS = {"MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "1"}
+AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+needs_avx2 = pytest.mark.skipif(not AVX2, reason="bit-level checks need MKL's AVX2 code path (this CPU has no AVX2)")
 
 
 @pytest.fixture(scope="module")
-def cpu_results() -> dict:
-    return _measure("cpu", "reference")
+def cpu_results(tmp_path_factory) -> dict:
+    """The harness's rows for every fixture, computed in a subprocess on the reference's BLAS path."""
+    out = tmp_path_factory.mktemp("official") / "rows.json"
+    script = Path(of.__file__)
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True,
+                          env={**os.environ, **REFERENCE_BLAS}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    return {r["fixture"]: of.FixtureResult.from_row(r) for r in json.loads(out.read_text())}
 
 
 def _within(got: of.Agreement, noise: of.Agreement, factor: float) -> None:
@@ -58,39 +64,53 @@ def test_fixtures_are_the_official_ones():
         assert ref["prefill_logits"].shape == ref["prefix_logits"].shape == (rows, 1024)
         assert ref["replay_logits"].shape == ref["decode_logits"].shape == (8, 1024)
         assert ref["greedy_ids"].shape == (9,)
-    assert of.own_noise("f0").max_abs == 0 and decode_noise("f0").max_abs == 0
+    assert of.own_noise("f0").max_abs == 0 and of.decode_noise("f0").max_abs == 0
     assert abs(of.own_noise("f1").rel_mae - 0.068) < 5e-4 and abs(of.own_noise("f2").rel_mae - 0.058) < 5e-4
 
 
 def test_window_only_model_is_bit_identical(cpu_results):
     r = cpu_results["f0"]
-    assert r.prefill.max_abs <= 1e-5, r.prefill
-    assert r.decode.max_abs <= 1e-5, r.decode
+    assert max(r.prefill_rows) <= BITS and max(r.decode_rows) <= BITS, r.row()
+    assert r.decode.max_abs <= BITS, r.decode  # the reference's decode equals its replay here
 
 
-def test_prefill_within_the_references_own_noise(cpu_results):
-    _within(cpu_results["f2"].prefill, of.own_noise("f2"), BOUND)  # f0: bit-identical, above
+@needs_avx2
+def test_mixed_schedule_prefill_is_bit_identical(cpu_results):
+    """f2 (ratio 2 -> 1 -> 2, two Engram layers, KV / index sharing): every prompt row."""
+    assert max(cpu_results["f2"].prefill_rows) <= BITS, cpu_results["f2"].prefill
+
+
+@needs_avx2
+def test_mixed_schedule_decode_steps_are_bit_identical(cpu_results):
+    """f2's forced decode equals the reference's own decode steps (index-key defect corrected, spec §3) for the
+    first six steps; steps 6-7 differ (0.63 / 0.33 max; docs/fidelity.md)."""
+    assert max(cpu_results["f2"].decode_rows[:6]) <= BITS, cpu_results["f2"].decode_rows
+
+
+@needs_avx2
+def test_candidate_schedule_prefill_matches_to_row_43(cpu_results):
+    """f1 (ratio 2 then 1, candidate blocks, a non-owner index source): rows 0-43 to rounding; row 44 on differ."""
+    assert max(cpu_results["f1"].prefill_rows[:44]) <= 1e-3, cpu_results["f1"].prefill_rows[:44]
+
+
+@pytest.mark.parametrize("name", ["f1", "f2"])
+def test_prefill_within_the_references_own_noise(cpu_results, name):
+    _within(cpu_results[name].prefill, of.own_noise(name), BOUND)
 
 
 def test_forced_decode_within_the_references_own_noise(cpu_results):
-    _within(cpu_results["f2"].decode, decode_noise("f2"), BOUND)
+    _within(cpu_results["f2"].decode, of.decode_noise("f2"), BOUND)
 
 
-@pytest.mark.xfail(strict=True, reason="f1 deviates from its first ratio-2/ratio-1 row on (docs/fidelity.md)")
-def test_f1_prefill_within_the_references_own_noise(cpu_results):
-    _within(cpu_results["f1"].prefill, of.own_noise("f1"), BOUND)
+def test_f1_forced_decode_rel_mae_within_the_references_own_noise(cpu_results):
+    r = cpu_results["f1"].decode
+    assert r.rel_mae <= BOUND * of.decode_noise("f1").rel_mae, r
 
 
-@pytest.mark.xfail(strict=True, reason="f1 deviates from its first ratio-2/ratio-1 row on (docs/fidelity.md)")
-def test_f1_forced_decode_within_the_references_own_noise(cpu_results):
-    _within(cpu_results["f1"].decode, decode_noise("f1"), BOUND)
-
-
-def test_f1_no_worse_than_measured(cpu_results):
-    r = cpu_results["f1"]
-    assert r.prefill.rel_mae <= F1_GUARD["prefill"], r.prefill
-    assert r.decode.rel_mae <= F1_GUARD["decode"], r.decode
-    assert r.prefill.top1 >= 0.7, r.prefill
+@pytest.mark.xfail(strict=True, reason="f1 decode agrees on 5 of 8 argmaxes, the reference with itself on 6: "
+                                       "its caches carry the prompt rows 44-63 that differ (docs/fidelity.md)")
+def test_f1_forced_decode_top1_at_least_the_references_own(cpu_results):
+    assert cpu_results["f1"].decode.top1 >= of.decode_noise("f1").top1
 
 
 def test_cli_logits_force_tokens(tmp_path):
@@ -115,16 +135,25 @@ def test_cli_logits_force_tokens(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpu_results() -> dict:
-    return _measure("cuda", "fast")
+    """The fast backend on CUDA, in this process (the GPU's own kernels; no BLAS path to pin)."""
+    from mini import ops
+    prev = ops.backend()
+    ops.set_backend("fast")
+    try:
+        return {name: of.measure(name, "cuda") for name in of.NAMES}
+    finally:
+        ops.set_backend(prev)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["f1", "f2"])
 def test_fast_backend_within_twice_the_references_noise(gpu_results, name):
+    """Prefill: rel-MAE and top-1 as on the CPU, at 2x; forced decode: rel-MAE at 2x (top-1 over 8 rows moves by
+    one row at the reference's own noise, see the f1 xfail above)."""
     r = gpu_results[name]
     print(r.row())
     _within(r.prefill, of.own_noise(name), GPU_BOUND)
-    _within(r.decode, decode_noise(name), GPU_BOUND)
+    assert r.decode.rel_mae <= GPU_BOUND * of.decode_noise(name).rel_mae, r.decode
 
 
 @pytest.mark.gpu
