@@ -104,7 +104,7 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
         invokes.append(f"invoke{i}")
     if not invokes:
         raise ValueError(f"no tool named {only!r} is offered")
-    more = f' ("\\n" call)*' if parallel else ""
+    more = ' ("\\n" call)*' if parallel else ""
     calls = f"call{more} {_lit(chr(10) + CALLS_CLOSE)}"
     if optional:  # all text, or text up to the block's start and then the block
         answer = [f"answer: TEXT | content {calls}", f"TEXT: {_without(TOOL_CALLS_START)}",
