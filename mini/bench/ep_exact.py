@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +160,8 @@ class Tracer:
         if self.sites is None:
             self.saved[key] = t.detach().clone()
             return
-        self.sites.append({"step": self.step, "layer": layer, "site": site, **_difference(t, self.saved.pop(key, None))})
+        diff = _difference(t, self.saved.pop(key, None))
+        self.sites.append({"step": self.step, "layer": layer, "site": site, **diff})
 
     def summary(self) -> dict:
         """{"first_difference": the first site not bit-identical (None: all were), "sites": every site}."""
@@ -266,7 +267,7 @@ def run_case(ctx: DistContext, case: Case, args, trace: dict | None = None) -> d
     if tracer is not None:
         tracer.compare()
         one_exchange.trace = tracer
-    with traced_attention(tracer) if tracer is not None else nullcontext():
+    with traced_attention(tracer):
         one_tokens, one_logits = greedy(model, one_exchange, prompts, args.decode_steps, case, forced=ep_tokens,
                                         tracer=tracer)
     if tracer is not None and trace is not None:
