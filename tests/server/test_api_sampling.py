@@ -76,3 +76,13 @@ def test_disconnect_mid_stream_aborts_every_choice(server):
             break
         asyncio.run(asyncio.sleep(0.02))
     assert not engine.requests and not engine.scheduler.running and engine.blocks.usage == 0.0
+
+
+def test_logit_bias_in_a_chat_stream(server):
+    url, app = server
+    tok = app.state.server.llm.engine.tokenizer
+    target = tok.encode(" dog")[0]
+    stream = _client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, seed=3,
+        logit_bias={str(target): 100}, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == tok.decode([target] * 5)
