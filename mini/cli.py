@@ -1,4 +1,4 @@
-"""`mini` command line: generate, logits, make-checkpoint, serve, bench, profile.
+"""`mini` command line: generate, logits, make-checkpoint, serve, bench, check, profile.
 
 Every subcommand imports what it needs lazily, so `mini --help` stays fast and a missing optional part only
 affects its own command.
@@ -149,6 +149,11 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv) or 0
 
 
+def cmd_check(argv: list[str]) -> int:
+    from mini.check import main as check_main
+    return check_main(argv) or 0
+
+
 def cmd_profile(argv: list[str]) -> int:
     from mini.bench.profile import main as profile_main
     return profile_main(argv) or 0
@@ -194,6 +199,7 @@ def parser() -> argparse.ArgumentParser:
                     help="start N local EP/DP ranks (gloo on CPU, NCCL on GPU) and serve on rank 0")
     sv.set_defaults(fn=cmd_serve)
     sub.add_parser("bench", help="benchmark suites: mini bench --help")
+    sub.add_parser("check", help="correctness checks beyond the unit tests: mini check --help")
     sub.add_parser("profile", help="per-stage profiler: mini profile --help")
     return p
 
@@ -205,9 +211,11 @@ def _preset_names() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # bench and profile parse their own arguments (each suite adds its own)
+    # bench, check and profile parse their own arguments (each suite adds its own)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    if argv and argv[0] == "check":
+        return cmd_check(argv[1:])
     if argv and argv[0] == "profile":
         return cmd_profile(argv[1:])
     args = parser().parse_args(argv)

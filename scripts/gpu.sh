@@ -156,11 +156,11 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     # FASTPATH_LAYERS=1 also runs the real-width layer check first (~100 s more); FASTPATH_ARGS e.g. --device cpu
     local rc=0
     if [ "${FASTPATH_LAYERS:-0}" = 1 ]; then
-        python3 -m mini.cli bench fastpath-check ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
+        python3 -m mini.cli check fastpath ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
     fi
-    python3 -m mini.cli bench fastpath-check --decode-only ${FASTPATH_ARGS:-} \
+    python3 -m mini.cli check fastpath --decode-only ${FASTPATH_ARGS:-} \
         --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
-    python3 -m mini.cli bench fastpath-check --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
+    python3 -m mini.cli check fastpath --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
         --json "$PHASE_DIR/fastpath_decode_nofq.json" || rc=$?
     return $rc
 }

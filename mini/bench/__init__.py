@@ -61,16 +61,16 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("ep-exchange", "mini.bench.ep_exchange", "EP MoE exchange communication on N local ranks (NCCL / gloo)"),
     Suite("kernels", "mini.bench.kernels", "attention-side kernel micro-benchmarks (H200)"),
     Suite("ep-prefill", "mini.bench.ep_prefill", "lock-step EP prefill steps on N ranks (torchrun or --nproc)"),
-    Suite("fastpath-check", "mini.bench.fastpath_check", "fast path vs reference: real-width layers, tiny decode"),
     Suite("ep-exact", "mini.bench.ep_exact", "N EP/DP ranks vs one rank holding every expert: tokens and logits"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
 )}
 
 
-def get_suite(name: str) -> Suite:
-    if name not in SUITES:
-        raise SuiteError(f"unknown suite {name!r}; known: {', '.join(sorted(SUITES))}")
-    return SUITES[name]
+def get_suite(name: str, suites: dict[str, Suite] | None = None) -> Suite:
+    suites = SUITES if suites is None else suites
+    if name not in suites:
+        raise SuiteError(f"unknown suite {name!r}; known: {', '.join(sorted(suites))}")
+    return suites[name]
 
 
 def _is_json_value(v) -> bool:
@@ -118,10 +118,13 @@ def environment() -> dict:
     return env
 
 
-def _parser(suite: Suite | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mini bench" + (f" {suite.name}" if suite else ""),
-                                description="Run a benchmark suite.",
-                                epilog="suites:\n" + "\n".join(f"  {s.name:13s} {s.summary}" for s in SUITES.values()),
+def _parser(suite: Suite | None, suites: dict[str, Suite] | None = None, prog: str = "mini bench"
+            ) -> argparse.ArgumentParser:
+    suites = SUITES if suites is None else suites
+    what = "benchmark suite" if prog == "mini bench" else "check"
+    p = argparse.ArgumentParser(prog=prog + (f" {suite.name}" if suite else ""), description=f"Run a {what}.",
+                                epilog=f"{what}s:\n" + "\n".join(f"  {s.name:13s} {s.summary}"
+                                                                 for s in suites.values()),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", help="suite name", **({"choices": [suite.name]} if suite else {}))
     p.add_argument("--json", type=Path, metavar="FILE", help="write the result (with the environment) to FILE")
@@ -154,17 +157,19 @@ def run_on_ranks(name: str, rank_fn, args, min_ranks: int = 1) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, suites: dict[str, Suite] | None = None, prog: str = "mini bench") -> int:
+    """`mini bench` (or, with `suites` and `prog`, another registry run the same way: `mini check`)."""
+    suites = SUITES if suites is None else suites
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0].startswith("-"):
-        _parser(None).parse_args(argv or ["--help"])  # prints help / usage and exits
+        _parser(None, suites, prog).parse_args(argv or ["--help"])  # prints help / usage and exits
         return 2
     try:
-        suite = get_suite(argv[0])
-        args = _parser(suite).parse_args(argv)
+        suite = get_suite(argv[0], suites)
+        args = _parser(suite, suites, prog).parse_args(argv)
         result = suite(args)
     except SuiteError as e:
-        print(f"mini bench: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     result = {**result, "env": environment()}
     if args.json:

@@ -14,7 +14,7 @@ def test_registered_suites_point_at_their_modules():
     assert {n: s.module for n, s in bench.SUITES.items()} == {
         "tiny-cpu": "mini.bench.tiny_cpu", "moe-layer": "mini.bench.moe_layer", "rank4": "mini.bench.prefill",
         "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange", "kernels": "mini.bench.kernels",
-        "fastpath-check": "mini.bench.fastpath_check", "ep-prefill": "mini.bench.ep_prefill",
+        "ep-prefill": "mini.bench.ep_prefill",
         "ep-exact": "mini.bench.ep_exact", "decode-host": "mini.bench.decode_host"}
     assert all(name == s.name for name, s in bench.SUITES.items())
     for s in bench.SUITES.values():  # every registered module exists in this revision

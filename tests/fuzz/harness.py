@@ -12,7 +12,7 @@ Three levels, each on the same random weights (make-checkpoint's `random_state`)
    a tie turns that into one quantization step for both. An indexing, masking or scale bug moves whole rows by
    O(1), far outside. FLOOR covers ops whose output the bf16 inputs fully determine in fp32 (mHC mixes: the fp32
    twin is then identical, while the fast kernel's tensor-core products differ by ~1e-5, kernels.md).
-2. Per layer, on the same input (mini.bench.fastpath_check.Recorder's shadow run): each attention / MoE sub-layer
+2. Per layer, on the same input (mini.check.fastpath.Recorder's shadow run): each attention / MoE sub-layer
    run by the fast path on the reference's input, with its own caches. Its error includes top-k choices that
    flip near ties, so it is bounded by the fp32-activation model's own chained error at that layer (how far bf16
    rounding alone moves the layer) and an absolute LAYER_FLOOR: a loose bound, it catches garbage, level 1 catches
@@ -251,7 +251,7 @@ def check_config(seed: int, cfg, device, prompt: int = 24, chunks: tuple[int, ..
     ops: list[OpCheck] = []
     kernels: dict[str, int] = {}
     # level 1 (+ 2): one prefill of the prompt under the reference, each op also run fast and in fp32
-    from mini.bench.fastpath_check import prefill as recorded_prefill
+    from mini.check.fastpath import prefill as recorded_prefill
     with backend("reference"), op_checks(ops), coverage(kernels):
         rec, _ = recorded_prefill(model, tokens[:prompt], block_tokens_of(cfg), None, shadow=layers)
     e2e_runs = {"prefill": ([prompt], 0), "chunked": (list(chunks), 0), "decode": ([prompt], decode),

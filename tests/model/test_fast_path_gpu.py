@@ -1,4 +1,4 @@
-"""The fast path (Triton kernels) against the reference path on the GPU: a small run of `mini bench fastpath-check`
+"""The fast path (Triton kernels) against the reference path on the GPU: a small run of `mini check fastpath`
 (V4.1-Flash width cut to tiny-v4.1's 8-layer schedule, 1024-token prefill, 16 experts; tiny-v4.1 greedy decode).
 
 Bounds. Both paths round at the same points, so they differ by summation order, and through that by flips of an
@@ -12,7 +12,7 @@ import argparse
 import pytest
 
 from mini.bench import check_result
-from mini.bench import fastpath_check as fc
+from mini.check import fastpath as fc
 
 SMALL = ["--tokens", "1024", "--experts", "16", "--candidate-blocks", "64", "--block-tokens", "256",
          "--prompt-len", "100", "--decode-steps", "24", "--device", "cuda"]
@@ -22,7 +22,7 @@ SMALL = ["--tokens", "1024", "--experts", "16", "--candidate-blocks", "64", "--b
 def result():
     p = argparse.ArgumentParser()
     fc.add_args(p)
-    res = check_result("fastpath-check", fc.run(p.parse_args(SMALL)))
+    res = check_result("fastpath", fc.run(p.parse_args(SMALL)))
     for row in res["layers"]:
         print(row)
     print(res["metrics"])
@@ -61,7 +61,7 @@ def test_tiny_greedy_decode_64_steps_identical_without_fake_quant():
     p = argparse.ArgumentParser()
     fc.add_args(p)
     args = p.parse_args(["--decode-only", "--decode-no-fake-quant", "--decode-steps", "64", "--device", "cuda"])
-    m = check_result("fastpath-check", fc.run(args))["metrics"]
+    m = check_result("fastpath", fc.run(args))["metrics"]
     print(m)
     assert m["decode_tokens_identical"] == 1, m
     # a routing flip at a near tie still moves some step's logits by ~10%, as bf16 vs fp32 activations do

@@ -1,4 +1,4 @@
-"""fastpath-check on the CPU at tiny sizes: there both backends run the reference, so the harness must report
+"""`mini check fastpath` on the CPU at tiny sizes: there both backends run the reference, so the harness must report
 exactly zero error; a fault planted in one backend's MoE of one layer must show up in that layer and below only."""
 import argparse
 
@@ -9,7 +9,8 @@ from mini.model.attn_layer import attention
 import mini.ops
 from mini.formats.quant import fake_quant_enabled
 from mini.bench import check_result, get_suite
-from mini.bench import fastpath_check as fc
+from mini.check import CHECKS
+from mini.check import fastpath as fc
 
 TINY = ["--preset", "tiny-v4.1", "--tokens", "150", "--experts", "16", "--candidate-blocks", "8",
         "--block-tokens", "16", "--prompt-len", "30", "--decode-steps", "5", "--device", "cpu"]
@@ -27,7 +28,7 @@ def _layer_metrics(m, suffix):
 
 
 def test_registered():
-    assert get_suite("fastpath-check").module == "mini.bench.fastpath_check"
+    assert get_suite("fastpath", CHECKS).module == "mini.check.fastpath"
 
 
 def test_layer_config_keeps_the_width_and_every_layer_kind():
@@ -43,7 +44,7 @@ def test_layer_config_keeps_the_width_and_every_layer_kind():
 
 
 def test_equal_backends_give_zero_error():
-    res = check_result("fastpath-check", fc.run(_args()))
+    res = check_result("fastpath", fc.run(_args()))
     m = res["metrics"]
     assert len(res["layers"]) == 16  # attention and MoE of 8 layers
     for suffix in ("_rel_err", "_rel_err_same_input"):

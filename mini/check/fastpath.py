@@ -1,4 +1,4 @@
-"""`fastpath-check`: the fast path (backend "fast": Triton kernels) against the reference path (backend
+"""`mini check fastpath`: the fast path (backend "fast": Triton kernels) against the reference path (backend
 "reference": plain PyTorch, fp32-dequantized weights) on the same weights, in bf16.
 
 (a) Real width. `--preset` (V4.1-Flash) cut to tiny-v4.1's 8-layer schedule, which keeps every layer kind: window
@@ -283,4 +283,4 @@ def run(args) -> dict:
     metrics, rows = ({}, []) if args.decode_only else check_layers(args)
     with no_fake_quant() if args.decode_no_fake_quant else contextlib.nullcontext():
         metrics.update(check_decode(args))
-    return {"suite": "fastpath-check", "definition": definition(args), "metrics": metrics, "layers": rows}
+    return {"suite": "fastpath", "definition": definition(args), "metrics": metrics, "layers": rows}
