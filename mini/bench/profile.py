@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     trace.unlink()
     result = {"suite": args.suite, "definition": prefill.definition(args), "stages_ms_per_step": stages,
               "step_ms_unwrapped_mean": sum(plain) / len(plain), "step_ms_wrapped": timed, "raw_totals_ms": totals,
-              "profile_steps": len(timed)}
+              "profile_steps": len(timed), "env": environment()}
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "rank4.json").write_text(json.dumps({**suite, "env": environment()}, indent=1) + "\n")
     width = max(len(k) for k in stages)

@@ -76,3 +76,14 @@ def test_main_runs_a_suite_with_its_own_args_and_writes_json(tmp_path, monkeypat
     assert bench.SUITES["echo"](type("A", (), {"n": 3})())["metrics"]["twice"] == 6.0  # SUITES[name](args)
     with pytest.raises(SystemExit):
         bench.main(["echo", "--unknown-flag"])
+
+
+def test_results_record_the_backends(monkeypatch):
+    """Every result's environment names the backends the ops ran on (mini.ops.backends), once mini.ops is loaded."""
+    import mini.ops
+    from mini.ops import backends
+    monkeypatch.setattr(backends, "_libraries", {"moe_gemm": "triton", "sparse_attn": "triton"})
+    monkeypatch.setattr(mini.ops, "_backend", "reference")
+    env = bench.environment()
+    assert env["backends"] == {"ops": "reference", "moe_gemm": "triton", "sparse_attn": "triton",
+                               "deterministic": mini.ops.deterministic()}
