@@ -114,7 +114,7 @@ def blockwise_gemm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     for k in range(values.shape[1] // k_block):
         cols = slice(k * k_block, (k + 1) * k_block)
         acc += (a[:, cols] @ values[:, cols].T) * a_s[:, k:k + 1] * scales[:, k].unsqueeze(0)
-    return acc.view(*x.shape[:-1], -1)
+    return acc.view(*x.shape[:-1], values.shape[0])  # explicit width: an idle EP rank has 0 rows
 
 
 def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
