@@ -82,3 +82,47 @@ def test_validation_errors_come_back_to_the_caller():
             asyncio.run(_collect(llm, [], "d"))
     finally:
         llm.shutdown()
+
+
+def test_the_loop_runs_any_driver():
+    """AsyncLLM's engine thread only runs its driver (mini.parallel.serve.DPDriver is the other one): commands
+    reach it in order, Failed items raise in the caller, outputs stream, and shutdown gives it one last stop step."""
+    from mini.engine.async_engine import Abort, Add, Failed
+    from mini.engine.llm import RequestOutput
+
+    class Echo:
+        poll_s = 0.05
+
+        def __init__(self):
+            self.seen, self.stopped, self.started, self.pending = [], False, False, []
+
+        def start(self):
+            self.started = True
+
+        def idle(self):
+            return not self.pending
+
+        def step(self, commands, stop):
+            self.seen += commands
+            self.stopped |= stop
+            out, self.pending = self.pending, []
+            for c in commands:
+                if isinstance(c, Add) and c.request_id == "bad":
+                    out.append(Failed("bad", ValueError("refused by the driver")))
+                elif isinstance(c, Add):  # two outputs: one now, the last at the next step
+                    out.append(RequestOutput(c.request_id, c.prompt_ids, [7], "", [7], "", False))
+                    self.pending.append(RequestOutput(c.request_id, c.prompt_ids, [7, 8], "", [8], "", True))
+            return out
+
+    driver = Echo()
+    llm = AsyncLLM(fake_llm().engine, driver=driver)
+    try:
+        outs = asyncio.run(_collect(llm, [5, 6], "ok"))
+        with pytest.raises(ValueError, match="refused by the driver"):
+            asyncio.run(_collect(llm, [5], "bad"))
+    finally:
+        llm.shutdown()
+    assert [o.new_token_ids for o in outs] == [[7], [8]] and outs[-1].finished
+    assert driver.started and driver.stopped and not llm._thread.is_alive()
+    # a finished request needs no abort; the failed one's caller sends one (it cannot know the driver dropped it)
+    assert [(type(c), c.request_id) for c in driver.seen] == [(Add, "ok"), (Add, "bad"), (Abort, "bad")]
