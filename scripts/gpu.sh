@@ -20,6 +20,8 @@ install_wheels() {  # carried wheels: the server's pure-Python deps, grammar eng
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels >>"$log" 2>&1
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
+    # the `mini` command for the phases that call it (no deps: the image has torch; the wheels above bring the rest)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1
     mkdir -p "$HUMMING_CACHE_DIR"
     [ -f .whl/humming_cache.tgz ] && tar xzf .whl/humming_cache.tgz -C "$HUMMING_CACHE_DIR"
 }
