@@ -20,8 +20,6 @@ import json
 import logging
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 log = logging.getLogger("mini.server")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -159,9 +157,16 @@ async def _refuse(send, r: Refusal) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def h11_with_header_timeout(seconds: float) -> type:
+def h11_with_header_timeout(seconds: float) -> type | str:
     """uvicorn's h11 protocol, closing a connection whose first request's headers take longer than `seconds` from
-    its start (or a later request's, from the end of the previous response, at least uvicorn's keep-alive)."""
+    its start (or a later request's, from the end of the previous response, at least uvicorn's keep-alive).
+    Without the h11 package: uvicorn's own choice ("auto"), without the deadline, said in the log."""
+    try:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+    except ImportError as e:
+        log.warning("no header deadline: uvicorn's h11 protocol does not import (%s)", e)
+        return "auto"
+
     class H11WithHeaderTimeout(H11Protocol):
         _deadline = None
 
