@@ -101,6 +101,12 @@ def _usage(*outs: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
+async def _only(stream) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """One choice as (0, output) pairs, without _indexed's task and queue per output."""
+    async for out in stream:
+        yield 0, out
+
+
 async def _indexed(streams: list, later=None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Merge choice streams into (index, output) pairs as they come. `later()`: an awaitable giving the streams of
     the choices after the first ones, started once the first stream has produced an output. Closing the merged
@@ -163,7 +169,7 @@ class OpenAIServer:
         last partial block. A seed gives choice i the seed + i."""
         if n == 1:
             stream = await self._start(prompt, params, request_id)
-            return _indexed([stream])
+            return _only(stream)
         first = await self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0")
 
         async def later():
