@@ -12,9 +12,12 @@ With a RoPE table (`rope_out`), the output's last RD channels are rotated back b
 (V = K carries the keys' rotation), as mini.ops.rope.apply_rope(inverse=True) does after the op: the fp32 rotation
 of the dtype-rounded output, rounded again. That saves a pass over [T, H, D] per layer.
 
-Numerics follow the reference kernel: fp32 scores and softmax statistics (running max starts at -1e30), P cast to
-the KV dtype (bf16) before PV, fp32 accumulator, and the per-head sink logit (not scaled) added to the denominator
-at the end. exp is computed as exp2 with log2(e) folded into the scale (last-ulp differences only).
+Numerics follow the official kernel (mini.ops.attention's reference): an online softmax over a query's key list in
+blocks of BLOCK_N = 64 entries, the list in the reference's order (window entries, then the groups valid first;
+`reference_window_rows`), so that the same keys share a block; fp32 scores and softmax statistics (running max
+over the logits alone, from -1e30), P cast to the KV dtype (bf16) before PV, fp32 accumulator, and the per-head
+sink logit (not scaled) added to the denominator at the end. exp is computed as exp2 with log2(e) folded into the
+scale (last-ulp differences only).
 """
 import torch
 import triton
@@ -60,7 +63,7 @@ def _unrotate(x, rope_ptr, t, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.conste
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
-    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr,
+    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
     n_heads, n_comp, scale_log2, rows_per_block,
     W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -81,29 +84,33 @@ def _sparse_mla_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
 
-    # sliding window: fresh rows of this chunk are contiguous in the flat batch, earlier ones sit in the ring
-    for j0 in range(0, W, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        kpos = pos - W + 1 + j
-        ok = (kpos >= 0) & (j < W)  # a last tile past W would reach the query's future (and past kv_new's end)
-        fresh = kpos >= start
-        rowptr = tl.where(fresh, kv_new_ptr + tl.where(fresh, t - (pos - kpos), 0).to(tl.int64) * D,
-                          window_ptr + slot * stride_win + tl.where(ok, kpos % W, 0) * D)
-        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, D)
-
-    # compressed groups chosen by the indexer, read through the block table
+    # One walk over the query's key list in the official kernel's order, BLOCK_N entries per online-softmax step
+    # (64: its blocks): `width` window entries, then the compressed groups, valid ones first in ascending order.
+    # A chunk that starts its sequence lists its window from max(0, pos-W+1), oldest first (the reference's
+    # prefill), any other chunk from pos-W+1 (its decode ring). Fresh rows of this chunk are contiguous in the
+    # flat batch, earlier ones sit in the ring; groups are read through the block table.
+    width = tl.load(width_ptr)
+    first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
     if _INTERPRETED:
-        comp_end: tl.constexpr = N_COMP_TILES * BLOCK_N
+        end: tl.constexpr = W + N_COMP_TILES * BLOCK_N
     else:
-        comp_end = n_comp
-    for j0 in range(0, comp_end, BLOCK_N):
-        cols = j0 + tl.arange(0, BLOCK_N)
-        g = tl.load(cidx_ptr + t * stride_cidx + cols, mask=cols < n_comp, other=-1)
-        ok = g >= 0
-        g = tl.where(ok, g, 0)
-        blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=ok, other=0)
-        rowptr = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
-        m_i, l_i, acc = _online_update(q, rowptr, ok, m_i, l_i, acc, scale_log2, D)
+        end = width + n_comp
+    for j0 in range(0, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        in_window = j < width
+        kpos = first + j
+        win_ok = in_window & (kpos >= 0) & (kpos <= pos)
+        fresh = kpos >= start
+        win_row = tl.where(fresh, kv_new_ptr + tl.where(win_ok & fresh, t - (pos - kpos), 0).to(tl.int64) * D,
+                           window_ptr + slot * stride_win + tl.where(win_ok, kpos % W, 0) * D)
+        c = j - width
+        g = tl.load(cidx_ptr + t * stride_cidx + c, mask=(c >= 0) & (c < n_comp), other=-1)
+        comp_ok = g >= 0
+        g = tl.where(comp_ok, g, 0)
+        blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=comp_ok, other=0)
+        comp_row = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
+        rowptr = tl.where(in_window, win_row, comp_row)
+        m_i, l_i, acc = _online_update(q, rowptr, win_ok | comp_ok, m_i, l_i, acc, scale_log2, D)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
@@ -142,14 +149,18 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     out = torch.empty_like(q)
     if T == 0:
         return out
-    if comp_idx is None:  # window-only layer: the compressed loop runs zero times
+    if comp_idx is None:  # window-only layer: no compressed entries
         comp, block_table = kv_new, start_pos
         comp_idx = torch.empty((T, 0), dtype=torch.int32, device=q.device)
         rows_per_block = 1
     else:
         assert comp.shape[-1] == D and comp.is_contiguous()
-        comp_idx = comp_idx.contiguous()
+        # the reference lists a query's groups valid first, ascending (top-k ids come ascending with -1 first)
+        comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
         rows_per_block = comp.shape[1]
+    # window entries of every key list: W, or when every chunk of the step starts its sequence, its longest chunk
+    # if shorter (the reference's prefill lists); on the device, no sync
+    width = torch.where((start_pos == 0).all(), (positions.max() + 1).clamp(max=W), W).to(torch.int32).reshape(1)
     rope = None
     if rope_out is not None:
         assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D
@@ -158,7 +169,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     grid = (T, triton.cdiv(H, block_h))
     _sparse_mla_kernel[grid](
         q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
-        positions, seq_of, slots, start_pos, block_table, comp_idx,
+        positions, seq_of, slots, start_pos, block_table, comp_idx, width,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
