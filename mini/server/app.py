@@ -64,12 +64,12 @@ def _parse(raw: bytes, schema):
         raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object")
-    if json_depth(data) > MAX_JSON_DEPTH:
-        raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        depth = json_depth(data)
     except UnicodeEncodeError:
         raise ApiError("the request contains invalid Unicode (a lone surrogate escape)") from None
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -83,14 +83,22 @@ def _parse(raw: bytes, schema):
 
 
 def json_depth(value) -> int:
-    """Nesting depth of parsed JSON (a scalar: 0), without recursion."""
+    """Nesting depth of parsed JSON (a scalar: 0), without recursion; UnicodeEncodeError if a string (key or value)
+    holds a lone surrogate. A walk in Python, not one long C call (as re-serializing would be), so the event loop
+    gets its turns while a large body is checked."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         v, depth = todo.pop()
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if children is not None:
+        if isinstance(v, str):
+            v.encode("utf-8")
+        elif isinstance(v, dict):
             deepest = max(deepest, depth)
-            todo.extend((c, depth + 1) for c in children)
+            for k, child in v.items():
+                k.encode("utf-8")
+                todo.append((child, depth + 1))
+        elif isinstance(v, list):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in v)
     return deepest
 
 

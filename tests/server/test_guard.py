@@ -288,3 +288,18 @@ def test_startup_line_names_model_dtype_backends_memory_and_address():
     for needle in (MODEL, "float32 on cpu", "ops reference", "decode eager", "cache 256 blocks x 4 positions",
                    "RSS", "http://127.0.0.1:8000"):
         assert needle in line, line
+
+
+def test_json_depth_walks_without_recursion_and_finds_lone_surrogates():
+    from mini.server.app import json_depth
+    assert [json_depth(v) for v in (5, "x", [], {"a": [1, {"b": []}]})] == [0, 0, 1, 4]
+    assert json_depth(json.loads("[" * 900 + "]" * 900)) == 900
+    for bad in ('{"\\ud800": 1}', '{"a": ["ok", "\\udc00"]}'):
+        with pytest.raises(UnicodeEncodeError):
+            json_depth(json.loads(bad))
+
+
+def test_a_lone_surrogate_in_a_key_is_400(open_server):
+    r = httpx.post(open_server + "/v1/completions", headers=JSON,
+                   content=b'{"model": "fake", "prompt": "hi", "metadata": {"\\ud800": "x"}}')
+    assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"], r.text
