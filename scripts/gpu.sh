@@ -40,8 +40,13 @@ phase_env() {  # what machine and software the results come from
 }
 
 phase_gpu_tests() {  # every gpu-marked test
-    python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE --durations=25 --timeout=200 tests \
-        --junitxml="$PHASE_DIR/junit.xml"
+    # -v: each result is printed as it completes, so a phase cut by its cap still says what failed
+    python3 -m pytest -v -m gpu -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfE --durations=25 --timeout=200 \
+        tests ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1
+    local rc=$?
+    grep -E "FAILED|ERROR" "$PHASE_DIR/tests.log" | sort | uniq | head -60
+    tail -3 "$PHASE_DIR/tests.log"
+    return $rc
 }
 
 phase_fuzz() {  # issue 12 (<= ~4 min): the config fuzzer (32 random V4.1/V4 configs, fast vs reference per op,
