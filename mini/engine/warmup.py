@@ -3,7 +3,7 @@
 
 Decode graphs are captured when the engine is built (mini.engine.cuda_graphs); this adds what they do not cover:
 prefill steps at the full token budget (one long prompt, in budget-sized chunks, the second over cached context),
-steps of many short prompts at once, mixed prefill + decode steps, and eager decode at shrinking batch sizes
+steps of many prompts at once (lengths 1, 2, 4, ... up to half the budget), mixed prefill + decode steps, and eager decode at shrinking batch sizes
 (requests of different lengths finish one after another), greedy and sampled. The prompts are random token ids
 from a fixed seed; every request runs to its end, so the engine is left empty, and its counters (steps, tokens,
 prefix-cache hits) are reset. Their blocks stay in the prefix cache like any finished request's.
@@ -32,11 +32,13 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     # every request brings its seed: the engine's own generator (seeds of requests without one) stays untouched,
     # so a warmed server draws the same seeds as a cold one
     requests = [(prompt(2 * budget), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0))]
-    short = max(1, 2 * budget // n_seqs)
-    for i in range(n_seqs):  # a burst: prefill steps of many chunks, then decode at shrinking batch sizes
+    # a burst: prefill steps of many chunks of every power-of-two length up to half the budget (kernels specialize
+    # on sizes), then decode at shrinking batch sizes
+    lengths = [min(2 ** (i % budget.bit_length()), max(1, budget // 2)) for i in range(n_seqs)]
+    for i, n in enumerate(lengths):
         sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=2 + i % 8, ignore_eos=True)
         greedy = SamplingParams(temperature=0.0, max_tokens=2 + i % 8, ignore_eos=True, seed=i)
-        requests.append((prompt(rng.randint(1, short)), sampled if i % 2 else greedy))
+        requests.append((prompt(n), sampled if i % 2 else greedy))
     for i, (ids, params) in enumerate(requests):
         engine.add_request(f"warmup-{i}", ids, params)
     while engine.has_work():

@@ -24,7 +24,15 @@ def test_warm_up_runs_the_budget_and_a_burst_then_leaves_the_engine_empty():
         tokens.append(plan.num_tokens)
         return plan
     engine.scheduler.schedule = counted
+    lengths = []
+    add = engine.add_request
+
+    def recorded(request_id, prompt, params):
+        lengths.append(len(prompt))
+        return add(request_id, prompt, params)
+    engine.add_request = recorded
     assert warm_up(engine) > 0
+    assert lengths == [128, 1, 2, 4, 8]  # 2 budgets, then powers of two for max_num_seqs prompts
     assert not engine.requests and engine.blocks.usage == 0.0 and not engine.has_work()
     assert engine.stats.steps == 0 and engine.stats.prefill_tokens == 0  # counters reset
     assert engine.blocks.stats.queries == 0 and engine.blocks.stats.hits == 0
