@@ -27,12 +27,13 @@ def main() -> None:
                                "prog_seq_ptr", "prog_t0_ptr", "seq_end_ptr")}
     f32 = {n: "*fp32" for n in ("sink_ptr", "rope_ptr", "fn_ptr", "scale_ptr", "base_ptr", "pre_in_ptr", "pre_ptr", "post_ptr",
                                 "comb_ptr", "table_ptr", "part_ptr")}
-    ptrs = {**idx, **f32, "btab_ptr": "*i32", "cand_ptr": "*u8"}
-    # (head dim, rope dim, heads -> BLOCK_H) of V4.1 / tiny-v4.1 / tiny-v4; 0 compressed tiles = window-only
-    # layers; RD > 0: the output RoPE in the epilogue (what the model runs), RD = 0: the plain op
-    for d, rd, bh in ((512, 64, 64), (64, 16, 16), (128, 64, 16)):
+    ptrs = {**idx, **f32, "btab_ptr": "*i32", "width_ptr": "*i32", "cand_ptr": "*u8"}
+    # (head dim, rope dim, heads -> BLOCK_H, window) of V4.1 / tiny-v4.1 / tiny-v4 / the official fixtures;
+    # 0 compressed tiles = window-only layers; RD > 0: the output RoPE in the epilogue (what the model runs),
+    # RD = 0: the plain op
+    for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (128, 32, 16, 16)):
         for tiles, rope in ((0, 0), (8, rd)):
-            build(_sparse_mla_kernel, ptrs, dict(W=128, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64),
+            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64),
                   ("scale_log2",), num_warps=8)
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):
