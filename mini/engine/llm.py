@@ -145,21 +145,17 @@ class EngineStats:
 class LLMEngine:
     """Synchronous core. Not thread-safe: one thread calls add_request / abort / step (see async_engine)."""
 
-    def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions, batch_cls=None, cache_cls=None,
-                 seq_chunk_cls=None):
-        if batch_cls is None or cache_cls is None or seq_chunk_cls is None:
-            from mini.model import Batch, KVCache, SeqChunk
-            batch_cls, cache_cls, seq_chunk_cls = batch_cls or Batch, cache_cls or KVCache, seq_chunk_cls or SeqChunk
+    def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions):
         o = deterministic_options(options) if options.deterministic else options
         self.options, self.config, self.tokenizer = o, config, tokenizer
         device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        shape = size_cache(cache_cls, config, device, o.dtype, o.block_tokens, o.max_num_seqs,
+        shape = size_cache(model, device, o.dtype, o.block_tokens, o.max_num_seqs,
                            o.num_snapshots if o.enable_prefix_caching else 0, o.num_blocks, o.gpu_memory_utilization,
                            o.max_model_len or config.max_position_embeddings)
         self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
                                  shape.n_blocks * o.block_tokens)
-        self.runner = ModelRunner(model, config, shape, device, o.dtype, batch_cls, cache_cls, seq_chunk_cls,
-                                  enforce_eager=o.enforce_eager, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(model, config, shape, device, o.dtype, enforce_eager=o.enforce_eager,
+                                  max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
         chunk = SchedulerConfig.deterministic_chunk(o.max_num_seqs, o.max_num_batched_tokens) if o.deterministic else 0
@@ -445,8 +441,9 @@ def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | N
 
 
 def build_engine(model_or_path, **opts) -> LLMEngine:
-    """`model_or_path`: a checkpoint directory / preset name, or a loaded Model (then pass `config` and
-    `tokenizer`). Other keyword options: EngineOptions fields, plus batch_cls / cache_cls / seq_chunk_cls."""
+    """`model_or_path`: a checkpoint directory / preset name, or a loaded model (mini.model.Model or any
+    mini.engine.model_runner.StepModel; then pass `config` and `tokenizer`). Other keyword options: EngineOptions
+    fields."""
     options, rest = EngineOptions.pick(opts)
     if isinstance(model_or_path, str):
         from mini.model import load_model

@@ -28,14 +28,16 @@ from mini.engine.block_manager import SlotCopy
 from mini.engine.cuda_graphs import DecodeGraphs, TokenFeed
 from mini.engine.sampler import to_device
 from mini.engine.scheduler import ScheduledChunk
+from mini.model.batch import SeqChunk
 from mini.ops.backends import resolve as resolve_backends
 
 
 class StepModel(Protocol):
-    """What the engine steps. `hasher`: the EngramHasher Batch.build needs (None without Engram layers);
-    `engram_on_device`: a static decode step hashes and looks up Engram rows on the device, else they are looked
-    up on the host (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks on
-    the host (EP), so its steps cannot be captured in CUDA graphs."""
+    """What the engine steps. `hasher`: the model's EngramHasher (None without Engram layers); `engram_on_device`:
+    a static decode step hashes and looks up Engram rows on the device, else they are looked up on the host
+    (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks on the host (EP),
+    so its steps cannot be captured in CUDA graphs. The model also makes what a step needs: its batch from the
+    step's chunks (mini.model.SeqChunk), its cache pools, and their size per block and per slot."""
     config: object
     hasher: object | None
     engram_on_device: bool
@@ -45,10 +47,16 @@ class StepModel(Protocol):
 
     def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor: ...
 
+    def build_batch(self, chunks: list[SeqChunk], device) -> object: ...
+
+    def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> "StepCache": ...
+
+    def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
+        """(bytes per block, bytes per slot) of the cache pools."""
+
 
 class StepCache(Protocol):
-    """The cache pools the runner keeps for the model (`cache_cls(config, n_slots, n_blocks, block_tokens, device,
-    dtype)`, sized by its bytes per block and per slot)."""
+    """The cache pools the runner keeps for the model (StepModel.new_cache)."""
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every per-sequence state row of slots `src` to slots `dst` (int64, on the cache's device)."""
@@ -77,7 +85,7 @@ class CacheShape:
 CPU_CACHE_BYTES = 1 << 30  # default pool budget on CPU, where free memory says little about what to use
 
 
-def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs: int, num_snapshots: int,
+def size_cache(model: StepModel, device, dtype, block_tokens: int, max_num_seqs: int, num_snapshots: int,
                num_blocks: int | None, gpu_memory_utilization: float, max_model_len: int) -> CacheShape:
     """How many blocks fit. Explicit `num_blocks` wins. Otherwise the budget (CUDA: what is free beyond
     `1 - gpu_memory_utilization` of the device; CPU: 1 GiB) goes to the slots and then to blocks, up to what
@@ -89,8 +97,7 @@ def size_cache(cache_cls, config, device, dtype, block_tokens: int, max_num_seqs
             budget = free - (1.0 - gpu_memory_utilization) * total
         else:
             budget = CPU_CACHE_BYTES
-        per_block = cache_cls.bytes_per_block(config, block_tokens, dtype)
-        per_slot = cache_cls.bytes_per_slot(config, dtype)
+        per_block, per_slot = model.cache_bytes(block_tokens, dtype)
         num_blocks = int((budget - n_slots * per_slot) // per_block)
         num_blocks = min(num_blocks, max_num_seqs * -(-max_model_len // block_tokens))
         if num_blocks < 1:
@@ -117,19 +124,17 @@ class ForwardTiming:
 
 
 class ModelRunner:
-    def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, batch_cls, cache_cls,
-                 seq_chunk_cls, enforce_eager: bool = False, max_model_len: int | None = None):
+    def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, enforce_eager: bool = False,
+                 max_model_len: int | None = None):
         self.backends = resolve_backends()  # logged once
         cuda_graphs = use_cuda_graphs(model, device, dtype, enforce_eager)
         self.model = model
         self.config = config
         self.device = torch.device(device)
         self.shape = shape
-        self.batch_cls = batch_cls
-        self.seq_chunk_cls = seq_chunk_cls
         scratch = int(cuda_graphs)
-        self.cache: StepCache = cache_cls(config, n_slots=shape.n_slots + scratch, n_blocks=shape.n_blocks + scratch,
-                                          block_tokens=shape.block_tokens, device=device, dtype=dtype)
+        self.cache: StepCache = model.new_cache(shape.n_slots + scratch, shape.n_blocks + scratch, shape.block_tokens,
+                                                device, dtype)
         self.hasher = model.hasher
         self.timing, self.last_timing = False, None
         self.graphs = None
@@ -159,9 +164,9 @@ class ModelRunner:
         if graph:
             n = self.graphs.prepare(chunks, _history, feed)
         else:
-            seq_chunks = [self.seq_chunk_cls(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
+            seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
                                              blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
-            batch = self.batch_cls.build(seq_chunks, self.config, self.device, hasher=self.hasher)
+            batch = self.model.build_batch(seq_chunks, self.device)
         t1 = time.perf_counter()
         events = None
         if self.timing and self.device.type == "cuda":

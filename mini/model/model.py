@@ -15,7 +15,7 @@ import torch
 
 from mini.config import LayerPlan, ModelConfig
 from mini.model.attn_layer import AttentionWeights, attention
-from mini.model.batch import Batch, EngramInput
+from mini.model.batch import Batch, EngramInput, SeqChunk
 from mini.model.cache import KVCache
 from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
@@ -120,6 +120,17 @@ class Model:
     def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
         run = self.moe_exchange or moe
         return run(x, blk.moe, self.config, blk.plan, input_ids)
+
+    # ---------------------------------------------------------- what the engine steps (model_runner.StepModel)
+    def build_batch(self, chunks: list[SeqChunk], device) -> Batch:
+        return Batch.build(chunks, self.config, device, hasher=self.hasher)
+
+    def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> KVCache:
+        return KVCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
+
+    def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
+        """(bytes per block, bytes per slot) of the KVCache pools."""
+        return KVCache.bytes_per_block(self.config, block_tokens, dtype), KVCache.bytes_per_slot(self.config, dtype)
 
     @property
     def exchanges_tokens(self) -> bool:

@@ -42,6 +42,15 @@ class DPModel:
     def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
         return self.model.engram_rows(hash_ids)
 
+    def build_batch(self, chunks, device):
+        return self.model.build_batch(chunks, device)
+
+    def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype):
+        return self.model.new_cache(n_slots, n_blocks, block_tokens, device, dtype)
+
+    def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
+        return self.model.cache_bytes(block_tokens, dtype)
+
     def forward(self, batch, cache) -> torch.Tensor:
         self.exchange.begin_step(batch.n_tokens)
         return self.model.forward(batch, cache)

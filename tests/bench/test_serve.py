@@ -10,7 +10,7 @@ from mini.bench import check_result
 from mini.bench import serve as goodput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model
-from fake_model import FakeBatch, FakeCache, FakeConfig, FakeModel, FakeSeqChunk, FakeTokenizer  # noqa: E402
+from fake_model import FakeConfig, FakeModel, FakeTokenizer  # noqa: E402
 
 
 def _args(*argv):
@@ -34,9 +34,8 @@ def test_workload_is_fixed_by_seed():
 def test_against_a_running_server():
     from mini.server.app import BackgroundServer, build_app
     cfg = FakeConfig(vocab_size=512)
-    app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
-                    cache_cls=FakeCache, seq_chunk_cls=FakeSeqChunk, num_blocks=256, block_tokens=4,
-                    device="cpu", dtype=torch.float32, max_num_seqs=8)
+    app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), num_blocks=256,
+                    block_tokens=4, device="cpu", dtype=torch.float32, max_num_seqs=8)
     with BackgroundServer(app) as url:
         args = _args("--url", url, "--num-requests", "6", "--input-len", "12", "--output-len", "6",
                      "--request-rate", "50", "--repeat", "2", "--slo-ttft-ms", "10000", "--slo-tpot-ms", "10000")

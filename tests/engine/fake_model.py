@@ -1,4 +1,5 @@
-"""A stand-in with the model's interface (Model.forward / KVCache / Batch.build / SeqChunk) for engine tests.
+"""A stand-in with the model's interface (mini.engine.model_runner.StepModel: forward, its batch and cache) for
+engine tests.
 
 Its logits are a deterministic function of the token history, but it computes that history *through its cache*
 the way V4.1 does: positions older than the window come from paged blocks (by block table), the last W
@@ -38,21 +39,8 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeSeqChunk:
-    tokens: list[int]
-    start: int
-    slot: int
-    blocks: list[int]
-    want_logits: bool = True
-
-
-@dataclass
 class FakeBatch:
-    chunks: list[FakeSeqChunk]
-
-    @classmethod
-    def build(cls, chunks, config, device, hasher=None):
-        return cls(list(chunks))
+    chunks: list  # mini.model.SeqChunk
 
 
 class FakeCache:
@@ -80,9 +68,21 @@ def _mix(h: int, token: int, pos: int) -> int:
     return (h * 1000003 + (token + 1) * (pos + 7)) % _P
 
 
-class FakeModel:
-    hasher, engram_on_device, exchanges_tokens = None, False, False  # mini.engine.model_runner.StepModel
+class FakeStepModel:
+    """What the engine needs of a model besides `forward` (mini.engine.model_runner.StepModel), for the fakes."""
+    hasher, engram_on_device, exchanges_tokens = None, False, False
 
+    def build_batch(self, chunks, device) -> FakeBatch:
+        return FakeBatch(list(chunks))
+
+    def new_cache(self, n_slots, n_blocks, block_tokens, device, dtype) -> FakeCache:
+        return FakeCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
+
+    def cache_bytes(self, block_tokens, dtype) -> tuple[int, int]:
+        return FakeCache.bytes_per_block(self.config, block_tokens, dtype), FakeCache.bytes_per_slot(self.config, dtype)
+
+
+class FakeModel(FakeStepModel):
     def __init__(self, config: FakeConfig):
         self.config = config
         self.calls: list[list[tuple[int, int]]] = []  # (start, length) of each chunk, per forward
@@ -115,15 +115,12 @@ def fake_llm(model_cls=None, **opts):
     from mini.engine import LLM
     cfg = FakeConfig()
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
-    return LLM((model_cls or FakeModel)(cfg), config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch,
-               cache_cls=FakeCache,
-               seq_chunk_cls=FakeSeqChunk, **opts)
+    return LLM((model_cls or FakeModel)(cfg), config=cfg, tokenizer=FakeTokenizer(), **opts)
 
 
-class ScriptedModel:
+class ScriptedModel(FakeStepModel):
     """Greedy output follows `script` (one-hot logits): the token after a history of n tokens is
     script[(n - prompt_len) % len(script)]. For exact stop-string / detokenization tests."""
-    hasher, engram_on_device, exchanges_tokens = None, False, False
 
     def __init__(self, config: FakeConfig, script: list[int], prompt_len: int):
         self.config, self.script, self.prompt_len = config, script, prompt_len
@@ -144,5 +141,4 @@ def scripted_llm(text: str, prompt_len: int, **opts):
     cfg = FakeConfig()
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
     model = ScriptedModel(cfg, FakeTokenizer().encode(text), prompt_len)
-    return LLM(model, config=cfg, tokenizer=FakeTokenizer(), batch_cls=FakeBatch, cache_cls=FakeCache,
-               seq_chunk_cls=FakeSeqChunk, **opts)
+    return LLM(model, config=cfg, tokenizer=FakeTokenizer(), **opts)

@@ -81,13 +81,14 @@ def test_snapshot_lru_eviction_frees_slot():
 def test_pool_sizing_on_cpu_and_given():
     import torch
 
-    from fake_model import FakeCache, FakeConfig
+    from fake_model import FakeCache, FakeConfig, FakeModel
     from mini.engine.model_runner import CPU_CACHE_BYTES, size_cache
     cfg = FakeConfig()
-    given = size_cache(FakeCache, cfg, "cpu", torch.float32, 4, 8, 2, 77, 0.9, 4096)
+    model = FakeModel(cfg)
+    given = size_cache(model, "cpu", torch.float32, 4, 8, 2, 77, 0.9, 4096)
     assert (given.n_blocks, given.n_slots) == (77, 10)
-    capped = size_cache(FakeCache, cfg, "cpu", torch.float32, 4, 8, 2, None, 0.9, 4096)
+    capped = size_cache(model, "cpu", torch.float32, 4, 8, 2, None, 0.9, 4096)
     assert capped.n_blocks == 8 * 4096 // 4  # the 1 GiB budget holds more than 8 sequences can use
-    budget = size_cache(FakeCache, cfg, "cpu", torch.float32, 4, 8, 2, None, 0.9, 1 << 40)
+    budget = size_cache(model, "cpu", torch.float32, 4, 8, 2, None, 0.9, 1 << 40)
     per_slot, per_block = FakeCache.bytes_per_slot(cfg, None), FakeCache.bytes_per_block(cfg, 4, None)
     assert budget.n_blocks == (CPU_CACHE_BYTES - 10 * per_slot) // per_block

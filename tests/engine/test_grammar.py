@@ -9,7 +9,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 import torch
-from fake_model import FakeBatch, FakeCache, FakeConfig, FakeModel, FakeSeqChunk, FakeTokenizer
+from fake_model import FakeConfig, FakeModel, FakeTokenizer
 from mini.engine import LLM
 from mini.engine import SamplingParams
 from mini.server.grammars import json_grammar, tool_call_grammar
@@ -33,8 +33,7 @@ class ByteTokenizer(FakeTokenizer):
 def fake_llm(tokenizer=None, **opts):
     cfg = FakeConfig()
     opts = {"num_blocks": 256, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
-    return LLM(FakeModel(cfg), config=cfg, tokenizer=tokenizer or FakeTokenizer(), batch_cls=FakeBatch,
-               cache_cls=FakeCache, seq_chunk_cls=FakeSeqChunk, **opts)
+    return LLM(FakeModel(cfg), config=cfg, tokenizer=tokenizer or FakeTokenizer(), **opts)
 
 
 SCHEMA = {"type": "object", "properties": {

@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model
 
-from fake_model import FakeBatch, FakeCache, FakeConfig, FakeModel, FakeSeqChunk, FakeTokenizer  # noqa: E402
+from fake_model import FakeConfig, FakeModel, FakeTokenizer  # noqa: E402
 
 from mini.server.app import BackgroundServer, build_app  # noqa: E402
 
@@ -17,8 +17,7 @@ def fake_app(**opts):
     cfg = FakeConfig()
     opts = {"num_blocks": 256, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, "max_num_seqs": 16,
             "max_num_batched_tokens": 64, "tokenizer": FakeTokenizer(), **opts}
-    return build_app(FakeModel(cfg), MODEL, config=cfg, batch_cls=FakeBatch, cache_cls=FakeCache,
-                     seq_chunk_cls=FakeSeqChunk, **opts)
+    return build_app(FakeModel(cfg), MODEL, config=cfg, **opts)
 
 
 def tiny_server(num_blocks: int = 64):
