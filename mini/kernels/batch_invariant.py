@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.aten_override import AtenOverride, check_out
+
 # one tile configuration per input dtype (the point: never chosen by M). 16-bit: wgmma-sized tiles; fp32: FMA
 # (IEEE) dots, whose registers allow smaller tiles
 CONFIGS = {torch.bfloat16: dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
@@ -114,7 +116,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ou
 
 
 # ---------------------------------------------------------------------------------------------- aten overrides
-_LIB: torch.library.Library | None = None
 
 
 def _mm(a, b):
@@ -122,7 +123,7 @@ def _mm(a, b):
 
 
 def _mm_out(a, b, *, out):
-    _check_out(out, (a.shape[0], b.shape[1]))
+    check_out(out, (a.shape[0], b.shape[1]))
     return matmul(a, b, out=out)
 
 
@@ -139,41 +140,16 @@ def _bmm(a, b):
 
 
 def _bmm_out(a, b, *, out):
-    _check_out(out, (a.shape[0], a.shape[1], b.shape[2]))
+    check_out(out, (a.shape[0], a.shape[1], b.shape[2]))
     return bmm(a, b, out=out)
 
 
-def _check_out(out: torch.Tensor, shape: tuple) -> None:
-    if tuple(out.shape) != tuple(shape):  # aten resizes out=; our callers pass it sized (checked, not resized)
-        raise RuntimeError(f"deterministic mode: out= of shape {tuple(out.shape)}, expected {tuple(shape)}")
-
-
-def enable() -> None:
-    """Route aten's CUDA mm / addmm / bmm (and out=, out_dtype forms) through `matmul` / `bmm` (idempotent)."""
-    global _LIB
-    if _LIB is not None:
-        return
-    import warnings
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore")
-        lib.impl("mm", _mm, "CUDA")
-        lib.impl("mm.out", _mm_out, "CUDA")
-        lib.impl("addmm", _addmm, "CUDA")
-        lib.impl("bmm", _bmm, "CUDA")
-        lib.impl("bmm.out", _bmm_out, "CUDA")
-        if hasattr(torch.ops.aten.mm, "dtype"):
-            lib.impl("mm.dtype", _mm_dtype, "CUDA")
-    _LIB = lib
-
-
-def disable() -> None:
-    """cuBLAS again (tests)."""
-    global _LIB
-    if _LIB is not None:
-        _LIB._destroy()
-        _LIB = None
-
-
-def enabled() -> bool:
-    return _LIB is not None
+_OVERRIDE = AtenOverride("CUDA", {
+    "mm": _mm,
+    "mm.out": _mm_out,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "bmm.out": _bmm_out,
+    "mm.dtype": _mm_dtype,
+})
+enable, disable, enabled = _OVERRIDE.enable, _OVERRIDE.disable, _OVERRIDE.enabled

@@ -15,11 +15,11 @@ only the deterministic mode takes it; `disable()` restores torch's kernels.
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-_LIB: torch.library.Library | None = None
+from mini.kernels.aten_override import AtenOverride, check_out
+
 
 
 def _rows_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None,
@@ -46,7 +46,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_out(a, b, *, out):
-    _check_out(out, (a.shape[0], b.shape[1]))
+    check_out(out, (a.shape[0], b.shape[1]))
     return _rows_into(out, a, b)
 
 
@@ -68,7 +68,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 def _bmm_out(a, b, *, out):
-    _check_out(out, (a.shape[0], a.shape[1], b.shape[2]))
+    check_out(out, (a.shape[0], a.shape[1], b.shape[2]))
     return bmm(a, b, out)
 
 
@@ -104,39 +104,15 @@ def _softplus(x, beta=1, threshold=20):
     return _softplus_any(x, beta, threshold)
 
 
-def _check_out(out: torch.Tensor, shape: tuple) -> None:
-    if tuple(out.shape) != tuple(shape):  # aten resizes out=; our callers pass it sized (checked, not resized)
-        raise RuntimeError(f"deterministic mode: out= of shape {tuple(out.shape)}, expected {tuple(shape)}")
-
-
-def enable() -> None:
-    """Route aten's CPU mm / addmm / bmm (+ out=, out_dtype forms) through the row-by-row products (idempotent)."""
-    global _LIB
-    if _LIB is not None:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore")
-        lib.impl("mm", mm, "CPU")
-        lib.impl("mm.out", _mm_out, "CPU")
-        lib.impl("addmm", _addmm, "CPU")
-        lib.impl("bmm", bmm, "CPU")
-        lib.impl("bmm.out", _bmm_out, "CPU")
-        if hasattr(torch.ops.aten.mm, "dtype"):
-            lib.impl("mm.dtype", _mm_dtype, "CPU")
-        lib.impl("sigmoid", _sigmoid, "CPU")
-        lib.impl("silu", _silu, "CPU")
-        lib.impl("softplus", _softplus, "CPU")
-    _LIB = lib
-
-
-def disable() -> None:
-    """torch's CPU kernels again."""
-    global _LIB
-    if _LIB is not None:
-        _LIB._destroy()
-        _LIB = None
-
-
-def enabled() -> bool:
-    return _LIB is not None
+_OVERRIDE = AtenOverride("CPU", {
+    "mm": mm,
+    "mm.out": _mm_out,
+    "addmm": _addmm,
+    "bmm": bmm,
+    "bmm.out": _bmm_out,
+    "mm.dtype": _mm_dtype,
+    "sigmoid": _sigmoid,
+    "silu": _silu,
+    "softplus": _softplus,
+})
+enable, disable, enabled = _OVERRIDE.enable, _OVERRIDE.disable, _OVERRIDE.enabled
