@@ -51,6 +51,20 @@ class Failed:
     error: BaseException
 
 
+def apply(engine: LLMEngine, commands: list[Add | Abort]) -> list[Failed]:
+    """Add and abort requests on `engine`, in order; a request it refuses (ValueError) comes back as Failed."""
+    failed = []
+    for cmd in commands:
+        if isinstance(cmd, Abort):
+            engine.abort(cmd.request_id)
+            continue
+        try:
+            engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+        except ValueError as e:
+            failed.append(Failed(cmd.request_id, e))
+    return failed
+
+
 class Driver(Protocol):
     """What AsyncLLM's engine thread runs. `step` takes the commands that arrived since the last call (in order),
     applies them and runs at most one engine step; it returns the outputs (RequestOutput, or Failed for a request
@@ -82,15 +96,7 @@ class LocalDriver:
     def step(self, commands: list[Add | Abort], stop: bool) -> list[RequestOutput | Failed]:
         if stop:
             return []
-        failed = []
-        for cmd in commands:
-            if isinstance(cmd, Abort):
-                self.engine.abort(cmd.request_id)
-                continue
-            try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
-            except ValueError as e:
-                failed.append(Failed(cmd.request_id, e))
+        failed = apply(self.engine, commands)
         if not self.engine.has_work():
             return failed
         try:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mini.engine.async_engine import Abort, Add, Failed
+from mini.engine.async_engine import Abort, Add, Failed, apply
 from mini.engine.llm import LLMEngine, RequestOutput
 from mini.parallel.groups import DistContext, init, shutdown
 from mini.parallel.launch import run_local
@@ -42,17 +42,13 @@ IDLE_POLL_S = 1.0  # longest wait of an idle rank 0 before the next (empty) step
 
 # ---------------------------------------------------------------------------------------------------- messages
 @dataclass
-class AddRequest:
-    rank: int  # the owner
-    request_id: str
-    prompt_ids: list[int]
-    params: object  # SamplingParams
+class AddRequest(Add):
+    rank: int = 0  # the owner
 
 
 @dataclass
-class AbortRequest:
-    rank: int
-    request_id: str
+class AbortRequest(Abort):
+    rank: int = 0  # the owner
 
 
 @dataclass
@@ -150,16 +146,8 @@ class DPWorker:
         """Apply rank 0's commands for this rank and run the step on every rank if any has work; returns whether
         the step ran."""
         commands = messages[0].commands
-        for cmd in commands:
-            if cmd.rank != self.ctx.rank:
-                continue
-            if isinstance(cmd, AbortRequest):
-                self.engine.abort(cmd.request_id)
-                continue
-            try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
-            except ValueError as e:
-                self._outbox.append(RequestError(cmd.request_id, str(e)))
+        refused = apply(self.engine, [c for c in commands if c.rank == self.ctx.rank])
+        self._outbox += [RequestError(f.request_id, str(f.error)) for f in refused]
         if not commands and not any(m.has_work for m in messages):
             return False
         ran_forward = False
@@ -223,9 +211,9 @@ class DPDriver:
         for cmd in commands:
             if isinstance(cmd, Add):
                 rank = self.router.place(cmd.request_id, cmd.prompt_ids)
-                routed.append(AddRequest(rank, cmd.request_id, cmd.prompt_ids, cmd.params))
+                routed.append(AddRequest(cmd.request_id, cmd.prompt_ids, cmd.params, rank=rank))
             elif (rank := self.router.owner(cmd.request_id)) is not None:
-                routed.append(AbortRequest(rank, cmd.request_id))
+                routed.append(AbortRequest(cmd.request_id, rank=rank))
         return routed
 
     def _receive(self, outputs: list) -> list[RequestOutput | Failed]:
