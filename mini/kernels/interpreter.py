@@ -110,6 +110,9 @@ def patch_bf16() -> None:
         return fp_to_fp(self, src, dst_type, rounding_mode)
     B.create_fp_to_fp = patched_fp_to_fp
 
+    # bf16 constants (tl.full(..., bf16), a bf16 `other=`): the shipped builder has no get_bf16
+    B.get_bf16 = lambda self, v: ti.TensorHandle(to_bf16(np.array([v], dtype=np.float32)), bf16)
+
     dot = B.create_dot
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
