@@ -7,7 +7,8 @@ import pytest
 from configs import random_config
 from harness import check_config
 
-SEEDS = [7, 4, 104]  # a ratio-2 V4.1 model on the kernels; one falling back (head 96, RoPE 24); a V4 model
+# a ratio-2 V4.1 model on the kernels; one falling back (head 96, RoPE 24); V4 (ratios 128, 4 with its indexer)
+SEEDS = [7, 4, 26]
 
 
 @pytest.mark.slow
