@@ -238,16 +238,21 @@ MODES = ("prefill", "chunked", "decode", "chunked_decode")
 
 
 def check_config(seed: int, cfg, device, prompt: int = 24, chunks: tuple[int, ...] = (10, 9, 5), decode: int = 3,
-                 layers: bool = True, modes: tuple[str, ...] = ("prefill", "chunked", "decode")) -> Report:
+                 layers: bool = True, modes: tuple[str, ...] = ("prefill", "chunked", "decode"),
+                 make_model=None, tokens: list[int] | None = None) -> Report:
     """All three levels for `cfg` (weights and prompt drawn from `seed`). End-to-end `modes`: one prefill of the
     prompt; the prompt in `chunks`; one prefill then `decode` single-token steps; the chunks then the decode
-    steps (one schedule covering both, for the slow CPU interpreter)."""
+    steps (one schedule covering both, for the slow CPU interpreter). `make_model(dtype)` and `tokens` (prompt +
+    decode ids) replace the random weights and ids (a checkpoint's model, e.g. the official fixtures)."""
     assert sum(chunks) == prompt and set(modes) <= set(MODES), (chunks, prompt, modes)
     from configs import describe
     t0 = time.perf_counter()
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(3, cfg.vocab_size, (prompt + decode,), generator=g).tolist()
-    model = build(cfg, device, torch.bfloat16, seed)
+    if tokens is None:
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(3, cfg.vocab_size, (prompt + decode,), generator=g).tolist()
+    assert len(tokens) >= prompt + decode
+    make_model = make_model or (lambda dtype: build(cfg, device, dtype, seed))
+    model = make_model(torch.bfloat16)
     ops: list[OpCheck] = []
     kernels: dict[str, int] = {}
     # level 1 (+ 2): one prefill of the prompt under the reference, each op also run fast and in fp32
@@ -265,7 +270,7 @@ def check_config(seed: int, cfg, device, prompt: int = 24, chunks: tuple[int, ..
             with backend("reference"):
                 ref[mode] = run_schedule(model, tokens, ch, dec)
     del model
-    model32 = build(cfg, device, torch.float32, seed)
+    model32 = make_model(torch.float32)
     with backend("reference"):
         rec32, _ = recorded_prefill(model32, tokens[:prompt], block_tokens_of(cfg), None)
         f32 = {mode: run_schedule(model32, tokens, ch, dec) for mode, (ch, dec) in e2e_runs.items()}

@@ -6,6 +6,7 @@ seed, config and result of each config are printed and, with MINI_FUZZ_LOG=path,
 (scripts/gpu.sh phase_fuzz sums the kernels that ran)."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,28 @@ def test_fast_matches_reference_gpu(seed):
                                 "ops": len(report.ops), "seconds": round(report.seconds, 1)}) + "\n")
     assert report.ops, "no dispatched op ran"
     assert not failures, "\n".join([report.summary()] + failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["f0", "f1", "f2"])
+def test_fast_matches_reference_on_official_fixtures(name):
+    """The same three levels on the official-reference fixtures' checkpoints (tests/fixtures/v41_reference: widths
+    our presets never used), their prompt and greedy ids (the fast path vs mini's reference; against the official
+    logits: tests/parity, scripts/gpu.sh phase_fidelity)."""
+    import numpy as np
+
+    from mini.config import ModelConfig
+    from mini.model import load_model
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "v41_reference" / name
+    with np.load(root / "reference.npz") as z:
+        prompt_ids, greedy = z["prompt_ids"].tolist(), z["greedy_ids"].tolist()
+    n, decode = len(prompt_ids), 4
+    chunks = (n // 2, 1, n - n // 2 - 1)
+
+    def make_model(dtype):
+        return load_model(root, "cuda", dtype)[0]
+    cfg = ModelConfig.load(root)
+    report = check_config(0, cfg, "cuda", prompt=n, chunks=chunks, decode=decode, make_model=make_model,
+                          tokens=prompt_ids + greedy[:decode])
+    print(name, report.summary())
+    assert report.ops and not report.failures(), "\n".join([report.summary()] + report.failures())
