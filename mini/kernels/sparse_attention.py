@@ -29,6 +29,15 @@ _LOG2E = 1.4426950408889634
 _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
+def window_widths(seq_of: torch.Tensor, start_pos: torch.Tensor, W: int) -> torch.Tensor:
+    """[B] int32: how many window entries each sequence's key lists hold in the official order: a chunk that starts
+    its sequence lists min(its length, W) (the reference's prefill of that sequence), any other chunk W (its decode
+    ring). Per sequence, so a sequence's lists (and the softmax blocks they fix) do not depend on the other
+    sequences of the step. On the device, no sync (scatter_add, not bincount)."""
+    lens = torch.zeros_like(start_pos).scatter_add_(0, seq_of, torch.ones_like(seq_of))
+    return torch.where(start_pos == 0, lens.clamp(max=W), W).to(torch.int32)
+
+
 @triton.jit
 def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr):
     """One key tile of the online softmax: q [BH, D], rowptr [BN] pointers to the key rows (K = V)."""
@@ -89,7 +98,7 @@ def _sparse_mla_kernel(
     # A chunk that starts its sequence lists its window from max(0, pos-W+1), oldest first (the reference's
     # prefill), any other chunk from pos-W+1 (its decode ring). Fresh rows of this chunk are contiguous in the
     # flat batch, earlier ones sit in the ring; groups are read through the block table.
-    width = tl.load(width_ptr)
+    width = tl.load(width_ptr + seq)
     first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
     if _INTERPRETED:
         end: tl.constexpr = W + N_COMP_TILES * BLOCK_N
@@ -158,9 +167,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         # the reference lists a query's groups valid first, ascending (top-k ids come ascending with -1 first)
         comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
         rows_per_block = comp.shape[1]
-    # window entries of every key list: W, or when every chunk of the step starts its sequence, its longest chunk
-    # if shorter (the reference's prefill lists); on the device, no sync
-    width = torch.where((start_pos == 0).all(), (positions.max() + 1).clamp(max=W), W).to(torch.int32).reshape(1)
+    # window entries of each sequence's key lists (mini.ops.attention.window_widths): per sequence, no sync
+    width = window_widths(seq_of, start_pos, W)
     rope = None
     if rope_out is not None:
         assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D

@@ -55,25 +55,35 @@ def group_rows(group_ids, seq, block_table, rows_per_block: int) -> torch.Tensor
 SOFTMAX_BLOCK = 64  # the official kernel's online softmax walks a query's key list in blocks of this many keys
 
 
-def reference_window_rows(positions, seq_of, slots, start_pos, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_window_rows(positions, seq_of, slots, start_pos, W: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query's window keys in the official reference's order, as ([T, n] rows of kv_new, [T, n] flat ring
-    rows), -1 = not from that source / no key. The order fixes the rounding (the online softmax's blocks and sums):
+    rows, [T] the query's list width), -1 = not from that source / no key; n is the step's widest list and a
+    query's entries past its own width are -1. The order fixes the rounding (the online softmax's blocks and sums):
     oldest first; a chunk that starts its sequence lists `min(chunk, W)` positions max(0, p-W+1).. with the empty
     ones after them (the reference's prefill), any other chunk W positions p-W+1..p with those before the
     sequence's start first (the reference's decode ring, read oldest first)."""
     T, dev = positions.shape[0], positions.device
+    from mini.kernels.sparse_attention import window_widths  # triton is optional on CPU: import on use
     starts_seq = start_pos[seq_of] == 0
-    chunk_len = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of]
-    width = W if T == 0 or bool((~starts_seq).any()) else min(W, int(chunk_len.max()))
-    k = torch.arange(width, device=dev)
+    width = window_widths(seq_of, start_pos, W)[seq_of].long()
+    k = torch.arange(W if T == 0 else int(width.max()), device=dev)
     key_pos = torch.where(starts_seq[:, None], (positions[:, None] - W + 1).clamp_min(0) + k,
                           positions[:, None] - W + 1 + k)
-    valid = (key_pos >= 0) & (key_pos <= positions[:, None])
+    valid = (key_pos >= 0) & (key_pos <= positions[:, None]) & (k < width[:, None])
     fresh = key_pos >= start_pos[seq_of][:, None]
     row = torch.arange(T, device=dev)[:, None] - (positions[:, None] - key_pos)
     new = torch.where(valid & fresh, row, -1)
     ring = torch.where(valid & ~fresh, slots[seq_of][:, None] * W + key_pos % W, -1)
-    return new, ring
+    return new, ring, width
+
+
+def _after_window(rows: torch.Tensor, width: torch.Tensor, n: int) -> torch.Tensor:
+    """rows [T, n + K] = n window columns then K compressed ones -> each row's list with its compressed entries
+    right after its own `width` window entries (where the official kernel's blocks put them), -1 padded."""
+    j = torch.arange(rows.shape[1], device=rows.device)
+    src = torch.where(j < width[:, None], j, j - width[:, None] + n)
+    return torch.where(src < rows.shape[1], rows.gather(1, src.clamp(max=rows.shape[1] - 1)), -1)
 
 
 def _valid_first(rows: torch.Tensor) -> torch.Tensor:
@@ -117,13 +127,14 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
         return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                      comp_idx, ratio, rope_out, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
-    new_rows, ring_rows = reference_window_rows(positions, seq_of, slots, start_pos, W)
+    new_rows, ring_rows, width = reference_window_rows(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]
-    if comp_idx is not None and comp_idx.shape[-1]:  # the compressed keys follow the window's in each list
-        none = new_rows.new_full((T, comp_idx.shape[-1]), -1)
+    if comp_idx is not None and comp_idx.shape[-1]:  # the compressed keys follow each query's window entries
+        none, n = new_rows.new_full((T, comp_idx.shape[-1]), -1), new_rows.shape[1]
         comp_rows = _valid_first(group_rows(comp_idx, seq_of[:, None], block_table, comp.shape[1]))
         sources = [(kv_new, torch.cat([new_rows, none], 1)), (window.view(-1, D), torch.cat([ring_rows, none], 1)),
                    (comp.view(-1, D), torch.cat([torch.full_like(new_rows, -1), comp_rows], 1))]
+        sources = [(src, _after_window(rows, width, n)) for src, rows in sources]
     n = sources[0][1].shape[1]
     out = torch.empty_like(q)
     step = max(1, GATHER_ELEMENTS // (n * D))
