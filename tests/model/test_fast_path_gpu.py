@@ -54,10 +54,15 @@ def test_tiny_greedy_decode_matches(result):
 
 
 @pytest.mark.gpu
-def test_tiny_greedy_decode_64_steps_identical_without_fake_quant():
+def test_tiny_greedy_decode_64_steps_identical_without_fake_quant(monkeypatch):
     """With the activation/KV fake quantization off, a summation-order difference stays a bf16 ulp instead of
     becoming a whole FP8/FP4 step, so the kernels must keep the reference's greedy tokens over 64 steps (with it on,
-    the random tiny model splits at the first near tie: even bf16 vs fp32 activations differ at step 0)."""
+    the random tiny model splits at the first near tie: even bf16 vs fp32 activations differ at step 0).
+    The reference ranks exact index-score ties (common: relu zeroes whole groups) by the fast path's rule here,
+    ties to the newer group: the official torch.topk order depends on the row's width and the device, which is a
+    choice between equals, not a rounding (it split the two paths at step 12 on the H200)."""
+    from mini.ops import indexer
+    monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
     p = argparse.ArgumentParser()
     fc.add_args(p)
     args = p.parse_args(["--decode-only", "--decode-no-fake-quant", "--decode-steps", "64", "--device", "cuda"])
