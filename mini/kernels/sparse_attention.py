@@ -76,7 +76,7 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
     n_heads, n_comp, scale_log2, rows_per_block,
     W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -99,7 +99,10 @@ def _sparse_mla_kernel(
     # prefill), any other chunk from pos-W+1 (its decode ring). Fresh rows of this chunk are contiguous in the
     # flat batch, earlier ones sit in the ring; groups are read through the block table.
     width = tl.load(width_ptr + seq)
-    first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
+    if PREFILL_LISTS:
+        first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
+    else:
+        first = pos - W + 1
     if _INTERPRETED:
         end: tl.constexpr = W + N_COMP_TILES * BLOCK_N
     else:
@@ -141,14 +144,15 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          start_pos: torch.Tensor, scale: float,
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                         rope_out: torch.Tensor | None = None,
+                         rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
                          block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
                          ) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
     complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is
-    mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool)."""
+    mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool). `prefill_lists=False`: every
+    query's window list is W wide in the decode ring's order (the deterministic mode's chunk-invariant lists)."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
@@ -168,7 +172,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
         rows_per_block = comp.shape[1]
     # window entries of each sequence's key lists (mini.ops.attention.window_widths): per sequence, no sync
-    width = window_widths(seq_of, start_pos, W)
+    width = window_widths(seq_of, start_pos, W) if prefill_lists else start_pos.new_full(start_pos.shape, W,
+                                                                                          dtype=torch.int32)
     rope = None
     if rope_out is not None:
         assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D
@@ -182,6 +187,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
         W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
-        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps,
+        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, num_warps=num_warps,
         num_stages=num_stages)
     return out

@@ -16,7 +16,7 @@ from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
-from mini.ops import use_fast
+from mini.ops import deterministic, use_fast
 from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
@@ -137,8 +137,9 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     n_vis = lay.n_visible(plan.ratio)
     scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
     # the reference backend ranks as the official code does (torch.topk at each sequence's width); the fast path
-    # breaks ties toward the newer group, the same in prefill, chunked prefill and decode
-    widths = lay.tok_end // plan.ratio if indexer_op.RANK_AS_OFFICIAL and not use_fast(scores) else None
+    # and the deterministic mode break ties toward the newer group, the same in prefill, chunked prefill and decode
+    official = indexer_op.RANK_AS_OFFICIAL and not use_fast(scores) and not deterministic()
+    widths = lay.tok_end // plan.ratio if official else None
     if plan.candidate_source:
         shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                  widths)

@@ -78,6 +78,14 @@ def reference_window_rows(positions, seq_of, slots, start_pos, W: int
     return new, ring, width
 
 
+def layout_invariant_window_rows(positions, seq_of, slots, start_pos, W: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference_window_rows` with every query's list W wide, p-W+1..p (the official decode ring's order),
+    whichever chunk the query is in: the deterministic mode's lists, so that where a chunk starts moves no softmax
+    block (the official prefill lists are min(chunk, W) wide: a request's result would depend on the token budget)."""
+    return (*window_rows(positions, seq_of, slots, start_pos, W), positions.new_full(positions.shape, W))
+
+
 def _after_window(rows: torch.Tensor, width: torch.Tensor, n: int) -> torch.Tensor:
     """rows [T, n + K] = n window columns then K compressed ones -> each row's list with its compressed entries
     right after its own `width` window entries (where the official kernel's blocks put them), -1 padded."""
@@ -127,7 +135,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
         return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                      comp_idx, ratio, rope_out, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
-    new_rows, ring_rows, width = reference_window_rows(positions, seq_of, slots, start_pos, W)
+    lists = layout_invariant_window_rows if deterministic() else reference_window_rows
+    new_rows, ring_rows, width = lists(positions, seq_of, slots, start_pos, W)
     sources = [(kv_new, new_rows), (window.view(-1, D), ring_rows)]
     if comp_idx is not None and comp_idx.shape[-1]:  # the compressed keys follow each query's window entries
         none, n = new_rows.new_full((T, comp_idx.shape[-1]), -1), new_rows.shape[1]
@@ -224,7 +233,7 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
             if backend == "flashmla":
                 return flashmla_attention(*args, key_rows=key_rows)
             return _first_flashmla_call(args, key_rows)
-    return sparse_mla_attention(*args)
+    return sparse_mla_attention(*args, prefill_lists=not deterministic())
 
 
 def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:

@@ -162,3 +162,20 @@ def test_edge_prompt_lengths_batched_equal_alone(n):
     for other in others:
         assert _exact(llm.generate([other, p], greedy)[1]) == alone, (n, len(other))
         assert _exact(llm.generate([p, other], greedy)[0]) == alone, (n, len(other))
+
+
+def test_budget_does_not_change_a_request():
+    """Another --max-num-batched-tokens cuts a long prompt into other chunks; in the mode the result must not move
+    (issue 17: 'at any --max-num-batched-tokens'): the attention lists are W wide whatever chunk a query is in and
+    index-score ties go to the newer group, instead of the official prefill's min(chunk, W) lists and torch.topk's
+    width-dependent tie order (each moved a chunked prompt's logprobs by up to 0.05 here). The GPU twin is
+    tests/server/test_deterministic_gpu.py."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (150, 40, 9)]
+    res = []
+    for budget in (80, 2048):  # 72-token chunks beside 8 decodes, then the whole prompt in one step
+        llm = LLM("tiny-v4.1", device="cpu", dtype=torch.bfloat16, max_num_batched_tokens=budget, max_num_seqs=8,
+                  deterministic=True)
+        res.append([(o.token_ids, [x.logprob for x in o.logprobs]) for o in llm.generate(prompts, greedy)])
+    assert res[0] == res[1]

@@ -33,7 +33,8 @@ def main() -> None:
     # RD = 0: the plain op
     for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (128, 32, 16, 16)):
         for tiles, rope in ((0, 0), (8, rd)):
-            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64),
+            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
+                                                 PREFILL_LISTS=True),
                   ("scale_log2",), num_warps=8)
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):

@@ -82,7 +82,8 @@ def test_overrides_make_cuda_gemms_batch_invariant():
         for dtype, (a, w, want) in cases.items():
             full = F.linear(a, w)
             rel = float((full.double() - want).norm() / want.norm())
-            assert rel < (1e-6 if dtype == torch.float32 else 4e-3), rel
+            # fp32: one IEEE sum over K = 5120 in order, ~sqrt(K) roundings of 2^-24 (1.3e-6 seen on the H200)
+            assert rel < (5e-6 if dtype == torch.float32 else 4e-3), rel
             for n in (1, 3, 17, 64, 100, 1000):
                 assert torch.equal(F.linear(a[:n], w), full[:n]), (dtype, n)
             x = a[:300].view(3, 100, 5120)

@@ -49,8 +49,10 @@ def test_reference_key_lists_alone_equal_batched(flat_batch):
         assert all(w == (min(n, W) if start == 0 else W) for _, _, w in alone)
 
 
+@pytest.mark.parametrize("prefill_lists", [True, False])
 @pytest.mark.parametrize("with_comp", [True, False])
-def test_kernel_alone_equals_batched(with_comp, interpreter, flat_batch):
+def test_kernel_alone_equals_batched(with_comp, prefill_lists, interpreter, flat_batch):
+    """Both list layouts: the official one (prefill lists min(chunk, W) wide) and the deterministic mode's."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     H, D, W, ratio, rpb, topk = 4, 32, 16, 2, 4, 70
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, *zip(*SEQS),
@@ -61,6 +63,11 @@ def test_kernel_alone_equals_batched(with_comp, interpreter, flat_batch):
         out.copy_(sparse_mla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, D ** -0.5,
                                        comp=comp, block_table=block_table,
                                        comp_idx=comp_idx if with_comp else None, ratio=ratio,
-                                       block_h=8, block_n=64, num_warps=1))
+                                       prefill_lists=prefill_lists, block_h=8, block_n=64, num_warps=1))
         return out
     _check(run, b, q, kv_new, comp_idx)
+    if not prefill_lists:  # the deterministic mode's W-wide lists hold the same keys: the float64 oracle's result
+        from tests.kernels.test_sparse_attention import oracle
+        ref = oracle(q, kv_new, window, comp, sink, b, comp_idx if with_comp else None, ratio, D ** -0.5)
+        got = run(q, kv_new, b.positions, b.seq_of, b.slots, b.start_pos, b.block_table, comp_idx)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)

@@ -72,6 +72,5 @@ def layout_invariant_rounding(monkeypatch):
       otherwise) in the kernel's blocks of 64: both move the fp32 sums' rounding with the layout."""
     from mini.ops import attention, indexer
     monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
-    monkeypatch.setattr(attention, "reference_window_rows", lambda positions, seq_of, slots, start_pos, W: (
-        *attention.window_rows(positions, seq_of, slots, start_pos, W), positions.new_full(positions.shape, W)))
+    monkeypatch.setattr(attention, "reference_window_rows", attention.layout_invariant_window_rows)
     monkeypatch.setattr(attention, "SOFTMAX_BLOCK", 1 << 30)
