@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-import mini.ops
+from mini.ops import using_backend
 from mini.formats.quant import no_fake_quant
 from mini.bench.prefill import hasher_of
 from mini.config import ModelConfig, preset
@@ -59,17 +59,6 @@ def add_args(p) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def backend(name: str):
-    """Run the block under ops backend `name`, then restore the previous one."""
-    before = mini.ops.backend()
-    mini.ops.set_backend(name)
-    try:
-        yield
-    finally:
-        mini.ops.set_backend(before)
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.float(), ref.float()
     return float((x - ref).norm() / ref.norm())
@@ -118,7 +107,7 @@ class Recorder:
             y = attention(x, w, plan, cfg, lay, cache, shared)
             self.out[("attn", plan.layer)] = y.float()
             if self.shadow_cache is not None:
-                with backend("fast"):
+                with using_backend("fast"):
                     z = attention(x, w, plan, cfg, lay, self.shadow_cache, self._shadow_shared)
                 self.shadow_out[("attn", plan.layer)] = z.float()
             return y
@@ -127,7 +116,7 @@ class Recorder:
             y = ffn(x, blk, input_ids)
             self.out[("moe", blk.plan.layer)] = y.float()
             if self.shadow_cache is not None:
-                with backend("fast"):
+                with using_backend("fast"):
                     z = ffn(x, blk, input_ids)
                 self.shadow_out[("moe", blk.plan.layer)] = z.float()
             return y
@@ -165,12 +154,12 @@ def check_layers(args) -> tuple[dict, list[dict]]:
     tokens = torch.randint(3, cfg.vocab_size, (args.tokens,), generator=g).tolist()
     model = build_model(cfg, dev, torch.bfloat16, args.seed, args.engram_rows)
     timings = {}
-    with backend("reference"):
+    with using_backend("reference"):
         t0 = time.perf_counter()
         ref, ref_logits = prefill(model, tokens, args.block_tokens, args.engram_rows, shadow=True)
         _sync(dev)
         timings["reference_with_shadow_s"] = time.perf_counter() - t0
-    with backend("fast"):
+    with using_backend("fast"):
         t0 = time.perf_counter()
         fast, fast_logits = prefill(model, tokens, args.block_tokens, args.engram_rows)
         _sync(dev)
@@ -179,7 +168,7 @@ def check_layers(args) -> tuple[dict, list[dict]]:
     f32 = f32_logits = None
     if not args.no_fp32:
         model = build_model(cfg, dev, torch.float32, args.seed, args.engram_rows)
-        with backend("reference"):
+        with using_backend("reference"):
             f32, f32_logits = prefill(model, tokens, args.block_tokens, args.engram_rows)
         del model
 
@@ -226,9 +215,9 @@ def check_decode(args) -> dict:
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
     model = build_model(cfg, dev, torch.bfloat16, args.seed, None)
     n, bt = args.decode_steps, args.decode_block_tokens
-    with backend("reference"):
+    with using_backend("reference"):
         ref_tokens, ref_logits = greedy(model, prompt, n, bt)
-    with backend("fast"):
+    with using_backend("fast"):
         fast_tokens, fast_logits = greedy(model, prompt, n, bt)
         forced_tokens, forced_logits = greedy(model, prompt, n, bt, forced=ref_tokens)
 
@@ -253,7 +242,7 @@ def check_decode(args) -> dict:
     if not args.no_fp32:  # bf16's own error on the same histories, for scale
         del model
         model = build_model(cfg, dev, torch.float32, args.seed, None)
-        with backend("reference"):
+        with using_backend("reference"):
             f32_tokens, f32_logits = greedy(model, prompt, n, bt, forced=ref_tokens)
             f32_free, _ = greedy(model, prompt, n, bt)
         # how long bf16 itself keeps float32's greedy tokens: the horizon any bf16 path can be expected to hold

@@ -3,6 +3,7 @@
 The backend is chosen once at start-up: "reference" (plain PyTorch, any device) or "fast" (Triton kernels and
 carried libraries on CUDA, falling back to the reference for an op that has no fast path).
 """
+import contextlib
 import os
 
 import torch
@@ -39,6 +40,17 @@ def set_backend(name: str, interpret_on_cpu: bool | None = None) -> None:
     _backend = name
     if interpret_on_cpu is not None:
         _interpret_on_cpu = interpret_on_cpu
+
+
+@contextlib.contextmanager
+def using_backend(name: str):
+    """Run the block under backend `name`, then restore the previous one (checks and tests that compare them)."""
+    before = backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(before)
 
 
 def interpreting_on_cpu() -> bool:

@@ -32,6 +32,7 @@ import time
 import torch
 
 import mini.ops
+from mini.ops import using_backend
 
 FACTOR = 2.0
 FLOOR = 1e-4
@@ -69,16 +70,6 @@ class OpCheck:
 def _import(name):
     import importlib
     return importlib.import_module(name)
-
-
-@contextlib.contextmanager
-def backend(name: str):
-    before = mini.ops.backend()
-    mini.ops.set_backend(name)
-    try:
-        yield
-    finally:
-        mini.ops.set_backend(before)
 
 
 def _tensors(x):
@@ -123,10 +114,10 @@ def op_checks(results: list[OpCheck]):
         def call(*args, **kw):
             if mini.ops.backend() != "reference":  # the shadow run of level 2: the fast path as it is
                 return fn(*args, **kw)
-            with backend("reference"):
+            with using_backend("reference"):
                 ref = fn(*args, **kw)
                 ref32 = fn(*_fp32(args), **{k: _fp32(v) for k, v in kw.items()})
-            with backend("fast"):
+            with using_backend("fast"):
                 fast = fn(*args, **kw)
             results.extend(compare(name, ref, fast, ref32))
             return ref
@@ -257,7 +248,7 @@ def check_config(seed: int, cfg, device, prompt: int = 24, chunks: tuple[int, ..
     kernels: dict[str, int] = {}
     # level 1 (+ 2): one prefill of the prompt under the reference, each op also run fast and in fp32
     from mini.check.fastpath import prefill as recorded_prefill
-    with backend("reference"), op_checks(ops), coverage(kernels):
+    with using_backend("reference"), op_checks(ops), coverage(kernels):
         rec, _ = recorded_prefill(model, tokens[:prompt], block_tokens_of(cfg), None, shadow=layers)
     e2e_runs = {"prefill": ([prompt], 0), "chunked": (list(chunks), 0), "decode": ([prompt], decode),
                 "chunked_decode": (list(chunks), decode)}
@@ -265,13 +256,13 @@ def check_config(seed: int, cfg, device, prompt: int = 24, chunks: tuple[int, ..
     fast, ref = {}, {}
     with coverage(kernels):
         for mode, (ch, dec) in e2e_runs.items():
-            with backend("fast"):
+            with using_backend("fast"):
                 fast[mode] = run_schedule(model, tokens, ch, dec)
-            with backend("reference"):
+            with using_backend("reference"):
                 ref[mode] = run_schedule(model, tokens, ch, dec)
     del model
     model32 = make_model(torch.float32)
-    with backend("reference"):
+    with using_backend("reference"):
         rec32, _ = recorded_prefill(model32, tokens[:prompt], block_tokens_of(cfg), None)
         f32 = {mode: run_schedule(model32, tokens, ch, dec) for mode, (ch, dec) in e2e_runs.items()}
     rows = []
