@@ -108,6 +108,21 @@ phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.jso
     python3 -m mini.cli profile --suite rank4 --steps "${PROFILE_STEPS:-5}" --warmup 1 --out "$PHASE_DIR"
 }
 
+phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uniform, then skewed (RoutingSkew in
+    # mini/bench/prefill.py: hot experts at 2.5x the mean, this rank 16 of the 48 hot ones), each its own process
+    # (~35 s build + 12 steps). MINI_MOE_GEMM=humming unless set: a run without the carried wheels refuses (exit 2,
+    # naming what is missing) instead of reporting Triton GEMMs under the same name. Look at: rank4_*.json metrics
+    # mean/median_step_ms and pairs_per_local_expert_{min,median,mean,max} (skewed: max ~700, mean ~274 at seed 0),
+    # definition.routing, env.backends (moe_gemm humming, sparse_attn flashmla).
+    local rc=0 mode
+    for mode in uniform skewed; do
+        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 110 python3 -m mini.cli bench rank4 --routing "$mode" \
+            --steps 10 --warmup 2 --json "$PHASE_DIR/rank4_$mode.json" >"$PHASE_DIR/rank4_$mode.log" 2>&1 || rc=1
+        tail -12 "$PHASE_DIR/rank4_$mode.log"
+    done
+    return $rc
+}
+
 phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
     python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
 }

@@ -45,6 +45,103 @@ def test_emulated_ep_routes_synthetic_remote_rows_but_returns_own(tiny_moe):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_skewed_routing_has_the_documented_load_shape():
+    """RoutingSkew at rank4's shape (V4.1-Flash: 384 experts, k 6, 4 x 4,096 rows, this rank holding 0..95): hot
+    experts at ~2.5 x the mean, the busiest at 2.4-3.0 x, this rank ~1.07 x its even share (docstring figures)."""
+    local, E = range(96), 384
+    for layer in (0, 17, 39):
+        ids = prefill.SKEW.draw(16384, 6, E, local, 4, 0, layer)
+        assert ids.shape == (16384, 6)
+        assert all(len(set(r)) == 6 for r in ids[:512].tolist())  # k distinct experts per row
+        c = torch.bincount(ids.flatten(), minlength=E).double()
+        p = prefill.SKEW.probabilities(E, local, 4, 0, layer)
+        hot = p > p.min()
+        assert int(hot.sum()) == 48 and int(hot[:96].sum()) == 16
+        assert p.sum().item() == pytest.approx(1.0) and (p.max() / p.mean()).item() == pytest.approx(2.5)
+        assert 2.4 <= (c.max() / c.mean()).item() <= 3.0
+        assert 2.3 <= (c[hot].mean() / c.mean()).item() <= 2.6
+        assert 1.04 <= (c[:96].sum() / c.sum() * 4).item() <= 1.10
+    # fixed: the same draw every time; the hot set moves between layers
+    assert torch.equal(prefill.SKEW.draw(64, 6, E, local, 4, 0, 3), prefill.SKEW.draw(64, 6, E, local, 4, 0, 3))
+    assert not torch.equal(prefill.SKEW.probabilities(E, local, 4, 0, 0), prefill.SKEW.probabilities(E, local, 4, 0, 1))
+
+
+def test_uniform_routing_is_the_gate_over_all_rows_as_before(tiny_moe):
+    """The gate now runs over the own rows only and the remote rows take their copies' routing: the same ids and
+    weights as gating all rows (what rank4 did before), so the same pairs per expert, and the same output."""
+    from mini.ops.moe import gate, routed, shared
+    cfg, w = tiny_moe
+    plan = cfg.layers[3]
+    g = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(13, cfg.dim, generator=g), torch.randint(0, cfg.vocab_size, (13,), generator=g)
+    ep = prefill.EmulatedEP(4, 0)
+    rows = ep.remote_rows(13, "cpu")
+    x_old, ids_old = torch.cat([x, x[rows]]), torch.cat([ids, ids[rows]])
+    weights_before, ids_before = gate(x_old, w, cfg, plan, ids_old)
+    x_all, weights_now, ids_now = ep.route(x, w, cfg, plan, ids)
+    assert torch.equal(x_all, x_old) and torch.equal(ids_now, ids_before)
+    torch.testing.assert_close(weights_now, weights_before, rtol=1e-6, atol=0)
+    ep.recording = True
+    out = ep(x, w, cfg, plan, ids)
+    assert ep.pairs[3].tolist() == torch.bincount(ids_before.flatten(), minlength=cfg.n_routed_experts).tolist()
+    before = (routed(x_old, w, cfg, weights_before, ids_before)[:13] + shared(x, w)).to(x.dtype)
+    torch.testing.assert_close(out, before, rtol=1e-6, atol=1e-7)
+
+
+def test_skewed_routing_replaces_the_gates_ids_only(tiny_moe):
+    cfg, w = tiny_moe
+    x, ids = torch.randn(9, cfg.dim), torch.randint(0, cfg.vocab_size, (9,))
+    uni, skew = prefill.EmulatedEP(4, 0), prefill.EmulatedEP(4, 0, "skewed", range(0, 4))
+    xu, wu, _ = uni.route(x, w, cfg, cfg.layers[3], ids)
+    xs, ws, ids_s = skew.route(x, w, cfg, cfg.layers[3], ids)
+    assert torch.equal(xu, xs) and torch.equal(wu, ws)
+    assert torch.equal(ids_s, prefill.SKEW.draw(36, cfg.n_activated_experts, cfg.n_routed_experts, range(0, 4), 4,
+                                                0, 3))
+    with pytest.raises(ValueError, match="routing 'zipf'"):
+        prefill.EmulatedEP(4, 0, "zipf")
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_rank4_records_routing_and_pairs_per_local_expert(routing, tmp_path):
+    from mini.bench import main
+    out = tmp_path / "r.json"
+    assert main(["rank4", "--json", str(out), "--routing", routing, "--ep", "4"] + TINY) == 0
+    res = json.loads(out.read_text())
+    m, raw = res["metrics"], res["raw"]["pairs_per_local_expert"]
+    assert res["definition"]["routing"] == routing
+    cfg = preset("tiny-v4.1")
+    moe_layers = [p.layer for p in cfg.layers]
+    assert sorted(map(int, raw)) == moe_layers and all(len(v) == 4 for v in raw.values())  # 16 / 4 local experts
+    flat = sorted(n for v in raw.values() for n in v)
+    assert (m["pairs_per_local_expert_min"], m["pairs_per_local_expert_max"]) == (flat[0], flat[-1])
+    assert m["pairs_per_local_expert_min"] <= m["pairs_per_local_expert_median"] <= m["pairs_per_local_expert_max"]
+    assert 0 < sum(flat) <= len(moe_layers) * 24 * 4 * cfg.n_activated_experts  # 24 own + 72 remote rows
+    assert set(res["env"]["backends"]) >= {"ops", "moe_gemm", "sparse_attn"}
+
+
+def test_rank4_refuses_a_forced_library_it_cannot_run(monkeypatch, capsys):
+    from mini.bench import main
+    from mini.ops import backends
+    import mini.kernels.humming_experts as humming
+    monkeypatch.setenv("MINI_MOE_GEMM", "humming")
+    monkeypatch.setattr(backends, "_libraries", {})
+    monkeypatch.setattr(humming, "available", lambda: False)  # also where the wheel is installed
+    assert main(["rank4"] + TINY) == 2
+    err = capsys.readouterr().err
+    assert "MINI_MOE_GEMM=humming, but humming does not import" in err
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in err
+
+
+def test_rank4_refuses_a_step_that_bypasses_the_emulation():
+    from mini.bench import SuiteError
+    args = _args()
+    r, setup_s = prefill.setup(args)
+    r.model.moe_exchange = None  # the plain MoE: no EP rank's step
+    with pytest.raises(SuiteError, match="no MoE layer ran through the EP emulation"):
+        prefill.measure(r, setup_s, args)
+
+
 def test_rank4_suite_on_the_tiny_model():
     res = check_result("rank4", prefill.run(_args()))
     m = res["metrics"]
