@@ -56,10 +56,11 @@ class RoutingSkew:
     placement, 12 +- 2.8 each, max of 4 ~ 15), so it gets (16 x 2.5 + 80 x 0.786) / 96 = 1.071 x the mean rank's
     pairs. Which experts are hot changes per layer (a generator seeded by (seed, layer)). Each row takes k distinct
     experts drawn with these probabilities (Gumbel top-k), so a hot expert's load is a little under 2.5 x the mean
-    (2.46-2.51 per layer at V4.1-Flash's k = 6 of 384). At rank4's shape (16,384 rows x 6 pairs, mean 256 pairs per expert), seed 0, the
-    realized max / mean per layer is 2.64-2.77 over the 40 layers (the hot experts' binomial spread), this rank's
-    pairs per local expert min 154 / median 205 / mean 274 / max 709; tests/bench/test_prefill.py checks the
-    shape (max / mean in [2.4, 3.0], hot mean / mean in [2.3, 2.6], this rank's share 1.04-1.10 x even)."""
+    (2.46-2.51 per layer at V4.1-Flash's k = 6 of 384). At rank4's shape (16,384 rows x 6 pairs, mean 256 pairs
+    per expert), seed 0, the realized max / mean per layer is 2.64-2.77 over the 40 layers (the hot experts'
+    binomial spread), this rank's pairs per local expert min 154 / median 205 / mean 274 / max 709;
+    tests/bench/test_prefill.py checks the shape (max / mean in [2.4, 3.0], hot mean / mean in [2.3, 2.6], this
+    rank's share 1.04-1.10 x even)."""
     hot_fraction: float = 1 / 8
     hot_load: float = 2.5  # a hot expert's expected load / the mean load per expert
 
