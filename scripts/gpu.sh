@@ -116,7 +116,7 @@ phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uni
     # definition.routing, env.backends (moe_gemm humming, sparse_attn flashmla).
     local rc=0 mode
     for mode in uniform skewed; do
-        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 110 python3 -m mini.cli bench rank4 --routing "$mode" \
+        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 115 python3 -m mini.cli bench rank4 --routing "$mode" \
             --steps 10 --warmup 2 --json "$PHASE_DIR/rank4_$mode.json" >"$PHASE_DIR/rank4_$mode.log" 2>&1 || rc=1
         tail -12 "$PHASE_DIR/rank4_$mode.log"
     done
