@@ -14,9 +14,13 @@ messages and take the same decision: if any rank has work (or got a command), ev
 without a forward of its own joining the MoE layers with an empty batch (`DPModel.join_idle`); otherwise rank 0
 waits for the next request (at most `IDLE_POLL_S`, so the idle ranks' collective never times out).
 
-Rank 0 places a request on the rank with the fewest unfinished requests and remembers the owner, so an abort (a
-client that went away) reaches the engine holding the request. Outputs travel without their prompt ids and
-without earlier tokens' ids and logprobs (rank 0 keeps those), so a step's messages stay small for long contexts.
+Every rank's message also carries its load (`balance.RankLoad`: prompt tokens still to prefill, decoding context,
+free cache). Rank 0 places a request by load (`balance.Placement`) and remembers the owner, so an abort (a client
+that went away) reaches the engine holding the request. From the same loads every rank derives the same cap on the
+prompt tokens it prefills in the step (`balance.prefill_cap`), so that a rank that only decodes does not wait on
+another rank's long prefill chunk every step (not in deterministic mode: its chunks are fixed by the prompt).
+Outputs travel without their prompt ids and without earlier tokens' ids and logprobs (rank 0 keeps those), so a
+step's messages stay small for long contexts.
 A failed step on any rank breaks the lock step: that rank raises, and rank 0 fails every request from then on.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from mini.engine.async_engine import Abort, Add, Failed, apply
 from mini.engine.llm import LLMEngine, RequestOutput
+from mini.parallel.balance import Placement, RankLoad, prefill_cap
 from mini.parallel.groups import DistContext, init, shutdown
 from mini.parallel.launch import run_local
 
@@ -65,6 +70,7 @@ class StepMessage:
     outputs: list = field(default_factory=list)  # RequestOutput (slimmed) | RequestError, of the previous step
     commands: list = field(default_factory=list)  # rank 0 only: AddRequest | AbortRequest
     stop: bool = False  # rank 0 only: leave the loop after this message
+    load: RankLoad = field(default_factory=RankLoad)  # the sender's load before this step's commands
 
 
 def slim(out: RequestOutput) -> RequestOutput:
@@ -89,23 +95,31 @@ class _Track:
 
 
 class Router:
-    """Rank 0: which rank holds which request; new requests go to the rank with the fewest unfinished ones
-    (ties: the lowest rank)."""
+    """Rank 0: which rank holds which request; new requests go where `balance.Placement` says (by the ranks'
+    reported loads)."""
 
     def __init__(self, world: int):
         self.load = [0] * world  # unfinished requests per rank
         self.placed = [0] * world  # requests placed per rank so far
         self.tracks: dict[str, _Track] = {}
+        self.placement = Placement(world)
 
     def place(self, request_id: str, prompt_ids: list[int]) -> int:
-        rank = min(range(len(self.load)), key=lambda r: (self.load[r], r))
+        rank = self.placement.place(len(prompt_ids))
         self.load[rank] += 1
         self.placed[rank] += 1
         self.tracks[request_id] = _Track(rank, prompt_ids)
         return rank
 
+    def report(self, loads: list[RankLoad], sent: list) -> None:
+        """The ranks' loads from a step's messages; `sent`: the commands of the same step (applied after)."""
+        self.placement.report(loads, added_tokens(sent, len(self.load)))
+
     def status(self) -> dict:
-        return {"world": len(self.load), "unfinished": list(self.load), "placed": list(self.placed)}
+        loads = [self.placement.load(r) for r in range(len(self.load))]
+        return {"world": len(self.load), "unfinished": list(self.load), "placed": list(self.placed),
+                "tokens_in_flight": [ld.tokens_in_flight for ld in loads],
+                "cache_free_tokens": [ld.cache_free_tokens for ld in loads]}
 
     def owner(self, request_id: str) -> int | None:
         track = self.tracks.get(request_id)
@@ -122,18 +136,35 @@ class Router:
         return out if isinstance(out, RequestError) else track.restore(out)
 
 
+def added_tokens(commands: list, world: int) -> list[int]:
+    """Prompt tokens that `commands` add to each rank."""
+    added = [0] * world
+    for cmd in commands:
+        if isinstance(cmd, AddRequest):
+            added[cmd.rank] += len(cmd.prompt_ids)
+    return added
+
+
+def step_loads(messages: list[StepMessage]) -> list[RankLoad]:
+    """Every rank's load as the step will find it: its report plus the requests rank 0 adds to it now (applied
+    after the report was taken). The same on every rank."""
+    return [m.load.plus(n) for m, n in zip(messages, added_tokens(messages[0].commands, len(messages)))]
+
+
 # ---------------------------------------------------------------------------------------------------- every rank
 class DPWorker:
     """One rank's side of the lock step: its engine (over a DPModel) and the per-step message exchange."""
+    min_prefill_chunk = 256  # the least prompt tokens per step a rank may prefill under `balance.prefill_cap`
 
     def __init__(self, engine: LLMEngine, ctx: DistContext):
         self.engine, self.ctx = engine, ctx
         self.dp = engine.runner.model
         self._outbox: list = []
+        self.capped_steps = 0  # engine steps whose budget the prefill cap cut
 
     def sync(self, commands: list = (), stop: bool = False) -> list[StepMessage]:
         """The step's one all-gather: every rank's message, in rank order."""
-        mine = StepMessage(self.engine.has_work(), self._outbox, list(commands), stop)
+        mine = StepMessage(self.engine.has_work(), self._outbox, list(commands), stop, RankLoad.of(self.engine))
         self._outbox = []
         if not self.ctx.multi:
             return [mine]
@@ -152,12 +183,28 @@ class DPWorker:
             return False
         ran_forward = False
         if self.engine.has_work():
-            outputs = self.engine.step()
+            outputs = self._engine_step(prefill_cap(step_loads(messages), self.min_prefill_chunk))
             self._outbox += [slim(o) for o in outputs]
             ran_forward = outputs.forward
         if not ran_forward:  # no forward of our own: serve the other ranks' tokens
             self.dp.join_idle()
         return True
+
+    def _engine_step(self, cap: int | None):
+        """One engine step with at most `cap` prompt tokens (None: the engine's budget). The scheduler spends its
+        budget on decodes first, so the step's budget becomes the decodes plus `cap`. The deterministic mode's
+        chunks are fixed by the prompt: no cap there."""
+        config = self.engine.scheduler.config
+        if cap is None or config.chunk_tokens > 0:
+            return self.engine.step()
+        decodes = sum(1 for s in self.engine.scheduler.running if not s.in_prefill)
+        full = config.max_num_batched_tokens
+        config.max_num_batched_tokens = min(full, decodes + cap)
+        self.capped_steps += int(config.max_num_batched_tokens < full)
+        try:
+            return self.engine.step()
+        finally:
+            config.max_num_batched_tokens = full
 
     def follow(self) -> None:
         """Ranks other than 0: run steps until rank 0 says stop."""
@@ -181,8 +228,8 @@ class DPDriver:
         self._failed: Exception | None = None
 
     def status(self) -> dict:
-        """Requests per rank (GET /dp), for operators and tests."""
-        return self.router.status()
+        """Requests and loads per rank (GET /dp), for operators and tests."""
+        return {**self.router.status(), "capped_steps": self.worker.capped_steps}
 
     def start(self) -> None:
         if self.worker.ctx.device.type == "cuda":  # the CUDA device is per thread
@@ -195,7 +242,9 @@ class DPDriver:
         if self._failed is not None:
             return [Failed(c.request_id, self._failed) for c in commands if isinstance(c, Add)]
         try:
-            messages = self.worker.sync(self._route(commands), stop)
+            routed = self._route(commands)
+            messages = self.worker.sync(routed, stop)
+            self.router.report([m.load for m in messages], routed)
             outputs = [out for m in messages for out in self._receive(m.outputs)]
             if not stop:
                 self._idle = not self.worker.step(messages)

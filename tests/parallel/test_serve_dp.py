@@ -83,16 +83,63 @@ def _dp_status(url: str) -> dict:
     return httpx.get(url + "/dp", timeout=10).json()
 
 
-def test_two_ranks_answer_like_one(dp_server):
+@pytest.fixture(scope="module")
+def one_server():
+    """The plain one-process server: what the DP server must answer."""
+    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, **ENGINE)
+    with BackgroundServer(app) as url:
+        yield url
+
+
+def test_two_ranks_answer_like_one(dp_server, one_server):
     placed = _dp_status(dp_server)["placed"]
     got = _all(dp_server)
     status = _dp_status(dp_server)
     assert status["unfinished"] == [0, 0]
     assert all(b - a >= 2 for a, b in zip(placed, status["placed"]))  # five concurrent requests: both ranks work
-    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, **ENGINE)
-    with BackgroundServer(app) as url:
-        want = _all(url)
+    want = _all(one_server)
     assert [n for _, _, n in want] == MAX_TOKENS
+    assert got == want
+
+
+def _placed_total(url: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while sum(_dp_status(url)["placed"]) < n:
+        assert time.monotonic() < deadline, _dp_status(url)
+        time.sleep(0.02)
+
+
+# two decoding requests (the first with less context), then a 500-token prompt, then a burst of short prompts
+SKEW_WARM = [(PROMPTS[2], 40), (PROMPTS[1], 40)]
+SKEW_LONG = ([3 + (7 * j) % 500 for j in range(500)], 6)
+SKEW_BURST = [(PROMPTS[i % 5][: 5 + i], 3) for i in range(6)]
+
+
+def test_skewed_arrival_balances_tokens_and_answers_like_one(dp_server, one_server):
+    """Placement by tokens in flight: the long prompt goes to the rank with less context (rank 0), and the burst
+    of short prompts after it all goes to the other rank, whose tokens in flight stay below the long prompt's
+    (placement by request count alternates: 3 of them would land behind the long prompt). The long prompt arrives
+    while the other rank only decodes: its prefill is capped at 256 tokens per step. Greedy answers equal the
+    one-process server's."""
+    status = _dp_status(dp_server)
+    assert status["unfinished"] == [0, 0]
+    placed, capped, n = status["placed"], status["capped_steps"], sum(status["placed"])
+    with ThreadPoolExecutor(len(SKEW_BURST) + 3) as pool:
+        futures = []
+        for i, request in enumerate(SKEW_WARM + [SKEW_LONG]):  # one at a time, in this order
+            futures.append(pool.submit(_complete, dp_server, *request))
+            _placed_total(dp_server, n + i + 1)
+        after_long = _dp_status(dp_server)
+        futures += [pool.submit(_complete, dp_server, *request) for request in SKEW_BURST]
+        got = [f.result() for f in futures]
+    status = _dp_status(dp_server)
+    assert [b - a for a, b in zip(placed, status["placed"])] == [2, 1 + len(SKEW_BURST)], status
+    assert after_long["tokens_in_flight"][0] >= len(SKEW_LONG[0]), after_long
+    assert status["capped_steps"] > capped, status  # 500 prompt tokens at most 256 a step: two steps capped
+    assert status["unfinished"] == [0, 0]
+    with ThreadPoolExecutor(len(SKEW_BURST) + 3) as pool:
+        want = list(pool.map(lambda r: _complete(one_server, *r), SKEW_WARM + [SKEW_LONG] + SKEW_BURST))
+    assert [n for _, _, n in want] == [m for _, m in SKEW_WARM + [SKEW_LONG] + SKEW_BURST]
     assert got == want
 
 
@@ -138,7 +185,7 @@ def _out(rid, new, lps, finished=False, reason=None):
     return RequestOutput(rid, [9, 9], [], "", new, "", finished, reason, logprobs=lps)
 
 
-def test_router_places_least_loaded_and_restores_outputs():
+def test_router_places_by_load_and_restores_outputs():
     router = Router(3)
     assert [router.place(f"r{i}", [1, 2, i]) for i in range(4)] == [0, 1, 2, 0]
     assert router.load == [2, 1, 1] and router.owner("r1") == 1 and router.owner("nope") is None
