@@ -255,10 +255,12 @@ def time_steps(r: Rank4, steps: int) -> list[float]:
 
 
 def definition(args) -> dict:
-    return {"preset": args.preset, "tokens": args.tokens, "seqs": args.seqs, "ep": args.ep, "dtype": args.dtype,
-            "block_tokens": args.block_tokens, "engram_rows": args.engram_rows, "seed": args.seed,
-            "routing": args.routing,
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    """The workload. `routing` appears only when it is not the uniform default, so that a revision from before the
+    option and one after it define the same uniform workload (tools/bench_rev.py compares definitions)."""
+    d = {"preset": args.preset, "tokens": args.tokens, "seqs": args.seqs, "ep": args.ep, "dtype": args.dtype,
+         "block_tokens": args.block_tokens, "engram_rows": args.engram_rows, "seed": args.seed,
+         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    return d if args.routing == "uniform" else {**d, "routing": args.routing}
 
 
 def check_backends() -> None:
