@@ -222,6 +222,36 @@ phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (
     return $rc
 }
 
+phase_ep2_balance() {  # issue 19 item 3 (2 GPUs, <= 3 min): DP balance under `mini serve --ep 2` (tiny-v4.1):
+    # tiny-goodput against it, uniform (64 x 128 in) then skewed lengths (64 x 25..2022 in, 1..126 out), 2 bursts each,
+    # then GET /dp. Expect failed 0 in both JSONs, dp.json unfinished [0, 0] with placed near even for uniform load,
+    # capped_steps > 0 (the skewed bursts cap a rank's prefill while the other decodes); compare the TPOT p50 of
+    # uniform.json with issue 19's 64-75 ms (eager EP2 steps) and skewed.json's TPOT p99 against uniform's.
+    local port=18519 rc=0 pid url
+    url=http://127.0.0.1:$port
+    mini serve --ep 2 --model tiny-v4.1 --backend fast --port $port >"$PHASE_DIR/serve.log" 2>&1 &
+    pid=$!
+    python3 - "$url" <<'PY' || rc=$?
+import sys, time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/health", timeout=1); sys.exit(0)
+    except OSError:
+        time.sleep(0.5)
+sys.exit("the --ep 2 server did not answer /health in 120 s")
+PY
+    if [ $rc -eq 0 ]; then
+        timeout 60 mini bench tiny-goodput --url "$url" --num-requests 64 --input-len 128 --output-len 64 \
+            --repeat 2 --json "$PHASE_DIR/uniform.json" || rc=$?
+        timeout 90 mini bench tiny-goodput --url "$url" --num-requests 64 --input-len 1024 --range-ratio 0.975 \
+            --output-len 64 --repeat 2 --json "$PHASE_DIR/skewed.json" || rc=$?
+        python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/dp').read().decode())" \
+            "$url" | tee "$PHASE_DIR/dp.json"
+    fi
+    kill -TERM $pid; wait $pid || rc=$?
+    return $rc
+}
+
 phase_determinism() {  # issue 17 (<= 3 min): the mode's gpu tests, then how many of 24 greedy answers change
     # under load without and with the mode (tools/det_drift.py; JSON per mode). Expect the tests to pass and
     # drift_det.json changed_tokens = changed_logprobs = 0; drift_default.json is the default mode's count.
