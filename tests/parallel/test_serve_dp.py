@@ -96,7 +96,8 @@ def test_two_ranks_answer_like_one(dp_server, one_server):
     got = _all(dp_server)
     status = _dp_status(dp_server)
     assert status["unfinished"] == [0, 0]
-    assert all(b - a >= 2 for a, b in zip(placed, status["placed"]))  # five concurrent requests: both ranks work
+    # five concurrent requests: both ranks work (how many each depends on the order they arrive in, by tokens)
+    assert all(b - a >= 1 for a, b in zip(placed, status["placed"])) and sum(status["placed"]) - sum(placed) == 5
     want = _all(one_server)
     assert [n for _, _, n in want] == MAX_TOKENS
     assert got == want
@@ -111,7 +112,7 @@ def _placed_total(url: str, n: int) -> None:
 
 # two decoding requests (the first with less context), then a 500-token prompt, then a burst of short prompts
 SKEW_WARM = [(PROMPTS[2], 40), (PROMPTS[1], 40)]
-SKEW_LONG = ([3 + (7 * j) % 500 for j in range(500)], 6)
+SKEW_LONG = ([3 + (7 * j) % 500 for j in range(500)], 24)  # still decoding while the burst is placed
 SKEW_BURST = [(PROMPTS[i % 5][: 5 + i], 3) for i in range(6)]
 
 
