@@ -33,26 +33,24 @@ def count(minimum: int):
     return parse
 
 
-def fraction(text: str) -> float:
-    """argparse type: a number in (0, 1]."""
+def _number(text: str, ok, want: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def non_negative(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def device_name(text: str) -> str:
