@@ -1,0 +1,249 @@
+"""Where two runs of an official-reference fixture first part (issue 12): every op output of a prefill, recorded in
+call order, then compared run against run, with the discrete decisions (indexer top-k ids, candidate blocks, MoE
+expert ids, the FP8 act-quant scales of each FP8/FP4 GEMM's input) called out.
+
+    python3 tools/fidelity_diag.py record --fixture f1 --backend reference --device cpu --out a.pt
+    MKL_CBWR=AVX2,STRICT python3 tools/fidelity_diag.py record --fixture f1 --out b.pt
+    python3 tools/fidelity_diag.py compare a.pt b.pt [--row 3]
+
+`record` also writes the run's logits against the fixture's (prefill rel-MAE / top-1, as
+tests/parity/official_fixture.py measures them). Flags of `record`: `--no-reduced-precision` turns off cuBLAS's
+reduced-precision (split-K) reductions for bf16 and fp16 GEMMs.
+
+`compare` lists, in call order, each recorded op whose output differs: its largest |diff|, the rows that differ,
+and for an op whose inputs agreed on a row while its output does not, "ORIGIN" (the op itself computes that row
+differently, rather than passing on a difference from below). Integer outputs (ids) are compared as sets per row:
+a row whose set differs is a DISCRETE flip, as is a row whose act-quant scale differs (a power of two).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
+
+# (module, function name) of the ops recorded; each is looked up through its module at call time
+_ATTN = ["linear", "rms_norm", "apply_rope", "_window_kv", "compress", "_index", "index_scores", "select_candidates",
+         "top_groups", "norm_rope_quant", "sparse_attention", "_grouped_out_proj"]
+_MODEL = ["attention", "engram", "moe"]
+_MHC = ["pre_norm", "expand", "collapse"]
+_MOE = ["gate", "routed", "shared", "_shared", "_routed_fast"]
+
+
+class Recorder:
+    def __init__(self):
+        self.records: list[tuple[str, object]] = []
+        self.layer, self.active = -1, True
+        self.sites = 0  # pre_norm calls so far: two per block (attention, FFN)
+
+    def add(self, name: str, value) -> None:
+        if self.active:
+            self.records.append((f"L{self.layer}.{name}", _cpu(value)))
+
+    def wrap(self, module, fname: str):
+        fn = getattr(module, fname, None)
+        if fn is None:
+            return
+        rec = self
+
+        def run(*args, **kwargs):
+            if fname == "attention":
+                rec.layer = args[2].layer
+            elif fname in ("engram", "pre_norm") and rec.active:  # engram starts a block, then its two sites
+                rec.layer = rec.sites // 2
+                rec.sites += fname == "pre_norm"
+            if fname == "linear" and rec.active:
+                x, w = args[0], args[1]
+                if w.kind != "bf16":
+                    from mini.formats.quant import quant_fp8
+                    rec.add(f"linear[{w.out_features}x{w.in_features}].in_scale",
+                            quant_fp8(x.reshape(-1, x.shape[-1]), w.block)[1])
+                rec.add(f"linear[{w.out_features}x{w.in_features}].in", x)
+            out = fn(*args, **kwargs)
+            label = fname if fname != "linear" else f"linear[{args[1].out_features}x{args[1].in_features}]"
+            rec.add(label, out)
+            return out
+
+        setattr(module, fname, run)
+
+
+def _cpu(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone() if not v.is_floating_point() else v.detach().float().cpu().clone()
+    if isinstance(v, (tuple, list)):
+        return tuple(_cpu(x) for x in v)
+    return None
+
+
+def install() -> Recorder:
+    import mini.model.attn_layer as attn_layer
+    import mini.model.model as model
+    import mini.ops.mhc as mhc
+    import mini.ops.moe as moe
+    rec = Recorder()
+    for name in _ATTN:
+        rec.wrap(attn_layer, name)
+    for name in _MODEL:
+        rec.wrap(model, name)
+    for name in _MHC:
+        rec.wrap(mhc, name)
+    for name in _MOE:
+        rec.wrap(moe, name)
+    # the FFN's layer: Model._ffn gets the block
+    ffn = model.Model._ffn
+
+    def _ffn(self, x, blk, ids):
+        rec.layer = blk.plan.layer
+        return ffn(self, x, blk, ids)
+    model.Model._ffn = _ffn
+    return rec
+
+
+def record(args) -> int:
+    import official_fixture as of
+    from mini import ops
+    if args.no_reduced_precision:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.set_num_threads(1)
+    ops.set_backend(args.backend)
+    rec = install()
+    for fixture in args.fixture.split(","):
+        rec.records, rec.active, rec.layer, rec.sites = [], True, -1, 0
+        _record_one(args, of, rec, fixture)
+    return 0
+
+
+def _record_one(args, of, rec: Recorder, fixture: str) -> None:
+    ref = of.reference(fixture)
+    model, cfg = of.load(fixture, args.device)
+    ids = [int(t) for t in ref["prompt_ids"]]
+    forced = [int(t) for t in ref["greedy_ids"][:of.DECODE_STEPS]]
+    # record the prefill only (rows = prompt positions); the decode steps run unrecorded for the logits
+    import mini.model.model as mm
+    fwd = getattr(mm.Model.forward, "unrecorded", mm.Model.forward)
+
+    def forward(self, batch, cache):
+        try:
+            return fwd(self, batch, cache)
+        finally:
+            rec.active = False
+    forward.unrecorded = fwd
+    mm.Model.forward = forward
+    prefill, decode = of.run_logits(model, cfg, ids, forced, args.device)
+    scale = of.scale_of(fixture)
+    summary = {"fixture": fixture, "backend": args.backend, "device": args.device,
+               "no_reduced_precision": args.no_reduced_precision,
+               "prefill": of.compare(prefill, ref["prefill_logits"], scale).row(),
+               "decode": of.compare(decode, ref["replay_logits"], scale).row(),
+               "noise": of.own_noise(fixture).row(),
+               "first_rows": [float(f"{x:.3g}") for x in np.abs(prefill - ref["prefill_logits"]).max(-1)[:12]]}
+    print(json.dumps(summary))
+    out = args.out.replace("{fixture}", fixture)
+    torch.save({"records": rec.records, "logits": torch.from_numpy(prefill), "summary": summary}, out)
+
+
+def _rows(a: torch.Tensor, b: torch.Tensor, n_rows: int) -> torch.Tensor | None:
+    """Per-row 'differs' measure: max |a - b| over each row (float), or 1/0 set mismatch (int); None if the shapes
+    do not have rows."""
+    if a.shape != b.shape:
+        return None
+    if a.dim() == 0 or a.shape[0] != n_rows:
+        return None
+    if not a.is_floating_point():
+        sa, sb = a.reshape(n_rows, -1).sort(-1).values, b.reshape(n_rows, -1).sort(-1).values
+        return (sa != sb).any(-1).float()
+    return (a - b).abs().reshape(n_rows, -1).amax(-1)
+
+
+def compare(args) -> int:
+    a, b = torch.load(args.a, weights_only=False), torch.load(args.b, weights_only=False)
+    ra, rb = a["records"], b["records"]
+    n_rows = a["logits"].shape[0]
+    print("A:", json.dumps(a["summary"]))
+    print("B:", json.dumps(b["summary"]))
+    names_a, names_b = [n for n, _ in ra], [n for n, _ in rb]
+    if names_a != names_b:  # the backends call different internals (e.g. the fast MoE): compare common names
+        print(f"call sequences differ ({len(names_a)} vs {len(names_b)} records): matching by name and occurrence")
+    index_b: dict = {}
+    for n, v in rb:
+        index_b.setdefault(n, []).append(v)
+    seen: dict = {}
+    row_clean = torch.ones(n_rows, dtype=torch.bool)  # rows whose inputs agreed so far (bitwise)
+    first_row_origin: dict[int, str] = {}
+    lines, discrete_lines = [], []
+    for name, va in ra:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        vbs = index_b.get(name, [])
+        if k >= len(vbs):
+            continue
+        vb = vbs[k]
+        pairs = list(zip(va, vb)) if isinstance(va, tuple) and isinstance(vb, tuple) else [(va, vb)]
+        for j, (x, y) in enumerate(pairs):
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+                continue
+            d = _rows(x, y, n_rows)
+            if d is None:
+                continue
+            differ = d > 0
+            if not differ.any():
+                continue
+            discrete = (not x.is_floating_point()) or name.endswith(".in_scale")
+            origin = differ & row_clean
+            for r in origin.nonzero().flatten().tolist():
+                first_row_origin.setdefault(r, f"{name}[{j}]")
+            rows = differ.nonzero().flatten().tolist()
+            shown = f"rows {rows[:10]}{'...' if len(rows) > 10 else ''}"
+            if discrete:
+                discrete_lines.append(f"{name}[{j}] {len(rows)} rows differ: {shown}")
+            if args.row is None or differ[args.row] or origin.any():
+                tag = ("DISCRETE " if discrete else "") + (f"ORIGIN rows {origin.nonzero().flatten().tolist()[:8]}"
+                                                           if origin.any() else "")
+                at = f" row{args.row}={float(d[args.row]):.3g}" if args.row is not None else ""
+                lines.append(f"{name}[{j}] max|d| {float(d.max()):.3g}{at} {shown} {tag}")
+            if not name.endswith(".in"):  # an op's output that differs makes its rows unclean for later ops
+                row_clean &= ~differ
+    print(f"discrete decisions that differ (ids as sets per row; act-quant scales), first {args.max_lines}:")
+    for line in discrete_lines[:args.max_lines]:
+        print("  " + line)
+    print(f"ops whose output differs{'' if args.row is None else f' on row {args.row}'}, first {args.max_lines}:")
+    for line in lines[:args.max_lines]:
+        print("  " + line)
+    print("first op at which each row departs (its inputs agreeing):")
+    for r in sorted(first_row_origin)[:args.max_rows]:
+        print(f"  row {r}: {first_row_origin[r]}")
+    d = (a["logits"] - b["logits"]).abs().amax(-1)
+    print("logits max|d| per row (first 16):", [float(f"{x:.3g}") for x in d[:16]])
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("--fixture", default="f1", help="one fixture or a comma-separated list")
+    r.add_argument("--backend", default="reference", choices=["reference", "fast"])
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--no-reduced-precision", action="store_true")
+    r.add_argument("--out", required=True, help="file to write; {fixture} in it is replaced by the fixture's name")
+    c = sub.add_parser("compare")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--row", type=int, default=None, help="list only ops where this row differs (and origins)")
+    c.add_argument("--max-lines", type=int, default=60)
+    c.add_argument("--max-rows", type=int, default=16)
+    args = p.parse_args(argv)
+    return record(args) if args.cmd == "record" else compare(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
