@@ -155,6 +155,20 @@ phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uni
     return $rc
 }
 
+phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at real V4.1-Flash shape, CUDA graphs,
+    # B in {64, 256} x contexts {4K, 32K} (random cache contents), one build (~35 s) for the four. Look at:
+    # rank4_decode.json metrics b256_c32768.{ms_per_step, tok_per_s_per_gpu, floor_ms, vs_floor} (target vs_floor
+    # <= 1.5; the floor is ~21-23 ms at B = 256), stage_ms.* (eager steps), peak_mem_gb, touched_local_experts.
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 -m mini.cli bench rank4-decode --batch 64,256 \
+        --context 4096,32768 --steps 10 --warmup 3 --profile-steps 2 --json "$PHASE_DIR/rank4_decode.json" \
+        >"$PHASE_DIR/rank4_decode.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:|refuse" "$PHASE_DIR/rank4_decode.log" | tail -5
+    grep -E "(setup_s|built_mem_gb|\.ms_per_step|tok_per_s_per_gpu|\.floor_ms|vs_floor|peak_mem_gb) " \
+        "$PHASE_DIR/rank4_decode.log" | grep -v floor_tok | paste -sd' ' | tr -s ' ' | fold -w 400
+    return $rc
+}
+
 phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
     python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
 }

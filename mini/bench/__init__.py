@@ -63,6 +63,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("ep-prefill", "mini.bench.ep_prefill", "lock-step EP prefill steps on N ranks (torchrun or --nproc)"),
     Suite("ep-exact", "mini.bench.ep_exact", "N EP/DP ranks vs one rank holding every expert: tokens and logits"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
+    Suite("rank4-decode", "mini.bench.rank4_decode", "decode of one EP4 rank at real V4.1-Flash shape vs its floor"),
 )}
 
 
