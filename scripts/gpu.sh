@@ -251,6 +251,16 @@ phase_goodput_cold() {  # issue 15 (<= 2 min): the goodput workload above from a
         --num-requests 64 --input-len 128 --output-len 64 --repeat 3 --json "$PHASE_DIR/goodput_cold.json"
 }
 
+phase_cold_diag() {  # issue 15 (<= 2 min): phase_goodput_cold with the server's warm-up trace (MINI_WARMUP_TRACE,
+    # mini/engine/warmup_trace.py): Triton JIT compiles (kernel, specialization key, seconds), graph captures, steps
+    # (shape, seconds) and allocator growth, in the warm-up and in each burst. The bench prints one line per part
+    # and puts the summary under cold_diag in goodput_cold.json: compare bursts[0] (compiled_kernels, compile_keys,
+    # slowest_steps, step_s, engine_ttft_p50_s, first_add_after_s) with bursts[1]; trace.jsonl has every event.
+    MINI_WARMUP_TRACE="$PHASE_DIR/trace.jsonl" TRITON_CACHE_DIR=$(mktemp -d) timeout 115 python3 -m mini.cli bench \
+        tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 --repeat 3 \
+        --json "$PHASE_DIR/goodput_cold.json"
+}
+
 phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (tokens, logits), then EP2 prefill
     # at EP2_LAYERS (32: 128.5 GiB per GPU, report 004), EP2_FALLBACK layers if that fails with > 60 s left
     local rc=0 left

@@ -279,10 +279,14 @@ def run(args) -> dict:
         "metrics_of": "bursts after the first; first_*: the first burst, nothing sent before it",
     }
 
+    bursts: list[tuple[float, float]] = []  # wall-clock start and end of each run (to read a server trace by)
+
     def bench(url: str) -> list[dict[str, float]]:
         runs = []
         for _ in range(args.repeat):
+            start = time.time()
             results, duration = asyncio.run(_run_once(url, model_name, workload, args))
+            bursts.append((start, time.time()))
             runs.append(summarize(results, duration, args))
             errors = {r.error for r in results if not r.ok}
             if errors:
@@ -297,4 +301,23 @@ def run(args) -> dict:
             runs = bench(url)
     metrics = warm_and_first(runs)
     print(_table(metrics))
-    return {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs}
+    result = {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs}
+    diag = cold_diag(bursts)
+    if diag is not None:
+        result["cold_diag"] = diag
+    return result
+
+
+def cold_diag(bursts: list[tuple[float, float]]) -> dict | None:
+    """The server's warm-up trace (MINI_WARMUP_TRACE, mini.engine.warmup_trace) summarized per burst, where this
+    process can read it (a started server inherits the variable); printed as one line per part. None without."""
+    from mini.engine import warmup_trace
+    path = os.environ.get(warmup_trace.TRACE_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    diag = warmup_trace.summarize(warmup_trace.read(path), bursts)
+    for name, part in [("warm-up", diag["warmup"])] + [(f"burst {b['burst']}", b) for b in diag["bursts"]]:
+        print(f"{name}: {part['steps']} steps in {part['step_s']:.3f} s (slowest {part['max_step_s']:.3f} s), "
+              f"{part['compiles']} Triton compiles ({part['compile_s']:.2f} s) {part['compiled_kernels']}, "
+              f"{part['captures']} graph captures, reserved +{part['reserved_growth'] / 2**20:.0f} MiB")
+    return diag

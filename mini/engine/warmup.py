@@ -16,11 +16,15 @@ import time
 from mini.engine.block_manager import PrefixCacheStats
 from mini.engine.llm import EngineStats, LLMEngine
 from mini.engine.sequence import SamplingParams
+from mini.engine.warmup_trace import from_env as trace_from_env
 
 
 def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     """Run the warm-up requests to their end on `engine` (not yet shared with another thread); returns seconds."""
     t0 = time.perf_counter()
+    trace = trace_from_env(engine)  # MINI_WARMUP_TRACE: what compiles now and what still compiles when serving
+    if trace is not None:
+        engine.trace, trace.phase = trace, "warmup"
     o = engine.options
     rng = random.Random(seed)
     budget, n_seqs, context = o.max_num_batched_tokens, o.max_num_seqs, engine.max_model_len
@@ -45,4 +49,8 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
         engine.step()
     engine.stats = EngineStats()
     engine.blocks.stats = PrefixCacheStats()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if trace is not None:
+        trace.emit("warmup_done", s=round(seconds, 3))
+        trace.phase = "serve"
+    return seconds
