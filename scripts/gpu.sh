@@ -164,8 +164,9 @@ phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at 
         >"$PHASE_DIR/rank4_decode.log" 2>&1
     local rc=$?
     grep -E "Error|error:|refuse" "$PHASE_DIR/rank4_decode.log" | tail -5
-    grep -E "(setup_s|built_mem_gb|\.ms_per_step|tok_per_s_per_gpu|\.floor_ms|vs_floor|peak_mem_gb) " \
-        "$PHASE_DIR/rank4_decode.log" | grep -v floor_tok | paste -sd' ' | tr -s ' ' | fold -w 400
+    grep -E "^  (setup_s|built_mem_gb|b[0-9]+_c[0-9]+\.(peak_mem_gb|touched_local_experts)) " \
+        "$PHASE_DIR/rank4_decode.log" | tr -s ' ' | paste -sd' '
+    grep "^rank4-decode B=" "$PHASE_DIR/rank4_decode.log"  # one line per shape: ms/step, tok/s/GPU, vs the floor
     return $rc
 }
 

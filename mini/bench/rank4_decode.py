@@ -302,6 +302,9 @@ def run(args) -> dict:
             if cuda:
                 m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             metrics.update({f"b{B}_c{C}.{k}": v for k, v in m.items()})
+            # as each shape finishes, so that a run cut by its time limit still tells what it measured
+            print(f"{SUITE} B={B} C={C}: {m['ms_per_step']:.2f} ms/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
+                  f"floor {m['floor_ms']:.2f} ms ({m['vs_floor']:.2f}x)", flush=True)
             del r
             if cuda:
                 torch.cuda.empty_cache()
