@@ -64,6 +64,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("ep-exact", "mini.bench.ep_exact", "N EP/DP ranks vs one rank holding every expert: tokens and logits"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
     Suite("rank4-decode", "mini.bench.rank4_decode", "decode of one EP4 rank at real V4.1-Flash shape vs its floor"),
+    Suite("long-context", "mini.bench.long_context", "a 131,072-token prompt prefilled in chunks on one EP4 rank"),
 )}
 
 

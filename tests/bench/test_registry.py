@@ -16,7 +16,7 @@ def test_registered_suites_point_at_their_modules():
         "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange", "kernels": "mini.bench.kernels",
         "ep-prefill": "mini.bench.ep_prefill",
         "ep-exact": "mini.bench.ep_exact", "decode-host": "mini.bench.decode_host",
-        "rank4-decode": "mini.bench.rank4_decode"}
+        "rank4-decode": "mini.bench.rank4_decode", "long-context": "mini.bench.long_context"}
     assert all(name == s.name for name, s in bench.SUITES.items())
     for s in bench.SUITES.values():  # every registered module exists in this revision
         assert importlib.util.find_spec(s.module) is not None, s.module
