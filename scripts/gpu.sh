@@ -87,34 +87,39 @@ phase_fidelity() {  # issue 12 (~1 min): the fast backend on the official-refere
     return $rc
 }
 
-phase_fidelity_diag() {  # issue 12 (<= 120 s): where the fast backend parts from the official algorithm on
+phase_fidelity_diag() {  # issue 12 (<= 150 s): where the fast backend parts from the official algorithm on
     # f1/f2 (tools/fidelity_diag.py). Records every op output of the prefill of: the reference backend on the CPU
     # on MKL's AVX2 path (== the official logits on f2, f1 rows 0-43), the fast backend on CUDA, the same with
-    # cuBLAS's reduced-precision bf16/fp16 reductions off, and the reference backend ON THE GPU (the official
-    # algorithm on this hardware: the platform-noise yardstick). records.log: one JSON per run and fixture
-    # (prefill/decode rel-MAE and top-1 vs the fixtures, first rows' max|diff|); compare_<run>_<fixture>.txt: the
-    # discrete decisions that differ from the CPU run (top-k ids, MoE experts, act-quant scales) and the first op
-    # at which each row departs. Look at: ref_cuda's prefill rel-MAE vs 2x noise (f1 0.136, f2 0.116), fast vs
-    # fast_nrp, and the first DISCRETE lines of compare_fast_f1.txt.
+    # cuBLAS's reduced-precision bf16/fp16 reductions off, the reference backend ON THE GPU (the official algorithm
+    # on this hardware: the platform-noise yardstick) and the same with the fast path's indexer tie rule.
+    # records.log: one JSON per run and fixture (prefill/decode rel-MAE and top-1 vs the fixtures, first rows'
+    # max|diff|); compare_<run>_<fixture>.txt: the discrete decisions that differ from the CPU run (top-k ids, MoE
+    # experts, act-quant scales) and the first op at which each row departs; same.txt: per op, the fast path on
+    # the reference's own input (bitwise calls, elements over 1 ulp, id rows that differ). Look at: ref_cuda's
+    # prefill rel-MAE vs 2x noise (f1 0.136, f2 0.116), fast vs fast_nrp, and same.txt's non-bitwise ops.
     local rc=0 tmp=/tmp/fidelity_diag
     mkdir -p "$tmp"
-    MKL_CBWR=AVX2,STRICT OMP_NUM_THREADS=1 timeout 30 python3 tools/fidelity_diag.py record --fixture f1,f2 \
-        --backend reference --device cpu --out "$tmp/cpu_avx2_{fixture}.pt" >>"$PHASE_DIR/records.log" 2>&1 || rc=1
-    timeout 60 python3 tools/fidelity_diag.py record --fixture f1,f2 --backend fast --device cuda \
-        --out "$tmp/fast_{fixture}.pt" >>"$PHASE_DIR/records.log" 2>&1 || rc=1
-    timeout 30 python3 tools/fidelity_diag.py record --fixture f1,f2 --backend fast --device cuda \
-        --no-reduced-precision --out "$tmp/fast_nrp_{fixture}.pt" >>"$PHASE_DIR/records.log" 2>&1 || rc=1
-    timeout 30 python3 tools/fidelity_diag.py record --fixture f1,f2 --backend reference --device cuda \
-        --out "$tmp/ref_cuda_{fixture}.pt" >>"$PHASE_DIR/records.log" 2>&1 || rc=1
-    grep '^{' "$PHASE_DIR/records.log"
+    fd_record() {  # NAME SECONDS ARGS...: one record of f1 and f2
+        local name=$1 cap=$2; shift 2
+        timeout "$cap" python3 tools/fidelity_diag.py record --fixture f1,f2 --out "$tmp/${name}_{fixture}.pt" "$@" \
+            >>"$PHASE_DIR/records.log" 2>&1 || { echo "record $name failed" >>"$PHASE_DIR/records.log"; rc=1; }
+    }
+    MKL_CBWR=AVX2,STRICT OMP_NUM_THREADS=1 fd_record cpu_avx2 30 --backend reference --device cpu
+    fd_record fast 60 --backend fast --device cuda
+    fd_record fast_nrp 25 --backend fast --device cuda --no-reduced-precision
+    fd_record ref_cuda 25 --backend reference --device cuda
+    fd_record ref_cuda_newer 25 --backend reference --device cuda --index-ties newer
+    grep '^{\|failed' "$PHASE_DIR/records.log"
+    timeout 40 python3 tools/fidelity_diag.py same --fixture f1,f2 --device cuda --json "$PHASE_DIR/same.json" \
+        >"$PHASE_DIR/same.txt" 2>&1 || rc=1
+    grep -v "bitwise \([0-9]*\)/\1 " "$PHASE_DIR/same.txt" | head -30
     for f in f1 f2; do
-        for run in fast fast_nrp ref_cuda; do
-            [ -f "$tmp/${run}_$f.pt" ] || continue
-            timeout 20 python3 tools/fidelity_diag.py compare "$tmp/cpu_avx2_$f.pt" "$tmp/${run}_$f.pt" \
-                --max-lines 40 >"$PHASE_DIR/compare_${run}_$f.txt" 2>&1 || rc=1
+        for name in fast ref_cuda; do
+            [ -f "$tmp/${name}_$f.pt" ] || continue
+            timeout 15 python3 tools/fidelity_diag.py compare "$tmp/cpu_avx2_$f.pt" "$tmp/${name}_$f.pt" \
+                --max-lines 40 >"$PHASE_DIR/compare_${name}_$f.txt" 2>&1 || rc=1
         done
     done
-    head -12 "$PHASE_DIR/compare_fast_f1.txt" 2>/dev/null | tail -9
     rm -rf "$tmp"
     return $rc
 }

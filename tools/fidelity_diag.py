@@ -8,7 +8,15 @@ expert ids, the FP8 act-quant scales of each FP8/FP4 GEMM's input) called out.
 
 `record` also writes the run's logits against the fixture's (prefill rel-MAE / top-1, as
 tests/parity/official_fixture.py measures them). Flags of `record`: `--no-reduced-precision` turns off cuBLAS's
-reduced-precision (split-K) reductions for bf16 and fp16 GEMMs.
+reduced-precision (split-K) reductions for bf16 and fp16 GEMMs; `--index-ties newer` makes the reference backend
+rank the indexer's equal scores as the fast path does.
+
+    python3 tools/fidelity_diag.py same --fixture f1,f2 --device cuda
+
+`same` runs the reference backend's prefill and, at every recorded op, the fast backend on the same input: per op,
+how many calls are bitwise equal, the share of elements that differ and that differ by more than one unit in the
+last place, and for ids the rows whose sets differ. On a CPU the fast kernels run under Triton's interpreter
+(TRITON_INTERPRET=1; minutes).
 
 `compare` lists, in call order, each recorded op whose output differs: its largest |diff|, the rows that differ,
 and for an op whose inputs agreed on a row while its output does not, "ORIGIN" (the op itself computes that row
@@ -43,6 +51,8 @@ class Recorder:
         self.records: list[tuple[str, object]] = []
         self.layer, self.active = -1, True
         self.sites = 0  # pre_norm calls so far: two per block (attention, FFN)
+        self.same: SameInput | None = None  # set: each op also runs on the fast path on the reference's input
+        self.in_fast = False
 
     def add(self, name: str, value) -> None:
         if self.active:
@@ -67,12 +77,91 @@ class Recorder:
                     rec.add(f"linear[{w.out_features}x{w.in_features}].in_scale",
                             quant_fp8(x.reshape(-1, x.shape[-1]), w.block)[1])
                 rec.add(f"linear[{w.out_features}x{w.in_features}].in", x)
-            out = fn(*args, **kwargs)
             label = fname if fname != "linear" else f"linear[{args[1].out_features}x{args[1].in_features}]"
+            if rec.same is None or not rec.active or rec.in_fast:
+                out = fn(*args, **kwargs)
+            else:  # the fast path on the same input first (its cache writes are then overwritten by the reference's)
+                from mini.ops import using_backend
+                rec.in_fast = True
+                try:
+                    with using_backend("fast"):
+                        fast = fn(*_clone(args), **_clone(kwargs))
+                finally:
+                    rec.in_fast = False
+                out = fn(*args, **kwargs)
+                rec.same._layer = f"L{rec.layer}"
+                rec.same.add(label, out, fast)
             rec.add(label, out)
             return out
 
         setattr(module, fname, run)
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, tuple):
+        return tuple(_clone(x) for x in v)
+    if isinstance(v, list):
+        return [_clone(x) for x in v]
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {k: _clone(x) for k, x in v.items()}
+    return v  # weights, configs, caches, the layer's `shared` dict: the same objects
+
+
+def _ulps(ref: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """|d| in units of the last place of `ref`'s dtype at each element (bf16: 8 significant bits, fp32: 24)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}.get(ref.dtype, 24)
+    r = ref.double().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+    return d.double().abs() / torch.exp2(torch.floor(torch.log2(r)) - (bits - 1))
+
+
+class SameInput:
+    """Per op: the fast path vs the reference on the reference's own input, over every call of a prefill."""
+
+    def __init__(self):
+        self.stats: dict[str, dict] = {}
+
+    def add(self, label: str, ref, fast) -> None:
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        fasts = fast if isinstance(fast, tuple) else (fast,)
+        for j, (r, f) in enumerate(zip(refs, fasts)):
+            if not isinstance(r, torch.Tensor) or not isinstance(f, torch.Tensor):
+                continue
+            st = self.stats.setdefault(f"{label}[{j}]", dict(
+                calls=0, bitwise=0, elems=0, differ=0, over_1ulp=0, max_ulps=0.0, max_rel=0.0, rows_differ=0,
+                dtype=str(r.dtype).replace("torch.", ""), shape_mismatch=0, not_bitwise_in=[]))
+            st["calls"] += 1
+            bitwise_before = st["bitwise"]
+            if r.shape != f.shape:
+                st["shape_mismatch"] += 1
+                continue
+            r, f = r.detach().cpu(), f.detach().cpu().to(r.dtype)
+            if torch.equal(r, f) or (r.is_floating_point() and torch.equal(r.isnan(), f.isnan())
+                                     and torch.equal(r.nan_to_num(), f.nan_to_num())):
+                st["bitwise"] += 1
+            if st["bitwise"] == bitwise_before and self._layer not in st["not_bitwise_in"]:
+                st["not_bitwise_in"].append(self._layer)
+            if not r.is_floating_point():
+                rows = r.reshape(r.shape[0], -1) if r.dim() else r.reshape(1, 1)
+                frows = f.reshape(rows.shape)
+                st["rows_differ"] += int((rows.sort(-1).values != frows.sort(-1).values).any(-1).sum())
+                continue
+            ok = r.isfinite() & f.isfinite()
+            d = (f.double() - r.double()).where(ok, torch.zeros((), dtype=torch.float64))
+            u = _ulps(r, d)
+            st["elems"] += r.numel()
+            st["differ"] += int((d != 0).sum())
+            st["over_1ulp"] += int((u > 1.0001).sum())
+            st["max_ulps"] = max(st["max_ulps"], float(u.max()) if u.numel() else 0.0)
+            den = float(r.double().where(ok, torch.zeros((), dtype=torch.float64)).norm())
+            if den > 0:
+                st["max_rel"] = max(st["max_rel"], float(d.norm()) / den)
+
+    _layer = "L?"
+
+    def report(self) -> list[dict]:
+        return [{"op": k, **v} for k, v in self.stats.items()]
 
 
 def _cpu(v):
@@ -115,6 +204,9 @@ def record(args) -> int:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     torch.set_num_threads(1)
     ops.set_backend(args.backend)
+    if args.index_ties == "newer":  # the reference backend ranks the indexer's ties as the fast path does
+        from mini.ops import indexer
+        indexer.RANK_AS_OFFICIAL = False
     rec = install()
     for fixture in args.fixture.split(","):
         rec.records, rec.active, rec.layer, rec.sites = [], True, -1, 0
@@ -122,7 +214,42 @@ def record(args) -> int:
     return 0
 
 
-def _record_one(args, of, rec: Recorder, fixture: str) -> None:
+def same_input(args) -> int:
+    """Each recorded op of the reference backend's prefill also run by the fast backend on the same input."""
+    import official_fixture as of
+    from mini import ops
+    if args.no_reduced_precision:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.set_num_threads(1)
+    if args.device == "cpu":  # the fast kernels under Triton's interpreter (TRITON_INTERPRET=1)
+        ops.set_backend("fast", interpret_on_cpu=True)
+    ops.set_backend("reference")
+    rec = install()
+    rows = []
+    for fixture in args.fixture.split(","):
+        rec.records, rec.active, rec.layer, rec.sites = [], True, -1, 0
+        rec.same = SameInput()
+        args.out = "/dev/null"
+        _record_one(args, of, rec, fixture, save=False)
+        print(f"{fixture}: the fast path on the reference's input, per op over the prefill's calls "
+              "(bitwise calls; share of elements that differ, over 1 ulp; max ulps; max ||d||/||ref||):")
+        for st in rec.same.report():
+            st["fixture"] = fixture
+            rows.append(st)
+            if st["rows_differ"] or not st["elems"]:
+                what = f"rows differ {st['rows_differ']}"
+            else:
+                what = (f"differ {st['differ'] / st['elems']:.2e} >1ulp {st['over_1ulp'] / st['elems']:.2e} "
+                        f"max {st['max_ulps']:.3g} ulp rel {st['max_rel']:.2e}")
+            print(f"  {st['op']:<34} {st['dtype']:<9} bitwise {st['bitwise']}/{st['calls']}  {what}"
+                  f"  {'' if st['bitwise'] == st['calls'] else 'not bitwise in ' + ','.join(st['not_bitwise_in'][:6])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _record_one(args, of, rec: Recorder, fixture: str, save: bool = True) -> None:
     ref = of.reference(fixture)
     model, cfg = of.load(fixture, args.device)
     ids = [int(t) for t in ref["prompt_ids"]]
@@ -141,12 +268,14 @@ def _record_one(args, of, rec: Recorder, fixture: str) -> None:
     prefill, decode = of.run_logits(model, cfg, ids, forced, args.device)
     scale = of.scale_of(fixture)
     summary = {"fixture": fixture, "backend": args.backend, "device": args.device,
-               "no_reduced_precision": args.no_reduced_precision,
+               "no_reduced_precision": args.no_reduced_precision, "index_ties": getattr(args, "index_ties", None),
                "prefill": of.compare(prefill, ref["prefill_logits"], scale).row(),
                "decode": of.compare(decode, ref["replay_logits"], scale).row(),
                "noise": of.own_noise(fixture).row(),
                "first_rows": [float(f"{x:.3g}") for x in np.abs(prefill - ref["prefill_logits"]).max(-1)[:12]]}
     print(json.dumps(summary))
+    if not save:
+        return
     out = args.out.replace("{fixture}", fixture)
     torch.save({"records": rec.records, "logits": torch.from_numpy(prefill), "summary": summary}, out)
 
@@ -234,7 +363,16 @@ def main(argv=None) -> int:
     r.add_argument("--backend", default="reference", choices=["reference", "fast"])
     r.add_argument("--device", default="cpu")
     r.add_argument("--no-reduced-precision", action="store_true")
+    r.add_argument("--index-ties", choices=["official", "newer"], default="official",
+                   help="reference backend: rank the indexer's equal scores as the official code (torch.topk at each "
+                        "sequence's width) or as the fast path (the newer group)")
     r.add_argument("--out", required=True, help="file to write; {fixture} in it is replaced by the fixture's name")
+    si = sub.add_parser("same", help="the fast path on the reference's input, op by op (CPU: TRITON_INTERPRET=1)")
+    si.add_argument("--fixture", default="f1,f2")
+    si.add_argument("--device", default="cuda")
+    si.add_argument("--no-reduced-precision", action="store_true")
+    si.add_argument("--backend", default="reference", help=argparse.SUPPRESS)
+    si.add_argument("--json", default=None)
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
@@ -242,7 +380,7 @@ def main(argv=None) -> int:
     c.add_argument("--max-lines", type=int, default=60)
     c.add_argument("--max-rows", type=int, default=16)
     args = p.parse_args(argv)
-    return record(args) if args.cmd == "record" else compare(args)
+    return {"record": record, "same": same_input, "compare": compare}[args.cmd](args)
 
 
 if __name__ == "__main__":
