@@ -350,6 +350,15 @@ phase_det_cost() {  # issue 17 (<= 4 min): rank4 and tiny goodput without / with
     timeout 35 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json"
 }
 
+phase_det_profile() {  # issue 17 item 4 (<= 200 s): where the deterministic mode's cost goes on rank4 (one build):
+    # the stage table and top kernels without / with the mode side by side, the GEMMs the mode sends to aten
+    # (shape, calls per step), each timed cuBLAS vs the batch-invariant kernel (TFLOP/s), a tile sweep per weight
+    # shape (N, K) with the best fixed config and a TUNED table to paste, and whether FlashMLA's sparse prefill is
+    # row-invariant (bitwise). Look at out.log: "det-def" column, "per step: cuBLAS X ms, batch-invariant Y ms",
+    # the sweep lines; det_profile.json holds all of it.
+    timeout 195 python3 tools/det_profile.py --out "$PHASE_DIR"
+}
+
 phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.1 width; which part drifts
     # default, deterministic, and our Triton grouped GEMM instead of Humming (attribution); then the 2-GPU tests.
     # Expect rows_bit_identical 1 / max_abs_logit_diff 0 for wide-fast-bf16 in every run that is exact.

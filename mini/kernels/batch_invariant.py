@@ -3,11 +3,12 @@ the same way however many rows the call has.
 
 cuBLAS picks its kernel (tile shape, split-K, stream-K, sliced-K warps) from the problem's M, so a token's linear
 layers round differently when the step holds 1, 37 or 4,096 tokens; that alone changes greedy answers under load
-(docs/design.md, Determinism). `matmul` below is one Triton kernel with ONE fixed tile configuration per input
-dtype: every output element is an fp32 sum over K in BLOCK_K steps, in increasing k, each step one tensor-core
-dot (bf16/fp16) or an IEEE fp32 dot (fp32: what torch's fp32 GEMM computes, no TF32), then alpha, the addend and
-one rounding to the output dtype. No split of K, no choice by M (M is not even specialized at compile time; K
-is a compile-time constant, one build per weight width), so row r's bits depend only on row r of A and on B.
+(docs/design.md, Determinism). `matmul` below is one Triton kernel whose tile configuration is chosen from the
+input dtype and the right operand's shape (N, K) alone (`config_for`: a default per dtype, `TUNED` per weight
+shape), never from M: every output element is an fp32 sum over K in BK steps, in increasing k, each step one
+tensor-core dot (bf16/fp16) or an IEEE fp32 dot (fp32: what torch's fp32 GEMM computes, no TF32), then alpha,
+the addend and one rounding to the output dtype. No split of K, no choice by M (M is not even specialized at
+compile time), so row r's bits depend only on row r of A and on B, whatever the row count of the call.
 
 `enable()` makes it aten's CUDA implementation of mm, addmm and bmm (and their out= / out_dtype forms), so that
 every GEMM of the process takes it (F.linear, @, einsum, torch.mm(..., out_dtype=)) without touching each call
@@ -17,6 +18,7 @@ raises, naming what it got, rather than silently falling back to a batch-depende
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,46 +26,79 @@ import triton.language as tl
 
 from mini.kernels.aten_override import AtenOverride, check_out
 
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One build of the kernel: the tile (BM x BN output, BK of K per step), warps, pipeline stages, and GROUP_M
+    (row tiles walked together so that the weight's column tiles are reused from L2; it orders the programs only,
+    not any sum)."""
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8
+
+
 # one tile configuration per input dtype (the point: never chosen by M). 16-bit: wgmma-sized tiles; fp32: FMA
 # (IEEE) dots, whose registers allow smaller tiles
-CONFIGS = {torch.bfloat16: dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-           torch.float16: dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-           torch.float32: dict(BM=64, BN=64, BK=32, num_warps=4, num_stages=2)}
+CONFIGS = {torch.bfloat16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
+           torch.float16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
+           torch.float32: TileConfig(64, 64, 32, num_warps=4, num_stages=2)}
+# per weight shape (dtype, N, K) -> the config measured fastest for it on the H200 (tools/det_profile.py's sweep at
+# the rank4 step's row counts). A key without M keeps the promise: every row count of that weight runs one build.
+TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def config_for(dtype: torch.dtype, n: int, k: int) -> TileConfig:
+    """The tile configuration of a GEMM with a [K, N] right operand: from the weight's shape and dtype alone."""
+    return TUNED.get((dtype, n, k), CONFIGS[dtype])
+
+
 @triton.jit(do_not_specialize=["M"])
-def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N,
+def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
-               K: tl.constexpr, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
-               DOT_DTYPE: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)  # N tiles of one row tile are neighbours: the row tile stays in L2
-    pid_m = tl.program_id(1)
-    bat = tl.program_id(2).to(tl.int64)
+               HAS_ADD: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # program -> output tile, GROUP_M row tiles at a time (only which program computes which tile)
+    pid = tl.program_id(0)
+    bat = tl.program_id(1).to(tl.int64)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
-    row_ok = rows < M
-    col_ok = cols < N
-    a_base = a_ptr + bat * s_ab + rows.to(tl.int64)[:, None] * s_am
-    b_base = b_ptr + bat * s_bb + cols.to(tl.int64)[None, :] * s_bn
+    # rows / columns past the edge read valid ones again (their results are never stored): no masks on the loads
+    a_ptrs = a_ptr + bat * s_ab + (rows % M).to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak
+    b_ptrs = b_ptr + bat * s_bb + kk[:, None] * s_bk + (cols % N).to(tl.int64)[None, :] * s_bn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + kk
-        k_ok = k < K
-        a = tl.load(a_base + k.to(tl.int64)[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_base + k.to(tl.int64)[:, None] * s_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    for k0 in range(0, K, BK):  # K in increasing BK steps, each one dot into the fp32 accumulator: per element
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = k0 + kk < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
     if SCALE:
         acc = acc * alpha
-    ok = row_ok[:, None] & col_ok[None, :]
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
     if HAS_ADD:
         add_ptrs = add_ptr + bat * s_addb + rows.to(tl.int64)[:, None] * s_addm + cols.to(tl.int64)[None, :] * s_addn
         add = tl.load(add_ptrs, mask=ok, other=0.0).to(tl.float32)
         acc = acc + beta * add
     c = c_ptr + bat * s_cb + rows.to(tl.int64)[:, None] * s_cm + cols.to(tl.int64)[None, :] * s_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
@@ -73,9 +108,11 @@ def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-        add: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+        add: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0,
+        config: TileConfig | None = None) -> torch.Tensor:
     """out[i] = alpha * a[i] @ b[i] (+ beta * add[i]) for a [B, M, K], b [B, K, N], add broadcastable to [B, M, N];
-    fp32 accumulation, one rounding to out's dtype (default: a's, or `out_dtype`). Any strides."""
+    fp32 accumulation, one rounding to out's dtype (default: a's, or `out_dtype`). Any strides. `config` (the
+    benchmarks' sweep) replaces `config_for`'s choice; the overrides never pass one."""
     _check(a, b, "bmm")
     Bt, M, K = a.shape
     N = b.shape[2]
@@ -90,16 +127,18 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     if K == 0:
         return out.copy_(torch.zeros_like(out) if add is None else (beta * add).expand(Bt, M, N))
     add_t = add.expand(Bt, M, N) if add is not None else out
-    cfg = CONFIGS[a.dtype]
+    cfg = config or config_for(a.dtype, N, K)
     fp32 = a.dtype == torch.float32
-    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, cfg["BM"]), Bt)
-    _mm_kernel[grid](a, b, out, add_t, M, N, *a.stride(), *b.stride(), *out.stride(), *add_t.stride(),
-                     float(alpha), float(beta), K=K, HAS_ADD=add is not None, SCALE=alpha != 1.0,
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)
+    # K is a runtime value: one build per configuration serves every weight width. Triton 3.6's interpreter cannot
+    # loop up to a runtime scalar (under numpy 2), so there it goes in as a constant
+    _mm_kernel[grid](a, b, out, add_t, M, N, tl.constexpr(K) if _INTERPRET else K, *a.stride(), *b.stride(), *out.stride(), *add_t.stride(),
+                     float(alpha), float(beta), HAS_ADD=add is not None, SCALE=alpha != 1.0,
                      PRECISION="ieee" if fp32 else "tf32",
                      DOT_DTYPE=tl.float32 if (fp32 or _INTERPRET) else
                      (tl.bfloat16 if a.dtype == torch.bfloat16 else tl.float16),
-                     BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
-                     num_stages=cfg["num_stages"])
+                     EVEN_K=K % cfg.BK == 0, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -47,6 +47,26 @@ def test_rows_alone_equal_rows_in_a_larger_batch(bf16_interpreter, dtype):
     assert torch.equal(bi.matmul(mixed, w.t())[9:], full[10:20])
 
 
+def test_a_config_per_weight_shape_keeps_rows_invariant(bf16_interpreter, monkeypatch):
+    """`TUNED` keys a config by (dtype, N, K), never by M: a row computed alone, among 7, 300 and 4,096 rows (at
+    three positions in the tile) gives the same bits, with the weight shape's own config (small tiles here, so
+    that 4,096 rows are many row tiles and the last one partial in K) and with the dtype's default."""
+    a, w = _data(4096, 96, 40, torch.bfloat16, seed=4)
+    tuned = bi.TileConfig(16, 32, 64, num_warps=4, num_stages=2, GROUP_M=3)
+    monkeypatch.setitem(bi.TUNED, (torch.bfloat16, 40, 96), tuned)
+    assert bi.config_for(torch.bfloat16, 40, 96) == tuned
+    assert bi.config_for(torch.bfloat16, 40, 64) == bi.CONFIGS[torch.bfloat16]
+    full = bi.matmul(a, w.t())
+    for r in (0, 1, 2049, 4095):
+        alone = bi.matmul(a[r:r + 1], w.t())
+        assert torch.equal(alone, full[r:r + 1]), r
+        for m in (7, 300):
+            lo = max(0, min(r - m // 2, 4096 - m))
+            assert torch.equal(bi.matmul(a[lo:lo + m], w.t())[r - lo], full[r]), (r, m)
+    # another weight width takes the default config: its rows are invariant too
+    assert torch.equal(bi.matmul(a[5:12, :64], w[:, :64].t()), bi.matmul(a[:300, :64], w[:, :64].t())[5:12])
+
+
 def test_addmm_and_bmm_forms(bf16_interpreter):
     a, w = _data(21, 64, 40, torch.float32, seed=2)
     bias = torch.randn(40)

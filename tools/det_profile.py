@@ -1,0 +1,289 @@
+"""Where the deterministic mode's cost goes on rank4 (issue 17 item 4): one model build, then
+
+1. the rank4 step per stage (mini.bench.profile's stages) and its 20 costliest GPU kernels, without and with the
+   mode, printed side by side;
+2. every GEMM the step sends to aten under the mode (op, dtype, batch, M, N, K, operand layouts, calls per step),
+   recorded by a dispatch mode over one step;
+3. each of those GEMMs timed alone on random data: cuBLAS (the mode off) vs the batch-invariant kernel at its
+   per-dtype default config, TFLOP/s and ms per step (x calls);
+4. a tile sweep: per weight shape (dtype, N, K), at the row count where it does the most work, each candidate
+   fixed config of mini/kernels/batch_invariant.py timed, the fastest printed with what it would save per step,
+   and the table as `TUNED` entries (a config keyed by (dtype, N, K) is never chosen by M: invariance holds).
+
+`python3 tools/det_profile.py --out DIR [rank4 args]` (scripts/gpu.sh phase det_profile); DIR/det_profile.json
+holds everything printed. On a CPU (e.g. `--preset tiny-v4.1 --device cpu --tokens 64`) it runs 1 and 2 only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mini.ops  # noqa: E402
+from mini.bench import prefill  # noqa: E402
+from mini.bench.profile import report, staged  # noqa: E402
+
+# candidate fixed configs of the sweep: (BM, BN, BK, num_warps, num_stages), GROUP_M 8
+CANDIDATES = {
+    torch.bfloat16: [(64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                     (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+                     (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 128, 4, 3)],
+    torch.float32: [(64, 64, 32, 4, 2), (128, 64, 32, 8, 2), (64, 128, 32, 8, 2), (32, 64, 32, 4, 2),
+                    (64, 64, 16, 4, 3)],
+}
+MAX_BENCHED, MAX_SWEPT = 25, 12  # GEMM shapes timed / weight shapes swept, the most work per step first
+
+
+class GemmShapes(TorchDispatchMode):
+    """Counts the aten GEMM calls (mm, addmm, bmm and their overloads) by shape and operand layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # under inference mode composite ops (matmul, linear, einsum) reach the mode whole: decompose them in it
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        op = func.overloadpacket.__name__
+        if op in ("mm", "addmm", "bmm"):
+            a, b = (args[1], args[2]) if op == "addmm" else (args[0], args[1])
+            bt = a.shape[0] if a.dim() == 3 else 1
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            key = (op, str(a.dtype).replace("torch.", ""), str(out.dtype).replace("torch.", ""), bt, m, n, k,
+                   "T" if a.stride(-1) != 1 else "N", "T" if b.stride(-1) != 1 else "N")
+            self.seen[key] += 1
+        return out
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def top_kernels(r, cuda: bool, n: int = 20) -> list[dict]:
+    """The n kernels (or CPU ops) with the most self time in one step."""
+    acts = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        r.step()
+        _sync(cuda)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
+        rows.append({"name": e.key[:90], "ms": t / 1e3, "calls": e.count})
+    rows.sort(key=lambda x: -x["ms"])
+    return rows[:n]
+
+
+def profile_mode(r, on: bool, args, cuda: bool) -> dict:
+    mini.ops.set_deterministic(on)
+    for _ in range(args.warmup):
+        r.step()
+    _sync(cuda)
+    plain = prefill.time_steps(r, args.steps)
+    with staged(cuda) as timer:
+        timed = prefill.time_steps(r, args.profile_steps)
+        totals = timer.totals()
+    return {"deterministic": on, "step_ms": plain, "median_step_ms": statistics.median(plain),
+            "stages_ms_per_step": report(totals, statistics.mean(timed), len(timed)),
+            "top_kernels": top_kernels(r, cuda)}
+
+
+def _operands(key, device):
+    op, dt, odt, bt, m, n, k, la, lb = key
+    dtype = getattr(torch, dt)
+    a = torch.randn(bt, k, m, device=device).to(dtype).transpose(1, 2) if la == "T" else \
+        torch.randn(bt, m, k, device=device).to(dtype)
+    b = torch.randn(bt, n, k, device=device).to(dtype).transpose(1, 2) if lb == "T" else \
+        torch.randn(bt, k, n, device=device).to(dtype)
+    add = torch.randn(n, device=device).to(getattr(torch, odt)) if op == "addmm" else None
+    return a, b, add, getattr(torch, odt)
+
+
+def _cublas(key, a, b, add, odt):
+    if key[3] > 1 or key[0] == "bmm":
+        return lambda: torch.bmm(a, b)
+    a2, b2 = a[0], b[0]
+    if add is not None:
+        return lambda: torch.addmm(add, a2, b2)
+    if odt != a.dtype:
+        return lambda: torch.mm(a2, b2, out_dtype=odt)
+    return lambda: torch.mm(a2, b2)
+
+
+def _tflops(key, ms: float) -> float:
+    _, _, _, bt, m, n, k, _, _ = key
+    return 2 * bt * m * n * k / (ms * 1e-3) / 1e12
+
+
+def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
+    import triton
+
+    from mini.kernels import batch_invariant as bi
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    rows = []
+    by_work = sorted(seen.items(), key=lambda kv: -kv[1] * kv[0][3] * kv[0][4] * kv[0][5] * kv[0][6])
+    for key, calls in by_work[:MAX_BENCHED]:
+        a, b, add, odt = _operands(key, device)
+        cub = bench(_cublas(key, a, b, add, odt))
+        default = bench(lambda: bi.bmm(a, b, out_dtype=odt, add=add))
+        rows.append({"gemm": key, "calls_per_step": calls, "cublas_ms": cub, "bi_ms": default,
+                     "cublas_tflops": _tflops(key, cub), "bi_tflops": _tflops(key, default),
+                     "bi_config": str(bi.config_for(a.dtype, key[5], key[6]))})
+    # the sweep: per weight shape, at its row count with the most work per step
+    by_weight: dict = {}
+    for key, calls in seen.items():
+        wk = (key[1], key[5], key[6])
+        work = calls * key[3] * key[4]
+        if wk not in by_weight or work > by_weight[wk][1]:
+            by_weight[wk] = (key, work)
+    sweep = []
+    heavy = sorted(by_weight.items(), key=lambda kv: -kv[1][1] * kv[0][1] * kv[0][2])[:MAX_SWEPT]
+    for (dt, n, k), (key, _) in heavy:
+        a, b, add, odt = _operands(key, device)
+        want = _cublas(key, a, b, add, odt)().float().reshape(key[3], key[4], key[5])
+        times = {}
+        for c in CANDIDATES.get(a.dtype, []):
+            cfg = bi.TileConfig(*c)
+            try:
+                got = bi.bmm(a, b, out_dtype=odt, add=add, config=cfg).float()
+                rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                if not rel < 1e-2:  # a config that builds but computes something else is not a candidate
+                    raise ValueError(f"relative error {rel:.3g} vs cuBLAS")
+                times[c] = bench(lambda: bi.bmm(a, b, out_dtype=odt, add=add, config=cfg))
+            except Exception as e:  # a config the GPU cannot build (shared memory): skipped, named
+                times[c] = None
+                print(f"  sweep {key}: {c} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        ok = {c: t for c, t in times.items() if t is not None}
+        best = min(ok, key=ok.get) if ok else None
+        cub = bench(_cublas(key, a, b, add, odt))
+        calls = seen[key]
+        row = {"weight": (dt, n, k), "at": key, "calls_per_step": calls, "cublas_ms": cub,
+               "times_ms": {str(c): t for c, t in times.items()}, "best": best,
+               "best_ms": ok.get(best), "best_tflops": _tflops(key, ok[best]) if best else None,
+               "cublas_tflops": _tflops(key, cub)}
+        sweep.append(row)
+        found = f"best {best} {row['best_ms']:.4f} ms ({row['best_tflops']:.0f} TFLOP/s)" if best else "no config"
+        print(f"  sweep {dt} N={n} K={k} at {key}: {found} vs cuBLAS {cub:.4f} ms ({row['cublas_tflops']:.0f})",
+              flush=True)
+    return rows, sweep
+
+
+def flashmla_rows_probe() -> dict:
+    """Is FlashMLA's sparse prefill row-invariant? A query's output computed alone, among a few rows, among all
+    4,096, and in a shuffled batch, compared bit for bit (the same keys, lists and counts per query)."""
+    from mini.kernels import flashmla_attention as fm
+    if not fm.available():
+        return {"available": False}
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    T, H, D, N, n = 4096, fm.HEADS[0], fm.HEAD_DIM, 8192, 5 * fm.TOPK_MULTIPLE
+    q = torch.randn(T, H, D, device=dev, generator=g).to(bf)
+    kv = torch.randn(N, D, device=dev, generator=g).to(bf)
+    rows = torch.randint(0, N, (T, n), device=dev, generator=g, dtype=torch.int32)
+    count = torch.randint(1, n + 1, (T,), device=dev, generator=g, dtype=torch.int32)
+    sink = torch.randn(H, device=dev, generator=g)
+    scale = D ** -0.5
+    full = fm.sparse_prefill(q, kv, rows, count, sink, scale)
+    res = {}
+    for lo, hi in ((0, 1), (5, 12), (100, 400), (3000, 4096)):
+        part = fm.sparse_prefill(q[lo:hi].contiguous(), kv, rows[lo:hi].contiguous(), count[lo:hi].contiguous(),
+                                 sink, scale)
+        res[f"rows {lo}:{hi}"] = torch.equal(part, full[lo:hi])
+    perm = torch.randperm(T, device=dev, generator=g)
+    res["shuffled"] = torch.equal(fm.sparse_prefill(q[perm], kv, rows[perm], count[perm], sink, scale), full[perm])
+    return {"available": True, "bitwise_equal": res}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    prefill.add_args(p)
+    p.add_argument("--out", type=Path, default=Path("det-profile-out"))
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.set_defaults(steps=3, warmup=1)
+    args = p.parse_args(argv)
+    if hasattr(prefill, "resolve"):  # rank4's --mode defaults (idempotent), where this revision has them
+        prefill.resolve(args)
+    cuda = args.device.startswith("cuda")
+    r, setup_s = prefill.setup(args)
+    print(f"built in {setup_s:.1f} s", flush=True)
+    modes = [profile_mode(r, False, args, cuda), profile_mode(r, True, args, cuda)]
+    rec = GemmShapes()
+    with rec:
+        r.step()
+    _sync(cuda)
+    mini.ops.set_deterministic(False)
+    result = {"definition": prefill.definition(args), "modes": modes,
+              "gemms_per_step_det": [{"gemm": k, "calls": c} for k, c in rec.seen.items()]}
+
+    d, e = (m["stages_ms_per_step"] for m in modes)
+    print(f"\nrank4 step: default median {modes[0]['median_step_ms']:.1f} ms, deterministic "
+          f"{modes[1]['median_step_ms']:.1f} ms")
+    print(f"  {'stage (ms/step)':32s} {'default':>9s} {'det':>9s} {'det-def':>9s}")
+    for s in d:
+        print(f"  {s:32s} {d[s]:9.2f} {e.get(s, 0.0):9.2f} {e.get(s, 0.0) - d[s]:9.2f}")
+    for m in modes:
+        print(f"\ntop kernels, {'deterministic' if m['deterministic'] else 'default'} (ms in one step, calls):")
+        for row in m["top_kernels"]:
+            print(f"  {row['ms']:8.2f} {row['calls']:5d}  {row['name']}")
+    print("\nGEMMs of one deterministic step (op dtype out batch M N K a-layout b-layout: calls):")
+    for k, c in sorted(rec.seen.items(), key=lambda kv: -kv[1]):
+        print(f"  {k}: {c}")
+
+    if cuda:
+        del r
+        torch.cuda.empty_cache()
+        print("\nGEMM micro-benchmark (cuBLAS vs batch-invariant default config):", flush=True)
+        try:
+            result["flashmla_rows"] = flashmla_rows_probe()
+        except Exception as e:  # the probe informs; it must not cost the GEMM numbers
+            result["flashmla_rows"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"FlashMLA sparse prefill, row invariance: {result['flashmla_rows']}", flush=True)
+        rows, sweep = bench_gemms(rec.seen)
+        result["gemm_bench"], result["sweep"] = rows, sweep
+        tot_c = sum(x["cublas_ms"] * x["calls_per_step"] for x in rows)
+        tot_b = sum(x["bi_ms"] * x["calls_per_step"] for x in rows)
+        for x in rows:
+            print(f"  {x['gemm']} x{x['calls_per_step']}: cuBLAS {x['cublas_tflops']:6.0f} TFLOP/s "
+                  f"{x['cublas_ms']:.4f} ms, bi {x['bi_tflops']:6.0f} TFLOP/s {x['bi_ms']:.4f} ms")
+        print(f"  per step: cuBLAS {tot_c:.1f} ms, batch-invariant default {tot_b:.1f} ms")
+        tuned = {}
+        for s in sweep:
+            if s["best"] is not None:
+                tuned[tuple(s["weight"])] = s["best"]
+        tot_t = 0.0
+        for s in sweep:
+            calls_all = sum(x["calls_per_step"] * x["bi_ms"] for x in rows if (x["gemm"][1], x["gemm"][5],
+                                                                                 x["gemm"][6]) == tuple(s["weight"]))
+            default_at = s["times_ms"].get(str(CANDIDATES[getattr(torch, s["weight"][0])][0]))
+            scale = s["best_ms"] / default_at if s["best_ms"] and default_at else 1.0
+            tot_t += calls_all * scale
+        print(f"  per step with the sweep's best per weight shape (scaled): ~{tot_t:.1f} ms")
+        print("TUNED = {")
+        for (dt, n, k), c in tuned.items():
+            print(f"    (torch.{dt}, {n}, {k}): TileConfig{tuple(c)},")
+        print("}")
+        result["per_step_ms"] = {"cublas": tot_c, "bi_default": tot_b, "bi_tuned_estimate": tot_t}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "det_profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
