@@ -35,11 +35,14 @@ from mini.bench.profile import report, staged  # noqa: E402
 CANDIDATES = {
     torch.bfloat16: [(64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                      (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
-                     (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 128, 4, 3)],
+                     (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 128, 4, 3), (64, 128, 32, 4, 4),
+                     # below one warpgroup's 64 rows: mma.sync rather than wgmma (same bits or not?)
+                     (16, 64, 64, 4, 4), (32, 128, 64, 4, 4)],
     torch.float32: [(64, 64, 32, 4, 2), (128, 64, 32, 8, 2), (64, 128, 32, 8, 2), (32, 64, 32, 4, 2),
                     (64, 64, 16, 4, 3)],
 }
 MAX_BENCHED, MAX_SWEPT = 25, 12  # GEMM shapes timed / weight shapes swept, the most work per step first
+SMALL_M = 64  # the sweep also times each config at this many rows (decode steps run the same weights)
 
 
 class GemmShapes(TorchDispatchMode):
@@ -157,31 +160,48 @@ def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
     heavy = sorted(by_weight.items(), key=lambda kv: -kv[1][1] * kv[0][1] * kv[0][2])[:MAX_SWEPT]
     for (dt, n, k), (key, _) in heavy:
         a, b, add, odt = _operands(key, device)
+        small = SMALL_M if key[4] > SMALL_M else None  # the same weight at a decode-sized row count
         want = _cublas(key, a, b, add, odt)().float().reshape(key[3], key[4], key[5])
-        times = {}
+        default = bi.bmm(a, b, out_dtype=odt, add=add)
+        times, times_small, same_bits = {}, {}, {}
         for c in CANDIDATES.get(a.dtype, []):
             cfg = bi.TileConfig(*c)
             try:
-                got = bi.bmm(a, b, out_dtype=odt, add=add, config=cfg).float()
-                rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                got = bi.bmm(a, b, out_dtype=odt, add=add, config=cfg)
+                rel = float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
                 if not rel < 1e-2:  # a config that builds but computes something else is not a candidate
                     raise ValueError(f"relative error {rel:.3g} vs cuBLAS")
+                # the same bits as the default config: then the tile shape does not enter the sums at all
+                same_bits[c] = torch.equal(got, default)
                 times[c] = bench(lambda: bi.bmm(a, b, out_dtype=odt, add=add, config=cfg))
+                if small:
+                    times_small[c] = bench(lambda: bi.bmm(a[:, :small], b, out_dtype=odt, add=add, config=cfg))
             except Exception as e:  # a config the GPU cannot build (shared memory): skipped, named
                 times[c] = None
                 print(f"  sweep {key}: {c} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
         ok = {c: t for c, t in times.items() if t is not None}
         best = min(ok, key=ok.get) if ok else None
         cub = bench(_cublas(key, a, b, add, odt))
-        calls = seen[key]
-        row = {"weight": (dt, n, k), "at": key, "calls_per_step": calls, "cublas_ms": cub,
+        row = {"weight": (dt, n, k), "at": key, "calls_per_step": seen[key], "cublas_ms": cub,
                "times_ms": {str(c): t for c, t in times.items()}, "best": best,
                "best_ms": ok.get(best), "best_tflops": _tflops(key, ok[best]) if best else None,
-               "cublas_tflops": _tflops(key, cub)}
-        sweep.append(row)
+               "cublas_tflops": _tflops(key, cub), "same_bits_as_default": {str(c): v for c, v in same_bits.items()}}
         found = f"best {best} {row['best_ms']:.4f} ms ({row['best_tflops']:.0f} TFLOP/s)" if best else "no config"
         print(f"  sweep {dt} N={n} K={k} at {key}: {found} vs cuBLAS {cub:.4f} ms ({row['cublas_tflops']:.0f})",
               flush=True)
+        print(f"    same bits as the default config: {sorted(c for c, v in same_bits.items() if v)}; "
+              f"differ: {sorted(c for c, v in same_bits.items() if not v)}", flush=True)
+        if small and times_small:
+            sk = key[:4] + (small,) + key[5:]
+            cub_s = bench(_cublas(sk, a[:, :small], b, add, odt))
+            best_s = min(times_small, key=times_small.get)
+            row["small"] = {"m": small, "cublas_ms": cub_s, "times_ms": {str(c): t for c, t in times_small.items()},
+                            "best": best_s}
+            d0 = times_small.get(CANDIDATES[a.dtype][0])
+            print(f"    at M={small}: cuBLAS {cub_s:.4f} ms, default {d0 if d0 is None else round(d0, 4)} ms, "
+                  f"prefill-best {best} {times_small.get(best, float('nan')):.4f} ms, best here {best_s} "
+                  f"{times_small[best_s]:.4f} ms", flush=True)
+        sweep.append(row)
     return rows, sweep
 
 
