@@ -2,12 +2,17 @@
 
 One engine (tiny-v4.1 by default; on CUDA: bf16, fast backend, CUDA-graph decode with overlapped steps, as
 `mini serve`) runs rounds of `--batch` requests of `--input-len` random tokens and `--output-len` sampled tokens
-(EOS ignored), alternating plain rounds and rounds where every request follows SCHEMA (an array of at least 64
-small objects: the grammar stays active for the whole output). Per round, over the full-batch decode steps after
-`--skip`: TPOT = the median spacing of consecutive steps (start to start; with overlap one step() call per step),
-the step() wall time, the forward's GPU span, and the host time spent in LLMEngine._grammar_masks (reading back
-the step in flight, then filling the bitmask). The result: the median of each over the rounds of a kind and
-`slowdown` = TPOT(schema) / TPOT(plain) - 1 (issue 14's target: <= 0.10).
+(EOS ignored), alternating three kinds: `plain`; `schema`, every request following SCHEMA (an array of at least 64
+small objects: the grammar stays active for the whole output) with the engine's masks as served (overlapped: filled
+on the worker thread while the engine's thread does the bookkeeping); `schema_sync`, the same with every fill on the
+engine's thread (GrammarBackend.background off: the cost before the worker). Per round, over the full-batch decode
+steps after `--skip`: TPOT = the median spacing of consecutive steps (start to start; with overlap one step() call
+per step), the step() wall time, the forward's GPU span, and per step's masks (structured.MaskTiming) the host
+time: `grammar_consume_ms` (matchers consume the tokens read back), `grammar_fill_ms` (llguidance's fill),
+`grammar_host_ms` (the two), `grammar_exposed_ms` (what the engine's thread spent on masks: consume, start, wait
+for the fill, upload: the critical path), `grammar_background` (fraction of fills on the worker). The result: the
+median of each over the rounds of a kind, `slowdown` = TPOT(schema) / TPOT(plain) - 1 (issue 14's target: <= 0.10)
+and `slowdown_sync` the same for schema_sync.
 
     python3 -m mini.bench.grammar_tpot --json out.json
 """
@@ -17,7 +22,6 @@ import argparse
 import json
 import random
 import statistics
-import time
 
 import torch
 
@@ -28,30 +32,23 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
     "required": ["id", "name", "ok", "kind"], "additionalProperties": False}}
 
 
-def _round(engine, config, args, grammar, seed: int) -> dict:
+KINDS = ("plain", "schema", "schema_sync")
+
+
+def _round(engine, config, args, grammar, seed: int, background: bool = True) -> dict:
     from mini.engine import SamplingParams
-    from mini.engine.llm import LLMEngine
     rng = random.Random(seed)
-    spent, masks = [], LLMEngine._grammar_masks
-
-    def timed(self, seqs, prev, device):
-        t = time.perf_counter()
-        out = masks(self, seqs, prev, device)
-        spent.append(time.perf_counter() - t)
-        return out
-
-    LLMEngine._grammar_masks = timed
-    try:
-        for i in range(args.batch):
-            params = SamplingParams(temperature=0.8, seed=seed * 1000 + i, max_tokens=args.output_len,
-                                    ignore_eos=True, grammar=grammar)
-            engine.add_request(f"{seed}-{i}", [rng.randrange(8, config.vocab_size) for _ in range(args.input_len)],
-                               params)
-        engine.step_times = []
-        while engine.has_work():
-            engine.step()
-    finally:
-        LLMEngine._grammar_masks = masks
+    if grammar is not None:
+        engine.grammars.background = background
+        engine.grammars.timings = []
+    for i in range(args.batch):
+        params = SamplingParams(temperature=0.8, seed=seed * 1000 + i, max_tokens=args.output_len,
+                                ignore_eos=True, grammar=grammar)
+        engine.add_request(f"{seed}-{i}", [rng.randrange(8, config.vocab_size) for _ in range(args.input_len)],
+                           params)
+    engine.step_times = []
+    while engine.has_work():
+        engine.step()
     steps = sorted((t for t in engine.step_times if t.decode and t.n_seqs == args.batch), key=lambda t: t.started)
     steps = steps[args.skip:]
     if len(steps) < 3:
@@ -62,7 +59,12 @@ def _round(engine, config, args, grammar, seed: int) -> dict:
     if steps[0].gpu_s is not None:
         out["gpu_ms"] = 1e3 * statistics.median(t.gpu_s for t in steps)
     if grammar is not None:
-        out["grammar_host_ms"] = 1e3 * statistics.median(spent[-len(steps):])
+        masks = [t for t in engine.grammars.timings if t.rows == args.batch][args.skip:]
+        engine.grammars.timings = None
+        for key, value in (("consume", lambda t: t.consume_s), ("fill", lambda t: t.fill_s),
+                           ("host", lambda t: t.consume_s + t.fill_s), ("exposed", lambda t: t.exposed_s)):
+            out[f"grammar_{key}_ms"] = 1e3 * statistics.median(value(t) for t in masks)
+        out["grammar_background"] = sum(t.background for t in masks) / len(masks)
     return out
 
 
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternating")
     p.add_argument("--device", default=None)
+    p.add_argument("--overlap", action="store_true", help="overlapped steps also without CUDA graphs (CPU tests)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from mini.engine import SamplingParams
@@ -90,13 +93,14 @@ def main(argv=None) -> int:
     need = args.input_len + args.output_len + 1
     engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, dtype=dtype,
                           max_num_seqs=args.batch, enable_prefix_caching=False, max_model_len=need + 128,
-                          num_blocks=args.batch * -(-need // 128) + 8)
+                          num_blocks=args.batch * -(-need // 128) + 8, overlap=True if args.overlap else None)
     grammar = json_grammar(SCHEMA)
     engine.check_prompt([5], SamplingParams(grammar=grammar))  # compiles against the vocabulary, or says why not
-    rounds = {"plain": [], "schema": []}
+    rounds = {kind: [] for kind in KINDS}
     for r in range(args.rounds):
-        for kind in ("plain", "schema"):
-            res = _round(engine, config, args, grammar if kind == "schema" else None, seed=2 * r + (kind == "schema"))
+        for j, kind in enumerate(KINDS):
+            res = _round(engine, config, args, None if kind == "plain" else grammar, seed=len(KINDS) * r + j,
+                         background=kind != "schema_sync")
             rounds[kind].append(res)
             print(kind, r, json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
     metrics = {}
@@ -104,10 +108,11 @@ def main(argv=None) -> int:
         for key in rs[0]:
             metrics[f"{kind}_{key}"] = statistics.median(x[key] for x in rs)
     metrics["slowdown"] = metrics["schema_tpot_ms"] / metrics["plain_tpot_ms"] - 1
+    metrics["slowdown_sync"] = metrics["schema_sync_tpot_ms"] / metrics["plain_tpot_ms"] - 1
     result = {"suite": "grammar-tpot", "definition": {
         "model": args.model, "device": device, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
         "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip, "rounds": args.rounds,
-        "graphs": engine.runner.graphs is not None, "overlap": engine.overlap, "schema": SCHEMA},
+        "graphs": engine.runner.graphs is not None, "overlap": engine.overlap, "kinds": KINDS, "schema": SCHEMA},
         "metrics": metrics, "rounds": rounds}
     print(json.dumps(metrics, indent=1))
     if args.json:

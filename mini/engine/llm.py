@@ -122,7 +122,8 @@ class StepTimes:
 
 @dataclass(eq=False)
 class _Launched:
-    """A step whose forward and sampling are enqueued; `_fetch` reads its sampled ids back."""
+    """A step whose forward is enqueued, and its sampling (`pending` until `_sample`: grammar masks filled in the
+    background); `_fetch` reads its sampled ids back."""
     seqs: list[Sequence]  # those that sample, in row order
     out: SampleOutput | None  # on the device (None: nothing samples)
     host: SampleOutput | None  # copies on the host, valid once `ready` has passed
@@ -132,6 +133,7 @@ class _Launched:
     kept: list[tuple[int, Sequence]] | None = None  # rows whose token was appended (set by _fetch)
     release_after: list[Sequence] = field(default_factory=list)  # finished while this step was in flight
     times: StepTimes | None = None  # host phases of the call that launched it; gpu_s filled when read back
+    pending: tuple | None = None  # (logits, SamplingBatch, grammar MaskJob or None) until `_sample` enqueues it
 
 
 @dataclass
@@ -262,6 +264,7 @@ class LLMEngine:
         snapshots = [s for s in (self.blocks.commit(c.seq) for c in plan.chunks if not c.seq.is_finished)
                      if s is not None]
         self.runner.copy_slots(snapshots)
+        self._sample(step)  # a step whose grammar masks were filled in the background meanwhile
         self._inflight = step if overlap else None
         if not overlap:
             outputs += self._resolve(step)
@@ -297,14 +300,28 @@ class LLMEngine:
         seqs = [c.seq for c in chunks if c.samples]
         if logits.shape[0] != len(seqs):  # a fetch changed what samples: never sample rows into the wrong sequences
             raise RuntimeError(f"{logits.shape[0]} logit rows for {len(seqs)} sampling sequences")
-        out = host = ready = None
+        step = _Launched(seqs, None, None, None, self.runner.last_timing if self.runner.timing else None)
         if seqs:
-            out = sample(logits, SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device,
-                                                         self._grammar_masks(seqs, prev, logits.device)))
-            host, ready = _copy_to_host(out)
+            masks = self._grammar_masks(seqs, prev, logits.device)
+            batch = SamplingBatch.from_seqs(seqs, logits.shape[-1], logits.device)
             for s in seqs:
-                s.num_inflight += 1
-        return _Launched(seqs, out, host, ready, self.runner.last_timing if self.runner.timing else None)
+                s.num_inflight += 1  # the rows' tokens are in flight from now (see _remove)
+            step.pending = (logits, batch, masks)
+            if masks is None or not masks.background:
+                self._sample(step)
+        return step
+
+    def _sample(self, step: _Launched) -> None:
+        """Enqueue the step's sampling (its grammar rows' masks waited for first) and the copy of its ids to the
+        host. A no-op once done."""
+        if step.pending is None:
+            return
+        logits, batch, masks = step.pending
+        step.pending = None
+        if masks is not None:
+            batch.allowed = masks.result()
+        step.out = sample(logits, batch)
+        step.host, step.ready = _copy_to_host(step.out)
 
     def _fetch(self, step: _Launched) -> list[int]:
         """Wait for the step's sampled ids, append them to their sequences' histories and return them (one per row
@@ -312,31 +329,36 @@ class LLMEngine:
         its token."""
         if step.kept is not None:
             return step.ids
+        self._sample(step)  # (done by the step() that launched it; never read back a step not sampled)
         step.kept = []
         if step.out is None:
             return step.ids
         if step.ready is not None:
             step.ready.synchronize()
         ids = step.ids = step.host.token_ids.tolist()
+        constrained = []
         for i, seq in enumerate(step.seqs):
             seq.num_inflight -= 1
             if not seq.is_finished:
                 seq.output_token_ids.append(ids[i])
                 if seq.matcher is not None:
-                    self.grammars.consume(seq.matcher, ids[i])
+                    constrained.append((seq.matcher, ids[i]))
                 step.kept.append((i, seq))
+        if constrained:
+            self.grammars.advance(constrained)
         return ids
 
     def _grammar_masks(self, seqs: list[Sequence], prev: _Launched | None, device):
-        """The bitmask of the rows with a grammar (None: no row has one). Called after the forward is launched:
-        a row whose previous token is still in flight (overlapped steps) needs it first, so the step in flight is
-        read back here, while this step's forward runs on the device; the mask is then computed on the host and
-        the sampling enqueued behind the forward (docs/design.md, "Structured outputs")."""
+        """Start the bitmask of the rows with a grammar (a structured.MaskJob; None: no row has one). Called after
+        the forward is launched: a row whose previous token is still in flight (overlapped steps) needs it first,
+        so the step in flight is read back here, while this step's forward runs on the device. Overlapped (`prev`),
+        the fill then runs in the background while `step` does the bookkeeping of the step read back, and `_sample`
+        enqueues the sampling behind the forward once it is done (docs/design.md, "Structured outputs")."""
         if not any(s.matcher is not None for s in seqs):
             return None
         if prev is not None and any(s.matcher is not None and s.num_inflight for s in seqs):
             self._fetch(prev)
-        return self.grammars.bitmask([s.matcher for s in seqs], device)
+        return self.grammars.start([s.matcher for s in seqs], device, background=prev is not None)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Read a launched step back: its tokens, stop checks and outputs. Gives back the cache of sequences that

@@ -78,7 +78,8 @@ class SamplingBatch:
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab: int, device, allowed: torch.Tensor | None = None
                   ) -> "SamplingBatch":
-        """`allowed`: the rows' grammar bitmask on `device` (mini.engine.structured.GrammarBackend.bitmask)."""
+        """`allowed`: the rows' grammar bitmask on `device` (mini.engine.structured; LLMEngine._sample sets it when
+        the masks are filled in the background)."""
         ps = [s.params for s in seqs]
         out_counts = seen = None
         if any(p.presence_penalty or p.frequency_penalty for p in ps):

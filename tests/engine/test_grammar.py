@@ -2,6 +2,7 @@
 overlapped steps exactly as without (the mask of step N+1 waits for step N's tokens, never uses stale state)."""
 import json
 import random
+import threading
 
 import jsonschema
 import pytest
@@ -66,14 +67,84 @@ def test_json_schema_outputs_validate_with_and_without_overlap(temperature):
         jsonschema.validate(json.loads(o.text), SCHEMA)
 
 
-def test_unconstrained_rows_share_the_batch_unchanged():
-    def params(i):
-        return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                              grammar=json_grammar(None) if i % 2 else None)
-    mixed, free = _run(True, params), _run(True, lambda i: SamplingParams(temperature=0, max_tokens=12,
-                                                                         ignore_eos=True))
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_unconstrained_rows_share_the_batch_unchanged(overlap, temperature):
+    """Rows without a grammar next to constrained ones (their masks filled in the background when overlapped):
+    their tokens and logprobs are bitwise those of the batch with no grammar at all."""
+    def params(i, constrained=True):
+        return SamplingParams(temperature=temperature, seed=i, max_tokens=12, ignore_eos=True, logprobs=2,
+                              grammar=json_grammar(None) if constrained and i % 2 else None)
+    mixed, free = _run(overlap, params), _run(overlap, lambda i: params(i, constrained=False))
     assert [o.token_ids for o in mixed[::2]] == [o.token_ids for o in free[::2]]
+    assert [o.logprobs for o in mixed[::2]] == [o.logprobs for o in free[::2]]
     assert all(o.text.startswith("{") for o in mixed[1::2])
+
+
+def test_overlapped_masks_fill_in_the_background(monkeypatch):
+    """Overlapped, every decode step's masks are filled on the worker thread while the engine's thread does the
+    previous step's bookkeeping, and its sampling is enqueued only after (never with a mask not filled yet); the
+    outputs validate and equal the synchronous engine's. A batch with no grammar never starts a mask."""
+    from mini.engine import structured
+    from mini.engine.llm import LLMEngine
+    order, fill, resolve = [], structured.MaskJob.fill, LLMEngine._resolve
+
+    def spied_fill(job):
+        order.append(("fill", threading.current_thread().name))
+        fill(job)
+
+    def spied_resolve(self, step):
+        order.append(("resolve", threading.current_thread().name))
+        return resolve(self, step)
+
+    monkeypatch.setattr(structured.MaskJob, "fill", spied_fill)
+    monkeypatch.setattr(LLMEngine, "_resolve", spied_resolve)
+
+    def params(i):
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=400, grammar=json_grammar(SCHEMA))
+    runs = {}
+    for overlap in (False, True):
+        llm = fake_llm(overlap=overlap, tokenizer=ByteTokenizer(), max_num_seqs=8)
+        llm.engine.grammars.timings = timings = []
+        order.clear()
+        outs = llm.generate([f"p{i}" for i in range(5)], [params(i) for i in range(5)])
+        runs[overlap] = [o.token_ids for o in outs]
+        for o in outs:
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+        background = [t.background for t in timings]
+        assert all(t.rows > 0 and t.fill_s > 0 and t.exposed_s > 0 for t in timings)
+        if overlap:  # all but the prefill's, the first decode's (nothing in flight before it) and those where
+            # every row's matcher has ended (nothing to fill) run on the worker
+            assert sum(background) >= len(timings) - 4 and sum(background) > 20
+            assert ("fill", "mini-grammar-masks") in order
+        else:
+            assert not any(background) and all(name == "MainThread" for _, name in order)
+    assert runs[True] == runs[False]
+    free = fake_llm(overlap=True, tokenizer=ByteTokenizer())
+    free.generate(["abc", "de"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert free.engine._grammars is None  # no backend, no job: the plain step
+
+
+def test_background_mask_equals_the_synchronous_one():
+    """The same matchers filled on the worker thread and on this one give the same bits, ended rows allow EOS
+    only, rows without a grammar allow everything; an error in the fill is raised by `result`."""
+    from mini.engine.structured import GrammarBackend
+    tok = ByteTokenizer()
+    backend = GrammarBackend(tok, FakeConfig().vocab_size)
+    ms = [backend.matcher(json_grammar(SCHEMA)) for _ in range(5)]
+    backend.advance([(ms[1], tok.encode("{")[0]), (ms[2], tok.encode("x")[0])])  # 2: not allowed -> error state
+    rows = [ms[0], None, ms[1], ms[2], ms[3]]
+    sync = backend.bitmask(rows, "cpu")
+    job = backend.start(rows, "cpu", background=True)
+    assert job.background
+    assert torch.equal(job.result(), sync)
+    assert ms[2].is_error() and sync[3].tolist() == [2] + [0] * (sync.shape[1] - 1)  # EOS (id 1) only
+    assert (sync[1] == -1).all() and not torch.equal(sync[0], sync[2])
+    job = backend.start([ms[0]], "cpu", background=True)
+    job.done.wait()
+    job.error = RuntimeError("fill failed")
+    with pytest.raises(RuntimeError, match="fill failed"):
+        job.result()
 
 
 def test_forced_tool_calls_parse_and_validate():
