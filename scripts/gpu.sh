@@ -194,6 +194,37 @@ predicted_bytes_per_token|written_bytes_per_token|pools_with_unexpected_rows|ful
     return $rc
 }
 
+phase_rank4_real() {  # issue 13 items 1-3 (<= 300 s): rank4 --mode uniform (GPU Engram 2^20 rows, one reused batch:
+    # the workload of earlier revisions), --mode realistic (host Engram tables pinned, 2 x 96M rows = 53.1 GB, fresh
+    # batch every step, skewed routing), then uniform with host Engram (the A/B of the Engram placement alone); each
+    # its own process, 10 steps after 2 warm-up. RANK4_ENGRAM_ROWS overrides the host tables' rows per table.
+    # Look at the summary lines: median_step_ms (uniform ~330), the Engram waits (target <= 2 ms: engram_wait_ms =
+    # the forward's host wait for the rows + the GPU stream's stall for their copy), host_build_ms (fresh batches),
+    # engram_pin_s / fill_s (setup), engram_pinned 1.
+    local rc=0 name args cap
+    for run in "uniform:80:--mode uniform" "realistic:110:--mode realistic" "uniform_host:110:--mode uniform --engram host"; do
+        name=${run%%:*}; cap=${run#*:}; cap=${cap%%:*}; args=${run#*:*:}
+        [ "$name" != uniform ] && [ -n "${RANK4_ENGRAM_ROWS:-}" ] && args="$args --engram-rows $RANK4_ENGRAM_ROWS"
+        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout "$cap" python3 -m mini.cli bench rank4 $args \
+            --steps 10 --warmup 2 --json "$PHASE_DIR/rank4_$name.json" >"$PHASE_DIR/rank4_$name.log" 2>&1 || rc=1
+        tail -4 "$PHASE_DIR/rank4_$name.log"
+    done
+    python3 - "$PHASE_DIR" <<'PY' || rc=1
+import json, pathlib, sys
+keys = ("median_step_ms", "wall_step_ms_median", "engram_wait_ms_median", "engram_wait_ms_max",
+        "engram_gpu_wait_ms_median", "engram_host_wait_ms_median", "engram_gather_ms_median", "host_build_ms_median",
+        "engram_gb", "engram_pinned", "engram_pin_s", "engram_fill_s", "setup_s", "peak_mem_gb")
+for name in ("uniform", "realistic", "uniform_host"):
+    f = pathlib.Path(sys.argv[1]) / f"rank4_{name}.json"
+    if not f.exists():
+        print(f"{name}: no result (see rank4_{name}.log)")
+        continue
+    m = json.loads(f.read_text())["metrics"]
+    print(name + ": " + " ".join(f"{k}={m[k]:.4g}" for k in keys if k in m))
+PY
+    return $rc
+}
+
 phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
     python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
 }

@@ -12,6 +12,21 @@ Routing (`--routing`): "uniform" keeps the gate's choice (random weights spread 
 replaces the expert ids after the gate by draws from `RoutingSkew` (hot experts at 2.5x the mean load, this rank
 holding more than its even share of them), so the experts see the load shape of a trained router.
 
+Modes (`--mode`, each part overridable by its own option):
+* "uniform" (the default, the workload of earlier revisions): Engram tables of 2^20 rows in GPU memory
+  (`--engram device`), one batch, index layout and set of row lists reused by every step (`--no-fresh-steps`), the
+  gate's routing (`--routing uniform`).
+* "realistic": what a real rank runs. Engram tables in page-locked host memory at real row width, layout and hashing,
+  only the row count scaled down (`--engram host`, `HOST_ENGRAM_ROWS` = 96 x 2^20 of the real 384M rows per table:
+  53.1 GB for the two tables), each step's rows gathered by a thread pool and copied on a side stream
+  (`mini.model.engram_host`), started when the step is scheduled; a fresh batch every step (`--fresh-steps`: new
+  random prompts of the same lengths, hashed, copied and laid out anew, built on the host while the previous step's
+  GPU work runs, `FreshSteps`); skewed routing. The JSON reports the host build ms per step, the Engram gather ms,
+  how long the forward's thread waited for the rows and how long the GPU stream stalled for their copy (CUDA
+  events): the visible Engram cost.
+The definition names every part that differs from the uniform default, so uniform runs of revisions before and after
+the modes define the same workload.
+
 Metrics: mean / median step ms over `--steps` steady steps after `--warmup`, tok/s/GPU (own tokens / mean step),
 peak memory, pairs per local expert (min / median / mean / max over the MoE layers' local experts, from the first
 warm-up step), the raw step times. The backends that ran are recorded by `mini bench` under env.backends; a
@@ -20,15 +35,25 @@ suite refuse to run (exit 2) before the model is built.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from mini.config import ModelConfig, preset
 
 ROUTINGS = ("uniform", "skewed")  # --routing: the gate's expert ids, or RoutingSkew's
+MODES = {  # --mode: the defaults of --engram, --fresh-steps, --routing
+    "uniform": {"engram": "device", "fresh_steps": False, "routing": "uniform"},
+    "realistic": {"engram": "host", "fresh_steps": True, "routing": "skewed"},
+}
+DEVICE_ENGRAM_ROWS = 1 << 20  # rows per table of GPU-resident tables (the uniform mode's, as before the modes)
+HOST_ENGRAM_ROWS = 96 << 20  # rows per host table: a quarter of the real 384M; 2 x 96M x 264 B = 53.1 GB pinned
+HOST_MEMORY_MARGIN = 16 << 30  # bytes of host memory left free beyond the host tables
 
 
 def add_args(p) -> None:
@@ -39,12 +64,35 @@ def add_args(p) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--block-tokens", type=int, default=256)
-    p.add_argument("--engram-rows", type=int, default=1 << 20)
+    p.add_argument("--mode", choices=tuple(MODES), default="uniform",
+                   help="uniform: GPU Engram tables, one reused batch, the gate's routing (as before the modes); "
+                        "realistic: host Engram tables, a fresh batch every step, skewed routing")
+    p.add_argument("--engram", choices=("device", "host"), default=None,
+                   help="where the Engram tables are (default: the mode's)")
+    p.add_argument("--engram-rows", type=int, default=None,
+                   help=f"rows per Engram table (default {DEVICE_ENGRAM_ROWS} on the device, {HOST_ENGRAM_ROWS} "
+                        "on the host)")
+    p.add_argument("--engram-threads", type=int, default=8, help="threads gathering host Engram rows")
+    p.add_argument("--fresh-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="a fresh batch, layout and row lists every step (default: the mode's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--routing", choices=ROUTINGS, default="uniform",
-                   help="expert loads: the gate's (uniform) or RoutingSkew's (skewed: hot experts at 2.5x the mean)")
+    p.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="expert loads: the gate's (uniform) or RoutingSkew's (skewed: hot experts at 2.5x the mean); "
+                        "default: the mode's")
+
+
+def resolve(args):
+    """Fill the options left to the mode (idempotent); returns args."""
+    for k, v in MODES[args.mode].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.engram_rows is None:
+        args.engram_rows = HOST_ENGRAM_ROWS if args.engram == "host" else DEVICE_ENGRAM_ROWS
+    if args.engram_rows < 1 or args.engram_threads < 1:
+        raise ValueError(f"--engram-rows {args.engram_rows}, --engram-threads {args.engram_threads}: each >= 1")
+    return args
 
 
 @dataclass(frozen=True)
@@ -152,8 +200,17 @@ class EmulatedEP:
 
 
 @dataclass
+class StepStats:
+    """Host-side figures of one step: the build of the next step's batch (fresh steps) and the Engram lookup of this
+    one (host tables)."""
+    build_ms: float | None = None  # host time building the next step's batch, inside this step
+    engram: object = None  # the step's PendingEngramRows (host tables)
+
+
+@dataclass
 class Rank4:
-    """Everything one step needs; `step()` runs one forward."""
+    """Everything one step needs; `step()` runs one forward, then prepares the next step's input while the GPU works:
+    a fresh batch (`fresh`), or the same batch with a new Engram lookup started (host tables)."""
     model: object
     config: ModelConfig
     batch: object
@@ -162,9 +219,148 @@ class Rank4:
     n_tokens: int
     built_gb: float | None = None  # GPU memory the built step holds (weights, caches, inputs)
     build_peak_gb: float | None = None  # the build's own peak (weights drawn, stacked, converted)
+    fresh: "FreshSteps | None" = None
+    prefetcher: object = None  # mini.model.engram_host.EngramPrefetcher (host tables)
+    host_ids: torch.Tensor | None = None  # the reused batch's hash ids on the host (host tables, reused batch)
+    engram_setup: dict = field(default_factory=dict)  # the host tables' size and setup seconds
+    stats: list[StepStats] = field(default_factory=list)  # one per step run
+    wall_ms: list[float] = field(default_factory=list)  # time_steps: wall clock from each step's end to the next's
+    _in_flight: object = None  # the batch of the step just launched (its side-stream tensors stay alive)
 
     def step(self) -> torch.Tensor:
-        return self.model.forward(self.batch, self.cache)
+        if self.fresh is not None:
+            self.fresh.begin(self.batch)
+        out = self.model.forward(self.batch, self.cache)
+        eng = self.batch.engram
+        st = StepStats(engram=eng.data if eng is not None and eng.form == "pending" else None)
+        self._in_flight = self.batch
+        t0 = time.perf_counter()
+        if self.fresh is not None:
+            self.batch = self.fresh.next()
+            st.build_ms = 1e3 * (time.perf_counter() - t0)
+        elif self.prefetcher is not None:  # the same rows again, but looked up again, as a new step's would be
+            self.batch = dataclasses.replace(self.batch, engram=_pending(self.prefetcher, self.host_ids))
+        self.stats.append(st)
+        return out
+
+
+def _pending(prefetcher, host_ids: torch.Tensor):
+    from mini.model import EngramInput
+    return EngramInput("pending", prefetcher.start(host_ids))
+
+
+class FreshSteps:
+    """Each step's input built anew, as a server builds it: new random prompts of the same lengths, their Batch
+    (hash ids on the host), copied to the device without blocking, its index layout built on a side stream (its
+    nonzero syncs wait for the copies, not for the previous step's kernels), the Engram lookup started (host tables)
+    or the hash ids copied (device tables). `next()` runs right after the previous step is launched, so this host work
+    overlaps that step's GPU work; `begin(batch)` makes the compute stream wait for the side stream's work."""
+
+    def __init__(self, cfg: ModelConfig, lengths: list[int], device, block_tokens: int, engram_rows: int | None,
+                 prefetcher, seed: int):
+        self.cfg, self.lengths, self.device = cfg, lengths, torch.device(device)
+        self.block_tokens, self.engram_rows, self.prefetcher = block_tokens, engram_rows, prefetcher
+        self.hasher = hasher_of(cfg)
+        self.gen = torch.Generator().manual_seed(seed + 1)  # step 0 is build()'s prompts (seed), then these
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def prompts(self) -> list[list[int]]:
+        return [torch.randint(3, self.cfg.vocab_size, (n,), generator=self.gen).tolist() for n in self.lengths]
+
+    def next(self, tokens: list[list[int]] | None = None):
+        """The Batch of the next step (of `tokens`, or fresh prompts), its layout built."""
+        from mini.model.batch import SeqChunk, Batch
+        tokens = self.prompts() if tokens is None else tokens
+        nb = -(-max(len(t) for t in tokens) // self.block_tokens)
+        chunks = [SeqChunk(t, 0, i, list(range(i * nb, (i + 1) * nb))) for i, t in enumerate(tokens)]
+        host = Batch.build(chunks, self.cfg, "cpu", self.hasher)
+        if not self.cuda:
+            batch = dataclasses.replace(host, _layouts={})
+        else:
+            with torch.cuda.stream(self.stream):
+                moved = {f.name: _to_device(getattr(host, f.name), self.device) for f in dataclasses.fields(host)
+                         if isinstance(getattr(host, f.name), torch.Tensor)}
+                batch = dataclasses.replace(host, _layouts={}, **moved)
+        if host.engram is not None:
+            ids = host.engram.data % self.engram_rows if self.engram_rows else host.engram.data
+            if self.prefetcher is not None:
+                batch.engram = _pending(self.prefetcher, ids)
+            else:
+                from mini.model import EngramInput
+                with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+                    batch.engram = EngramInput("ids", _to_device(ids, self.device))
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            batch.layout(self.block_tokens, self.cfg.window_size)
+        return batch
+
+    def begin(self, batch) -> None:
+        """Before `batch`'s forward: the compute stream waits for the side stream, and the side stream's tensors
+        of the batch and its layout are marked as used by the compute stream (freed only after its work)."""
+        if not self.cuda:
+            return
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.stream)
+        for obj in (batch, *batch._layouts.values()):
+            for v in vars(obj).values():
+                if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                    v.record_stream(main)
+        if batch.engram is not None and isinstance(batch.engram.data, torch.Tensor):
+            batch.engram.data.record_stream(main)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without blocking the host (through pinned memory)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device) -> tuple[list, dict]:
+    """Per Engram layer, (fp8 values [rows, head_dim] as float8_e4m3fn, E8M0 scales [rows, head_dim / 32] as
+    float8_e8m0fnu) in host memory, page-locked in place where CUDA is (mini.model.engram_host.pin), and what the
+    setup took. The rows are drawn as `random_state` draws Engram rows (standard normal values, one power-of-two scale
+    per 32 values of a row), on `fill_device` in chunks copied back: far faster than drawing 50 GB on the CPU."""
+    from mini.formats import float_to_e8m0, pow2_ceil_scale
+    from mini.formats.fp8 import FP8_MAX, to_e4m3
+    from mini.model.engram_host import pin
+    hd, block = cfg.engram_head_dim, 32
+    fill_device = torch.device(fill_device)
+    info = {"alloc_s": 0.0, "pin_s": 0.0, "fill_s": 0.0, "pinned": True}
+    tables = []
+    chunk = 1 << 21
+    for j, _ in enumerate(cfg.engram_layer_ids):
+        t0 = time.perf_counter()
+        vals = torch.empty((rows, hd), dtype=torch.uint8)
+        scales = torch.empty((rows, hd // block), dtype=torch.uint8)
+        t1 = time.perf_counter()
+        info["pinned"] &= pin(vals) & pin(scales)
+        t2 = time.perf_counter()
+        g = torch.Generator(device=fill_device).manual_seed(seed * 7919 + j)
+        for a in range(0, rows, chunk):
+            x = torch.randn((min(rows, a + chunk) - a, hd // block, block), generator=g, device=fill_device)
+            scale = pow2_ceil_scale(x.abs().amax(-1).clamp_min(1e-30) / FP8_MAX)
+            vals[a:a + x.shape[0]].copy_(to_e4m3(x / scale.unsqueeze(-1)).flatten(-2).view(torch.uint8))
+            scales[a:a + x.shape[0]].copy_(float_to_e8m0(scale).view(torch.uint8))
+        if fill_device.type == "cuda":
+            torch.cuda.synchronize(fill_device)
+        t3 = time.perf_counter()
+        info["alloc_s"] += t1 - t0
+        info["pin_s"] += t2 - t1
+        info["fill_s"] += t3 - t2
+        tables.append((vals.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)))
+    info["gb"] = sum(v.numel() + s.numel() for v, s in tables) / 1e9
+    return tables, info
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available (Linux MemAvailable), or None where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def restack_experts(state: dict, cfg: ModelConfig, experts: range) -> dict:
@@ -217,17 +413,46 @@ def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, bloc
 
 
 def build(args) -> Rank4:
+    from mini.bench import SuiteError
     from mini.checkpoint import expert_range
+    resolve(args)
     cfg = preset(args.preset)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     experts = expert_range(cfg, 0, args.ep)
     exchange = EmulatedEP(args.ep, args.seed, args.routing, experts)
-    model = rank_model(cfg, device, dtype, args.seed, experts, args.engram_rows, exchange)
+    host = args.engram == "host" and bool(cfg.engram_layer_ids)
+    tables, engram_setup = None, {}
+    if host:  # before the model: a refusal costs no build
+        need = len(cfg.engram_layer_ids) * args.engram_rows * (cfg.engram_head_dim + cfg.engram_head_dim // 32)
+        avail = host_memory_available()
+        if avail is not None and need + HOST_MEMORY_MARGIN > avail:
+            raise SuiteError(f"rank4: host Engram tables of {args.engram_rows} rows take {need / 1e9:.1f} GB, the "
+                             f"host has {avail / 1e9:.1f} GB available (keeping {HOST_MEMORY_MARGIN / 2**30:.0f} GiB "
+                             "free): pass a smaller --engram-rows")
+        tables, engram_setup = host_engram_tables(cfg, args.engram_rows, args.seed, device)
+    model = rank_model(cfg, device, dtype, args.seed, experts, 1 if host else args.engram_rows, exchange)
+    prefetcher = None
+    if host:
+        from mini.model.engram_host import EngramPrefetcher
+        weights = [blk.engram for blk in model.blocks if blk.engram is not None]
+        for w, (vals, scales) in zip(weights, tables):
+            w.embed, w.embed_scale = vals, scales  # the drawn 1-row stand-ins give way to the host tables
+        model.engram_on_device = False
+        prefetcher = EngramPrefetcher(weights, device, threads=args.engram_threads)
     per_seq = args.tokens // args.seqs
     g = torch.Generator().manual_seed(args.seed)
     tokens = [torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist() for _ in range(args.seqs)]
     batch, cache = prefill_batch(cfg, tokens, device, dtype, args.block_tokens, args.engram_rows)
-    return Rank4(model, cfg, batch, cache, exchange, per_seq * args.seqs)
+    fresh = host_ids = None
+    if args.fresh_steps:
+        fresh = FreshSteps(cfg, [per_seq] * args.seqs, device, args.block_tokens, args.engram_rows, prefetcher,
+                           args.seed)
+        batch = fresh.next(tokens)  # step 0: the reused batch's prompts, built the fresh way
+    elif host:
+        host_ids = batch.engram.data.cpu()
+        batch.engram = _pending(prefetcher, host_ids)
+    return Rank4(model, cfg, batch, cache, exchange, per_seq * args.seqs, fresh=fresh, prefetcher=prefetcher,
+                 host_ids=host_ids, engram_setup=engram_setup)
 
 
 def _sync(device: torch.device):
@@ -236,9 +461,13 @@ def _sync(device: torch.device):
 
 
 def time_steps(r: Rank4, steps: int) -> list[float]:
-    """ms of each of `steps` forwards (CUDA events on the GPU, wall clock on the CPU)."""
+    """ms of each of `steps` forwards (CUDA events on the GPU, wall clock on the CPU). A step includes the host work
+    of preparing the next one (`Rank4.step`): where that outlasts the GPU work, the difference shows. The wall
+    clock from one step's end to the next's goes to `r.wall_ms`."""
     dev = r.batch.input_ids.device
     out = []
+    _sync(dev)
+    last = time.perf_counter()
     for _ in range(steps):
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -251,16 +480,29 @@ def time_steps(r: Rank4, steps: int) -> list[float]:
             t0 = time.perf_counter()
             r.step()
             out.append(1e3 * (time.perf_counter() - t0))
+        now = time.perf_counter()
+        r.wall_ms.append(1e3 * (now - last))
+        last = now
     return out
 
 
 def definition(args) -> dict:
-    """The workload. `routing` appears only when it is not the uniform default, so that a revision from before the
-    option and one after it define the same uniform workload (tools/bench_rev.py compares definitions)."""
+    """The workload. What differs from the uniform mode's defaults (mode, routing, Engram placement, fresh steps)
+    appears only then, so that a revision from before the options and one after them define the same uniform
+    workload (tools/bench_rev.py compares definitions)."""
+    resolve(args)
     d = {"preset": args.preset, "tokens": args.tokens, "seqs": args.seqs, "ep": args.ep, "dtype": args.dtype,
          "block_tokens": args.block_tokens, "engram_rows": args.engram_rows, "seed": args.seed,
          "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
-    return d if args.routing == "uniform" else {**d, "routing": args.routing}
+    if args.mode != "uniform":
+        d["mode"] = args.mode
+    for k, v in MODES["uniform"].items():
+        if getattr(args, k) != v:
+            d[k] = getattr(args, k)
+    if args.engram == "host":
+        d["engram_threads"] = args.engram_threads
+        d["engram_rows_real"] = list(preset(args.preset).engram_num_embeddings)  # only the row count is scaled
+    return d
 
 
 def check_backends() -> None:
@@ -297,6 +539,7 @@ def _missing() -> str:
 def setup(args) -> tuple[Rank4, float]:
     """The backend for the device, the built step, and the seconds the build took."""
     import mini.ops
+    resolve(args)
     if args.device.startswith("cuda"):
         mini.ops.set_backend("fast")
     check_backends()
@@ -321,6 +564,7 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
     for _ in range(args.warmup - 1):
         r.step()
     _sync(dev)
+    r.wall_ms.clear()
     steps = time_steps(r, args.steps)
     mean = statistics.mean(steps)
     flat = sorted(n for layer in pairs.values() for n in layer)
@@ -332,8 +576,35 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
         metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30  # build and steps
         if r.built_gb is not None:
             metrics["built_mem_gb"], metrics["build_peak_mem_gb"] = r.built_gb, r.build_peak_gb
-    return {"suite": "rank4", "definition": definition(args), "metrics": metrics,
-            "raw": {"step_ms": steps, "pairs_per_local_expert": {str(k): v for k, v in pairs.items()}}}
+    timed = r.stats[-len(steps):]
+    raw = {"step_ms": steps, "wall_step_ms": list(r.wall_ms)}
+    metrics["wall_step_ms_median"] = statistics.median(r.wall_ms)
+    metrics.update(step_host_metrics(timed, raw))
+    metrics.update({f"engram_{k}": float(v) for k, v in r.engram_setup.items()})
+    raw["pairs_per_local_expert"] = {str(k): v for k, v in pairs.items()}
+    return {"suite": "rank4", "mode": args.mode, "definition": definition(args), "metrics": metrics, "raw": raw}
+
+
+def step_host_metrics(stats: list[StepStats], raw: dict) -> dict:
+    """Median / max over the timed steps of the host build of the next step (fresh steps) and of the Engram lookup
+    (host tables): `engram_gather_ms` (the thread pool's gather), `engram_host_wait_ms` (the forward's thread
+    waiting for its rows to be queued), `engram_gpu_wait_ms` (the compute stream stalled for their copy, CUDA
+    events), `engram_wait_ms` = the two waits: an upper bound of the visible Engram cost. Per step lists go to `raw`."""
+    series = {"host_build_ms": [s.build_ms for s in stats if s.build_ms is not None]}
+    pending = [s.engram for s in stats if s.engram is not None]
+    if pending:
+        series["engram_gather_ms"] = [p.gather_ms for p in pending]
+        series["engram_host_wait_ms"] = [p.host_wait_ms for p in pending]
+        gpu = [p.gpu_wait_ms() for p in pending]
+        if all(g is not None for g in gpu):
+            series["engram_gpu_wait_ms"] = gpu
+        series["engram_wait_ms"] = [h + (g or 0.0) for h, g in zip(series["engram_host_wait_ms"], gpu)]
+    out = {}
+    for k, v in series.items():
+        if v:
+            raw[k] = v
+            out[f"{k}_median"], out[f"{k}_max"] = statistics.median(v), max(v)
+    return out
 
 
 def record_pairs(r: Rank4) -> dict[int, list[int]]:

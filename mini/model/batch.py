@@ -37,13 +37,15 @@ class EngramInput:
     * "rows": table rows [T, n_engram_layers, n_hash_cols, head_dim] looked up on the host before a CUDA-graph
       replay (static decode buffers, tables on the host);
     * "prefix": the lookback - 1 tokens before each row's token [T, lookback - 1] (-1 before the sequence's
-      start); the model hashes them with input_ids and looks up on the device (Model.hash_on_device)."""
-    form: str  # "ids" | "rows" | "prefix"
-    data: torch.Tensor
+      start); the model hashes them with input_ids and looks up on the device (Model.hash_on_device);
+    * "pending": a mini.model.engram_host.PendingEngramRows, rows being looked up in host tables since the step was
+      scheduled; the first Engram layer waits for them."""
+    form: str  # "ids" | "rows" | "prefix" | "pending"
+    data: torch.Tensor  # PendingEngramRows for "pending"
 
     def __post_init__(self):
-        if self.form not in ("ids", "rows", "prefix"):
-            raise ValueError(f"Engram input form {self.form!r}: ids, rows or prefix")
+        if self.form not in ("ids", "rows", "prefix", "pending"):
+            raise ValueError(f"Engram input form {self.form!r}: ids, rows, prefix or pending")
 
 
 @dataclass

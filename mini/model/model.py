@@ -181,6 +181,8 @@ class Model:
             if blk.engram is not None:
                 if eng.form == "rows":  # looked up on the host before a CUDA-graph replay
                     h = engram(h, None, blk.engram, cfg, rows=eng.data[:, engram_col])
+                elif eng.form == "pending":  # host tables, looked up ahead (mini.model.engram_host)
+                    h = engram(h, None, blk.engram, cfg, rows=eng.data.rows(engram_col, h.dtype))
                 else:
                     h = engram(h, eng.data[:, engram_col], blk.engram, cfg)
                 engram_col += 1

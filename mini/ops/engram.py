@@ -197,13 +197,26 @@ class EngramWeights:
         return cls(state[p + "embed.weight"], state[p + "embed.scale"],
                    QWeight.from_state(state, p + "wkv", cfg.fp8_block), gate)
 
-    def lookup(self, hash_ids: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-        """Dequantized table rows [..., head_dim] (fp8 value * E8M0 scale per group, exact in bf16)."""
+    def gather(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw bytes of table rows, gathered where the table is: fp8 values as uint8 [..., head_dim] and E8M0
+        scale bytes [..., head_dim / 32]."""
         ids = hash_ids.to(self.embed.device)
-        vals = self.embed.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float().to(device)
-        scale = _e8m0_values(self.embed.device)[self.embed_scale.view(torch.uint8)[ids].long()].to(device)
-        group = vals.shape[-1] // scale.shape[-1]
-        return (vals.unflatten(-1, (-1, group)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+        return self.embed.view(torch.uint8)[ids], self.embed_scale.view(torch.uint8)[ids]
+
+    def lookup(self, hash_ids: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Dequantized table rows [..., head_dim] on `device` (the raw bytes travel, a quarter of fp32's)."""
+        vals, scales = self.gather(hash_ids)
+        return dequantize_rows(vals.to(device), scales.to(device), dtype)
+
+
+def dequantize_rows(vals: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Table rows from their raw bytes (uint8 fp8 values [..., head_dim], E8M0 scale bytes [..., head_dim / 32], on
+    one device): fp8 value * scale per group, exact in fp32 and so in bf16 unless the scale over- or underflows it.
+    The one dequantization of every lookup path (in place, host tables prefetched), so all give the same bits."""
+    v = vals.view(torch.float8_e4m3fn).float()
+    s = _e8m0_values(vals.device)[scales.long()]
+    group = v.shape[-1] // s.shape[-1]
+    return (v.unflatten(-1, (-1, group)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 @lru_cache(maxsize=8)

@@ -192,3 +192,109 @@ def test_a_sub_stage_counts_only_calls_inside_its_parent():
     routed(4)  # after the recorder is gone: not timed
     assert calls == [0, 1, 2, 3, 4]  # every call still runs
     assert {k: len(v) for k, v in timer.pending.items()} == {"moe.routed": 1, "moe.routed.act_quant": 1}
+
+
+# ---------------------------------------------------------------------------------------------- modes (issue 13)
+def test_uniform_mode_defines_the_workload_of_earlier_revisions():
+    """The uniform mode's definition has exactly the keys it had before the modes (tools/bench_rev.py A/B)."""
+    d = prefill.definition(_args())
+    assert set(d) == {"preset", "tokens", "seqs", "ep", "dtype", "block_tokens", "engram_rows", "seed", "device"}
+    assert d["engram_rows"] == prefill.DEVICE_ENGRAM_ROWS
+    a = _args(["--mode", "realistic"])
+    d = prefill.definition(a)
+    assert (d["mode"], d["engram"], d["fresh_steps"], d["routing"]) == ("realistic", "host", True, "skewed")
+    assert d["engram_rows"] == prefill.HOST_ENGRAM_ROWS and d["engram_rows_real"] == [6126, 6332]
+    d = prefill.definition(_args(["--mode", "realistic", "--engram", "device", "--no-fresh-steps"]))
+    assert "engram" not in d and "fresh_steps" not in d and d["routing"] == "skewed"
+
+
+def test_rank4_realistic_mode_on_the_tiny_model(tmp_path):
+    from mini.bench import main
+    out = tmp_path / "r.json"
+    assert main(["rank4", "--json", str(out), "--mode", "realistic", "--engram-rows", "1000",
+                 "--engram-threads", "2"] + TINY) == 0
+    res = json.loads(out.read_text())
+    m, raw = res["metrics"], res["raw"]
+    assert res["mode"] == "realistic" and res["definition"]["engram_rows"] == 1000
+    for k in ("host_build_ms", "engram_gather_ms", "engram_host_wait_ms", "engram_wait_ms"):
+        assert len(raw[k]) == 2 and m[f"{k}_median"] <= m[f"{k}_max"], k
+    assert "engram_gpu_wait_ms" not in raw  # no CUDA stream on the CPU: nothing measured, nothing reported
+    hd = preset("tiny-v4.1").engram_head_dim
+    assert m["engram_gb"] == pytest.approx(2 * 1000 * (hd + hd // 32) / 1e9) and m["engram_pinned"] == 0
+    assert len(raw["wall_step_ms"]) == 2 and m["wall_step_ms_median"] > 0
+
+
+def test_uniform_mode_with_host_engram_looks_up_every_step():
+    args = _args(["--engram", "host", "--engram-rows", "777"])
+    r, setup_s = prefill.setup(args)
+    try:
+        assert r.fresh is None and r.prefetcher is not None
+        first = r.batch
+        res = prefill.measure(r, setup_s, args)
+        pend = [s.engram for s in r.stats]
+        assert len(pend) == 1 + 2 and len({id(p) for p in pend}) == 3  # one lookup per step (warm-up 1, steps 2)
+        assert all(p.gather_ms is not None for p in pend)
+        assert r.batch.layout(16, r.config.window_size) is first.layout(16, r.config.window_size)  # reused layout
+        assert res["metrics"]["engram_wait_ms_median"] >= 0 and "host_build_ms" not in res["raw"]
+    finally:
+        r.prefetcher.close()
+
+
+def test_fresh_steps_draw_new_prompts_of_the_same_lengths():
+    r, _ = prefill.setup(_args(["--fresh-steps", "--seqs", "3", "--tokens", "30"]))
+    seen = []
+    for _ in range(3):
+        b = r.batch
+        seen.append(b.input_ids.tolist())
+        assert b.lens_host == [10, 10, 10] and b._layouts  # the layout was built before the step
+        r.step()
+    assert len({tuple(s) for s in seen}) == 3
+    assert all(s.build_ms is not None and s.build_ms > 0 for s in r.stats)
+
+
+def test_a_fresh_batch_gives_the_reused_batchs_logits():
+    """FreshSteps' build of given prompts (host build, then moved, layout made ahead) == prefill_batch's: the same
+    logits, bit for bit; and with the Engram rows prefetched from host tables too."""
+    from mini.model.engram_host import EngramPrefetcher
+    args = _args()
+    r, _ = prefill.setup(args)
+    g = torch.Generator().manual_seed(11)
+    tokens = [torch.randint(3, r.config.vocab_size, (n,), generator=g).tolist() for n in (17, 9)]
+    batch, cache = prefill.prefill_batch(r.config, tokens, "cpu", torch.float32, 16, 1 << 20)
+    want = r.model.forward(batch, cache)
+    fresh = prefill.FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, None, 0)
+    assert torch.equal(r.model.forward(fresh.next(tokens), cache), want)
+    r.model.engram_on_device = False  # tiny tables: in CPU memory either way
+    pre = EngramPrefetcher([b.engram for b in r.model.blocks if b.engram is not None], "cpu", threads=2)
+    try:
+        fresh = prefill.FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, pre, 0)
+        batch = fresh.next(tokens)
+        assert batch.engram.form == "pending"
+        assert torch.equal(r.model.forward(batch, cache), want)
+    finally:
+        pre.close()
+
+
+def test_host_tables_refused_when_the_host_lacks_the_memory(monkeypatch, capsys):
+    from mini.bench import main
+    monkeypatch.setattr(prefill, "host_memory_available", lambda: 20 << 30)
+    assert main(["rank4", "--mode", "realistic"] + TINY) == 2
+    assert "pass a smaller --engram-rows" in capsys.readouterr().err
+
+
+def test_host_engram_tables_are_drawn_like_random_state():
+    """Real row layout (fp8 values, one E8M0 scale per 32), values as random_state draws Engram rows: finite, each
+    32-group's largest |value| fills the fp8 range (power-of-two scale), the dequantized rows ~ standard normal."""
+    from mini.ops.engram import dequantize_rows
+    cfg = preset("tiny-v4.1")
+    tables, info = prefill.host_engram_tables(cfg, 3000, 0, "cpu")
+    assert len(tables) == len(cfg.engram_layer_ids) and info["pinned"] is False  # no CUDA here
+    for vals, scales in tables:
+        assert vals.dtype == torch.float8_e4m3fn and vals.shape == (3000, cfg.engram_head_dim)
+        assert scales.shape == (3000, cfg.engram_head_dim // 32)
+        rows = dequantize_rows(vals.view(torch.uint8), scales.view(torch.uint8), torch.float32)
+        assert torch.isfinite(rows).all() and abs(rows.std().item() - 1) < 0.05 and abs(rows.mean().item()) < 0.05
+        top = vals.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+        assert (top >= 224).all() and (top <= 448).all()  # 448 / 2 < max |x| / scale <= 448, then rounded
+    v2, _ = prefill.host_engram_tables(cfg, 3000, 0, "cpu")[0][0]
+    assert torch.equal(v2.view(torch.uint8), tables[0][0].view(torch.uint8))  # fixed by the seed
