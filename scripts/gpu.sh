@@ -200,10 +200,16 @@ phase_rank4_real() {  # issue 13 items 1-3 (<= 300 s): rank4 --mode uniform (GPU
     # its own process, 10 steps after 2 warm-up. RANK4_ENGRAM_ROWS overrides the host tables' rows per table.
     # Look at the summary lines: median_step_ms (uniform ~330), the Engram waits (target <= 2 ms: engram_wait_ms =
     # the forward's host wait for the rows + the GPU stream's stall for their copy), host_build_ms (fresh batches),
-    # engram_pin_s / fill_s (setup), engram_pinned 1.
+    # engram_pin_s / fill_s (setup), engram_pinned 1. First the host-table gpu test (~20 s: prefetched rows through
+    # the side-stream copy == the in-place lookup, bitwise; expect 1 passed). RANK4_REAL_RUNS picks runs (e.g.
+    # "realistic uniform_host": ~220 s without the uniform baseline).
     local rc=0 name args cap
-    for run in "uniform:80:--mode uniform" "realistic:110:--mode realistic" "uniform_host:110:--mode uniform --engram host"; do
+    timeout 30 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/model/test_engram_host.py \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/test.log" 2>&1 || rc=1
+    tail -3 "$PHASE_DIR/test.log"
+    for run in "uniform:80:--mode uniform" "realistic:105:--mode realistic" "uniform_host:85:--mode uniform --engram host"; do
         name=${run%%:*}; cap=${run#*:}; cap=${cap%%:*}; args=${run#*:*:}
+        case " ${RANK4_REAL_RUNS:-uniform realistic uniform_host} " in *" $name "*) ;; *) continue ;; esac
         [ "$name" != uniform ] && [ -n "${RANK4_ENGRAM_ROWS:-}" ] && args="$args --engram-rows $RANK4_ENGRAM_ROWS"
         MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout "$cap" python3 -m mini.cli bench rank4 $args \
             --steps 10 --warmup 2 --json "$PHASE_DIR/rank4_$name.json" >"$PHASE_DIR/rank4_$name.log" 2>&1 || rc=1
