@@ -5,9 +5,26 @@ Each rank brings `--tokens` tokens; the experts and the shared expert are stand-
 buffers, so the time is packing (FP8 encode), the all-gather, unpacking (decode), the fp32 reduce-scatter and the
 final add. The bare all-gather and reduce-scatter of the same byte counts are timed too, to separate the
 collectives from the glue around them. Every timing is the slowest rank's, median over `--iters` after
-`--warmup`.
+`--warmup`. `exchange_ms` is the eager glue's exchange (`MoEExchange.exchange`), `exchange_fused_ms` the fused
+one's (`exchange_wire`: its pack is the act-quant kernel; its decode and final add live in the experts' passes,
+which the stand-ins leave out, so `glue_fused_ms` is the pack and the last rounding only).
+
+`--glue`: one process on one GPU, no collectives: the exchange's local work per MoE layer at `--ranks` ranks, with
+the other ranks' received rows emulated (drawn and packed here) and the reduce-scatter left out (this rank's rows
+of its own partial sums stand for the result). Each piece is timed alone (median of `--iters` after `--warmup`,
+CUDA events), for the eager glue and the fused one:
+* eager: pack (encode_fp8 + byte rows), unpack (split + decode_fp8 + ids/weights), the experts' gather + act
+  quant (`fp8_act_quant(rows=)`, what Humming's path runs), the combine (fp32 partials), the final add + rounding;
+* fused: pack (`fp8_act_quant_wire`: codes, scales, ids, weights into the send buffer), unpack (views), the
+  experts' gather + decode (`fp8_act_quant(FP8Rows, rows=)`), the combine with the shared expert added, the final
+  rounding.
+`glue_ms` is what the one-device MoE does not run: eager pack + unpack + add; fused pack + unpack + rounding + what
+its gather and combine take beyond the eager ones. The route plan and the stand-in expert outputs (random bf16
+rows in place of the GEMMs) are the same for both and untimed. The outputs are checked bit for bit: the wire bytes,
+the GEMM input rows and the final bf16 rows of the two glues must be identical (`identical` 1).
 
     mini bench ep-exchange --ranks 2                      # V4.1-Flash: 4,096 tokens/rank, D 5120, top-6
+    mini bench ep-exchange --glue --ranks 4               # one GPU: the glue at EP4 row counts
 """
 from __future__ import annotations
 
@@ -33,6 +50,8 @@ def add_args(p) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--glue", action="store_true",
+                   help="one process, no collectives: time the exchange's local work, eager vs fused glue")
 
 
 def _timed(ctx: DistContext, fn, iters: int, warmup: int) -> list[float]:
@@ -65,7 +84,12 @@ def _rank(ctx: DistContext, args) -> dict[str, list[float]]:
     send, _ = ex.pack(x, weights, ids, args.block)
     recv = send.new_empty(ctx.world * n, send.shape[1])
     scattered = torch.empty(n, d, device=dev)
+    fused = {}
+    if dev.type == "cuda":  # the fused pack is a Triton kernel (on the CPU only under the interpreter)
+        fused["exchange_fused"] = _timed(ctx, lambda: ex.exchange_wire(
+            x, weights, ids, args.block, experts=lambda *_: partial, local=lambda: own), args.iters, args.warmup)
     return {
+        **fused,
         "exchange": _timed(ctx, lambda: ex.exchange(x, weights, ids, args.block, experts=lambda *_: partial,
                                                     local=lambda: own), args.iters, args.warmup),
         "all_gather": _timed(ctx, lambda: all_gather(recv, send), args.iters, args.warmup),
@@ -76,6 +100,8 @@ def _rank(ctx: DistContext, args) -> dict[str, list[float]]:
 
 def run(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.glue:
+        return run_glue(args, device)
     if device == "cuda" and torch.cuda.device_count() < args.ranks:
         raise SuiteError(f"ep-exchange: {args.ranks} ranks need {args.ranks} GPUs, "
                          f"{torch.cuda.device_count()} visible")
@@ -87,6 +113,10 @@ def run(args) -> dict:
     ag_bytes = (args.ranks - 1) * args.tokens * per_rank[0]["row_bytes"][0]  # received by each rank
     rs_bytes = (args.ranks - 1) * args.tokens * args.dim * 4  # sent by each rank
     ms = {name: slowest_ms(name) for name in ("exchange", "all_gather", "reduce_scatter")}
+    fused = {}
+    if "exchange_fused" in per_rank[0]:
+        f = slowest_ms("exchange_fused")
+        fused = {"exchange_fused_ms": f, "glue_fused_ms": f - ms["all_gather"] - ms["reduce_scatter"]}
     return {
         "suite": "ep-exchange",
         "definition": {"ranks": args.ranks, "tokens_per_rank": args.tokens, "dim": args.dim, "topk": args.topk,
@@ -97,5 +127,130 @@ def run(args) -> dict:
                     "reduce_scatter_ms": ms["reduce_scatter"],
                     "all_gather_GBps": ag_bytes / ms["all_gather"] / 1e6,
                     "reduce_scatter_GBps": rs_bytes / ms["reduce_scatter"] / 1e6,
-                    "glue_ms": ms["exchange"] - ms["all_gather"] - ms["reduce_scatter"]},
+                    "glue_ms": ms["exchange"] - ms["all_gather"] - ms["reduce_scatter"], **fused},
+    }
+
+
+# ------------------------------------------------------------------------------------------ --glue: one device
+def _timer(device: torch.device):
+    """fn -> seconds of one call (CUDA events on a GPU)."""
+    if device.type != "cuda":
+        def cpu(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        return cpu
+
+    def gpu(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return gpu
+
+
+def _median_ms(timer, fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    return 1e3 * statistics.median(timer(fn) for _ in range(iters))
+
+
+def _rank_rows(g: torch.Generator, n: int, d: int, k: int, n_experts: int, dtype, dev):
+    """One rank's MoE input and routing: a wide dynamic range per row, k distinct experts per token."""
+    x = (torch.randn(n, d, generator=g, device=dev) * torch.logspace(-3, 2, n, device=dev)[:, None]).to(dtype)
+    ids = torch.rand(n, n_experts, generator=g, device=dev).topk(k, dim=1).indices
+    return x, torch.rand(n, k, generator=g, device=dev), ids
+
+
+def run_glue(args, device: str) -> dict:
+    """The --glue mode (see the module doc)."""
+    import triton
+
+    from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant, fp8_act_quant_wire
+    from mini.kernels.moe_combine import combine
+    from mini.kernels.moe_route import plan_routes
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
+    from mini.parallel.exchange import WireRow
+
+    dev = torch.device(device)
+    if dev.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise SuiteError("ep-exchange --glue runs Triton kernels: on the CPU only with TRITON_INTERPRET=1")
+    if args.experts % args.ranks:
+        raise SuiteError(f"ep-exchange --glue: {args.experts} experts do not split over {args.ranks} ranks")
+    n, d, k, block, world = args.tokens, args.dim, args.topk, args.block, args.ranks
+    dtype = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    experts = range(0, args.experts // world)  # this rank (0) holds the first share; its rows come first
+    ranks = [_rank_rows(g, n, d, k, args.experts, dtype, dev) for _ in range(world)]
+    x, weights, ids = ranks[0]
+    own = torch.randn(n, d, generator=g, device=dev).to(dtype).float()  # the shared expert: bf16 values in fp32
+
+    ex = MoEExchange(DistContext(0, world, dev, None))
+    ex.set_counts([n] * world)
+    row = WireRow(k, d, block)
+    eager_sends = [ex.pack(*r, block) for r in ranks]
+    widths = eager_sends[0][1]
+    recv_eager = torch.cat([s for s, _ in eager_sends])
+
+    def pack_fused(r, send):
+        ids_out, weights_out, codes, scales = row.fields(send)
+        fp8_act_quant_wire(r[0], block, codes, scales, r[2], r[1], ids_out, weights_out)
+        return send
+
+    recv_fused = torch.cat([pack_fused(r, torch.empty(n, row.width, dtype=torch.uint8, device=dev)) for r in ranks])
+    send_fused = torch.empty(n, row.width, dtype=torch.uint8, device=dev)
+    used = 8 * k + d + d // block  # the bytes past it are padding (the fused pack leaves them unwritten)
+
+    # eager: unpack -> x, weights, ids of all ranks; the route plan and stand-in expert outputs (untimed)
+    xa, wa, ia = ex._unpack(recv_eager, widths, dtype, block)
+    plan = plan_routes(ia, wa, experts, BLOCK_M, tiles=False)
+    n_valid = plan.expert_offset[-1:]
+    y = torch.randn(plan.n_rows, d, generator=g, device=dev).to(dtype)
+    ids_w, weights_w, codes_w, scales_w = row.fields(recv_fused)
+    rows_w = FP8Rows(codes_w, scales_w, block, dtype)
+    plan_w = plan_routes(ids_w, weights_w, experts, BLOCK_M, tiles=False)
+
+    out = {}
+    steps = {
+        "eager.pack": lambda: ex.pack(x, weights, ids, block),
+        "eager.unpack": lambda: ex._unpack(recv_eager, widths, dtype, block),
+        "eager.gather_quant": lambda: out.__setitem__("xs_eager", fp8_act_quant(xa, block, rows=plan.token,
+                                                                                   n_valid=n_valid)),
+        "eager.combine": lambda: out.__setitem__("partial_eager", combine(y, ia, plan.slot_row, experts,
+                                                                          torch.float32)),
+        "eager.final_add": lambda: out.__setitem__("y_eager", (out["partial_eager"][:n] + own).to(dtype)),
+        "fused.pack": lambda: pack_fused(ranks[0], send_fused),
+        "fused.unpack": lambda: FP8Rows(*row.fields(recv_fused)[2:], block, dtype),
+        "fused.gather_decode": lambda: out.__setitem__("xs_fused", fp8_act_quant(rows_w, block, rows=plan_w.token,
+                                                                                    n_valid=plan_w.expert_offset[-1:])),
+        "fused.combine_add": lambda: out.__setitem__("partial_fused", combine(
+            y, ids_w, plan_w.slot_row, experts, torch.float32, add=own, add_at=0)),
+        "fused.final_round": lambda: out.__setitem__("y_fused", out["partial_fused"][:n].to(dtype)),
+    }
+    timer = _timer(dev)
+    ms = {name: _median_ms(timer, fn, args.iters, args.warmup) for name, fn in steps.items()}
+    e = {p: ms[f"eager.{p}"] for p in ("pack", "unpack", "gather_quant", "combine", "final_add")}
+    f = {p: ms[f"fused.{p}"] for p in ("pack", "unpack", "gather_decode", "combine_add", "final_round")}
+    glue_eager = e["pack"] + e["unpack"] + e["final_add"]
+    glue_fused = (f["pack"] + f["unpack"] + f["final_round"] + (f["gather_decode"] - e["gather_quant"])
+                  + (f["combine_add"] - e["combine"]))
+    m = int(plan.expert_offset[-1])
+    identical = (torch.equal(recv_fused[:, :used], recv_eager[:, :used])
+                 and torch.equal(plan_w.expert_offset, plan.expert_offset)
+                 and torch.equal(plan_w.slot_row, plan.slot_row)
+                 and torch.equal(out["xs_fused"][:m], out["xs_eager"][:m])
+                 and torch.equal(out["y_fused"], out["y_eager"]))
+    return {
+        "suite": "ep-exchange",
+        "definition": {"mode": "glue", "ranks": world, "tokens_per_rank": n, "dim": d, "topk": k,
+                       "experts": args.experts, "block": block, "device": device,
+                       "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
+                       "iters": args.iters, "warmup": args.warmup},
+        "metrics": {"glue_eager_ms": glue_eager, "glue_fused_ms": glue_fused,
+                    "glue_speedup": glue_eager / glue_fused if glue_fused > 0 else 0.0,
+                    "local_eager_ms": sum(e.values()), "local_fused_ms": sum(f.values()),
+                    **{f"{name}_ms": v for name, v in ms.items()},
+                    "local_rows": m, "gathered_rows": world * n, "identical": int(identical)},
     }

@@ -2,7 +2,8 @@
 applied to a register tile so that a producer (norm, RoPE, a GEMM epilogue, the activation quant) writes
 already-quantized values. Every Triton kernel that rounds to FP8 / FP4 takes its helpers from here:
 * `e4m3_round`, `e2m1_round`: round fp32 to the nearest e4m3 / E2M1 value, ties to even;
-* `fp8_group_quant`: FP8 e4m3 with power-of-two (ue8m0) scales, 1 x BLOCK groups of a [ROWS, GROUPS·BLOCK] tile;
+* `fp8_group_quant`: FP8 e4m3 with power-of-two (ue8m0) scales, 1 x BLOCK groups of a [ROWS, GROUPS·BLOCK] tile
+  (`fp8_group_codes`: its scaled values and scale bytes, for a kernel that writes the FP8 form itself);
 * `fake_quant_tile`: a tile [ROWS, BLOCK·n] by `kind` (fp8, fp4 with ue8m0 or e4m3 scales; host codes from
   `kind_code`), each row's consecutive BLOCK channels sharing one scale.
 
@@ -50,18 +51,26 @@ def e2m1_round(v):
 
 
 @triton.jit
-def fp8_group_quant(v, GROUPS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Fake-quantize fp32 `v` [ROWS, GROUPS * BLOCK] in groups of BLOCK consecutive columns; returns fp32.
-    s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(v / s, ±448)), out = q * s: the division and the product
-    by a power of two are exact (v times 2^-e), so the only rounding is the e4m3 one."""
+def fp8_group_codes(v, GROUPS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """The two halves of `fp8_group_quant`: (a [ROWS, GROUPS, BLOCK] = clamp(v / s, ±448) before rounding, e
+    [ROWS, GROUPS] int32 = the E8M0 byte of s). e4m3_round(a) * 2^(e - 127) is the fake-quantized value; the EP
+    exchange sends a's e4m3 byte and e instead (mini/kernels/fp8_act_quant.py)."""
     g = tl.reshape(v, [ROWS, GROUPS, BLOCK])
     amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4) * (1.0 / 448.0)
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    q = e4m3_round(tl.clamp(g * inv[:, :, None], -448.0, 448.0))
-    return tl.reshape(q * scale[:, :, None], [ROWS, GROUPS * BLOCK])
+    return tl.clamp(g * inv[:, :, None], -448.0, 448.0), e
+
+
+@triton.jit
+def fp8_group_quant(v, GROUPS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Fake-quantize fp32 `v` [ROWS, GROUPS * BLOCK] in groups of BLOCK consecutive columns; returns fp32.
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(v / s, ±448)), out = q * s: the division and the product
+    by a power of two are exact (v times 2^-e), so the only rounding is the e4m3 one."""
+    a, e = fp8_group_codes(v, GROUPS, BLOCK, ROWS)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(e4m3_round(a) * scale[:, :, None], [ROWS, GROUPS * BLOCK])
 
 
 @triton.jit

@@ -340,11 +340,11 @@ def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
             and (x.dtype == torch.bfloat16 or fake_quant_enabled()))
 
 
-def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
-                 add: torch.Tensor | None = None) -> torch.Tensor:
+def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
+                 add: torch.Tensor | None = None, add_at: int = 0) -> torch.Tensor:
     """The routed experts through the GPU kernels: sort the (token, slot) pairs by local expert, the experts'
     GEMMs (Humming's when the experts were converted, else ours), then per token the sum of its local rows in
-    slot order (+ `add`)."""
+    slot order (+ `add` on the rows from `add_at`). x: a tensor, or `FP8Rows` (`routed_wire`)."""
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
@@ -358,7 +358,23 @@ def _routed_fast(x: torch.Tensor, w: MoEWeights, weights: torch.Tensor, ids: tor
     rows = _rows_humming if w.humming is not None else _rows_triton
     y = rows(x, w, plan, ids.numel() * len(w.experts) // w.gate.shape[0], act_quant)
     with stage("moe.routed.combine"):
-        return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add)
+        return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add, add_at=add_at)
+
+
+@staged("moe.routed")
+def routed_wire(rows, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor,
+                add_at: int) -> torch.Tensor:
+    """`routed` for rows that arrived in the EP exchange's FP8 wire form (`mini.kernels.fp8_act_quant.FP8Rows`,
+    N rows, their ids / weights [N, k] as views of the same buffer; id -1: a padding row), plus `add` (this rank's
+    shared expert output, fp32 or bf16 [A, D]) on the rows add_at..add_at + A, fp32 [N, D]. The rows are decoded in
+    the pass that gathers them for the GEMMs (where the one-device path quantizes), and `add` is summed in the
+    combine, last, as `moe` sums the shared expert. Only where `routed_wire_ok`."""
+    return _routed_fast(rows, w, weights, ids, torch.float32, add=add, add_at=add_at)
+
+
+def routed_wire_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
+    """Whether `routed_wire` serves this layer: the fast path, bf16 activations, the activation fake quant on."""
+    return _fast_ok(x, ids, w) and x.dtype == torch.bfloat16 and fake_quant_enabled()
 
 
 def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:

@@ -15,12 +15,25 @@ Decoding the gathered FP8 rows gives exactly `fake_quant_fp8(x)`, and fake quant
 experts compute what they would on the original input; only the cross-rank fp32 summation order differs from one
 device. When fake quantization is switched off (`no_fake_quant`), the raw activations travel instead.
 
+The glue around the collectives comes in two forms, chosen by MINI_EP_GLUE (or `MoEExchange(glue=)`):
+* "fused" (the default, where `mini.ops.moe.routed_wire_ok`: the fast path on bf16 activations with the fake quant
+  on): the act-quant kernel writes the wire rows (codes, scales, ids, weights) straight into the send buffer
+  (`fp8_act_quant_wire`); the received rows are decoded in the pass that gathers them for the expert GEMMs
+  (`routed_wire`: where one device quantizes them); padding rows carry expert id -1 and are never computed; the
+  shared expert is added in the combine, to this rank's rows before the reduce-scatter (step 5 moves into step
+  3), so after the reduce-scatter only the rounding to bf16 is left. Every expert output and the shared one are
+  bf16 values summed in fp32, as in the other order (docs/parallel.md has the exactness argument);
+* "eager": the torch-op pack / unpack / add around the same collectives; also every other case (CPU reference,
+  fp32, fake quant off). Kept for A/B (`mini bench ep-exchange --glue`).
+
 Call `begin_step(n_tokens)` once per forward step (it exchanges the token counts); a rank without tokens in a step
 where others have some still runs every MoE layer, with an empty input (`join_idle`).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,7 +43,7 @@ from mini.parallel.groups import DistContext
 from mini.formats.e8m0 import e8m0_to_float, pow2_ceil_scale
 from mini.formats.fp8 import FP8_MAX, to_e4m3
 from mini.formats.quant import fake_quant_enabled
-from mini.ops.moe import MoEWeights, gate, routed, shared
+from mini.ops.moe import MoEWeights, gate, routed, routed_wire, routed_wire_ok, shared
 
 # torch >= 2.13 names them *_single; 2.11 only has the *_tensor spellings
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,13 +64,47 @@ def decode_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: tor
     return (g * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+GLUES = ("fused", "eager")
+
+
+def glue_choice(glue: str | None = None) -> str:
+    """`glue`, else MINI_EP_GLUE, else "fused"; an unknown name is refused."""
+    choice = glue or os.environ.get("MINI_EP_GLUE") or "fused"
+    if choice not in GLUES:
+        raise ValueError(f"EP exchange glue {choice!r} (MINI_EP_GLUE): choose one of {', '.join(GLUES)}")
+    return choice
+
+
+@dataclass(frozen=True)
+class WireRow:
+    """One token's bytes on the wire in the FP8 form: expert ids int32 [k], routing weights fp32 [k], e4m3 codes
+    [D], E8M0 scales [D / block], padding to 16 bytes. The 4-byte fields come first and rows are 16-byte multiples,
+    so int32 / fp32 views of any row stay aligned (the eager `pack` writes the same layout)."""
+    k: int
+    dim: int
+    block: int
+
+    @property
+    def width(self) -> int:
+        used = 8 * self.k + self.dim + self.dim // self.block
+        return used + (-used % 16)
+
+    def fields(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of byte rows `buf` [N, width]: (ids int32 [N, k], weights fp32 [N, k], codes [N, D],
+        scales [N, D / block])."""
+        k, d = self.k, self.dim
+        return (buf.view(torch.int32)[:, :k], buf.view(torch.float32)[:, k: 2 * k], buf[:, 8 * k: 8 * k + d],
+                buf[:, 8 * k + d: 8 * k + d + d // self.block])
+
+
 class MoEExchange:
     """A drop-in for `mini.ops.moe.moe` (same call signature) that spreads the routed experts over the ranks of
     `ctx`; pass it as `Model(..., moe_exchange=...)` on a rank that holds the routed experts
     `mini.checkpoint.expert_range(config, ctx.rank, ctx.world)` (`mini.parallel.dp.DPModel` does both)."""
 
-    def __init__(self, ctx: DistContext):
+    def __init__(self, ctx: DistContext, glue: str | None = None):
         self.ctx = ctx
+        self.glue = glue_choice(glue)
         self.counts: list[int] | None = None
         self._rows: torch.Tensor | None = None  # valid rows of the padded gather (None: no padding)
         # diagnostics (`mini bench ep-exact --trace`): called as trace(layer, site, tensor) with this rank's
@@ -74,11 +121,16 @@ class MoEExchange:
         mine = torch.tensor([n_tokens], dtype=torch.int64, device=self.ctx.device)
         every = torch.empty(self.ctx.world, dtype=torch.int64, device=self.ctx.device)
         all_gather(every, mine)
-        self.counts = every.tolist()
+        self.set_counts(every.tolist())
+        return sum(self.counts)
+
+    def set_counts(self, counts: list[int]) -> None:
+        """Every rank's token count of this step (what `begin_step` exchanges; `mini bench ep-exchange --glue`
+        sets them itself to run the glue without collectives)."""
+        self.counts = list(counts)
         t_max = max(self.counts)
         self._rows = None if min(self.counts) == t_max else torch.cat(
             [torch.arange(r * t_max, r * t_max + n, device=self.ctx.device) for r, n in enumerate(self.counts)])
-        return sum(self.counts)
 
     def join_idle(self, layers: Iterable[tuple[MoEWeights, LayerPlan]], cfg: ModelConfig,
                   dtype: torch.dtype) -> None:
@@ -104,6 +156,9 @@ class MoEExchange:
             self._record("routed", mine)
             self._record("shared", own)
             return (mine + own).to(x.dtype)
+        if self.glue == "fused" and routed_wire_ok(x, ids, w):
+            return self.exchange_wire(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w),
+                                      experts=lambda rows, wa, ia, add, at: routed_wire(rows, w, wa, ia, add, at))
         out = self.exchange(x, weights, ids, cfg.fp8_block,
                             experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia), local=lambda: shared(x, w))
         return out.to(x.dtype)
@@ -127,6 +182,31 @@ class MoEExchange:
         self._record("routed", mine)
         self._record("shared", own)
         return mine + own
+
+    def exchange_wire(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block: int, experts, local
+                      ) -> torch.Tensor:
+        """`exchange` with the glue in the kernels (the module doc's "fused"), in x.dtype [T, D]. `experts(rows,
+        weights_all, ids_all, add, add_at)` -> fp32 [world * T_max, D] partial sums over the padded gathered rows
+        (`FP8Rows`, ids -1 on padding rows), with `add` = `local()` (fp32 [T, D]) summed into rows add_at.."""
+        from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
+        t_max, rank = max(self.counts), self.ctx.rank
+        row = WireRow(ids.shape[1], x.shape[1], block)
+        send = torch.empty(t_max, row.width, dtype=torch.uint8, device=x.device)
+        ids_out, weights_out, codes, scales = row.fields(send)
+        fp8_act_quant_wire(x, block, codes, scales, ids, weights, ids_out, weights_out)
+        recv = send.new_empty(self.ctx.world * t_max, row.width)
+        pending = all_gather(recv, send, async_op=True)
+        own = local()
+        pending.wait()
+        ids_all, weights_all, codes, scales = row.fields(recv)
+        partial = experts(FP8Rows(codes, scales, block, x.dtype), weights_all, ids_all, own, rank * t_max)
+        out = torch.empty(t_max, x.shape[1], dtype=torch.float32, device=x.device)
+        reduce_scatter(out, partial)
+        mine = out[: x.shape[0]]
+        if self.trace is not None:  # the routed sum alone: exact when routed + shared is (see docs/parallel.md)
+            self._record("routed", mine - own)
+            self._record("shared", own)
+        return mine.to(x.dtype)
 
     def pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
         """One byte row per token, padded to the step's largest count: (rows [T_max, width], field widths).

@@ -55,3 +55,42 @@ def test_combine_adds_and_rounds_once(dtype, interpreter):
                                                       (torch.float32, torch.float32, True)])
 def test_combine_gpu(T, k, dtype, out_dtype, with_add):
     _check(T, k, 1030, "cuda", dtype, out_dtype, with_add)
+
+
+def _check_add_at(T, k, D, A, add_at, device):
+    """The EP exchange's use: the shared expert of this rank's A tokens added to the gathered rows add_at.., ids
+    a strided view (the rows of the received byte buffer) whose padding rows hold -1 (no expert)."""
+    experts = range(3, 9)
+    ids, slot_row, y, local = _case(T, k, D, 12, experts, device, torch.bfloat16)
+    ids[-1] = -1
+    local[-1] = False
+    wide = torch.full((T, 3 * k), 7, dtype=ids.dtype, device=device)
+    wide[:, k: 2 * k] = ids
+    ids = wide[:, k: 2 * k]  # stride 3k, unit column stride
+    add = torch.randn(A, D, device=device).bfloat16()
+    out = combine(y, ids, slot_row, experts, torch.float32, add=add, add_at=add_at,
+                  out=torch.full((T, D), float("nan"), device=device))
+    full_add = torch.zeros(T, D, device=device)
+    full_add[add_at: add_at + A] = add.float()
+    assert torch.equal(out, _reference(y, ids, slot_row, local, full_add, torch.float32))
+    # the unfused order (combine, then the add in its own pass) gives the same bits
+    apart = combine(y, ids, slot_row, experts, torch.float32)
+    apart[add_at: add_at + A] += add.float()
+    assert torch.equal(out, apart)
+
+
+@pytest.mark.parametrize("T,A,add_at", [(9, 4, 4), (9, 0, 9), (5, 5, 0)])
+def test_combine_adds_a_row_range_interpreter(T, A, add_at, interpreter):
+    _check_add_at(T, 3, 96, A, add_at, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,A,add_at", [(8192, 4096, 4096), (16384, 4093, 4096)])
+def test_combine_adds_a_row_range_gpu(T, A, add_at):
+    _check_add_at(T, 6, 5120, A, add_at, "cuda")
+
+
+def test_combine_refuses_an_add_past_the_rows():
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="add_at"):
+        combine(torch.zeros(8, 32), ids, ids.int(), range(0, 1), torch.float32, add=torch.zeros(3, 32), add_at=2)

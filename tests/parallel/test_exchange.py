@@ -100,3 +100,73 @@ def test_fp8_wire_form_decodes_to_the_fake_quantized_input(block, dtype):
     assert got.dtype == dtype and torch.equal(got, want)
     # the experts quantize the gathered input again: fake quantization must be idempotent for that to be exact
     assert torch.equal(fake_quant_fp8(want, block), want)
+
+
+class _CountingExchange(MoEExchange):
+    """MoEExchange that counts the layers its fused glue served (so a silent fallback to the eager one shows)."""
+    wire_calls = 0
+
+    def exchange_wire(self, *a, **kw):
+        self.wire_calls += 1
+        return super().exchange_wire(*a, **kw)
+
+
+def _rank_fused(ctx: DistContext, layer, counts, seed):
+    """One MoE layer through the fused glue and the eager one, on the fast path with the Triton kernels under the
+    interpreter (bf16, fake quant on), and this rank's tokens through one device holding every expert."""
+    import mini.ops
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    cfg = TINY_V41
+    mine = expert_range(cfg, ctx.rank, ctx.world)
+    w = MoEWeights.from_state(random_state(cfg, seed=seed, experts=mine), f"layers.{layer}.ffn", cfg, layer,
+                              experts=mine)
+    xs, ids = _inputs(cfg, counts, seed)
+    x, plan = xs[ctx.rank].bfloat16(), cfg.layers[layer]
+    out = {}
+    for glue in ("fused", "eager"):
+        ex = _CountingExchange(ctx, glue=glue)
+        ex.begin_step(counts[ctx.rank])
+        out[glue] = ex(x, w, cfg, plan, input_ids=ids[ctx.rank])
+        out[glue + "_wire_calls"] = ex.wire_calls
+    every = MoEWeights.from_state(random_state(cfg, seed=seed), f"layers.{layer}.ffn", cfg, layer)
+    out["one"] = moe(x, every, cfg, plan, input_ids=ids[ctx.rank])
+    return out
+
+
+@pytest.mark.parametrize("counts", [[7, 3], [0, 5]])  # padding rows (id -1) on rank 1; an idle rank 0
+def test_fused_glue_equals_eager_glue_and_one_device_bitwise(counts, monkeypatch):
+    """The fused glue (wire rows from the act-quant kernel, decode in the experts' gather pass, the shared expert
+    added in the combine) gives the eager glue's and one device's bf16 outputs bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned ranks when their kernels are decorated
+    got = spawn(2, _rank_fused, 3, counts, 5, device="cpu")
+    for r, n in enumerate(counts):
+        o = got[r]
+        assert o["fused_wire_calls"] == 1 and o["eager_wire_calls"] == 0
+        assert o["fused"].shape == (n, TINY_V41.dim) and o["fused"].dtype == torch.bfloat16
+        assert torch.isfinite(o["fused"]).all()
+        assert torch.equal(o["fused"], o["eager"]) and torch.equal(o["fused"], o["one"])
+
+
+def test_glue_choice_refuses_unknown_names(monkeypatch):
+    from mini.parallel.exchange import glue_choice
+    monkeypatch.setenv("MINI_EP_GLUE", "eager")
+    assert glue_choice() == "eager" and glue_choice("fused") == "fused"
+    monkeypatch.setenv("MINI_EP_GLUE", "fast")
+    with pytest.raises(ValueError, match="MINI_EP_GLUE"):
+        glue_choice()
+
+
+def test_wire_row_fields_are_aligned_views():
+    from mini.parallel.exchange import WireRow
+    row = WireRow(k=5, dim=5120, block=32)
+    used = 8 * 5 + 5120 + 160
+    assert row.width % 16 == 0 and used <= row.width < used + 16
+    buf = torch.zeros(3, row.width, dtype=torch.uint8)
+    ids, weights, codes, scales = row.fields(buf)
+    assert ids.shape == weights.shape == (3, 5) and codes.shape == (3, 5120) and scales.shape == (3, 160)
+    ids.fill_(-1)
+    weights.view(torch.int32).fill_(0x01020304)
+    codes.fill_(2)
+    scales.fill_(3)
+    assert (buf[:, used:] == 0).all() and (buf[:, :used] != 0).all()  # the fields tile the row, no overlap
+    assert (buf[:, 8 * 5: 8 * 5 + 5120] == 2).all() and (buf[:, 8 * 5 + 5120: used] == 3).all()
