@@ -443,11 +443,11 @@ phase_ep_glue() {  # issue 18 item 2 (ONE GPU, <= 120 s): the EP exchange's loca
     # layer inside ep-prefill), glue_eager_ms for comparison, and the tests passed.
     local rc=0 r
     for r in 2 4; do
-        timeout 45 python3 -m mini.cli bench ep-exchange --glue --ranks $r --iters 20 --warmup 5 \
+        timeout 35 python3 -m mini.cli bench ep-exchange --glue --ranks $r --iters 20 --warmup 5 \
             --json "$PHASE_DIR/ep_glue_ep$r.json" >"$PHASE_DIR/ep$r.log" 2>&1 || rc=1
         tail -20 "$PHASE_DIR/ep$r.log"
     done
-    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=50 tests/kernels/test_fp8_act_quant.py \
+    timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=45 tests/kernels/test_fp8_act_quant.py \
         tests/kernels/test_moe_combine.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
     return $rc
 }
