@@ -218,7 +218,7 @@ phase_rank4_real() {  # issue 13 items 1-3 (<= 300 s): rank4 --mode uniform (GPU
     python3 - "$PHASE_DIR" <<'PY' || rc=1
 import json, pathlib, sys
 keys = ("median_step_ms", "wall_step_ms_median", "engram_wait_ms_median", "engram_wait_ms_max",
-        "engram_gpu_wait_ms_median", "engram_host_wait_ms_median", "engram_gather_ms_median", "host_build_ms_median",
+        "engram_gpu_wait_ms_median", "engram_host_wait_ms_median", "engram_gather_ms_median", "host_build_ms_median", "forward_host_ms_median",
         "engram_gb", "engram_pinned", "engram_pin_s", "engram_fill_s", "setup_s", "peak_mem_gb")
 for name in ("uniform", "realistic", "uniform_host"):
     f = pathlib.Path(sys.argv[1]) / f"rank4_{name}.json"

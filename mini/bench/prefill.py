@@ -204,6 +204,7 @@ class StepStats:
     """Host-side figures of one step: the build of the next step's batch (fresh steps) and the Engram lookup of this
     one (host tables)."""
     build_ms: float | None = None  # host time building the next step's batch, inside this step
+    forward_host_ms: float | None = None  # host time until the forward returned (~ the step when it syncs inside)
     engram: object = None  # the step's PendingEngramRows (host tables)
 
 
@@ -228,11 +229,13 @@ class Rank4:
     _in_flight: object = None  # the batch of the step just launched (its side-stream tensors stay alive)
 
     def step(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         if self.fresh is not None:
             self.fresh.begin(self.batch)
         out = self.model.forward(self.batch, self.cache)
         eng = self.batch.engram
-        st = StepStats(engram=eng.data if eng is not None and eng.form == "pending" else None)
+        st = StepStats(engram=eng.data if eng is not None and eng.form == "pending" else None,
+                       forward_host_ms=1e3 * (time.perf_counter() - t0))
         self._in_flight = self.batch
         t0 = time.perf_counter()
         if self.fresh is not None:
@@ -586,11 +589,13 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
 
 
 def step_host_metrics(stats: list[StepStats], raw: dict) -> dict:
-    """Median / max over the timed steps of the host build of the next step (fresh steps) and of the Engram lookup
-    (host tables): `engram_gather_ms` (the thread pool's gather), `engram_host_wait_ms` (the forward's thread
+    """Median / max over the timed steps of the host time until the forward returned (`forward_host_ms`: close to
+    the step when the forward waits on the GPU inside, and then the next step's build cannot hide behind it), of the
+    host build of the next step (fresh steps) and of the Engram lookup (host tables): `engram_gather_ms` (the thread pool's gather), `engram_host_wait_ms` (the forward's thread
     waiting for its rows to be queued), `engram_gpu_wait_ms` (the compute stream stalled for their copy, CUDA
     events), `engram_wait_ms` = the two waits: an upper bound of the visible Engram cost. Per step lists go to `raw`."""
-    series = {"host_build_ms": [s.build_ms for s in stats if s.build_ms is not None]}
+    series = {"host_build_ms": [s.build_ms for s in stats if s.build_ms is not None],
+              "forward_host_ms": [s.forward_host_ms for s in stats if s.forward_host_ms is not None]}
     pending = [s.engram for s in stats if s.engram is not None]
     if pending:
         series["engram_gather_ms"] = [p.gather_ms for p in pending]
