@@ -36,13 +36,16 @@ def pin(t: torch.Tensor, threads: int = 8, chunk_bytes: int = 1 << 30) -> bool:
     if not torch.cuda.is_available() or t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return False
     cudart = torch.cuda.cudart()
-    base, size = t.data_ptr(), t.numel() * t.element_size()
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    # span ends at absolute multiples of chunk_bytes (page multiples): two spans never share a page (a large CPU
+    # tensor starts 64-byte aligned, not page aligned)
+    cuts = [start, *range((start // chunk_bytes + 1) * chunk_bytes, end, chunk_bytes), end]
 
-    def register(start: int) -> bool:
-        return int(cudart.cudaHostRegister(base + start, min(chunk_bytes, size - start), 0)) == 0
+    def register(span: tuple[int, int]) -> bool:
+        return int(cudart.cudaHostRegister(span[0], span[1] - span[0], 0)) == 0
 
     with ThreadPoolExecutor(threads, thread_name_prefix="engram-pin") as pool:
-        return all(pool.map(register, range(0, size, chunk_bytes)))
+        return all(pool.map(register, zip(cuts[:-1], cuts[1:])))
 
 
 def _one_thread():

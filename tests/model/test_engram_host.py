@@ -137,3 +137,32 @@ def test_model_with_prefetched_rows_on_the_gpu_equals_the_in_place_lookup():
             assert pending[k].gpu_wait_ms() >= 0
     finally:
         pre.close()
+
+
+def test_pin_registers_the_tensor_in_spans_that_share_no_page(monkeypatch):
+    """pin() without a GPU, against a stand-in cudaHostRegister: the spans cover the tensor's bytes exactly once,
+    each at most chunk_bytes, cut at page-aligned addresses (a large tensor starts 64-byte aligned; two
+    registrations may not share a page); one refusal makes it False."""
+    from mini.model import engram_host
+    calls = []
+
+    class FakeCudart:
+        refuse = None
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append((ptr, size, flags))
+            return 1 if ptr == self.refuse else 0
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = torch.empty(3 * 8192 + 77, dtype=torch.uint8)[5:]  # an odd start and size
+    assert engram_host.pin(t, threads=3, chunk_bytes=8192)
+    spans = sorted(calls)
+    assert spans[0][0] == t.data_ptr() and sum(s for _, s, _ in spans) == t.numel()
+    assert all(a + s == b for (a, s, _), (b, _, _) in zip(spans, spans[1:]))
+    assert all(s <= 8192 and (a + s) % 4096 == 0 for a, s, _ in spans[:-1]) and all(f == 0 for _, _, f in spans)
+    calls.clear()
+    fake.refuse = spans[1][0]
+    assert not engram_host.pin(t, threads=2, chunk_bytes=8192)
+    assert not engram_host.pin(torch.empty(0, dtype=torch.uint8)) and not engram_host.pin(t[::2])
