@@ -87,16 +87,18 @@ phase_fidelity() {  # issue 12 (~1 min): the fast backend on the official-refere
     return $rc
 }
 
-phase_fidelity_diag() {  # issue 12 (<= 150 s): where the fast backend parts from the official algorithm on
+phase_fidelity_diag() {  # issue 12 (<= 180 s): where the fast backend parts from the official algorithm on
     # f1/f2 (tools/fidelity_diag.py). Records every op output of the prefill of: the reference backend on the CPU
     # on MKL's AVX2 path (== the official logits on f2, f1 rows 0-43), the fast backend on CUDA, the same with
     # cuBLAS's reduced-precision bf16/fp16 reductions off, the reference backend ON THE GPU (the official algorithm
-    # on this hardware: the platform-noise yardstick) and the same with the fast path's indexer tie rule.
+    # on this hardware: the platform-noise yardstick), the same with the fast path's indexer tie rule, and the fast
+    # backend with the mHC mixes summed by IEEE FMAs (MINI_MHC_DOT=ieee) instead of the tensor cores.
     # records.log: one JSON per run and fixture (prefill/decode rel-MAE and top-1 vs the fixtures, first rows'
     # max|diff|); compare_<run>_<fixture>.txt: the discrete decisions that differ from the CPU run (top-k ids, MoE
     # experts, act-quant scales) and the first op at which each row departs; same.txt: per op, the fast path on
     # the reference's own input (bitwise calls, elements over 1 ulp, id rows that differ). Look at: ref_cuda's
-    # prefill rel-MAE vs 2x noise (f1 0.136, f2 0.116), fast vs fast_nrp, and same.txt's non-bitwise ops.
+    # prefill rel-MAE vs 2x noise (f1 0.136, f2 0.116), fast vs fast_mhc_ieee vs fast_nrp, and same.txt's
+    # non-bitwise ops (pre_norm's max ulps: the mixes' error).
     local rc=0 tmp=/tmp/fidelity_diag
     mkdir -p "$tmp"
     fd_record() {  # NAME SECONDS ARGS...: one record of f1 and f2
@@ -106,13 +108,15 @@ phase_fidelity_diag() {  # issue 12 (<= 150 s): where the fast backend parts fro
     }
     MKL_CBWR=AVX2,STRICT OMP_NUM_THREADS=1 fd_record cpu_avx2 30 --backend reference --device cpu
     fd_record fast 60 --backend fast --device cuda
-    fd_record fast_nrp 25 --backend fast --device cuda --no-reduced-precision
     fd_record ref_cuda 25 --backend reference --device cuda
-    fd_record ref_cuda_newer 25 --backend reference --device cuda --index-ties newer
+    MINI_MHC_DOT=ieee fd_record fast_mhc_ieee 40 --backend fast --device cuda
     grep '^{\|failed' "$PHASE_DIR/records.log"
     timeout 40 python3 tools/fidelity_diag.py same --fixture f1,f2 --device cuda --json "$PHASE_DIR/same.json" \
         >"$PHASE_DIR/same.txt" 2>&1 || rc=1
     grep -v "bitwise \([0-9]*\)/\1 " "$PHASE_DIR/same.txt" | head -30
+    fd_record fast_nrp 25 --backend fast --device cuda --no-reduced-precision
+    fd_record ref_cuda_newer 25 --backend reference --device cuda --index-ties newer
+    grep '^{' "$PHASE_DIR/records.log" | tail -4
     for f in f1 f2; do
         for name in fast ref_cuda; do
             [ -f "$tmp/${name}_$f.pt" ] || continue
@@ -449,6 +453,24 @@ phase_ep_glue() {  # issue 18 item 2 (ONE GPU, <= 120 s): the EP exchange's loca
     done
     timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=45 tests/kernels/test_fp8_act_quant.py \
         tests/kernels/test_moe_combine.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
+    return $rc
+}
+
+phase_ep2_glue_ab() {  # issue 18 items 1-2 (2 GPUs, <= 4 min): ep-exact at V4.1 width with the fused glue (the
+    # default), then EP2 prefill at 16 layers with MINI_EP_GLUE=eager, then fused (issue 18's workload: 164-176 ms
+    # steps, glue 21.9 ms, communication 9.4 ms per step). Expect rows_bit_identical 1 and max_abs_logit_diff 0 for
+    # wide-fast-bf16 in ep_exact.json; in ep2_L16_fused.json stage.exchange_glue_ms <= 3.2 (0.2 per layer) against
+    # ~21.9 in ep2_L16_eager.json, and mean_step_ms lower by about the difference (routed.act_quant / combine may
+    # grow slightly: the decode and the shared-expert add moved there).
+    local rc=0 glue
+    timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16,tiny-fast-bf16 \
+        --json "$PHASE_DIR/ep_exact.json" >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
+    tail -12 "$PHASE_DIR/ep_exact.log"
+    for glue in eager fused; do
+        MINI_EP_GLUE=$glue timeout 80 torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 16 --steps 5 \
+            --warmup 1 --profile-steps 2 --json "$PHASE_DIR/ep2_L16_$glue.json" >"$PHASE_DIR/$glue.log" 2>&1 || rc=1
+        grep -E "mean_step_ms|exchange_glue|communication|routed.act_quant|routed.combine" "$PHASE_DIR/$glue.log"
+    done
     return $rc
 }
 

@@ -26,8 +26,8 @@ a row whose set differs is a DISCRETE flip, as is a row whose act-quant scale di
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -249,6 +249,71 @@ def same_input(args) -> int:
     return 0
 
 
+def order_ensemble(args) -> int:
+    """The official algorithm (the reference backend) with the summation order of its order-dependent fp32 sums
+    (`--sites`) drawn at random, one draw per seed: the inputs of each sum permuted along the reduced dimension
+    (within each 32-wide K block for the FP8/FP4 GEMMs, whose block order the official kernels fix). Exact sums
+    stay exact; inexact ones round as another machine's or kernel's order would. What an implementation that sums
+    in another order lands at on these chaotic models: the platform noise of the official algorithm itself."""
+    import official_fixture as of
+    import mini.ops.linear as linear_mod
+    import mini.ops.mhc as mhc_mod
+    import mini.ops.moe as moe_mod
+    from mini.formats.quant import quant_fp8
+    from mini import ops
+    torch.set_num_threads(1)
+    ops.set_backend("reference")
+    gen = torch.Generator().manual_seed(0)
+
+    def perm(n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=gen)
+
+    projected = mhc_mod._projected
+
+    def mhc_permuted(h, fn, norm_eps):
+        p = perm(h.shape[-2] * h.shape[-1]).to(h.device)
+        return projected(h.flatten(-2)[..., p].view(h.shape), fn[:, p], norm_eps)
+
+    def gemm_permuted(x, w):
+        values, scales, k_block = w.blocks()
+        a, a_s = quant_fp8(x.reshape(-1, x.shape[-1]), w.block)
+        a_s = a_s.repeat_interleave(w.block // k_block, dim=1) if w.block > k_block else a_s
+        acc = torch.zeros(a.shape[0], values.shape[0], dtype=torch.float32, device=x.device)
+        for k in range(values.shape[1] // k_block):
+            cols = (k * k_block + perm(k_block)).to(x.device)
+            acc += (a[:, cols] @ values[:, cols].T) * a_s[:, k:k + 1] * scales[:, k].unsqueeze(0)
+        return acc.view(*x.shape[:-1], values.shape[0])
+
+    def gate_permuted(x, weight):
+        p = perm(x.shape[-1]).to(x.device)
+        return x.float()[..., p] @ weight.float()[:, p].t()
+
+    if args.index_ties == "newer":
+        from mini.ops import indexer
+        indexer.RANK_AS_OFFICIAL = False
+    sites = {"mhc": (mhc_mod, "_projected", mhc_permuted), "gemm": (linear_mod, "blockwise_gemm", gemm_permuted),
+             "gate": (moe_mod, "_gate_logits", gate_permuted)}
+    for site in args.sites.split(","):
+        mod, fname, fn = sites[site]
+        setattr(mod, fname, fn)
+    rows = []
+    for fixture in args.fixture.split(","):
+        model = of.load(fixture)
+        for seed in range(args.seeds):
+            gen.manual_seed(seed)
+            r = of.measure(fixture, model=model)
+            rows.append({"fixture": fixture, "seed": seed, "prefill": r.prefill.row(), "decode": r.decode.row()})
+            print(json.dumps(rows[-1]))
+        got = sorted(x["prefill"]["rel_mae"] for x in rows if x["fixture"] == fixture)
+        bound = 2 * of.own_noise(fixture).rel_mae
+        print(f"{fixture} sites {args.sites} ties {args.index_ties}: prefill rel-MAE over {len(got)} seeds min "
+              f"{got[0]:.4f} median {got[len(got) // 2]:.4f} max {got[-1]:.4f}; {sum(g > bound for g in got)} of "
+              f"{len(got)} above 2x the reference's own noise ({bound:.4f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def _record_one(args, of, rec: Recorder, fixture: str, save: bool = True) -> None:
     ref = of.reference(fixture)
     model, cfg = of.load(fixture, args.device)
@@ -267,7 +332,8 @@ def _record_one(args, of, rec: Recorder, fixture: str, save: bool = True) -> Non
     mm.Model.forward = forward
     prefill, decode = of.run_logits(model, cfg, ids, forced, args.device)
     scale = of.scale_of(fixture)
-    summary = {"fixture": fixture, "backend": args.backend, "device": args.device,
+    summary = {"run": Path(args.out.replace("{fixture}", fixture)).stem, "fixture": fixture,
+               "backend": args.backend, "device": args.device, "mhc_dot": os.environ.get("MINI_MHC_DOT", "pieces"),
                "no_reduced_precision": args.no_reduced_precision, "index_ties": getattr(args, "index_ties", None),
                "prefill": of.compare(prefill, ref["prefill_logits"], scale).row(),
                "decode": of.compare(decode, ref["replay_logits"], scale).row(),
@@ -373,6 +439,12 @@ def main(argv=None) -> int:
     si.add_argument("--no-reduced-precision", action="store_true")
     si.add_argument("--backend", default="reference", help=argparse.SUPPRESS)
     si.add_argument("--json", default=None)
+    e = sub.add_parser("order-ensemble", help="the reference with its fp32 sums in a random order, one per seed")
+    e.add_argument("--fixture", default="f1,f2")
+    e.add_argument("--sites", default="mhc,gemm,gate", help="comma-separated of mhc, gemm, gate")
+    e.add_argument("--index-ties", choices=["official", "newer"], default="official")
+    e.add_argument("--seeds", type=int, default=8)
+    e.add_argument("--json", default=None)
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
@@ -380,7 +452,7 @@ def main(argv=None) -> int:
     c.add_argument("--max-lines", type=int, default=60)
     c.add_argument("--max-rows", type=int, default=16)
     args = p.parse_args(argv)
-    return {"record": record, "same": same_input, "compare": compare}[args.cmd](args)
+    return {"record": record, "same": same_input, "compare": compare, "order-ensemble": order_ensemble}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24),
 # Triton 3.6's interpreter multiplies bf16 tiles wrongly (seen on CPU): there the bf16 pieces are multiplied as fp32
 # tiles holding the same values (still exact products), on the GPU as bf16 MMA operands.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# MINI_MHC_DOT=ieee (diagnosis, issue 12): every stream takes the fp32 dot with IEEE FMAs (no tensor cores), whose
+# sums round like any fp32 GEMM's; the default bf16-pieces MMAs truncate in the tensor cores' accumulator (~5e-6
+# relative on the mixes), and these random fixture models amplify any difference in the mixes (docs/fidelity.md).
+_DOT = os.environ.get("MINI_MHC_DOT", "pieces")
+if _DOT not in ("pieces", "ieee"):
+    raise ValueError(f"MINI_MHC_DOT={_DOT!r}: choose pieces or ieee")
 
 
 @triton.jit
@@ -254,7 +260,9 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     part = torch.empty(nsplit, T, PART_COLS, dtype=torch.float32, device=dev)
     delayed = pre_in is not None
     pre_in_t = pre_in.float().contiguous() if delayed else pre
-    split_bf16 = h.dtype == torch.bfloat16
+    split_bf16 = h.dtype == torch.bfloat16 and _DOT == "pieces"
+    if _DOT == "ieee":
+        precision = "ieee"
     pieces = _pieces_of(fn_in) if split_bf16 else fn
     _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
         h, fn, pieces, pre_in_t, part, y if collapse else h, T,
