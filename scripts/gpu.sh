@@ -125,6 +125,12 @@ phase_fidelity_diag() {  # issue 12 (<= 180 s): where the fast backend parts fro
         done
     done
     rm -rf "$tmp"
+    # the cost of the IEEE mixes at V4.1-Flash width (one site, 4,096 tokens), last: the cap may cut it
+    for dot in pieces ieee; do
+        MINI_MHC_DOT=$dot timeout 40 python3 -m mini.bench.kernels --only mhc --json "$PHASE_DIR/mhc_$dot.json" \
+            >"$PHASE_DIR/mhc_$dot.log" 2>&1 || rc=1
+        echo "mhc_norm with MINI_MHC_DOT=$dot:"; grep -i "mhc_norm" "$PHASE_DIR/mhc_$dot.log" | head -4
+    done
     return $rc
 }
 
