@@ -17,8 +17,11 @@ median over `--steps` after `--warmup`; tok/s/GPU = tokens per rank / mean step;
 GPU: allocated, and what the caching allocator reserved; CPU: peak RSS); then `--profile-steps` more steps with
 every stage timed (its named range, `mini.bench.profile`), rank 0's ms/step per stage. `communication`
 is the time inside the collectives: the step's token-count all-gather, each MoE layer's all-gather (its call and
-its `wait()`) and reduce-scatter. `exchange_glue` is the rest of the MoE exchange (FP8 pack / unpack, padding,
-the final add). A collective's time includes waiting for the slowest rank to arrive, so uneven ranks show up as
+its `wait()`) and reduce-scatter. `exchange_glue` is the rest of the MoE exchange: with the eager glue
+(MINI_EP_GLUE=eager) the FP8 pack / unpack, padding and the final add; with the fused glue (the default) the
+act-quant kernel's pack into the send buffer and the final rounding, its decode and shared-expert add being parts
+of the routed experts' gather and combine (stages routed.act_quant and routed.combine). `raw.exchange_glue` is
+the choice (the fused glue serves the fast path on bf16 activations; elsewhere the eager one runs). A collective's time includes waiting for the slowest rank to arrive, so uneven ranks show up as
 communication.
 
     # 2 H200s (one command; the JSON is written by rank 0)
@@ -248,7 +251,8 @@ def _rank(ctx: DistContext, args) -> dict:
                   "engram_rows": args.engram_rows, "seed": args.seed, "backend": ctx.backend,
                   "device": torch.cuda.get_device_name(ctx.device) if cuda else "cpu",
                   "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps}
-    return {"suite": "ep-prefill", "definition": definition, "metrics": metrics, "raw": {"step_ms": steps}}
+    return {"suite": "ep-prefill", "definition": definition, "metrics": metrics,
+            "raw": {"step_ms": steps, "exchange_glue": r.exchange.glue}}
 
 
 def run(args) -> dict:
