@@ -310,7 +310,8 @@ class OpenAIServer:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = await self._start_n(prompt, params, rid, req.n)
         names = req.tool_names if req.parses_tool_calls else None
-        choices = [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)]
+        choices = [ChatChoice(i, req.thinking_mode, names, streams_calls=req.enforces_tool_calls)
+                   for i in range(req.n)]
         if not req.stream:
             outs = await self._final(stream, request)
             body = [{"index": i, "message": c.message(out), "finish_reason": c.finish_reason(out),

@@ -250,8 +250,7 @@ class ChatCompletionRequest(_Common):
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if (self.forced_tool_call or (self.parses_tool_calls and not self.parallel_tool_calls)) \
-                and self.response_format is not None and self.response_format.type != "text":
+        if self.enforces_tool_calls and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("tool calls and a response_format cannot both be enforced")
         return self
 
@@ -267,6 +266,11 @@ class ChatCompletionRequest(_Common):
     def parses_tool_calls(self) -> bool:
         """The output is read for calls: tools are offered and not switched off."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def enforces_tool_calls(self) -> bool:
+        """`grammar()` makes a calls block well-formed: a forced call, or auto with one call at most."""
+        return self.parses_tool_calls and (self.forced_tool_call or not self.parallel_tool_calls)
 
     @property
     def thinking_mode(self) -> bool:

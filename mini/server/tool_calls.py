@@ -5,6 +5,12 @@ An assistant turn that calls tools is `content` + `\\n\\n<｜DSML｜ calls>` + i
 total: text that is not a well-formed block naming offered tools (a random-weight model writes such text) is
 returned as content, never an error. Streaming holds back everything from a possible block start until the
 output ends, then gives the calls or the held text, so a stream and a full response always agree.
+
+Where the block is enforced by a grammar (tool_choice required / named, or auto with one call at most), it cannot
+turn out malformed, so a stream shows each call as it is decoded (`parse_partial_block`): the call once its name
+is complete, then its arguments text growing with each parameter (a string's value as it grows), always a prefix
+of the final arguments; a block cut short by max_tokens keeps the calls as far as they got, in a stream and in
+a full response alike.
 """
 from __future__ import annotations
 
@@ -92,6 +98,103 @@ def _parse_block(block: str, names: set[str] | None) -> list[ToolCall]:
     if cur.text[cur.pos:].strip() or not calls:
         raise _Malformed("text after the calls block" if calls else "no calls")
     return calls
+
+
+@dataclass
+class PartialCall:
+    """A call of a block that may still grow: its arguments text is a prefix of the final one."""
+    name: str
+    arguments: str
+    complete: bool = False
+
+
+class _Growing(_Cursor):
+    """A cursor over text that may still grow: None where the text ends before the answer is known."""
+
+    def take(self, literal: str) -> bool | None:
+        rest = self.text[self.pos:self.pos + len(literal)]
+        if rest == literal:
+            self.pos += len(literal)
+            return True
+        return None if literal.startswith(rest) and self.pos + len(rest) == len(self.text) else False
+
+    def until(self, literal: str) -> str | None:
+        end = self.text.find(literal, self.pos)
+        if end < 0:
+            return None
+        value, self.pos = self.text[self.pos:end], end + len(literal)
+        return value
+
+
+def _shown(raw: str, final: bool) -> str:
+    """A growing string value less a tail that could begin its end marker (all of it once the output ended)."""
+    if not final:
+        for k in range(min(len(PARAM_CLOSE) - 1, len(raw)), 0, -1):
+            if raw.endswith(PARAM_CLOSE[:k]):
+                return raw[:-k]
+    return raw
+
+
+def parse_partial_block(block: str, names: set[str] | None, final: bool) -> tuple[list[PartialCall], str]:
+    """(calls so far, state) of a calls block that may still grow (the text after `<｜DSML｜ calls>`); `final`:
+    the output has ended. The same rules as the full parse, read as far as the text goes: a call appears once its
+    name is complete; its arguments are `{`, then `"key": value` per parameter (`, ` between: json.dumps's
+    layout, so a well-formed block's final arguments equal `parse_tool_calls`'), a string value shown as it grows,
+    another value once complete, and `}` at the invoke's end. `state`: "closed" (a well-formed block: what
+    `parse_tool_calls` accepts), "open" (the text ends inside the block) or "malformed" (the text breaks the rules
+    there; the calls before stay)."""
+    cur, calls = _Growing(block), []
+    cur.skip_newlines()
+    while True:
+        closed = cur.take(CALLS_CLOSE)
+        if closed:
+            return calls, "malformed" if cur.text[cur.pos:].strip() or not calls else "closed"
+        head = cur.take(_INVOKE_HEAD)
+        if closed is None or head is None:
+            return calls, "open"
+        if not head:
+            return calls, "malformed"
+        name = cur.until('">')
+        if name is None:
+            return calls, "open"
+        if not name or "\n" in name or (names is not None and name not in names):
+            return calls, "malformed"
+        call, keys = PartialCall(name, "{"), set()
+        calls.append(call)
+        cur.skip_newlines()
+        while True:
+            closed = cur.take(INVOKE_CLOSE)
+            if closed:
+                call.arguments += "}"
+                call.complete = True
+                break
+            head = cur.take(_PARAM_HEAD)
+            if closed is None or head is None:
+                return calls, "open"
+            if not head:
+                return calls, "malformed"
+            key = cur.until('" string="')
+            flag = None if key is None else cur.until('">')
+            if flag is None:
+                return calls, "open"
+            if key in keys or flag not in ("true", "false") or "\n" in key:
+                return calls, "malformed"
+            keys.add(key)
+            call.arguments += (", " if len(keys) > 1 else "") + json.dumps(key, ensure_ascii=False) + ": "
+            raw = cur.until(PARAM_CLOSE)
+            if raw is None:  # the value is still growing
+                if flag == "true":
+                    call.arguments += json.dumps(_shown(cur.text[cur.pos:], final), ensure_ascii=False)[:-1]
+                return calls, "open"
+            if flag == "true":
+                call.arguments += json.dumps(raw, ensure_ascii=False)
+            else:
+                try:
+                    call.arguments += json.dumps(json.loads(raw), ensure_ascii=False)
+                except ValueError:
+                    return calls, "malformed"
+            cur.skip_newlines()
+        cur.skip_newlines()
 
 
 def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:

@@ -70,7 +70,7 @@ def test_forced_call_validates_and_streams_the_same(server, choice):
     if isinstance(choice, dict):
         assert call.function.name == "get_time"
     # the stream: rebuild the call from its deltas, OpenAI style (by index; name and arguments accumulate)
-    rebuilt, finish, content = {}, None, ""
+    rebuilt, finish, content, pieces = {}, None, "", 0
     for chunk in c.chat.completions.create(**kw, stream=True):
         for d in chunk.choices[0].delta.tool_calls or []:
             entry = rebuilt.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
@@ -79,9 +79,12 @@ def test_forced_call_validates_and_streams_the_same(server, choice):
             entry["arguments"] += (d.function.arguments or "") if d.function else ""
         content += chunk.choices[0].delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
+        if chunk.choices[0].delta.tool_calls and chunk.choices[0].delta.tool_calls[0].function.arguments:
+            pieces += 1
     assert finish == "tool_calls" and content == "" and list(rebuilt) == [0]
     assert rebuilt[0]["id"].startswith("call_")
     assert (rebuilt[0]["name"], rebuilt[0]["arguments"]) == (call.function.name, call.function.arguments)
+    assert pieces >= 3  # the arguments stream as they are decoded ("{", the parameters, "}"), not at the end
 
 
 def test_required_parallel_calls_each_validate(server):
@@ -175,3 +178,107 @@ def test_parser_never_raises_on_garbage():
         assert (content, calls) == (text, []) or (calls and text.startswith(content))
         for c in calls:
             assert isinstance(json.loads(c.arguments), dict)
+
+
+def _stream_locally(choice, text, finish_reason, step=3):
+    """Feed a ChatChoice the output growing by `step` characters; (deltas per output, final output)."""
+    from mini.engine import RequestOutput
+    outs = [RequestOutput("r", [1], [], text[:n], [7], "", n >= len(text), finish_reason if n >= len(text) else None)
+            for n in list(range(step, len(text), step)) + [len(text)]]
+    return [choice.deltas(o) for o in outs], outs[-1]
+
+
+def _rebuild(deltas):
+    """Rebuild content and calls from deltas as an OpenAI client does (by index; arguments accumulate)."""
+    content, calls = "", {}
+    for d in (d for ds in deltas for d in ds):
+        content += d.get("content", "")
+        for t in d.get("tool_calls", []):
+            entry = calls.setdefault(t["index"], {"id": None, "name": "", "arguments": ""})
+            entry["id"] = t.get("id") or entry["id"]
+            entry["name"] += t.get("function", {}).get("name", "")
+            entry["arguments"] += t.get("function", {}).get("arguments", "")
+    return content, [calls[k] for k in sorted(calls)]
+
+
+TWO_CALLS = ("Checking." + CALL.replace("</｜DSML｜ calls>", "")
+             + '<｜DSML｜ invoke name="get_time">\n<｜DSML｜ parameter name="tz" string="true">C</ET</｜DSML｜ parameter>\n'
+             '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+
+
+@pytest.mark.parametrize("step", [1, 2, 7])
+def test_enforced_calls_stream_as_they_are_decoded(step):
+    """streams_calls: each call's deltas start once its name is decoded and its arguments grow parameter by
+    parameter (a string value as it grows), long before the output ends; rebuilt from the deltas, content and
+    calls equal the final message, which equals the strict parse of the whole text."""
+    from mini.server.chat_output import ChatChoice
+    names = {"get_weather", "get_time"}
+    choice = ChatChoice(0, False, names, streams_calls=True)
+    deltas, last = _stream_locally(choice, TWO_CALLS, "stop", step)
+    content, calls = _rebuild(deltas)
+    msg = ChatChoice(0, False, names, streams_calls=True).message(last)
+    strict_content, strict = parse_tool_calls(TWO_CALLS, names)
+    assert content == strict_content == msg["content"] == "Checking."
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in strict] \
+        == [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+    assert [c["id"] for c in calls] == [c.id for c in choice.calls] and choice.finish_reason(last) == "tool_calls"
+    assert json.loads(calls[1]["arguments"]) == {"tz": "C</ET"}
+    first_call = next(i for i, ds in enumerate(deltas) if any("tool_calls" in d for d in ds))
+    assert first_call < len(deltas) // 2  # the first call shows while the output still grows
+    pieces = sum(1 for ds in deltas for d in ds for t in d.get("tool_calls", []) if t["function"]["arguments"])
+    assert pieces >= 6
+
+
+def test_a_streamed_block_cut_short_keeps_its_calls_alike():
+    """max_tokens inside an enforced block: stream and final message both keep the calls as far as they got
+    (the arguments text cut where the output ends), finish_reason "length"; without streams_calls the cut block
+    is content in both."""
+    from mini.server.chat_output import ChatChoice
+    names = {"get_weather", "get_time"}
+    cut = TWO_CALLS[:TWO_CALLS.index("C</ET") + 3]
+    for streams in (True, False):
+        choice = ChatChoice(0, False, names, streams_calls=streams)
+        deltas, last = _stream_locally(choice, cut, "length", 2)
+        content, calls = _rebuild(deltas)
+        msg = ChatChoice(0, False, names, streams_calls=streams).message(last)
+        assert choice.finish_reason(last) == "length"
+        assert content == (msg["content"] or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+        if streams:
+            assert content == "Checking." and [c["name"] for c in calls] == ["get_weather", "get_time"]
+            assert calls[1]["arguments"] == '{"tz": "C</'
+        else:
+            assert content == cut and calls == []
+
+
+def test_partial_parse_agrees_with_the_full_parse():
+    """Seeded fuzz: blocks rendered from random calls (string values holding markup prefixes), some with one edit.
+    The partial parse of a whole block is "closed" exactly when the full parse accepts it, with the same calls;
+    while a well-formed block grows, each call's arguments only ever extend what was shown."""
+    from mini.server.tool_calls import parse_partial_block
+    from mini.tokenizer import TOOL_CALLS_START, render_tool_calls
+    rng, names = random.Random(0), {"f", "get_weather"}
+    values = ["", "a\nb", 'q"</', "x</｜DSML｜ par", "é", 3, -1.5, True, None, [1, {"k": "v"}], {"a": []}]
+    edits = ["\n", '">', '"', "</｜DSML｜ parameter>", "</｜DSML｜ invoke>", "</｜DSML｜ calls>", "x", "{", ""]
+    accepted = 0
+    for trial in range(600):
+        calls = [{"function": {"name": rng.choice(sorted(names)), "arguments": json.dumps(
+            {f"p{j}": rng.choice(values) for j in range(rng.randint(0, 3))})}} for _ in range(rng.randint(1, 3))]
+        text = render_tool_calls(calls)
+        if trial % 2:
+            i = rng.randrange(len(TOOL_CALLS_START), len(text) + 1)
+            text = text[:i] + rng.choice(edits) + text[min(len(text), i + rng.randint(0, 4)):]
+        block = text[len(TOOL_CALLS_START):]
+        _, strict = parse_tool_calls(text, names)
+        partial, state = parse_partial_block(block, names, final=True)
+        assert (state == "closed") == bool(strict), text
+        if strict:
+            accepted += 1
+            assert [(c.name, c.arguments) for c in partial] == [(c.name, c.arguments) for c in strict]
+            shown = {}
+            for n in range(len(block)):
+                for k, c in enumerate(parse_partial_block(block[:n], names, final=False)[0]):
+                    assert c.arguments.startswith(shown.get(k, "")), block[:n]
+                    shown[k] = c.arguments
+    assert accepted > 300
