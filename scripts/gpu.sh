@@ -447,18 +447,23 @@ PY
 
 phase_ep_glue() {  # issue 18 item 2 (ONE GPU, <= 120 s): the EP exchange's local work per MoE layer at V4.1-Flash
     # shape (4,096 tokens/rank, D 5120, top-6 of 384 experts, FP8 1x32), the eager glue vs the fused one, with the
-    # other ranks' rows emulated (no NCCL): EP2 (8,192 gathered rows, 192 local experts), EP4 (16,384, 96); then the
-    # fused kernels' gpu tests. Expect identical 1 in both JSONs (wire bytes, GEMM input rows and final rows of the
-    # two glues bit-identical), glue_fused_ms <= 0.2 (the target; issue 18 measured the eager glue at 1.37 ms per
-    # layer inside ep-prefill), glue_eager_ms for comparison, and the tests passed.
-    local rc=0 r
-    for r in 2 4; do
-        timeout 35 python3 -m mini.cli bench ep-exchange --glue --ranks $r --iters 20 --warmup 5 \
-            --json "$PHASE_DIR/ep_glue_ep$r.json" >"$PHASE_DIR/ep$r.log" 2>&1 || rc=1
-        tail -20 "$PHASE_DIR/ep$r.log"
-    done
-    timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=45 tests/kernels/test_fp8_act_quant.py \
-        tests/kernels/test_moe_combine.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
+    # other ranks' rows emulated (no NCCL): EP2 (8,192 gathered rows, 192 local experts), then the gpu tests of the
+    # fused kernels and of the fused exchange's real path (one-rank group, Humming, against the one-device MoE),
+    # then EP4 (16,384 rows, 96 experts). Expect identical 1 in both JSONs (wire bytes, GEMM input rows and final
+    # rows of the two glues bit-identical), glue_fused_ms <= 0.2 (the target; issue 18 measured the eager glue at
+    # 1.37 ms per layer inside ep-prefill), glue_eager_ms for comparison, and the tests passed.
+    local rc=0
+    ep_glue_run() {
+        timeout 30 python3 -m mini.cli bench ep-exchange --glue --ranks "$1" --iters 20 --warmup 5 \
+            --json "$PHASE_DIR/ep_glue_ep$1.json" >"$PHASE_DIR/ep$1.log" 2>&1
+        local r=$?
+        tail -20 "$PHASE_DIR/ep$1.log"
+        return $r
+    }
+    ep_glue_run 2 || rc=1
+    timeout 55 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=50 tests/kernels/test_fp8_act_quant.py \
+        tests/kernels/test_moe_combine.py tests/parallel/test_exchange.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
+    ep_glue_run 4 || rc=1
     return $rc
 }
 
