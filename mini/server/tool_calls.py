@@ -125,6 +125,16 @@ class _Growing(_Cursor):
         value, self.pos = self.text[self.pos:end], end + len(literal)
         return value
 
+    def next_of(self, close: str, head: str) -> str:
+        """Which marker comes next, taken: "close" or "head"; else "open" (the text ends first) or "malformed"."""
+        closed = self.take(close)
+        if closed:
+            return "close"
+        opened = self.take(head)
+        if opened:
+            return "head"
+        return "open" if closed is None or opened is None else "malformed"
+
 
 def _shown(raw: str, final: bool) -> str:
     """A growing string value less a tail that could begin its end marker (all of it once the output ended)."""
@@ -146,14 +156,11 @@ def parse_partial_block(block: str, names: set[str] | None, final: bool) -> tupl
     cur, calls = _Growing(block), []
     cur.skip_newlines()
     while True:
-        closed = cur.take(CALLS_CLOSE)
-        if closed:
+        step = cur.next_of(CALLS_CLOSE, _INVOKE_HEAD)
+        if step == "close":
             return calls, "malformed" if cur.text[cur.pos:].strip() or not calls else "closed"
-        head = cur.take(_INVOKE_HEAD)
-        if closed is None or head is None:
-            return calls, "open"
-        if not head:
-            return calls, "malformed"
+        if step != "head":
+            return calls, step
         name = cur.until('">')
         if name is None:
             return calls, "open"
@@ -163,16 +170,13 @@ def parse_partial_block(block: str, names: set[str] | None, final: bool) -> tupl
         calls.append(call)
         cur.skip_newlines()
         while True:
-            closed = cur.take(INVOKE_CLOSE)
-            if closed:
+            step = cur.next_of(INVOKE_CLOSE, _PARAM_HEAD)
+            if step == "close":
                 call.arguments += "}"
                 call.complete = True
                 break
-            head = cur.take(_PARAM_HEAD)
-            if closed is None or head is None:
-                return calls, "open"
-            if not head:
-                return calls, "malformed"
+            if step != "head":
+                return calls, step
             key = cur.until('" string="')
             flag = None if key is None else cur.until('">')
             if flag is None:
