@@ -6,7 +6,7 @@ import torch
 
 from conftest import MODEL, fake_app
 from mini.engine import build_engine
-from mini.engine.warmup import warm_up
+from mini.engine.warmup import plan, warm_up
 from mini.server.app import BackgroundServer
 
 TINY = dict(device="cpu", dtype=torch.float32, num_blocks=64, block_tokens=16, max_num_seqs=4,
@@ -32,7 +32,8 @@ def test_warm_up_runs_the_budget_and_a_burst_then_leaves_the_engine_empty():
         return add(request_id, prompt, params)
     engine.add_request = recorded
     assert warm_up(engine) > 0
-    assert lengths == [128, 1, 2, 4, 8]  # 2 budgets, then powers of two for max_num_seqs prompts
+    assert lengths[:5] == [128, 1, 2, 4, 8]  # 2 budgets, then powers of two for max_num_seqs prompts
+    assert lengths == [r.length for part in plan(64, 4, 16, engine.max_model_len).values() for g in part for r in g]
     assert not engine.requests and engine.blocks.usage == 0.0 and not engine.has_work()
     assert engine.stats.steps == 0 and engine.stats.prefill_tokens == 0  # counters reset
     assert engine.blocks.stats.queries == 0 and engine.blocks.stats.hits == 0
