@@ -319,5 +319,6 @@ def cold_diag(bursts: list[tuple[float, float]]) -> dict | None:
     for name, part in [("warm-up", diag["warmup"])] + [(f"burst {b['burst']}", b) for b in diag["bursts"]]:
         print(f"{name}: {part['steps']} steps in {part['step_s']:.3f} s (slowest {part['max_step_s']:.3f} s), "
               f"{part['compiles']} Triton compiles ({part['compile_s']:.2f} s) {part['compiled_kernels']}, "
-              f"{part['captures']} graph captures, reserved +{part['reserved_growth'] / 2**20:.0f} MiB")
+              f"{part['captures']} graph captures, reserved +{part['reserved_growth'] / 2**20:.0f} MiB, "
+              f"{part['gc_full']} full GCs ({part['gc_s']:.3f} s)")
     return diag

@@ -1,5 +1,5 @@
 """What a server still pays for after its warm-up: a trace of Triton JIT compiles, CUDA-graph captures, engine
-steps, request arrivals and allocator growth, one JSON line per event, and its summary per burst of a benchmark.
+steps, request arrivals, allocator growth and long garbage collections, one JSON line per event, and its summary per burst of a benchmark.
 
 Off unless MINI_WARMUP_TRACE names a file (the `cold_diag` GPU phase sets it): mini.engine.warmup then attaches a
 WarmupTrace to the engine before it warms up, and it stays attached while the server runs. Lines are written as
@@ -33,6 +33,7 @@ class WarmupTrace:
         self.compiles = 0
         self.compile_s = 0.0
         self._triton = False
+        self._gc = None
 
     def emit(self, ev: str, **fields) -> None:
         line = json.dumps({"ev": ev, "t": time.time(), "phase": self.phase, **fields}, default=str)
@@ -70,8 +71,31 @@ class WarmupTrace:
         self._triton = (before, after)
         return True
 
+    # ------------------------------------------------------------------ Python's garbage collector
+    def install_gc(self) -> None:
+        """Note every collection of the oldest generation and any other over 5 ms (a full collection walks every
+        object the process made at start: a pause for every request in flight)."""
+        import gc
+        started = {}
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                started["t"] = time.perf_counter()
+                return
+            seconds = time.perf_counter() - started.pop("t", time.perf_counter())
+            if info.get("generation") == 2 or seconds > 0.005:
+                self.emit("gc", generation=info.get("generation"), s=round(seconds, 4),
+                          collected=info.get("collected"))
+        gc.callbacks.append(on_gc)
+        self._gc = on_gc
+
     def close(self) -> None:
         """Give Triton its hooks back and close the file (the engine's wrappers stay, writing nothing after)."""
+        gc_hook = getattr(self, "_gc", None)
+        if gc_hook is not None:
+            import gc
+            gc.callbacks.remove(gc_hook)
+            self._gc = None
         if self._triton:
             import triton
             triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = self._triton
@@ -163,6 +187,7 @@ def from_env(engine) -> WarmupTrace | None:
         return None
     trace = WarmupTrace(path)
     trace.install_triton()
+    trace.install_gc()
     trace.attach(engine)
     return trace
 
@@ -197,6 +222,8 @@ def _part(events: list[dict], top_kernels: int = 12) -> dict:
                              sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]},
         "compile_keys": [c["key"] for c in compiles[:top_kernels]],
         "captures": sum(e["ev"] == "capture" for e in events),
+        "gc_full": sum(e["ev"] == "gc" and e.get("generation") == 2 for e in events),
+        "gc_s": round(sum(e["s"] for e in events if e["ev"] == "gc"), 4),
         "reserved_growth": sum(e.get("reserved_growth", 0) for e in steps),
         "allocator_last": next((e["allocator"] for e in reversed(steps) if "allocator" in e), None),
         "adds": sum(e["ev"] == "add" for e in events),

@@ -2,6 +2,7 @@
 Triton kernel specialization the warm-up did not compile (found on the CPU, tests/engine/specializations.py), and
 its trace (mini.engine.warmup_trace, MINI_WARMUP_TRACE): what the warm-up ran and what each burst of serving
 after it still compiled, stepped and allocated, summarized per burst as the goodput benchmark reports it."""
+import gc
 import json
 import os
 import subprocess
@@ -37,12 +38,16 @@ def traced(tmp_path, monkeypatch):
     engine = _engine()
     warm_up(engine)
     yield engine, path
+    hook = engine.trace._gc
     engine.trace.close()
+    assert hook not in gc.callbacks
     assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == hooks
 
 
-def _burst(engine, n: int, tag: str) -> tuple[float, float]:
+def _burst(engine, n: int, tag: str, collect: bool = False) -> tuple[float, float]:
     start = time.time()
+    if collect:
+        gc.collect()  # a full collection while serving is traced
     for i in range(n):
         engine.add_request(f"{tag}-{i}", [20 + i, 21, 22, 23, 24, 25], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_work():
@@ -52,7 +57,7 @@ def _burst(engine, n: int, tag: str) -> tuple[float, float]:
 
 def test_trace_splits_warm_up_and_bursts(traced):
     engine, path = traced
-    bursts = [_burst(engine, 5, "a"), _burst(engine, 3, "b")]
+    bursts = [_burst(engine, 5, "a", collect=True), _burst(engine, 3, "b")]
     events = warmup_trace.read(str(path))
     assert [e["ev"] for e in events].count("warmup_done") == 1
     d = warmup_trace.summarize(events, bursts)
@@ -66,6 +71,7 @@ def test_trace_splits_warm_up_and_bursts(traced):
     shapes = first["slowest_steps"]
     assert shapes and all(s["seqs"] >= 1 and s["tokens"] >= s["seqs"] for s in shapes)
     assert d["outside_bursts"]["steps"] == 0
+    assert first["gc_full"] >= 1 and first["gc_s"] > 0 and second["gc_full"] == 0
     # every step of a burst is traced with the shape of its batch
     steps = [e for e in events if e["ev"] == "step" and e["phase"] == "serve"]
     assert sum(e["first_tokens"] for e in steps) == 8
