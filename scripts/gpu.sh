@@ -116,6 +116,12 @@ phase_fidelity_diag() {  # issue 12 (<= 180 s): where the fast backend parts fro
     timeout 40 python3 tools/fidelity_diag.py same --fixture f1,f2 --device cuda --json "$PHASE_DIR/same.json" \
         >"$PHASE_DIR/same.txt" 2>&1 || rc=1
     grep -v "bitwise \([0-9]*\)/\1 " "$PHASE_DIR/same.txt" | head -30
+    # the cost of each mixes rule at V4.1-Flash width (one site, 4,096 tokens), before the less needed runs
+    for dot in pieces fresh ieee; do
+        MINI_MHC_DOT=$dot timeout 40 python3 -m mini.bench.kernels --only mhc --json "$PHASE_DIR/mhc_$dot.json" \
+            >"$PHASE_DIR/mhc_$dot.log" 2>&1 || rc=1
+        echo "mhc_norm with MINI_MHC_DOT=$dot:"; grep "^mhc_norm" "$PHASE_DIR/mhc_$dot.log" | head -5
+    done
     fd_record fast_nrp 25 --backend fast --device cuda --no-reduced-precision
     fd_record ref_cuda_newer 25 --backend reference --device cuda --index-ties newer
     grep '^{' "$PHASE_DIR/records.log" | tail -4
@@ -127,12 +133,6 @@ phase_fidelity_diag() {  # issue 12 (<= 180 s): where the fast backend parts fro
         done
     done
     rm -rf "$tmp"
-    # the cost of each mixes rule at V4.1-Flash width (one site, 4,096 tokens), last: the cap may cut it
-    for dot in pieces fresh ieee; do
-        MINI_MHC_DOT=$dot timeout 40 python3 -m mini.bench.kernels --only mhc --json "$PHASE_DIR/mhc_$dot.json" \
-            >"$PHASE_DIR/mhc_$dot.log" 2>&1 || rc=1
-        echo "mhc_norm with MINI_MHC_DOT=$dot:"; grep -i "mhc_norm" "$PHASE_DIR/mhc_$dot.log" | head -4
-    done
     return $rc
 }
 
