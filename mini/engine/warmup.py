@@ -54,13 +54,16 @@ def plan(budget: int, max_seqs: int, block_tokens: int, context: int) -> dict[st
     def fit(n: int) -> int:
         return max(1, min(n, context - 9))
 
+    def req(n: int, max_tokens: int, sampled: bool = False) -> WarmupRequest:
+        return WarmupRequest(fit(n), min(max_tokens, context - fit(n)), sampled)
+
     lengths = [min(2 ** (i % budget.bit_length()), max(1, budget // 2)) for i in range(max_seqs)]
-    parts: dict[str, Part] = {"budget+powers": [[WarmupRequest(fit(2 * budget), 2)] + [
-        WarmupRequest(fit(n), 2 + i % 8, sampled=bool(i % 2)) for i, n in enumerate(lengths)]]}
+    parts: dict[str, Part] = {"budget+powers": [[req(2 * budget, 2)] + [
+        req(n, 2 + i % 8, sampled=bool(i % 2)) for i, n in enumerate(lengths)]]}
     alone = {block_tokens // 2 + 1} | {m for k in range(1, block_tokens.bit_length()) for m in (2 ** k, 2 ** k + 1)}
     for n in sorted(m for m in alone if 1 < m <= block_tokens):
         if n <= budget:
-            parts[f"alone-{fit(n)}"] = [[WarmupRequest(fit(n), 3)]]
+            parts[f"alone-{fit(n)}"] = [[req(n, 3)]]
     # arrivals 1, 1, 2, 3, 5, 8, ... per step up to max_num_seqs, each request decoding past the last arrival; half
     # the prompts fill their block exactly (their first token opens a second), the others stay within one
     sizes, a, b = [], 1, 1
@@ -70,7 +73,7 @@ def plan(budget: int, max_seqs: int, block_tokens: int, context: int) -> dict[st
     shapes = (block_tokens, block_tokens // 2 + 1)
     trickle, i = [], 0
     for size in sizes:
-        trickle.append([WarmupRequest(fit(shapes[(i + j) % 2]), len(sizes) + 2 + (i + j) % 4) for j in range(size)])
+        trickle.append([req(shapes[(i + j) % 2], len(sizes) + 2 + (i + j) % 4) for j in range(size)])
         i += size
     parts["trickle"] = trickle
     return parts

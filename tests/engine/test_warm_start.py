@@ -121,8 +121,10 @@ def test_plan_covers_the_budget_every_short_length_class_and_trickling_arrivals(
     # every trickled request still decodes when the last ones arrive, so steps mix decodes and prefills
     assert min(r.max_tokens for g in parts["trickle"] for r in g) > len(arrivals)
     assert {r.length for g in parts["trickle"] for r in g} == {128, 65}
-    small = plan(64, 4, 16, 40)  # a context shorter than the budget caps every prompt
+    small = plan(64, 4, 16, 40)  # a context shorter than the budget caps every prompt and its output
     assert max(r.length for p in small.values() for g in p for r in g) == 40 - 9
+    assert all(r.length + r.max_tokens <= 40 for p in small.values() for g in p for r in g)
+    assert all(r.length + r.max_tokens <= 20 for p in plan(64, 64, 16, 20).values() for g in p for r in g)
 
 
 # ---------------------------------------------------------------------- kernel specializations (no GPU)
