@@ -487,6 +487,37 @@ phase_ep2_glue_ab() {  # issue 18 items 1-2 (2 GPUs, <= 4 min): ep-exact at V4.1
     return $rc
 }
 
+phase_ep4() {  # issue 18 item 4 (kind nvidia-h200-x4, <= 5 min): the first EP4 run against the scaling model
+    # (python -m mini.bench.ep_model, docs/parallel.md). NCCL at the exchange's real sizes on 2 and on 4 GPUs
+    # (ep-exchange: all_gather_GBps / reduce_scatter_GBps, the model assumes 267 / 240 at any N; exchange_fused_ms),
+    # then EP4 prefill with all 40 layers (the real model's shape, 96 experts per GPU, 4,096 tokens per rank).
+    # Expect ep4_prefill.json mean_step_ms near the model's 398 (fused glue, nothing overlapped; 445 with
+    # MINI_EP_GLUE=eager), stage.communication_ms near 70, stage.exchange_glue_ms <= 8; model.txt re-runs the
+    # model with the bandwidths measured here.
+    local rc=0 n
+    for n in 2 4; do
+        timeout 60 python3 -m mini.cli bench ep-exchange --ranks $n --json "$PHASE_DIR/ep_exchange_$n.json" \
+            >"$PHASE_DIR/ep_exchange_$n.log" 2>&1 || rc=1
+        tail -9 "$PHASE_DIR/ep_exchange_$n.log"
+    done
+    timeout 180 torchrun --nproc-per-node 4 -m mini bench ep-prefill --layers 0 --steps 5 --warmup 1 \
+        --profile-steps 2 --json "$PHASE_DIR/ep4_prefill.json" >"$PHASE_DIR/ep4_prefill.log" 2>&1 || rc=1
+    grep -E "mean_step_ms|tok_per_s|peak_mem|exchange_glue|communication|routed_experts_ms" "$PHASE_DIR/ep4_prefill.log"
+    python3 - "$PHASE_DIR" >"$PHASE_DIR/model.txt" 2>&1 <<'PY' || rc=1
+import json, pathlib, sys
+from mini.bench import ep_model
+f = pathlib.Path(sys.argv[1]) / "ep_exchange_4.json"
+args = []
+if f.exists():
+    m = json.loads(f.read_text())["metrics"]
+    args = ["--all-gather-gbps", str(m["all_gather_GBps"]), "--reduce-scatter-gbps", str(m["reduce_scatter_GBps"])]
+print("model with", args or "its defaults")
+ep_model.main(args + ["--ranks", "2", "4", "8"])
+PY
+    cat "$PHASE_DIR/model.txt"
+    return $rc
+}
+
 phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap): plain, a JSON schema
     # on every request (masks filled on the worker thread), and the same with every fill on the engine's thread (as
     # before the worker), 3 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance wheel in
