@@ -148,7 +148,7 @@ def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
         default = bench(lambda: bi.bmm(a, b, out_dtype=odt, add=add))
         rows.append({"gemm": key, "calls_per_step": calls, "cublas_ms": cub, "bi_ms": default,
                      "cublas_tflops": _tflops(key, cub), "bi_tflops": _tflops(key, default),
-                     "bi_config": str(bi.config_for(a.dtype, key[5], key[6]))})
+                     "bi_config": str(bi.config_for(a.dtype, key[5], key[6], key[4]))})
     # the sweep: per weight shape, at its row count with the most work per step
     by_weight: dict = {}
     for key, calls in seen.items():

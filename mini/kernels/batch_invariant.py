@@ -3,12 +3,19 @@ the same way however many rows the call has.
 
 cuBLAS picks its kernel (tile shape, split-K, stream-K, sliced-K warps) from the problem's M, so a token's linear
 layers round differently when the step holds 1, 37 or 4,096 tokens; that alone changes greedy answers under load
-(docs/design.md, Determinism). `matmul` below is one Triton kernel whose tile configuration is chosen from the
-input dtype and the right operand's shape (N, K) alone (`config_for`: a default per dtype, `TUNED` per weight
-shape), never from M: every output element is an fp32 sum over K in BK steps, in increasing k, each step one
-tensor-core dot (bf16/fp16) or an IEEE fp32 dot (fp32: what torch's fp32 GEMM computes, no TF32), then alpha,
-the addend and one rounding to the output dtype. No split of K, no choice by M (M is not even specialized at
-compile time), so row r's bits depend only on row r of A and on B, whatever the row count of the call.
+(docs/design.md, Determinism). `matmul` below is one Triton kernel in which every output element is an fp32 sum
+over K in BK steps, in increasing k, each step one tensor-core dot (bf16/fp16) or an IEEE fp32 dot (fp32: what
+torch's fp32 GEMM computes, no TF32), then alpha, the addend and one rounding to the output dtype. No split of K;
+BK is one per dtype; M is not even specialized at compile time.
+
+The output tile (BM x BN, warps, stages) only says which program computes which elements: on the GPU a BK step's
+dot is a chain of k16 MMAs into the same fp32 accumulator, so an element's sum is the same chain whatever the
+tile. Measured, not assumed: on the H200 all 14 tiles of tools/det_profile.py's sweep (BM 16-256, BN 64-256, BK
+32-128, 4 and 8 warps, wgmma- and mma.sync-sized) gave the same bits at the 12 weight shapes of the rank4 step
+(bf16 and fp32). So `config_for` may give large calls their weight shape's tuned tile (`TUNED`, from that sweep)
+and smaller ones the dtype's default (more programs for decode-sized calls), with BK fixed per dtype (the CPU
+interpreter rounds once per BK step, so BK would matter there); the gpu tests check every `TUNED` entry's rows
+alone == among 7, 300 and 4,096 rows, bit for bit. Row r's bits depend only on row r of A and on B.
 
 `enable()` makes it aten's CUDA implementation of mm, addmm and bmm (and their out= / out_dtype forms), so that
 every GEMM of the process takes it (F.linear, @, einsum, torch.mm(..., out_dtype=)) without touching each call
@@ -40,20 +47,43 @@ class TileConfig:
     GROUP_M: int = 8
 
 
-# one tile configuration per input dtype (the point: never chosen by M). 16-bit: wgmma-sized tiles; fp32: FMA
-# (IEEE) dots, whose registers allow smaller tiles
+# the default tile per input dtype. 16-bit: wgmma-sized tiles; fp32: FMA (IEEE) dots, whose registers allow smaller
+# tiles. BK is the dtype's for every tile (TUNED too)
 CONFIGS = {torch.bfloat16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
            torch.float16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
            torch.float32: TileConfig(64, 64, 32, num_warps=4, num_stages=2)}
-# per weight shape (dtype, N, K) -> the config measured fastest for it on the H200 (tools/det_profile.py's sweep at
-# the rank4 step's row counts). A key without M keeps the promise: every row count of that weight runs one build.
-TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {}
+# per weight shape (dtype, N, K): the fastest tile of tools/det_profile.py's sweep on the H200 at the rank4 step's
+# row counts (4,096; 2,048 for the last), among those with the default's BK (scripts/gpu.sh phase det_profile,
+# at 28589aa). TFLOP/s there, default -> tuned (cuBLAS): wq_b 467 -> 572 (710), wo_b 456 -> 620 (752), wo_a (8
+# groups) 461 -> 607 (771), shared w1|w3 475 -> 569 (780), shared w2 465 -> 583 (732), wq_a 416 -> 484 (749);
+# GEMMs of a rank4 step ~137 -> ~109 ms (cuBLAS 81)
+_T = TileConfig
+TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {
+    (torch.bfloat16, 32768, 1280): _T(128, 128, 64, 8, 3),  # attention wq_b
+    (torch.bfloat16, 5120, 8192): _T(256, 128, 64, 8, 3),  # attention wo_b
+    (torch.bfloat16, 1024, 4096): _T(256, 128, 64, 8, 3),  # attention wo_a (bmm over 8 groups)
+    (torch.bfloat16, 4608, 5120): _T(128, 128, 64, 4, 4),  # shared expert w1 | w3
+    (torch.bfloat16, 5120, 2304): _T(128, 128, 64, 8, 3),  # shared expert w2
+    (torch.bfloat16, 25600, 6144): _T(256, 128, 64, 8, 3),  # Engram
+    (torch.bfloat16, 1280, 5120): _T(128, 128, 64, 8, 3),  # attention wq_a
+    (torch.bfloat16, 512, 5120): _T(128, 64, 64, 4, 4),  # attention wkv, compressor (also fp32 out)
+    (torch.bfloat16, 4096, 1280): _T(128, 128, 64, 8, 3),  # indexer wq_b
+    (torch.bfloat16, 32, 5120): _T(64, 64, 64, 4, 4),  # indexer weights_proj
+    (torch.bfloat16, 128, 512): _T(128, 64, 64, 4, 4),
+}
+# calls with at least this many rows take their weight shape's TUNED tile; fewer rows take the default, whose
+# smaller tiles spread a decode-sized call over more SMs (at 64 rows the large tiles measured up to 2x slower).
+# Setting it above any row count makes the choice by (dtype, N, K) alone.
+TUNED_MIN_ROWS = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def config_for(dtype: torch.dtype, n: int, k: int) -> TileConfig:
-    """The tile configuration of a GEMM with a [K, N] right operand: from the weight's shape and dtype alone."""
-    return TUNED.get((dtype, n, k), CONFIGS[dtype])
+def config_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
+    """The tile of an [M, K] x [K, N] GEMM: the weight shape's tuned one for large calls, else the dtype's default
+    (the same sums either way, see the module docstring)."""
+    if m >= TUNED_MIN_ROWS:
+        return TUNED.get((dtype, n, k), CONFIGS[dtype])
+    return CONFIGS[dtype]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -127,7 +157,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     if K == 0:
         return out.copy_(torch.zeros_like(out) if add is None else (beta * add).expand(Bt, M, N))
     add_t = add.expand(Bt, M, N) if add is not None else out
-    cfg = config or config_for(a.dtype, N, K)
+    cfg = config or config_for(a.dtype, N, K, M)
     fp32 = a.dtype == torch.float32
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)
     # K is a runtime value: one build per configuration serves every weight width. Triton 3.6's interpreter cannot
@@ -143,14 +173,15 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           add: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+           add: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0,
+           config: TileConfig | None = None) -> torch.Tensor:
     """The 2-D case of `bmm`: a [M, K] @ b [K, N] (+ beta * add, broadcastable to [M, N])."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"matmul: expected 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     M, N = a.shape[0], b.shape[1]
     o = None if out is None else out.unsqueeze(0)
     r = bmm(a.unsqueeze(0), b.unsqueeze(0), o, out_dtype, None if add is None else add.expand(M, N).unsqueeze(0),
-            alpha, beta)
+            alpha, beta, config)
     return r[0] if out is None else out
 
 

@@ -48,23 +48,38 @@ def test_rows_alone_equal_rows_in_a_larger_batch(bf16_interpreter, dtype):
 
 
 def test_a_config_per_weight_shape_keeps_rows_invariant(bf16_interpreter, monkeypatch):
-    """`TUNED` keys a config by (dtype, N, K), never by M: a row computed alone, among 7, 300 and 4,096 rows (at
-    three positions in the tile) gives the same bits, with the weight shape's own config (small tiles here, so
-    that 4,096 rows are many row tiles and the last one partial in K) and with the dtype's default."""
+    """Calls of TUNED_MIN_ROWS rows or more take their weight shape's TUNED tile, smaller ones the default: a row
+    computed alone, among 7, 300 and 4,096 rows (at four positions in the tile) gives the same bits (the tile,
+    here 16 x 32 with GROUP_M 3 against the default 64 x 128, only says which program computes an element; BK is
+    the default's). K = 96: a partial last K step."""
     a, w = _data(4096, 96, 40, torch.bfloat16, seed=4)
-    tuned = bi.TileConfig(16, 32, 64, num_warps=4, num_stages=2, GROUP_M=3)
+    tuned = bi.TileConfig(16, 32, bi.CONFIGS[torch.bfloat16].BK, num_warps=4, num_stages=2, GROUP_M=3)
     monkeypatch.setitem(bi.TUNED, (torch.bfloat16, 40, 96), tuned)
-    assert bi.config_for(torch.bfloat16, 40, 96) == tuned
-    assert bi.config_for(torch.bfloat16, 40, 64) == bi.CONFIGS[torch.bfloat16]
-    full = bi.matmul(a, w.t())
+    assert bi.config_for(torch.bfloat16, 40, 96, 4096) == tuned
+    assert bi.config_for(torch.bfloat16, 40, 96, bi.TUNED_MIN_ROWS - 1) == bi.CONFIGS[torch.bfloat16]
+    assert bi.config_for(torch.bfloat16, 40, 64, 4096) == bi.CONFIGS[torch.bfloat16]
+    f32 = torch.float32  # the fp32 sums themselves (a bf16 output would hide a last-bit difference)
+    full = bi.matmul(a, w.t(), out_dtype=f32)
     for r in (0, 1, 2049, 4095):
-        alone = bi.matmul(a[r:r + 1], w.t())
+        alone = bi.matmul(a[r:r + 1], w.t(), out_dtype=f32)
         assert torch.equal(alone, full[r:r + 1]), r
         for m in (7, 300):
             lo = max(0, min(r - m // 2, 4096 - m))
-            assert torch.equal(bi.matmul(a[lo:lo + m], w.t())[r - lo], full[r]), (r, m)
-    # another weight width takes the default config: its rows are invariant too
-    assert torch.equal(bi.matmul(a[5:12, :64], w[:, :64].t()), bi.matmul(a[:300, :64], w[:, :64].t())[5:12])
+            assert torch.equal(bi.matmul(a[lo:lo + m], w.t(), out_dtype=f32)[r - lo], full[r]), (r, m)
+    assert torch.equal(bi.matmul(a[5:12], w.t(), out_dtype=f32, config=tuned), full[5:12])
+    assert torch.equal(bi.matmul(a[:1000], w.t()), full[:1000].bfloat16())  # bf16 out: one rounding of those
+    # a BK of its own would not do (the interpreter rounds once per BK step): this is what the test can see
+    other_bk = bi.TileConfig(16, 32, 32, num_warps=4, num_stages=2)
+    assert not torch.equal(bi.matmul(a[:300], w.t(), out_dtype=f32, config=other_bk), full[:300])
+
+
+def test_tuned_tiles_keep_the_default_reduction():
+    """Every TUNED entry is for a dtype the kernel takes and sums in the default's BK steps (the tile may differ:
+    that only places the programs)."""
+    for (dtype, n, k), cfg in bi.TUNED.items():
+        assert dtype in bi.CONFIGS and n > 0 and k > 0
+        assert cfg.BK == bi.CONFIGS[dtype].BK, (dtype, n, k, cfg)
+        assert cfg.BM >= 16 and cfg.BN >= 16 and cfg.num_warps in (4, 8)
 
 
 def test_addmm_and_bmm_forms(bf16_interpreter):
@@ -120,9 +135,10 @@ def test_overrides_make_cuda_gemms_batch_invariant():
 
 @pytest.mark.gpu
 def test_every_weight_shape_config_keeps_rows_invariant_gpu():
-    """Each `TUNED` entry (and the bf16 default) on the compiled kernel: a row alone, among 7, 300 and 4,096 rows
-    gives the same bits, through the aten override (F.linear) as the model calls it; and it stays a GEMM (float64
-    oracle within bf16's rounding)."""
+    """Each `TUNED` entry (and the bf16 default) on the compiled kernel: a row alone, among 7, 300, 1,500 and
+    4,096 rows (the default tile below TUNED_MIN_ROWS, the tuned one from it) gives the same bits, through the aten
+    override (F.linear) as the model calls it and as fp32 sums; and it stays a GEMM (float64 oracle within bf16's
+    rounding)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import torch.nn.functional as F
@@ -135,10 +151,14 @@ def test_every_weight_shape_config_keeps_rows_invariant_gpu():
             full = F.linear(a, w)
             rel = float((full.double() - want).norm() / want.norm())
             assert rel < 4e-3, (n, k, rel)
+            f32 = bi.matmul(a, w.t(), out_dtype=torch.float32)  # the sums before bf16 hides a last bit
             for r in (0, 1234, 4095):
                 assert torch.equal(F.linear(a[r:r + 1], w), full[r:r + 1]), (n, k, r)
-                for m in (7, 300):
+                assert torch.equal(bi.matmul(a[r:r + 1], w.t(), out_dtype=torch.float32), f32[r:r + 1]), (n, k, r)
+                for m in (7, 300, 1500):
                     lo = max(0, min(r - m // 2, 4096 - m))
                     assert torch.equal(F.linear(a[lo:lo + m], w)[r - lo], full[r]), (n, k, r, m)
+                    got = bi.matmul(a[lo:lo + m], w.t(), out_dtype=torch.float32)[r - lo]
+                    assert torch.equal(got, f32[r]), (n, k, r, m)
         finally:
             bi.disable()
