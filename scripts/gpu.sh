@@ -408,6 +408,28 @@ phase_det_profile() {  # issue 17 item 4 (<= 200 s): where the deterministic mod
     timeout 195 python3 tools/det_profile.py --out "$PHASE_DIR"
 }
 
+phase_det_final() {  # issue 17 item 4 (<= 260 s): the deterministic mode's cost after the tuned GEMM tiles and
+    # with FlashMLA for multi-token chunks (MINI_DET_SPARSE_ATTN=flashmla, opt-in). 1. gpu tests: every TUNED tile
+    # keeps a row's bits alone / among 7..4096 rows; FlashMLA rows alone == among load == chunked (V4.1 attention
+    # shape). 2. rank4 in ONE process, modes default / det / det-flashmla, stage tables side by side + GEMMs cuBLAS
+    # vs ours. 3. tiny goodput without / with --deterministic. Look at: "passed", the "rank4 step, median ms" line
+    # (expect det ~570, det-flashmla within ~10% of default), "per step: cuBLAS X ms, batch-invariant Y ms"
+    # (expect Y ~105-110 vs X ~81), the goodput lines (TPOT p50, req/s).
+    local rc=0 f
+    timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_batch_invariant.py \
+        tests/ops/test_deterministic_attention.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
+    timeout 110 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms bench --out "$PHASE_DIR" \
+        || rc=1
+    timeout 35 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json" >/dev/null 2>&1 || rc=1
+    timeout 35 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" >/dev/null 2>&1 || rc=1
+    for f in "$PHASE_DIR"/goodput_*.json; do
+        python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['metrics']; print(sys.argv[1], \
+{k: round(v, 3) for k, v in m.items() if k in ('tpot_p50_ms', 'tpot_p99_ms', 'ttft_p50_ms', 'output_tok_s', \
+'request_throughput', 'goodput_req_s', 'failed')})" "$f" || rc=1
+    done
+    return $rc
+}
+
 phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.1 width; which part drifts
     # default, deterministic, and our Triton grouped GEMM instead of Humming (attribution); then the 2-GPU tests.
     # Expect rows_bit_identical 1 / max_abs_logit_diff 0 for wide-fast-bf16 in every run that is exact.

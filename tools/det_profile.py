@@ -91,8 +91,14 @@ def top_kernels(r, cuda: bool, n: int = 20) -> list[dict]:
     return rows[:n]
 
 
-def profile_mode(r, on: bool, args, cuda: bool) -> dict:
-    mini.ops.set_deterministic(on)
+MODES = ("default", "det", "det-flashmla")  # --modes: the mode off; on; on with MINI_DET_SPARSE_ATTN=flashmla
+
+
+def profile_mode(r, mode: str, args, cuda: bool) -> dict:
+    from mini.ops import attention
+    mini.ops.set_deterministic(mode != "default")
+    attention.DET_SPARSE_ATTN = "flashmla" if mode == "det-flashmla" else "triton"
+    getattr(r.batch, "_layouts", {}).clear()  # a reused batch's row lists were built under the previous mode
     for _ in range(args.warmup):
         r.step()
     _sync(cuda)
@@ -100,7 +106,8 @@ def profile_mode(r, on: bool, args, cuda: bool) -> dict:
     with staged(cuda) as timer:
         timed = prefill.time_steps(r, args.profile_steps)
         totals = timer.totals()
-    return {"deterministic": on, "step_ms": plain, "median_step_ms": statistics.median(plain),
+    return {"mode": mode, "deterministic": mode != "default", "step_ms": plain,
+            "median_step_ms": statistics.median(plain),
             "stages_ms_per_step": report(totals, statistics.mean(timed), len(timed)),
             "top_kernels": top_kernels(r, cuda)}
 
@@ -132,7 +139,7 @@ def _tflops(key, ms: float) -> float:
     return 2 * bt * m * n * k / (ms * 1e-3) / 1e12
 
 
-def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
+def bench_gemms(seen: Counter, device="cuda", sweep: bool = True) -> tuple[list[dict], list[dict]]:
     import triton
 
     from mini.kernels import batch_invariant as bi
@@ -156,8 +163,8 @@ def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
         work = calls * key[3] * key[4]
         if wk not in by_weight or work > by_weight[wk][1]:
             by_weight[wk] = (key, work)
-    sweep = []
-    heavy = sorted(by_weight.items(), key=lambda kv: -kv[1][1] * kv[0][1] * kv[0][2])[:MAX_SWEPT]
+    swept = []
+    heavy = sorted(by_weight.items(), key=lambda kv: -kv[1][1] * kv[0][1] * kv[0][2])[:MAX_SWEPT if sweep else 0]
     for (dt, n, k), (key, _) in heavy:
         a, b, add, odt = _operands(key, device)
         small = SMALL_M if key[4] > SMALL_M else None  # the same weight at a decode-sized row count
@@ -201,8 +208,8 @@ def bench_gemms(seen: Counter, device="cuda") -> tuple[list[dict], list[dict]]:
             print(f"    at M={small}: cuBLAS {cub_s:.4f} ms, default {d0 if d0 is None else round(d0, 4)} ms, "
                   f"prefill-best {best} {times_small.get(best, float('nan')):.4f} ms, best here {best_s} "
                   f"{times_small[best_s]:.4f} ms", flush=True)
-        sweep.append(row)
-    return rows, sweep
+        swept.append(row)
+    return rows, swept
 
 
 def flashmla_rows_probe() -> dict:
@@ -236,6 +243,9 @@ def main(argv=None) -> int:
     prefill.add_args(p)
     p.add_argument("--out", type=Path, default=Path("det-profile-out"))
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--modes", default="default,det", help=f"comma-separated, the first the baseline: {MODES}")
+    p.add_argument("--gemms", choices=("none", "bench", "sweep"), default="sweep",
+                   help="after the profiles: nothing, each GEMM cuBLAS vs ours, or that and the tile sweep")
     p.set_defaults(steps=3, warmup=1)
     args = p.parse_args(argv)
     if hasattr(prefill, "resolve"):  # rank4's --mode defaults (idempotent), where this revision has them
@@ -243,63 +253,57 @@ def main(argv=None) -> int:
     cuda = args.device.startswith("cuda")
     r, setup_s = prefill.setup(args)
     print(f"built in {setup_s:.1f} s", flush=True)
-    modes = [profile_mode(r, False, args, cuda), profile_mode(r, True, args, cuda)]
+    modes = [profile_mode(r, m, args, cuda) for m in args.modes.split(",")]
     rec = GemmShapes()
-    with rec:
+    with rec:  # under the last mode profiled (a deterministic one: the GEMMs the overrides take)
         r.step()
     _sync(cuda)
     mini.ops.set_deterministic(False)
     result = {"definition": prefill.definition(args), "modes": modes,
               "gemms_per_step_det": [{"gemm": k, "calls": c} for k, c in rec.seen.items()]}
 
-    d, e = (m["stages_ms_per_step"] for m in modes)
-    print(f"\nrank4 step: default median {modes[0]['median_step_ms']:.1f} ms, deterministic "
-          f"{modes[1]['median_step_ms']:.1f} ms")
-    print(f"  {'stage (ms/step)':32s} {'default':>9s} {'det':>9s} {'det-def':>9s}")
-    for s in d:
-        print(f"  {s:32s} {d[s]:9.2f} {e.get(s, 0.0):9.2f} {e.get(s, 0.0) - d[s]:9.2f}")
+    base = modes[0]["stages_ms_per_step"]
+    print("\nrank4 step, median ms: " + ", ".join(f"{m['mode']} {m['median_step_ms']:.1f}" for m in modes))
+    others = modes[1:]
+    heads = " ".join(f"{m['mode']:>13s} {'-' + modes[0]['mode']:>9s}" for m in others)
+    print(f"  {'stage (ms/step)':32s} {modes[0]['mode']:>9s} {heads}")
+    for s in base:
+        cols = " ".join(f"{m['stages_ms_per_step'].get(s, 0.0):13.2f} "
+                        f"{m['stages_ms_per_step'].get(s, 0.0) - base[s]:9.2f}" for m in others)
+        print(f"  {s:32s} {base[s]:9.2f} {cols}")
     for m in modes:
-        print(f"\ntop kernels, {'deterministic' if m['deterministic'] else 'default'} (ms in one step, calls):")
+        print(f"\ntop kernels, {m['mode']} (ms in one step, calls):")
         for row in m["top_kernels"]:
             print(f"  {row['ms']:8.2f} {row['calls']:5d}  {row['name']}")
     print("\nGEMMs of one deterministic step (op dtype out batch M N K a-layout b-layout: calls):")
     for k, c in sorted(rec.seen.items(), key=lambda kv: -kv[1]):
         print(f"  {k}: {c}")
 
-    if cuda:
+    if cuda and args.gemms != "none":
         del r
         torch.cuda.empty_cache()
-        print("\nGEMM micro-benchmark (cuBLAS vs batch-invariant default config):", flush=True)
+        print("\nGEMM micro-benchmark (cuBLAS vs the batch-invariant kernel at the tile config_for gives):", flush=True)
         try:
             result["flashmla_rows"] = flashmla_rows_probe()
         except Exception as e:  # the probe informs; it must not cost the GEMM numbers
             result["flashmla_rows"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(f"FlashMLA sparse prefill, row invariance: {result['flashmla_rows']}", flush=True)
-        rows, sweep = bench_gemms(rec.seen)
+        rows, sweep = bench_gemms(rec.seen, sweep=args.gemms == "sweep")
         result["gemm_bench"], result["sweep"] = rows, sweep
         tot_c = sum(x["cublas_ms"] * x["calls_per_step"] for x in rows)
         tot_b = sum(x["bi_ms"] * x["calls_per_step"] for x in rows)
         for x in rows:
             print(f"  {x['gemm']} x{x['calls_per_step']}: cuBLAS {x['cublas_tflops']:6.0f} TFLOP/s "
                   f"{x['cublas_ms']:.4f} ms, bi {x['bi_tflops']:6.0f} TFLOP/s {x['bi_ms']:.4f} ms")
-        print(f"  per step: cuBLAS {tot_c:.1f} ms, batch-invariant default {tot_b:.1f} ms")
-        tuned = {}
-        for s in sweep:
-            if s["best"] is not None:
-                tuned[tuple(s["weight"])] = s["best"]
-        tot_t = 0.0
-        for s in sweep:
-            calls_all = sum(x["calls_per_step"] * x["bi_ms"] for x in rows if (x["gemm"][1], x["gemm"][5],
-                                                                                 x["gemm"][6]) == tuple(s["weight"]))
-            default_at = s["times_ms"].get(str(CANDIDATES[getattr(torch, s["weight"][0])][0]))
-            scale = s["best_ms"] / default_at if s["best_ms"] and default_at else 1.0
-            tot_t += calls_all * scale
-        print(f"  per step with the sweep's best per weight shape (scaled): ~{tot_t:.1f} ms")
-        print("TUNED = {")
-        for (dt, n, k), c in tuned.items():
-            print(f"    (torch.{dt}, {n}, {k}): TileConfig{tuple(c)},")
-        print("}")
-        result["per_step_ms"] = {"cublas": tot_c, "bi_default": tot_b, "bi_tuned_estimate": tot_t}
+        print(f"  per step: cuBLAS {tot_c:.1f} ms, batch-invariant {tot_b:.1f} ms")
+        result["per_step_ms"] = {"cublas": tot_c, "batch_invariant": tot_b}
+        if sweep:
+            print("the sweep's fastest tile per weight shape:\nTUNED = {")
+            for x in sweep:
+                if x["best"] is not None:
+                    dt, n, k = x["weight"]
+                    print(f"    (torch.{dt}, {n}, {k}): TileConfig{tuple(x['best'])},")
+            print("}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "det_profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     return 0

@@ -162,7 +162,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)
     # K is a runtime value: one build per configuration serves every weight width. Triton 3.6's interpreter cannot
     # loop up to a runtime scalar (under numpy 2), so there it goes in as a constant
-    _mm_kernel[grid](a, b, out, add_t, M, N, tl.constexpr(K) if _INTERPRET else K, *a.stride(), *b.stride(), *out.stride(), *add_t.stride(),
+    _mm_kernel[grid](a, b, out, add_t, M, N, tl.constexpr(K) if _INTERPRET else K,
+                     *a.stride(), *b.stride(), *out.stride(), *add_t.stride(),
                      float(alpha), float(beta), HAS_ADD=add is not None, SCALE=alpha != 1.0,
                      PRECISION="ieee" if fp32 else "tf32",
                      DOT_DTYPE=tl.float32 if (fp32 or _INTERPRET) else

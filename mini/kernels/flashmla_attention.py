@@ -89,9 +89,13 @@ class StepRows:
     scatter. `window_rows` is mini.ops.attention.window_rows (where a query's window keys live)."""
 
     def __init__(self, positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
-                 window_rows: Callable):
+                 window_rows: Callable, position_order: bool = False):
         self.step = (positions, seq_of, slots, start_pos)
         self._window_rows_of = window_rows
+        # the deterministic mode's lists: window keys newest first by position, so that where a chunk starts (which
+        # keys are fresh, where the ring wraps) moves no key in a query's list
+        self.position_order = position_order
+        self.multi_token: tuple[int, torch.Tensor] | None = None  # the mode's split (mini.ops.attention), per step
         self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> rows [T, W], count
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, flat block ids, -1 -> 0)
         self.lists: _RowLists | None = None
@@ -126,7 +130,12 @@ class StepRows:
         if W not in self.window:
             positions, seq_of, slots, start_pos = self.step
             new, ring = self._window_rows_of(positions, seq_of, torch.arange(B, device=slots.device), start_pos, W)
-            rows = torch.where(ring >= 0, ring + T, new).to(torch.int32).sort(dim=-1, descending=True).values
+            rows = torch.where(ring >= 0, ring + T, new).to(torch.int32)
+            if self.position_order:  # column k is position p-W+1+k: newest first, the missing ones last
+                rows = rows.flip(-1)
+                rows = rows.gather(-1, torch.sort((rows < 0).to(torch.int8), dim=-1, stable=True).indices)
+            else:
+                rows = rows.sort(dim=-1, descending=True).values
             self.window[W] = rows, (rows >= 0).sum(-1, dtype=torch.int32)
         return self.window[W]
 

@@ -20,6 +20,7 @@ layers share once per step.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -190,20 +191,25 @@ def scratch_keys(kv_new: torch.Tensor, window: torch.Tensor, positions: torch.Te
 def step_rows(positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
               ) -> StepRows:
     """The FlashMLA row lists of one step, built on first use and shared by the step's layers (StepLayout.key_rows
-    holds one per step): `scratch_keys(..., valid_first=True)` bit for bit."""
-    return StepRows(positions, seq_of, slots, start_pos, window_rows)
+    holds one per step): `scratch_keys(..., valid_first=True)` bit for bit; in the deterministic mode with the
+    window keys in position order instead (`_deterministic_core`)."""
+    return StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=deterministic())
 
 
 def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
                        block_table=None, comp_idx=None, ratio: int = 1, rope_out=None,
                        key_rows: StepRows | None = None) -> torch.Tensor:
     """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys (`key_rows`, the
-    step's StepRows; None builds them for this call alone). The output's inverse RoPE is a separate pass (the
-    library has no epilogue for it), over the rotated channels only, in place: the others are left as the kernel
-    wrote them."""
+    step's StepRows; None builds them for this call alone)."""
     if key_rows is None:
         key_rows = step_rows(positions, seq_of, slots, start_pos)
     kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
+    return _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out)
+
+
+def _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out) -> torch.Tensor:
+    """FlashMLA over the scratch, then the output's inverse RoPE as a separate pass (the library has no epilogue
+    for it), over the rotated channels only, in place: the others are left as the kernel wrote them."""
     out = sparse_prefill(q, kv, rows, count, sink, scale)
     if rope_out is not None:
         tail = out[..., -2 * rope_out.shape[-1]:]
@@ -223,7 +229,9 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
     from mini.kernels.sparse_attention import sparse_mla_attention
     args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
             rope_out)
-    backend = "triton" if deterministic() else backends.sparse_attn()  # FlashMLA serves only big steps: a choice by T
+    if deterministic():  # FlashMLA serves only big steps here: a choice by T
+        return _deterministic_core(args, key_rows)
+    backend = backends.sparse_attn()
     if backend != "triton":
         with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
         keys = [kv_new, window] + ([comp] if with_pool else [])
@@ -233,7 +241,54 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
             if backend == "flashmla":
                 return flashmla_attention(*args, key_rows=key_rows)
             return _first_flashmla_call(args, key_rows)
-    return sparse_mla_attention(*args, prefill_lists=not deterministic())
+    return sparse_mla_attention(*args)
+
+
+# MINI_DET_SPARSE_ATTN=flashmla: the deterministic mode's prefill queries take FlashMLA (opt-in until the H200 has
+# run the mode's tests with it; "triton", the default, keeps every query on our kernel)
+DET_SPARSE_ATTN = os.environ.get("MINI_DET_SPARSE_ATTN", "triton")
+
+
+def _flashmla_takes(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
+    """FlashMLA takes the model's queries and keys: dtypes, head count and width, the library on this GPU. Nothing
+    about the step (its size, its scratch), so a query's kernel never follows what else is batched."""
+    from mini.kernels import flashmla_attention as flashmla
+    return (q.is_cuda and q.dtype == torch.bfloat16 and all(k.dtype == torch.bfloat16 for k in keys)
+            and q.shape[1] in flashmla.HEADS and q.shape[2] == flashmla.HEAD_DIM and flashmla.available())
+
+
+def _deterministic_core(args, key_rows) -> torch.Tensor:
+    """The deterministic mode's sparse attention core: a query's kernel follows its own chunk, never the step. By
+    default every query takes our Triton kernel over W-wide lists in the decode ring's order. With
+    MINI_DET_SPARSE_ATTN=flashmla (where FlashMLA takes the model's shapes and MINI_SPARSE_ATTN allows it), the
+    queries of chunks of more than one token take FlashMLA's sparse prefill instead: one CTA per (token, 64 heads),
+    nothing summed across tokens (bitwise on the H200: a query alone == among 4,096 == in a shuffled batch,
+    tools/det_profile.py), over lists with the window keys in position order, so that neither the batch nor where
+    a chunk starts moves a key; one-token chunks (decode steps, the CUDA-graph ones) stay on the Triton kernel. A
+    step with both runs the Triton kernel over all its queries (it has no row subset) and keeps FlashMLA's rows."""
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, _, rope_out = args
+    with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
+    keys = [kv_new, window] + ([comp] if with_pool else [])
+    if (DET_SPARSE_ATTN != "flashmla" or backends.sparse_attn() == "triton" or q.shape[0] == 0
+            or (q.is_cuda and torch.cuda.is_current_stream_capturing()) or not _flashmla_takes(q, keys)):
+        return sparse_mla_attention(*args, prefill_lists=False)
+    if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)
+        key_rows = StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=True)
+    if key_rows.multi_token is None:  # once per step (one host sync): the queries of multi-token chunks
+        chunk = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of]
+        idx = (chunk > 1).nonzero().squeeze(1)
+        key_rows.multi_token = (idx.shape[0], idx)
+    n, idx = key_rows.multi_token
+    if n == 0:
+        return sparse_mla_attention(*args, prefill_lists=False)
+    kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
+    if n == q.shape[0]:
+        return _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out)
+    out = sparse_mla_attention(*args, prefill_lists=False)
+    out[idx] = _prefill_unrotated(q[idx], kv, rows[idx], count[idx], sink, scale,
+                                  None if rope_out is None else rope_out[idx])
+    return out
 
 
 def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
