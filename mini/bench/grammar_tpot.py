@@ -5,10 +5,11 @@ One engine (tiny-v4.1 by default; on CUDA: bf16, fast backend, CUDA-graph decode
 (EOS ignored), alternating three kinds: `plain`; `schema`, every request following SCHEMA (an array of at least 64
 small objects: the grammar stays active for the whole output) with the engine's masks as served (overlapped: filled
 on the worker thread while the engine's thread does the bookkeeping); `schema_sync`, the same with every fill on the
-engine's thread (GrammarBackend.background off: the cost before the worker). Per round, over the full-batch decode
-steps after `--skip`: TPOT = the median spacing of consecutive steps (start to start; with overlap one step() call
-per step), the step() wall time, the forward's GPU span, and per step's masks (structured.MaskTiming) the host
-time: `grammar_consume_ms` (matchers consume the tokens read back), `grammar_fill_ms` (llguidance's fill),
+engine's thread (GrammarBackend.background off). Per round, over the full-batch decode steps after `--skip`:
+TPOT = the median spacing of consecutive steps (start to start; with overlap one step() call per step) and its 90th
+percentile, the step() wall time and its host phases (StepTimes: schedule, prepare, forward, sample = everything
+after the forward call), the forward's GPU span, and per step's masks (structured.MaskTiming) the host time:
+`grammar_consume_ms` (matchers consume the tokens read back), `grammar_fill_ms` (llguidance's fill),
 `grammar_host_ms` (the two), `grammar_exposed_ms` (what the engine's thread spent on masks: consume, start, wait
 for the fill, upload: the critical path), `grammar_background` (fraction of fills on the worker). The result: the
 median of each over the rounds of a kind, `slowdown` = TPOT(schema) / TPOT(plain) - 1 (issue 14's target: <= 0.10)
@@ -55,7 +56,11 @@ def _round(engine, config, args, grammar, seed: int, background: bool = True) ->
         raise ValueError("too few full-batch decode steps: raise --output-len")
     out = {"steps": len(steps), "tpot_ms": 1e3 * statistics.median(b.started - a.started
                                                                     for a, b in zip(steps, steps[1:])),
-           "step_ms": 1e3 * statistics.median(t.total_s for t in steps)}
+           "step_ms": 1e3 * statistics.median(t.total_s for t in steps),
+           "tpot_p90_ms": 1e3 * statistics.quantiles([b.started - a.started for a, b in zip(steps, steps[1:])],
+                                                      n=10)[-1]}
+    for phase in ("schedule", "prepare", "forward", "sample"):  # where the step() call's host time goes
+        out[f"{phase}_ms"] = 1e3 * statistics.median(getattr(t, f"{phase}_s") for t in steps)
     if steps[0].gpu_s is not None:
         out["gpu_ms"] = 1e3 * statistics.median(t.gpu_s for t in steps)
     if grammar is not None:

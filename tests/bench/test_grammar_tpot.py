@@ -15,6 +15,9 @@ def test_grammar_tpot_runs_and_writes_json(tmp_path):
     assert result["suite"] == "grammar-tpot" and result["definition"]["batch"] == 2
     assert result["definition"]["overlap"] is True
     assert m["plain_tpot_ms"] > 0 and m["schema_tpot_ms"] > 0 and m["schema_sync_tpot_ms"] > 0
+    for kind in ("plain", "schema", "schema_sync"):
+        assert m[f"{kind}_tpot_p90_ms"] >= m[f"{kind}_tpot_ms"]
+        assert all(m[f"{kind}_{phase}_ms"] > 0 for phase in ("schedule", "prepare", "forward", "sample"))
     for kind in ("schema", "schema_sync"):
         assert m[f"{kind}_grammar_fill_ms"] > 0 and m[f"{kind}_grammar_exposed_ms"] > 0
         assert m[f"{kind}_grammar_host_ms"] >= m[f"{kind}_grammar_fill_ms"]
