@@ -270,7 +270,8 @@ def _deterministic_core(args, key_rows) -> torch.Tensor:
     q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, _, rope_out = args
     with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
     keys = [kv_new, window] + ([comp] if with_pool else [])
-    if (DET_SPARSE_ATTN != "flashmla" or backends.sparse_attn() == "triton" or q.shape[0] == 0
+    one_token_chunks = q.shape[0] == slots.shape[0]  # every sequence of a step holds at least one token
+    if (DET_SPARSE_ATTN != "flashmla" or backends.sparse_attn() == "triton" or one_token_chunks
             or (q.is_cuda and torch.cuda.is_current_stream_capturing()) or not _flashmla_takes(q, keys)):
         return sparse_mla_attention(*args, prefill_lists=False)
     if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)
