@@ -145,11 +145,11 @@ def test_every_weight_shape_config_keeps_rows_invariant_gpu():
     shapes = sorted({(n, k) for (dt, n, k) in bi.TUNED if dt == torch.bfloat16} | {(1536, 5120)})
     for i, (n, k) in enumerate(shapes):
         a, w = _data(4096, k, n, torch.bfloat16, device="cuda", seed=10 + i)
-        want = a.double() @ w.double().t()
+        want = a[:256].double() @ w.double().t()  # (a float64 oracle of 256 rows: ~60 s for all of them)
         bi.enable()
         try:
             full = F.linear(a, w)
-            rel = float((full.double() - want).norm() / want.norm())
+            rel = float((full[:256].double() - want).norm() / want.norm())
             assert rel < 4e-3, (n, k, rel)
             f32 = bi.matmul(a, w.t(), out_dtype=torch.float32)  # the sums before bf16 hides a last bit
             for r in (0, 1234, 4095):
