@@ -106,8 +106,8 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
 
 
 def _gpu_step(seqs, k_width: int, dev="cuda"):
-    """seqs: (name, keys [L, D], lo, hi, slot); one step holding each sequence's positions [lo, hi), its earlier keys
-    in its ring, its groups (2 tokens each) in its own pool blocks; every query's top-k ids drawn from its
+    """seqs: (name, keys [L, D], queries [L, H, D], groups [(L + 1) // 2, D], lo, hi, slot); one step holding each
+    sequence's positions [lo, hi), its earlier keys in its ring, its groups (2 tokens each) in its own pool blocks; every query's top-k ids drawn from its
     (name, position) alone, padded with -1 to `k_width`. Returns the op's arguments and each name's row range."""
     from mini.kernels.flashmla_attention import HEAD_DIM
     D, Wv, H, rpb = HEAD_DIM, 128, 64, 64
