@@ -490,6 +490,8 @@ def serve(args) -> int:
     opts = engine_opts(args)
     warmup = args.warmup if args.warmup is not None else str(opts["device"]).startswith("cuda")
     app = build_app(args.model, args.served_model_name, policy, warmup, **opts)
+    from mini.engine.warmup import freeze_heap
+    freeze_heap()  # start-up's objects out of the collector's walks: no full-collection pause while serving
     run_http(app, args)
     return 0
 
