@@ -1,7 +1,7 @@
 """Where the deterministic mode's cost goes on rank4 (issue 17 item 4): one model build, then
 
-1. the rank4 step per stage (mini.bench.profile's stages) and its 20 costliest GPU kernels, without and with the
-   mode, printed side by side;
+1. the rank4 step per stage (mini.bench.profile's stages) and its 20 costliest GPU kernels in each of `--modes`
+   (default: the mode off, then on; det-flashmla: on with MINI_DET_SPARSE_ATTN=flashmla), side by side;
 2. every GEMM the step sends to aten under the mode (op, dtype, batch, M, N, K, operand layouts, calls per step),
    recorded by a dispatch mode over one step;
 3. each of those GEMMs timed alone on random data: cuBLAS (the mode off) vs the batch-invariant kernel at its
@@ -10,8 +10,8 @@
    fixed config of mini/kernels/batch_invariant.py timed, the fastest printed with what it would save per step,
    and the table as `TUNED` entries (a config keyed by (dtype, N, K) is never chosen by M: invariance holds).
 
-`python3 tools/det_profile.py --out DIR [rank4 args]` (scripts/gpu.sh phase det_profile); DIR/det_profile.json
-holds everything printed. On a CPU (e.g. `--preset tiny-v4.1 --device cpu --tokens 64`) it runs 1 and 2 only.
+`python3 tools/det_profile.py --out DIR [--modes ...] [--gemms none|bench|sweep] [rank4 args]` (scripts/gpu.sh
+phases det_profile, det_final); DIR/det_profile.json holds everything printed. On a CPU (e.g. `--preset tiny-v4.1 --device cpu --tokens 64`) it runs 1 and 2 only.
 """
 from __future__ import annotations
 
