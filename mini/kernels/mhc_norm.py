@@ -39,24 +39,12 @@ PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24),
 # Triton 3.6's interpreter multiplies bf16 tiles wrongly (seen on CPU): there the bf16 pieces are multiplied as fp32
 # tiles holding the same values (still exact products), on the GPU as bf16 MMA operands.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# MINI_MHC_DOT (diagnosis, issue 12): the default bf16-pieces MMAs accumulate the whole K walk in the tensor
-# cores' truncating accumulator (~5e-6 relative on the mixes), and the random fixture models amplify any
-# difference in the mixes (docs/fidelity.md). "fresh": each step's pieces from a zero accumulator, added in IEEE
-# fp32; "ieee": every stream takes the fp32 dot with IEEE FMAs (no tensor cores), rounding like any fp32 GEMM.
-_DOT = os.environ.get("MINI_MHC_DOT", "pieces")
-if _DOT not in ("pieces", "fresh", "ieee"):
-    raise ValueError(f"MINI_MHC_DOT={_DOT!r}: choose pieces, fresh or ieee")
 
 
 @triton.jit
-def _dot_pieces(x, hi, mid, lo, acc, OP: tl.constexpr, FRESH: tl.constexpr = False):
+def _dot_pieces(x, hi, mid, lo, acc, OP: tl.constexpr):
     """acc + x @ (hi + mid + lo) for a bf16 tile x and the three bf16 pieces of an fp32 tile (`fn_pieces`): each of
-    the three products is exact, summed in the fp32 accumulator in the order hi, mid, lo. FRESH: each piece's
-    MMA starts from zero and the step's sum is added to acc in IEEE fp32 (the MMA's truncating accumulation then
-    spans one step, not the whole K walk)."""
-    if FRESH:
-        small = tl.dot(x.to(OP), mid.to(OP)) + tl.dot(x.to(OP), lo.to(OP))
-        return acc + (tl.dot(x.to(OP), hi.to(OP)) + small)
+    the three products is exact, summed in the fp32 accumulator in the order hi, mid, lo."""
     acc = tl.dot(x.to(OP), hi.to(OP), acc)
     acc = tl.dot(x.to(OP), mid.to(OP), acc)
     return tl.dot(x.to(OP), lo.to(OP), acc)
@@ -100,7 +88,7 @@ def _mhc_partial_kernel(
             hi = tl.load(p, mask=d_ok[:, None], other=0.0)
             mid = tl.load(p + K * 32, mask=d_ok[:, None], other=0.0)
             lo = tl.load(p + 2 * K * 32, mask=d_ok[:, None], other=0.0)
-            m = _dot_pieces(x, hi, mid, lo, m, OP, PRECISION == "fresh")  # PRECISION names the pieces' rule
+            m = _dot_pieces(x, hi, mid, lo, m, OP)
         else:
             f = tl.load(fn_ptr + cols[None, :] * K + (jc * D + d)[:, None], mask=d_ok[:, None] & col_ok[None, :],
                         other=0.0)
@@ -266,9 +254,7 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     part = torch.empty(nsplit, T, PART_COLS, dtype=torch.float32, device=dev)
     delayed = pre_in is not None
     pre_in_t = pre_in.float().contiguous() if delayed else pre
-    split_bf16 = h.dtype == torch.bfloat16 and _DOT != "ieee"
-    if _DOT == "ieee" or (_DOT == "fresh" and split_bf16):
-        precision = _DOT  # "ieee": the fp32 dot's; "fresh": the bf16 pieces' accumulation
+    split_bf16 = h.dtype == torch.bfloat16
     pieces = _pieces_of(fn_in) if split_bf16 else fn
     _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
         h, fn, pieces, pre_in_t, part, y if collapse else h, T,
