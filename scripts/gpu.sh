@@ -71,19 +71,20 @@ phase_fuzz() {  # issue 12 (<= ~4 min): the config fuzzer (32 random V4.1/V4 con
     return $rc
 }
 
-phase_fidelity() {  # issue 12 (~1 min): the fast backend on the official-reference V4.1 fixtures
-    # (tests/fixtures/v41_reference). Writes fidelity_fast.json (default libraries) and fidelity_fast_triton.json
-    # (our kernels only): per fixture rel-MAE / top-1 / max_abs of prefill and forced decode vs the reference, and
-    # its own noise; then the gpu tests of tests/parity/test_official_v41.py (bound: 2x the reference's noise).
-    # Expect rel-MAE <= 2x noise (f1 <= 0.136, f2 <= 0.116 prefill) and 3 passed; the rows go to docs/fidelity.md.
+phase_fidelity() {  # issue 12 (~80 s): the fast backend on the official-reference V4.1 fixtures
+    # (tests/fixtures/v41_reference). Writes fidelity_fast.json: per fixture rel-MAE / top-1 / max_abs of prefill
+    # and forced decode vs the reference, and its own noise; then the gpu tests of tests/parity/test_official_v41.py.
+    # Expect (803b499: fast f0 0.0046, f1 0.198 / 0.656, f2 0.132 / 0.677): f0 passed; the 2x-noise checks of f1
+    # and f2 xfailed (strict: the official algorithm itself misses that bound on the H200, docs/fidelity.md); their
+    # premise, test_official_algorithm_on_the_gpu_misses_the_bound[f1|f2], passed (the reference backend on CUDA:
+    # f1 0.181 / 0.688, f2 0.102 / 0.771). An XPASS or a failed premise means the bound is within reach: look.
     local rc=0
-    timeout 120 python3 tests/parity/official_fixture.py --backend fast --device cuda \
+    timeout 100 python3 tests/parity/official_fixture.py --backend fast --device cuda \
         --json "$PHASE_DIR/fidelity_fast.json" || rc=1
-    MINI_SPARSE_ATTN=triton MINI_MOE_GEMM=triton timeout 120 python3 tests/parity/official_fixture.py \
-        --backend fast --device cuda --json "$PHASE_DIR/fidelity_fast_triton.json" || rc=1
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -s tests/parity/test_official_v41.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
-    grep -E "^\{|passed|failed|Error" "$PHASE_DIR/tests.log" | tail -8
+    grep -E "^\{|official algorithm on CUDA|passed|PASSED|failed|FAILED|XFAIL|xfailed|XPASS|Error" "$PHASE_DIR/tests.log" |
+        cut -c1-400 | tail -14
     return $rc
 }
 
