@@ -310,8 +310,7 @@ class OpenAIServer:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stream = await self._start_n(prompt, params, rid, req.n)
         names = req.tool_names if req.parses_tool_calls else None
-        choices = [ChatChoice(i, req.thinking_mode, names, streams_calls=req.enforces_tool_calls)
-                   for i in range(req.n)]
+        choices = [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)]
         if not req.stream:
             outs = await self._final(stream, request)
             body = [{"index": i, "message": c.message(out), "finish_reason": c.finish_reason(out),
@@ -333,7 +332,7 @@ class OpenAIServer:
                     last[i] = out
                     lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
                     for k, delta in enumerate(choices[i].deltas(out)):
-                        # one chunk per token (its text may be held back), as in completions; calls at the end
+                        # one chunk per token (its text may be held back), as in completions; calls as they grow
                         if (k == 0 and out.new_token_ids and (any(delta.values()) or not out.finished)) or k > 0:
                             yield chunk(i, delta, lp=lp)
                             lp = None

@@ -2,16 +2,16 @@
 stream deltas. Both come from the same state machine, so a stream always adds up to the full response.
 
 Thinking mode: the text up to `</think>` is `reasoning_content` (a tail that could begin the marker is held
-back while the text grows). With tools offered, content is held back from a possible calls block start to the
-end of the output; then the block is parsed (mini.server.tool_calls) into calls, or, if malformed, given as
-content after all. Where a grammar enforces the block (`streams_calls`), the calls are streamed as they are
-decoded instead, OpenAI style: per call a first delta with its index, id and name, then its arguments text in
-pieces (mini.server.tool_calls.parse_partial_block); the final message reads the same calls.
+back while the text grows). With tools offered (tool_choice auto, required or named), a grammar makes any calls
+block the model starts well-formed (mini.server.grammars), so the calls are streamed as they are decoded, OpenAI
+style: per call a first delta with its index, id and name, then its arguments text in pieces
+(mini.server.tool_calls.parse_partial_block); content is held back only from a possible block start; the final
+message reads the same calls.
 """
 from __future__ import annotations
 
 from mini.engine import RequestOutput
-from mini.server.tool_calls import ToolCall, held_back, parse_partial_block, parse_tool_calls
+from mini.server.tool_calls import ToolCall, held_back, parse_partial_block
 from mini.tokenizer import END_THINK, TOOL_CALLS_START
 
 
@@ -29,40 +29,29 @@ def split_reasoning(text: str, final: bool) -> tuple[str, str]:
 
 
 class ChatChoice:
-    def __init__(self, index: int, thinking: bool, tool_names: set[str] | None, streams_calls: bool = False):
-        """`tool_names`: the offered tools whose calls are parsed (None: the output is not read for calls).
-        `streams_calls`: a grammar enforces the calls block (it cannot turn out malformed), so calls are shown as
-        they are decoded; a block cut short (max_tokens) keeps its calls as far as they got."""
+    def __init__(self, index: int, thinking: bool, tool_names: set[str] | None):
+        """`tool_names`: the offered tools whose calls are read (None: the output is not read for calls); a
+        grammar makes their block well-formed, so calls are shown as they are decoded, and a block cut short
+        (max_tokens, a stop string) keeps its calls as far as they got."""
         self.index, self.thinking, self.tool_names = index, thinking, tool_names
-        self.streams_calls = streams_calls and tool_names is not None
         self.sent_reasoning = self.sent_content = 0
         self.calls: list[ToolCall] = []
         self.sent_args: list[int] = []  # per call streamed so far: the length of its arguments text sent
         self.block_closed = False  # the calls block is complete and well-formed (finish_reason "tool_calls")
 
     def _parts(self, out: RequestOutput) -> tuple[str, str]:
-        """(reasoning, content) that can be shown now; updates the calls (at the end, or as they grow)."""
+        """(reasoning, content) that can be shown now; updates the calls as they grow."""
         reasoning, content = split_reasoning(out.text, out.finished) if self.thinking else ("", out.text)
         if self.tool_names is None:
             return reasoning, content
-        if self.streams_calls:
-            i = content.find(TOOL_CALLS_START)
-            if i >= 0:
-                partial, state = parse_partial_block(content[i + len(TOOL_CALLS_START):], self.tool_names,
-                                                     out.finished)
-                if partial or not out.finished:  # else (nothing to call, and the end): the text is content
-                    self._grow(partial)
-                    self.block_closed = state == "closed"
-                    return reasoning, content[:i]
-            if not out.finished:
-                return reasoning, content[:held_back(content)]
-            return reasoning, content
-        if out.finished:
-            content, self.calls = parse_tool_calls(content, self.tool_names)
-            self.block_closed = bool(self.calls)
-        else:
-            content = content[:held_back(content)]
-        return reasoning, content
+        i = content.find(TOOL_CALLS_START)
+        if i >= 0:
+            partial, state = parse_partial_block(content[i + len(TOOL_CALLS_START):], self.tool_names, out.finished)
+            if partial or not out.finished:  # else (nothing to call, and the end): the text is content
+                self._grow(partial)
+                self.block_closed = state == "closed"
+                return reasoning, content[:i]
+        return reasoning, content if out.finished else content[:held_back(content)]
 
     def _grow(self, partial) -> None:
         """Take the calls as parsed so far (each one's arguments extend what was shown)."""
@@ -85,16 +74,13 @@ class ChatChoice:
 
     def deltas(self, out: RequestOutput) -> list[dict]:
         """The deltas this output adds (possibly empty ones: a token whose text is held back). Calls: a first
-        delta with the call's index, id and name, then its arguments text, in pieces as it grows when streamed,
-        else in one piece at the end."""
+        delta with the call's index, id and name, then its arguments text in pieces as it grows."""
         reasoning, content = self._parts(out)
         delta = {"content": content[self.sent_content:]}
         if self.thinking:
             delta = {"reasoning_content": reasoning[self.sent_reasoning:], **delta}
         self.sent_reasoning, self.sent_content = len(reasoning), len(content)
         deltas = [delta]
-        if not (self.streams_calls or out.finished):
-            return deltas
         for k, c in enumerate(self.calls):
             if k == len(self.sent_args):
                 deltas.append({"tool_calls": [{"index": k, "id": c.id, "type": "function",

@@ -1,6 +1,8 @@
 """llguidance grammars (Lark syntax) for what the OpenAI API asks to enforce: `response_format` (a JSON object, a
-JSON schema) and forced tool calls (`tool_choice` "required" or a named function), the latter in V4.1's DSML
-markup with each argument checked against its schema.
+JSON schema) and tool calls (`tool_choice` "auto", "required" or a named function), the latter in V4.1's DSML
+markup with each argument checked against its schema. Under "auto" the model writes free content and may start a
+calls block; the block it starts is then well-formed by construction (names among the tools, arguments per
+schema), as SGLang's structural tags and vLLM's guided tool decoding make them.
 
 JSON is written with `, ` and `: ` and no other whitespace (a model cannot pad it forever). In thinking mode the
 output starts with free reasoning up to `</think>`; the constraint applies after it.
@@ -36,8 +38,11 @@ def _without(text: str) -> str:
     return f"/{_ANY}*/ & ~/{_ANY}*{escaped}{_ANY}*/"
 
 
-def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+def _json(schema: dict, lenient: bool = False) -> str:
+    """`lenient`: keywords llguidance does not implement (if/then, dependentRequired, ...) are not enforced,
+    instead of the grammar being refused."""
+    style = {**JSON_STYLE, "lenient": True} if lenient else JSON_STYLE
+    return "%json " + json.dumps({**schema, "x-guidance": style}, ensure_ascii=False)
 
 
 def _with_reasoning(body: list[str], thinking: bool) -> str:
@@ -68,7 +73,7 @@ def _raw_value(name: str, schema: dict) -> str:
     return _until(name, PARAM_CLOSE, f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*"))
 
 
-def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
+def _invoke_rules(i: int, name: str, parameters: dict, lenient: bool) -> list[str]:
     """`invoke{i}`: one call of the tool, its declared parameters in schema order (required ones always)."""
     props = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
@@ -82,7 +87,8 @@ def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
             rules.append(_raw_value(value, sub))
             head = param_open(key, True)
         else:
-            rules += [f"{value}: {value}_json {_lit(PARAM_CLOSE)}", f"{value}_json: {_json({**sub, **defs})}"]
+            rules += [f"{value}: {value}_json {_lit(PARAM_CLOSE)}",
+                      f"{value}_json: {_json({**sub, **defs}, lenient)}"]
             head = param_open(key, False)
         rules.append(f"p{i}_{j}: {_lit(head)} {value} {_lit(chr(10))}")
         items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
@@ -91,25 +97,34 @@ def _invoke_rules(i: int, name: str, parameters: dict) -> list[str]:
 
 
 def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool = True,
-                      thinking: bool = False, optional: bool = False) -> str:
+                      thinking: bool = False, optional: bool = False, content_schema: dict | None = None) -> str:
     """A calls block (and nothing else) calling the offered tools (`only`: just that one); `parallel` False: one
-    call. Arguments follow each tool's `parameters` schema. `optional`: free content first, then at most one
-    block (tool_choice "auto" with parallel_tool_calls false)."""
+    call. Arguments follow each tool's `parameters` schema. `optional` (tool_choice "auto"): free content, which
+    may end in one block: whatever the model writes, a block it starts is well-formed; schema keywords llguidance
+    does not implement are then left unenforced (a tool that cannot be enforced must not stop a request that may
+    not call it; a forced call refuses them). `content_schema` (with `optional`, a response_format): the content
+    is instead that JSON, or the block alone."""
     rules, invokes = [], []
     for i, tool in enumerate(tools):
         fn = tool["function"]
         if only is not None and fn["name"] != only:
             continue
-        rules += _invoke_rules(i, fn["name"], fn.get("parameters") or {})
+        rules += _invoke_rules(i, fn["name"], fn.get("parameters") or {}, lenient=optional)
         invokes.append(f"invoke{i}")
     if not invokes:
         raise ValueError(f"no tool named {only!r} is offered")
-    more = ' ("\\n" call)*' if parallel else ""
-    calls = f"call{more} {_lit(chr(10) + CALLS_CLOSE)}"
-    if optional:  # all text, or text up to the block's start and then the block
-        answer = [f"answer: TEXT | content {calls}", f"TEXT: {_without(TOOL_CALLS_START)}",
-                  _until("content", TOOL_CALLS_START + "\n")]
+    # each call ends with its own "\n": a "\n" between calls beside a "\n</...calls>" would be two lexemes that
+    # share "\n<", and llguidance's greedy lexer, once past "\n<", would only ever close the block
+    calls = f"(call {_lit(chr(10))}){'+' if parallel else ''} {_lit(CALLS_CLOSE)}"
+    block = f"{_lit(TOOL_CALLS_START + chr(10))} {calls}"
+    if optional and content_schema is not None:  # the JSON answer, or the calls (JSON cannot start with "\n")
+        answer = [f"answer: json_answer | {block}", f"json_answer: {_json(content_schema)}"]
+    elif optional:  # all text, or text up to the block's start and then the block
+        # `content` ends at the block's start itself: ended at the start plus "\n", it could go on past a start
+        # followed by anything else, and a block could then never begin well-formed
+        answer = [f"answer: TEXT | content {_lit(chr(10))} {calls}", f"TEXT: {_without(TOOL_CALLS_START)}",
+                  _until("content", TOOL_CALLS_START)]
     else:
-        answer = [f"answer: {_lit(TOOL_CALLS_START + chr(10))} {calls}"]
+        answer = [f"answer: {block}"]
     body = [*answer, f"call: {' | '.join(invokes)}", *rules]
     return _with_reasoning(body, thinking)

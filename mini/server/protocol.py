@@ -250,8 +250,8 @@ class ChatCompletionRequest(_Common):
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if self.enforces_tool_calls and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("tool calls and a response_format cannot both be enforced")
+        if self.forced_tool_call and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a forced tool call and a response_format cannot both be enforced")
         return self
 
     @property
@@ -264,13 +264,9 @@ class ChatCompletionRequest(_Common):
 
     @property
     def parses_tool_calls(self) -> bool:
-        """The output is read for calls: tools are offered and not switched off."""
+        """The output is read for calls: tools are offered and not switched off (auto, required or named).
+        `grammar()` then makes any calls block well-formed, so calls stream as they are decoded."""
         return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def enforces_tool_calls(self) -> bool:
-        """`grammar()` makes a calls block well-formed: a forced call, or auto with one call at most."""
-        return self.parses_tool_calls and (self.forced_tool_call or not self.parallel_tool_calls)
 
     @property
     def thinking_mode(self) -> bool:
@@ -293,15 +289,18 @@ class ChatCompletionRequest(_Common):
                            reasoning_effort=effort, tools=self.tools or None)
 
     def grammar(self) -> str | None:
-        """What decoding must follow: a forced call (tool_choice required / named) or response_format."""
+        """What decoding must follow. With tools (tool_choice not "none"), a well-formed calls block: forced
+        (required / named), or under auto free content (the response_format's JSON, if any) or a block. Else the
+        response_format, if any; a request without tools and format has none (decoding as without grammars)."""
         from mini.server import grammars
         thinking = self.thinking_mode
+        fmt = self.response_format
+        schema = None if fmt is None or fmt.type == "text" else \
+            (fmt.json_schema.schema_ or {} if fmt.type == "json_schema" else {"type": "object"})
         if self.forced_tool_call:
             only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
             return grammars.tool_call_grammar(self.tools, only, self.parallel_tool_calls, thinking)
-        if not self.parallel_tool_calls and self.parses_tool_calls:  # auto, at most one call: enforced too
-            return grammars.tool_call_grammar(self.tools, None, False, thinking, optional=True)
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        return grammars.json_grammar(fmt.json_schema.schema_ or {} if fmt.type == "json_schema" else None, thinking)
+        if self.parses_tool_calls:  # auto
+            return grammars.tool_call_grammar(self.tools, None, self.parallel_tool_calls, thinking, optional=True,
+                                              content_schema=schema)
+        return None if fmt is None or fmt.type == "text" else grammars.json_grammar(schema, thinking)

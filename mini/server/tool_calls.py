@@ -3,14 +3,14 @@
 An assistant turn that calls tools is `content` + `\\n\\n<｜DSML｜ calls>` + invokes + `</｜DSML｜ calls>`
 (mini.tokenizer.render_tool_calls writes the same markup into prompts). The parser is strict about the markup and
 total: text that is not a well-formed block naming offered tools (a random-weight model writes such text) is
-returned as content, never an error. Streaming holds back everything from a possible block start until the
-output ends, then gives the calls or the held text, so a stream and a full response always agree.
+returned as content, never an error.
 
-Where the block is enforced by a grammar (tool_choice required / named, or auto with one call at most), it cannot
-turn out malformed, so a stream shows each call as it is decoded (`parse_partial_block`): the call once its name
-is complete, then its arguments text growing with each parameter (a string's value as it grows), always a prefix
-of the final arguments; a block cut short by max_tokens keeps the calls as far as they got, in a stream and in
-a full response alike.
+The server reads calls only where a grammar makes any block well-formed (tools offered and tool_choice auto,
+required or named; mini.server.grammars), so a stream shows each call as it is decoded (`parse_partial_block`,
+the same rules read over growing text): the call once its name is complete, then its arguments text growing with
+each parameter (a string's value as it grows), always a prefix of the final arguments; a block cut short by
+max_tokens or a stop string keeps the calls as far as they got, in a stream and in a full response alike.
+`parse_tool_calls`, the strict parse of a finished text, is the rule the partial parse is tested against.
 """
 from __future__ import annotations
 

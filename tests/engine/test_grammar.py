@@ -150,7 +150,7 @@ def test_background_mask_equals_the_synchronous_one():
 def test_forced_tool_calls_parse_and_validate():
     def params(i):
         grammar = tool_call_grammar(TOOLS, only="get_weather" if i % 2 else None, parallel=bool(i % 3))
-        return SamplingParams(temperature=1.0, seed=i, max_tokens=600, grammar=grammar)
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=1000, grammar=grammar)  # parallel: ~2 calls
     outs = _run(True, params)
     for i, o in enumerate(outs):
         assert o.finish_reason == "stop", o.text
@@ -161,6 +161,8 @@ def test_forced_tool_calls_parse_and_validate():
             assert c.name == "get_weather" or not i % 2
             schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == c.name)
             jsonschema.validate(json.loads(c.arguments), schema)
+    counts = [len(parse_tool_calls(o.text, {"get_weather", "noop"})[1]) for o in outs]
+    assert max(counts) > 1  # parallel calls can follow each other (a "\n" between calls once made it impossible)
 
 
 def test_bad_grammar_is_a_value_error():

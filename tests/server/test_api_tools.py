@@ -8,6 +8,7 @@ import random
 import jsonschema
 import openai
 import pytest
+import torch
 
 from conftest import MODEL, tiny_server
 from mini.server.tool_calls import parse_tool_calls
@@ -97,30 +98,147 @@ def test_required_parallel_calls_each_validate(server):
         _check_call(call.function.name, call.function.arguments)
 
 
-@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
-def test_unforced_output_of_a_random_model_is_content(server, tool_choice):
+def _rebuild_stream(chunks):
+    """(content, [(name, arguments)], ids, finish_reason) from a chat stream, rebuilt as an OpenAI client does."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = d.id or entry["id"]
+            entry["name"] += (d.function.name or "") if d.function else ""
+            entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = ch.finish_reason or finish
+    return content, [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("tool_choice", ["auto", None])  # None: left out, auto when tools are offered
+def test_auto_is_content_or_valid_calls_and_streams_the_same(server, tool_choice, parallel):
+    """tool_choice auto (any parallel_tool_calls) runs under a grammar: over several seeds the random model's
+    output is content, or calls whose arguments validate (never a malformed block as content); the stream,
+    rebuilt from its deltas, equals the full response."""
     url, _ = server
+    c = _client(url)
     extra = {} if tool_choice is None else {"tool_choice": tool_choice}
-    for stream in (False, True):
-        r = _client(url).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=12,
-                                                 temperature=1.0, seed=1, stream=stream, **extra)
-        if stream:
-            chunks = list(r)
-            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-            assert not any(ch.choices[0].delta.tool_calls for ch in chunks)
-        else:
-            assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+    for seed in range(4):
+        kw = dict(model=MODEL, messages=USER, tools=TOOLS, parallel_tool_calls=parallel, max_tokens=24,
+                  temperature=1.0, seed=seed, **extra)
+        ch = c.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        assert ch.finish_reason in ("stop", "length", "tool_calls")
+        assert "<｜DSML｜ calls>" not in (ch.message.content or "")
+        assert len(calls) <= (24 if parallel else 1)
+        for name, arguments in calls if ch.finish_reason == "tool_calls" else []:
+            _check_call(name, arguments)
+        assert _rebuild_stream(c.chat.completions.create(**kw, stream=True)) == \
+            ((ch.message.content or ""), calls, ch.finish_reason)
 
 
-def test_auto_with_one_call_at_most_is_enforced(server):
+def test_tool_choice_none_and_no_tools_decode_without_a_grammar(server):
+    """Only requests that read calls get the tools grammar: tool_choice none and requests without tools reach
+    the engine with no grammar (decoding exactly as before grammars), auto / required with one."""
+    url, app = server
+    seen, llm = [], app.state.server.llm
+    generate = llm.generate
+
+    def spy(ids, params, request_id):
+        seen.append(params.grammar)
+        return generate(ids, params, request_id)
+    llm.generate = spy
+    try:
+        c = _client(url)
+        for kw in (dict(), dict(tools=TOOLS, tool_choice="none"), dict(tools=TOOLS), dict(tools=TOOLS,
+                   tool_choice="required"), dict(response_format={"type": "json_object"})):
+            r = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, seed=0, **kw)
+            if kw.get("tool_choice") == "none":
+                assert r.choices[0].message.tool_calls is None
+    finally:
+        llm.generate = generate
+    assert seen[0] is None and seen[1] is None
+    assert all(g is not None and "invoke0" in g for g in seen[2:4]) and "%json" in seen[4] and "invoke" not in seen[4]
+
+
+def _allowed(backend, matcher, vocab):
+    from mini.engine.sampler import unpack_bitmask
+    return torch.nonzero(unpack_bitmask(backend.bitmask([matcher], "cpu"), vocab)[0]).flatten().tolist()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_an_auto_block_is_well_formed_by_construction(server, parallel):
+    """The auto grammar over the tiny tokenizer: free text (any, EOS allowed) until the model starts a block;
+    from there, random walks over the allowed tokens (seeded) always end in a block that parses into calls of
+    offered tools whose arguments validate; one call at most unless parallel; an unknown tool cannot start."""
+    from mini.server.grammars import tool_call_grammar
+    from mini.tokenizer import TOOL_CALLS_START
+    _, app = server
+    engine = app.state.server.llm.engine
+    tok, backend, vocab = engine.tokenizer, engine.grammars, engine.config.vocab_size
+    grammar = tool_call_grammar(TOOLS, parallel=parallel, optional=True)
+    m = backend.matcher(grammar)
+    assert m.consume_tokens(tok.encode("Free text, even \n\n< and <｜DSML｜ invoke")), m.get_error()
+    assert tok.eos_id in _allowed(backend, m, vocab)
+    assert not backend.matcher(grammar).consume_tokens(tok.encode(TOOL_CALLS_START + '\n<｜DSML｜ invoke name="rm"'))
+    counts = []
+    for seed in range(12):
+        rng, m = random.Random(seed), backend.matcher(grammar)
+        ids = tok.encode("Sure." + TOOL_CALLS_START)
+        assert m.consume_tokens(ids)
+        for _ in range(2000):
+            allowed = _allowed(backend, m, vocab)
+            if tok.eos_id in allowed:
+                break
+            ids.append(rng.choice(allowed))
+            assert m.consume_token(ids[-1])
+        text = tok.decode(ids)
+        content, calls = parse_tool_calls(text, set(SCHEMAS))
+        assert content == "Sure." and calls, text
+        for call in calls:
+            _check_call(call.name, call.arguments)
+        counts.append(len(calls))
+    assert max(counts) > 1 if parallel else set(counts) == {1}
+
+
+def test_auto_with_a_response_format_is_that_json_or_calls(server):
+    """tool_choice auto with response_format: the answer is the format's JSON or a calls block (the first token
+    decides, so the random model takes both ways over a few seeds); calls validate, parallel ones too, and the
+    stream rebuilt from its deltas equals the full response."""
     url, _ = server
-    r = _client(url).chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, parallel_tool_calls=False,
-                                             max_tokens=40, temperature=1.0, seed=3)
-    ch = r.choices[0]
-    assert ch.finish_reason in ("stop", "length", "tool_calls")
-    assert "<｜DSML｜ calls>" not in (ch.message.content or "")  # a block can only be a well-formed single call
-    for call in ch.message.tool_calls or []:
-        _check_call(call.function.name, call.function.arguments)
+    c = _client(url)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    ways = set()
+    for seed in range(4):
+        kw = dict(model=MODEL, messages=USER, tools=TOOLS, response_format=fmt, max_tokens=400, temperature=1.0,
+                  seed=seed)
+        ch = c.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        if ch.finish_reason == "tool_calls":
+            assert ch.message.content is None and calls
+            for name, arguments in calls:
+                _check_call(name, arguments)
+            ways.add("calls")
+        elif ch.finish_reason == "stop":
+            jsonschema.validate(json.loads(ch.message.content), schema)
+            ways.add("json")
+        assert _rebuild_stream(c.chat.completions.create(**kw, stream=True)) == \
+            ((ch.message.content or ""), calls, ch.finish_reason)
+    assert ways == {"calls", "json"}
+
+
+def test_auto_takes_a_schema_llguidance_cannot_enforce(server):
+    """A keyword llguidance does not implement (if/then) is left unenforced under auto (the request may not call
+    the tool at all), and refused where the call is forced."""
+    url, _ = server
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 3}}}}}}]
+    c = _client(url)
+    r = c.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=4, seed=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="if"):
+        c.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", max_tokens=4)
 
 
 def test_bad_tool_requests_are_400(server):
@@ -208,15 +326,15 @@ TWO_CALLS = ("Checking." + CALL.replace("</｜DSML｜ calls>", "")
 
 @pytest.mark.parametrize("step", [1, 2, 7])
 def test_enforced_calls_stream_as_they_are_decoded(step):
-    """streams_calls: each call's deltas start once its name is decoded and its arguments grow parameter by
+    """Each call's deltas start once its name is decoded and its arguments grow parameter by
     parameter (a string value as it grows), long before the output ends; rebuilt from the deltas, content and
     calls equal the final message, which equals the strict parse of the whole text."""
     from mini.server.chat_output import ChatChoice
     names = {"get_weather", "get_time"}
-    choice = ChatChoice(0, False, names, streams_calls=True)
+    choice = ChatChoice(0, False, names)
     deltas, last = _stream_locally(choice, TWO_CALLS, "stop", step)
     content, calls = _rebuild(deltas)
-    msg = ChatChoice(0, False, names, streams_calls=True).message(last)
+    msg = ChatChoice(0, False, names).message(last)
     strict_content, strict = parse_tool_calls(TWO_CALLS, names)
     assert content == strict_content == msg["content"] == "Checking."
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in strict] \
@@ -230,26 +348,20 @@ def test_enforced_calls_stream_as_they_are_decoded(step):
 
 
 def test_a_streamed_block_cut_short_keeps_its_calls_alike():
-    """max_tokens inside an enforced block: stream and final message both keep the calls as far as they got
-    (the arguments text cut where the output ends), finish_reason "length"; without streams_calls the cut block
-    is content in both."""
+    """max_tokens inside a block: stream and final message both keep the calls as far as they got (the arguments
+    text cut where the output ends), finish_reason "length"."""
     from mini.server.chat_output import ChatChoice
     names = {"get_weather", "get_time"}
     cut = TWO_CALLS[:TWO_CALLS.index("C</ET") + 3]
-    for streams in (True, False):
-        choice = ChatChoice(0, False, names, streams_calls=streams)
-        deltas, last = _stream_locally(choice, cut, "length", 2)
-        content, calls = _rebuild(deltas)
-        msg = ChatChoice(0, False, names, streams_calls=streams).message(last)
-        assert choice.finish_reason(last) == "length"
-        assert content == (msg["content"] or "")
-        assert [(c["name"], c["arguments"]) for c in calls] == \
-            [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
-        if streams:
-            assert content == "Checking." and [c["name"] for c in calls] == ["get_weather", "get_time"]
-            assert calls[1]["arguments"] == '{"tz": "C</'
-        else:
-            assert content == cut and calls == []
+    choice = ChatChoice(0, False, names)
+    deltas, last = _stream_locally(choice, cut, "length", 2)
+    content, calls = _rebuild(deltas)
+    msg = ChatChoice(0, False, names).message(last)
+    assert choice.finish_reason(last) == "length"
+    assert content == msg["content"] == "Checking."
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"] and calls[1]["arguments"] == '{"tz": "C</'
 
 
 def test_partial_parse_agrees_with_the_full_parse():
