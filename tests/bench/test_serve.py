@@ -94,3 +94,16 @@ def test_cold_diag_reads_the_server_trace_per_burst(tmp_path, monkeypatch):
     d = result["cold_diag"]
     assert d["warmup"]["steps"] > 0 and len(d["bursts"]) == 2
     assert [b["adds"] for b in d["bursts"]] == [4, 4] and all(b["steps"] >= 3 for b in d["bursts"])
+
+
+def test_the_client_warms_its_http_stack_on_health_only():
+    """Before the first burst the bench touches GET /health with its async client: no request reaches the engine."""
+    import asyncio
+    from mini.server.app import BackgroundServer, build_app
+    cfg = FakeConfig(vocab_size=512)
+    app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), num_blocks=64,
+                    block_tokens=4, device="cpu", dtype=torch.float32, max_num_seqs=4)
+    engine = app.state.server.llm.engine
+    with BackgroundServer(app) as url:
+        asyncio.run(goodput._touch(url))
+    assert engine.stats.steps == 0 and not engine.requests
