@@ -18,8 +18,11 @@ CUDA events), for the eager glue and the fused one:
 * fused: pack (`fp8_act_quant_wire`: codes, scales, ids, weights into the send buffer), unpack (views), the
   experts' gather + decode (`fp8_act_quant(FP8Rows, rows=)`), the combine with the shared expert added, the final
   rounding.
-`glue_ms` is what the one-device MoE does not run: eager pack + unpack + add; fused pack + unpack + rounding + what
-its gather and combine take beyond the eager ones. The route plan and the stand-in expert outputs (random bf16
+`glue_*_ms` is what the one-device MoE does not run: eager pack + unpack + add; fused pack + unpack + rounding + what
+its gather and combine take beyond the eager ones. Each piece is timed alone (its host launch time included:
+`glue_*_ms`, `eager.*_ms`, `fused.*_ms`) and, on a GPU, as GPU time only (10 calls captured in a CUDA graph and
+replayed: `glue_*_gpu_ms`, `gpu.*_ms`; the eager unpack cannot be captured and keeps its alone time), what a
+forward pays when the host runs ahead of the GPU. The route plan and the stand-in expert outputs (random bf16
 rows in place of the GEMMs) are the same for both and untimed. The outputs are checked bit for bit: the wire bytes,
 the GEMM input rows and the final bf16 rows of the two glues must be identical (`identical` 1).
 
@@ -157,6 +160,23 @@ def _median_ms(timer, fn, iters: int, warmup: int) -> float:
     return 1e3 * statistics.median(timer(fn) for _ in range(iters))
 
 
+def _graph_ms(timer, fn, iters: int, reps: int = 10) -> float:
+    """GPU time of one call of fn: `reps` calls captured in a CUDA graph, replayed `iters` times (median / reps).
+    Without the host's launch time, which the alone timing includes and a busy stream hides in a forward."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocator, lazy inits)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    return 1e3 * statistics.median(timer(graph.replay) for _ in range(iters)) / reps
+
+
 def _rank_rows(g: torch.Generator, n: int, d: int, k: int, n_experts: int, dtype, dev):
     """One rank's MoE input and routing: a wide dynamic range per row, k distinct experts per token."""
     x = (torch.randn(n, d, generator=g, device=dev) * torch.logspace(-3, 2, n, device=dev)[:, None]).to(dtype)
@@ -231,17 +251,34 @@ def run_glue(args, device: str) -> dict:
     }
     timer = _timer(dev)
     ms = {name: _median_ms(timer, fn, args.iters, args.warmup) for name, fn in steps.items()}
-    e = {p: ms[f"eager.{p}"] for p in ("pack", "unpack", "gather_quant", "combine", "final_add")}
-    f = {p: ms[f"fused.{p}"] for p in ("pack", "unpack", "gather_decode", "combine_add", "final_round")}
-    glue_eager = e["pack"] + e["unpack"] + e["final_add"]
-    glue_fused = (f["pack"] + f["unpack"] + f["final_round"] + (f["gather_decode"] - e["gather_quant"])
-                  + (f["combine_add"] - e["combine"]))
     m = int(plan.expert_offset[-1])
     identical = (torch.equal(recv_fused[:, :used], recv_eager[:, :used])
                  and torch.equal(plan_w.expert_offset, plan.expert_offset)
                  and torch.equal(plan_w.slot_row, plan.slot_row)
                  and torch.equal(out["xs_fused"][:m], out["xs_eager"][:m])
                  and torch.equal(out["y_fused"], out["y_eager"]))
+
+    def glue(t: dict) -> tuple[float, float, dict, dict]:
+        e = {p: t[f"eager.{p}"] for p in ("pack", "unpack", "gather_quant", "combine", "final_add")}
+        f = {p: t[f"fused.{p}"] for p in ("pack", "unpack", "gather_decode", "combine_add", "final_round")}
+        return (e["pack"] + e["unpack"] + e["final_add"],
+                f["pack"] + f["unpack"] + f["final_round"] + (f["gather_decode"] - e["gather_quant"])
+                + (f["combine_add"] - e["combine"]), e, f)
+
+    glue_eager, glue_fused, e, f = glue(ms)
+    gpu = {}
+    if dev.type == "cuda":
+        try:
+            # decode_fp8's e8m0_to_float copies Python scalars to the device, which a capture refuses: the eager
+            # unpack keeps its alone time (GPU-bound: 0.65 ms at EP2 on the H200, most of it decode)
+            gpu_ms = {name: ms[name] if name == "eager.unpack" else _graph_ms(timer, fn, args.iters)
+                      for name, fn in steps.items()}
+            ge, gf, _, _ = glue(gpu_ms)
+            gpu = {"glue_eager_gpu_ms": ge, "glue_fused_gpu_ms": gf,
+                   **{f"gpu.{name}_ms": v for name, v in gpu_ms.items()}}
+        except RuntimeError as err:  # a piece that cannot be captured: the alone timings stand
+            print(f"ep-exchange --glue: no CUDA-graph timing ({err})")
+            gpu = {"gpu_timing_failed": 1}
     return {
         "suite": "ep-exchange",
         "definition": {"mode": "glue", "ranks": world, "tokens_per_rank": n, "dim": d, "topk": k,
@@ -252,5 +289,5 @@ def run_glue(args, device: str) -> dict:
                     "glue_speedup": glue_eager / glue_fused if glue_fused > 0 else 0.0,
                     "local_eager_ms": sum(e.values()), "local_fused_ms": sum(f.values()),
                     **{f"{name}_ms": v for name, v in ms.items()},
-                    "local_rows": m, "gathered_rows": world * n, "identical": int(identical)},
+                    "local_rows": m, "gathered_rows": world * n, "identical": int(identical), **gpu},
     }
