@@ -511,8 +511,8 @@ phase_ep4() {  # issue 18 item 4 (kind nvidia-h200-x4, <= 5 min): the first EP4 
     # (python -m mini.bench.ep_model, docs/parallel.md). NCCL at the exchange's real sizes on 2 and on 4 GPUs
     # (ep-exchange: all_gather_GBps / reduce_scatter_GBps, the model assumes 267 / 240 at any N; exchange_fused_ms),
     # then EP4 prefill with all 40 layers (the real model's shape, 96 experts per GPU, 4,096 tokens per rank).
-    # Expect ep4_prefill.json mean_step_ms near the model's 398 (fused glue, nothing overlapped; 445 with
-    # MINI_EP_GLUE=eager), stage.communication_ms near 70, stage.exchange_glue_ms <= 8; model.txt re-runs the
+    # Expect ep4_prefill.json mean_step_ms near the model's 401 (fused glue, nothing overlapped; 445 with
+    # MINI_EP_GLUE=eager), stage.communication_ms near 70, stage.exchange_glue_ms <= 10.4; model.txt re-runs the
     # model with the bandwidths measured here.
     local rc=0 n
     for n in 2 4; do

@@ -59,10 +59,10 @@ class Inputs:
     rank4_emulation_ms: float = 10.2
     rank4_gemm_ms: float = 128.7
     rank4_routed_ms: float = 154.2  # the routed experts' stage, GEMMs included (docs/perf/007)
-    # exchange glue per layer: eager 21.9 ms per 16 layers at EP2 (issue 18); fused: the target until
-    # `mini bench ep-exchange --glue` (phase ep_glue) measures it
+    # exchange glue per layer: eager 21.9 ms per 16 layers at EP2 inside ep-prefill (issue 18); fused: `mini bench
+    # ep-exchange --glue` on an H200 at 6deedfb, alone (host launch included): 0.199 at EP2, 0.259 at EP4 (taken)
     glue_eager_ms_per_layer: float = 21.9 / 16
-    glue_fused_ms_per_layer: float = 0.2
+    glue_fused_ms_per_layer: float = 0.259
     # RoutingSkew (mini/bench/prefill.py): hot experts and their load relative to the mean
     hot_experts: int = 48
     hot_load: float = 2.5
