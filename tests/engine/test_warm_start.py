@@ -190,3 +190,30 @@ print("ok", frozen, walked)
                                                          os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_bursts_after_the_warm_up_compile_nothing_gpu(tmp_path, monkeypatch):
+    """On the GPU, with the server's defaults (budget 2048, 64 sequences, 128-token blocks, CUDA graphs): after
+    the warm-up, the bursts of the CPU coverage check (the goodput burst as it may arrive, skewed and random
+    lengths) compile no Triton kernel (counted by the trace's hooks)."""
+    import mini.ops
+    from specializations import bursts, serve_burst
+    monkeypatch.setenv(warmup_trace.TRACE_ENV, str(tmp_path / "trace.jsonl"))
+    with mini.ops.using_backend("fast"):
+        engine = build_engine("tiny-v4.1", device="cuda", dtype=torch.bfloat16, num_blocks=2048)
+        assert engine.runner.graphs is not None
+        warm_up(engine)
+        trace = engine.trace
+        try:
+            compiled = {}
+            for i, (tag, (lengths, outputs, arrivals)) in enumerate(
+                    bursts(2048, 64, 128, engine.max_model_len, 2).items()):
+                before = trace.compiles
+                serve_burst(engine, tag, lengths, outputs, arrivals, seed=i)
+                compiled[tag] = trace.compiles - before
+        finally:
+            trace.close()
+    keys = [e["key"][:200] for e in warmup_trace.read(str(tmp_path / "trace.jsonl"))
+            if e["ev"] == "compile" and e["phase"] == "serve"]
+    assert not any(compiled.values()), f"compiled after the warm-up: {compiled}: {keys}"
