@@ -14,7 +14,8 @@ whose steps take each of these through its classes:
   step), then decode at shrinking batch sizes, greedy and sampled;
 * "alone-L": one short prompt by itself (one block: block-table stride 1; L a multiple of 16 or not);
 * "trickle": prompts arriving a few per step while the earlier ones decode, as a burst of HTTP requests comes
-  in: mixed steps of decodes and prefills with the sequences still within one block, then crossing into a second.
+  in: mixed steps of decodes and prefills with the sequences still within one block, then crossing into a second;
+* "decode-buckets": decode steps at every CUDA-graph bucket's batch size (a graph's first replay uploads it).
 
 tests/engine/test_warmup.py checks, without a GPU, that the kernel specializations of served bursts of varied
 shapes are ones the warm-up compiled (tests/engine/specializations.py). The prompts are random token ids from a
@@ -33,6 +34,7 @@ from typing import Iterable
 import torch
 
 from mini.engine.block_manager import PrefixCacheStats
+from mini.engine.cuda_graphs import buckets
 from mini.engine.llm import EngineStats, LLMEngine
 from mini.engine.sequence import SamplingParams
 from mini.engine.warmup_trace import from_env as trace_from_env
@@ -77,6 +79,10 @@ def plan(budget: int, max_seqs: int, block_tokens: int, context: int) -> dict[st
         trickle.append([req(shapes[(i + j) % 2], len(sizes) + 2 + (i + j) % 4) for j in range(size)])
         i += size
     parts["trickle"] = trickle
+    # decode at every CUDA-graph bucket (each graph's first replay uploads it): one-token prompts, the group of
+    # bucket j (its size less the next's) ending after j + 2 tokens, so that decode step j + 2 runs bucket j's size
+    sizes = sorted(buckets(max_seqs), reverse=True) + [0]
+    parts["decode-buckets"] = [[req(1, j + 2) for j in range(len(sizes) - 1) for _ in range(sizes[j] - sizes[j + 1])]]
     return parts
 
 

@@ -217,3 +217,23 @@ def test_bursts_after_the_warm_up_compile_nothing_gpu(tmp_path, monkeypatch):
     keys = [e["key"][:200] for e in warmup_trace.read(str(tmp_path / "trace.jsonl"))
             if e["ev"] == "compile" and e["phase"] == "serve"]
     assert not any(compiled.values()), f"compiled after the warm-up: {compiled}: {keys}"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("budget,max_seqs", [(2048, 64), (512, 16), (8192, 256)])
+def test_warm_up_decodes_at_every_graph_bucket(budget, max_seqs, overlap):
+    """Every CUDA-graph bucket gets a pure-decode step of its batch size during the warm-up (its first replay)."""
+    from mini.engine.cuda_graphs import buckets, is_decode_step
+    engine = _engine(num_blocks=4096, block_tokens=128, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                     overlap=overlap)
+    sizes, schedule = set(), engine.scheduler.schedule
+
+    def scheduled(*a, **kw):
+        plan = schedule(*a, **kw)
+        if plan.chunks and is_decode_step(plan.chunks):
+            sizes.add(len(plan.chunks))
+        return plan
+    engine.scheduler.schedule = scheduled
+    warm_up(engine, parts=["decode-buckets"])
+    assert set(buckets(max_seqs)) <= sizes
+    assert not engine.has_work()
