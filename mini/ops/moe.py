@@ -291,9 +291,10 @@ def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tens
 
 
 @staged("moe.shared")
-def shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-    """The shared expert every token goes through, fp32 [T, D] (holding x.dtype-rounded values)."""
-    return _shared(x, w).float()
+def shared(x: torch.Tensor, w: MoEWeights, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The shared expert every token goes through, [T, D] holding x.dtype-rounded values, in `out_dtype` (fp32 by
+    default; the EP exchange's fused glue takes x.dtype, which its combine reads as they are, and skips a cast)."""
+    return _shared(x, w).to(out_dtype)
 
 
 def _shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:

@@ -157,7 +157,7 @@ class MoEExchange:
             self._record("shared", own)
             return (mine + own).to(x.dtype)
         if self.glue == "fused" and routed_wire_ok(x, ids, w):
-            return self.exchange_wire(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w),
+            return self.exchange_wire(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w, x.dtype),
                                       experts=lambda rows, wa, ia, add, at: routed_wire(rows, w, wa, ia, add, at))
         out = self.exchange(x, weights, ids, cfg.fp8_block,
                             experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia), local=lambda: shared(x, w))
@@ -187,7 +187,8 @@ class MoEExchange:
                       ) -> torch.Tensor:
         """`exchange` with the glue in the kernels (the module doc's "fused"), in x.dtype [T, D]. `experts(rows,
         weights_all, ids_all, add, add_at)` -> fp32 [world * T_max, D] partial sums over the padded gathered rows
-        (`FP8Rows`, ids -1 on padding rows), with `add` = `local()` (fp32 [T, D]) summed into rows add_at.."""
+        (`FP8Rows`, ids -1 on padding rows), with `add` = `local()` ([T, D], bf16 values in bf16 or fp32) summed
+        into rows add_at.."""
         from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
         t_max, rank = max(self.counts), self.ctx.rank
         row = WireRow(ids.shape[1], x.shape[1], block)
@@ -204,8 +205,8 @@ class MoEExchange:
         reduce_scatter(out, partial)
         mine = out[: x.shape[0]]
         if self.trace is not None:  # the routed sum alone: exact when routed + shared is (see docs/parallel.md)
-            self._record("routed", mine - own)
-            self._record("shared", own)
+            self._record("routed", mine - own.float())
+            self._record("shared", own.float())
         return mine.to(x.dtype)
 
     def pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
