@@ -205,7 +205,8 @@ def run_glue(args, device: str) -> dict:
     experts = range(0, args.experts // world)  # this rank (0) holds the first share; its rows come first
     ranks = [_rank_rows(g, n, d, k, args.experts, dtype, dev) for _ in range(world)]
     x, weights, ids = ranks[0]
-    own = torch.randn(n, d, generator=g, device=dev).to(dtype).float()  # the shared expert: bf16 values in fp32
+    own_bf16 = torch.randn(n, d, generator=g, device=dev).to(dtype)  # the shared expert (the fused glue's form)
+    own = own_bf16.float()  # the eager glue's: the same values in fp32
 
     ex = MoEExchange(DistContext(0, world, dev, None))
     ex.set_counts([n] * world)
@@ -246,7 +247,7 @@ def run_glue(args, device: str) -> dict:
         "fused.gather_decode": lambda: out.__setitem__("xs_fused", fp8_act_quant(rows_w, block, rows=plan_w.token,
                                                                                     n_valid=plan_w.expert_offset[-1:])),
         "fused.combine_add": lambda: out.__setitem__("partial_fused", combine(
-            y, ids_w, plan_w.slot_row, experts, torch.float32, add=own, add_at=0)),
+            y, ids_w, plan_w.slot_row, experts, torch.float32, add=own_bf16, add_at=0)),
         "fused.final_round": lambda: out.__setitem__("y_fused", out["partial_fused"][:n].to(dtype)),
     }
     timer = _timer(dev)
