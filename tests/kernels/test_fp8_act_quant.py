@@ -145,3 +145,35 @@ def test_wire_decode_refuses_another_block():
     _, _, _, codes, scales = _send_buffer(2, 64, 32, 1, "cpu")
     with pytest.raises(ValueError, match="block 32 cannot be re-quantized at block 128"):
         fp8_act_quant(FP8Rows(codes, scales, 32, torch.bfloat16), 128)
+
+
+_SM90_WIRE = """
+import sys
+sys.path.insert(0, "tests/kernels")
+from sm90_build import build
+from mini.kernels.fp8_act_quant import _wire_decode_kernel, _wire_encode_kernel
+u8 = {"codes_ptr": "*u8", "scales_ptr": "*u8"}
+for routing in (True, False):
+    build(_wire_encode_kernel, {**u8, "ids_ptr": "*i64", "wts_ptr": "*fp32", "ids_out_ptr": "*i32",
+                                "wts_out_ptr": "*fp32"}, dict(BLOCK=32, GROUPS=16, ROWS=4, KP=8, ROUTING=routing))
+for gather in (True, False):
+    build(_wire_decode_kernel, {**u8, "src_row_ptr": "*i32", "n_valid_ptr": "*i32"},
+          dict(BLOCK=32, GROUPS=16, ROWS=4, GATHER=gather))
+"""
+
+
+@pytest.mark.slow
+def test_wire_kernels_build_for_sm90():
+    """The wire encode / decode kernels compile for Hopper (the hardware e4m3 conversion included), checked on any
+    machine: a subprocess without TRITON_INTERPRET, as tests/kernels/test_sm90_build.py does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _SM90_WIRE], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 4, run.stdout
