@@ -179,6 +179,20 @@ phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at 
     return $rc
 }
 
+phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 32K decode step's time goes: the
+    # shape alone (one build), its graph replays under torch.profiler, kernels grouped into parts (kernel_ms.*:
+    # moe_experts, sparse_attention, indexer, gemm, gate_route, mhc_norm, quant_rope, copies, other; they add up to
+    # the step less its gaps). 13:05 run: 90.3 ms/step vs a 22.3 ms floor. Look at: the kernel lines (8 longest) and kernel_ms.*.
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 85 python3 -m mini.cli bench rank4-decode --batch 256 \
+        --context 32768 --steps 10 --warmup 3 --profile-steps 0 --kernel-split-steps 2 \
+        --json "$PHASE_DIR/rank4_decode_split.json" >"$PHASE_DIR/rank4_decode_split.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:|^mini bench:|kernel split|saw no kernel" "$PHASE_DIR/rank4_decode_split.log" | tail -5
+    grep "^rank4-decode B=" "$PHASE_DIR/rank4_decode_split.log"
+    grep -E "^  b256_c32768\.kernel_ms\." "$PHASE_DIR/rank4_decode_split.log" | tr -s ' ' | paste -sd' '
+    return $rc
+}
+
 phase_long_context() {  # issue 13 item 6 (<= 200 s): one 131,072-token prompt prefilled in 4,096-token chunks on one
     # EP4 rank at real V4.1-Flash shape, all 40 layers (~35 s build + 32 chunks); at chunk 2,048 if 4,096 fails
     # (not on the time limit). Look at: long_context.json total_s, tok_per_s, first/median/last_chunk_ms,

@@ -12,8 +12,10 @@ B x C tokens (the step reads the same bytes and does the same work whatever the 
 groups). The Engram rows a step looks up on the host (EngramInput "rows") are fixed random rows: the lookup is
 B x 24 rows per Engram layer, outside the graph, and not timed here (issue 13 item 1 times it). The step is one CUDA
 graph (mini.engine.cuda_graphs.DecodeGraphs, one bucket of exactly B) replayed with new tokens and positions; its
-GPU time comes from CUDA events around the replay. The per-stage split comes from eager steps under the stage timer
-of `mini profile` (launch gaps count inside stages there, so its stages add to the eager step, not to the graph's).
+GPU time comes from CUDA events around the replay. Two splits: `kernel_ms.*`, the graph replay's own kernels under
+torch.profiler, grouped by name into parts (KERNEL_CLASSES; they add up to the graph's step less its gaps), and
+`stage_ms.*`, eager steps under the stage timer of `mini profile` (the model's named stages, but launch gaps count
+inside them: on the H200 an eager step at B = 256 takes 2x the graph's).
 
 The floor (`decode_floor`): the bytes a decode step must read, over `--tbps` (H200 device copy bandwidth from
 shared/perf/README.md, 4.26 TB/s): the rank's non-expert weights in the checkpoint's formats (FP8 attention and
@@ -44,6 +46,8 @@ def add_args(p) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed graph replays per (B, C)")
     p.add_argument("--warmup", type=int, default=3, help="replays before the timed ones")
     p.add_argument("--profile-steps", type=int, default=2, help="eager steps timed per stage (0: no split)")
+    p.add_argument("--kernel-split-steps", type=int, default=2,
+                   help="graph replays under torch.profiler for the per-kernel split (CUDA; 0: none)")
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--engram-rows", type=int, default=1 << 20)
     p.add_argument("--device", default="cuda")
@@ -229,6 +233,56 @@ def _time(fn, steps: int, cuda: bool, before=None) -> list[float]:
     return out
 
 
+# kernel name -> part of the step, first match wins (names of our Triton kernels, Humming's, FlashMLA's, cuBLAS's)
+KERNEL_CLASSES = (
+    ("copies", r"^(memcpy|memset)"),
+    ("moe_experts", r"humming|process_input|finalize_group_token_scales|_grouped_|swiglu|marlin"),
+    ("sparse_attention", r"mla|sparse_attn|sparse_fwd"),
+    ("indexer", r"index_scores|topk|radix|sort|candidate"),
+    ("gate_route", r"gate|_count_kernel|_scan_kernel|_place_kernel|combine"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|_mm_kernel"),
+    ("mhc_norm", r"mhc|norm|sinkhorn"),
+    ("quant_rope", r"quant|rope"),
+)
+
+
+def kernel_class(name: str) -> str:
+    import re
+    low = name.lower()
+    return next((c for c, pattern in KERNEL_CLASSES if re.search(pattern, low)), "other")
+
+
+def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """GPU ms per step of every kernel `fn` (one graph replay) runs, from torch.profiler (CUPTI sees the kernels of
+    a graph replay): (ms by KERNEL_CLASSES part, with "total"; the 15 longest kernels). Empty when the profiler saw
+    no kernel."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        by_kernel[e.key] += us / 1e3 / steps
+    if not by_kernel:
+        return {}, []
+    parts: dict[str, float] = defaultdict(float)
+    for name, ms in by_kernel.items():
+        parts[kernel_class(name)] += ms
+    parts["total"] = sum(by_kernel.values())
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return dict(parts), [(name[:120], ms) for name, ms in top]
+
+
 def measure_one(run: DecodeRun, args, cuda: bool, tbps: float) -> tuple[dict[str, float], dict]:
     """Metrics of one (B, C): graph replays, the floor, the per-stage split of eager steps."""
     from mini.bench.profile import report, staged
@@ -247,6 +301,23 @@ def measure_one(run: DecodeRun, args, cuda: bool, tbps: float) -> tuple[dict[str
          **{f"floor_gb_{k}": v / 1e9 for k, v in floor.items() if k not in ("ms",)},
          "touched_local_experts": sum(touched), "touched_local_experts_per_layer_min": min(touched),
          "cache_gb": run.cache_bytes() / 1e9}
+    raw = {"step_ms": steps, "touched_per_layer": touched,
+           "pairs_per_local_expert_max": max(n for layer in pairs.values() for n in layer)}
+    if cuda and args.kernel_split_steps > 0:
+        run.fill()
+        try:
+            parts, top = kernel_split(run.replay, args.kernel_split_steps)
+        except Exception as e:  # noqa: BLE001 - the split is a diagnosis: the timed figures above stand without it
+            parts, top = {}, []
+            raw["kernel_split_error"] = f"{type(e).__name__}: {e}"
+            print(f"{SUITE}: kernel split failed: {raw['kernel_split_error']}", flush=True)
+        if not parts and "kernel_split_error" not in raw:
+            raw["kernel_split_error"] = "the profiler saw no kernel in the graph replay"
+            print(f"{SUITE}: {raw['kernel_split_error']}", flush=True)
+        m.update({f"kernel_ms.{k}": v for k, v in parts.items()})
+        raw["top_kernels_ms"] = top
+        for name, ms in top[:8]:
+            print(f"{SUITE} B={run.B} C={run.C} kernel {ms:7.3f} ms  {kernel_class(name):16s} {name[:70]}", flush=True)
     if args.profile_steps > 0:
         with staged(cuda) as timer:
             eager = _time(run.eager, args.profile_steps, cuda, before=run.fill)
@@ -254,8 +325,7 @@ def measure_one(run: DecodeRun, args, cuda: bool, tbps: float) -> tuple[dict[str
         eager_ms = statistics.mean(eager)
         m["eager_ms_per_step"] = eager_ms
         m.update({f"stage_ms.{k}": v for k, v in report(totals, eager_ms, len(eager)).items()})
-    return m, {"step_ms": steps, "touched_per_layer": touched,
-               "pairs_per_local_expert_max": max(n for layer in pairs.values() for n in layer)}
+    return m, raw
 
 
 def definition(args, batches: list[int], contexts: list[int]) -> dict:

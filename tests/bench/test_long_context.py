@@ -49,6 +49,7 @@ def test_suite_runs_on_the_tiny_model_and_the_cache_holds_what_the_schedule_pred
     result = check_result("long-context", lc.run(_args()))
     m, raw = result["metrics"], result["raw"]
     assert m["chunks"] == 4 and len(raw["chunk_ms"]) == 4 and result["definition"]["layers"] == 8
+    assert m["warmup_s"] > 0 and result["definition"]["warmup_chunk"] is True
     # tiny-v4.1: owners 2 (ratio 2) and 4 (ratio 1): (64 + 32) / 2 + (64 + 32) = 144 fp32 values per token
     assert m["predicted_marginal_bytes_per_token"] == 576
     assert m["pools_with_unexpected_rows"] == 0 and raw["rows"]["compressed_kv.2"] == 101

@@ -117,6 +117,22 @@ def test_bad_lists_are_refused():
         rd.run(_args(["--context", "0"]))
 
 
+def test_kernel_names_fall_into_their_parts():
+    c = rd.kernel_class
+    assert c("Memcpy HtoD (Pinned -> Device)") == "copies"
+    assert c("void humming::moe_w4a16_kernel<...>") == "moe_experts" and c("_grouped_mxfp4_kernel") == "moe_experts"
+    assert c("_swiglu_rows_kernel") == "moe_experts" and c("process_input_kernel") == "moe_experts"
+    assert c("void flash::flash_fwd_splitkv_mla_kernel<...>") == "sparse_attention"
+    assert c("_sparse_mla_kernel") == "sparse_attention" and c("flash_fwd_mla_combine_kernel") == "sparse_attention"
+    assert c("_index_scores_kernel") == "indexer" and c("void at::native::sbtopk::gatherTopK<...>") == "indexer"
+    assert c("_gate_kernel") == "gate_route" and c("_combine_kernel") == "gate_route" and c("_scan_kernel") == \
+        "gate_route"
+    assert c("nvjet_tst_128x64_64x8_2x1_v_bz_TNT") == "gemm" and c("_mm_kernel") == "gemm"
+    assert c("_mhc_partial_kernel") == "mhc_norm" and c("_rms_norm_kernel") == "mhc_norm"
+    assert c("_act_quant_kernel") == "quant_rope" and c("_rope_quant_kernel") == "quant_rope"
+    assert c("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+
+
 @pytest.mark.gpu
 def test_graph_replay_equals_the_eager_step_gpu():
     """The captured step (EmulatedEP inside a CUDA graph, fast backend, bf16) gives the eager step's logits for the
@@ -140,3 +156,5 @@ def test_graph_replay_equals_the_eager_step_gpu():
             r.fill()
             # the same kernels on the same inputs; a stale buffer or a step outside the graph would differ by O(1)
             torch.testing.assert_close(r.replay().float(), eager, rtol=2e-2, atol=2e-2)
+            parts, top = rd.kernel_split(r.replay, 1)  # the profiler sees the replay's kernels
+            assert parts["total"] > 0 and top and parts.get("sparse_attention", 0) + parts.get("moe_experts", 0) > 0
