@@ -212,36 +212,35 @@ predicted_bytes_per_token|written_bytes_per_token|pools_with_unexpected_rows|ful
     return $rc
 }
 
-phase_rank4_real() {  # issue 13 items 1-3 (<= 300 s): rank4 --mode uniform (GPU Engram 2^20 rows, one reused batch:
-    # the workload of earlier revisions), --mode realistic (host Engram tables pinned, 2 x 96M rows = 53.1 GB, fresh
-    # batch every step, skewed routing), then uniform with host Engram (the A/B of the Engram placement alone); each
-    # its own process, 10 steps after 2 warm-up. RANK4_ENGRAM_ROWS overrides the host tables' rows per table.
-    # Look at the summary lines: median_step_ms (uniform ~330), the Engram waits (target <= 2 ms: engram_wait_ms =
-    # the forward's host wait for the rows + the GPU stream's stall for their copy), host_build_ms (fresh batches),
-    # engram_pin_s / fill_s (setup), engram_pinned 1. First the host-table gpu test (~20 s: prefetched rows through
-    # the side-stream copy == the in-place lookup, bitwise; expect 1 passed). RANK4_REAL_RUNS picks runs (e.g.
-    # "realistic uniform_host": ~220 s without the uniform baseline).
-    local rc=0 name args cap
+phase_rank4_real() {  # issue 13 items 1-3 (~120 s): the host-table gpu test (~20 s: prefetched rows through the
+    # side-stream copy == the in-place lookup, bitwise; expect 1 passed), then rank4's workloads on ONE build
+    # (python3 -m mini.bench.prefill --modes: the model is drawn once, ~35 s; each workload 10 steps after 2 warm-up):
+    # uniform (GPU Engram 2^20 rows, one reused batch: the workload of earlier revisions), uniform_host (the same
+    # with the Engram tables on the host: the placement's A/B alone), realistic (host Engram tables pinned, 2 x 96M
+    # rows = 53.1 GB, a fresh batch every step, skewed routing). RANK4_REAL_MODES picks workloads,
+    # RANK4_ENGRAM_ROWS the host tables' rows. Look at the summary lines: median_step_ms (uniform ~325-330; target
+    # realistic <= 300), engram_wait_ms (target <= 2 ms: the forward's host wait for the rows + the GPU stream's
+    # stall for their copy), uniform_host - uniform (the visible Engram cost, all of it), host_build_ms and
+    # forward_host_ms (fresh batches: the build hides behind the GPU when forward_host_ms + host_build_ms < the step),
+    # engram_pin_s / fill_s (setup), engram_pinned 1.
+    local rc=0
     timeout 30 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/model/test_engram_host.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/test.log" 2>&1 || rc=1
     tail -3 "$PHASE_DIR/test.log"
-    for run in "uniform:80:--mode uniform" "realistic:105:--mode realistic" "uniform_host:85:--mode uniform --engram host"; do
-        name=${run%%:*}; cap=${run#*:}; cap=${cap%%:*}; args=${run#*:*:}
-        case " ${RANK4_REAL_RUNS:-uniform realistic uniform_host} " in *" $name "*) ;; *) continue ;; esac
-        [ "$name" != uniform ] && [ -n "${RANK4_ENGRAM_ROWS:-}" ] && args="$args --engram-rows $RANK4_ENGRAM_ROWS"
-        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout "$cap" python3 -m mini.cli bench rank4 $args \
-            --steps 10 --warmup 2 --json "$PHASE_DIR/rank4_$name.json" >"$PHASE_DIR/rank4_$name.log" 2>&1 || rc=1
-        tail -4 "$PHASE_DIR/rank4_$name.log"
-    done
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 150 python3 -m mini.bench.prefill \
+        --modes "${RANK4_REAL_MODES:-uniform,uniform_host,realistic}" --out "$PHASE_DIR" --steps 10 --warmup 2 \
+        ${RANK4_ENGRAM_ROWS:+--host-engram-rows $RANK4_ENGRAM_ROWS} >"$PHASE_DIR/rank4.log" 2>&1 || rc=1
+    tail -5 "$PHASE_DIR/rank4.log"
     python3 - "$PHASE_DIR" <<'PY' || rc=1
 import json, pathlib, sys
 keys = ("median_step_ms", "wall_step_ms_median", "engram_wait_ms_median", "engram_wait_ms_max",
-        "engram_gpu_wait_ms_median", "engram_host_wait_ms_median", "engram_gather_ms_median", "host_build_ms_median", "forward_host_ms_median",
-        "engram_gb", "engram_pinned", "engram_pin_s", "engram_fill_s", "setup_s", "peak_mem_gb")
-for name in ("uniform", "realistic", "uniform_host"):
+        "engram_gpu_wait_ms_median", "engram_host_wait_ms_median", "engram_gather_ms_median", "host_build_ms_median",
+        "forward_host_ms_median", "engram_gb", "engram_pinned", "engram_pin_s", "engram_fill_s", "setup_s",
+        "peak_mem_gb")
+for name in ("uniform", "uniform_host", "realistic"):
     f = pathlib.Path(sys.argv[1]) / f"rank4_{name}.json"
     if not f.exists():
-        print(f"{name}: no result (see rank4_{name}.log)")
+        print(f"{name}: no result (see rank4.log)")
         continue
     m = json.loads(f.read_text())["metrics"]
     print(name + ": " + " ".join(f"{k}={m[k]:.4g}" for k in keys if k in m))

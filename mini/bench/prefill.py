@@ -224,6 +224,9 @@ class Rank4:
     prefetcher: object = None  # mini.model.engram_host.EngramPrefetcher (host tables)
     host_ids: torch.Tensor | None = None  # the reused batch's hash ids on the host (host tables, reused batch)
     engram_setup: dict = field(default_factory=dict)  # the host tables' size and setup seconds
+    tokens: list[list[int]] = field(default_factory=list)  # step 0's prompts (a reused batch's)
+    tables: dict = field(default_factory=dict)  # Engram placement -> (rows, [(values, scales) per layer])
+    host_prefetcher: object = None  # the host tables' prefetcher, whether this workload uses it or not
     stats: list[StepStats] = field(default_factory=list)  # one per step run
     wall_ms: list[float] = field(default_factory=list)  # time_steps: wall clock from each step's end to the next's
     _in_flight: object = None  # the batch of the step just launched (its side-stream tensors stay alive)
@@ -317,7 +320,8 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device) -> tuple[list, dict]:
+def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device,
+                       pin_tables: bool = True) -> tuple[list, dict]:
     """Per Engram layer, (fp8 values [rows, head_dim] as float8_e4m3fn, E8M0 scales [rows, head_dim / 32] as
     float8_e8m0fnu) in host memory, page-locked in place where CUDA is (mini.model.engram_host.pin), and what the
     setup took. The rows are drawn as `random_state` draws Engram rows (standard normal values, one power-of-two scale
@@ -335,7 +339,7 @@ def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device) -> t
         vals = torch.empty((rows, hd), dtype=torch.uint8)
         scales = torch.empty((rows, hd // block), dtype=torch.uint8)
         t1 = time.perf_counter()
-        info["pinned"] &= pin(vals) & pin(scales)
+        info["pinned"] &= pin_tables and pin(vals) & pin(scales)
         t2 = time.perf_counter()
         g = torch.Generator(device=fill_device).manual_seed(seed * 7919 + j)
         for a in range(0, rows, chunk):
@@ -416,6 +420,14 @@ def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, bloc
 
 
 def build(args) -> Rank4:
+    r = build_rank(args)
+    configure(r, args)
+    return r
+
+
+def build_rank(args) -> Rank4:
+    """The model, the cache and step 0's prompts; the Engram tables of `args.engram` (host: page-locked, with their
+    prefetcher). The step's input is `configure`'s."""
     from mini.bench import SuiteError
     from mini.checkpoint import expert_range
     resolve(args)
@@ -434,28 +446,56 @@ def build(args) -> Rank4:
                              "free): pass a smaller --engram-rows")
         tables, engram_setup = host_engram_tables(cfg, args.engram_rows, args.seed, device)
     model = rank_model(cfg, device, dtype, args.seed, experts, 1 if host else args.engram_rows, exchange)
-    prefetcher = None
-    if host:
-        from mini.model.engram_host import EngramPrefetcher
-        weights = [blk.engram for blk in model.blocks if blk.engram is not None]
-        for w, (vals, scales) in zip(weights, tables):
-            w.embed, w.embed_scale = vals, scales  # the drawn 1-row stand-ins give way to the host tables
-        model.engram_on_device = False
-        prefetcher = EngramPrefetcher(weights, device, threads=args.engram_threads)
+    weights = [blk.engram for blk in model.blocks if blk.engram is not None]
     per_seq = args.tokens // args.seqs
     g = torch.Generator().manual_seed(args.seed)
     tokens = [torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist() for _ in range(args.seqs)]
-    batch, cache = prefill_batch(cfg, tokens, device, dtype, args.block_tokens, args.engram_rows)
-    fresh = host_ids = None
+    _, cache = prefill_batch(cfg, tokens, device, dtype, args.block_tokens, args.engram_rows)
+    r = Rank4(model, cfg, None, cache, exchange, per_seq * args.seqs, engram_setup=engram_setup, tokens=tokens)
+    if weights:
+        if host:
+            from mini.model.engram_host import EngramPrefetcher
+            r.tables["host"] = (args.engram_rows, tables)
+            r.host_prefetcher = EngramPrefetcher(weights, device, threads=args.engram_threads)
+        else:
+            r.tables["device"] = (args.engram_rows, [(w.embed, w.embed_scale) for w in weights])
+    return r
+
+
+def configure(r: Rank4, args) -> Rank4:
+    """Set `r` up for the workload `args` defines: the Engram tables of its placement (device tables of another
+    row count are drawn here; host tables only at build), its routing, and step 0's input (`r.tokens`): a reused
+    batch or fresh steps, with its Engram lookup started (host tables). Clears the step records."""
+    from mini.bench import SuiteError
+    resolve(args)
+    cfg, device, dtype = r.config, r.model.device, getattr(torch, args.dtype)
+    weights = [blk.engram for blk in r.model.blocks if blk.engram is not None]
+    host = args.engram == "host" and bool(weights)
+    if weights:
+        if args.engram == "device" and r.tables.get("device", (None,))[0] != args.engram_rows:
+            drawn, _ = host_engram_tables(cfg, args.engram_rows, args.seed, device, pin_tables=False)
+            r.tables["device"] = (args.engram_rows, [(v.to(device), sc.to(device)) for v, sc in drawn])
+        rows, tables = r.tables.get(args.engram, (None, None))
+        if rows != args.engram_rows:
+            raise SuiteError(f"rank4: this build holds no {args.engram} Engram tables of {args.engram_rows} rows")
+        for w, (vals, scales) in zip(weights, tables):
+            w.embed, w.embed_scale = vals, scales
+        r.model.engram_on_device = not host
+    if args.routing not in ROUTINGS:
+        raise ValueError(f"routing {args.routing!r}: choose one of {', '.join(ROUTINGS)}")
+    r.exchange.routing = args.routing
+    prefetcher = r.host_prefetcher if host else None
+    batch, _ = prefill_batch(cfg, r.tokens, device, dtype, args.block_tokens, args.engram_rows)
+    r.prefetcher, r.fresh, r.host_ids = prefetcher, None, None
     if args.fresh_steps:
-        fresh = FreshSteps(cfg, [per_seq] * args.seqs, device, args.block_tokens, args.engram_rows, prefetcher,
-                           args.seed)
-        batch = fresh.next(tokens)  # step 0: the reused batch's prompts, built the fresh way
+        r.fresh = FreshSteps(cfg, [len(t) for t in r.tokens], device, args.block_tokens, args.engram_rows, prefetcher,
+                             args.seed)
+        batch = r.fresh.next(r.tokens)  # step 0: the reused batch's prompts, built the fresh way
     elif host:
-        host_ids = batch.engram.data.cpu()
-        batch.engram = _pending(prefetcher, host_ids)
-    return Rank4(model, cfg, batch, cache, exchange, per_seq * args.seqs, fresh=fresh, prefetcher=prefetcher,
-                 host_ids=host_ids, engram_setup=engram_setup)
+        r.host_ids = batch.engram.data.cpu()
+        batch.engram = _pending(prefetcher, r.host_ids)
+    r.batch, r.stats, r.wall_ms = batch, [], []
+    return r
 
 
 def _sync(device: torch.device):
@@ -583,7 +623,8 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
     raw = {"step_ms": steps, "wall_step_ms": list(r.wall_ms)}
     metrics["wall_step_ms_median"] = statistics.median(r.wall_ms)
     metrics.update(step_host_metrics(timed, raw))
-    metrics.update({f"engram_{k}": float(v) for k, v in r.engram_setup.items()})
+    if args.engram == "host":
+        metrics.update({f"engram_{k}": float(v) for k, v in r.engram_setup.items()})
     raw["pairs_per_local_expert"] = {str(k): v for k, v in pairs.items()}
     return {"suite": "rank4", "mode": args.mode, "definition": definition(args), "metrics": metrics, "raw": raw}
 
@@ -627,3 +668,60 @@ def record_pairs(r: Rank4) -> dict[int, list[int]]:
     if not pairs:
         raise SuiteError("rank4: no MoE layer ran through the EP emulation; the step is not an EP rank's")
     return pairs
+
+
+SAME_BUILD_MODES = {  # main()'s workloads: name -> the rank4 options that define it
+    "uniform": ["--mode", "uniform"],
+    "realistic": ["--mode", "realistic"],
+    "uniform_host": ["--mode", "uniform", "--engram", "host"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 -m mini.bench.prefill --modes uniform,realistic,uniform_host --out DIR [rank4 options]`: several
+    rank4 workloads measured one after the other on ONE build (the model is drawn once: on the H200 the build is
+    ~35 s of each process, the steps ~5 s), one rank4 result each in DIR/rank4_<name>.json, with `raw.same_build`
+    naming the workloads built together. `--host-engram-rows` sets the host tables' rows (host workloads only)."""
+    import json
+    import sys
+    from pathlib import Path
+    from mini.bench import SuiteError, check_result, environment
+    p = argparse.ArgumentParser(prog="python3 -m mini.bench.prefill", description=main.__doc__.split("\n")[0])
+    p.add_argument("--modes", default=",".join(SAME_BUILD_MODES))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--host-engram-rows", type=int, default=None)
+    own, common = p.parse_known_args(argv)
+    names = own.modes.split(",")
+    if not names or any(n not in SAME_BUILD_MODES for n in names):
+        p.error(f"--modes {own.modes!r}: a comma-separated list of {', '.join(SAME_BUILD_MODES)}")
+    rank4 = argparse.ArgumentParser(prog="rank4")
+    add_args(rank4)
+
+    def parse(name: str):
+        extra = SAME_BUILD_MODES[name]
+        args = resolve(rank4.parse_args(common + extra))
+        if args.engram == "host" and own.host_engram_rows is not None:
+            args.engram_rows = own.host_engram_rows
+        return args
+
+    modes = {n: parse(n) for n in names}
+    base = next((a for a in modes.values() if a.engram == "host"), modes[names[0]])  # host tables only at build
+    try:
+        r, setup_s = setup(base)
+        own.out.mkdir(parents=True, exist_ok=True)
+        for name, args in modes.items():
+            res = check_result("rank4", measure(configure(r, args), setup_s, args))
+            res["raw"]["same_build"] = names
+            (own.out / f"rank4_{name}.json").write_text(json.dumps({**res, "env": environment()}, indent=1) + "\n")
+            m = res["metrics"]
+            print(f"rank4 {name}: median {m['median_step_ms']:.2f} ms/step, engram_wait "
+                  f"{m.get('engram_wait_ms_median', float('nan')):.3f} ms, host_build "
+                  f"{m.get('host_build_ms_median', float('nan')):.2f} ms", flush=True)
+    except SuiteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

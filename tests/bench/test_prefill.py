@@ -298,3 +298,32 @@ def test_host_engram_tables_are_drawn_like_random_state():
         assert (top >= 224).all() and (top <= 448).all()  # 448 / 2 < max |x| / scale <= 448, then rounded
     v2, _ = prefill.host_engram_tables(cfg, 3000, 0, "cpu")[0][0]
     assert torch.equal(v2.view(torch.uint8), tables[0][0].view(torch.uint8))  # fixed by the seed
+
+
+def test_workloads_on_one_build(tmp_path):
+    """python3 -m mini.bench.prefill --modes: three workloads on one build, one rank4 result each, defined as the
+    separate runs define them; `configure` switches the Engram tables (device tables drawn at their row count,
+    the host tables kept) and the routing."""
+    from mini.bench import check_result
+    assert prefill.main(TINY + ["--modes", "uniform,realistic,uniform_host", "--host-engram-rows", "500",
+                                "--out", str(tmp_path)]) == 0
+    for name in ("uniform", "realistic", "uniform_host"):
+        res = check_result("rank4", json.loads((tmp_path / f"rank4_{name}.json").read_text()))
+        alone = prefill.definition(_args(prefill.SAME_BUILD_MODES[name]
+                                         + (["--engram-rows", "500"] if name != "uniform" else [])))
+        assert res["definition"] == alone and res["raw"]["same_build"] == ["uniform", "realistic", "uniform_host"]
+        assert ("engram_gb" in res["metrics"]) == (name != "uniform") and len(res["raw"]["step_ms"]) == 2
+    r = prefill.build_rank(_args(["--engram", "host", "--engram-rows", "500"]))
+    weights = [b.engram for b in r.model.blocks if b.engram is not None]
+    prefill.configure(r, _args(["--engram-rows", "300", "--routing", "skewed"]))
+    assert [w.embed.shape[0] for w in weights] == [300, 300] and r.model.engram_on_device and r.prefetcher is None
+    assert r.exchange.routing == "skewed" and r.batch.engram.form == "ids"
+    prefill.configure(r, _args(["--engram", "host", "--engram-rows", "500"]))
+    assert [w.embed.shape[0] for w in weights] == [500, 500] and not r.model.engram_on_device
+    assert r.exchange.routing == "uniform" and r.batch.engram.form == "pending"
+    from mini.bench import SuiteError
+    with pytest.raises(SuiteError, match="no host Engram tables of 600 rows"):
+        prefill.configure(r, _args(["--engram", "host", "--engram-rows", "600"]))
+    r.host_prefetcher.close()
+    with pytest.raises(SystemExit):  # argparse's error: an unknown workload
+        prefill.main(TINY + ["--modes", "uniform,fast", "--out", str(tmp_path)])
