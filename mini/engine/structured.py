@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 
+COMPILED_KEPT = 64  # compiled grammars kept for `GrammarBackend.matcher` (the most recently used)
+
+
 @dataclass
 class MaskTiming:
     """Host seconds of one step's masks. `consume_s` + `fill_s` is the work; `exposed_s` is what the engine's
@@ -55,17 +58,34 @@ class GrammarBackend:
         self.background = True  # False: every fill on the engine's thread (the benchmark's comparison)
         self._consume_s = 0.0  # consumed since the last job started
         self._jobs: queue.SimpleQueue | None = None  # the worker's inbox (made with the worker, on first use)
+        self._compiled: dict[str, object] = {}  # grammar text -> its matcher in the start state, oldest use first
+        self._compiled_lock = threading.Lock()  # check runs on request threads, matcher on the engine's
 
     def check(self, grammar: str) -> None:
-        """Raise ValueError with llguidance's message if the grammar does not compile against the vocabulary."""
-        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise ValueError(f"the grammar cannot be used: {messages[0] if messages else 'invalid'}")
+        """Raise ValueError with llguidance's message if the grammar does not compile against the vocabulary. Run
+        where a request is validated (the server's worker thread): the compiled grammar is kept for `matcher`."""
+        self._compiled_matcher(grammar)
 
     def matcher(self, grammar: str):
+        """A fresh matcher: a copy (~1 µs) of the grammar's compiled one, so the engine's thread does not compile
+        (~1 ms for a chat request's tools grammar) a grammar `check` has seen, nor one it has seen recently:
+        agents send the same tools every turn."""
+        return self._compiled_matcher(grammar).deep_copy()
+
+    def _compiled_matcher(self, grammar: str):
+        """The grammar's matcher in its start state, never advanced (only copied); the last COMPILED_KEPT kept."""
+        with self._compiled_lock:
+            m = self._compiled.pop(grammar, None)
+            if m is not None:
+                self._compiled[grammar] = m  # now the most recent
+                return m
         m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"the grammar cannot be used: {m.get_error()}")
+        with self._compiled_lock:
+            self._compiled[grammar] = m
+            while len(self._compiled) > COMPILED_KEPT:
+                del self._compiled[next(iter(self._compiled))]
         return m
 
     def advance(self, pairs: list[tuple[object, int]]) -> None:

@@ -173,6 +173,43 @@ def test_bad_grammar_is_a_value_error():
         fake_llm().engine.check_prompt([5, 6], SamplingParams(grammar=json_grammar(None)))
 
 
+def test_matchers_are_copies_of_a_grammar_compiled_once(monkeypatch):
+    """`check` compiles (on the request's thread) and `matcher` copies: no compile on the engine's thread for a
+    grammar seen before; each copy starts fresh and moves on its own, its masks those of a newly compiled matcher;
+    the last COMPILED_KEPT grammars are kept."""
+    import mini.engine.structured as structured
+    from mini.engine.sampler import unpack_bitmask
+    tok, backend, _ = _matcher(json_grammar(None))
+    compiled = []
+
+    llmatcher = backend._ll.LLMatcher
+
+    def counting(*args, **kw):
+        compiled.append(args[1])
+        return llmatcher(*args, **kw)
+    monkeypatch.setattr(backend, "_ll", type("LL", (), {"LLMatcher": staticmethod(counting)}))
+    grammar = tool_call_grammar(TOOLS, parallel=True)
+    backend.check(grammar)
+    a, b = backend.matcher(grammar), backend.matcher(grammar)
+    assert compiled == [grammar]
+    reference = backend._ll.LLMatcher(backend.tokenizer, grammar, log_level=0)
+    text = tok.encode('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="noop">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    for t in text:
+        masks = unpack_bitmask(backend.bitmask([a, b, reference], "cpu"), FakeConfig().vocab_size)
+        assert torch.equal(masks[0], masks[2]) and masks[0][t]
+        assert a.consume_token(t) and reference.consume_token(t)
+        assert b.is_accepting() is False and not b.is_stopped()  # b has not moved
+    assert a.is_accepting() and backend.matcher(grammar).consume_tokens(text[:3])
+    for k in range(structured.COMPILED_KEPT):
+        backend.check(f"start: {_lit_rule(k)}")
+    backend.matcher(grammar)
+    assert compiled.count(grammar) == 3  # the reference, then recompiled once evicted
+
+
+def _lit_rule(k):
+    return json.dumps(f"x{k}")
+
+
 def _tiny(model, device, dtype, **opts):
     from mini.model import load_model
     m, cfg, tok = load_model(model, device=device, dtype=dtype)
