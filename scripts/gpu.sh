@@ -425,12 +425,16 @@ phase_det_final() {  # issue 17 item 4 (<= 180 s): the deterministic mode's cost
     # 3. tiny goodput without / with --deterministic. Look at: "passed", the "rank4 step, median ms" line (expect
     # det ~570, det-flashmla within ~10% of default), the goodput lines (TPOT p50, req/s, failed 0).
     local rc=0 f
-    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_batch_invariant.py \
-        tests/ops/test_deterministic_attention.py --junitxml="$PHASE_DIR/junit.xml" || rc=1
-    timeout 70 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms none --steps 2 \
+    # -v: each result as it completes (a cut run still says which passed); the TUNED tiles' test first (on by default)
+    timeout 55 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/kernels/test_batch_invariant.py::test_every_weight_shape_config_keeps_rows_invariant_gpu \
+        tests/ops/test_deterministic_attention.py \
+        tests/kernels/test_batch_invariant.py::test_overrides_make_cuda_gemms_batch_invariant \
+        --junitxml="$PHASE_DIR/junit.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || rc=1
+    timeout 65 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms none --steps 2 \
         --profile-steps 2 --out "$PHASE_DIR" || rc=1
     timeout 30 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json" >/dev/null 2>&1 || rc=1
-    timeout 35 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" >/dev/null 2>&1 || rc=1
+    timeout 30 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" >/dev/null 2>&1 || rc=1
     for f in "$PHASE_DIR"/goodput_*.json; do
         python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['metrics']; print(sys.argv[1], \
 {k: round(v, 3) for k, v in m.items() if k in ('tpot_p50_ms', 'tpot_p99_ms', 'ttft_p50_ms', 'output_tok_s', \
