@@ -59,7 +59,7 @@ def json_grammar(schema: dict | None, thinking: bool = False) -> str:
 def _is_plain_string(schema: dict) -> bool:
     """Written raw (string="true"): a string schema with nothing a raw value could not be checked against."""
     return schema.get("type") == "string" and not set(schema) & {"pattern", "format", "const", "anyOf", "oneOf",
-                                                                   "allOf", "$ref", "not"}
+                                                                   "allOf", "$ref", "not", "if", "then", "else"}
 
 
 def _raw_value(name: str, schema: dict) -> str:

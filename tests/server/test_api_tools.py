@@ -233,7 +233,7 @@ def test_auto_takes_a_schema_llguidance_cannot_enforce(server):
     the tool at all), and refused where the call is forced."""
     url, _ = server
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 3}}}}}}]
+        "x": {"type": "string", "if": {"minLength": 1}, "then": {"maxLength": 3}}}}}}]
     c = _client(url)
     r = c.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=4, seed=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
