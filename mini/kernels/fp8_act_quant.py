@@ -192,9 +192,11 @@ def fp8_act_quant_wire(x: torch.Tensor, block: int, codes: torch.Tensor, scales:
     groups = max(1, min(512 // block, triton.next_power_of_2(D // block)))
     n = 4
     grid = (triton.cdiv(N, n), triton.cdiv(D, groups * block))
-    r = (ids, weights, ids_out, weights_out) if routing else (codes,) * 4  # placeholders, never read
+    # placeholders where nothing is read (no routing; a rank without tokens, whose empty tensors have no storage)
+    # (of the same dtypes: a masked load's `other` is cast to the pointer's type)
+    r = (ids if T else ids_out, weights if T else weights_out, ids_out, weights_out) if routing else (codes,) * 4
     _wire_encode_kernel[grid](
-        x, codes, scales, *r, T, N, D, k, x.stride(0), codes.stride(0), scales.stride(0),
+        x if T else codes, codes, scales, *r, T, N, D, k, x.stride(0), codes.stride(0), scales.stride(0),
         *((t.stride(0) for t in r) if routing else (0,) * 4),
         BLOCK=block, GROUPS=groups, ROWS=n, KP=triton.next_power_of_2(max(k, 1)), ROUTING=routing)
 

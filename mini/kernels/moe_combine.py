@@ -53,6 +53,8 @@ def combine(y: torch.Tensor, ids: torch.Tensor, slot_row: torch.Tensor, experts:
     out = torch.empty(T, D, dtype=out_dtype, device=y.device) if out is None else out
     if T == 0:
         return out
+    if add is not None and add.shape[0] == 0:  # an idle EP rank's shared output: nothing to add (and no pointer)
+        add = None
     BD = min(1024, triton.next_power_of_2(D))
     grid = (T, triton.cdiv(D, BD))
     _combine_kernel[grid](y, ids, slot_row, add if add is not None else y, out,
