@@ -50,7 +50,8 @@ class GrammarBackend:
             raise ValueError("structured outputs need the model's tokenizer.json")
         self.vocab_size = vocab_size
         self.eos_id = tokenizer.eos_id
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
+        self.tokenizer = llguidance.LLTokenizer(grammar_vocabulary(backend.to_str()), n_vocab=vocab_size,
+                                                eos_token=tokenizer.eos_id)
         # a batch's masks in parallel (llguidance drops the GIL): half the cores, at most 8
         self.executor = llguidance.LLExecutor(threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
         self.words = (vocab_size + 31) // 32
@@ -118,6 +119,32 @@ class GrammarBackend:
         # Hand the GIL over until the fill is under way: else the worker, woken while this thread runs Python,
         # may wait a whole switch interval (5 ms) before it can start the fill.
         job.started.wait()
+
+
+def grammar_vocabulary(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance must read it. llguidance takes every added token for a special one, which no
+    grammar text matches; V4.1's `</think>` (and `<think>`, the role markers) are added but not special: the model
+    ends its reasoning with that one token, which a thinking-mode grammar's `</think>` must allow (else the mask
+    forbids it and the reasoning never ends). So non-special added tokens of a byte-level BPE become the plain
+    vocabulary entries they are (their text in the byte-level alphabet, same id); special ones stay special."""
+    import json
+
+    from mini.tokenizer import _byte_chars
+    data = json.loads(tokenizer_json)
+    model, decoder = data.get("model") or {}, data.get("decoder") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict) or decoder.get("type") != "ByteLevel":
+        return tokenizer_json
+    chars, vocab, kept = _byte_chars(), model["vocab"], []
+    key_of = {i: key for key, i in vocab.items()}  # a vocabulary may also list an added token under its raw text
+    for tok in data.get("added_tokens") or []:
+        text = "".join(chars[b] for b in tok["content"].encode("utf-8"))
+        if tok.get("special") or vocab.get(text, tok["id"]) != tok["id"]:  # special, or its text is another token
+            kept.append(tok)
+            continue
+        vocab.pop(key_of.get(tok["id"]), None)
+        vocab[text] = tok["id"]
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _worker(jobs: queue.SimpleQueue) -> None:

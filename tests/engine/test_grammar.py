@@ -206,6 +206,28 @@ def test_matchers_are_copies_of_a_grammar_compiled_once(monkeypatch):
     assert compiled.count(grammar) == 3  # the reference, then recompiled once evicted
 
 
+def test_reasoning_ends_with_the_models_own_end_of_thinking_token():
+    """V4.1's `</think>` is an added, not special, token: the model ends its reasoning with that one token, so a
+    thinking-mode grammar allows it where `</think>` may come (llguidance alone takes it for a special token no
+    grammar text matches, and the reasoning could never end). Special tokens (BOS, pad) stay out of text."""
+    from mini.engine.sampler import unpack_bitmask
+    from mini.engine.structured import GrammarBackend
+    from mini.tokenizer import END_THINK, Tokenizer, build_tiny_tokenizer
+    tok = Tokenizer(build_tiny_tokenizer())
+    end_think = tok.encode(END_THINK)
+    assert len(end_think) == 1
+    backend = GrammarBackend(tok, len(tok))
+    for answer_is_json, grammar in ((True, json_grammar(SCHEMA, thinking=True)),
+                                    (False, tool_call_grammar(TOOLS, thinking=True, optional=True))):
+        m = backend.matcher(grammar)
+        assert m.consume_tokens(tok.encode("some reasoning")), m.get_error()
+        allowed = unpack_bitmask(backend.bitmask([m], "cpu"), len(tok))[0]
+        assert allowed[end_think[0]] and not allowed[tok.bos_id] and not allowed[2]
+        assert m.consume_tokens(end_think), m.get_error()
+        after = unpack_bitmask(backend.bitmask([m], "cpu"), len(tok))[0]
+        assert after[tok.encode("{")[0]] and bool(after[end_think[0]]) != answer_is_json  # JSON starts now
+
+
 def _lit_rule(k):
     return json.dumps(f"x{k}")
 

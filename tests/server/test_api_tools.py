@@ -165,25 +165,28 @@ def _allowed(backend, matcher, vocab):
     return torch.nonzero(unpack_bitmask(backend.bitmask([matcher], "cpu"), vocab)[0]).flatten().tolist()
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_an_auto_block_is_well_formed_by_construction(server, parallel):
+@pytest.mark.parametrize("parallel,thinking", [(True, False), (False, False), (True, True)])
+def test_an_auto_block_is_well_formed_by_construction(server, parallel, thinking):
     """The auto grammar over the tiny tokenizer: free text (any, EOS allowed) until the model starts a block;
     from there, random walks over the allowed tokens (seeded) always end in a block that parses into calls of
-    offered tools whose arguments validate; one call at most unless parallel; an unknown tool cannot start."""
+    offered tools whose arguments validate; one call at most unless parallel; an unknown tool cannot start.
+    Thinking mode: the same after free reasoning up to `</think>`."""
     from mini.server.grammars import tool_call_grammar
     from mini.tokenizer import TOOL_CALLS_START
     _, app = server
     engine = app.state.server.llm.engine
     tok, backend, vocab = engine.tokenizer, engine.grammars, engine.config.vocab_size
-    grammar = tool_call_grammar(TOOLS, parallel=parallel, optional=True)
+    grammar = tool_call_grammar(TOOLS, parallel=parallel, thinking=thinking, optional=True)
+    reasoning = "why \n\n<｜DSML｜ calls> </thi</think>" if thinking else ""
     m = backend.matcher(grammar)
-    assert m.consume_tokens(tok.encode("Free text, even \n\n< and <｜DSML｜ invoke")), m.get_error()
+    assert m.consume_tokens(tok.encode(reasoning + "Free text, even \n\n< and <｜DSML｜ invoke")), m.get_error()
     assert tok.eos_id in _allowed(backend, m, vocab)
-    assert not backend.matcher(grammar).consume_tokens(tok.encode(TOOL_CALLS_START + '\n<｜DSML｜ invoke name="rm"'))
+    assert not backend.matcher(grammar).consume_tokens(
+        tok.encode(reasoning + TOOL_CALLS_START + '\n<｜DSML｜ invoke name="rm"'))
     counts = []
     for seed in range(12):
         rng, m = random.Random(seed), backend.matcher(grammar)
-        ids = tok.encode("Sure." + TOOL_CALLS_START)
+        ids = tok.encode(reasoning + "Sure." + TOOL_CALLS_START)
         assert m.consume_tokens(ids)
         for _ in range(2000):
             allowed = _allowed(backend, m, vocab)
@@ -191,7 +194,7 @@ def test_an_auto_block_is_well_formed_by_construction(server, parallel):
                 break
             ids.append(rng.choice(allowed))
             assert m.consume_token(ids[-1])
-        text = tok.decode(ids)
+        text = tok.decode(ids)[len(reasoning):]
         content, calls = parse_tool_calls(text, set(SCHEMAS))
         assert content == "Sure." and calls, text
         for call in calls:
