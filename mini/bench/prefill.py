@@ -632,9 +632,10 @@ def measure(r: Rank4, setup_s: float, args) -> dict:
 def step_host_metrics(stats: list[StepStats], raw: dict) -> dict:
     """Median / max over the timed steps of the host time until the forward returned (`forward_host_ms`: close to
     the step when the forward waits on the GPU inside, and then the next step's build cannot hide behind it), of the
-    host build of the next step (fresh steps) and of the Engram lookup (host tables): `engram_gather_ms` (the thread pool's gather), `engram_host_wait_ms` (the forward's thread
-    waiting for its rows to be queued), `engram_gpu_wait_ms` (the compute stream stalled for their copy, CUDA
-    events), `engram_wait_ms` = the two waits: an upper bound of the visible Engram cost. Per step lists go to `raw`."""
+    host build of the next step (fresh steps) and of the Engram lookup (host tables): `engram_gather_ms` (the
+    thread pool's gather), `engram_host_wait_ms` (the forward's thread waiting for its rows to be queued),
+    `engram_gpu_wait_ms` (the compute stream stalled for their copy, CUDA events), `engram_wait_ms` = the two waits:
+    an upper bound of the visible Engram cost. Per step lists go to `raw`."""
     series = {"host_build_ms": [s.build_ms for s in stats if s.build_ms is not None],
               "forward_host_ms": [s.forward_host_ms for s in stats if s.forward_host_ms is not None]}
     pending = [s.engram for s in stats if s.engram is not None]
