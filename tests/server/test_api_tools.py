@@ -98,6 +98,12 @@ def test_required_parallel_calls_each_validate(server):
         _check_call(call.function.name, call.function.arguments)
 
 
+def _warm_prefix(c, **kw):
+    """One request of the prompt first: a prompt's first prefill and a prefix-cache hit compute its last block in
+    other chunks (other rounding), and the seeded draws compared below must see the same logits."""
+    c.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, **kw)
+
+
 def _rebuild_stream(chunks):
     """(content, [(name, arguments)], ids, finish_reason) from a chat stream, rebuilt as an OpenAI client does."""
     content, calls, finish = "", {}, None
@@ -122,6 +128,7 @@ def test_auto_is_content_or_valid_calls_and_streams_the_same(server, tool_choice
     url, _ = server
     c = _client(url)
     extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    _warm_prefix(c, tools=TOOLS)
     for seed in range(4):
         kw = dict(model=MODEL, messages=USER, tools=TOOLS, parallel_tool_calls=parallel, max_tokens=24,
                   temperature=1.0, seed=seed, **extra)
@@ -213,6 +220,7 @@ def test_auto_with_a_response_format_is_that_json_or_calls(server):
               "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     ways = set()
+    _warm_prefix(c, tools=TOOLS)
     for seed in range(4):
         kw = dict(model=MODEL, messages=USER, tools=TOOLS, response_format=fmt, max_tokens=400, temperature=1.0,
                   seed=seed)
