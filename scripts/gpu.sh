@@ -418,7 +418,7 @@ phase_det_profile() {  # issue 17 item 4 (<= 200 s): where the deterministic mod
     timeout 195 python3 tools/det_profile.py --out "$PHASE_DIR"
 }
 
-phase_det_final() {  # issue 17 item 4 (<= 180 s): the deterministic mode's cost after the tuned GEMM tiles and
+phase_det_final() {  # issue 17 item 4 (<= 310 s): the deterministic mode's cost after the tuned GEMM tiles and
     # with FlashMLA for multi-token chunks (MINI_DET_SPARSE_ATTN=flashmla, opt-in). 1. gpu tests: every TUNED tile
     # keeps a row's bits alone / among 7..4096 rows; FlashMLA rows alone == among load == chunked (V4.1 attention
     # shape). 2. rank4 in ONE process (one build), modes default / det / det-flashmla, stage tables side by side.
@@ -431,10 +431,14 @@ phase_det_final() {  # issue 17 item 4 (<= 180 s): the deterministic mode's cost
         tests/ops/test_deterministic_attention.py \
         tests/kernels/test_batch_invariant.py::test_overrides_make_cuda_gemms_batch_invariant \
         --junitxml="$PHASE_DIR/junit.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || rc=1
-    timeout 65 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms none --steps 2 \
+    # 130 s: at 36c16dc 65 s ended the run after its 30.7 s build, before any mode's steps (no numbers)
+    timeout 130 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms none --steps 2 \
         --profile-steps 2 --out "$PHASE_DIR" || rc=1
-    timeout 30 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json" >/dev/null 2>&1 || rc=1
-    timeout 30 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" >/dev/null 2>&1 || rc=1
+    # 60 s each: a server start with its warm-up takes ~10 s before the bench (30 s left no JSON at 36c16dc)
+    timeout 60 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json" \
+        >"$PHASE_DIR/goodput_default.log" 2>&1 || rc=1
+    timeout 60 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" \
+        >"$PHASE_DIR/goodput_det.log" 2>&1 || rc=1
     for f in "$PHASE_DIR"/goodput_*.json; do
         python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['metrics']; print(sys.argv[1], \
 {k: round(v, 3) for k, v in m.items() if k in ('tpot_p50_ms', 'tpot_p99_ms', 'ttft_p50_ms', 'output_tok_s', \

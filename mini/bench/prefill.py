@@ -339,8 +339,8 @@ def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device,
         vals = torch.empty((rows, hd), dtype=torch.uint8)
         scales = torch.empty((rows, hd // block), dtype=torch.uint8)
         t1 = time.perf_counter()
-        info["pinned"] &= pin_tables and pin(vals) & pin(scales)
-        t2 = time.perf_counter()
+        # filled while still pageable, page-locked after: on the H200 (36c16dc) the first device-to-host copy into
+        # a table registered before the fill failed with 'CUDA error: invalid argument'
         g = torch.Generator(device=fill_device).manual_seed(seed * 7919 + j)
         for a in range(0, rows, chunk):
             x = torch.randn((min(rows, a + chunk) - a, hd // block, block), generator=g, device=fill_device)
@@ -349,10 +349,12 @@ def host_engram_tables(cfg: ModelConfig, rows: int, seed: int, fill_device,
             scales[a:a + x.shape[0]].copy_(float_to_e8m0(scale).view(torch.uint8))
         if fill_device.type == "cuda":
             torch.cuda.synchronize(fill_device)
+        t2 = time.perf_counter()
+        info["pinned"] &= pin_tables and pin(vals) & pin(scales)
         t3 = time.perf_counter()
         info["alloc_s"] += t1 - t0
-        info["pin_s"] += t2 - t1
-        info["fill_s"] += t3 - t2
+        info["fill_s"] += t2 - t1
+        info["pin_s"] += t3 - t2
         tables.append((vals.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)))
     info["gb"] = sum(v.numel() + s.numel() for v, s in tables) / 1e9
     return tables, info
