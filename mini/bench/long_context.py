@@ -105,10 +105,8 @@ def written_cache_bytes(cache, slot: int, blocks: list[int]) -> tuple[dict[str, 
 
 
 def run(args) -> dict:
-    import mini.ops
     from mini.bench import SuiteError
-    from mini.bench.prefill import EmulatedEP, check_backends, hasher_of, rank_model
-    from mini.checkpoint import expert_range
+    from mini.bench.prefill import emulated_rank, hasher_of
     from mini.model import Batch, KVCache
     from mini.model.batch import SeqChunk
     if args.prompt_tokens < 1 or args.chunk < 1:
@@ -118,14 +116,7 @@ def run(args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.prompt_tokens > cfg.max_position_embeddings:
         raise SuiteError(f"{SUITE}: {args.prompt_tokens} tokens exceed the model's {cfg.max_position_embeddings}")
-    if cuda:
-        mini.ops.set_backend("fast")
-    check_backends()
-    t0 = time.perf_counter()
-    experts = expert_range(cfg, 0, args.ep)
-    exchange = EmulatedEP(args.ep, args.seed, args.routing, experts)
-    model = rank_model(cfg, device, dtype, args.seed, experts, args.engram_rows, exchange)
-    setup_s = time.perf_counter() - t0
+    cfg, exchange, model, setup_s = emulated_rank(args)
     N, bt = args.prompt_tokens, args.block_tokens
     blocks = list(range(-(-N // bt)))
     cache = KVCache(cfg, 1, len(blocks), bt, device, dtype)

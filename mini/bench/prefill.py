@@ -159,6 +159,20 @@ class EmulatedEP:
         self.recording = False
         self.pairs: dict[int, torch.Tensor] = {}
 
+    def record(self, step, suite: str) -> dict[int, list[int]]:
+        """Run `step()` with recording on: layer -> pairs per local expert. Refuses (SuiteError) when no MoE layer
+        went through the emulation (the step would not be an EP rank's, whatever routing was asked)."""
+        from mini.bench import SuiteError
+        self.recording, self.pairs = True, {}
+        try:
+            step()
+        finally:
+            self.recording = False
+        pairs = {k: v.tolist() for k, v in sorted(self.pairs.items())}
+        if not pairs:
+            raise SuiteError(f"{suite}: no MoE layer ran through the EP emulation; the step is not an EP rank's")
+        return pairs
+
     def remote_rows(self, n: int, device) -> torch.Tensor:
         """Row indices of the synthetic remote tokens: (ep - 1) fixed random orders of the own n rows."""
         key = (n, str(device))
@@ -421,6 +435,23 @@ def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, bloc
     return batch, KVCache(cfg, len(tokens), len(tokens) * nb, block_tokens, device, dtype)
 
 
+def emulated_rank(args) -> tuple[ModelConfig, "EmulatedEP", object, float]:
+    """The model of one emulated EP rank (rank 0 of `args.ep`) at `args.preset`, on the fast backend where CUDA is:
+    (config, exchange, model, build seconds). The suites that decode or prefill through it build their own caches."""
+    import mini.ops
+    from mini.checkpoint import expert_range
+    cfg = preset(args.preset)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda":
+        mini.ops.set_backend("fast")
+    check_backends()
+    t0 = time.perf_counter()
+    experts = expert_range(cfg, 0, args.ep)
+    exchange = EmulatedEP(args.ep, args.seed, args.routing, experts)
+    model = rank_model(cfg, device, dtype, args.seed, experts, args.engram_rows, exchange)
+    return cfg, exchange, model, time.perf_counter() - t0
+
+
 def build(args) -> Rank4:
     r = build_rank(args)
     configure(r, args)
@@ -660,17 +691,7 @@ def record_pairs(r: Rank4) -> dict[int, list[int]]:
     """One step with the emulation recording: layer -> pairs per local expert. Refuses (SuiteError) when no MoE
     layer went through the emulation (the step would not be an EP rank's, whatever routing was asked). Every
     backend honours skewed routing: its ids replace the gate's before the experts, whatever kernels run them."""
-    from mini.bench import SuiteError
-    ex = r.exchange
-    ex.recording, ex.pairs = True, {}
-    try:
-        r.step()
-    finally:
-        ex.recording = False
-    pairs = {k: v.tolist() for k, v in sorted(ex.pairs.items())}
-    if not pairs:
-        raise SuiteError("rank4: no MoE layer ran through the EP emulation; the step is not an EP rank's")
-    return pairs
+    return r.exchange.record(r.step, "rank4")
 
 
 SAME_BUILD_MODES = {  # main()'s workloads: name -> the rank4 options that define it

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from mini.config import ModelConfig, preset
+from mini.config import ModelConfig
 
 SUITE = "rank4-decode"
 H200_TBPS = 4.26  # TB/s, device-to-device copy measured on one H200 (shared/perf/README.md "Ceilings")
@@ -175,16 +175,7 @@ class DecodeRun:
     def touched_experts(self) -> tuple[list[int], dict[int, list[int]]]:
         """One eager step with the emulation recording: local experts with at least one pair, per MoE layer, and
         the pairs per local expert."""
-        from mini.bench import SuiteError
-        ex = self.exchange
-        ex.recording, ex.pairs = True, {}
-        try:
-            self.eager()
-        finally:
-            ex.recording = False
-        pairs = {k: v.tolist() for k, v in sorted(ex.pairs.items())}
-        if not pairs:
-            raise SuiteError(f"{SUITE}: no MoE layer ran through the EP emulation; the step is not an EP rank's")
+        pairs = self.exchange.record(self.eager, SUITE)
         return [sum(1 for n in layer if n > 0) for layer in pairs.values()], pairs
 
     def cache_bytes(self) -> int:
@@ -336,22 +327,13 @@ def definition(args, batches: list[int], contexts: list[int]) -> dict:
 
 
 def run(args) -> dict:
-    import mini.ops
     from mini.bench import SuiteError
-    from mini.bench.prefill import EmulatedEP, check_backends, rank_model
-    from mini.checkpoint import expert_range
+    from mini.bench.prefill import emulated_rank
     batches, contexts = _ints(args.batch, "batch"), _ints(args.context, "context")
     cuda = args.device.startswith("cuda")
-    cfg = preset(args.preset)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if cuda:
-        mini.ops.set_backend("fast")
-    check_backends()
-    t0 = time.perf_counter()
-    experts = expert_range(cfg, 0, args.ep)
-    exchange = EmulatedEP(args.ep, args.seed, args.routing, experts)
-    model = rank_model(cfg, device, dtype, args.seed, experts, args.engram_rows, exchange)
-    metrics: dict[str, float] = {"setup_s": time.perf_counter() - t0}
+    cfg, exchange, model, setup_s = emulated_rank(args)
+    metrics: dict[str, float] = {"setup_s": setup_s}
     if cuda:
         torch.cuda.synchronize()
         metrics["built_mem_gb"] = torch.cuda.memory_allocated() / 2**30
