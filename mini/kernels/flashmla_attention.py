@@ -95,7 +95,8 @@ class StepRows:
         # the deterministic mode's lists: window keys newest first by position, so that where a chunk starts (which
         # keys are fresh, where the ring wraps) moves no key in a query's list
         self.position_order = position_order
-        self.multi_token: tuple[int, torch.Tensor] | None = None  # the mode's split (mini.ops.attention), per step
+        # the mode's split (mini.ops.attention), per step: (n multi-token rows, their rows, the one-token rows)
+        self.multi_token: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> rows [T, W], count
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, flat block ids, -1 -> 0)
         self.lists: _RowLists | None = None

@@ -265,7 +265,9 @@ def _deterministic_core(args, key_rows) -> torch.Tensor:
     nothing summed across tokens (bitwise on the H200: a query alone == among 4,096 == in a shuffled batch,
     tools/det_profile.py), over lists with the window keys in position order, so that neither the batch nor where
     a chunk starts moves a key; one-token chunks (decode steps, the CUDA-graph ones) stay on the Triton kernel. A
-    step with both runs the Triton kernel over all its queries (it has no row subset) and keeps FlashMLA's rows."""
+    step with both splits its rows by kind: FlashMLA over the multi-token chunks' rows, the Triton kernel over the
+    one-token chunks' rows alone (`_one_token_rows`: the decode step those sequences would make by themselves), and
+    the two are scattered back, so neither kind's numbers depend on the other being in the step."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, _, rope_out = args
     with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
@@ -276,20 +278,34 @@ def _deterministic_core(args, key_rows) -> torch.Tensor:
         return sparse_mla_attention(*args, prefill_lists=False)
     if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)
         key_rows = StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=True)
-    if key_rows.multi_token is None:  # once per step (one host sync): the queries of multi-token chunks
-        chunk = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of]
-        idx = (chunk > 1).nonzero().squeeze(1)
-        key_rows.multi_token = (idx.shape[0], idx)
-    n, idx = key_rows.multi_token
+    if key_rows.multi_token is None:  # once per step (one host sync): the queries of each kind of chunk
+        multi = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of] > 1
+        idx, single = multi.nonzero().squeeze(1), (~multi).nonzero().squeeze(1)
+        key_rows.multi_token = (idx.shape[0], idx, single)
+    n, idx, single = key_rows.multi_token
     if n == 0:
         return sparse_mla_attention(*args, prefill_lists=False)
     kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
     if n == q.shape[0]:
         return _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out)
-    out = sparse_mla_attention(*args, prefill_lists=False)
+    out = torch.empty_like(q)
     out[idx] = _prefill_unrotated(q[idx], kv, rows[idx], count[idx], sink, scale,
                                   None if rope_out is None else rope_out[idx])
+    out[single] = sparse_mla_attention(*_one_token_rows(args, single), prefill_lists=False)
     return out
+
+
+def _one_token_rows(args, single: torch.Tensor) -> tuple:
+    """The op's arguments restricted to the rows `single` of one-token chunks: one row per sequence, so they form
+    a decode step of those sequences (T = B, their slots, starts and block-table rows, sequence i = row i), the
+    step they would make without the step's other chunks."""
+    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio, \
+        rope_out = args
+    seqs = seq_of[single]
+    sub_seq_of = torch.arange(single.shape[0], device=seq_of.device, dtype=seq_of.dtype)
+    return (q[single], kv_new[single], window, sink, positions[single], sub_seq_of, slots[seqs], start_pos[seqs],
+            scale, comp, None if block_table is None else block_table[seqs],
+            None if comp_idx is None else comp_idx[single], ratio, None if rope_out is None else rope_out[single])
 
 
 def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The deterministic mode's sparse attention core with MINI_DET_SPARSE_ATTN=flashmla (mini.ops.attention
 ._deterministic_core): queries of multi-token chunks take FlashMLA over lists in position order, one-token chunks
 our Triton kernel. CPU: the lists hold a query's keys in the same order whatever chunk, batch or physical layout
-holds them, and the split sends each query where its own chunk says. gpu: a sequence's outputs alone == among
-other sequences (decode tokens, other chunks, wider top-k lists) and chunked == unchunked, bit for bit."""
+holds them, and the split sends each query where its own chunk says; a step mixing both kinds runs each kernel
+over its own rows only (interpreter, FlashMLA's stand-in a per-row reference), each row == its kind alone. gpu: a
+sequence's outputs alone == among other sequences (decode tokens, other chunks, wider top-k lists) and chunked ==
+unchunked, and a mixed step's prefill and decode rows == each alone, bit for bit."""
 import pytest
 import torch
 
@@ -69,8 +71,11 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
     import mini.kernels.sparse_attention as sa
     calls = {"triton": 0, "flashmla": 0}
 
+    rows = []
+
     def triton(q, *args, **kw):
         calls["triton"] += 1
+        rows.append(q.shape[0])
         assert kw.get("prefill_lists") is False  # the mode's lists
         return torch.ones_like(q)
 
@@ -95,7 +100,7 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
 
     out = run([1, 5, 1, 3])
     assert out.tolist() == [1.0] + [2.0] * 5 + [1.0] + [2.0] * 3
-    assert calls == {"triton": 1, "flashmla": 1}
+    assert calls == {"triton": 1, "flashmla": 1} and rows == [2]  # the Triton kernel over the 1-token rows only
     assert run([4, 2]).tolist() == [2.0] * 6 and calls == {"triton": 1, "flashmla": 2}
     assert run([1, 1]).tolist() == [1.0] * 2 and calls == {"triton": 2, "flashmla": 2}
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")  # the default: our kernel for every query
@@ -105,16 +110,15 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
 # ------------------------------------------------------------------------------------------------------ gpu
 
 
-def _gpu_step(seqs, k_width: int, dev="cuda"):
+def _step(seqs, k_width: int, dev="cuda", Wv: int = 128, rpb: int = 64, nb: int = 4, picks: int = 96):
     """seqs: (name, keys [L, D], queries [L, H, D], groups [(L + 1) // 2, D], lo, hi, slot); one step holding each
-    sequence's positions [lo, hi), its earlier keys in its ring, its groups (2 tokens each) in its own pool blocks; every query's top-k ids drawn from its
-    (name, position) alone, padded with -1 to `k_width`. Returns the op's arguments and each name's row range."""
-    from mini.kernels.flashmla_attention import HEAD_DIM
-    D, Wv, H, rpb = HEAD_DIM, 128, 64, 64
+    sequence's positions [lo, hi), its earlier keys in its ring (window Wv), its groups (2 tokens each) in its own
+    pool blocks (nb of rpb rows); every query's top-k ids (at most `picks`) drawn from its (name, position) alone,
+    padded with -1 to `k_width`. Returns the op's arguments and each name's row range."""
+    D, H, dtype = seqs[0][1].shape[1], seqs[0][2].shape[1], seqs[0][1].dtype
     kv_new, positions, seq_of, slots, starts, q, spans, ids = [], [], [], [], [], [], {}, []
-    window = torch.zeros(8, Wv, D, dtype=torch.bfloat16, device=dev)
-    comp = torch.zeros(64, rpb, D, dtype=torch.bfloat16, device=dev)
-    nb = 4
+    window = torch.zeros(8, Wv, D, dtype=dtype, device=dev)
+    comp = torch.zeros(64, rpb, D, dtype=dtype, device=dev)
     block_table = torch.full((len(seqs), nb), -1, dtype=torch.int32, device=dev)
     t0 = 0
     for b, (name, keys, queries, groups, lo, hi, slot) in enumerate(seqs):
@@ -134,7 +138,7 @@ def _gpu_step(seqs, k_width: int, dev="cuda"):
             n_valid = (p + 1) // 2
             row = torch.full((k_width,), -1, dtype=torch.int64)
             gen = torch.Generator().manual_seed(hash((name, p)) % (1 << 31))
-            pick = torch.randperm(n_valid, generator=gen)[:96]
+            pick = torch.randperm(n_valid, generator=gen)[:picks]
             row[:pick.shape[0]] = pick
             ids.append(row)
         spans[name] = (t0, t0 + hi - lo)
@@ -144,6 +148,79 @@ def _gpu_step(seqs, k_width: int, dev="cuda"):
     args = (cat(q), cat(kv_new), window, sink, cat(positions), cat(seq_of), torch.tensor(slots, device=dev),
             torch.tensor(starts, device=dev), D ** -0.5, comp, block_table, torch.stack(ids).to(dev), 2, None)
     return args, spans
+
+
+def _gpu_step(seqs, k_width: int, dev="cuda"):
+    """`_step` at V4.1's sizes (FlashMLA's head width, 64 heads from the queries, window 128, 64-row blocks)."""
+    return _step(seqs, k_width, dev)
+
+
+def _reference_prefill(q, kv, rows, count, sink, scale):
+    """A stand-in for FlashMLA's sparse prefill on CPU (mini.kernels.flashmla_attention.sparse_prefill's
+    arithmetic, the reference op's online softmax): each query alone over kv[rows[t, :count[t]]], so a row's
+    output depends on its own inputs only, as measured for FlashMLA on the H200."""
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        keys = kv[rows[t, :int(count[t])].long()].float()[None]
+        valid = torch.ones(keys.shape[:2], dtype=torch.bool)
+        out[t] = attention._attend(q[t:t + 1], keys, valid, sink.float(), scale)[0].to(q.dtype)
+    return out
+
+
+def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
+    """A step mixing prefill chunks (FlashMLA's stand-in) and decode tokens (the Triton kernel, interpreted): each
+    row equals its own kind's run without the other kind, bitwise, and the Triton kernel only sees the decode
+    rows (as the decode step of those sequences), with the pool, its block tables and the output RoPE."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the gpu test below covers the compiled kernels here")
+    import mini.kernels.sparse_attention as sa
+    triton_rows = []
+    real_triton = sa.sparse_mla_attention
+
+    def counted(q, *a, **kw):
+        triton_rows.append(q.shape[0])
+        return real_triton(q, *a, **kw)
+
+    monkeypatch.setattr(sa, "sparse_mla_attention", counted)
+    monkeypatch.setattr(attention, "sparse_prefill", _reference_prefill)
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
+    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
+    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
+    D, H, L = 16, 3, 40
+    g = torch.Generator().manual_seed(0)
+
+    def seq():
+        return (torch.randn(L, D, generator=g), torch.randn(L, H, D, generator=g),
+                torch.randn((L + 1) // 2, D, generator=g))
+
+    S, X, Y, Z = seq(), seq(), seq(), seq()
+    freqs = torch.tensor([0.3, 0.05])  # output RoPE over the last 4 channels, a function of the position alone
+
+    def run(specs):
+        args, spans = _step(specs, 8, "cpu", Wv=8, rpb=8, nb=4, picks=6)
+        rope = torch.polar(torch.ones(args[4].shape[0], 2), args[4][:, None].float() * freqs)
+        out = attention._deterministic_core(args[:-1] + (rope,), None)
+        return {name: out[lo:hi] for name, (lo, hi) in spans.items()}
+
+    mixed = run([("X", *X, 29, 30, 3), ("S", *S, 0, 12, 5), ("Z", *Z, 17, 18, 2), ("Y", *Y, 10, 21, 1)])
+    assert triton_rows == [2]  # the two decode tokens only
+    alone = {**run([("S", *S, 0, 12, 0)]), **run([("Y", *Y, 10, 21, 4)])}
+    assert triton_rows == [2]  # steps of multi-token chunks only: no Triton kernel
+    alone.update(run([("X", *X, 29, 30, 3)]))
+    alone.update({"Z": run([("Z", *Z, 17, 18, 2)])["Z"]})
+    assert triton_rows == [2, 1, 1]
+    decode_step = run([("Z", *Z, 17, 18, 6), ("X", *X, 29, 30, 0)])  # the decode tokens as a step of their own
+    for name in "SYXZ":
+        assert not mixed[name].isnan().any()
+        assert torch.equal(mixed[name], alone[name]), name
+    for name in "XZ":
+        assert torch.equal(mixed[name], decode_step[name]), name
+    # the stand-in over the position-order lists computes the Triton kernel's attention (default: every row ours)
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")
+    ours = run([("X", *X, 29, 30, 3), ("S", *S, 0, 12, 5), ("Z", *Z, 17, 18, 2), ("Y", *Y, 10, 21, 1)])
+    assert triton_rows[-1] == 25
+    for name in "SY":
+        torch.testing.assert_close(mixed[name], ours[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -190,3 +267,56 @@ def test_flashmla_rows_alone_equal_among_load_and_chunks_gpu(monkeypatch):
     finally:
         mini.ops.set_deterministic(False)
     assert used["n"] == 4  # FlashMLA ran in every step (the others' multi-token rows included)
+
+
+@pytest.mark.gpu
+def test_flashmla_mixed_step_splits_rows_by_chunk_kind_gpu(monkeypatch):
+    """MINI_DET_SPARSE_ATTN=flashmla on the H200: a prefill chunk's rows are bitwise the same with and without a
+    decode token in its step, and the decode token's row is bitwise its decode step alone; the Triton kernel runs
+    over the decode row only (its row subset), FlashMLA in every step holding the chunk."""
+    from mini.kernels import flashmla_attention as fm
+    import mini.kernels.sparse_attention as sa
+    if not torch.cuda.is_available() or not fm.available():
+        pytest.skip("needs FlashMLA's SM90 kernels on an H200")
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
+    used = {"flashmla": 0, "triton_rows": []}
+    real_prefill, real_triton = attention.sparse_prefill, sa.sparse_mla_attention
+
+    def prefill(*a, **kw):
+        used["flashmla"] += 1
+        return real_prefill(*a, **kw)
+
+    def triton(q, *a, **kw):
+        used["triton_rows"].append(q.shape[0])
+        return real_triton(q, *a, **kw)
+
+    monkeypatch.setattr(attention, "sparse_prefill", prefill)
+    monkeypatch.setattr(sa, "sparse_mla_attention", triton)
+    dev, D, H = "cuda", fm.HEAD_DIM, 64
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def seq(L):
+        return (torch.randn(L, D, device=dev, generator=g).bfloat16(),
+                torch.randn(L, H, D, device=dev, generator=g).bfloat16(),
+                torch.randn((L + 1) // 2, D, device=dev, generator=g).bfloat16())
+
+    S, X = seq(500), seq(300)  # at most 256 groups: _gpu_step's 4 blocks of 64 rows
+    mini.ops.set_deterministic(True)
+    try:
+        with mini.ops.using_backend("fast"):
+            def run(specs):
+                args, spans = _gpu_step(specs, 128)
+                out = attention.sparse_attention(*args)
+                return {name: out[lo:hi] for name, (lo, hi) in spans.items()}
+
+            chunk_alone = run([("S", *S, 150, 500, 2)])["S"]
+            decode_alone = run([("X", *X, 299, 300, 3)])["X"]
+            assert used == {"flashmla": 1, "triton_rows": [1]}
+            for specs in ([("X", *X, 299, 300, 3), ("S", *S, 150, 500, 2)],
+                          [("S", *S, 150, 500, 5), ("X", *X, 299, 300, 0)]):  # either order, other slots
+                mixed = run(specs)
+                assert torch.equal(mixed["S"], chunk_alone)
+                assert torch.equal(mixed["X"], decode_alone)
+    finally:
+        mini.ops.set_deterministic(False)
+    assert used == {"flashmla": 3, "triton_rows": [1, 1, 1]}
