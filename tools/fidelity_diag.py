@@ -18,6 +18,12 @@ how many calls are bitwise equal, the share of elements that differ and that dif
 last place, and for ids the rows whose sets differ. On a CPU the fast kernels run under Triton's interpreter
 (TRITON_INTERPRET=1; minutes).
 
+    MKL_CBWR=AVX2,STRICT python3 tools/fidelity_diag.py decode-search --fixture f2 --step 6 [--sites topk,token]
+
+`decode-search` runs a fixture's forced decode up to one step and reruns that step with one discrete decision changed
+(an index source's top-k id, a layer's expert set, the token fed, a token the step's n-grams hash), printing the
+candidates closest to the reference's decode step and any that reproduce it (docs/fidelity.md, f2 steps 6-7).
+
 `compare` lists, in call order, each recorded op whose output differs: its largest |diff|, the rows that differ,
 and for an op whose inputs agreed on a row while its output does not, "ORIGIN" (the op itself computes that row
 differently, rather than passing on a difference from below). Integer outputs (ids) are compared as sets per row:
@@ -421,6 +427,107 @@ def compare(args) -> int:
     return 0
 
 
+def decode_search(args) -> int:
+    """One forced decode step of a fixture, then every single change of one discrete decision of that step: is any
+    of them the reference's decode step? Sites: `topk` (one id of an index source's top-k replaced by another
+    visible group or by none), `experts` (a layer's routed expert set replaced by any other), `token` (the token fed
+    at the step), `history` (one of the earlier tokens the step's n-gram hashes read, the fed embedding kept). Each
+    candidate reruns the step from a copy of the caches the steps before it left."""
+    import copy
+    import itertools
+    import torch.nn.functional as F
+
+    import official_fixture as of
+    import mini.model.attn_layer as al
+    import mini.ops.moe as mo
+    from mini.model import Batch, KVCache, SeqChunk
+    ref = of.reference(args.fixture)
+    model, cfg = of.load(args.fixture)
+    ids = [int(t) for t in ref["prompt_ids"]]
+    forced = [int(t) for t in ref["greedy_ids"][:of.DECODE_STEPS]]
+    target = ref["decode_logits"][args.step]
+    override: dict = {}
+    seen: dict = {}
+    index, gate = al._index, mo.gate_unfused
+
+    def index_hook(x, qr, w, plan, cfg_, lay, cache, table, shared):
+        ids_ = index(x, qr, w, plan, cfg_, lay, cache, table, shared)
+        seen[("topk", plan.layer)] = ids_[-1].tolist()
+        return override.get(("topk", plan.layer), ids_)
+
+    def gate_hook(x, w, cfg_, plan, input_ids=None, image_mask=None):
+        weights, experts = gate(x, w, cfg_, plan, input_ids, image_mask)
+        seen[("experts", plan.layer)] = experts[-1].tolist()
+        if ("experts", plan.layer) not in override:
+            return weights, experts
+        experts = override[("experts", plan.layer)]  # the official gate's weights for that set (model.py Gate)
+        scores = F.softplus(mo._gate_logits(x, w.gate) / cfg_.gate_temp).sqrt().gather(1, experts)
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20) * cfg_.route_scale, experts
+
+    al._index, mo.gate_unfused = index_hook, gate_hook
+    cache = KVCache(cfg, n_slots=1, n_blocks=(len(ids) + len(forced) + 127) // 128, block_tokens=128)
+    blocks = list(range(cache.n_blocks))
+
+    def forward(c, history):
+        batch = Batch.build([SeqChunk(tokens=history, start=len(history) - 1, slot=0, blocks=blocks)], cfg, "cpu",
+                            hasher=model.hasher)
+        return model.forward(batch, c)
+
+    with torch.inference_mode():
+        batch = Batch.build([SeqChunk(tokens=ids, start=0, slot=0, blocks=blocks)], cfg, "cpu", hasher=model.hasher)
+        model.forward(batch, cache)
+        history = list(ids)
+        for tok in forced[:args.step]:
+            history.append(tok)
+            forward(cache, history)
+        step = history + [forced[args.step]]
+
+        def diff(history_=step) -> float:
+            return float(np.abs(forward(copy.deepcopy(cache), history_)[-1].float().numpy() - target).max())
+
+        base = diff()
+        decisions = dict(seen)
+        print(json.dumps({"fixture": args.fixture, "step": args.step, "position": len(step) - 1, "max_abs": base,
+                          "decisions": {f"{k[0]}.L{k[1]}": v for k, v in sorted(decisions.items())}}))
+        sites, results = args.sites.split(","), []
+        for (kind, layer), chosen in sorted(decisions.items()):
+            if kind not in sites:
+                continue
+            if kind == "topk":
+                visible = len(step) // cfg.layers[layer].ratio
+                options = [sorted(set(chosen) - {old} | {new}) for old in chosen if old >= 0
+                           for new in [-1, *range(visible)] if new not in chosen]
+                options = [[i for i in o if i >= 0] + [-1] * (len(chosen) - len([i for i in o if i >= 0]))
+                           for o in options]
+            else:
+                options = [list(c) for c in itertools.combinations(range(cfg.n_routed_experts), len(chosen))
+                           if sorted(c) != sorted(chosen)]
+            for option in options:
+                override.clear()
+                override[(kind, layer)] = torch.tensor([option])
+                results.append((diff(), f"{kind}.L{layer}", option))
+            override.clear()
+        for site, positions in (("token", [len(step) - 1]), ("history", range(len(step) - cfg.engram_max_ngram_size,
+                                                                                len(step) - 1))):
+            if site not in sites:
+                continue
+            for pos in positions:
+                for tok in range(cfg.vocab_size):
+                    if tok != step[pos]:
+                        changed = list(step)
+                        changed[pos] = tok
+                        if site == "token":
+                            results.append((diff(changed), f"token@{pos}", tok))
+                        else:  # the hash reads the history; the caches already hold its other effects
+                            results.append((diff(changed), f"history@{pos}", tok))
+    results.sort(key=lambda r: r[0])
+    for d, site, option in results[:args.top]:
+        print(json.dumps({"max_abs": d, "site": site, "option": option}))
+    print(json.dumps({"candidates": len(results), "reproduced": [r[1:] for r in results if r[0] <= 1e-5][:10],
+                      "best": results[0][0] if results else None, "base": base}))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -451,8 +558,15 @@ def main(argv=None) -> int:
     c.add_argument("--row", type=int, default=None, help="list only ops where this row differs (and origins)")
     c.add_argument("--max-lines", type=int, default=60)
     c.add_argument("--max-rows", type=int, default=16)
+    d = sub.add_parser("decode-search", help="is the reference's decode step one discrete decision away from ours?")
+    d.add_argument("--fixture", default="f2")
+    d.add_argument("--step", type=int, default=6)
+    d.add_argument("--sites", default="topk,experts,token,history", help="comma-separated of topk, experts, token, "
+                   "history")
+    d.add_argument("--top", type=int, default=8, help="print the closest this many candidates")
     args = p.parse_args(argv)
-    return {"record": record, "same": same_input, "compare": compare, "order-ensemble": order_ensemble}[args.cmd](args)
+    return {"record": record, "same": same_input, "compare": compare, "order-ensemble": order_ensemble,
+            "decode-search": decode_search}[args.cmd](args)
 
 
 if __name__ == "__main__":
