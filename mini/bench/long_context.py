@@ -32,16 +32,12 @@ SUITE = "long-context"
 
 
 def add_args(p) -> None:
+    from mini.bench.prefill import add_emulated_rank_args
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--prompt-tokens", type=int, default=131072)
     p.add_argument("--chunk", type=int, default=4096, help="prompt tokens per prefill step")
     p.add_argument("--ep", type=int, default=4, help="EP ranks emulated (this is rank 0)")
-    p.add_argument("--block-tokens", type=int, default=256)
-    p.add_argument("--engram-rows", type=int, default=1 << 20)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    add_emulated_rank_args(p)
     p.add_argument("--warmup-chunk", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill one chunk into a scratch cache first (kernel compiles, Humming JIT), not timed")
 

@@ -435,6 +435,17 @@ def prefill_batch(cfg: ModelConfig, tokens: list[list[int]], device, dtype, bloc
     return batch, KVCache(cfg, len(tokens), len(tokens) * nb, block_tokens, device, dtype)
 
 
+def add_emulated_rank_args(p) -> None:
+    """The flags of `emulated_rank`'s build beside --preset and --ep, for the suites built on it (rank4-decode,
+    long-context)."""
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--engram-rows", type=int, default=1 << 20)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform")
+
+
 def emulated_rank(args) -> tuple[ModelConfig, "EmulatedEP", object, float]:
     """The model of one emulated EP rank (rank 0 of `args.ep`) at `args.preset`, on the fast backend where CUDA is:
     (config, exchange, model, build seconds). The suites that decode or prefill through it build their own caches."""

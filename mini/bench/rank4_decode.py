@@ -39,6 +39,7 @@ H200_TBPS = 4.26  # TB/s, device-to-device copy measured on one H200 (shared/per
 
 
 def add_args(p) -> None:
+    from mini.bench.prefill import add_emulated_rank_args
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--batch", default="64,256", help="comma-separated batch sizes B (sequences per step)")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts C (tokens in the cache)")
@@ -48,12 +49,7 @@ def add_args(p) -> None:
     p.add_argument("--profile-steps", type=int, default=2, help="eager steps timed per stage (0: no split)")
     p.add_argument("--kernel-split-steps", type=int, default=2,
                    help="graph replays under torch.profiler for the per-kernel split (CUDA; 0: none)")
-    p.add_argument("--block-tokens", type=int, default=256)
-    p.add_argument("--engram-rows", type=int, default=1 << 20)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    add_emulated_rank_args(p)
     p.add_argument("--tbps", type=float, default=H200_TBPS, help="memory bandwidth of the floor, TB/s")
 
 
