@@ -68,6 +68,23 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
 )}
 
 
+def timed_call(fn, cuda: bool):
+    """(fn()'s result, its milliseconds): CUDA events around the call on the GPU (its kernels' time, waited for),
+    the wall clock on the CPU."""
+    import time
+    if not cuda:
+        t0 = time.perf_counter()
+        out = fn()
+        return out, 1e3 * (time.perf_counter() - t0)
+    import torch
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = fn()
+    b.record()
+    b.synchronize()
+    return out, a.elapsed_time(b)
+
+
 def get_suite(name: str, suites: dict[str, Suite] | None = None) -> Suite:
     suites = SUITES if suites is None else suites
     if name not in suites:

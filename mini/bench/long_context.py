@@ -101,7 +101,7 @@ def written_cache_bytes(cache, slot: int, blocks: list[int]) -> tuple[dict[str, 
 
 
 def run(args) -> dict:
-    from mini.bench import SuiteError
+    from mini.bench import SuiteError, timed_call
     from mini.bench.prefill import emulated_rank, hasher_of
     from mini.model import Batch, KVCache
     from mini.model.batch import SeqChunk
@@ -145,17 +145,8 @@ def run(args) -> dict:
         if batch.engram is not None and args.engram_rows:
             batch.engram.data = batch.engram.data % args.engram_rows  # hash ids -> the capped tables' rows
         host_ms.append(1e3 * (time.perf_counter() - h0))
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            logits = model.forward(batch, cache)
-            b.record()
-            b.synchronize()
-            chunk_ms.append(a.elapsed_time(b))
-        else:
-            c0 = time.perf_counter()
-            logits = model.forward(batch, cache)
-            chunk_ms.append(1e3 * (time.perf_counter() - c0))
+        logits, ms = timed_call(lambda: model.forward(batch, cache), cuda)
+        chunk_ms.append(ms)
         if not bool(torch.isfinite(logits).all()):
             raise SuiteError(f"{SUITE}: non-finite logits after the chunk at {start}")
     total_s = time.perf_counter() - t0

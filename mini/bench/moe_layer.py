@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from mini.bench import timed_call
 from mini.config import preset
 
 SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results: docs/kernels.md (MoE)
@@ -97,12 +98,7 @@ def _time(fn, iters: int, warmup: int) -> float:
         fn()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(timed_call(fn, cuda=True)[1])
     return statistics.median(times)
 
 

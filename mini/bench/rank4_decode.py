@@ -28,10 +28,10 @@ here: an FP8 cache would halve that term). Compute is not counted: at B <= 256 t
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from mini.bench import timed_call
 from mini.config import ModelConfig
 
 SUITE = "rank4-decode"
@@ -206,17 +206,7 @@ def _time(fn, steps: int, cuda: bool, before=None) -> list[float]:
     for _ in range(steps):
         if before is not None:
             before()
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(1e3 * (time.perf_counter() - t0))
+        out.append(timed_call(fn, cuda)[1])
     return out
 
 
