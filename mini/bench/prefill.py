@@ -500,6 +500,10 @@ def build_rank(args) -> Rank4:
         if host:
             from mini.model.engram_host import EngramPrefetcher
             r.tables["host"] = (args.engram_rows, tables)
+            # the prefetcher checks that it reads host tables: swap them in first (the model was built on the
+            # device with 1-row stand-ins; at 56388c4 this order failed on the H200 and only there)
+            for w, (vals, scales) in zip(weights, tables):
+                w.embed, w.embed_scale = vals, scales
             r.host_prefetcher = EngramPrefetcher(weights, device, threads=args.engram_threads)
         else:
             r.tables["device"] = (args.engram_rows, [(w.embed, w.embed_scale) for w in weights])
