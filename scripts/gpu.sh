@@ -193,6 +193,16 @@ phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 3
     return $rc
 }
 
+phase_attn_sweep() {  # issue 13 item 5 (<= 120 s): the Triton sparse attention's launch shape (BLOCK_H, warps, stages;
+    # BLOCK_N fixed: it is the softmax block) at decode B = 256 / 64 x 32K and prefill 4,096 (tools/attn_sweep.py).
+    # 56388c4: 18.0 ms of the 90 ms B=256 decode step. Look at: the "best same-bits config" lines (speedup over the
+    # default; only same_bits=True configs may become defaults).
+    timeout 115 python3 tools/attn_sweep.py --json "$PHASE_DIR/attn_sweep.json" >"$PHASE_DIR/attn_sweep.log" 2>&1
+    local rc=$?
+    grep -E "best|Error" "$PHASE_DIR/attn_sweep.log" | tail -8
+    return $rc
+}
+
 phase_long_context() {  # issue 13 item 6 (<= 200 s): one 131,072-token prompt prefilled in 4,096-token chunks on one
     # EP4 rank at real V4.1-Flash shape, all 40 layers (~35 s build + 32 chunks); at chunk 2,048 if 4,096 fails
     # (not on the time limit). Look at: long_context.json total_s, tok_per_s, first/median/last_chunk_ms,
