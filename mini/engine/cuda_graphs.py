@@ -80,14 +80,16 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[n] = (graph, logits)
 
-    def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None) -> int:
-        """Copy the step's inputs into the buffers; returns the bucket. `history(seq, start, end)` gives tokens
+    def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None,
+                bucket: int | None = None) -> int:
+        """Copy the step's inputs into the buffers; returns the bucket (`bucket`, a larger one than the chunks need
+        that EP ranks agreed on, else the smallest that holds them). `history(seq, start, end)` gives tokens
         known on the host; `feed` those of rows whose token is still on the device (copied there, on the device).
         Engram: the tokens before each decode token are known on the host (even when the decode token is fed).
         With the tables on the device they go to the buffers and nothing waits for `feed`. Otherwise the rows are
         hashed from the last tokens on the host: with a feed, its tokens are fetched only after everything else
         is copied, so that the wait for the previous step is as late as it can be."""
-        n = self.bucket(len(chunks))
+        n = self.bucket(len(chunks)) if bucket is None else bucket
         fed = np.array(feed.rows if feed is not None else [-1] * len(chunks), dtype=np.int64)
         tokens = [0 if r >= 0 else history(c.seq, c.start, c.end)[0] for c, r in zip(chunks, fed.tolist())]
         rows = prefix = None

@@ -35,9 +35,12 @@ from mini.ops.backends import resolve as resolve_backends
 class StepModel(Protocol):
     """What the engine steps. `hasher`: the model's EngramHasher (None without Engram layers); `engram_on_device`:
     a static decode step hashes and looks up Engram rows on the device, else they are looked up on the host
-    (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks on the host (EP),
-    so its steps cannot be captured in CUDA graphs. The model also makes what a step needs: its batch from the
-    step's chunks (mini.model.SeqChunk), its cache pools, and their size per block and per slot."""
+    (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks (EP); its decode
+    steps are captured in CUDA graphs only if it also has `agree_step(n_tokens, bucket) -> bucket | None`, which
+    the runner calls before every forward: the ranks agree on one graph bucket (at least this rank's `bucket`;
+    None in: this step needs an eager forward) or on None, every rank eager (mini.parallel.dp.DPModel). The
+    model also makes what a step needs: its batch from the step's chunks (mini.model.SeqChunk), its cache pools,
+    and their size per block and per slot."""
     config: object
     hasher: object | None
     engram_on_device: bool
@@ -63,11 +66,11 @@ class StepCache(Protocol):
 
 
 def use_cuda_graphs(model: StepModel, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
-    """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, on one device, unless
-    enforce_eager: the reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP
-    exchange sizes its messages from the token counts it exchanges on the host."""
+    """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, unless enforce_eager: the
+    reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP exchange sizes its
+    messages from the token counts of its step, so its ranks must agree on a bucket first (`agree_step`)."""
     return (torch.device(device).type == "cuda" and resolve_backends().ops == "fast" and dtype == torch.bfloat16
-            and not model.exchanges_tokens and not enforce_eager)
+            and (not model.exchanges_tokens or hasattr(model, "agree_step")) and not enforce_eager)
 
 
 @dataclass
@@ -158,11 +161,15 @@ class ModelRunner:
         still on the device; a static decode step takes them there, the eager forward fetches them first."""
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
+        n = self.graphs.bucket(len(chunks)) if graph else None
+        if self.model.exchanges_tokens and hasattr(self.model, "agree_step"):  # EP: every rank the same bucket
+            n = self.model.agree_step(sum(c.length for c in chunks), n)
+            graph = n is not None
         if feed is not None and not graph:
             feed.fetch()
             feed = None
         if graph:
-            n = self.graphs.prepare(chunks, _history, feed)
+            n = self.graphs.prepare(chunks, _history, feed, bucket=n)
         else:
             seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
                                              blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]

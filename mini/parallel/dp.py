@@ -7,10 +7,18 @@ the MoE layers of all ranks meet in the exchange once per layer.
     outputs = generate(llm, ctx, prompts, params)                 # every rank passes the same prompts
 
 A step in which a rank has no tokens still has to take part in every MoE layer (its experts serve the other
-ranks' tokens): `DPModel.join_idle` runs the exchange with empty inputs; `generate` calls it whenever the rank's
-engine step ran no forward (`LLMEngine.step().forward`), and stops when no rank has work left.
+ranks' tokens): `DPModel.join_idle` runs the exchange with empty inputs (or replays the agreed decode graph with
+padding rows only); `generate` calls it whenever the rank's engine step ran no forward (`LLMEngine.step().forward`),
+and stops when no rank has work left.
+
+CUDA graphs: before every forward the engine's runner asks the model to agree on the step with the other ranks
+(`DPModel.agree_step`, mini.parallel.step_shape): every rank then replays the decode graph of the same bucket, or
+every rank runs eagerly. The graphs are captured at start-up on every rank alike (same buckets, same order), each
+capture's exchange sending the bucket's rows from every rank, so at replay the collectives need no token counts.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,17 +27,31 @@ from mini.checkpoint import expert_range
 from mini.config import PRESETS, ModelConfig, preset
 from mini.parallel.exchange import MoEExchange
 from mini.parallel.groups import DistContext
+from mini.parallel.step_shape import EAGER, IDLE, StepAgreement, StepShape, host_group
+
+
+@dataclass
+class StepKinds:
+    """How this rank's forwards ran: static (a decode graph's bucket; on the CPU the same step run eagerly) or
+    eager, with tokens of its own or joined idle (all padding / empty)."""
+    static: int = 0
+    eager: int = 0
+    idle_static: int = 0
+    idle_eager: int = 0
 
 
 class DPModel:
-    """A Model of one EP/DP rank, as the engine steps it (mini.engine.model_runner.StepModel): each forward first
-    exchanges the step's token counts."""
+    """A Model of one EP/DP rank, as the engine steps it (mini.engine.model_runner.StepModel): each forward runs
+    with the token counts agreed for its step (`agree_step`; without one, it exchanges them first)."""
     exchanges_tokens = True
 
     def __init__(self, model, ctx: DistContext):
-        self.model, self.exchange = model, MoEExchange(ctx)
+        self.model, self.exchange, self.ctx = model, MoEExchange(ctx), ctx
         model.moe_exchange = self.exchange
         self.config = model.config
+        self.agreement = StepAgreement(ctx)
+        self.kinds = StepKinds()
+        self._shape: StepShape | None = None  # agreed for the next forward
 
     @property
     def hasher(self):
@@ -51,19 +73,50 @@ class DPModel:
     def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
         return self.model.cache_bytes(block_tokens, dtype)
 
+    def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
+        """Agree with the other ranks on this rank's coming forward of `n_tokens` tokens, which fits the decode
+        graph of `bucket` (None: it needs an eager forward); returns the bucket every rank replays (at least
+        `bucket`), or None: every rank runs eagerly (mini.engine.model_runner calls it before every forward)."""
+        self._shape = self.agreement.agree(n_tokens, EAGER if bucket is None else bucket)
+        self.kinds.static += self._shape.bucket is not None
+        self.kinds.eager += self._shape.bucket is None
+        return self._shape.bucket
+
     def forward(self, batch, cache) -> torch.Tensor:
-        self.exchange.begin_step(batch.n_tokens)
+        shape, self._shape = self._shape, None
+        n = batch.n_tokens
+        if batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a decode graph captured at start-up: every rank captures the same buckets in the same order
+            self.exchange.set_counts([n] * self.ctx.world)
+        elif shape is not None:
+            counts = shape.exchange_counts()
+            if counts[self.ctx.rank] != n:
+                raise RuntimeError(f"the step agreed on {counts[self.ctx.rank]} tokens of this rank, its batch has {n}")
+            self.exchange.set_counts(counts)
+        else:  # a forward nobody agreed on (no runner): exchange the counts now
+            self.exchange.begin_step(n)
         return self.model.forward(batch, cache)
 
     @torch.inference_mode()
-    def join_idle(self) -> int:
+    def join_idle(self, graphs=None) -> int:
         """Serve the other ranks' tokens in a step without own tokens; returns the step's total token count
-        (0: no rank had any, nothing ran)."""
-        total = self.exchange.begin_step(0)
-        if total:
+        (0: no rank had any, nothing ran). `graphs`: the engine's DecodeGraphs (runner.graphs), if it has them:
+        when the others agree on a decode bucket, this rank replays it with padding rows only."""
+        shape = self.agreement.agree(0, IDLE if graphs is not None else EAGER)
+        if not shape.total:
+            return 0
+        if shape.bucket is not None:
+            self.kinds.idle_static += 1
+            graphs.buffers.fill(shape.bucket, [], [], [], [])
+            self._shape = shape  # read by the forward that replay() runs eagerly on the CPU
+            graphs.replay(shape.bucket, 0)
+            self._shape = None
+        else:
+            self.kinds.idle_eager += 1
+            self.exchange.set_counts(shape.exchange_counts())
             self.exchange.join_idle([(b.moe, b.plan) for b in self.model.blocks], self.model.config,
                                     self.model.dtype)
-        return total
+        return shape.total
 
 
 def load_ep_model(path_or_preset: str, ctx: DistContext, dtype: torch.dtype = torch.bfloat16
@@ -77,9 +130,10 @@ def load_ep_model(path_or_preset: str, ctx: DistContext, dtype: torch.dtype = to
 
 
 def _any_rank(ctx: DistContext, flag: bool) -> bool:
-    t = torch.tensor([int(flag)], device=ctx.device)
+    """Over the hosts (step_shape.host_group): never waits for a step in flight on the device."""
+    t = torch.tensor([int(flag)])
     if ctx.multi:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=host_group(ctx))
     return bool(t.item())
 
 
@@ -99,7 +153,7 @@ def generate(llm, ctx: DistContext, prompts: list, params) -> list:
             final.update({o.request_id: o for o in outputs if o.finished})
             ran_forward = outputs.forward
         if not ran_forward:
-            dp.join_idle()
+            dp.join_idle(engine.runner.graphs)
     outputs = [final[f"dp-{i}"] for i in mine]
     if not ctx.multi:
         return outputs

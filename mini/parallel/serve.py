@@ -39,6 +39,7 @@ from mini.engine.llm import LLMEngine, RequestOutput
 from mini.parallel.balance import Placement, RankLoad, prefill_cap
 from mini.parallel.groups import DistContext, init, shutdown
 from mini.parallel.launch import run_local
+from mini.parallel.step_shape import host_group
 
 log = logging.getLogger("mini.parallel.serve")
 
@@ -159,6 +160,7 @@ class DPWorker:
     def __init__(self, engine: LLMEngine, ctx: DistContext):
         self.engine, self.ctx = engine, ctx
         self.dp = engine.runner.model
+        self.host_group = host_group(ctx) if ctx.multi else None
         self._outbox: list = []
         self.capped_steps = 0  # engine steps whose budget the prefill cap cut
 
@@ -169,7 +171,7 @@ class DPWorker:
         if not self.ctx.multi:
             return [mine]
         every = [None] * self.ctx.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=self.host_group)  # over the hosts: no wait for the devices
         return every
 
     @torch.inference_mode()
@@ -187,7 +189,7 @@ class DPWorker:
             self._outbox += [slim(o) for o in outputs]
             ran_forward = outputs.forward
         if not ran_forward:  # no forward of our own: serve the other ranks' tokens
-            self.dp.join_idle()
+            self.dp.join_idle(self.engine.runner.graphs)
         return True
 
     def _engine_step(self, cap: int | None):

@@ -1,0 +1,88 @@
+"""How EP/DP ranks agree on a step's shape before its forward, so that their MoE exchanges match.
+
+Every MoE layer of a step is a collective over all ranks, so all ranks must run the same kind of step:
+* a static decode step (mini.engine.cuda_graphs): every rank replays the CUDA graph of the SAME batch bucket, its
+  own decode rows padded up to it; the exchange inside the graph was captured with every rank sending that many
+  rows (`DPModel.forward` while capturing), so its collectives need no token counts at replay;
+* otherwise an eager step: every rank runs its forward with the step's real token counts.
+A rank without tokens of its own joins either kind with an all-padding batch (static) or an empty one (eager).
+
+Each rank reports (its token count, what its step can be: a bucket, `EAGER`, or `IDLE` = no tokens, any bucket
+will do); `decide` turns the reports into the one `StepShape` that every rank computes alike.
+
+The reports travel over a gloo group on the hosts (`host_group`), also when the MoE collectives run over NCCL: the
+agreement then never waits for a GPU, so a rank can agree on step N+1 and launch it while step N still runs on its
+device (the engine's overlapped decode steps; a count exchanged over NCCL would be read back only after step N).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mini.parallel.groups import DistContext
+
+IDLE = 0  # a rank without tokens in the step: it replays whichever bucket the others agree on
+EAGER = -1  # a rank whose step is not a static decode step (prefill, mixed, no graphs): every rank runs eagerly
+
+
+@dataclass(frozen=True)
+class StepShape:
+    counts: tuple[int, ...]  # every rank's own token count, in rank order
+    bucket: int | None  # the decode bucket every rank replays (its rows padded up to it); None: eager forwards
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def exchange_counts(self) -> list[int]:
+        """The token counts each rank sends into the MoE exchange: the bucket's rows on every rank of a static
+        step (padding rows included), the real counts of an eager one."""
+        return [self.bucket] * len(self.counts) if self.bucket is not None else list(self.counts)
+
+
+def decide(reports: list[tuple[int, int]]) -> StepShape:
+    """The step every rank runs, from every rank's (token count, bucket | EAGER | IDLE). Static only when no rank
+    needs an eager forward; then the largest bucket, which holds every rank's rows (a rank's bucket is at least
+    its row count, and every rank captured the same buckets)."""
+    counts = tuple(n for n, _ in reports)
+    codes = [c for _, c in reports]
+    for n, c in reports:
+        if n < 0 or c < EAGER or (c == IDLE and n) or (c > 0 and not 0 < n <= c):
+            raise ValueError(f"step report ({n} tokens, bucket {c}): a bucket holds the rank's rows, IDLE has none")
+    if sum(counts) == 0 or EAGER in codes:
+        return StepShape(counts, None)
+    return StepShape(counts, max(codes))
+
+
+_HOST_GROUP: tuple[object, object] | None = None  # (the default group it was made for, the gloo group)
+
+
+def host_group(ctx: DistContext):
+    """A gloo group over the same ranks for small host-side messages (step shapes, step messages): None (the
+    default group) when that is gloo already; made once per default group (every rank calls this in the same
+    order: `DPModel` makes it at construction)."""
+    global _HOST_GROUP
+    if ctx.backend in (None, "gloo"):
+        return None
+    world = dist.group.WORLD
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
+        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUP[1]
+
+
+class StepAgreement:
+    """One rank's side of the per-step agreement: one all-gather of two integers per rank, over the hosts."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.group = host_group(ctx) if ctx.multi else None
+
+    def agree(self, n_tokens: int, code: int) -> StepShape:
+        if not self.ctx.multi:
+            return decide([(n_tokens, code)])
+        mine = torch.tensor([n_tokens, code], dtype=torch.int64)
+        every = [torch.empty(2, dtype=torch.int64) for _ in range(self.ctx.world)]
+        dist.all_gather(every, mine, group=self.group)
+        return decide([(int(t[0]), int(t[1])) for t in every])

@@ -1,0 +1,93 @@
+"""EP/DP decode through the static decode path (what CUDA graphs capture) on gloo ranks: the ranks agree on one
+bucket per step (mini.parallel.step_shape), pad their rows up to it, and a rank without tokens replays the bucket
+with padding rows only; greedy tokens equal one process's. On the CPU DecodeGraphs "replays" by running the static
+step eagerly, so the agreement, the padding and the exchange's counts are all exercised here; the real capture is
+in test_dp_graphs_gpu.py."""
+import dataclasses
+
+import pytest
+import torch
+
+from mini.engine import LLM, SamplingParams
+from mini.model import load_model
+from mini.parallel.launch import spawn
+from mini.parallel.step_shape import EAGER, IDLE, StepShape, decide
+
+# rank 0 of 2 gets prompts 0, 2, 4 (bucket 4), rank 1 gets 1, 3 (bucket 2, padded to 4) and finishes first
+PROMPTS = [[5 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate([9, 19, 4, 11, 6])]
+MAX_TOKENS = [7, 2, 5, 3, 6]
+ENGINE = dict(device="cpu", dtype=torch.float32, block_tokens=32, num_blocks=24, enable_prefix_caching=False,
+              max_num_seqs=8)
+
+
+def _params():
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in MAX_TOKENS]
+
+
+def _summary(outs):
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+# ---------------------------------------------------------------------------------------------------- the rule
+def test_ranks_replay_the_largest_bucket_and_idle_ranks_join_it():
+    assert decide([(3, 4), (2, 2)]) == StepShape((3, 2), 4)
+    assert decide([(3, 4), (0, IDLE)]) == StepShape((3, 0), 4)
+    assert decide([(0, IDLE), (1, 1), (0, IDLE), (9, 16)]).bucket == 16
+    assert decide([(3, 4), (5, 8)]).exchange_counts() == [8, 8]
+
+
+def test_one_eager_rank_makes_every_rank_eager():
+    shape = decide([(3, 4), (130, EAGER), (0, IDLE)])
+    assert shape.bucket is None and shape.exchange_counts() == [3, 130, 0]
+    assert decide([(0, EAGER), (1, 1)]).bucket is None  # an idle rank without graphs
+
+
+def test_no_tokens_anywhere_is_no_step():
+    assert decide([(0, IDLE), (0, EAGER)]).total == 0
+    assert decide([(0, IDLE), (0, IDLE)]).bucket is None
+
+
+@pytest.mark.parametrize("report", [(3, 2), (0, 4), (2, IDLE), (1, -2), (-1, EAGER)])
+def test_a_report_its_bucket_cannot_hold_is_refused(report):
+    with pytest.raises(ValueError, match="step report"):
+        decide([report, (1, 1)])
+
+
+# ---------------------------------------------------------------------------------------------------- gloo ranks
+def _run_static(ctx, overlap: bool):
+    """One rank: the DP engine with the static decode path on (this spawned process only), recording every
+    replay's (bucket, real rows)."""
+    import mini.engine.model_runner as runner_module
+    from mini.engine.cuda_graphs import DecodeGraphs
+    from mini.parallel.dp import generate, load_ep_model
+    runner_module.use_cuda_graphs = lambda *a: True
+    replays, replay = [], DecodeGraphs.replay
+
+    def recorded(self, n, n_real):
+        replays.append((n, n_real))
+        return replay(self, n, n_real)
+    DecodeGraphs.replay = recorded
+    model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
+    llm = LLM(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE)
+    outs = generate(llm, ctx, PROMPTS, _params())
+    return _summary(outs), replays, dataclasses.asdict(model.kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_static_dp_decode_equals_one_process(overlap):
+    model, cfg, tok = load_model("tiny-v4.1", device="cpu", dtype=torch.float32)
+    want = _summary(LLM(model, config=cfg, tokenizer=tok, **ENGINE).generate(PROMPTS, _params()))
+    results = spawn(2, _run_static, overlap, device="cpu")
+    (outs0, replays0, kinds0), (outs1, replays1, kinds1) = results
+    assert outs0 == outs1
+    assert [t for t, _ in outs0] == [t for t, _ in want]
+    torch.testing.assert_close(torch.tensor([x for _, lp in outs0 for x in lp]),
+                               torch.tensor([x for _, lp in want for x in lp]), rtol=0, atol=1e-4)
+    # lock step: both ranks replayed the same buckets, rank 1 padded its 2 rows up to rank 0's bucket of 4, then
+    # joined rank 0's steps with padding rows only once its requests were done
+    assert [n for n, _ in replays0] == [n for n, _ in replays1]
+    assert (4, 2) in replays1 and (4, 3) in replays0
+    assert any(real == 0 for _, real in replays1) and kinds1["idle_static"] > 0
+    assert kinds0["static"] + kinds0["idle_static"] == len(replays0)
+    assert kinds0["eager"] >= 1  # the prompts' prefill
