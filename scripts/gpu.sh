@@ -411,10 +411,10 @@ phase_ep1_graphs() {  # issue 19 item 1 (ONE GPU, <= 90 s): graph-captured EP/DP
     # decode_step_p50_ms (dp_graphs vs plain: the cost of the exchange's collectives + the host agreement; dp_eager
     # for the eager path issue 19 starts from) and identical_tokens (dp_graphs vs plain).
     local rc=0
-    timeout 55 python3 -m pytest -v -m gpu -p no:cacheprovider -rfEs tests/parallel/test_dp_graphs_gpu.py \
+    timeout 60 python3 -m pytest -v -m gpu -n 2 -p no:cacheprovider -rfEs tests/parallel/test_dp_graphs_gpu.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$PHASE_DIR/tests.log" | tail -8
-    timeout 32 python3 - "$PHASE_DIR/tpot.json" <<'PY' || rc=1
+    timeout 28 python3 - "$PHASE_DIR/tpot.json" <<'PY' || rc=1
 import json, statistics, sys, time
 import torch, torch.distributed as dist
 import mini.ops
@@ -519,32 +519,50 @@ phase_det_profile() {  # issue 17 item 4 (<= 200 s): where the deterministic mod
     timeout 195 python3 tools/det_profile.py --out "$PHASE_DIR"
 }
 
-phase_det_final() {  # issue 17 item 4 (<= 310 s): the deterministic mode's cost after the tuned GEMM tiles and
-    # with FlashMLA for multi-token chunks (MINI_DET_SPARSE_ATTN=flashmla, opt-in). 1. gpu tests: every TUNED tile
-    # keeps a row's bits alone / among 7..4096 rows; FlashMLA rows alone == among load == chunked (V4.1 attention
-    # shape). 2. rank4 in ONE process (one build), modes default / det / det-flashmla, stage tables side by side.
-    # 3. tiny goodput without / with --deterministic. Look at: "passed", the "rank4 step, median ms" line (expect
-    # det ~570, det-flashmla within ~10% of default), the goodput lines (TPOT p50, req/s, failed 0).
+phase_det_final() {  # issue 17 item 4 (<= 280 s): the deterministic mode's cost, A/B in one job (the mode's
+    # default now sends multi-token chunks to FlashMLA). 1. gpu tests: every TUNED tile and the fp32 small-row tile
+    # keep a row's bits alone / among 1..4,096 rows; FlashMLA rows alone == among load == chunked; the overrides.
+    # 2. rank4 in ONE process (one build): default and det each profiled (stage tables side by side), then 4
+    # interleaved rounds x 2 timed steps of each (8 steps per mode). 3. tiny goodput without / with
+    # --deterministic, 5 bursts each (metrics over bursts 2-5). Look at: "passed"; "rank4 A/B interleaved" (det's
+    # median per-round ratio to default: target <= 1.10); the stage table; the goodput lines (TPOT p50, req/s,
+    # failed 0).
     local rc=0 f
-    # -v: each result as it completes (a cut run still says which passed); the TUNED tiles' test first (on by default)
-    timeout 55 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+    # -v: each result as it completes (a cut run still says which passed)
+    timeout 70 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
         tests/kernels/test_batch_invariant.py::test_every_weight_shape_config_keeps_rows_invariant_gpu \
+        tests/kernels/test_batch_invariant.py::test_fp32_small_rows_tile_equals_the_default_tile_gpu \
         tests/ops/test_deterministic_attention.py \
         tests/kernels/test_batch_invariant.py::test_overrides_make_cuda_gemms_batch_invariant \
         --junitxml="$PHASE_DIR/junit.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || rc=1
-    # 130 s: at 36c16dc 65 s ended the run after its 30.7 s build, before any mode's steps (no numbers)
-    timeout 130 python3 tools/det_profile.py --modes default,det,det-flashmla --gemms none --steps 2 \
-        --profile-steps 2 --out "$PHASE_DIR" || rc=1
-    # 60 s each: a server start with its warm-up takes ~10 s before the bench (30 s left no JSON at 36c16dc)
-    timeout 60 mini bench tiny-goodput --json "$PHASE_DIR/goodput_default.json" \
+    # ~100 s at 56388c4 with three modes (a 30 s build; det-triton, 574 ms a step, is left out now)
+    timeout 130 python3 tools/det_profile.py --modes default,det --gemms none --steps 2 --profile-steps 1 \
+        --ab-rounds 4 --ab-steps 2 --out "$PHASE_DIR" || rc=1
+    # 60 s each: a server start with its warm-up takes ~10 s before the bench
+    timeout 60 mini bench tiny-goodput --repeat 5 --json "$PHASE_DIR/goodput_default.json" \
         >"$PHASE_DIR/goodput_default.log" 2>&1 || rc=1
-    timeout 60 mini bench tiny-goodput --deterministic --json "$PHASE_DIR/goodput_det.json" \
+    timeout 60 mini bench tiny-goodput --repeat 5 --deterministic --json "$PHASE_DIR/goodput_det.json" \
         >"$PHASE_DIR/goodput_det.log" 2>&1 || rc=1
     for f in "$PHASE_DIR"/goodput_*.json; do
         python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['metrics']; print(sys.argv[1], \
 {k: round(v, 3) for k, v in m.items() if k in ('tpot_p50_ms', 'tpot_p99_ms', 'ttft_p50_ms', 'output_tok_s', \
 'request_throughput', 'goodput_req_s', 'failed')})" "$f" || rc=1
     done
+    return $rc
+}
+
+phase_det_gemm() {  # issue 17 item 4 (<= 170 s, no model build): the batch-invariant GEMM's kernel variants at the
+    # rank4 step's GEMM shapes (tools/det_profile.py --variants-only: TMA descriptors, persistent, warp-specialized,
+    # 128x256 tiles for bf16; 16-row tiles and the FMA-chain "fma-rows" kernel for the fp32 head at 1 and 16 rows),
+    # each timed (ms, TFLOP/s) next to cuBLAS and the current kernel, with its fp32 sums compared bit for bit with
+    # the current kernel's (fp32: with the default 64x64 tile's, rows alone too). First the gpu test of the new
+    # fp32 small-row tile. Look at: "passed"; per shape the "variants ..." line, one line per variant ("same bits:
+    # True/False" or "failed: ..."), "best with the current bits"; the closing "per step over these shapes" line.
+    local rc=0
+    timeout 40 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/kernels/test_batch_invariant.py::test_fp32_small_rows_tile_equals_the_default_tile_gpu \
+        --junitxml="$PHASE_DIR/junit.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || rc=1
+    timeout 150 python3 tools/det_profile.py --variants-only --out "$PHASE_DIR" || rc=1
     return $rc
 }
 
