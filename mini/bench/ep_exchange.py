@@ -82,6 +82,10 @@ def _rank(ctx: DistContext, args) -> dict[str, list[float]]:
     ids = torch.randint(0, args.experts, (n, k), generator=g, device=dev)
     partial = torch.randn(ctx.world * n, d, generator=g, device=dev)  # the experts' stand-in output
     own = torch.randn(n, d, generator=g, device=dev)
+
+    def stand_in(rows, *_):  # the experts' output: one fp32 row per gathered row (of one micro-batch under overlap)
+        return partial[: rows.shape[0]]
+
     ex = MoEExchange(ctx)
     ex.begin_step(n)
     send, _ = ex.pack(x, weights, ids, args.block)
@@ -90,10 +94,10 @@ def _rank(ctx: DistContext, args) -> dict[str, list[float]]:
     fused = {}
     if dev.type == "cuda":  # the fused pack is a Triton kernel (on the CPU only under the interpreter)
         fused["exchange_fused"] = _timed(ctx, lambda: ex.exchange_wire(
-            x, weights, ids, args.block, experts=lambda *_: partial, local=lambda: own), args.iters, args.warmup)
+            x, weights, ids, args.block, experts=stand_in, local=lambda: own), args.iters, args.warmup)
     return {
         **fused,
-        "exchange": _timed(ctx, lambda: ex.exchange(x, weights, ids, args.block, experts=lambda *_: partial,
+        "exchange": _timed(ctx, lambda: ex.exchange(x, weights, ids, args.block, experts=stand_in,
                                                     local=lambda: own), args.iters, args.warmup),
         "all_gather": _timed(ctx, lambda: all_gather(recv, send), args.iters, args.warmup),
         "reduce_scatter": _timed(ctx, lambda: reduce_scatter(scattered, partial), args.iters, args.warmup),

@@ -276,10 +276,11 @@ def expert_ffn(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, limit: fl
 
 @staged("moe.routed")
 def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
-           ids: torch.Tensor) -> torch.Tensor:
-    """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0."""
+           ids: torch.Tensor, layer_pairs: int | None = None) -> torch.Tensor:
+    """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0.
+    `layer_pairs`: see `_routed_fast`."""
     if _fast_ok(x, ids, w):
-        return _routed_fast(x, w, weights, ids, torch.float32)
+        return _routed_fast(x, w, weights, ids, torch.float32, layer_pairs=layer_pairs)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for i, e in enumerate(w.experts):
         tok, slot = torch.where(ids == e)
@@ -342,10 +343,13 @@ def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
 
 
 def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
-                 add: torch.Tensor | None = None, add_at: int = 0) -> torch.Tensor:
+                 add: torch.Tensor | None = None, add_at: int = 0, layer_pairs: int | None = None) -> torch.Tensor:
     """The routed experts through the GPU kernels: sort the (token, slot) pairs by local expert, the experts'
     GEMMs (Humming's when the experts were converted, else ours), then per token the sum of its local rows in
-    slot order (+ `add` on the rows from `add_at`). x: a tensor, or `FP8Rows` (`routed_wire`)."""
+    slot order (+ `add` on the rows from `add_at`). x: a tensor, or `FP8Rows` (`routed_wire`).
+    `layer_pairs` (default ids.numel()): the (token, slot) pairs of the whole layer when `ids` are one micro-batch
+    of it (the EP exchange's overlap): Humming picks its tile config, and with it a row's rounding, from the
+    expected row count, so every micro-batch takes the whole layer's config."""
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
@@ -357,20 +361,21 @@ def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out
     with stage("moe.routed.route_plan"):
         plan = plan_routes(ids, weights, w.experts, BLOCK_M, tiles=w.humming is None)
     rows = _rows_humming if w.humming is not None else _rows_triton
-    y = rows(x, w, plan, ids.numel() * len(w.experts) // w.gate.shape[0], act_quant)
+    y = rows(x, w, plan, (layer_pairs or ids.numel()) * len(w.experts) // w.gate.shape[0], act_quant)
     with stage("moe.routed.combine"):
         return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add, add_at=add_at)
 
 
 @staged("moe.routed")
 def routed_wire(rows, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor,
-                add_at: int) -> torch.Tensor:
+                add_at: int, layer_pairs: int | None = None) -> torch.Tensor:
     """`routed` for rows that arrived in the EP exchange's FP8 wire form (`mini.kernels.fp8_act_quant.FP8Rows`,
     N rows, their ids / weights [N, k] as views of the same buffer; id -1: a padding row), plus `add` (this rank's
     shared expert output, fp32 or bf16 [A, D]) on the rows add_at..add_at + A, fp32 [N, D]. The rows are decoded in
     the pass that gathers them for the GEMMs (where the one-device path quantizes), and `add` is summed in the
-    combine, last, as `moe` sums the shared expert. Only where `routed_wire_ok`."""
-    return _routed_fast(rows, w, weights, ids, torch.float32, add=add, add_at=add_at)
+    combine, last, as `moe` sums the shared expert. Only where `routed_wire_ok`. `layer_pairs`: see
+    `_routed_fast`."""
+    return _routed_fast(rows, w, weights, ids, torch.float32, add=add, add_at=add_at, layer_pairs=layer_pairs)
 
 
 def routed_wire_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:

@@ -26,6 +26,20 @@ The glue around the collectives comes in two forms, chosen by MINI_EP_GLUE (or `
 * "eager": the torch-op pack / unpack / add around the same collectives; also every other case (CPU reference,
   fp32, fake quant off). Kept for A/B (`mini bench ep-exchange --glue`).
 
+Communication overlapped with compute (issue 18 item 3), MINI_EP_OVERLAP=N (or `MoEExchange(micro_batches=)`;
+default 1, off, until measured on 2 GPUs): each rank's tokens are split into N micro-batches (rank r's i-th holds
+its tokens [T_r i / N, T_r (i + 1) / N)), each with its own padded send buffer, all-gather and reduce-scatter, all
+issued asynchronously: every all-gather is in flight before the shared expert runs, the i-th reduce-scatter runs
+under the experts of micro-batch i + 1, and only the last one's reduce-scatter (1/N of the bytes) and whatever
+part of the first all-gather outlasts the shared expert stay exposed. The gate and the shared expert still see the
+whole layer. A token's row goes through the same kernels with the same per-row math in whichever micro-batch it
+sits: the grouped GEMMs' tiles do not depend on a row's neighbours once the tile config is fixed, and every
+micro-batch takes the whole layer's config (`routed(layer_pairs=)`); the combine sums a token's slots in slot
+order within its own micro-batch. So the overlapped output equals the plain one bit for bit on the fast path (the
+tests check it on the interpreted kernels), and EP2's cross-rank sum of two values is order-free. The CPU
+reference's per-expert torch GEMMs (oneDNN / MKL) may block rows by M, so there the guarantee is the reference's
+own (within fp32 rounding), not bits.
+
 Call `begin_step(n_tokens)` once per forward step (it exchanges the token counts); a rank without tokens in a step
 where others have some still runs every MoE layer, with an empty input (`join_idle`).
 """
@@ -75,6 +89,61 @@ def glue_choice(glue: str | None = None) -> str:
     return choice
 
 
+def overlap_choice(micro_batches: int | None = None) -> int:
+    """`micro_batches`, else MINI_EP_OVERLAP, else 1: how many micro-batches each MoE layer's exchange is split
+    into (1: not overlapped; "off" = 1, "on" = 2); anything but a positive integer is refused."""
+    if micro_batches is None:
+        text = os.environ.get("MINI_EP_OVERLAP", "").strip().lower() or "1"
+        micro_batches = {"off": 1, "on": 2}.get(text)
+        if micro_batches is None:
+            try:
+                micro_batches = int(text)
+            except ValueError:
+                micro_batches = 0
+        if micro_batches < 1:
+            raise ValueError(f"MINI_EP_OVERLAP={text!r}: give the micro-batches per MoE layer (1 = off, 2, 4, ...),"
+                             " or off / on")
+    elif micro_batches < 1:
+        raise ValueError(f"EP exchange micro_batches must be >= 1, got {micro_batches}")
+    return micro_batches
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step's exchange: every rank's rows of it (`counts`) and where they start among that
+    rank's tokens (`starts`). Rows travel padded to the largest count, `t_max`."""
+    counts: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def t_max(self) -> int:
+        return max(self.counts)
+
+    def rows(self, rank: int) -> slice:
+        """This micro-batch's rows of `rank`'s tokens."""
+        return slice(self.starts[rank], self.starts[rank] + self.counts[rank])
+
+    def valid_rows(self, device) -> torch.Tensor | None:
+        """Indices of the real rows in the padded gathered layout, rank by rank (None: no padding)."""
+        t_max = self.t_max
+        if min(self.counts) == t_max:
+            return None
+        return torch.cat([torch.arange(r * t_max, r * t_max + n, device=device) for r, n in enumerate(self.counts)])
+
+
+def micro_batches(counts: list[int], n: int) -> list[MicroBatch]:
+    """Each rank's tokens split into `n` contiguous parts of near-equal size (every rank computes the same split
+    from the exchanged counts); parts in which no rank has a row are dropped, so a step of one token per rank runs
+    one exchange, not n."""
+    parts = []
+    for i in range(n):
+        starts = tuple(t * i // n for t in counts)
+        sizes = tuple(t * (i + 1) // n - a for t, a in zip(counts, starts))
+        if any(sizes):
+            parts.append(MicroBatch(sizes, starts))
+    return parts or [MicroBatch(tuple(counts), (0,) * len(counts))]
+
+
 @dataclass(frozen=True)
 class WireRow:
     """One token's bytes on the wire in the FP8 form: expert ids int32 [k], routing weights fp32 [k], e4m3 codes
@@ -102,9 +171,10 @@ class MoEExchange:
     `ctx`; pass it as `Model(..., moe_exchange=...)` on a rank that holds the routed experts
     `mini.checkpoint.expert_range(config, ctx.rank, ctx.world)` (`mini.parallel.dp.DPModel` does both)."""
 
-    def __init__(self, ctx: DistContext, glue: str | None = None):
+    def __init__(self, ctx: DistContext, glue: str | None = None, micro_batches: int | None = None):
         self.ctx = ctx
         self.glue = glue_choice(glue)
+        self.micro_batches = overlap_choice(micro_batches)  # per MoE layer; 1: communication not overlapped
         self.counts: list[int] | None = None
         self._rows: torch.Tensor | None = None  # valid rows of the padded gather (None: no padding)
         # diagnostics (`mini bench ep-exact --trace`): called as trace(layer, site, tensor) with this rank's
@@ -128,9 +198,7 @@ class MoEExchange:
         """Every rank's token count of this step (what `begin_step` exchanges; `mini bench ep-exchange --glue`
         sets them itself to run the glue without collectives)."""
         self.counts = list(counts)
-        t_max = max(self.counts)
-        self._rows = None if min(self.counts) == t_max else torch.cat(
-            [torch.arange(r * t_max, r * t_max + n, device=self.ctx.device) for r, n in enumerate(self.counts)])
+        self._rows = MicroBatch(tuple(self.counts), (0,) * len(self.counts)).valid_rows(self.ctx.device)
 
     def join_idle(self, layers: Iterable[tuple[MoEWeights, LayerPlan]], cfg: ModelConfig,
                   dtype: torch.dtype) -> None:
@@ -157,10 +225,13 @@ class MoEExchange:
             self._record("shared", own)
             return (mine + own).to(x.dtype)
         if self.glue == "fused" and routed_wire_ok(x, ids, w):
-            return self.exchange_wire(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w, x.dtype),
-                                      experts=lambda rows, wa, ia, add, at: routed_wire(rows, w, wa, ia, add, at))
-        out = self.exchange(x, weights, ids, cfg.fp8_block,
-                            experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia), local=lambda: shared(x, w))
+            pairs = self.ctx.world * max(self.counts) * ids.shape[1]  # the gathered ids, padding included
+            return self.exchange_wire(
+                x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w, x.dtype),
+                experts=lambda rows, wa, ia, add, at: routed_wire(rows, w, wa, ia, add, at, layer_pairs=pairs))
+        pairs = sum(self.counts) * ids.shape[1]
+        out = self.exchange(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w),
+                            experts=lambda xa, wa, ia: routed(xa, w, cfg, wa, ia, layer_pairs=pairs))
         return out.to(x.dtype)
 
     def _record(self, site: str, t: torch.Tensor) -> None:
@@ -170,15 +241,28 @@ class MoEExchange:
     def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block: int, experts, local
                  ) -> torch.Tensor:
         """The communication around the experts: all-gather the rows, `experts(x_all, weights_all, ids_all)` ->
-        fp32 partial sums, reduce-scatter them, add `local()` (fp32, computed while the all-gather is in flight);
-        returns fp32 [T, D] for this rank's tokens. `mini.bench.ep_exchange` times it with stand-in experts."""
-        send, widths = self.pack(x, weights, ids, block)
-        recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
-        pending = all_gather(recv, send, async_op=True)
+        fp32 partial sums, reduce-scatter them, add `local()` (fp32, computed while the all-gathers are in flight);
+        returns fp32 [T, D] for this rank's tokens. In `micro_batches` parts (the module doc's overlap): each part's
+        reduce-scatter runs under the next part's experts. `mini.bench.ep_exchange` times it with stand-in
+        experts."""
+        rank = self.ctx.rank
+        gathers = []
+        for part in micro_batches(self.counts, self.micro_batches):
+            r = part.rows(rank)
+            send, widths = self.pack(x[r], weights[r], ids[r], block, part)
+            recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
+            gathers.append((part, send, recv, widths, all_gather(recv, send, async_op=True)))
         own = local()
-        pending.wait()
-        partial = experts(*self._unpack(recv, widths, x.dtype, block))  # fp32 [sum T, D]
-        mine = self._scatter(partial)[: x.shape[0]]
+        scatters = []
+        for part, _send, recv, widths, pending in gathers:
+            pending.wait()
+            partial = experts(*self._unpack(recv, widths, x.dtype, block, part))  # fp32 [sum of counts, D]
+            scatters.append((part, *self._scatter(partial, part)))
+        routed_sum = []
+        for part, out, _partial, pending in scatters:
+            pending.wait()
+            routed_sum.append(out[: x[part.rows(rank)].shape[0]])
+        mine = routed_sum[0] if len(routed_sum) == 1 else torch.cat(routed_sum)
         self._record("routed", mine)
         self._record("shared", own)
         return mine + own
@@ -186,33 +270,47 @@ class MoEExchange:
     def exchange_wire(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, block: int, experts, local
                       ) -> torch.Tensor:
         """`exchange` with the glue in the kernels (the module doc's "fused"), in x.dtype [T, D]. `experts(rows,
-        weights_all, ids_all, add, add_at)` -> fp32 [world * T_max, D] partial sums over the padded gathered rows
-        (`FP8Rows`, ids -1 on padding rows), with `add` = `local()` ([T, D], bf16 values in bf16 or fp32) summed
-        into rows add_at.."""
+        weights_all, ids_all, add, add_at)` -> fp32 [world * t_max, D] partial sums over one part's padded gathered
+        rows (`FP8Rows`, ids -1 on padding rows), with `add` = this part's rows of `local()` ([A, D], bf16 values in
+        bf16 or fp32) summed into rows add_at.."""
         from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
-        t_max, rank = max(self.counts), self.ctx.rank
+        rank, world = self.ctx.rank, self.ctx.world
         row = WireRow(ids.shape[1], x.shape[1], block)
-        send = torch.empty(t_max, row.width, dtype=torch.uint8, device=x.device)
-        ids_out, weights_out, codes, scales = row.fields(send)
-        fp8_act_quant_wire(x, block, codes, scales, ids, weights, ids_out, weights_out)
-        recv = send.new_empty(self.ctx.world * t_max, row.width)
-        pending = all_gather(recv, send, async_op=True)
+        gathers = []
+        for part in micro_batches(self.counts, self.micro_batches):
+            r = part.rows(rank)
+            send = torch.empty(part.t_max, row.width, dtype=torch.uint8, device=x.device)
+            ids_out, weights_out, codes, scales = row.fields(send)
+            fp8_act_quant_wire(x[r], block, codes, scales, ids[r], weights[r], ids_out, weights_out)
+            recv = send.new_empty(world * part.t_max, row.width)
+            gathers.append((part, send, recv, all_gather(recv, send, async_op=True)))
         own = local()
-        pending.wait()
-        ids_all, weights_all, codes, scales = row.fields(recv)
-        partial = experts(FP8Rows(codes, scales, block, x.dtype), weights_all, ids_all, own, rank * t_max)
-        out = torch.empty(t_max, x.shape[1], dtype=torch.float32, device=x.device)
-        reduce_scatter(out, partial)
-        mine = out[: x.shape[0]]
+        scatters = []
+        for part, _send, recv, pending in gathers:
+            pending.wait()
+            ids_all, weights_all, codes, scales = row.fields(recv)
+            partial = experts(FP8Rows(codes, scales, block, x.dtype), weights_all, ids_all, own[part.rows(rank)],
+                              rank * part.t_max)
+            out = torch.empty(part.t_max, x.shape[1], dtype=torch.float32, device=x.device)
+            scatters.append((part, out, partial, reduce_scatter(out, partial, async_op=True)))
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        routed_sum = []
+        for part, out, _partial, pending in scatters:
+            pending.wait()
+            r = part.rows(rank)
+            mine = out[: y[r].shape[0]]
+            y[r] = mine  # the one rounding left (copy_ rounds as .to does)
+            routed_sum.append(mine)
         if self.trace is not None:  # the routed sum alone: exact when routed + shared is (see docs/parallel.md)
-            self._record("routed", mine - own.float())
+            self._record("routed", torch.cat(routed_sum) - own.float())
             self._record("shared", own.float())
-        return mine.to(x.dtype)
+        return y
 
-    def pack(self, x, weights, ids, block) -> tuple[torch.Tensor, list[int]]:
-        """One byte row per token, padded to the step's largest count: (rows [T_max, width], field widths).
-        The 4-byte fields come first and rows are padded to 16 bytes: a one-row piece of the split in `_unpack`
-        stays a view, and reading it as int32 / fp32 needs aligned offsets and strides."""
+    def pack(self, x, weights, ids, block, part: MicroBatch | None = None) -> tuple[torch.Tensor, list[int]]:
+        """One byte row per token, padded to the largest count of `part` (default: the whole step): (rows
+        [t_max, width], field widths). The 4-byte fields come first and rows are padded to 16 bytes: a one-row
+        piece of the split in `_unpack` stays a view, and reading it as int32 / fp32 needs aligned offsets and
+        strides."""
         payload = [ids.to(torch.int32).view(torch.uint8), weights.float().contiguous().view(torch.uint8)]
         if fake_quant_enabled():
             payload += list(encode_fp8(x, block))
@@ -221,30 +319,34 @@ class MoEExchange:
         widths = [p.shape[1] for p in payload]
         used = sum(widths)
         widths.append(-used % 16)
-        send = x.new_zeros(max(self.counts), used + widths[-1], dtype=torch.uint8)
+        send = x.new_zeros(part.t_max if part else max(self.counts), used + widths[-1], dtype=torch.uint8)
         send[: x.shape[0], :used] = torch.cat(payload, dim=1)
         return send, widths
 
-    def _unpack(self, recv, widths, dtype, block):
-        """The valid rows of all ranks, in rank order: (x [sum T, D] in `dtype`, weights fp32, ids int64)."""
-        if self._rows is not None:
-            recv = recv[self._rows]
+    def _unpack(self, recv, widths, dtype, block, part: MicroBatch | None = None):
+        """The valid rows of all ranks of `part` (default: the whole step), in rank order: (x [sum T, D] in
+        `dtype`, weights fp32, ids int64)."""
+        rows = part.valid_rows(recv.device) if part else self._rows
+        if rows is not None:
+            recv = recv[rows]
         n, k = recv.shape[0], widths[0] // 4
-        parts = [p.contiguous() for p in torch.split(recv, widths, dim=1)]
-        ids = parts[0].view(torch.int32).view(n, k).long()
-        weights = parts[1].view(torch.float32).view(n, k)
-        if len(parts) == 5:  # ids, weights, e4m3 codes, E8M0 scales, padding
-            x = decode_fp8(parts[2], parts[3], block, dtype)
+        fields = [p.contiguous() for p in torch.split(recv, widths, dim=1)]
+        ids = fields[0].view(torch.int32).view(n, k).long()
+        weights = fields[1].view(torch.float32).view(n, k)
+        if len(fields) == 5:  # ids, weights, e4m3 codes, E8M0 scales, padding
+            x = decode_fp8(fields[2], fields[3], block, dtype)
         else:  # ids, weights, raw activations, padding
-            x = parts[2].view(dtype).view(n, parts[2].shape[1] // dtype.itemsize)
+            x = fields[2].view(dtype).view(n, fields[2].shape[1] // dtype.itemsize)
         return x, weights, ids
 
-    def _scatter(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' fp32 partial outputs; rank r gets the rows of its own tokens (padded to the step max)."""
-        t_max = max(self.counts)
-        if self._rows is not None:
+    def _scatter(self, partial: torch.Tensor, part: MicroBatch):
+        """Start summing the ranks' fp32 partial outputs of `part`; rank r gets the rows of its own tokens (padded
+        to the part's largest count): (out [t_max, D], the padded input (kept until the sum is done), the
+        pending work)."""
+        t_max, rows = part.t_max, part.valid_rows(partial.device)
+        if rows is not None:
             padded = torch.zeros(self.ctx.world * t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
-            partial = padded.index_copy_(0, self._rows, partial)
+            partial = padded.index_copy_(0, rows, partial)
+        partial = partial.contiguous()
         out = torch.empty(t_max, partial.shape[1], dtype=partial.dtype, device=partial.device)
-        reduce_scatter(out, partial.contiguous())
-        return out
+        return out, partial, reduce_scatter(out, partial, async_op=True)
