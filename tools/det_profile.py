@@ -1,7 +1,7 @@
 """Where the deterministic mode's cost goes on rank4 (issue 17 item 4): one model build, then
 
 1. the rank4 step per stage (mini.bench.profile's stages) and its 20 costliest GPU kernels in each of `--modes`
-   (default: the mode off, then on; det-flashmla: on with MINI_DET_SPARSE_ATTN=flashmla), side by side;
+   (default: the mode off, then on; det-triton: on with MINI_DET_SPARSE_ATTN=triton), side by side;
 2. every GEMM the step sends to aten under the mode (op, dtype, batch, M, N, K, operand layouts, calls per step),
    recorded by a dispatch mode over one step;
 3. each of those GEMMs timed alone on random data: cuBLAS (the mode off) vs the batch-invariant kernel at its
@@ -10,8 +10,15 @@
    fixed config of mini/kernels/batch_invariant.py timed, the fastest printed with what it would save per step,
    and the table as `TUNED` entries (a config keyed by (dtype, N, K) is never chosen by M: invariance holds).
 
-`python3 tools/det_profile.py --out DIR [--modes ...] [--gemms none|bench|sweep] [rank4 args]` (scripts/gpu.sh
-phases det_profile, det_final); DIR/det_profile.json holds everything printed. On a CPU (e.g. `--preset tiny-v4.1 --device cpu --tokens 64`) it runs 1 and 2 only.
+5. with --ab-rounds R: R interleaved rounds of every mode (one build, --ab-steps timed steps each per round), the
+   A/B that the mode's cost is read from (issue 17: det at most 1.10x default);
+6. --variants-only (no model): the kernel variants of batch_invariant.py (VARIANTS: TMA, persistent, warp-
+   specialized, fp32 small-row tiles) at the rank4 GEMM shapes (RANK4_GEMMS), timed and compared bit for bit with
+   the current kernel.
+
+`python3 tools/det_profile.py --out DIR [--modes ...] [--gemms none|bench|sweep] [--ab-rounds R] [rank4 args]`
+(scripts/gpu.sh phases det_profile, det_final, det_gemm); DIR/det_profile.json holds everything printed.
+On a CPU (e.g. `--preset tiny-v4.1 --device cpu --tokens 64`) it runs 1, 2 and 5.
 """
 from __future__ import annotations
 
@@ -91,14 +98,24 @@ def top_kernels(r, cuda: bool, n: int = 20) -> list[dict]:
     return rows[:n]
 
 
-MODES = ("default", "det", "det-flashmla")  # --modes: the mode off; on; on with MINI_DET_SPARSE_ATTN=flashmla
+# --modes: the mode off; on (FlashMLA for multi-token chunks, the mode's default); on with every query on our
+# Triton attention kernel (MINI_DET_SPARSE_ATTN=triton). "det-flashmla" is "det" (its name before FlashMLA became
+# the default)
+MODES = ("default", "det", "det-triton", "det-flashmla")
+
+
+def set_mode(r, mode: str) -> None:
+    """Switches the process to `mode` between two steps of the same build."""
+    from mini.ops import attention
+    if mode not in MODES:
+        raise SystemExit(f"--modes: unknown mode {mode!r}; known: {MODES}")
+    mini.ops.set_deterministic(mode != "default")
+    attention.DET_SPARSE_ATTN = "triton" if mode == "det-triton" else "flashmla"
+    getattr(r.batch, "_layouts", {}).clear()  # a reused batch's row lists were built under the previous mode
 
 
 def profile_mode(r, mode: str, args, cuda: bool) -> dict:
-    from mini.ops import attention
-    mini.ops.set_deterministic(mode != "default")
-    attention.DET_SPARSE_ATTN = "flashmla" if mode == "det-flashmla" else "triton"
-    getattr(r.batch, "_layouts", {}).clear()  # a reused batch's row lists were built under the previous mode
+    set_mode(r, mode)
     for _ in range(args.warmup):
         r.step()
     _sync(cuda)
@@ -110,6 +127,30 @@ def profile_mode(r, mode: str, args, cuda: bool) -> dict:
             "median_step_ms": statistics.median(plain),
             "stages_ms_per_step": report(totals, statistics.mean(timed), len(timed)),
             "top_kernels": top_kernels(r, cuda)}
+
+
+def ab_rounds(r, modes: list[str], rounds: int, steps: int, cuda: bool) -> dict:
+    """Interleaved A/B: `rounds` rounds, each running every mode in turn (one untimed step after the switch, then
+    `steps` timed ones), so that a drift of the machine (clocks, temperature) over the run falls on every mode
+    alike. Per mode: every timed step, the median; per other mode: the median of its per-round ratio to the
+    first mode's median of the same round."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    for _ in range(rounds):
+        med = {}
+        for m in modes:
+            set_mode(r, m)
+            r.step()
+            _sync(cuda)
+            t = prefill.time_steps(r, steps)
+            times[m] += t
+            med[m] = statistics.median(t)
+        for m in modes[1:]:
+            ratios[m].append(med[m] / med[modes[0]])
+    return {"rounds": rounds, "steps_per_round": steps, "step_ms": times,
+            "median_step_ms": {m: statistics.median(t) for m, t in times.items()},
+            "median_ratio_to_" + modes[0]: {m: statistics.median(x) for m, x in ratios.items()},
+            "ratios_per_round": ratios}
 
 
 def _operands(key, device):
@@ -212,6 +253,110 @@ def bench_gemms(seen: Counter, device="cuda", sweep: bool = True) -> tuple[list[
     return rows, swept
 
 
+# the GEMMs of one deterministic rank4 step (H200 at 56388c4, phase det_final): key as GemmShapes records it -> calls
+RANK4_GEMMS = {
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 512, 5120, "N", "T"): 41,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 1280, 5120, "N", "T"): 40,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 32768, 1280, "N", "T"): 40,
+    ("bmm", "bfloat16", "bfloat16", 8, 4096, 1024, 4096, "N", "T"): 40,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 5120, 8192, "N", "T"): 40,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 4608, 5120, "N", "T"): 40,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 5120, 2304, "N", "T"): 40,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 4096, 1280, "N", "T"): 8,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 32, 5120, "N", "T"): 8,
+    ("mm", "bfloat16", "float32", 1, 4096, 512, 5120, "N", "T"): 6,
+    ("mm", "bfloat16", "bfloat16", 1, 2048, 128, 512, "N", "T"): 3,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 25600, 6144, "N", "T"): 2,
+    ("mm", "bfloat16", "bfloat16", 1, 4096, 128, 512, "N", "T"): 1,
+    ("mm", "float32", "float32", 1, 1, 129280, 5120, "N", "T"): 1,
+}
+# the kernel variants of mini/kernels/batch_invariant.py measured by --variants-only: (BM, BN, BK, warps, stages,
+# GROUP_M, kernel); BK the dtype's (the sums must stay the current kernel's)
+VARIANTS = {
+    torch.bfloat16: [(128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
+                     (128, 128, 64, 4, 4, 8, "tma"),
+                     (128, 128, 64, 8, 3, 8, "tma-persistent"), (128, 256, 64, 8, 3, 8, "tma-persistent"),
+                     (256, 128, 64, 8, 3, 8, "tma-persistent"), (128, 128, 64, 4, 4, 8, "tma-persistent"),
+                     (128, 128, 64, 4, 3, 8, "tma-persistent-ws"), (128, 256, 64, 8, 3, 8, "tma-persistent-ws"),
+                     (128, 128, 64, 8, 3, 8, "tma-persistent-ws"),
+                     (128, 256, 64, 8, 3, 8, "pointer")],
+    torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
+                    (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
+                    (16, 32, 32, 1, 3, 8, "pointer"),
+                    (16, 32, 32, 1, 1, 8, "fma-rows"), (16, 64, 32, 2, 1, 8, "fma-rows"),
+                    (16, 128, 32, 4, 1, 8, "fma-rows"), (16, 256, 32, 8, 1, 8, "fma-rows"),
+                    (16, 128, 32, 4, 2, 8, "fma-rows")],
+}
+MAX_VARIANT_SHAPES = 8  # bf16 weight shapes measured, the most work per step first (plus every fp32 one)
+
+
+def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
+    """Each kernel variant (VARIANTS) at the step's heaviest GEMM shapes: ms and TFLOP/s next to cuBLAS and the
+    current kernel (config_for's choice), and whether its fp32 sums are the current kernel's bit for bit (a
+    variant that differs must not be used: rows would round differently at other row counts). fp32 calls of few
+    rows (the head) are also run at 16 rows, each variant's rows compared with the default 64 x 64 tile's over the
+    same 16 rows: the small-row tile must give a row the bits the large-M tile gives it."""
+    import triton
+
+    from mini.kernels import batch_invariant as bi
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    f32 = torch.float32
+    work = {key: calls * key[3] * key[4] * key[5] * key[6] for key, calls in seen.items()}
+    bf16 = sorted((k for k in seen if k[1] == "bfloat16"), key=lambda k: -work[k])[:MAX_VARIANT_SHAPES]
+    rows_out, total = [], {"cublas": 0.0, "current": 0.0, "best_same_bits": 0.0}
+    for key in bf16 + [k for k in seen if k[1] == "float32"]:
+        a, b, add, odt = _operands(key, device)
+        m_list = [key[4]] if key[1] == "bfloat16" or key[4] > bi.SMALL_ROWS else sorted({key[4], bi.SMALL_ROWS})
+        for m in m_list:
+            if m > a.shape[1]:  # the head's 16-row run: fresh rows
+                a = torch.randn(a.shape[0], m, a.shape[2], device=device).to(a.dtype)
+            k_m = key[:4] + (m,) + key[5:]
+            am = a[:, :m]
+            want = _cublas(k_m, am, b, add, odt)().float().reshape(key[3], m, key[5])
+            cur32 = bi.bmm(am, b, out_dtype=f32)
+            if key[1] == "float32":  # a row's bits from the large-M tile (what it gets among >= 17 rows)
+                cur32 = bi.bmm(am, b, out_dtype=f32, config=bi.CONFIGS[f32])
+            cub = bench(_cublas(k_m, am, b, add, odt))
+            cur = bench(lambda: bi.bmm(am, b, out_dtype=odt, add=add))
+            row = {"gemm": k_m, "calls_per_step": seen[key], "cublas_ms": cub, "current_ms": cur,
+                   "current_config": str(bi.config_for(a.dtype, key[5], key[6], m)), "variants": {}}
+            print(f"  variants {k_m} x{seen[key]}: cuBLAS {cub:.4f} ms ({_tflops(k_m, cub):.0f} TFLOP/s), current "
+                  f"{row['current_config']} {cur:.4f} ms ({_tflops(k_m, cur):.0f})", flush=True)
+            for v in VARIANTS.get(a.dtype, []):
+                cfg = bi.TileConfig(*v)
+                try:
+                    got = bi.bmm(am, b, out_dtype=f32, config=cfg)
+                    rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                    if not rel < 1e-2:
+                        raise ValueError(f"relative error {rel:.3g} vs cuBLAS")
+                    same = torch.equal(got, cur32)
+                    if key[1] == "float32":  # and each row alone
+                        same = same and all(torch.equal(bi.bmm(am[:, r:r + 1], b, out_dtype=f32, config=cfg),
+                                                        cur32[:, r:r + 1]) for r in (0, m - 1))
+                    t = bench(lambda: bi.bmm(am, b, out_dtype=odt, add=add, config=cfg))
+                    row["variants"][str(v)] = {"ms": t, "tflops": _tflops(k_m, t), "same_bits": same}
+                    print(f"    {v}: {t:.4f} ms ({_tflops(k_m, t):.0f} TFLOP/s) same bits: {same}", flush=True)
+                except Exception as e:  # a variant this GPU / Triton cannot build: named, skipped
+                    row["variants"][str(v)] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+                    print(f"    {v}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            ok = {"current": cur} | {v: x["ms"] for v, x in row["variants"].items() if x.get("same_bits")}
+            row["best_same_bits"] = min(ok, key=ok.get)
+            best_ms = ok[row["best_same_bits"]]
+            if m == key[4]:
+                total["cublas"] += cub * seen[key]
+                total["current"] += cur * seen[key]
+                total["best_same_bits"] += best_ms * seen[key]
+            print(f"    best with the current bits: {row['best_same_bits']} {best_ms:.4f} ms "
+                  f"({_tflops(k_m, best_ms):.0f} TFLOP/s)", flush=True)
+            rows_out.append(row)
+    print(f"  per step over these shapes: cuBLAS {total['cublas']:.1f} ms, current {total['current']:.1f} ms, "
+          f"best same-bits variant {total['best_same_bits']:.1f} ms", flush=True)
+    return [{"per_step_ms": total}] + rows_out
+
+
 def flashmla_rows_probe() -> dict:
     """Is FlashMLA's sparse prefill row-invariant? A query's output computed alone, among a few rows, among all
     4,096, and in a shuffled batch, compared bit for bit (the same keys, lists and counts per query)."""
@@ -246,24 +391,43 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="default,det", help=f"comma-separated, the first the baseline: {MODES}")
     p.add_argument("--gemms", choices=("none", "bench", "sweep"), default="sweep",
                    help="after the profiles: nothing, each GEMM cuBLAS vs ours, or that and the tile sweep")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="after the profiles: this many interleaved rounds of every mode (A/B in one build)")
+    p.add_argument("--ab-steps", type=int, default=2, help="timed steps per mode per --ab-rounds round")
+    p.add_argument("--variants-only", action="store_true",
+                   help="no model: the GEMM kernel variants at the rank4 step's GEMM shapes (RANK4_GEMMS), "
+                        "TFLOP/s and bits vs the current kernel")
     p.set_defaults(steps=3, warmup=1)
     args = p.parse_args(argv)
     if hasattr(prefill, "resolve"):  # rank4's --mode defaults (idempotent), where this revision has them
         prefill.resolve(args)
     cuda = args.device.startswith("cuda")
+    if args.variants_only:
+        result = {"variants": bench_variants(RANK4_GEMMS, device=args.device)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "det_profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        return 0
     r, setup_s = prefill.setup(args)
     print(f"built in {setup_s:.1f} s", flush=True)
-    modes = [profile_mode(r, m, args, cuda) for m in args.modes.split(",")]
+    names = args.modes.split(",")
+    modes = [profile_mode(r, m, args, cuda) for m in names]
+    ab = ab_rounds(r, names, args.ab_rounds, args.ab_steps, cuda) if args.ab_rounds else None
     rec = GemmShapes()
     with rec:  # under the last mode profiled (a deterministic one: the GEMMs the overrides take)
         r.step()
     _sync(cuda)
     mini.ops.set_deterministic(False)
-    result = {"definition": prefill.definition(args), "modes": modes,
+    result = {"definition": prefill.definition(args), "modes": modes, "ab": ab,
               "gemms_per_step_det": [{"gemm": k, "calls": c} for k, c in rec.seen.items()]}
 
     base = modes[0]["stages_ms_per_step"]
     print("\nrank4 step, median ms: " + ", ".join(f"{m['mode']} {m['median_step_ms']:.1f}" for m in modes))
+    if ab:
+        first = names[0]
+        print(f"rank4 A/B interleaved ({ab['rounds']} rounds x {ab['steps_per_round']} steps per mode), median ms: "
+              + ", ".join(f"{m} {v:.1f}" for m, v in ab["median_step_ms"].items())
+              + "; median per-round ratio to " + first + ": "
+              + ", ".join(f"{m} {v:.3f}" for m, v in ab["median_ratio_to_" + first].items()))
     others = modes[1:]
     heads = " ".join(f"{m['mode']:>13s} {'-' + modes[0]['mode']:>9s}" for m in others)
     print(f"  {'stage (ms/step)':32s} {modes[0]['mode']:>9s} {heads}")

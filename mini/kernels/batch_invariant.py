@@ -12,10 +12,14 @@ The output tile (BM x BN, warps, stages) only says which program computes which 
 dot is a chain of k16 MMAs into the same fp32 accumulator, so an element's sum is the same chain whatever the
 tile. Measured, not assumed: on the H200 all 14 tiles of tools/det_profile.py's sweep (BM 16-256, BN 64-256, BK
 32-128, 4 and 8 warps, wgmma- and mma.sync-sized) gave the same bits at the 12 weight shapes of the rank4 step
-(bf16 and fp32). So `config_for` may give large calls their weight shape's tuned tile (`TUNED`, from that sweep)
-and smaller ones the dtype's default (more programs for decode-sized calls), with BK fixed per dtype (the CPU
-interpreter rounds once per BK step, so BK would matter there); the gpu tests check every `TUNED` entry's rows
-alone == among 7, 300 and 4,096 rows, bit for bit. Row r's bits depend only on row r of A and on B.
+(bf16 and fp32). So `config_for` may give large calls their weight shape's tuned tile (`TUNED`, from that sweep),
+fp32 calls of at most 16 rows (the head at decode) a 16-row tile (`SMALL_FP32`), and the others the dtype's
+default (more programs for decode-sized calls), with BK fixed per dtype (the CPU interpreter rounds once per BK
+step, so BK would matter there); the gpu tests check every `TUNED` entry's rows alone == among 7, 300 and 4,096
+rows, and fp32 rows alone == among 2..4,096, bit for bit. Row r's bits depend only on row r of A and on B.
+A TileConfig also names its kernel (`KERNELS`: through pointers, TMA descriptors, persistent, an FMA chain for
+fp32 rows): candidates `tools/det_profile.py --variants-only` times and compares bit for bit on the GPU before
+any becomes a default.
 
 `enable()` makes it aten's CUDA implementation of mm, addmm and bmm (and their out= / out_dtype forms), so that
 every GEMM of the process takes it (F.linear, @, einsum, torch.mm(..., out_dtype=)) without touching each call
@@ -36,16 +40,32 @@ from mini.kernels.aten_override import AtenOverride, check_out
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One build of the kernel: the tile (BM x BN output, BK of K per step), warps, pipeline stages, and GROUP_M
+    """One build of the kernel: the tile (BM x BN output, BK of K per step), warps, pipeline stages, GROUP_M
     (row tiles walked together so that the weight's column tiles are reused from L2; it orders the programs only,
-    not any sum)."""
+    not any sum), and which kernel (`KERNELS`)."""
     BM: int
     BN: int
     BK: int
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
+    kernel: str = "pointer"  # KERNELS: which build computes the tile (the same sums, see KERNELS)
 
+
+# the kernels a TileConfig may name. All compute, per output element, the fp32 sum over K in increasing BK steps,
+# each step one dot (tensor-core MMAs for 16-bit operands, a chain of IEEE FMAs in increasing k for fp32):
+# "pointer": `_mm_kernel`, operands loaded through pointers (any strides);
+# "tma", "tma-persistent", "tma-persistent-ws": `_mm_tma_kernel`, operands loaded through TMA tensor descriptors
+#   (Hopper's bulk copies), one program per tile or a persistent grid of one program per SM walking the tiles (-ws:
+#   with Triton's automatic warp specialization of that loop). Where a call's operands do not fit a descriptor
+#   (strides, alignment) it runs the "pointer" kernel;
+# "fma-rows": `_mm_fma_rows_kernel`, fp32 calls of at most FMA_ROWS_MAX rows (the head at decode): one thread per
+#   output column, its FMA chain over k written out (tl.fma), K read 8 contiguous values at a time, so the weight
+#   streams at memory speed where the FMA dot's tile spends 10x that. The same chain as the fp32 dot on the GPU
+#   (`test_fp32_small_rows_tile_equals_the_dot_kernel_gpu`); the CPU interpreter rounds its dots per BK step
+#   instead, so there it is only checked against float64.
+KERNELS = ("pointer", "tma", "tma-persistent", "tma-persistent-ws", "fma-rows")
+FMA_ROWS_MAX = 16
 
 # the default tile per input dtype. 16-bit: wgmma-sized tiles; fp32: FMA (IEEE) dots, whose registers allow smaller
 # tiles. BK is the dtype's for every tile (TUNED too)
@@ -75,14 +95,21 @@ TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {
 # smaller tiles spread a decode-sized call over more SMs (at 64 rows the large tiles measured up to 2x slower).
 # Setting it above any row count makes the choice by (dtype, N, K) alone.
 TUNED_MIN_ROWS = 1024
+# fp32 calls of at most this many rows (the LM head at decode, M = sequences of the step): a 16-row tile (tl.dot's
+# least) over 64 columns, so that a 1-row call over the 129,280-column head is 2,020 programs of a quarter of the
+# default tile's FMA work (the default's 64 x 64 took 6.3 ms there on the H200, cuBLAS 0.64). Same BK
+SMALL_ROWS = 16
+SMALL_FP32 = TileConfig(16, 64, 32, num_warps=4, num_stages=3)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def config_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
-    """The tile of an [M, K] x [K, N] GEMM: the weight shape's tuned one for large calls, else the dtype's default
-    (the same sums either way, see the module docstring)."""
+    """The tile of an [M, K] x [K, N] GEMM: the weight shape's tuned one for large calls, the small-row fp32 tile
+    for fp32 calls of few rows, else the dtype's default (the same sums in each, see the module docstring)."""
     if m >= TUNED_MIN_ROWS:
         return TUNED.get((dtype, n, k), CONFIGS[dtype])
+    if dtype == torch.float32 and m <= SMALL_ROWS:
+        return SMALL_FP32
     return CONFIGS[dtype]
 
 
@@ -130,6 +157,169 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _epilogue(acc, rows, cols, bat, c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+              HAS_ADD: tl.constexpr, SCALE: tl.constexpr):
+    """`_mm_kernel`'s epilogue: alpha, beta * add, one rounding to c's dtype, the tile's valid elements stored."""
+    if SCALE:
+        acc = acc * alpha
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    if HAS_ADD:
+        add_ptrs = add_ptr + bat * s_addb + rows.to(tl.int64)[:, None] * s_addm + cols.to(tl.int64)[None, :] * s_addn
+        add = tl.load(add_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc = acc + beta * add
+    c = c_ptr + bat * s_cb + rows.to(tl.int64)[:, None] * s_cm + cols.to(tl.int64)[None, :] * s_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+              HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """One output tile of `_mm_tma_kernel` (tiles numbered batch-major, GROUP_M row tiles walked together)."""
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    bat = tile // (n_m * n_n)
+    pid = tile % (n_m * n_n)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    a_row = bat * M + pid_m * BM
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):  # K in increasing BK steps, one dot each: the pointer kernel's sum
+        a = a_desc.load([a_row, k0])
+        if B_NK:
+            b = b_desc.load([bat * N + pid_n * BN, k0]).T
+        else:
+            b = b_desc.load([bat * K + k0, pid_n * BN])
+        acc = tl.dot(a, b, acc)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    _epilogue(acc, rows, cols, bat.to(tl.int64), c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
+              alpha, beta, HAS_ADD, SCALE)
+
+
+@triton.jit(do_not_specialize=["M", "tiles"])
+def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
+                   s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+                   HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+                   WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_mm_kernel`'s sums with the operands brought by TMA descriptors: a over [Bt * M, K] (a batch's rows one
+    after another), b over [Bt * N, K] (B_NK: the weight as stored, [N, K] per batch) or [Bt * K, N]. A tile's
+    rows or columns past its batch read the next batch's (or TMA's zeros): never stored. The K tail reads zeros
+    (past K of a row of a / of b^T); the host sends a [K, N] b with a K tail to the pointer kernel. PROGRAMS 0: one
+    program per tile; else a persistent grid of PROGRAMS programs, each walking tiles pid, pid + PROGRAMS, ...
+    (which program computes a tile: no sum depends on it)."""
+    if PROGRAMS == 0:
+        _tma_tile(tl.program_id(0), a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm,
+                  s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+    elif INTERPRET:  # (the interpreter's range takes no tensor bounds: the same walk, a guard per tile)
+        for t0 in range(0, tiles, PROGRAMS):
+            if t0 + tl.program_id(0) < tiles:
+                _tma_tile(t0 + tl.program_id(0), a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb,
+                          s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+    else:
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, warp_specialize=WARP_SPEC):
+            _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
+                      alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+
+
+@triton.jit
+def _split4(x, R: tl.constexpr):
+    """[R, 4] -> its 4 columns in order (register moves when a thread holds a row's 4 values)."""
+    even, odd = tl.split(tl.reshape(x, (R, 2, 2)))  # k 0, 2 | k 1, 3
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fma4(acc, a, b, BM: tl.constexpr, BN: tl.constexpr):
+    """acc[m, n] = fma(a[m, k], b[n, k], acc[m, n]) for k = 0..3 in order."""
+    a0, a1, a2, a3 = _split4(a, BM)
+    b0, b1, b2, b3 = _split4(b, BN)
+    acc = tl.fma(a0[:, None], b0[None, :], acc)
+    acc = tl.fma(a1[:, None], b1[None, :], acc)
+    acc = tl.fma(a2[:, None], b2[None, :], acc)
+    acc = tl.fma(a3[:, None], b3[None, :], acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_fma_rows_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
+                        s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+                        HAS_ADD: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr):
+    """fp32, M <= BM: per output element acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, .., K - 1 from 0, the
+    chain the fp32 IEEE dot builds, written out: a program holds all BM rows and BN columns, and reads 8
+    contiguous k of each at a time ([BN, 8] of b: one column's k are contiguous in a linear layer's weight)."""
+    pid_n = tl.program_id(0)
+    bat = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, 8)
+    a_ptrs = a_ptr + bat * s_ab + (rows % M).to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak
+    b_ptrs = b_ptr + bat * s_bb + (cols % N).to(tl.int64)[:, None] * s_bn + kk[None, :] * s_bk  # [BN, 8]: b^T
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, 8):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = k0 + kk < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        # k0..k0+3, then k0+4..k0+7
+        a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (BM, 2, 4)), (0, 2, 1)))
+        b_lo, b_hi = tl.split(tl.permute(tl.reshape(b, (BN, 2, 4)), (0, 2, 1)))
+        acc = _fma4(acc, a_lo, b_lo, BM, BN)
+        acc = _fma4(acc, a_hi, b_hi, BM, BN)
+        a_ptrs += 8 * s_ak
+        b_ptrs += 8 * s_bk
+    _epilogue(acc, rows, cols, bat, c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+              HAS_ADD, SCALE)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
+    """The TMA kernel's views of a [Bt, M, K] and b [Bt, K, N]: (a as [Bt * M, K], b as [Bt * N, K] or
+    [Bt * K, N], b_nk), or None where a descriptor cannot take them (a's rows not contiguous in k or its batches
+    not one after another; b neither way; strides or base not 16-byte aligned; a [K, N] b over several batches
+    with a K tail, whose tail would read the next batch's rows instead of zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    Bt, M, K = a.shape
+    N = b.shape[2]
+    es = a.element_size()
+
+    def aligned(t, row_stride):
+        return t.data_ptr() % 16 == 0 and (row_stride * es) % 16 == 0
+
+    if a.stride(2) != 1 or (Bt > 1 and a.stride(0) != M * a.stride(1)) or not aligned(a, a.stride(1)):
+        return None
+    if b.stride(1) == 1 and (Bt == 1 or b.stride(0) == N * b.stride(2)) and aligned(b, b.stride(2)):
+        b_nk = True
+        bd = TensorDescriptor(b, [Bt * N, K], [b.stride(2), 1], [cfg.BN, cfg.BK])
+    elif (b.stride(2) == 1 and (Bt == 1 or b.stride(0) == K * b.stride(1)) and aligned(b, b.stride(1))
+          and (Bt == 1 or K % cfg.BK == 0)):
+        b_nk = False
+        bd = TensorDescriptor(b, [Bt * K, N], [b.stride(1), 1], [cfg.BK, cfg.BN])
+    else:
+        return None
+    ad = TensorDescriptor(a, [Bt * M, K], [a.stride(1), 1], [cfg.BM, cfg.BK])
+    return ad, bd, b_nk
+
 
 def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
     if a.dtype != b.dtype or a.dtype not in CONFIGS:
@@ -159,6 +349,28 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     add_t = add.expand(Bt, M, N) if add is not None else out
     cfg = config or config_for(a.dtype, N, K, M)
     fp32 = a.dtype == torch.float32
+    if cfg.kernel not in KERNELS:
+        raise ValueError(f"bmm: unknown kernel {cfg.kernel!r} in {cfg}; known: {KERNELS}")
+    common = dict(HAS_ADD=add is not None, SCALE=alpha != 1.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.kernel == "fma-rows" and fp32 and M <= FMA_ROWS_MAX:
+        bm = max(1, triton.next_power_of_2(M))  # rows of the program: a tile by M, the chain per element is one
+        _mm_fma_rows_kernel[(triton.cdiv(N, cfg.BN), Bt)](
+            a, b, out, add_t, M, N, tl.constexpr(K) if _INTERPRET else K, *a.stride(), *b.stride(), *out.stride(),
+            *add_t.stride(), float(alpha), float(beta), EVEN_K=K % 8 == 0, BM=bm, BN=cfg.BN, **common)
+        return out
+    tma = _tma_operands(a, b, cfg) if cfg.kernel.startswith("tma") and not fp32 else None
+    if tma is not None:
+        ad, bd, b_nk = tma
+        tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN) * Bt
+        # persistent: one program per SM whatever the call's size (one build per GPU; programs past the last
+        # tile have nothing to do)
+        programs = 0 if cfg.kernel == "tma" else (_sm_count(a.device) if a.is_cuda else 3)
+        _mm_tma_kernel[(programs or tiles,)](
+            ad, bd, out, add_t, M, N, *((tl.constexpr(K), tl.constexpr(tiles)) if _INTERPRET else (K, tiles)),
+            *out.stride(), *add_t.stride(), float(alpha), float(beta), B_NK=b_nk, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+            GROUP_M=cfg.GROUP_M, PROGRAMS=programs, WARP_SPEC=cfg.kernel == "tma-persistent-ws",
+            INTERPRET=_INTERPRET, **common)
+        return out
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)
     # K is a runtime value: one build per configuration serves every weight width. Triton 3.6's interpreter cannot
     # loop up to a runtime scalar (under numpy 2), so there it goes in as a constant

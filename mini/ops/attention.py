@@ -244,9 +244,12 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
     return sparse_mla_attention(*args)
 
 
-# MINI_DET_SPARSE_ATTN=flashmla: the deterministic mode's prefill queries take FlashMLA (opt-in until the H200 has
-# run the mode's tests with it; "triton", the default, keeps every query on our kernel)
-DET_SPARSE_ATTN = os.environ.get("MINI_DET_SPARSE_ATTN", "triton")
+# the deterministic mode's kernel for queries of multi-token chunks: "flashmla" (the default; where FlashMLA takes
+# the model's shapes: bitwise alone == among load == chunked on the H200 at 56388c4, phase det_final, and the mode
+# then costs +13% on rank4 instead of +78%), or MINI_DET_SPARSE_ATTN=triton: every query on our kernel
+DET_SPARSE_ATTN = os.environ.get("MINI_DET_SPARSE_ATTN", "flashmla")
+if DET_SPARSE_ATTN not in ("flashmla", "triton"):
+    raise ValueError(f"MINI_DET_SPARSE_ATTN={DET_SPARSE_ATTN!r}: expected 'flashmla' or 'triton'")
 
 
 def _flashmla_takes(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
@@ -259,15 +262,16 @@ def _flashmla_takes(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
 
 def _deterministic_core(args, key_rows) -> torch.Tensor:
     """The deterministic mode's sparse attention core: a query's kernel follows its own chunk, never the step. By
-    default every query takes our Triton kernel over W-wide lists in the decode ring's order. With
-    MINI_DET_SPARSE_ATTN=flashmla (where FlashMLA takes the model's shapes and MINI_SPARSE_ATTN allows it), the
-    queries of chunks of more than one token take FlashMLA's sparse prefill instead: one CTA per (token, 64 heads),
+    default (DET_SPARSE_ATTN "flashmla", where FlashMLA takes the model's shapes and MINI_SPARSE_ATTN allows it),
+    the queries of chunks of more than one token take FlashMLA's sparse prefill: one CTA per (token, 64 heads),
     nothing summed across tokens (bitwise on the H200: a query alone == among 4,096 == in a shuffled batch,
     tools/det_profile.py), over lists with the window keys in position order, so that neither the batch nor where
     a chunk starts moves a key; one-token chunks (decode steps, the CUDA-graph ones) stay on the Triton kernel. A
     step with both splits its rows by kind: FlashMLA over the multi-token chunks' rows, the Triton kernel over the
     one-token chunks' rows alone (`_one_token_rows`: the decode step those sequences would make by themselves), and
-    the two are scattered back, so neither kind's numbers depend on the other being in the step."""
+    the two are scattered back, so neither kind's numbers depend on the other being in the step. Without FlashMLA
+    (or with MINI_DET_SPARSE_ATTN=triton) every query takes our Triton kernel over W-wide lists in the decode ring's
+    order."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, _, rope_out = args
     with_pool = comp_idx is not None and comp_idx.shape[-1] > 0

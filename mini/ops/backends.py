@@ -10,7 +10,7 @@ model runner calls it and logs the result) and recorded in every benchmark's JSO
   or "auto-flashmla": FlashMLA, kept only if its first output matches ours (MINI_SPARSE_ATTN,
   mini/ops/attention.py; `settle_sparse_attn` records the verdict);
 * deterministic: the deterministic mode (mini.ops.set_deterministic), which fixes every choice that depends on
-  a step's size (e.g. the sparse attention core stays on the Triton kernel).
+  a step's size (e.g. the sparse attention core follows each chunk, not the step).
 The library switches are read from the environment once per process: a later change of a variable does not apply.
 """
 from __future__ import annotations

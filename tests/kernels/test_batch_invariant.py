@@ -82,6 +82,72 @@ def test_tuned_tiles_keep_the_default_reduction():
         assert cfg.BM >= 16 and cfg.BN >= 16 and cfg.num_warps in (4, 8)
 
 
+def test_fp32_few_rows_take_the_small_tile_with_the_same_sums(bf16_interpreter):
+    """fp32 calls of at most SMALL_ROWS rows (the head at decode) take SMALL_FP32 (16-row tile, the dtype's BK),
+    larger ones the default 64 x 64: a row alone, among 2..16 rows (small tile) and among 40 and 150 (default
+    tile) gives the same bits. K = 200: several K steps and a partial last one; N = 150: a partial column tile."""
+    f32 = torch.float32
+    assert bi.config_for(f32, 129280, 5120, 1) == bi.SMALL_FP32
+    assert bi.config_for(f32, 129280, 5120, bi.SMALL_ROWS) == bi.SMALL_FP32
+    assert bi.config_for(f32, 129280, 5120, bi.SMALL_ROWS + 1) == bi.CONFIGS[f32]
+    assert bi.config_for(torch.bfloat16, 129280, 5120, 1) == bi.CONFIGS[torch.bfloat16]
+    assert bi.SMALL_FP32.BK == bi.CONFIGS[f32].BK and bi.SMALL_FP32.BM == 16
+    a, w = _data(150, 200, 150, f32, seed=5)
+    full = bi.matmul(a, w.t())  # 150 rows: the default tile
+    for lo, hi in ((0, 1), (7, 8), (149, 150), (3, 5), (10, 26), (100, 140)):
+        out = torch.full((hi - lo, 150), float("nan"))
+        bi.matmul(a[lo:hi], w.t(), out=out)
+        assert torch.equal(out, full[lo:hi]), (lo, hi)
+    assert torch.equal(bi.matmul(a[:16], w.t(), config=bi.CONFIGS[f32]), full[:16])
+
+
+@pytest.mark.parametrize("kernel", ["tma", "tma-persistent", "tma-persistent-ws"])
+def test_tma_kernels_give_the_pointer_kernels_bits(bf16_interpreter, kernel):
+    """The TMA-descriptor kernels (one program per tile, persistent, warp-specialized) compute the pointer
+    kernel's sums: the same bits for a linear layer's transposed weight and a [K, N] one, a partial last K step,
+    partial row / column tiles, alpha and an addend, and bmm over batches whose tiles run past a batch's rows.
+    (On the GPU, tools/det_profile.py --variants-only checks them at the rank4 shapes before any is used.)"""
+    bf = torch.bfloat16
+    cfg = bi.TileConfig(32, 32, bi.CONFIGS[bf].BK, num_warps=4, num_stages=2, GROUP_M=3, kernel=kernel)
+    a, w = _data(70, 200, 48, bf, seed=6)
+    f32 = torch.float32
+    want = bi.matmul(a, w.t(), out_dtype=f32)
+    assert torch.equal(bi.matmul(a, w.t(), out_dtype=f32, config=cfg), want)
+    assert torch.equal(bi.matmul(a, w.t().contiguous(), out_dtype=f32, config=cfg), want)  # b as [K, N]
+    bias = torch.randn(48).to(bf)
+    got = bi.matmul(a, w.t(), add=bias, alpha=0.5, beta=2.0, config=cfg)
+    assert torch.equal(got, bi.matmul(a, w.t(), add=bias, alpha=0.5, beta=2.0))
+    x, y = torch.randn(3, 40, 128).to(bf), torch.randn(3, 24, 128).to(bf)  # 40 rows: tiles cross batches
+    want_b = bi.bmm(x, y.transpose(1, 2), out_dtype=f32)
+    out = torch.full((3, 40, 24), float("nan"))
+    bi.bmm(x, y.transpose(1, 2), out=out, config=cfg)
+    assert torch.equal(out, want_b)
+    # [K, N] b over batches with a K tail: a descriptor would read the next batch's rows, so the pointer kernel
+    x2, y2 = torch.randn(2, 9, 100).to(bf), torch.randn(2, 100, 24).to(bf)
+    assert bi._tma_operands(x2, y2, cfg) is None
+    assert torch.equal(bi.bmm(x2, y2, out_dtype=f32, config=cfg), bi.bmm(x2, y2, out_dtype=f32))
+
+
+def test_fma_rows_kernel_is_a_gemm_and_row_invariant(bf16_interpreter):
+    """The fp32 few-rows kernel ("fma-rows"): each element's FMA chain over k in order. Under the interpreter
+    (whose tl.fma rounds the product and the sum apart) only checked against float64 and for rows alone ==
+    among up to 16; the GPU sweep (tools/det_profile.py --variants-only) checks its bits against the dot kernel's.
+    K = 203: a partial last group of 8."""
+    f32 = torch.float32
+    cfg = bi.TileConfig(16, 32, bi.CONFIGS[f32].BK, num_warps=1, num_stages=1, kernel="fma-rows")
+    a, w = _data(16, 203, 70, f32, seed=7)
+    want = a.double() @ w.double().t()
+    full = bi.matmul(a, w.t(), config=cfg)
+    assert torch.allclose(full.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for lo, hi in ((0, 1), (5, 8), (15, 16), (2, 11)):
+        assert torch.equal(bi.matmul(a[lo:hi], w.t(), config=cfg), full[lo:hi]), (lo, hi)
+    bias = torch.randn(70)
+    got = bi.matmul(a[:3], w.t(), add=bias, config=cfg)
+    assert torch.allclose(got.double(), want[:3] + bias.double(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="unknown kernel 'fast'"):
+        bi.matmul(a, w.t(), config=bi.TileConfig(16, 32, 32, 4, 2, kernel="fast"))
+
+
 def test_addmm_and_bmm_forms(bf16_interpreter):
     a, w = _data(21, 64, 40, torch.float32, seed=2)
     bias = torch.randn(40)
@@ -131,6 +197,27 @@ def test_overrides_make_cuda_gemms_batch_invariant():
     # cuBLAS again
     a, w = _data(8, 64, 8, torch.float32, device="cuda")
     assert torch.allclose(F.linear(a, w), (a.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_fp32_small_rows_tile_equals_the_default_tile_gpu():
+    """On the compiled kernel (FMA dots): an fp32 row alone and among 2..16 rows (SMALL_FP32's 16-row tile) has
+    the bits it has among 17, 300 and 4,096 rows (the default 64 x 64 tile), through F.linear as the head calls it;
+    and it stays a GEMM (float64 oracle)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import torch.nn.functional as F
+    a, w = _data(4096, 5120, 4099, torch.float32, device="cuda", seed=20)
+    want = a[:16].double() @ w.double().t()
+    bi.enable()
+    try:
+        full = F.linear(a, w)
+        rel = float((full[:16].double() - want).norm() / want.norm())
+        assert rel < 5e-6, rel
+        for lo, hi in ((0, 1), (1, 2), (4095, 4096), (0, 16), (3, 10), (100, 117), (1000, 1300)):
+            assert torch.equal(F.linear(a[lo:hi], w), full[lo:hi]), (lo, hi)
+    finally:
+        bi.disable()
 
 
 @pytest.mark.gpu

@@ -1,10 +1,13 @@
-"""The deterministic mode's sparse attention core with MINI_DET_SPARSE_ATTN=flashmla (mini.ops.attention
-._deterministic_core): queries of multi-token chunks take FlashMLA over lists in position order, one-token chunks
-our Triton kernel. CPU: the lists hold a query's keys in the same order whatever chunk, batch or physical layout
-holds them, and the split sends each query where its own chunk says; a step mixing both kinds runs each kernel
-over its own rows only (interpreter, FlashMLA's stand-in a per-row reference), each row == its kind alone. gpu: a
-sequence's outputs alone == among other sequences (decode tokens, other chunks, wider top-k lists) and chunked ==
-unchunked, and a mixed step's prefill and decode rows == each alone, bit for bit."""
+"""The deterministic mode's sparse attention core (mini.ops.attention._deterministic_core; FlashMLA by default,
+MINI_DET_SPARSE_ATTN=triton keeps every query on our kernel): queries of multi-token chunks take FlashMLA over
+lists in position order, one-token chunks our Triton kernel. CPU: the lists hold a query's keys in the same order
+whatever chunk, batch or physical layout holds them, and the split sends each query where its own chunk says; a
+step mixing both kinds runs each kernel over its own rows only (interpreter, FlashMLA's stand-in a per-row
+reference), each row == its kind alone. gpu: a sequence's outputs alone == among other sequences (decode tokens,
+other chunks, wider top-k lists) and chunked == unchunked, and a mixed step's prefill and decode rows == each
+alone, bit for bit."""
+import os
+
 import pytest
 import torch
 
@@ -85,6 +88,8 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
 
     monkeypatch.setattr(sa, "sparse_mla_attention", triton)
     monkeypatch.setattr(attention, "sparse_prefill", flashmla)
+    if "MINI_DET_SPARSE_ATTN" not in os.environ:  # FlashMLA is the mode's default where it takes the shapes
+        assert attention.DET_SPARSE_ATTN == "flashmla"
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
     monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
     monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
@@ -103,8 +108,23 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
     assert calls == {"triton": 1, "flashmla": 1} and rows == [2]  # the Triton kernel over the 1-token rows only
     assert run([4, 2]).tolist() == [2.0] * 6 and calls == {"triton": 1, "flashmla": 2}
     assert run([1, 1]).tolist() == [1.0] * 2 and calls == {"triton": 2, "flashmla": 2}
-    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")  # the default: our kernel for every query
+    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "triton")  # MINI_SPARSE_ATTN=triton
     assert run([4, 2]).tolist() == [1.0] * 6
+    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "auto-flashmla")
+    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: False)  # e.g. no FlashMLA on this GPU
+    assert run([4, 2]).tolist() == [1.0] * 6
+    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")  # MINI_DET_SPARSE_ATTN=triton: our kernel always
+    assert run([4, 2]).tolist() == [1.0] * 6
+    assert calls["flashmla"] == 2
+
+
+def test_det_sparse_attn_refuses_an_unknown_value():
+    import subprocess
+    import sys
+    env = dict(os.environ, MINI_DET_SPARSE_ATTN="flashml")
+    r = subprocess.run([sys.executable, "-c", "import mini.ops.attention"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "MINI_DET_SPARSE_ATTN='flashml'" in r.stderr
 
 
 # ------------------------------------------------------------------------------------------------------ gpu
@@ -215,7 +235,8 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
         assert torch.equal(mixed[name], alone[name]), name
     for name in "XZ":
         assert torch.equal(mixed[name], decode_step[name]), name
-    # the stand-in over the position-order lists computes the Triton kernel's attention (default: every row ours)
+    # the stand-in over the position-order lists computes the Triton kernel's attention (MINI_DET_SPARSE_ATTN=triton:
+    # every row ours)
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")
     ours = run([("X", *X, 29, 30, 3), ("S", *S, 0, 12, 5), ("Z", *Z, 17, 18, 2), ("Y", *Y, 10, 21, 1)])
     assert triton_rows[-1] == 25
