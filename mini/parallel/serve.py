@@ -22,13 +22,20 @@ another rank's long prefill chunk every step (not in deterministic mode: its chu
 Outputs travel without their prompt ids and without earlier tokens' ids and logprobs (rank 0 keeps those), so a
 step's messages stay small for long contexts.
 A failed step on any rank breaks the lock step: that rank raises, and rank 0 fails every request from then on.
+
+On CUDA the ranks' decode steps replay CUDA graphs (mini.parallel.dp: the ranks agree on one bucket per step) and,
+as on one GPU, are overlapped: a rank plans and launches step N+1 while step N runs on its device. Nothing in the
+lock step waits for a device: the step messages and the step-shape agreement travel over a gloo group between the
+hosts (`step_shape.host_group`); only the MoE collectives run over NCCL, inside the graphs or the eager forwards.
+GET /dp reports the step kinds and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -163,6 +170,7 @@ class DPWorker:
         self.host_group = host_group(ctx) if ctx.multi else None
         self._outbox: list = []
         self.capped_steps = 0  # engine steps whose budget the prefill cap cut
+        self.syncs, self.sync_s = 0, 0.0  # step messages exchanged and the host time they took
 
     def sync(self, commands: list = (), stop: bool = False) -> list[StepMessage]:
         """The step's one all-gather: every rank's message, in rank order."""
@@ -170,8 +178,11 @@ class DPWorker:
         self._outbox = []
         if not self.ctx.multi:
             return [mine]
+        t0 = time.perf_counter()
         every = [None] * self.ctx.world
         dist.all_gather_object(every, mine, group=self.host_group)  # over the hosts: no wait for the devices
+        self.syncs += 1
+        self.sync_s += time.perf_counter() - t0
         return every
 
     @torch.inference_mode()
@@ -231,7 +242,11 @@ class DPDriver:
 
     def status(self) -> dict:
         """Requests and loads per rank (GET /dp), for operators and tests."""
-        return {**self.router.status(), "capped_steps": self.worker.capped_steps}
+        dp, worker = self.worker.dp, self.worker
+        agreement = dp.agreement
+        return {**self.router.status(), "capped_steps": worker.capped_steps, "step_kinds": asdict(dp.kinds),
+                "agree_us_mean": round(1e6 * agreement.seconds / max(agreement.calls, 1), 1),
+                "sync_us_mean": round(1e6 * worker.sync_s / max(worker.syncs, 1), 1)}
 
     def start(self) -> None:
         if self.worker.ctx.device.type == "cuda":  # the CUDA device is per thread

@@ -16,6 +16,7 @@ device (the engine's overlapped decode steps; a count exchanged over NCCL would 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +79,16 @@ class StepAgreement:
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
         self.group = host_group(ctx) if ctx.multi else None
+        self.calls, self.seconds = 0, 0.0  # agreements made and the host time they took (waits for slower ranks too)
 
     def agree(self, n_tokens: int, code: int) -> StepShape:
         if not self.ctx.multi:
             return decide([(n_tokens, code)])
+        t0 = time.perf_counter()
         mine = torch.tensor([n_tokens, code], dtype=torch.int64)
         every = [torch.empty(2, dtype=torch.int64) for _ in range(self.ctx.world)]
         dist.all_gather(every, mine, group=self.group)
-        return decide([(int(t[0]), int(t[1])) for t in every])
+        shape = decide([(int(t[0]), int(t[1])) for t in every])
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return shape

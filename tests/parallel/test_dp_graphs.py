@@ -91,3 +91,44 @@ def test_static_dp_decode_equals_one_process(overlap):
     assert any(real == 0 for _, real in replays1) and kinds1["idle_static"] > 0
     assert kinds0["static"] + kinds0["idle_static"] == len(replays0)
     assert kinds0["eager"] >= 1  # the prompts' prefill
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+def _serve_rank(ctx, overlap: bool):
+    """`mini serve --ep 2`'s lock step (DPDriver on rank 0, DPWorker.follow on the others) with the static decode
+    path and overlapped steps: rank 0 adds every request at once, then steps until all have finished."""
+    import mini.engine.model_runner as runner_module
+    from mini.engine import build_engine
+    from mini.engine.async_engine import Add, Failed
+    from mini.parallel.dp import load_ep_model
+    from mini.parallel.serve import DPDriver, DPWorker
+    runner_module.use_cuda_graphs = lambda *a: True
+    model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
+    worker = DPWorker(build_engine(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE), ctx)
+    if ctx.rank != 0:
+        worker.follow()
+        return dataclasses.asdict(model.kinds)
+    driver, final = DPDriver(worker), {}
+    outputs = driver.step([Add(f"r{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, _params()))], False)
+    for _ in range(200):
+        for out in outputs:
+            assert not isinstance(out, Failed), out.error
+            if out.finished:
+                final[out.request_id] = out
+        if len(final) == len(PROMPTS):
+            break
+        outputs = driver.step([], False)
+    driver.step([], True)
+    return ([final[f"r{i}"].token_ids for i in range(len(PROMPTS))], driver.status(), dataclasses.asdict(model.kinds))
+
+
+@pytest.mark.slow
+def test_dp_serving_lock_step_with_static_overlapped_decode_equals_one_process():
+    model, cfg, tok = load_model("tiny-v4.1", device="cpu", dtype=torch.float32)
+    want = [o.token_ids for o in LLM(model, config=cfg, tokenizer=tok, **ENGINE).generate(PROMPTS, _params())]
+    (tokens, status, kinds0), kinds1 = spawn(2, _serve_rank, True, device="cpu")
+    assert tokens == want
+    assert status["unfinished"] == [0, 0] and sum(status["placed"]) == len(PROMPTS)
+    assert status["step_kinds"] == kinds0 and status["agree_us_mean"] > 0 and status["sync_us_mean"] > 0
+    for kinds in (kinds0, kinds1):  # both ranks decoded through the static path, in the same steps
+        assert kinds["static"] + kinds["idle_static"] == kinds0["static"] + kinds0["idle_static"] > 0
