@@ -273,13 +273,12 @@ RANK4_GEMMS = {
 # the kernel variants of mini/kernels/batch_invariant.py measured by --variants-only: (BM, BN, BK, warps, stages,
 # GROUP_M, kernel); BK the dtype's (the sums must stay the current kernel's)
 VARIANTS = {
-    torch.bfloat16: [(128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
+    torch.bfloat16: [(128, 256, 64, 8, 3, 8, "pointer"), (128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
                      (128, 128, 64, 4, 4, 8, "tma"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent"), (128, 256, 64, 8, 3, 8, "tma-persistent"),
                      (256, 128, 64, 8, 3, 8, "tma-persistent"), (128, 128, 64, 4, 4, 8, "tma-persistent"),
                      (128, 128, 64, 4, 3, 8, "tma-persistent-ws"), (128, 256, 64, 8, 3, 8, "tma-persistent-ws"),
-                     (128, 128, 64, 8, 3, 8, "tma-persistent-ws"),
-                     (128, 256, 64, 8, 3, 8, "pointer")],
+                     (128, 128, 64, 8, 3, 8, "tma-persistent-ws")],
     torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
                     (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
                     (16, 32, 32, 1, 3, 8, "pointer"),
@@ -295,7 +294,9 @@ def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
     current kernel (config_for's choice), and whether its fp32 sums are the current kernel's bit for bit (a
     variant that differs must not be used: rows would round differently at other row counts). fp32 calls of few
     rows (the head) are also run at 16 rows, each variant's rows compared with the default 64 x 64 tile's over the
-    same 16 rows: the small-row tile must give a row the bits the large-M tile gives it."""
+    same rows (and rows 0 and 15 alone): the small-row tile must give a row the bits the large-M tile gives it.
+    Variant by variant over every shape, the fp32 ones and the pointer kernel first: a variant that faults the
+    GPU (and so every call after it) costs only the variants after it."""
     import triton
 
     from mini.kernels import batch_invariant as bi
@@ -306,55 +307,62 @@ def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
     f32 = torch.float32
     work = {key: calls * key[3] * key[4] * key[5] * key[6] for key, calls in seen.items()}
     bf16 = sorted((k for k in seen if k[1] == "bfloat16"), key=lambda k: -work[k])[:MAX_VARIANT_SHAPES]
-    rows_out, total = [], {"cublas": 0.0, "current": 0.0, "best_same_bits": 0.0}
-    for key in bf16 + [k for k in seen if k[1] == "float32"]:
+    cases = []  # (shape key as run, calls per step, operands, the current kernel's fp32 sums, row)
+    for key in [k for k in seen if k[1] == "float32"] + bf16:
         a, b, add, odt = _operands(key, device)
         m_list = [key[4]] if key[1] == "bfloat16" or key[4] > bi.SMALL_ROWS else sorted({key[4], bi.SMALL_ROWS})
         for m in m_list:
-            if m > a.shape[1]:  # the head's 16-row run: fresh rows
-                a = torch.randn(a.shape[0], m, a.shape[2], device=device).to(a.dtype)
+            am = a if m <= a.shape[1] else torch.randn(a.shape[0], m, a.shape[2], device=device).to(a.dtype)
             k_m = key[:4] + (m,) + key[5:]
-            am = a[:, :m]
             want = _cublas(k_m, am, b, add, odt)().float().reshape(key[3], m, key[5])
-            cur32 = bi.bmm(am, b, out_dtype=f32)
-            if key[1] == "float32":  # a row's bits from the large-M tile (what it gets among >= 17 rows)
-                cur32 = bi.bmm(am, b, out_dtype=f32, config=bi.CONFIGS[f32])
+            # fp32: a row's bits from the large-M tile (what it gets among >= 17 rows)
+            cur32 = bi.bmm(am, b, out_dtype=f32, config=bi.CONFIGS[f32] if key[1] == "float32" else None)
             cub = bench(_cublas(k_m, am, b, add, odt))
             cur = bench(lambda: bi.bmm(am, b, out_dtype=odt, add=add))
             row = {"gemm": k_m, "calls_per_step": seen[key], "cublas_ms": cub, "current_ms": cur,
-                   "current_config": str(bi.config_for(a.dtype, key[5], key[6], m)), "variants": {}}
-            print(f"  variants {k_m} x{seen[key]}: cuBLAS {cub:.4f} ms ({_tflops(k_m, cub):.0f} TFLOP/s), current "
+                   "current_config": str(bi.config_for(am.dtype, key[5], key[6], m)), "variants": {}}
+            print(f"  shape {k_m} x{seen[key]}: cuBLAS {cub:.4f} ms ({_tflops(k_m, cub):.0f} TFLOP/s), current "
                   f"{row['current_config']} {cur:.4f} ms ({_tflops(k_m, cur):.0f})", flush=True)
-            for v in VARIANTS.get(a.dtype, []):
-                cfg = bi.TileConfig(*v)
+            cases.append((k_m, seen[key], (am, b, add, odt, want, cur32), row))
+    for dtype in (f32, torch.bfloat16):
+        for v in VARIANTS.get(dtype, []):
+            cfg = bi.TileConfig(*v)
+            print(f"  variant {v}:", flush=True)
+            for k_m, _, (am, b, add, odt, want, cur32), row in cases:
+                if am.dtype != dtype:
+                    continue
                 try:
                     got = bi.bmm(am, b, out_dtype=f32, config=cfg)
                     rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
                     if not rel < 1e-2:
                         raise ValueError(f"relative error {rel:.3g} vs cuBLAS")
                     same = torch.equal(got, cur32)
-                    if key[1] == "float32":  # and each row alone
+                    if dtype == f32:  # and each row alone
+                        m = am.shape[1]
                         same = same and all(torch.equal(bi.bmm(am[:, r:r + 1], b, out_dtype=f32, config=cfg),
                                                         cur32[:, r:r + 1]) for r in (0, m - 1))
                     t = bench(lambda: bi.bmm(am, b, out_dtype=odt, add=add, config=cfg))
                     row["variants"][str(v)] = {"ms": t, "tflops": _tflops(k_m, t), "same_bits": same}
-                    print(f"    {v}: {t:.4f} ms ({_tflops(k_m, t):.0f} TFLOP/s) same bits: {same}", flush=True)
+                    print(f"    {k_m}: {t:.4f} ms ({_tflops(k_m, t):.0f} TFLOP/s; current {row['current_ms']:.4f}, "
+                          f"cuBLAS {row['cublas_ms']:.4f}) same bits: {same}", flush=True)
                 except Exception as e:  # a variant this GPU / Triton cannot build: named, skipped
                     row["variants"][str(v)] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-                    print(f"    {v}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
-            ok = {"current": cur} | {v: x["ms"] for v, x in row["variants"].items() if x.get("same_bits")}
-            row["best_same_bits"] = min(ok, key=ok.get)
-            best_ms = ok[row["best_same_bits"]]
-            if m == key[4]:
-                total["cublas"] += cub * seen[key]
-                total["current"] += cur * seen[key]
-                total["best_same_bits"] += best_ms * seen[key]
-            print(f"    best with the current bits: {row['best_same_bits']} {best_ms:.4f} ms "
-                  f"({_tflops(k_m, best_ms):.0f} TFLOP/s)", flush=True)
-            rows_out.append(row)
+                    print(f"    {k_m}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    total = {"cublas": 0.0, "current": 0.0, "best_same_bits": 0.0}
+    print("  best per shape with the current kernel's bits:", flush=True)
+    for k_m, calls, _, row in cases:
+        ok = {"current": row["current_ms"]} | {v: x["ms"] for v, x in row["variants"].items() if x.get("same_bits")}
+        row["best_same_bits"] = min(ok, key=ok.get)
+        best_ms = ok[row["best_same_bits"]]
+        if k_m in seen:  # the step's own row count (not the head's extra 16-row run)
+            total["cublas"] += row["cublas_ms"] * calls
+            total["current"] += row["current_ms"] * calls
+            total["best_same_bits"] += best_ms * calls
+        print(f"    {k_m}: {row['best_same_bits']} {best_ms:.4f} ms ({_tflops(k_m, best_ms):.0f} TFLOP/s) vs "
+              f"cuBLAS {row['cublas_ms']:.4f}", flush=True)
     print(f"  per step over these shapes: cuBLAS {total['cublas']:.1f} ms, current {total['current']:.1f} ms, "
           f"best same-bits variant {total['best_same_bits']:.1f} ms", flush=True)
-    return [{"per_step_ms": total}] + rows_out
+    return [{"per_step_ms": total}] + [row for *_, row in cases]
 
 
 def flashmla_rows_probe() -> dict:
