@@ -55,16 +55,17 @@ class TileConfig:
 # the kernels a TileConfig may name. All compute, per output element, the fp32 sum over K in increasing BK steps,
 # each step one dot (tensor-core MMAs for 16-bit operands, a chain of IEEE FMAs in increasing k for fp32):
 # "pointer": `_mm_kernel`, operands loaded through pointers (any strides);
-# "tma", "tma-persistent", "tma-persistent-ws": `_mm_tma_kernel`, operands loaded through TMA tensor descriptors
-#   (Hopper's bulk copies), one program per tile or a persistent grid of one program per SM walking the tiles (-ws:
-#   with Triton's automatic warp specialization of that loop). Where a call's operands do not fit a descriptor
-#   (strides, alignment) it runs the "pointer" kernel;
+# "tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws": `_mm_tma_kernel`, operands loaded through
+#   TMA tensor descriptors (Hopper's bulk copies), one program per tile or a persistent grid of one program per SM
+#   walking the tiles (-flat: the tile and K loops flattened into one software pipeline, so a tile's epilogue
+#   overlaps the next one's loads; -ws: that and Triton's automatic warp specialization). Where a call's operands
+#   do not fit a descriptor (strides, alignment) it runs the "pointer" kernel;
 # "fma-rows": `_mm_fma_rows_kernel`, fp32 calls of at most FMA_ROWS_MAX rows (the head at decode): one thread per
 #   output column, its FMA chain over k written out (tl.fma), K read 8 contiguous values at a time, so the weight
 #   streams at memory speed where the FMA dot's tile spends 10x that. The same chain as the fp32 dot on the GPU
 #   (`test_fp32_small_rows_tile_equals_the_dot_kernel_gpu`); the CPU interpreter rounds its dots per BK step
 #   instead, so there it is only checked against float64.
-KERNELS = ("pointer", "tma", "tma-persistent", "tma-persistent-ws", "fma-rows")
+KERNELS = ("pointer", "tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws", "fma-rows")
 FMA_ROWS_MAX = 16
 
 # the default tile per input dtype. 16-bit: wgmma-sized tiles; fp32: FMA (IEEE) dots, whose registers allow smaller
@@ -206,7 +207,7 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
                    s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
                    HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-                   WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
+                   FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
     """`_mm_kernel`'s sums with the operands brought by TMA descriptors: a over [Bt * M, K] (a batch's rows one
     after another), b over [Bt * N, K] (B_NK: the weight as stored, [N, K] per batch) or [Bt * K, N]. A tile's
     rows or columns past its batch read the next batch's (or TMA's zeros): never stored. The K tail reads zeros
@@ -222,7 +223,7 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
                 _tma_tile(t0 + tl.program_id(0), a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb,
                           s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
     else:
-        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, warp_specialize=WARP_SPEC):
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
             _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
                       alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
 
@@ -368,7 +369,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
         _mm_tma_kernel[(programs or tiles,)](
             ad, bd, out, add_t, M, N, *((tl.constexpr(K), tl.constexpr(tiles)) if _INTERPRET else (K, tiles)),
             *out.stride(), *add_t.stride(), float(alpha), float(beta), B_NK=b_nk, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-            GROUP_M=cfg.GROUP_M, PROGRAMS=programs, WARP_SPEC=cfg.kernel == "tma-persistent-ws",
+            GROUP_M=cfg.GROUP_M, PROGRAMS=programs, FLATTEN=cfg.kernel in ("tma-persistent-flat", "tma-persistent-ws"),
+            WARP_SPEC=cfg.kernel == "tma-persistent-ws",
             INTERPRET=_INTERPRET, **common)
         return out
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)

@@ -101,9 +101,9 @@ def test_fp32_few_rows_take_the_small_tile_with_the_same_sums(bf16_interpreter):
     assert torch.equal(bi.matmul(a[:16], w.t(), config=bi.CONFIGS[f32]), full[:16])
 
 
-@pytest.mark.parametrize("kernel", ["tma", "tma-persistent", "tma-persistent-ws"])
+@pytest.mark.parametrize("kernel", ["tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws"])
 def test_tma_kernels_give_the_pointer_kernels_bits(bf16_interpreter, kernel):
-    """The TMA-descriptor kernels (one program per tile, persistent, warp-specialized) compute the pointer
+    """The TMA-descriptor kernels (one program per tile, persistent, flattened, warp-specialized) compute the pointer
     kernel's sums: the same bits for a linear layer's transposed weight and a [K, N] one, a partial last K step,
     partial row / column tiles, alpha and an addend, and bmm over batches whose tiles run past a batch's rows.
     (On the GPU, tools/det_profile.py --variants-only checks them at the rank4 shapes before any is used.)"""
