@@ -174,10 +174,8 @@ def _epilogue(acc, rows, cols, bat, c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_ad
 
 
 @triton.jit
-def _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
-              HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """One output tile of `_mm_tma_kernel` (tiles numbered batch-major, GROUP_M row tiles walked together)."""
+def _tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile number (batch-major, GROUP_M row tiles walked together) -> (batch, row tile, column tile)."""
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     bat = tile // (n_m * n_n)
@@ -185,8 +183,16 @@ def _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s
     per_group = GROUP_M * n_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    return bat, first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
+              alpha, beta, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """One output tile of `_mm_tma_kernel`: loads from tile number `tile`, the epilogue at `tile_c` (the same
+    number, from a counter of its own: Triton's persistent matmul keeps the two apart for its loop flattening)."""
+    bat, pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
     a_row = bat * M + pid_m * BM
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):  # K in increasing BK steps, one dot each: the pointer kernel's sum
@@ -196,9 +202,10 @@ def _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s
         else:
             b = b_desc.load([bat * K + k0, pid_n * BN])
         acc = tl.dot(a, b, acc)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    _epilogue(acc, rows, cols, bat.to(tl.int64), c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
+    bat_c, pid_m_c, pid_n_c = _tile_coords(tile_c, M, N, BM, BN, GROUP_M)
+    rows = pid_m_c * BM + tl.arange(0, BM)
+    cols = pid_n_c * BN + tl.arange(0, BN)
+    _epilogue(acc, rows, cols, bat_c.to(tl.int64), c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
               alpha, beta, HAS_ADD, SCALE)
 
 
@@ -214,18 +221,21 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
     (past K of a row of a / of b^T); the host sends a [K, N] b with a K tail to the pointer kernel. PROGRAMS 0: one
     program per tile; else a persistent grid of PROGRAMS programs, each walking tiles pid, pid + PROGRAMS, ...
     (which program computes a tile: no sum depends on it)."""
+    pid = tl.program_id(0)
     if PROGRAMS == 0:
-        _tma_tile(tl.program_id(0), a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm,
-                  s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+        _tma_tile(pid, pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
+                  alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
     elif INTERPRET:  # (the interpreter's range takes no tensor bounds: the same walk, a guard per tile)
         for t0 in range(0, tiles, PROGRAMS):
-            if t0 + tl.program_id(0) < tiles:
-                _tma_tile(t0 + tl.program_id(0), a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb,
+            if t0 + pid < tiles:
+                _tma_tile(t0 + pid, t0 + pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb,
                           s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
     else:
-        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-            _tma_tile(tile, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
-                      alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+        tile_c = pid - PROGRAMS
+        for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+            tile_c += PROGRAMS
+            _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm,
+                      s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
 
 
 @triton.jit
