@@ -305,6 +305,25 @@ phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS nam
         ${KERNELS_ARGS:-} --json "$PHASE_DIR/kernels.json"
 }
 
+phase_mhc_ab() {  # issue 13 item 4 (<= 90 s): one mHC site's expand fused with the next site's input step
+    # (mini/kernels/mhc_norm.py mhc_expand_norm, what the model now runs at every site not followed by Engram).
+    # 1. gpu tests of the mHC kernels and ops (tests.log): expect all passed; test_mhc_expand_norm_gpu checks the
+    # stream bit for bit vs mini.ops.mhc.expand and the site's outputs within the reference bounds. 2. the
+    # micro-benchmark at V4.1 shape (bench.log, kernels_mhc_fused.json): "old: both" (mhc_expand + mhc_norm,
+    # ~0.23 ms at 56388c4's profile: 94 + 112 + 25 us) vs "new: mhc_expand_norm" per tile config; tbs = the floor's
+    # 420 MB over the time (frac_hbm_peak vs 4.8 TB/s). The last line: stream_bit_identical True, and how many
+    # of y / pre / post / comb moved vs the old path (last bits expected).
+    local rc=0
+    timeout 55 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=50 tests/kernels/test_mhc_norm.py \
+        tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
+        >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -6 "$PHASE_DIR/tests.log"
+    timeout 32 python3 -m mini.bench.kernels --only mhc_fused --sweep --json "$PHASE_DIR/kernels_mhc_fused.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^mhc expand|ERROR" "$PHASE_DIR/bench.log" || tail -5 "$PHASE_DIR/bench.log"
+    return $rc
+}
+
 phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and without fake quant (~60 s);
     # FASTPATH_LAYERS=1 also runs the real-width layer check first (~100 s more); FASTPATH_ARGS e.g. --device cpu
     local rc=0
@@ -644,6 +663,42 @@ phase_ep2_glue_ab() {  # issue 18 items 1-2 (2 GPUs, <= 4 min): ep-exact at V4.1
             --warmup 1 --profile-steps 2 --json "$PHASE_DIR/ep2_L16_$glue.json" >"$PHASE_DIR/$glue.log" 2>&1 || rc=1
         grep -E "mean_step_ms|exchange_glue|communication|routed.act_quant|routed.combine" "$PHASE_DIR/$glue.log"
     done
+    return $rc
+}
+
+phase_ep_overlap_gpu() {  # issue 18 item 3 (ONE GPU, <= 100 s): the micro-batched (overlapped) EP exchange's real
+    # path: exchange_wire in 2 and 4 micro-batches on a one-rank NCCL group, Humming's GEMMs where they load (4,096
+    # tokens, 1,024 wide, 64 experts, top-6), against the one-piece exchange and the one-device MoE. Expect
+    # "2 passed" (bit for bit); a failure says how many elements differ (then micro-batching changed a kernel's
+    # per-row rounding although every part takes the whole layer's tile config).
+    timeout 95 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=90 -v \
+        tests/parallel/test_exchange_overlap.py --junitxml="$PHASE_DIR/junit.xml"
+}
+
+phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overlapped with the experts
+    # (MINI_EP_OVERLAP=N micro-batches per MoE layer, mini/parallel/exchange.py; off by default).
+    # 1. ep-exact at V4.1 width with every exchange in 2 micro-batches, decode steps too (MIN_TOKENS=1): expect
+    #    rows_bit_identical 1, tokens_identical 1, max_abs_logit_diff 0 for wide-fast-bf16 and tiny-fast-bf16.
+    # 2. ep-prefill, 16 layers, 4,096 tokens/rank, fused glue, overlap 1 (off) / 2 / 4 on ONE build, steps
+    #    interleaved: per setting mean_step_ms, stage.communication_ms (EXPOSED: the compute stream's stall in the
+    #    collectives), stage.exchange_glue_ms, stage.exposed_fraction = (communication + glue) / step (target
+    #    <= 0.05), overlapN.logits_identical 1 (same bits as off) with logits_repeat_identical 1 (the control).
+    #    Expect at overlap 1 ~0.4-0.6 ms/layer communication (6-9 ms per step: issue 18 measured 9.4 eagerly); at 2
+    #    about half (the last part's reduce-scatter stays exposed), at 4 about a quarter, each part's GEMMs smaller.
+    # 3. the one-GPU gpu tests of the micro-batched exchange (phase ep_overlap_gpu): expect 2 passed.
+    local rc=0
+    MINI_EP_OVERLAP=2 MINI_EP_OVERLAP_MIN_TOKENS=1 timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact \
+        --cases wide-fast-bf16,tiny-fast-bf16 --json "$PHASE_DIR/ep_exact_overlap2.json" \
+        >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
+    grep -E "identical|max_abs_logit" "$PHASE_DIR/ep_exact.log" || tail -8 "$PHASE_DIR/ep_exact.log"
+    timeout 120 torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 16 --steps 5 --warmup 1 \
+        --profile-steps 2 --overlap 1,2,4 --json "$PHASE_DIR/ep2_L16_overlap.json" \
+        >"$PHASE_DIR/ep_prefill.log" 2>&1 || rc=1
+    grep -E "^ +(overlap[0-9]+\.(mean_step_ms|stage\.(communication|exchange_glue|routed_experts|shared_expert)_ms|stage\.exposed_fraction|logits_identical)|logits_repeat_identical|peak_mem_gb)" \
+        "$PHASE_DIR/ep_prefill.log" || tail -8 "$PHASE_DIR/ep_prefill.log"
+    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 \
+        tests/parallel/test_exchange_overlap.py --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -3 "$PHASE_DIR/tests.log"
     return $rc
 }
 

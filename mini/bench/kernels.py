@@ -264,6 +264,62 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     rows.append(dict(kernel="mhc_norm", config="torch reference", ms=ms, tbs=nbytes / ms / 1e9))
 
 
+HBM_TBS = 4.8  # the H200's nominal memory bandwidth (COPY_TBS is what a device copy reaches)
+
+
+def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int = DIM):
+    """One mHC site's output and the next site's input at V4.1 shape (delayed pre), old vs new: old = mhc_expand
+    (h written) + mhc_norm (h read back: split-K pass + finishing pass), new = mhc_expand_norm (one fused pass +
+    the finishing pass). Floor: f and the residual read once, h and y written once (~420 MB); `tbs` is that
+    floor's bytes over the time, against HBM_TBS (nominal) and COPY_TBS. Also says whether the new path's stream
+    is bit for bit the old one's and how many of the site's outputs moved (fp32 sums grouped otherwise)."""
+    from mini.kernels.mhc_expand import mhc_expand
+    from mini.kernels.mhc_norm import mhc_expand_norm, mhc_norm
+    residual = torch.randn(T, HC, dim, device=dev).bfloat16()
+    f = torch.randn(T, dim, device=dev).bfloat16()
+    post, comb = torch.rand(T, HC, device=dev) * 2, torch.rand(T, HC, HC, device=dev) / HC
+    fn = torch.randn((2 + HC) * HC, HC * dim, device=dev) * 0.01
+    scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
+    nw = torch.rand(dim, device=dev).bfloat16()
+    kw = dict(pre_in=torch.rand(T, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20)
+    stream, row = residual.numel() * 2, T * dim * 2
+    floor = 2 * stream + 2 * row  # residual read + h written, f read + y written
+
+    def add(label, config, ms, moved):
+        rows.append(dict(kernel=f"mhc expand+next pre_norm [{T},{HC},{dim}]", config=f"{label} {config}", ms=ms,
+                         tbs=floor / ms / 1e9, frac_hbm_peak=floor / ms / 1e9 / HBM_TBS,
+                         frac_copy_peak=floor / ms / 1e9 / COPY_TBS, moved_tbs=moved / ms / 1e9))
+
+    h = mhc_expand(f, residual, post, comb)
+    ms_e = _bench(lambda: mhc_expand(f, residual, post, comb))
+    add("old: mhc_expand alone", "", ms_e, 2 * stream + row)
+    ms_n = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw))
+    add("old: mhc_norm alone", "", ms_n, stream + 3 * row)
+    ms_old = _bench(lambda: mhc_norm(mhc_expand(f, residual, post, comb), fn, scale, base, nw, **kw))
+    add("old: both", "", ms_old, 3 * stream + 4 * row)
+    configs = [{}]
+    if sweep:
+        # built for sm_90a: 168 registers at 4 warps (3 programs per SM: split 6 = 384 programs is one wave),
+        # 128 with maxnreg (4 per SM, a few spills: split 8 = 512 programs on 528 slots)
+        configs += [dict(split=8), dict(split=8, maxnreg=128), dict(num_stages=2), dict(block_t=32, split=4),
+                    dict(num_warps=8, split=8)]
+    for cfg in configs:
+        try:
+            ms = _bench(lambda: mhc_expand_norm(f, residual, post, comb, fn, scale, base, nw, **kw, **cfg))
+        except Exception as e:  # a configuration the compiler refuses must not hide the others
+            rows.append(dict(kernel="mhc expand+next pre_norm", config=f"new {cfg}", error=str(e)[:200]))
+            continue
+        add("new: mhc_expand_norm", cfg or "default", ms, 2 * stream + 4 * row)
+    y_old, *mix_old = mhc_norm(h, fn, scale, base, nw, **kw)
+    h_new, y_new, *mix_new = mhc_expand_norm(f, residual, post, comb, fn, scale, base, nw, **kw)
+    rows.append(dict(kernel="mhc expand+next pre_norm: new vs old bits", config="default",
+                     stream_bit_identical=bool(torch.equal(h_new.view(torch.int16), h.view(torch.int16))),
+                     y_differ=int((y_new != y_old).sum()), y_n=y_old.numel(),
+                     mixes_differ=[int((a != b).sum()) for a, b in zip(mix_new, mix_old)],
+                     mixes_max_rel=[float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+                                    for a, b in zip(mix_new, mix_old)]))
+
+
 def bench_rope(rows: list, sweep: bool, dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.rope_quant import rope_quant
@@ -360,7 +416,8 @@ def bench_norm(rows: list, sweep: bool, dev="cuda"):
 
 
 BENCHES = {"attention": bench_attention, "flashmla": bench_flashmla, "indexer": bench_indexer, "mhc": bench_mhc,
-           "rope": bench_rope, "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
+           "mhc_fused": bench_mhc_fused, "rope": bench_rope, "rope_chains": bench_rope_chains,
+           "attn_glue": bench_attn_glue, "norm": bench_norm}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -393,9 +450,12 @@ def main(argv=None) -> None:
         if "error" in r:
             print(f"{r['kernel']:44s} ERROR {r['error']}")
             continue
-        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "frac_copy_peak",
-                                                     "gathered_tbs", "max_token_rel_err_vs_triton") if k in r)
-        print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r['ms']:8.4f}  {rate}")
+        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "frac_hbm_peak",
+                                                     "frac_copy_peak", "moved_tbs", "gathered_tbs",
+                                                     "max_token_rel_err_vs_triton") if k in r)
+        rate += "".join(f" {k}={r[k]}" for k in ("stream_bit_identical", "y_differ", "y_n", "mixes_differ",
+                                                  "mixes_max_rel") if k in r)
+        print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r.get('ms', float('nan')):8.4f}  {rate}")
     if args.json:
         from mini.bench import environment
         with open(args.json, "w") as f:

@@ -3,7 +3,8 @@
 `mixes` turns one site's stream into the pre weights (collapse), post weights (expand) and a doubly stochastic
 `comb` [T, hc, hc] (Sinkhorn), all in fp32. `collapse` folds the copies into one sub-layer input; `expand` writes
 the sub-layer output back into every copy while mixing the residual copies through `comb`. `pre_norm` is a site's
-whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the fast path). V4 ends with
+whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the fast path); `expand_pre_norm` is
+one site's expand followed by the next site's input step (one pass over the stream on the fast path). V4 ends with
 `hc_head` (a sigmoid-only pre mix); V4.1 has no head and collapses with the last FFN site's `pre`.
 """
 import torch
@@ -58,6 +59,10 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 @staged("hc_norm_other.mhc")
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
+    return _expand(f, residual, post, comb)
+
+
+def _expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     if use_fast(f, residual) and f.dtype == residual.dtype == torch.bfloat16:
         from mini.kernels.mhc_expand import mhc_expand, supported
         if supported(residual.shape[1]):
@@ -75,12 +80,36 @@ def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A site's input: its mixes, then rms_norm(collapse(h, pre_in)) with the delayed pre of the previous site
     (V4.1), or with this site's own pre when pre_in is None (V4). Returns (x [T, D] in h.dtype, pre, post, comb)."""
+    return _pre_norm(h, fn, scale, base, norm_weight, pre_in, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps,
+                     norm_eps=norm_eps)
+
+
+def _pre_norm(h, fn, scale, base, norm_weight, pre_in, *, hc_mult, iters, hc_eps, norm_eps):
     if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
         from mini.kernels.mhc_norm import mhc_norm
         return mhc_norm(h, fn, scale, base, norm_weight, pre_in=pre_in, iters=iters, hc_eps=hc_eps,
                         norm_eps=norm_eps)
     pre, post, comb = mixes(h, fn, scale, base, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
+
+
+@staged("hc_norm_other.mhc")
+def expand_pre_norm(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
+                    pre_in: torch.Tensor | None, *, hc_mult: int, iters: int, hc_eps: float, norm_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's output followed by the next site's input: h = expand(f, residual, post, comb), then
+    pre_norm(h, fn, ...). Returns (h, x, pre, post, comb). The fast path does both in one pass over the stream
+    (mini/kernels/mhc_norm.py `mhc_expand_norm`: h bit for bit as `expand`, written once and not read back)."""
+    if use_fast(f, residual) and hc_mult == 4:
+        from mini.kernels.mhc_norm import expand_supported, mhc_expand_norm
+        if expand_supported(f, residual):
+            return mhc_expand_norm(f, residual, post, comb, fn, scale, base, norm_weight, pre_in=pre_in,
+                                   iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    # the unmarked ops: this call already is the stage (a nested one of the same name would count twice)
+    h = _expand(f, residual, post, comb)
+    return (h, *_pre_norm(h, fn, scale, base, norm_weight, pre_in, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps,
+                          norm_eps=norm_eps))
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, hc_eps: float,

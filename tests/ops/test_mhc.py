@@ -175,3 +175,41 @@ def test_expand_fast_is_bit_identical_to_reference():
     post, comb = torch.rand(333, HC, device="cuda") * 2, torch.rand(333, HC, HC, device="cuda")
     out = _on_backend("fast", expand, f, h, post, comb)
     assert torch.equal(out, _on_backend("reference", expand, f, h, post, comb))
+
+
+def test_expand_pre_norm_is_expand_then_pre_norm():
+    """The reference composition: the same stream as `expand`, then the same site input as `pre_norm` on it."""
+    from mini.ops.mhc import expand_pre_norm
+    residual, fn, scale, base, w, pre_prev = _site(7, 33, "cpu", torch.float32)
+    f = torch.randn(7, 33)
+    post, comb = torch.rand(7, HC) * 2, torch.rand(7, HC, HC)
+    kw = dict(hc_mult=HC, iters=20, hc_eps=EPS, norm_eps=1e-20)
+    for pre_in in (pre_prev, None):
+        h, *site = expand_pre_norm(f, residual, post, comb, fn, scale, base, w, pre_in, **kw)
+        want_h = expand(f, residual, post, comb)
+        assert torch.equal(h, want_h)
+        for got, want in zip(site, pre_norm(want_h, fn, scale, base, w, pre_in, **kw)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delayed", [True, False])
+def test_expand_pre_norm_fast_matches_reference(delayed):
+    """The fast path (one fused pass): the stream bit for bit as the reference's expand, the site's input within
+    the fused kernels' bounds (test_pre_norm_fast_matches_reference)."""
+    from mini.ops.mhc import expand_pre_norm
+    residual, fn, scale, base, w, pre_prev = _site(333, 5120, "cuda", torch.bfloat16)
+    f = torch.randn(333, 5120, device="cuda").bfloat16()
+    post, comb = torch.rand(333, HC, device="cuda") * 2, torch.rand(333, HC, HC, device="cuda")
+    args = (f, residual, post, comb, fn, scale, base, w, pre_prev if delayed else None)
+    kw = dict(hc_mult=HC, iters=20, hc_eps=EPS, norm_eps=1e-20)
+    h, x, pre, post2, comb2 = _on_backend("fast", expand_pre_norm, *args, **kw)
+    rh, rx, rpre, rpost, rcomb = _on_backend("reference", expand_pre_norm, *args, **kw)
+    assert torch.equal(h, rh)
+    torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(post2, rpost, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(comb2, rcomb, rtol=5e-4, atol=2e-5)
+    row = rx.float().square().mean(-1, keepdim=True).sqrt()
+    atol = (1e-5 if delayed else 2e-3) * row
+    assert ((x.float() - rx.float()).abs() <= 2e-2 * rx.float().abs() + atol).all()
+    assert (x != rx).float().mean() < (0.01 if delayed else 0.03)
