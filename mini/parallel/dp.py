@@ -137,6 +137,32 @@ def _any_rank(ctx: DistContext, flag: bool) -> bool:
     return bool(t.item())
 
 
+class LockStepEngine:
+    """An LLMEngine (over a DPModel) seen as one rank of the lock step, for code written for one engine (the
+    serving warm-up, mini.engine.warmup): a step without a forward of its own joins the other ranks' step
+    (`DPModel.join_idle`), and `has_work` is whether any rank has work. Every rank must make the same calls in the
+    same order (each rank's step is one agreement, whatever its engine did); everything else goes to the engine."""
+
+    def __init__(self, engine, ctx: DistContext):
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_ctx", ctx)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name, value):  # e.g. the warm-up resetting the engine's counters
+        setattr(self._engine, name, value)
+
+    def has_work(self) -> bool:
+        return _any_rank(self._ctx, self._engine.has_work())
+
+    def step(self):
+        outputs = self._engine.step()
+        if not outputs.forward:
+            self._engine.runner.model.join_idle(self._engine.runner.graphs)
+        return outputs
+
+
 def generate(llm, ctx: DistContext, prompts: list, params) -> list:
     """Greedy/sampled generation of `prompts` spread over the ranks (prompt i on rank i % world); returns every
     prompt's final RequestOutput, in prompt order, on every rank. `llm` is an LLM over a DPModel."""

@@ -303,7 +303,22 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
         context = torch.tensor([engine.max_model_len], device=ctx.device)
         dist.all_reduce(context, op=dist.ReduceOp.MIN)
         engine.max_model_len = int(context.item())
+    warmup = getattr(args, "warmup", None)  # --warmup / --no-warmup; default: on CUDA, as `mini serve`
+    if warmup if warmup is not None else ctx.device.type == "cuda":
+        warm_up_ranks(engine, ctx)
     return DPWorker(engine, ctx)
+
+
+def warm_up_ranks(engine: LLMEngine, ctx: DistContext, parts=None) -> float:
+    """`mini serve`'s warm-up (mini.engine.warmup: the prefill and mixed step shapes the first requests use, every
+    decode bucket) on every rank at once, in lock step (`dp.LockStepEngine`); returns seconds. `parts`: only these
+    parts of the warm-up's plan (tests). Then start-up's objects leave the collector's walks (`freeze_heap`)."""
+    from mini.engine.warmup import freeze_heap, warm_up
+    from mini.parallel.dp import LockStepEngine
+    seconds = warm_up(LockStepEngine(engine, ctx), parts=parts)
+    log.info("rank %d warmed up in %.1f s", ctx.rank, seconds)
+    freeze_heap()
+    return seconds
 
 
 # serve_http(args, engine, driver, routes): rank 0's HTTP server over `engine`, stepped by `driver`, with extra GET

@@ -132,3 +132,38 @@ def test_dp_serving_lock_step_with_static_overlapped_decode_equals_one_process()
     assert status["step_kinds"] == kinds0 and status["agree_us_mean"] > 0 and status["sync_us_mean"] > 0
     for kinds in (kinds0, kinds1):  # both ranks decoded through the static path, in the same steps
         assert kinds["static"] + kinds["idle_static"] == kinds0["static"] + kinds0["idle_static"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------- warm-up
+def _warm_rank(ctx):
+    """The serving warm-up on both ranks in lock step (two of its parts), then a lock-stepped engine where only
+    rank 0 has a request: rank 1's steps join rank 0's."""
+    import mini.engine.model_runner as runner_module
+    from mini.engine import build_engine
+    from mini.parallel.dp import LockStepEngine, load_ep_model
+    from mini.parallel.serve import warm_up_ranks
+    runner_module.use_cuda_graphs = lambda *a: True
+    model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
+    engine = build_engine(model, config=cfg, tokenizer=tok, overlap=True, **ENGINE)
+    warm_up_ranks(engine, ctx, parts=["trickle", "decode-buckets"])
+    warmed = (engine.has_work(), engine.stats.steps, dataclasses.asdict(model.kinds))
+    lock = LockStepEngine(engine, ctx)
+    if ctx.rank == 0:
+        lock.add_request("only", PROMPTS[0], _params()[0])
+    outputs = []
+    while lock.has_work():
+        outputs += lock.step()
+    return warmed, [o.token_ids for o in outputs if o.finished], dataclasses.asdict(model.kinds)
+
+
+@pytest.mark.slow
+def test_warm_up_and_a_lone_request_in_lock_step():
+    model, cfg, tok = load_model("tiny-v4.1", device="cpu", dtype=torch.float32)
+    want = LLM(model, config=cfg, tokenizer=tok, **ENGINE).generate(PROMPTS[:1], _params()[:1])[0].token_ids
+    (warm0, done0, kinds0), (warm1, done1, kinds1) = spawn(2, _warm_rank, device="cpu")
+    for has_work, steps, kinds in (warm0, warm1):
+        assert not has_work and steps == 0  # every warm-up request ran to its end; counters reset
+        assert kinds["static"] > 0 and kinds["eager"] > 0  # decode buckets replayed, prefill and mixed steps eager
+    assert done0 == [want] and done1 == []
+    assert kinds1["idle_static"] > warm1[2]["idle_static"]  # rank 1 joined rank 0's decode steps
+    assert kinds0["static"] + kinds0["idle_static"] == kinds1["static"] + kinds1["idle_static"]
