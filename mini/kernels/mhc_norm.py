@@ -24,6 +24,11 @@ on the H200 against 574 us for the former one-kernel version, docs/kernels.md):
    partial sum of squares;
 2. `_mhc_finish_kernel`, grid (token blocks): sums the partials in split order, then the sigmoids and the Sinkhorn,
    (V4 only: the collapse with its own pre, a second read of h) and the normalisation of y in place.
+
+`mhc_expand_norm` replaces pass 1 by `_mhc_expand_partial_kernel`, which first computes the previous site's expand
+(mhc_expand.py's math, bit for bit) on its tile and writes it as the new stream, then does pass 1's work on that
+tile: the stream is written once and not read back (`mini.ops.mhc.expand_pre_norm`, at every site of the model
+that follows another site directly).
 """
 import os
 import weakref
