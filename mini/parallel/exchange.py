@@ -29,7 +29,8 @@ The glue around the collectives comes in two forms, chosen by MINI_EP_GLUE (or `
 Communication overlapped with compute (issue 18 item 3), MINI_EP_OVERLAP=N (or `MoEExchange(micro_batches=)`;
 default 1, off, until measured on 2 GPUs): each rank's tokens are split into N micro-batches (rank r's i-th holds
 its tokens [T_r i / N, T_r (i + 1) / N)), each with its own padded send buffer, all-gather and reduce-scatter, all
-issued asynchronously: every all-gather is in flight before the shared expert runs, the i-th reduce-scatter runs
+issued asynchronously (fewer parts where a part of the largest rank would hold under MINI_EP_OVERLAP_MIN_TOKENS
+rows, default 256: decode steps stay whole): every all-gather is in flight before the shared expert runs, the i-th reduce-scatter runs
 under the experts of micro-batch i + 1, and only the last one's reduce-scatter (1/N of the bytes) and whatever
 part of the first all-gather outlasts the shared expert stay exposed. The gate and the shared expert still see the
 whole layer. A token's row goes through the same kernels with the same per-row math in whichever micro-batch it
@@ -89,6 +90,14 @@ def glue_choice(glue: str | None = None) -> str:
     return choice
 
 
+def overlap_min_tokens() -> int:
+    """MINI_EP_OVERLAP_MIN_TOKENS (default 256): the fewest rows of the largest rank per micro-batch."""
+    text = os.environ.get("MINI_EP_OVERLAP_MIN_TOKENS", "256")
+    if not text.strip().isdigit():
+        raise ValueError(f"MINI_EP_OVERLAP_MIN_TOKENS={text!r}: give a whole number of tokens")
+    return int(text)
+
+
 def overlap_choice(micro_batches: int | None = None) -> int:
     """`micro_batches`, else MINI_EP_OVERLAP, else 1: how many micro-batches each MoE layer's exchange is split
     into (1: not overlapped; "off" = 1, "on" = 2); anything but a positive integer is refused."""
@@ -131,10 +140,12 @@ class MicroBatch:
         return torch.cat([torch.arange(r * t_max, r * t_max + n, device=device) for r, n in enumerate(self.counts)])
 
 
-def micro_batches(counts: list[int], n: int) -> list[MicroBatch]:
+def micro_batches(counts: list[int], n: int, min_rows: int = 1) -> list[MicroBatch]:
     """Each rank's tokens split into `n` contiguous parts of near-equal size (every rank computes the same split
-    from the exchanged counts); parts in which no rank has a row are dropped, so a step of one token per rank runs
-    one exchange, not n."""
+    from the exchanged counts), fewer where the largest rank would get under `min_rows` rows a part (a small step,
+    e.g. decode, whose collectives are latency-bound, stays in one piece); parts in which no rank has a row are
+    dropped, so a step of one token per rank runs one exchange, not n."""
+    n = max(1, min(n, max(counts, default=0) // max(min_rows, 1)))
     parts = []
     for i in range(n):
         starts = tuple(t * i // n for t in counts)
@@ -175,6 +186,7 @@ class MoEExchange:
         self.ctx = ctx
         self.glue = glue_choice(glue)
         self.micro_batches = overlap_choice(micro_batches)  # per MoE layer; 1: communication not overlapped
+        self.min_part_tokens = overlap_min_tokens()  # a smaller step is split into fewer parts
         self.counts: list[int] | None = None
         self._rows: torch.Tensor | None = None  # valid rows of the padded gather (None: no padding)
         # diagnostics (`mini bench ep-exact --trace`): called as trace(layer, site, tensor) with this rank's
@@ -247,7 +259,7 @@ class MoEExchange:
         experts."""
         rank = self.ctx.rank
         gathers = []
-        for part in micro_batches(self.counts, self.micro_batches):
+        for part in micro_batches(self.counts, self.micro_batches, self.min_part_tokens):
             r = part.rows(rank)
             send, widths = self.pack(x[r], weights[r], ids[r], block, part)
             recv = send.new_empty(self.ctx.world * send.shape[0], send.shape[1])
@@ -277,7 +289,7 @@ class MoEExchange:
         rank, world = self.ctx.rank, self.ctx.world
         row = WireRow(ids.shape[1], x.shape[1], block)
         gathers = []
-        for part in micro_batches(self.counts, self.micro_batches):
+        for part in micro_batches(self.counts, self.micro_batches, self.min_part_tokens):
             r = part.rows(rank)
             send = torch.empty(part.t_max, row.width, dtype=torch.uint8, device=x.device)
             ids_out, weights_out, codes, scales = row.fields(send)

@@ -38,6 +38,20 @@ def test_micro_batches_cover_every_token_once_in_order(counts, n):
     assert len(micro_batches([1, 1], 4)) == 1  # one token per rank: one exchange, not four
 
 
+def test_small_steps_are_split_into_fewer_parts(monkeypatch):
+    assert len(micro_batches([300, 10], 4, min_rows=256)) == 1  # e.g. decode: one piece
+    assert len(micro_batches([600, 0], 4, min_rows=256)) == 2
+    assert len(micro_batches([1024, 5], 4, min_rows=256)) == 4
+    assert [p.counts for p in micro_batches([1024, 5], 4, min_rows=256)] == [(256, 1), (256, 1), (256, 1), (256, 2)]
+    monkeypatch.delenv("MINI_EP_OVERLAP_MIN_TOKENS", raising=False)
+    assert MoEExchange(DistContext(0, 1, torch.device("cpu"), None)).min_part_tokens == 256
+    monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "1")
+    assert MoEExchange(DistContext(0, 1, torch.device("cpu"), None)).min_part_tokens == 1
+    monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "many")
+    with pytest.raises(ValueError, match="MINI_EP_OVERLAP_MIN_TOKENS"):
+        MoEExchange(DistContext(0, 1, torch.device("cpu"), None))
+
+
 def test_valid_rows_index_the_padded_layout():
     part = micro_batches([4, 1, 3], 1)[0]
     assert part.t_max == 4
@@ -94,6 +108,7 @@ def _rank_overlap(ctx: DistContext, layer, cases, seed, fast):
         got = {}
         for m in (n, 1):
             ex = MoEExchange(ctx, glue=glue, micro_batches=m)
+            ex.min_part_tokens = 1  # split these tiny steps too
             ex.begin_step(counts[ctx.rank])
             before = dict(calls)
             got[m] = ex(x, w, cfg, plan, input_ids=ids[ctx.rank])
@@ -159,10 +174,11 @@ def _prefill_args(*extra: str):
                          "--block-tokens", "16", *extra])
 
 
-def test_ep_prefill_overlap_ab_reports_each_setting_and_equal_logits():
+def test_ep_prefill_overlap_ab_reports_each_setting_and_equal_logits(monkeypatch):
     """`ep-prefill --overlap 1,2` on 2 gloo ranks (every V4.1 layer kind): each setting's step and stages, the
     exposed share, and logits equal bit for bit between the settings (and the control: one setting twice)."""
     from mini.bench import check_result, ep_prefill
+    monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "1")  # read by the spawned ranks: split 37 tokens too
     args = _prefill_args("--nproc", "2", "--tokens", "37", "--seqs", "2", "--steps", "2", "--warmup", "1",
                          "--profile-steps", "1", "--overlap", "1,2")
     result = check_result("ep-prefill", ep_prefill.run(args))
@@ -189,7 +205,7 @@ def test_ep_prefill_refuses_a_bad_overlap_list():
 def _ep_logits(ctx: DistContext, args, tokens):
     from mini.bench import ep_prefill
     r = ep_prefill.build(ctx, ep_prefill.layer_config(args.preset, args.layers), args, tokens[ctx.rank])
-    assert r.exchange.micro_batches == 2  # from MINI_EP_OVERLAP, read where the exchange is built
+    assert r.exchange.micro_batches == 2 and r.exchange.min_part_tokens == 4  # from the environment
     return r.step()
 
 
@@ -199,6 +215,7 @@ def test_overlapped_ep_forward_equals_one_process(monkeypatch):
     from mini.bench import ep_prefill
     from mini.model import Model
     monkeypatch.setenv("MINI_EP_OVERLAP", "2")
+    monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "4")  # rank 0's 19 tokens in 2 parts, rank 1's 9 too
     tokens = [[[5 + (11 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate(lens)] for lens in ([13, 6], [9])]
     args = _prefill_args()
     logits = spawn(2, _ep_logits, args, tokens, device="cpu")
@@ -209,3 +226,75 @@ def test_overlapped_ep_forward_equals_one_process(monkeypatch):
         want = full.forward(r.batch, r.cache)
         assert got.shape == want.shape and torch.isfinite(want).all()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # only the fp32 cross-rank sum order differs
+
+
+# ------------------------------------------------------------------- one rank, the real kernels (GPU: Humming)
+def _rank_wire_parts(ctx: DistContext, T, parts, seed, dim, inter, experts):
+    """`exchange_wire` in `parts` micro-batches and in one piece on a one-rank group (the collectives copy), with
+    the whole layer's pairs as the tile hint as `MoEExchange.__call__` passes it, against the one-device fast MoE."""
+    import torch.distributed as dist
+
+    import mini.ops
+    from mini.config import preset
+    from mini.ops.moe import gate, routed_wire, routed_wire_ok, shared
+    from test_exchange import _one_layer_state
+    dev = ctx.device
+    if dev.type == "cpu":
+        mini.ops.set_backend("fast", interpret_on_cpu=True)
+    if not dist.is_initialized():  # the launcher starts no group for one rank: the collectives need one
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
+    cfg = preset("tiny-v4.1").replace(dim=dim, moe_inter_dim=inter, n_routed_experts=experts, n_activated_experts=6)
+    w = MoEWeights.from_state(_one_layer_state(cfg, seed, dev), "layers.0.ffn", cfg, 0)
+    plan = cfg.layers[0]
+    x = (torch.randn(T, cfg.dim, device=dev) * torch.logspace(-2, 2, T, device=dev)[:, None]).bfloat16()
+    weights, ids = gate(x, w, cfg, plan)
+    assert routed_wire_ok(x, ids, w)
+    out = {}
+    for n in (parts, 1):
+        ex = MoEExchange(ctx, micro_batches=n)
+        ex.min_part_tokens = 1
+        ex.set_counts([T])
+        pairs = T * ids.shape[1]
+        out[n] = ex.exchange_wire(x, weights, ids, cfg.fp8_block, local=lambda: shared(x, w, x.dtype),
+                                  experts=lambda rows, wa, ia, add, at: routed_wire(rows, w, wa, ia, add, at,
+                                                                                    layer_pairs=pairs)).cpu()
+    return out[parts], out[1], moe(x, w, cfg, plan).cpu(), w.humming is not None
+
+
+def _check_wire_parts(device, T, parts, dim, inter, experts):
+    split, whole, one, humming = spawn(1, _rank_wire_parts, T, parts, 3, dim, inter, experts, device=device)[0]
+    assert split.shape == (T, dim) and split.dtype == torch.bfloat16 and torch.isfinite(split).all()
+    assert torch.equal(whole, one), f"humming={humming}: one piece vs one device: {(whole != one).sum().item()}"
+    assert torch.equal(split, whole), f"humming={humming}: {parts} parts vs one piece: {(split != whole).sum().item()}"
+
+
+def test_micro_batched_wire_exchange_equals_one_piece_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _check_wire_parts("cpu", 11, 3, 64, 32, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [2, 4])
+def test_micro_batched_wire_exchange_equals_one_piece_gpu(parts):
+    """On one GPU (Humming's GEMMs where they load): 4,096 tokens at 1,024 wide with 64 experts, in 2 and 4
+    micro-batches, bit for bit the one-piece exchange and the one-device MoE (every part takes the whole layer's
+    tile config: without the hint a part's smaller row bucket could pick another schedule)."""
+    _check_wire_parts("cuda", 4096, parts, 1024, 512, 64)
+
+
+def test_ep_exact_with_overlap_on_two_cpu_ranks(monkeypatch):
+    """`ep-exact` (greedy prefill + decode, EP vs one rank) with every MoE exchange in 2 micro-batches, decode
+    steps included (MINI_EP_OVERLAP_MIN_TOKENS=1): the tokens of one rank, its logits within fp32 order."""
+    import argparse
+
+    from mini.bench import check_result, ep_exact
+    monkeypatch.setenv("MINI_EP_OVERLAP", "2")
+    monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "1")
+    p = argparse.ArgumentParser()
+    ep_exact.add_args(p)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(["--nproc", "2", "--decode-steps", "3", "--device", "cpu", "--cases", "tiny-reference-fp32"])
+    m = check_result("ep-exact", ep_exact.run(args))["metrics"]
+    assert m["tiny-reference-fp32.tokens_identical"] == 1 and m["tiny-reference-fp32.logit_abs_max"] > 1
+    assert m["tiny-reference-fp32.max_abs_logit_diff"] <= 1e-5
