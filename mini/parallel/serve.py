@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
@@ -316,7 +317,7 @@ def warm_up_ranks(engine: LLMEngine, ctx: DistContext, parts=None) -> float:
     from mini.engine.warmup import freeze_heap, warm_up
     from mini.parallel.dp import LockStepEngine
     seconds = warm_up(LockStepEngine(engine, ctx), parts=parts)
-    log.info("rank %d warmed up in %.1f s", ctx.rank, seconds)
+    print(f"rank {ctx.rank} warmed up in {seconds:.1f} s", file=sys.stderr, flush=True)  # a start-up line
     freeze_heap()
     return seconds
 
