@@ -704,42 +704,6 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
     return $rc
 }
 
-phase_ep_overlap_gpu() {  # issue 18 item 3 (ONE GPU, <= 100 s): the micro-batched (overlapped) EP exchange's real
-    # path: exchange_wire in 2 and 4 micro-batches on a one-rank NCCL group, Humming's GEMMs where they load (4,096
-    # tokens, 1,024 wide, 64 experts, top-6), against the one-piece exchange and the one-device MoE. Expect
-    # "2 passed" (bit for bit); a failure says how many elements differ (then micro-batching changed a kernel's
-    # per-row rounding although every part takes the whole layer's tile config).
-    timeout 95 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=90 -v \
-        tests/parallel/test_exchange_overlap.py --junitxml="$PHASE_DIR/junit.xml"
-}
-
-phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overlapped with the experts
-    # (MINI_EP_OVERLAP=N micro-batches per MoE layer, mini/parallel/exchange.py; off by default).
-    # 1. ep-exact at V4.1 width with every exchange in 2 micro-batches, decode steps too (MIN_TOKENS=1): expect
-    #    rows_bit_identical 1, tokens_identical 1, max_abs_logit_diff 0 for wide-fast-bf16 and tiny-fast-bf16.
-    # 2. ep-prefill, 16 layers, 4,096 tokens/rank, fused glue, overlap 1 (off) / 2 / 4 on ONE build, steps
-    #    interleaved: per setting mean_step_ms, stage.communication_ms (EXPOSED: the compute stream's stall in the
-    #    collectives), stage.exchange_glue_ms, stage.exposed_fraction = (communication + glue) / step (target
-    #    <= 0.05), overlapN.logits_identical 1 (same bits as off) with logits_repeat_identical 1 (the control).
-    #    Expect at overlap 1 ~0.4-0.6 ms/layer communication (6-9 ms per step: issue 18 measured 9.4 eagerly); at 2
-    #    about half (the last part's reduce-scatter stays exposed), at 4 about a quarter, each part's GEMMs smaller.
-    # 3. the one-GPU gpu tests of the micro-batched exchange (phase ep_overlap_gpu): expect 2 passed.
-    local rc=0
-    MINI_EP_OVERLAP=2 MINI_EP_OVERLAP_MIN_TOKENS=1 timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact \
-        --cases wide-fast-bf16,tiny-fast-bf16 --json "$PHASE_DIR/ep_exact_overlap2.json" \
-        >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
-    grep -E "identical|max_abs_logit" "$PHASE_DIR/ep_exact.log" || tail -8 "$PHASE_DIR/ep_exact.log"
-    timeout 120 torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 16 --steps 5 --warmup 1 \
-        --profile-steps 2 --overlap 1,2,4 --json "$PHASE_DIR/ep2_L16_overlap.json" \
-        >"$PHASE_DIR/ep_prefill.log" 2>&1 || rc=1
-    grep -E "^ +(overlap[0-9]+\.(mean_step_ms|stage\.(communication|exchange_glue|routed_experts|shared_expert)_ms|stage\.exposed_fraction|logits_identical)|logits_repeat_identical|peak_mem_gb)" \
-        "$PHASE_DIR/ep_prefill.log" || tail -8 "$PHASE_DIR/ep_prefill.log"
-    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 \
-        tests/parallel/test_exchange_overlap.py --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
-    tail -3 "$PHASE_DIR/tests.log"
-    return $rc
-}
-
 phase_ep4() {  # issue 18 item 4 (kind nvidia-h200-x4, <= 5 min): the first EP4 run against the scaling model
     # (python -m mini.bench.ep_model, docs/parallel.md). NCCL at the exchange's real sizes on 2 and on 4 GPUs
     # (ep-exchange: all_gather_GBps / reduce_scatter_GBps, the model assumes 267 / 240 at any N; exchange_fused_ms),
