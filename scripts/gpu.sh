@@ -311,14 +311,15 @@ phase_mhc_ab() {  # issue 13 item 4 (<= 90 s): one mHC site's expand fused with 
     # stream bit for bit vs mini.ops.mhc.expand and the site's outputs within the reference bounds. 2. the
     # micro-benchmark at V4.1 shape (bench.log, kernels_mhc_fused.json): "old: both" (mhc_expand + mhc_norm,
     # ~0.23 ms at 56388c4's profile: 94 + 112 + 25 us) vs "new: mhc_expand_norm" per tile config; tbs = the floor's
-    # 420 MB over the time (frac_hbm_peak vs 4.8 TB/s). The last line: stream_bit_identical True, and how many
-    # of y / pre / post / comb moved vs the old path (last bits expected).
+    # 420 MB over the time (frac_hbm_peak vs 4.8 TB/s); the "new vs old bits" line: stream_bit_identical True, and
+    # how many of y / pre / post / comb moved vs the old path (last bits expected). Then the same at 256 tokens
+    # (decode: few programs): if new > old there, mini.ops.mhc.FUSED_EXPAND_MIN_TOKENS should skip it.
     local rc=0
-    timeout 55 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=50 tests/kernels/test_mhc_norm.py \
+    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/kernels/test_mhc_norm.py \
         tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
-    timeout 32 python3 -m mini.bench.kernels --only mhc_fused --sweep --json "$PHASE_DIR/kernels_mhc_fused.json" \
+    timeout 40 python3 -m mini.bench.kernels --only mhc_fused --sweep --json "$PHASE_DIR/kernels_mhc_fused.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^mhc expand|ERROR" "$PHASE_DIR/bench.log" || tail -5 "$PHASE_DIR/bench.log"
     return $rc
@@ -573,12 +574,14 @@ phase_det_final() {  # issue 17 item 4 (<= 280 s): the deterministic mode's cost
 }
 
 phase_det_gemm() {  # issue 17 item 4 (<= 170 s, no model build): the batch-invariant GEMM's kernel variants at the
-    # rank4 step's GEMM shapes (tools/det_profile.py --variants-only: TMA descriptors, persistent, warp-specialized,
-    # 128x256 tiles for bf16; 16-row tiles and the FMA-chain "fma-rows" kernel for the fp32 head at 1 and 16 rows),
+    # rank4 step's GEMM shapes (tools/det_profile.py --variants-only: TMA descriptors, persistent, flattened
+    # persistent, 128x256 tiles for bf16; 16-row tiles and the FMA-chain "fma-rows" kernel for the fp32 head at 1
+    # and 16 rows),
     # each timed (ms, TFLOP/s) next to cuBLAS and the current kernel, with its fp32 sums compared bit for bit with
     # the current kernel's (fp32: with the default 64x64 tile's, rows alone too). First the gpu test of the new
-    # fp32 small-row tile. Look at: "passed"; per shape the "variants ..." line, one line per variant ("same bits:
-    # True/False" or "failed: ..."), "best with the current bits"; the closing "per step over these shapes" line.
+    # fp32 small-row tile. Look at: "passed"; the "shape ..." lines (cuBLAS, current), per "variant ..." one line
+    # per shape ("same bits: True/False" or "failed: ..."), the "best per shape with the current kernel's bits"
+    # table and the closing "per step over these shapes" line.
     local rc=0
     timeout 40 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
         tests/kernels/test_batch_invariant.py::test_fp32_small_rows_tile_equals_the_default_tile_gpu \

@@ -267,12 +267,23 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
 HBM_TBS = 4.8  # the H200's nominal memory bandwidth (COPY_TBS is what a device copy reaches)
 
 
-def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int = DIM):
+def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int = DIM, decode_T: int = 256):
     """One mHC site's output and the next site's input at V4.1 shape (delayed pre), old vs new: old = mhc_expand
     (h written) + mhc_norm (h read back: split-K pass + finishing pass), new = mhc_expand_norm (one fused pass +
-    the finishing pass). Floor: f and the residual read once, h and y written once (~420 MB); `tbs` is that
-    floor's bytes over the time, against HBM_TBS (nominal) and COPY_TBS. Also says whether the new path's stream
-    is bit for bit the old one's and how many of the site's outputs moved (fp32 sums grouped otherwise)."""
+    the finishing pass). Floor: f and the residual read once, h and y written once (~420 MB at 4,096 tokens);
+    `tbs` is that floor's bytes over the time, against HBM_TBS (nominal) and COPY_TBS. Also says whether the new
+    path's stream is bit for bit the old one's and how many of the site's outputs moved (fp32 sums grouped
+    otherwise). Then the same at a decode batch (`decode_T` tokens: few token blocks, so few programs)."""
+    # built for sm_90a: 168 registers at 4 warps (3 programs per SM: split 6 = 384 programs is one wave),
+    # 128 with maxnreg (4 per SM, a few spills: split 8 = 512 programs on 528 slots)
+    configs = [{}] + ([dict(split=8), dict(split=8, maxnreg=128), dict(num_stages=2), dict(block_t=32, split=4),
+                       dict(num_warps=8, split=8)] if sweep else [])
+    _mhc_fused_case(rows, T, dim, configs, True, dev)
+    if decode_T:
+        _mhc_fused_case(rows, decode_T, dim, [{}, dict(split=8), dict(split=16)] if sweep else [{}], False, dev)
+
+
+def _mhc_fused_case(rows: list, T: int, dim: int, configs: list, bits: bool, dev):
     from mini.kernels.mhc_expand import mhc_expand
     from mini.kernels.mhc_norm import mhc_expand_norm, mhc_norm
     residual = torch.randn(T, HC, dim, device=dev).bfloat16()
@@ -284,11 +295,12 @@ def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int
     kw = dict(pre_in=torch.rand(T, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20)
     stream, row = residual.numel() * 2, T * dim * 2
     floor = 2 * stream + 2 * row  # residual read + h written, f read + y written
+    name = f"mhc expand+next pre_norm [{T},{HC},{dim}]"
 
     def add(label, config, ms, moved):
-        rows.append(dict(kernel=f"mhc expand+next pre_norm [{T},{HC},{dim}]", config=f"{label} {config}", ms=ms,
-                         tbs=floor / ms / 1e9, frac_hbm_peak=floor / ms / 1e9 / HBM_TBS,
-                         frac_copy_peak=floor / ms / 1e9 / COPY_TBS, moved_tbs=moved / ms / 1e9))
+        rows.append(dict(kernel=name, config=f"{label} {config}", ms=ms, tbs=floor / ms / 1e9,
+                         frac_hbm_peak=floor / ms / 1e9 / HBM_TBS, frac_copy_peak=floor / ms / 1e9 / COPY_TBS,
+                         moved_tbs=moved / ms / 1e9))
 
     h = mhc_expand(f, residual, post, comb)
     ms_e = _bench(lambda: mhc_expand(f, residual, post, comb))
@@ -297,22 +309,18 @@ def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int
     add("old: mhc_norm alone", "", ms_n, stream + 3 * row)
     ms_old = _bench(lambda: mhc_norm(mhc_expand(f, residual, post, comb), fn, scale, base, nw, **kw))
     add("old: both", "", ms_old, 3 * stream + 4 * row)
-    configs = [{}]
-    if sweep:
-        # built for sm_90a: 168 registers at 4 warps (3 programs per SM: split 6 = 384 programs is one wave),
-        # 128 with maxnreg (4 per SM, a few spills: split 8 = 512 programs on 528 slots)
-        configs += [dict(split=8), dict(split=8, maxnreg=128), dict(num_stages=2), dict(block_t=32, split=4),
-                    dict(num_warps=8, split=8)]
     for cfg in configs:
         try:
             ms = _bench(lambda: mhc_expand_norm(f, residual, post, comb, fn, scale, base, nw, **kw, **cfg))
         except Exception as e:  # a configuration the compiler refuses must not hide the others
-            rows.append(dict(kernel="mhc expand+next pre_norm", config=f"new {cfg}", error=str(e)[:200]))
+            rows.append(dict(kernel=name, config=f"new {cfg}", error=str(e)[:200]))
             continue
         add("new: mhc_expand_norm", cfg or "default", ms, 2 * stream + 4 * row)
+    if not bits:
+        return
     y_old, *mix_old = mhc_norm(h, fn, scale, base, nw, **kw)
     h_new, y_new, *mix_new = mhc_expand_norm(f, residual, post, comb, fn, scale, base, nw, **kw)
-    rows.append(dict(kernel="mhc expand+next pre_norm: new vs old bits", config="default",
+    rows.append(dict(kernel=f"{name}: new vs old bits", config="default",
                      stream_bit_identical=bool(torch.equal(h_new.view(torch.int16), h.view(torch.int16))),
                      y_differ=int((y_new != y_old).sum()), y_n=y_old.numel(),
                      mixes_differ=[int((a != b).sum()) for a, b in zip(mix_new, mix_old)],
