@@ -392,6 +392,19 @@ phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (
     return $rc
 }
 
+wait_health() {  # URL SECONDS: until the server at URL answers /health (exit status 1 after SECONDS)
+    python3 - "$1" "$2" <<'PY'
+import sys, time, urllib.request
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/health", timeout=1); sys.exit(0)
+    except OSError:
+        time.sleep(0.5)
+sys.exit(f"the server at {sys.argv[1]} did not answer /health in {sys.argv[2]} s")
+PY
+}
+
 phase_ep2_balance() {  # issue 19 item 3 (2 GPUs, <= 3 min): DP balance under `mini serve --ep 2` (tiny-v4.1):
     # tiny-goodput against it, uniform (64 x 128 in) then skewed lengths (64 x 25..2022 in, 1..126 out), 2 bursts each,
     # then GET /dp. Expect failed 0 in both JSONs, dp.json unfinished [0, 0] with placed near even for uniform load,
@@ -401,15 +414,7 @@ phase_ep2_balance() {  # issue 19 item 3 (2 GPUs, <= 3 min): DP balance under `m
     url=http://127.0.0.1:$port
     mini serve --ep 2 --model tiny-v4.1 --backend fast --port $port >"$PHASE_DIR/serve.log" 2>&1 &
     pid=$!
-    python3 - "$url" <<'PY' || rc=$?
-import sys, time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen(sys.argv[1] + "/health", timeout=1); sys.exit(0)
-    except OSError:
-        time.sleep(0.5)
-sys.exit("the --ep 2 server did not answer /health in 120 s")
-PY
+    wait_health "$url" 120 || rc=$?
     if [ $rc -eq 0 ]; then
         timeout 60 mini bench tiny-goodput --url "$url" --num-requests 64 --input-len 128 --output-len 64 \
             --repeat 2 --json "$PHASE_DIR/uniform.json" || rc=$?
@@ -494,15 +499,7 @@ phase_ep2_serve() {  # issue 19 item 4 (2 GPUs, kind nvidia-h200-x2, ~2.5 min, <
     url=http://127.0.0.1:$port
     mini serve --ep 2 --model tiny-v4.1 --backend fast --port $port >"$PHASE_DIR/serve.log" 2>&1 &
     pid=$!
-    python3 - "$url" <<'PY'
-import sys, time, urllib.request
-for _ in range(180):
-    try:
-        urllib.request.urlopen(sys.argv[1] + "/health", timeout=1); sys.exit(0)
-    except OSError:
-        time.sleep(0.5)
-sys.exit("the --ep 2 server did not answer /health in 90 s")
-PY
+    wait_health "$url" 90
     up=$?
     [ $up -eq 0 ] || rc=1
     if [ $up -eq 0 ]; then
