@@ -12,8 +12,8 @@
 
 5. with --ab-rounds R: R interleaved rounds of every mode (one build, --ab-steps timed steps each per round), the
    A/B that the mode's cost is read from (issue 17: det at most 1.10x default);
-6. --variants-only (no model): the kernel variants of batch_invariant.py (VARIANTS: TMA, persistent, warp-
-   specialized, fp32 small-row tiles) at the rank4 GEMM shapes (RANK4_GEMMS), timed and compared bit for bit with
+6. --variants-only (no model): the kernel variants of batch_invariant.py (VARIANTS: TMA, persistent, flattened
+   persistent, fp32 small-row tiles) at the rank4 GEMM shapes (RANK4_GEMMS), timed and compared bit for bit with
    the current kernel.
 
 `python3 tools/det_profile.py --out DIR [--modes ...] [--gemms none|bench|sweep] [--ab-rounds R] [rank4 args]`
@@ -277,9 +277,8 @@ VARIANTS = {
                      (128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent"), (128, 256, 64, 8, 3, 8, "tma-persistent"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent-flat"), (128, 256, 64, 8, 3, 8, "tma-persistent-flat"),
-                     (128, 128, 64, 4, 4, 8, "tma-persistent-flat"),
-                     (128, 128, 64, 4, 3, 8, "tma-persistent-ws"), (128, 256, 64, 8, 3, 8, "tma-persistent-ws"),
-                     (128, 128, 64, 8, 3, 8, "tma-persistent-ws")],
+                     (128, 128, 64, 4, 4, 8, "tma-persistent-flat"), (128, 256, 64, 8, 4, 8, "tma-persistent-flat"),
+                     (256, 128, 64, 8, 4, 8, "tma-persistent-flat")],
     torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
                     (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
                     (16, 32, 32, 1, 3, 8, "pointer"),

@@ -55,17 +55,18 @@ class TileConfig:
 # the kernels a TileConfig may name. All compute, per output element, the fp32 sum over K in increasing BK steps,
 # each step one dot (tensor-core MMAs for 16-bit operands, a chain of IEEE FMAs in increasing k for fp32):
 # "pointer": `_mm_kernel`, operands loaded through pointers (any strides);
-# "tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws": `_mm_tma_kernel`, operands loaded through
-#   TMA tensor descriptors (Hopper's bulk copies), one program per tile or a persistent grid of one program per SM
-#   walking the tiles (-flat: the tile and K loops flattened into one software pipeline, so a tile's epilogue
-#   overlaps the next one's loads; -ws: that and Triton's automatic warp specialization). Where a call's operands
-#   do not fit a descriptor (strides, alignment) it runs the "pointer" kernel;
+# "tma", "tma-persistent", "tma-persistent-flat": `_mm_tma_kernel`, operands loaded through TMA tensor
+#   descriptors (Hopper's bulk copies), one program per tile or a persistent grid of one program per SM walking the
+#   tiles (-flat: the tile and K loops flattened into one software pipeline, so a tile's epilogue overlaps the next
+#   one's loads). Where a call's operands do not fit a descriptor (strides, alignment) it runs the "pointer"
+#   kernel. (Triton 3.6's automatic warp specialization does nothing on sm_90: with it, the flattened kernel's PTX
+#   is the same, so there is no such variant);
 # "fma-rows": `_mm_fma_rows_kernel`, fp32 calls of at most FMA_ROWS_MAX rows (the head at decode): one thread per
-#   output column, its FMA chain over k written out (tl.fma), K read 8 contiguous values at a time, so the weight
-#   streams at memory speed where the FMA dot's tile spends 10x that. The same chain as the fp32 dot on the GPU
-#   (`test_fp32_small_rows_tile_equals_the_dot_kernel_gpu`); the CPU interpreter rounds its dots per BK step
-#   instead, so there it is only checked against float64.
-KERNELS = ("pointer", "tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws", "fma-rows")
+#   output column, its FMA chain over k written out (tl.fma, k in order: checked in the sm_90 PTX), the weight
+#   read 4 contiguous k per 16-byte load with no data moved between threads, so that it streams at memory speed.
+#   Meant to be the fp32 dot's chain bit for bit (tools/det_profile.py --variants-only compares them on the GPU);
+#   the CPU interpreter rounds its dots per BK step instead, so there it is only checked against float64.
+KERNELS = ("pointer", "tma", "tma-persistent", "tma-persistent-flat", "fma-rows")
 FMA_ROWS_MAX = 16
 
 # the default tile per input dtype. 16-bit: wgmma-sized tiles; fp32: FMA (IEEE) dots, whose registers allow smaller
@@ -214,7 +215,7 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
                    s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
                    HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-                   FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
+                   FLATTEN: tl.constexpr, INTERPRET: tl.constexpr):
     """`_mm_kernel`'s sums with the operands brought by TMA descriptors: a over [Bt * M, K] (a batch's rows one
     after another), b over [Bt * N, K] (B_NK: the weight as stored, [N, K] per batch) or [Bt * K, N]. A tile's
     rows or columns past its batch read the next batch's (or TMA's zeros): never stored. The K tail reads zeros
@@ -232,7 +233,7 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
                           s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
     else:
         tile_c = pid - PROGRAMS
-        for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+        for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN):
             tile_c += PROGRAMS
             _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm,
                       s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
@@ -265,29 +266,32 @@ def _mm_fma_rows_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
                         HAS_ADD: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr):
     """fp32, M <= BM: per output element acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, .., K - 1 from 0, the
-    chain the fp32 IEEE dot builds, written out: a program holds all BM rows and BN columns, and reads 8
-    contiguous k of each at a time ([BN, 8] of b: one column's k are contiguous in a linear layer's weight)."""
+    chain the fp32 IEEE dot builds, written out: a program holds all BM rows and BN columns and reads k four at a
+    time, twice per step ([BN, 4] of b: one column's 4 contiguous k in one thread's 16-byte load, so that taking
+    them apart moves no data between threads)."""
     pid_n = tl.program_id(0)
     bat = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
-    kk = tl.arange(0, 8)
+    kk = tl.arange(0, 4)
     a_ptrs = a_ptr + bat * s_ab + (rows % M).to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak
-    b_ptrs = b_ptr + bat * s_bb + (cols % N).to(tl.int64)[:, None] * s_bn + kk[None, :] * s_bk  # [BN, 8]: b^T
+    b_ptrs = b_ptr + bat * s_bb + (cols % N).to(tl.int64)[:, None] * s_bn + kk[None, :] * s_bk  # [BN, 4]: b^T
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, 8):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a_lo = tl.load(a_ptrs)
+            b_lo = tl.load(b_ptrs)
+            a_hi = tl.load(a_ptrs + 4 * s_ak)
+            b_hi = tl.load(b_ptrs + 4 * s_bk)
         else:
-            k_ok = k0 + kk < K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-        # k0..k0+3, then k0+4..k0+7
-        a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (BM, 2, 4)), (0, 2, 1)))
-        b_lo, b_hi = tl.split(tl.permute(tl.reshape(b, (BN, 2, 4)), (0, 2, 1)))
-        acc = _fma4(acc, a_lo, b_lo, BM, BN)
-        acc = _fma4(acc, a_hi, b_hi, BM, BN)
+            lo_ok = k0 + kk < K
+            hi_ok = k0 + 4 + kk < K
+            a_lo = tl.load(a_ptrs, mask=lo_ok[None, :], other=0.0)
+            b_lo = tl.load(b_ptrs, mask=lo_ok[None, :], other=0.0)
+            a_hi = tl.load(a_ptrs + 4 * s_ak, mask=hi_ok[None, :], other=0.0)
+            b_hi = tl.load(b_ptrs + 4 * s_bk, mask=hi_ok[None, :], other=0.0)
+        acc = _fma4(acc, a_lo, b_lo, BM, BN)  # k0 .. k0 + 3
+        acc = _fma4(acc, a_hi, b_hi, BM, BN)  # k0 + 4 .. k0 + 7
         a_ptrs += 8 * s_ak
         b_ptrs += 8 * s_bk
     _epilogue(acc, rows, cols, bat, c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
@@ -379,8 +383,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
         _mm_tma_kernel[(programs or tiles,)](
             ad, bd, out, add_t, M, N, *((tl.constexpr(K), tl.constexpr(tiles)) if _INTERPRET else (K, tiles)),
             *out.stride(), *add_t.stride(), float(alpha), float(beta), B_NK=b_nk, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-            GROUP_M=cfg.GROUP_M, PROGRAMS=programs, FLATTEN=cfg.kernel in ("tma-persistent-flat", "tma-persistent-ws"),
-            WARP_SPEC=cfg.kernel == "tma-persistent-ws",
+            GROUP_M=cfg.GROUP_M, PROGRAMS=programs, FLATTEN=cfg.kernel == "tma-persistent-flat",
             INTERPRET=_INTERPRET, **common)
         return out
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), Bt)

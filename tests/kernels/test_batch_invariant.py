@@ -101,9 +101,9 @@ def test_fp32_few_rows_take_the_small_tile_with_the_same_sums(bf16_interpreter):
     assert torch.equal(bi.matmul(a[:16], w.t(), config=bi.CONFIGS[f32]), full[:16])
 
 
-@pytest.mark.parametrize("kernel", ["tma", "tma-persistent", "tma-persistent-flat", "tma-persistent-ws"])
+@pytest.mark.parametrize("kernel", ["tma", "tma-persistent", "tma-persistent-flat"])
 def test_tma_kernels_give_the_pointer_kernels_bits(bf16_interpreter, kernel):
-    """The TMA-descriptor kernels (one program per tile, persistent, flattened, warp-specialized) compute the pointer
+    """The TMA-descriptor kernels (one program per tile, persistent, persistent and flattened) compute the pointer
     kernel's sums: the same bits for a linear layer's transposed weight and a [K, N] one, a partial last K step,
     partial row / column tiles, alpha and an addend, and bmm over batches whose tiles run past a batch's rows.
     (On the GPU, tools/det_profile.py --variants-only checks them at the rank4 shapes before any is used.)"""
@@ -146,6 +146,23 @@ def test_fma_rows_kernel_is_a_gemm_and_row_invariant(bf16_interpreter):
     assert torch.allclose(got.double(), want[:3] + bias.double(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="unknown kernel 'fast'"):
         bi.matmul(a, w.t(), config=bi.TileConfig(16, 32, 32, 4, 2, kernel="fast"))
+
+
+@pytest.mark.slow
+def test_kernels_build_for_sm90():
+    """Every kernel and variant builds for Hopper (sm_90a; batch_invariant_sm90_build.py, in a subprocess: this
+    session may run Triton's interpreter), so that a variant the GPU sweep would try cannot fail to compile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("batch_invariant_sm90_build.py"))], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 18, run.stdout
 
 
 def test_addmm_and_bmm_forms(bf16_interpreter):
