@@ -277,7 +277,8 @@ def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int
     # built for sm_90a: 168 registers at 4 warps (3 programs per SM: split 6 = 384 programs is one wave),
     # 128 with maxnreg (4 per SM, a few spills: split 8 = 512 programs on 528 slots)
     configs = [{}] + ([dict(split=8), dict(split=8, maxnreg=128), dict(num_stages=2), dict(block_t=32, split=4),
-                       dict(num_warps=8, split=8)] if sweep else [])
+                       dict(block_t=32, split=8), dict(split=12), dict(num_warps=8, split=8),
+                       dict(block_t=128, num_warps=8, split=12)] if sweep else [])
     _mhc_fused_case(rows, T, dim, configs, True, dev)
     if decode_T:
         _mhc_fused_case(rows, decode_T, dim, [{}, dict(split=8), dict(split=16)] if sweep else [{}], False, dev)
