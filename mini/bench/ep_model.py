@@ -25,6 +25,14 @@ w1/w3 GEMM ratio to rank4, 1.20, matched the tile ratio 1.19), which depends on 
 (N T k / E on average).
 Skew: RoutingSkew's law (rank4 --routing skewed): 48 of the 384 experts carry 2.5x the mean load; with the hot set
 drawn at random over the experts, the busiest rank's load factor is estimated by drawing (seeded).
+Overlap (MINI_EP_OVERLAP=m, mini/parallel/exchange.py): each layer's exchange in m micro-batches on one NCCL
+stream; `exposed_ms` plays the layer's timeline (the m gathers back to back from the start; the shared expert, then
+each part's experts once its gather is in; each part's scatter once its experts are done and the stream is free)
+and returns the communication the compute waits for; the step also pays `overlap_slowdown` x the hidden part: NCCL's
+kernels take SMs from the compute they run under (report 004: the shared expert ran ~20% slower under the
+all-gather). Each part's
+GEMMs are assumed as efficient as the whole layer's (at 4,096 tokens a part still fills its tiles: 2 parts at EP4
+have ~64 rows per local expert on average, 128-row tiles half full, which the tile count term does not see).
 """
 from __future__ import annotations
 
@@ -69,6 +77,11 @@ class Inputs:
     tile_rows: int = 128
     skew_draws: int = 2000
     seed: int = 0
+    # overlap: micro-batches per layer; the shared expert per layer on 4,096 tokens (rank4 profile at 56388c4:
+    # 19.9 ms / 40 layers, lead notes 15:00 / docs/perf 009); compute slowdown under concurrent NCCL (report 004)
+    micro_batches: int = 2
+    shared_ms_per_layer: float = 19.9 / 40
+    overlap_slowdown: float = 0.2
 
 
 def p_no_expert_on_rank(experts: int, held: int, k: int) -> float:
@@ -134,7 +147,34 @@ class Prediction:
     step_ring_skewed_ms: float
     comm_share_ring: float
     tok_per_s_per_gpu_ring: float
+    # the same exchanges in inp.micro_batches parts: ms per layer the compute waits (ep-prefill's communication
+    # stage), ms per layer the step pays (that + the slowdown of the compute under the hidden part), step ms,
+    # (paid + glue) share of the step
+    ring_stall_overlap_ms: float
+    a2a_stall_overlap_ms: float
+    ring_exposed_overlap_ms: float
+    a2a_exposed_overlap_ms: float
+    step_ring_overlap_ms: float
+    step_a2a_overlap_ms: float
+    exposed_share_ring_overlap: float
+    exposed_share_a2a_overlap: float
     extra: dict = field(default_factory=dict)
+
+
+def exposed_ms(gather: float, scatter: float, shared: float, experts: float, parts: int) -> float:
+    """Communication (ms) a layer's compute waits for (what ep-prefill's `stage.communication` shows) when its
+    exchange runs in `parts` micro-batches on one collective stream (see the module doc). `gather` / `scatter`:
+    the whole layer's collective times; `shared`, `experts`: its compute. parts = 1 is the order without overlap
+    (the gather under the shared expert, the scatter after the experts)."""
+    stream, gathered = 0.0, []
+    for _ in range(parts):  # all gathers issued at the start, back to back
+        stream += gather / parts
+        gathered.append(stream)
+    t = shared
+    for i in range(parts):
+        t = max(t, gathered[i]) + experts / parts  # part i's experts once its rows are in
+        stream = max(stream, t) + scatter / parts  # its scatter once the experts are done and the stream is free
+    return max(t, stream) - (shared + experts)
 
 
 def calibration(inp: Inputs) -> float:
@@ -151,6 +191,12 @@ def _ring_bytes(inp: Inputs, ranks: int) -> tuple[float, float]:
 def _ring_ms(inp: Inputs, ranks: int, calib: float) -> float:
     ag, rs = _ring_bytes(inp, ranks)
     return calib * (ag / inp.all_gather_gbps + rs / inp.reduce_scatter_gbps) / 1e6
+
+
+def _overlapped(inp: Inputs, gather: float, scatter: float, experts: float) -> tuple[float, float]:
+    """(the compute's wait, what the step pays: the wait + the slowdown charged for the hidden part), ms/layer."""
+    stall = exposed_ms(gather, scatter, inp.shared_ms_per_layer, experts, inp.micro_batches)
+    return stall, stall + inp.overlap_slowdown * (gather + scatter - stall)
 
 
 def predict(inp: Inputs, ranks: int) -> Prediction:
@@ -180,6 +226,12 @@ def predict(inp: Inputs, ranks: int) -> Prediction:
     step_ring = base + L * (inp.glue_fused_ms_per_layer + ring_ms)
     step_ring_eager = base + L * (inp.glue_eager_ms_per_layer + ring_ms)
     step_a2a = base + L * (inp.glue_fused_ms_per_layer + a2a_ms)
+    ring_parts = (ag / inp.all_gather_gbps, rs / inp.reduce_scatter_gbps)
+    a2a_parts = (dispatch / inp.all_to_all_gbps, combine / inp.all_to_all_gbps)
+    (ring_stall, ring_exp), (a2a_stall, a2a_exp) = (_overlapped(inp, calib * g / 1e6, calib * c / 1e6, routed_layer)
+                                                    for g, c in (ring_parts, a2a_parts))
+    step_ring_ov = base + L * (inp.glue_fused_ms_per_layer + ring_exp)
+    step_a2a_ov = base + L * (inp.glue_fused_ms_per_layer + a2a_exp)
     return Prediction(
         ranks=ranks, ring_all_gather_mb=ag / 1e6, ring_reduce_scatter_mb=rs / 1e6,
         a2a_remote_ranks_per_token=remote, a2a_dispatch_mb=dispatch / 1e6, a2a_combine_fp32_mb=combine_fp32 / 1e6,
@@ -188,6 +240,11 @@ def predict(inp: Inputs, ranks: int) -> Prediction:
         step_ring_ms=step_ring, step_ring_eager_glue_ms=step_ring_eager, step_a2a_ms=step_a2a,
         step_ring_skewed_ms=step_ring + L * skew_wait, comm_share_ring=L * ring_ms / step_ring,
         tok_per_s_per_gpu_ring=inp.tokens / (step_ring / 1e3),
+        ring_stall_overlap_ms=ring_stall, a2a_stall_overlap_ms=a2a_stall,
+        ring_exposed_overlap_ms=ring_exp, a2a_exposed_overlap_ms=a2a_exp, step_ring_overlap_ms=step_ring_ov,
+        step_a2a_overlap_ms=step_a2a_ov,
+        exposed_share_ring_overlap=L * (ring_exp + inp.glue_fused_ms_per_layer) / step_ring_ov,
+        exposed_share_a2a_overlap=L * (a2a_exp + inp.glue_fused_ms_per_layer) / step_a2a_ov,
         extra={"rows_per_local_expert": rows_per_expert(ranks), "tiles_per_layer": tiles(ranks),
                "calibration": calib})
 
@@ -215,6 +272,14 @@ def render(inp: Inputs, preds: list[Prediction]) -> str:
         ("step, ring, skewed routing", "step_ring_skewed_ms", "{:.0f}"),
         ("communication share (ring)", "comm_share_ring", "{:.1%}"),
         ("tok/s/GPU (ring, fused glue)", "tok_per_s_per_gpu_ring", "{:,.0f}"),
+        (f"ring, {inp.micro_batches} parts: wait ms/layer", "ring_stall_overlap_ms", "{:.2f}"),
+        (f"ring, {inp.micro_batches} parts: paid ms/layer", "ring_exposed_overlap_ms", "{:.2f}"),
+        (f"a2a, {inp.micro_batches} parts: wait ms/layer", "a2a_stall_overlap_ms", "{:.2f}"),
+        (f"a2a, {inp.micro_batches} parts: paid ms/layer", "a2a_exposed_overlap_ms", "{:.2f}"),
+        (f"step, ring, {inp.micro_batches} parts", "step_ring_overlap_ms", "{:.0f}"),
+        (f"step, all-to-all, {inp.micro_batches} parts", "step_a2a_overlap_ms", "{:.0f}"),
+        ("paid comm + glue share, ring", "exposed_share_ring_overlap", "{:.1%}"),
+        ("paid comm + glue share, a2a", "exposed_share_a2a_overlap", "{:.1%}"),
     ]
     head = f"{'per rank, ' + str(inp.tokens) + ' tokens/rank, ' + str(inp.layers) + ' layers':40s}" + "".join(
         f"{'EP' + str(p.ranks):>10s}" for p in preds)
@@ -222,7 +287,8 @@ def render(inp: Inputs, preds: list[Prediction]) -> str:
                       for name, key, fmt in rows]
     lines.append(f"(calibration: measured EP2 communication = {preds[0].extra['calibration']:.2f} x the bandwidth "
                  f"floor of its bytes; steps are rank4's {inp.rank4_step_ms} ms - {inp.rank4_emulation_ms} ms "
-                 f"emulation + glue + communication, not overlapped)")
+                 f"emulation + glue + communication; the last rows with the exchange in {inp.micro_batches} "
+                 f"micro-batches, {inp.overlap_slowdown:.0%} of the hidden communication charged to compute)")
     return "\n".join(lines)
 
 
