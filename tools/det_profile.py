@@ -362,6 +362,19 @@ def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
               f"cuBLAS {row['cublas_ms']:.4f}", flush=True)
     print(f"  per step over these shapes: cuBLAS {total['cublas']:.1f} ms, current {total['current']:.1f} ms, "
           f"best same-bits variant {total['best_same_bits']:.1f} ms", flush=True)
+    print("TUNED entries from the variants (bf16 at the step's rows; fp32: the variant fastest over both row counts "
+          "among those with the default tile's bits at each):")
+    for k_m, _, _, row in cases:
+        if k_m[1] == "bfloat16" and row["best_same_bits"] != "current":
+            print(f"    (torch.bfloat16, {k_m[5]}, {k_m[6]}): TileConfig{row['best_same_bits']},")
+    f32_rows = [row for k_m, _, _, row in cases if k_m[1] == "float32"]
+    if f32_rows:
+        both = {v: sum(r["variants"][v]["ms"] for r in f32_rows) for v in f32_rows[0]["variants"]
+                if all(r["variants"].get(v, {}).get("same_bits") for r in f32_rows)}
+        if both:
+            best = min(both, key=both.get)
+            print(f"    SMALL_FP32 = TileConfig{best}  # {both[best]:.4f} ms over the fp32 runs "
+                  f"(current {sum(r['current_ms'] for r in f32_rows):.4f})", flush=True)
     return [{"per_step_ms": total}] + [row for *_, row in cases]
 
 
