@@ -275,16 +275,14 @@ RANK4_GEMMS = {
 VARIANTS = {
     torch.bfloat16: [(128, 256, 64, 8, 3, 8, "pointer"),
                      (128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
-                     (128, 128, 64, 8, 3, 8, "tma-persistent"), (128, 256, 64, 8, 3, 8, "tma-persistent"),
+                     (128, 128, 64, 8, 3, 8, "tma-persistent"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent-flat"), (128, 256, 64, 8, 3, 8, "tma-persistent-flat"),
                      (128, 128, 64, 4, 4, 8, "tma-persistent-flat"), (128, 256, 64, 8, 4, 8, "tma-persistent-flat"),
                      (256, 128, 64, 8, 4, 8, "tma-persistent-flat")],
     torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
                     (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
-                    (16, 32, 32, 1, 3, 8, "pointer"),
-                    (16, 32, 32, 1, 1, 8, "fma-rows"), (16, 64, 32, 2, 1, 8, "fma-rows"),
-                    (16, 128, 32, 4, 1, 8, "fma-rows"), (16, 256, 32, 8, 1, 8, "fma-rows"),
-                    (16, 128, 32, 4, 2, 8, "fma-rows")],
+                    (16, 64, 32, 2, 1, 8, "fma-rows"), (16, 128, 32, 4, 1, 8, "fma-rows"),
+                    (16, 128, 32, 4, 2, 8, "fma-rows"), (16, 256, 32, 8, 1, 8, "fma-rows")],
 }
 MAX_VARIANT_SHAPES = 7  # bf16 weight shapes measured, the most work per step first (plus every fp32 one)
 
