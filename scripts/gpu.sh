@@ -313,7 +313,8 @@ phase_mhc_ab() {  # issue 13 item 4 (<= 90 s): one mHC site's expand fused with 
     # ~0.23 ms at 56388c4's profile: 94 + 112 + 25 us) vs "new: mhc_expand_norm" per tile config; tbs = the floor's
     # 420 MB over the time (frac_hbm_peak vs 4.8 TB/s); the "new vs old bits" line: stream_bit_identical True, and
     # how many of y / pre / post / comb moved vs the old path (last bits expected). Then the same at 256 tokens
-    # (decode: few programs): if new > old there, mini.ops.mhc.FUSED_EXPAND_MIN_TOKENS should skip it.
+    # (decode: few programs; mini.ops.mhc.FUSED_EXPAND_MIN_TOKENS = 1024 sends such steps to the two passes
+    # outside the deterministic mode: if new <= old there too, the threshold can go).
     local rc=0
     timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/kernels/test_mhc_norm.py \
         tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
@@ -480,6 +481,48 @@ json.dump(out, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(out))
 PY
     return $rc
+}
+
+phase_ep_host_rt() {  # issue 19 item 2 (CPU only, <= 30 s, any machine kind): what the lock step's host round
+    # trips cost between 2 local ranks over gloo, per step, on this host's idle cores: the step-shape agreement
+    # (agree_us), a step message without outputs (sync_us) and one with 64 decode outputs (sync64_us, ~8 KB
+    # pickled); each a median of 5 rounds of 500 calls, in rt.json. Here, on a busy 2-core machine: 450 / 2,800
+    # us. Compare with the ~6 ms decode step of one GPU (the host keeps one step ahead under overlap).
+    cat >"$PHASE_DIR/rt.py" <<'PY'
+import json, statistics, sys, time
+import torch.distributed as dist
+from mini.engine.llm import RequestOutput
+from mini.parallel.balance import RankLoad
+from mini.parallel.groups import init, shutdown
+from mini.parallel.serve import StepMessage, slim
+from mini.parallel.step_shape import StepAgreement
+
+ctx = init("cpu")
+agreement, every = StepAgreement(ctx), [None] * ctx.world
+message = StepMessage(True, [], [], False, RankLoad(0, 12_000, 64, 100_000))
+outputs = [slim(RequestOutput(f"cmpl-{i:032x}", list(range(128)), list(range(40)), "x" * 200, [17], " hello",
+                              False, arrival_time=1.0, first_token_time=2.0)) for i in range(64)]
+message64 = StepMessage(True, outputs, [], False, RankLoad(0, 12_000, 64, 100_000))
+
+def per_call_us(fn, n=500):
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    return round(statistics.median(rounds), 1)
+
+per_call_us(lambda: agreement.agree(3, 4), 100)  # warm-up
+out = {"agree_us": per_call_us(lambda: agreement.agree(3, 4)),
+       "sync_us": per_call_us(lambda: dist.all_gather_object(every, message)),
+       "sync64_us": per_call_us(lambda: dist.all_gather_object(every, message64))}
+if ctx.rank == 0:
+    json.dump(out, open(sys.argv[1], "w"))
+    print(json.dumps(out))
+shutdown(ctx)
+PY
+    OMP_NUM_THREADS=1 timeout 30 torchrun --nproc-per-node 2 "$PHASE_DIR/rt.py" "$PHASE_DIR/rt.json"
 }
 
 phase_ep2_serve() {  # issue 19 item 4 (2 GPUs, kind nvidia-h200-x2, ~2.5 min, <= 5 at worst): EP2 serving. First

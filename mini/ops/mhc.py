@@ -93,11 +93,17 @@ def _pre_norm(h, fn, scale, base, norm_weight, pre_in, *, hc_mult, iters, hc_eps
     return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
 
 
-# From this many tokens a site's expand and the next site's input step run as one pass (`expand_pre_norm`); below
-# it as two (the stream written, then read back), which may be faster where few token blocks give the fused pass few
-# programs (decode). The two differ in the mixes' last bits, so in the deterministic mode the token count does not
-# choose: the fused pass serves every step.
-FUSED_EXPAND_MIN_TOKENS = 0
+# From this many tokens a site's expand and the next site's input step run as one pass on the GPU
+# (`expand_pre_norm`); below it as two (the stream written, then read back): few tokens give the fused pass few
+# programs (64-token blocks x 6 chunks: 24 at a 256-sequence decode step), each streaming a long chunk, where the
+# split-K pass has 8 chunks and the expand a program per 2 tokens. The two differ in the mixes' last bits, so in the
+# deterministic mode the token count does not choose: the fused pass serves every step. (Under the interpreter, CPU
+# tensors always take the fused pass: only speed depends on the choice.)
+FUSED_EXPAND_MIN_TOKENS = 1024
+
+
+def _fused_expand_ok(f: torch.Tensor) -> bool:
+    return deterministic() or not f.is_cuda or f.shape[0] >= FUSED_EXPAND_MIN_TOKENS
 
 
 @staged("hc_norm_other.mhc")
@@ -108,7 +114,7 @@ def expand_pre_norm(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     """A site's output followed by the next site's input: h = expand(f, residual, post, comb), then
     pre_norm(h, fn, ...). Returns (h, x, pre, post, comb). The fast path does both in one pass over the stream
     (mini/kernels/mhc_norm.py `mhc_expand_norm`: h bit for bit as `expand`, written once and not read back)."""
-    if use_fast(f, residual) and hc_mult == 4 and (f.shape[0] >= FUSED_EXPAND_MIN_TOKENS or deterministic()):
+    if use_fast(f, residual) and hc_mult == 4 and _fused_expand_ok(f):
         from mini.kernels.mhc_norm import expand_supported, mhc_expand_norm
         if expand_supported(f, residual):
             return mhc_expand_norm(f, residual, post, comb, fn, scale, base, norm_weight, pre_in=pre_in,

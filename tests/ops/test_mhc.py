@@ -194,10 +194,12 @@ def test_expand_pre_norm_is_expand_then_pre_norm():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("delayed", [True, False])
-def test_expand_pre_norm_fast_matches_reference(delayed):
-    """The fast path (one fused pass): the stream bit for bit as the reference's expand, the site's input within
-    the fused kernels' bounds (test_pre_norm_fast_matches_reference)."""
+def test_expand_pre_norm_fast_matches_reference(delayed, monkeypatch):
+    """The fast path (one fused pass, also for these 333 tokens): the stream bit for bit as the reference's expand,
+    the site's input within the fused kernels' bounds (test_pre_norm_fast_matches_reference)."""
+    import mini.ops.mhc as mhc_ops
     from mini.ops.mhc import expand_pre_norm
+    monkeypatch.setattr(mhc_ops, "FUSED_EXPAND_MIN_TOKENS", 0)
     residual, fn, scale, base, w, pre_prev = _site(333, 5120, "cuda", torch.bfloat16)
     f = torch.randn(333, 5120, device="cuda").bfloat16()
     post, comb = torch.rand(333, HC, device="cuda") * 2, torch.rand(333, HC, HC, device="cuda")
@@ -213,3 +215,29 @@ def test_expand_pre_norm_fast_matches_reference(delayed):
     atol = (1e-5 if delayed else 2e-3) * row
     assert ((x.float() - rx.float()).abs() <= 2e-2 * rx.float().abs() + atol).all()
     assert (x != rx).float().mean() < (0.01 if delayed else 0.03)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("det", [False, True])
+def test_expand_pre_norm_below_the_threshold(det, monkeypatch):
+    """Below FUSED_EXPAND_MIN_TOKENS the fast path runs the two passes (the expand kernel, then the split-K
+    site input: the same bits as calling them), except in the deterministic mode, where the fused pass serves
+    every step (its bits do not depend on the step's token count)."""
+    import mini.ops.mhc as mhc_ops
+    from mini.kernels.mhc_norm import mhc_expand_norm
+    from mini.ops.mhc import expand_pre_norm
+    monkeypatch.setattr(mhc_ops, "FUSED_EXPAND_MIN_TOKENS", 334)
+    monkeypatch.setattr(mini.ops, "_deterministic", det)
+    residual, fn, scale, base, w, pre_prev = _site(333, 5120, "cuda", torch.bfloat16)
+    f = torch.randn(333, 5120, device="cuda").bfloat16()
+    post, comb = torch.rand(333, HC, device="cuda") * 2, torch.rand(333, HC, HC, device="cuda")
+    kw = dict(hc_mult=HC, iters=20, hc_eps=EPS, norm_eps=1e-20)
+    got = _on_backend("fast", expand_pre_norm, f, residual, post, comb, fn, scale, base, w, pre_prev, **kw)
+    if det:
+        want = mhc_expand_norm(f, residual, post, comb, fn, scale, base, w, pre_in=pre_prev, iters=20, hc_eps=EPS,
+                               norm_eps=1e-20)
+    else:
+        h = _on_backend("fast", expand, f, residual, post, comb)
+        want = (h, *_on_backend("fast", pre_norm, h, fn, scale, base, w, pre_prev, **kw))
+    for g, wt in zip(got, want):
+        assert torch.equal(g, wt)
