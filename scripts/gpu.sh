@@ -316,13 +316,13 @@ phase_mhc_ab() {  # issue 13 item 4 (<= 90 s): one mHC site's expand fused with 
     # (decode: few programs; mini.ops.mhc.FUSED_EXPAND_MIN_TOKENS = 1024 sends such steps to the two passes
     # outside the deterministic mode: if new <= old there too, the threshold can go).
     local rc=0
-    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/kernels/test_mhc_norm.py \
+    timeout 40 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -rfE --timeout=35 tests/kernels/test_mhc_norm.py \
         tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
-    timeout 40 python3 -m mini.bench.kernels --only mhc_fused --sweep --json "$PHASE_DIR/kernels_mhc_fused.json" \
+    timeout 45 python3 -m mini.bench.kernels --only mhc_fused --sweep --json "$PHASE_DIR/kernels_mhc_fused.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
-    grep -E "^mhc expand|ERROR" "$PHASE_DIR/bench.log" || tail -5 "$PHASE_DIR/bench.log"
+    grep -E "^mhc expand|ERROR" "$PHASE_DIR/bench.log" || tail -30 "$PHASE_DIR/bench.log"  # cut short: the rows so far
     return $rc
 }
 

@@ -280,11 +280,14 @@ def bench_mhc_fused(rows: list, sweep: bool, dev="cuda", T: int = 4096, dim: int
                        dict(block_t=32, split=8), dict(split=12), dict(num_warps=8, split=8),
                        dict(block_t=128, num_warps=8, split=12)] if sweep else [])
     _mhc_fused_case(rows, T, dim, configs, True, dev)
-    if decode_T:
-        _mhc_fused_case(rows, decode_T, dim, [{}, dict(split=8), dict(split=16)] if sweep else [{}], False, dev)
+    if decode_T:  # the two passes there as the model runs them (split-K pass in SMALL_STEP_SPLIT chunks), too
+        from mini.ops.mhc import SMALL_STEP_SPLIT
+        for t in (decode_T, 64):
+            _mhc_fused_case(rows, t, dim, [{}, dict(split=8), dict(split=16)] if sweep else [{}], False, dev,
+                            old_split=SMALL_STEP_SPLIT)
 
 
-def _mhc_fused_case(rows: list, T: int, dim: int, configs: list, bits: bool, dev):
+def _mhc_fused_case(rows: list, T: int, dim: int, configs: list, bits: bool, dev, old_split: int | None = None):
     from mini.kernels.mhc_expand import mhc_expand
     from mini.kernels.mhc_norm import mhc_expand_norm, mhc_norm
     residual = torch.randn(T, HC, dim, device=dev).bfloat16()
@@ -302,6 +305,7 @@ def _mhc_fused_case(rows: list, T: int, dim: int, configs: list, bits: bool, dev
         rows.append(dict(kernel=name, config=f"{label} {config}", ms=ms, tbs=floor / ms / 1e9,
                          frac_hbm_peak=floor / ms / 1e9 / HBM_TBS, frac_copy_peak=floor / ms / 1e9 / COPY_TBS,
                          moved_tbs=moved / ms / 1e9))
+        print(json.dumps(rows[-1]), flush=True)  # as it comes: a run cut short by its time cap keeps these
 
     h = mhc_expand(f, residual, post, comb)
     ms_e = _bench(lambda: mhc_expand(f, residual, post, comb))
@@ -310,6 +314,12 @@ def _mhc_fused_case(rows: list, T: int, dim: int, configs: list, bits: bool, dev
     add("old: mhc_norm alone", "", ms_n, stream + 3 * row)
     ms_old = _bench(lambda: mhc_norm(mhc_expand(f, residual, post, comb), fn, scale, base, nw, **kw))
     add("old: both", "", ms_old, 3 * stream + 4 * row)
+    if old_split:
+        ms_n = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, split=old_split))
+        add("old: mhc_norm alone", f"split={old_split}", ms_n, stream + 3 * row)
+        ms_old = _bench(lambda: mhc_norm(mhc_expand(f, residual, post, comb), fn, scale, base, nw, **kw,
+                                         split=old_split))
+        add("old: both", f"split={old_split}", ms_old, 3 * stream + 4 * row)
     for cfg in configs:
         try:
             ms = _bench(lambda: mhc_expand_norm(f, residual, post, comb, fn, scale, base, nw, **kw, **cfg))

@@ -87,8 +87,9 @@ def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 def _pre_norm(h, fn, scale, base, norm_weight, pre_in, *, hc_mult, iters, hc_eps, norm_eps):
     if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
         from mini.kernels.mhc_norm import mhc_norm
+        small = h.is_cuda and h.shape[0] < FUSED_EXPAND_MIN_TOKENS and not deterministic()
         return mhc_norm(h, fn, scale, base, norm_weight, pre_in=pre_in, iters=iters, hc_eps=hc_eps,
-                        norm_eps=norm_eps)
+                        norm_eps=norm_eps, **(dict(split=SMALL_STEP_SPLIT) if small else {}))
     pre, post, comb = mixes(h, fn, scale, base, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
 
@@ -100,6 +101,11 @@ def _pre_norm(h, fn, scale, base, norm_weight, pre_in, *, hc_mult, iters, hc_eps
 # deterministic mode the token count does not choose: the fused pass serves every step. (Under the interpreter, CPU
 # tensors always take the fused pass: only speed depends on the choice.)
 FUSED_EXPAND_MIN_TOKENS = 1024
+# Below that, the split-K pass cuts D into this many chunks instead of its default 8: a decode step's few 64-token
+# blocks (1 at 64 sequences, 4 at 256) then still give it 40-160 programs of 8 steps each instead of 8-32 programs of
+# 40 (at B = 256 the pass took 39 us per site, ~8 GB/s per program). The chunking orders the fp32 partial sums, so
+# the deterministic mode keeps the default at every size.
+SMALL_STEP_SPLIT = 40
 
 
 def _fused_expand_ok(f: torch.Tensor) -> bool:

@@ -97,12 +97,14 @@ def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,D,delayed,quant", [(333, 5120, True, False), (333, 5120, True, True),
-                                               (333, 5120, False, False), (77, 1000, True, False)])
-def test_mhc_norm_gpu(T, D, delayed, quant):
-    # D = 1000: the last split-K chunk and the last column tiles are partial
+@pytest.mark.parametrize("T,D,delayed,quant,tiles", [(333, 5120, True, False, {}), (333, 5120, True, True, {}),
+                                                     (333, 5120, False, False, {}), (77, 1000, True, False, {}),
+                                                     (77, 5120, True, False, dict(split=40))])
+def test_mhc_norm_gpu(T, D, delayed, quant, tiles):
+    # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: the small steps' chunking
+    # (mini.ops.mhc.SMALL_STEP_SPLIT)
     h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
-    check(h, fn, scale, base, w, pre_prev if delayed else None, quant)
+    check(h, fn, scale, base, w, pre_prev if delayed else None, quant, **tiles)
 
 
 def test_fn_pieces_sum_exactly_to_fn():
