@@ -29,17 +29,18 @@ The glue around the collectives comes in two forms, chosen by MINI_EP_GLUE (or `
 Communication overlapped with compute (issue 18 item 3), MINI_EP_OVERLAP=N (or `MoEExchange(micro_batches=)`;
 default 1, off, until measured on 2 GPUs): each rank's tokens are split into N micro-batches (rank r's i-th holds
 its tokens [T_r i / N, T_r (i + 1) / N)), each with its own padded send buffer, all-gather and reduce-scatter, all
-issued asynchronously (fewer parts where a part of the largest rank would hold under MINI_EP_OVERLAP_MIN_TOKENS
-rows, default 256: decode steps stay whole): every all-gather is in flight before the shared expert runs, the i-th reduce-scatter runs
-under the experts of micro-batch i + 1, and only the last one's reduce-scatter (1/N of the bytes) and whatever
-part of the first all-gather outlasts the shared expert stay exposed. The gate and the shared expert still see the
-whole layer. A token's row goes through the same kernels with the same per-row math in whichever micro-batch it
-sits: the grouped GEMMs' tiles do not depend on a row's neighbours once the tile config is fixed, and every
-micro-batch takes the whole layer's config (`routed(layer_pairs=)`); the combine sums a token's slots in slot
-order within its own micro-batch. So the overlapped output equals the plain one bit for bit on the fast path (the
-tests check it on the interpreted kernels), and EP2's cross-rank sum of two values is order-free. The CPU
-reference's per-expert torch GEMMs (oneDNN / MKL) may block rows by M, so there the guarantee is the reference's
-own (within fp32 rounding), not bits.
+issued asynchronously (fewer parts where the largest rank's part would hold under MINI_EP_OVERLAP_MIN_TOKENS rows,
+default 256: decode steps stay whole). Every all-gather is in flight before the shared expert runs, the i-th
+reduce-scatter runs under the experts of micro-batch i + 1, and only the last one's reduce-scatter (1/N of the
+bytes) and whatever part of the first all-gather outlasts the shared expert stay exposed. The gate and the shared
+expert still see the whole layer. A token's row goes through the same kernels with the same per-row math in
+whichever micro-batch it sits: the grouped GEMMs' tiles do not depend on a row's neighbours once the tile config is
+fixed, and every micro-batch takes the whole layer's config (`routed(layer_pairs=)`); the combine sums a token's
+slots in slot order within its own micro-batch. So the overlapped output equals the plain one bit for bit on the
+fast path (the tests check it on the interpreted kernels); the cross-rank sum is two values at EP2 (order-free)
+and, beyond, exact in any order under the condition docs/parallel.md states. The CPU reference's per-expert torch
+GEMMs (oneDNN / MKL) may block rows by M, so there the guarantee is the reference's own (within fp32 rounding),
+not bits.
 
 Call `begin_step(n_tokens)` once per forward step (it exchanges the token counts); a rank without tokens in a step
 where others have some still runs every MoE layer, with an empty input (`join_idle`).
