@@ -485,9 +485,10 @@ PY
 
 phase_ep_host_rt() {  # issue 19 item 2 (CPU only, <= 30 s, any machine kind): what the lock step's host round
     # trips cost between 2 local ranks over gloo, per step, on this host's idle cores: the step-shape agreement
-    # (agree_us), a step message without outputs (sync_us) and one with 64 decode outputs (sync64_us, ~8 KB
-    # pickled); each a median of 5 rounds of 500 calls, in rt.json. Here, on a busy 2-core machine: 450 / 2,800
-    # us. Compare with the ~6 ms decode step of one GPU (the host keeps one step ahead under overlap).
+    # (agree_us), a step message without outputs and one with 64 decode outputs (~8 KB pickled) through
+    # dist.all_gather_object (sync_us, sync64_us) and through HostMessages, what serve.py uses (messages_us,
+    # messages64_us); each a median of 5 rounds of 500 calls, in rt.json. Compare with the ~6 ms decode step of
+    # one GPU (the host keeps one step ahead under overlap).
     cat >"$PHASE_DIR/rt.py" <<'PY'
 import json, statistics, sys, time
 import torch.distributed as dist
@@ -495,10 +496,10 @@ from mini.engine.llm import RequestOutput
 from mini.parallel.balance import RankLoad
 from mini.parallel.groups import init, shutdown
 from mini.parallel.serve import StepMessage, slim
-from mini.parallel.step_shape import StepAgreement
+from mini.parallel.step_shape import HostMessages, StepAgreement
 
 ctx = init("cpu")
-agreement, every = StepAgreement(ctx), [None] * ctx.world
+agreement, messages, every = StepAgreement(ctx), HostMessages(ctx), [None] * ctx.world
 message = StepMessage(True, [], [], False, RankLoad(0, 12_000, 64, 100_000))
 outputs = [slim(RequestOutput(f"cmpl-{i:032x}", list(range(128)), list(range(40)), "x" * 200, [17], " hello",
                               False, arrival_time=1.0, first_token_time=2.0)) for i in range(64)]
@@ -516,7 +517,9 @@ def per_call_us(fn, n=500):
 per_call_us(lambda: agreement.agree(3, 4), 100)  # warm-up
 out = {"agree_us": per_call_us(lambda: agreement.agree(3, 4)),
        "sync_us": per_call_us(lambda: dist.all_gather_object(every, message)),
-       "sync64_us": per_call_us(lambda: dist.all_gather_object(every, message64))}
+       "sync64_us": per_call_us(lambda: dist.all_gather_object(every, message64)),
+       "messages_us": per_call_us(lambda: messages.gather(message)),
+       "messages64_us": per_call_us(lambda: messages.gather(message64))}
 if ctx.rank == 0:
     json.dump(out, open(sys.argv[1], "w"))
     print(json.dumps(out))

@@ -26,7 +26,8 @@ A failed step on any rank breaks the lock step: that rank raises, and rank 0 fai
 On CUDA the ranks' decode steps replay CUDA graphs (mini.parallel.dp: the ranks agree on one bucket per step) and,
 as on one GPU, are overlapped: a rank plans and launches step N+1 while step N runs on its device. Nothing in the
 lock step waits for a device: the step messages and the step-shape agreement travel over a gloo group between the
-hosts (`step_shape.host_group`); only the MoE collectives run over NCCL, inside the graphs or the eager forwards.
+hosts (`step_shape.host_group`; the messages in one collective while they fit, `step_shape.HostMessages`); only
+the MoE collectives run over NCCL, inside the graphs or the eager forwards.
 GET /dp reports the step kinds and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mini.engine.llm import LLMEngine, RequestOutput
 from mini.parallel.balance import Placement, RankLoad, prefill_cap
 from mini.parallel.groups import DistContext, init, shutdown
 from mini.parallel.launch import run_local
-from mini.parallel.step_shape import host_group
+from mini.parallel.step_shape import HostMessages
 
 log = logging.getLogger("mini.parallel.serve")
 
@@ -168,7 +169,7 @@ class DPWorker:
     def __init__(self, engine: LLMEngine, ctx: DistContext):
         self.engine, self.ctx = engine, ctx
         self.dp = engine.runner.model
-        self.host_group = host_group(ctx) if ctx.multi else None
+        self.messages = HostMessages(ctx)
         self._outbox: list = []
         self.capped_steps = 0  # engine steps whose budget the prefill cap cut
         self.syncs, self.sync_s = 0, 0.0  # step messages exchanged and the host time they took
@@ -180,8 +181,7 @@ class DPWorker:
         if not self.ctx.multi:
             return [mine]
         t0 = time.perf_counter()
-        every = [None] * self.ctx.world
-        dist.all_gather_object(every, mine, group=self.host_group)  # over the hosts: no wait for the devices
+        every = self.messages.gather(mine)  # over the hosts: no wait for the devices
         self.syncs += 1
         self.sync_s += time.perf_counter() - t0
         return every

@@ -16,6 +16,7 @@ device (the engine's overlapped decode steps; a count exchanged over NCCL would 
 """
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -92,3 +93,43 @@ class StepAgreement:
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return shape
+
+
+class HostMessages:
+    """One picklable object per rank gathered on every rank over the host group, like `dist.all_gather_object` but
+    in ONE collective while the objects fit: each rank sends a fixed-size byte buffer (its payload's length, then
+    the payload). The buffer's size is the largest payload of the previous gather (every rank saw the same
+    lengths, so all pick the same size without asking); a larger payload takes a second collective, of the
+    largest length (the lengths came with the first). The serving lock step's per-step messages."""
+    header = 8  # the payload's length, int64
+
+    def __init__(self, ctx: DistContext, capacity: int = 1024):
+        self.ctx, self.capacity = ctx, capacity
+        self.group = host_group(ctx) if ctx.multi else None
+        self.rounds = 0  # collectives run (one per gather, two when a payload outgrew the buffer)
+
+    def gather(self, obj) -> list:
+        if not self.ctx.multi:
+            return [obj]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = torch.zeros(self.header + self.capacity, dtype=torch.uint8)
+        buf[:self.header] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        fits = len(data) <= self.capacity
+        if fits:
+            buf[self.header:self.header + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = self._all_gather(buf)
+        sizes = [int(b[:self.header].view(torch.int64)) for b in every]
+        payloads = [b[self.header:self.header + n] for b, n in zip(every, sizes)]
+        longest = max(sizes)
+        if longest > self.capacity:  # someone's payload did not fit: everyone sends theirs again, whole
+            whole = torch.zeros(longest, dtype=torch.uint8)
+            whole[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            payloads = [b[:n] for b, n in zip(self._all_gather(whole), sizes)]
+        self.capacity = -(-longest // 1024) * 1024  # the next gather's buffer: this one's largest, in KiB
+        return [pickle.loads(p.numpy().tobytes()) for p in payloads]
+
+    def _all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        every = [torch.empty_like(buf) for _ in range(self.ctx.world)]
+        dist.all_gather(every, buf, group=self.group)
+        self.rounds += 1
+        return every

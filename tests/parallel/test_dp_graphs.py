@@ -167,3 +167,31 @@ def test_warm_up_and_a_lone_request_in_lock_step():
     assert done0 == [want] and done1 == []
     assert kinds1["idle_static"] > warm1[2]["idle_static"]  # rank 1 joined rank 0's decode steps
     assert kinds0["static"] + kinds0["idle_static"] == kinds1["static"] + kinds1["idle_static"]
+
+
+# ---------------------------------------------------------------------------------------------------- host messages
+def _messages_rank(ctx):
+    """A run of gathers whose payloads grow past the buffer (on one rank only), then shrink, against
+    dist.all_gather_object; returns both and the collectives each gather took."""
+    import torch.distributed as dist
+    from mini.parallel.step_shape import HostMessages
+    messages = HostMessages(ctx)
+    sizes = [10, 3000, 5, 20_000, 20_000, 40]  # characters of rank 1's string; rank 0's stay short
+    got, want, rounds = [], [], []
+    for i, n in enumerate(sizes):
+        obj = {"step": i, "rank": ctx.rank, "text": "x" * (n if ctx.rank == 1 else 3)}
+        before = messages.rounds
+        got.append(messages.gather(obj))
+        rounds.append(messages.rounds - before)
+        every = [None] * ctx.world
+        dist.all_gather_object(every, obj)
+        want.append(every)
+    return got, want, rounds
+
+
+def test_host_messages_gather_like_all_gather_object_in_one_collective_while_they_fit():
+    for got, want, rounds in spawn(2, _messages_rank, device="cpu"):
+        assert got == want
+        # 1 KiB buffer at first; 3,000 > 1 KiB: a second round, then a 3 KiB buffer; 20,000 again; the same size
+        # next time fits; 40 after 20,000 fits (the buffer shrinks to 1 KiB after it)
+        assert rounds == [1, 2, 1, 2, 1, 1]
