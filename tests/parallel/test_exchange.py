@@ -16,7 +16,7 @@ from mini.ops.moe import MoEWeights, moe
 CONFIGS = {"tiny-v4.1": TINY_V41, "tiny-v4": TINY_V4}
 
 
-def _inputs(cfg, counts, seed):
+def inputs(cfg, counts, seed):
     """Every rank's MoE input (same on every process): odd sizes, a wide dynamic range, one all-zero row."""
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(n, cfg.dim, generator=g) * torch.logspace(-3, 2, n).unsqueeze(1) for n in counts]
@@ -40,7 +40,7 @@ def _rank(ctx: DistContext, preset, cases, seed):
     ex, out = MoEExchange(ctx), []
     for layer, counts, dtype, fake_quant in cases:
         w = MoEWeights.from_state(state, f"layers.{layer}.ffn", cfg, layer, experts=mine)
-        xs, ids = _inputs(cfg, counts, seed)
+        xs, ids = inputs(cfg, counts, seed)
         assert ex.begin_step(counts[ctx.rank]) == sum(counts)
         out.append([_moe_case(cfg, layer, w, xs[ctx.rank].to(dtype), ids[ctx.rank], fake_quant, ex)
                     for _ in range(2)])
@@ -63,7 +63,7 @@ def test_exchange_matches_single_device_moe(preset, cases):
     state = random_state(cfg, seed=seed)
     for i, (layer, counts, dtype, fake_quant) in enumerate(cases):
         w = MoEWeights.from_state(state, f"layers.{layer}.ffn", cfg, layer)
-        xs, ids = _inputs(cfg, counts, seed)
+        xs, ids = inputs(cfg, counts, seed)
         for r, n in enumerate(counts):
             want = _moe_case(cfg, layer, w, xs[r].to(dtype), ids[r], fake_quant, moe)
             for y in got[r][i]:
@@ -120,7 +120,7 @@ def _rank_fused(ctx: DistContext, layer, counts, seed):
     mine = expert_range(cfg, ctx.rank, ctx.world)
     w = MoEWeights.from_state(random_state(cfg, seed=seed, experts=mine), f"layers.{layer}.ffn", cfg, layer,
                               experts=mine)
-    xs, ids = _inputs(cfg, counts, seed)
+    xs, ids = inputs(cfg, counts, seed)
     x, plan = xs[ctx.rank].bfloat16(), cfg.layers[layer]
     out = {}
     for glue in ("fused", "eager"):
@@ -192,22 +192,29 @@ def _one_layer_state(cfg, seed, device):
     return {k: v.to(device) for k, v in st.items()}
 
 
-def _rank_wire(ctx: DistContext, cases, seed, dim, inter, experts):
-    """`exchange_wire` with the real experts on one rank (a one-rank group: the all-gather and reduce-scatter copy),
-    `pad` padding rows past this rank's tokens, against the one-device fast MoE (on the CPU: under the
-    interpreter)."""
+def one_rank_layer(ctx: DistContext, seed, dim, inter, experts):
+    """(config, MoEWeights of layer 0) at the given sizes for the fast path on a one-rank group (the launcher starts
+    no group for one rank, and the collectives need one; on the CPU the kernels run under the interpreter)."""
     import mini.ops
     from mini.config import preset
-    from mini.ops.moe import gate, routed_wire, routed_wire_ok, shared
     import torch.distributed as dist
     dev = ctx.device
     if dev.type == "cpu":
         mini.ops.set_backend("fast", interpret_on_cpu=True)
-    if not dist.is_initialized():  # the launcher starts no group for one rank: the collectives need one
+    if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
     cfg = preset("tiny-v4.1").replace(dim=dim, moe_inter_dim=inter, n_routed_experts=experts, n_activated_experts=6)
-    w = MoEWeights.from_state(_one_layer_state(cfg, seed, dev), "layers.0.ffn", cfg, 0)
+    return cfg, MoEWeights.from_state(_one_layer_state(cfg, seed, dev), "layers.0.ffn", cfg, 0)
+
+
+def _rank_wire(ctx: DistContext, cases, seed, dim, inter, experts):
+    """`exchange_wire` with the real experts on one rank (a one-rank group: the all-gather and reduce-scatter copy),
+    `pad` padding rows past this rank's tokens, against the one-device fast MoE (on the CPU: under the
+    interpreter)."""
+    from mini.ops.moe import gate, routed_wire, routed_wire_ok, shared
+    dev = ctx.device
+    cfg, w = one_rank_layer(ctx, seed, dim, inter, experts)
     plan, out = cfg.layers[0], []
     for T, pad in cases:
         x = (torch.randn(T, cfg.dim, device=dev) * torch.logspace(-2, 2, T, device=dev)[:, None]).bfloat16()

@@ -11,16 +11,7 @@ from mini.parallel.exchange import MoEExchange, micro_batches, overlap_choice
 from mini.parallel.groups import DistContext
 from mini.parallel.launch import spawn
 from mini.ops.moe import MoEWeights, moe
-
-
-def _inputs(cfg, counts, seed):
-    """Every rank's MoE input (the same on every process): odd sizes, a wide dynamic range, one all-zero row."""
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, cfg.dim, generator=g) * torch.logspace(-3, 2, n).unsqueeze(1) for n in counts]
-    if counts[0]:
-        xs[0][0] = 0.0
-    ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in counts]
-    return xs, ids
+from test_exchange import inputs, one_rank_layer  # tests/parallel is on sys.path (pytest's rootdir-relative import)
 
 
 # ------------------------------------------------------------------------------------------------- the split
@@ -103,7 +94,7 @@ def _rank_overlap(ctx: DistContext, layer, cases, seed, fast):
     plan, out = cfg.layers[layer], []
     calls = _counting(ctx)
     for counts, glue, n in cases:
-        xs, ids = _inputs(cfg, counts, seed)
+        xs, ids = inputs(cfg, counts, seed)
         x = xs[ctx.rank].to(dtype)
         got = {}
         for m in (n, 1):
@@ -232,20 +223,9 @@ def test_overlapped_ep_forward_equals_one_process(monkeypatch):
 def _rank_wire_parts(ctx: DistContext, T, parts, seed, dim, inter, experts):
     """`exchange_wire` in `parts` micro-batches and in one piece on a one-rank group (the collectives copy), with
     the whole layer's pairs as the tile hint as `MoEExchange.__call__` passes it, against the one-device fast MoE."""
-    import torch.distributed as dist
-
-    import mini.ops
-    from mini.config import preset
     from mini.ops.moe import gate, routed_wire, routed_wire_ok, shared
-    from test_exchange import _one_layer_state
     dev = ctx.device
-    if dev.type == "cpu":
-        mini.ops.set_backend("fast", interpret_on_cpu=True)
-    if not dist.is_initialized():  # the launcher starts no group for one rank: the collectives need one
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
-    cfg = preset("tiny-v4.1").replace(dim=dim, moe_inter_dim=inter, n_routed_experts=experts, n_activated_experts=6)
-    w = MoEWeights.from_state(_one_layer_state(cfg, seed, dev), "layers.0.ffn", cfg, 0)
+    cfg, w = one_rank_layer(ctx, seed, dim, inter, experts)
     plan = cfg.layers[0]
     x = (torch.randn(T, cfg.dim, device=dev) * torch.logspace(-2, 2, T, device=dev)[:, None]).bfloat16()
     weights, ids = gate(x, w, cfg, plan)
