@@ -149,6 +149,18 @@ phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.jso
     python3 -m mini.cli profile --suite rank4 --steps "${PROFILE_STEPS:-5}" --warmup 1 --out "$PHASE_DIR"
 }
 
+phase_profile_skewed() {  # issue 13 item 4 (<= 80 s): rank4 per stage with --routing skewed (GPU Engram tables, one
+    # reused batch): with a default-mode stage table of the same call (phase det_final's "default" column, or
+    # phase_profile) it says which stages the skewed routing of the realistic mode slows (routed experts' Humming
+    # GEMMs, expected: the busiest local expert takes 709 pairs vs 504 uniform). Look at: profile.json stages.
+    timeout 75 python3 -m mini.cli profile --suite rank4 --routing skewed --steps 5 --warmup 1 --out "$PHASE_DIR" \
+        >"$PHASE_DIR/profile.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:" "$PHASE_DIR/profile.log" | tail -3
+    tail -30 "$PHASE_DIR/profile.log"
+    return $rc
+}
+
 phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uniform, then skewed (RoutingSkew in
     # mini/bench/prefill.py: hot experts at 2.5x the mean, this rank 16 of the 48 hot ones), each its own process
     # (~35 s build + 12 steps). MINI_MOE_GEMM=humming unless set: a run without the carried wheels refuses (exit 2,
