@@ -28,6 +28,16 @@ the GEMM input rows and the final bf16 rows of the two glues must be identical (
 
     mini bench ep-exchange --ranks 2                      # V4.1-Flash: 4,096 tokens/rank, D 5120, top-6
     mini bench ep-exchange --glue --ranks 4               # one GPU: the glue at EP4 row counts
+    mini bench ep-exchange --parts 1,2,4 --ranks 2        # one GPU: the overlap's compute side at EP2
+
+`--parts 1,2,4`: one process on one GPU, no collectives: what splitting the exchange into micro-batches
+(MINI_EP_OVERLAP, mini/parallel/exchange.py) costs the compute it is meant to hide under. This rank's routed experts
+(random MXFP4 at the preset's shape, E / `--ranks` of them; Humming where it loads) over the gathered wire rows of
+`--ranks` ranks (drawn and packed here), in one piece and in N parts as the exchange cuts them (each part its own
+buffer, the whole layer's tile hint), every part enqueued back to back and timed together (CUDA events: GPU time,
+and the host's where it cannot keep ahead): `parts<N>_routed_ms`, `parts<N>_overhead` (vs 1 part) and
+`parts<N>_identical` (every partial-sum row equals the one-piece one, bit for bit). `shared_ms`: the shared expert
+on one rank's tokens, the window the first all-gather hides under.
 """
 from __future__ import annotations
 
@@ -55,6 +65,10 @@ def add_args(p) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--glue", action="store_true",
                    help="one process, no collectives: time the exchange's local work, eager vs fused glue")
+    p.add_argument("--parts", default=None, metavar="N,N,...",
+                   help="one process, no collectives: time this rank's routed experts over the gathered rows in one "
+                        "piece and in these micro-batch counts (e.g. 1,2,4)")
+    p.add_argument("--preset", default="v4.1-flash", help="--parts: the expert shapes (dim, inter, experts, top-k)")
 
 
 def _timed(ctx: DistContext, fn, iters: int, warmup: int) -> list[float]:
@@ -109,6 +123,8 @@ def run(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.glue:
         return run_glue(args, device)
+    if args.parts:
+        return run_parts(args, device)
     if device == "cuda" and torch.cuda.device_count() < args.ranks:
         raise SuiteError(f"ep-exchange: {args.ranks} ranks need {args.ranks} GPUs, "
                          f"{torch.cuda.device_count()} visible")
@@ -295,4 +311,86 @@ def run_glue(args, device: str) -> dict:
                     "local_eager_ms": sum(e.values()), "local_fused_ms": sum(f.values()),
                     **{f"{name}_ms": v for name, v in ms.items()},
                     "local_rows": m, "gathered_rows": world * n, "identical": int(identical), **gpu},
+    }
+
+
+# ------------------------------------------------------------------------------------------ --parts: one device
+def run_parts(args, device: str) -> dict:
+    """The --parts mode (see the module doc)."""
+    import mini.ops
+    from mini.bench import timed_call
+    from mini.bench.moe_layer import random_layer
+    from mini.config import preset
+    from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
+    from mini.ops.backends import moe_gemm
+    from mini.ops.moe import routed_wire, shared
+    from mini.parallel.exchange import WireRow, micro_batches
+
+    try:
+        counts_of_parts = sorted({int(v) for v in args.parts.split(",")} | {1})
+    except ValueError:
+        raise SuiteError(f"ep-exchange --parts takes micro-batch counts, e.g. 1,2,4; got {args.parts!r}") from None
+    if min(counts_of_parts) < 1:
+        raise SuiteError("ep-exchange --parts: micro-batch counts must be >= 1")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        mini.ops.set_backend("fast")
+    else:
+        mini.ops.set_backend("fast", interpret_on_cpu=True)
+    cfg = preset(args.preset)
+    world, n, k, block = args.ranks, args.tokens, cfg.n_activated_experts, cfg.fp8_block
+    if cfg.n_routed_experts % world:
+        raise SuiteError(f"ep-exchange --parts: {cfg.n_routed_experts} experts do not split over {world} ranks")
+    w = random_layer(cfg, cfg.n_routed_experts // world, dev, 0)  # this rank (0) holds the first share
+    if dev.type == "cuda" and moe_gemm() == "humming":
+        w.to_humming()
+    g = torch.Generator(device=dev).manual_seed(1)
+    row = WireRow(k, cfg.dim, block)
+    recv = torch.empty(world, n, row.width, dtype=torch.uint8, device=dev)  # every rank's rows, as gathered
+    for r in range(world):
+        x, weights, ids = _rank_rows(g, n, cfg.dim, k, cfg.n_routed_experts, torch.bfloat16, dev)
+        ids_out, weights_out, codes, scales = row.fields(recv[r])
+        fp8_act_quant_wire(x, block, codes, scales, ids, weights, ids_out, weights_out)
+        if r == 0:
+            own = shared(x, w, x.dtype)  # rank 0's shared expert output, added in the combine
+            shared_ms = _median_ms(_timer(dev), lambda: shared(x, w, x.dtype), args.iters, args.warmup)  # noqa: B023
+    layer_pairs = world * n * k
+
+    def part_buffers(m: int):
+        """(part, its gathered rows [world * rows, width]) for m micro-batches: each part's own buffer."""
+        return [(p, recv[:, p.rows(0)].reshape(world * p.counts[0], row.width))
+                for p in micro_batches([n] * world, m)]
+
+    def run(buffers):
+        out = []
+        for p, buf in buffers:
+            ids_all, weights_all, codes, scales = row.fields(buf)
+            out.append(routed_wire(FP8Rows(codes, scales, block, torch.bfloat16), w, weights_all, ids_all,
+                                   own[p.rows(0)], 0, layer_pairs=layer_pairs))
+        return out
+
+    whole = run(part_buffers(1))[0].view(world, n, cfg.dim)
+    ms, identical = {}, {}
+    for m in counts_of_parts:
+        buffers = part_buffers(m)
+        pieces = run(buffers)
+        identical[m] = all(torch.equal(y.view(world, p.counts[0], cfg.dim), whole[:, p.rows(0)])
+                           for (p, _), y in zip(buffers, pieces))
+        for _ in range(args.warmup):
+            run(buffers)
+        ms[m] = statistics.median(timed_call(lambda: run(buffers), dev.type == "cuda")[1]  # noqa: B023
+                                  for _ in range(args.iters))
+    metrics = {"shared_ms": shared_ms}
+    for m in counts_of_parts:
+        metrics.update({f"parts{m}_routed_ms": ms[m], f"parts{m}_overhead": ms[m] / ms[1] - 1.0,
+                        f"parts{m}_identical": int(identical[m])})
+    return {
+        "suite": "ep-exchange",
+        "definition": {"mode": "parts", "preset": args.preset, "ranks": world, "tokens_per_rank": n,
+                       "dim": cfg.dim, "inter": cfg.moe_inter_dim, "topk": k, "experts": cfg.n_routed_experts,
+                       "local_experts": len(w.experts), "parts": counts_of_parts, "device": device,
+                       "gemm": "humming" if w.humming is not None else "triton",
+                       "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
+                       "iters": args.iters, "warmup": args.warmup},
+        "metrics": metrics,
     }
