@@ -38,6 +38,7 @@ class StepKinds:
     eager: int = 0
     idle_static: int = 0
     idle_eager: int = 0
+    foreseen: int = 0  # static steps whose bucket was known without an agreement (`DPModel.foresee`)
 
 
 class DPModel:
@@ -52,6 +53,7 @@ class DPModel:
         self.agreement = StepAgreement(ctx)
         self.kinds = StepKinds()
         self._shape: StepShape | None = None  # agreed for the next forward
+        self._foreseen: int | None = None  # the bucket of the coming step, known without an agreement
 
     @property
     def hasher(self):
@@ -73,11 +75,28 @@ class DPModel:
     def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
         return self.model.cache_bytes(block_tokens, dtype)
 
+    def foresee(self, bucket: int) -> None:
+        """Every rank knows (mini.parallel.serve: from the step's messages) that the coming step is a decode step
+        of at most `bucket` rows on every rank: its `agree_step` or `join_idle` takes that bucket without an
+        agreement. Every rank must be told the same, for the same step."""
+        self._foreseen = bucket
+
+    def _take_foreseen(self, n_tokens: int, bucket: int | None) -> StepShape | None:
+        foreseen, self._foreseen = self._foreseen, None
+        if foreseen is None:
+            return None
+        if bucket is None or n_tokens > foreseen:  # the other ranks replay `foreseen` now: this rank cannot follow
+            raise RuntimeError(f"the step was foreseen as a decode step of at most {foreseen} rows; this rank's has "
+                               f"{n_tokens} tokens{'' if bucket is not None else ' and needs an eager forward'}")
+        self.kinds.foreseen += 1
+        return StepShape((foreseen,) * self.ctx.world, foreseen)  # the counts of a static step: the bucket's rows
+
     def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
         """Agree with the other ranks on this rank's coming forward of `n_tokens` tokens, which fits the decode
         graph of `bucket` (None: it needs an eager forward); returns the bucket every rank replays (at least
         `bucket`), or None: every rank runs eagerly (mini.engine.model_runner calls it before every forward)."""
-        self._shape = self.agreement.agree(n_tokens, EAGER if bucket is None else bucket)
+        self._shape = self._take_foreseen(n_tokens, bucket) or self.agreement.agree(
+            n_tokens, EAGER if bucket is None else bucket)
         self.kinds.static += self._shape.bucket is not None
         self.kinds.eager += self._shape.bucket is None
         return self._shape.bucket
@@ -102,7 +121,8 @@ class DPModel:
         """Serve the other ranks' tokens in a step without own tokens; returns the step's total token count
         (0: no rank had any, nothing ran). `graphs`: the engine's DecodeGraphs (runner.graphs), if it has them:
         when the others agree on a decode bucket, this rank replays it with padding rows only."""
-        shape = self.agreement.agree(0, IDLE if graphs is not None else EAGER)
+        shape = self._take_foreseen(0, 0) if graphs is not None else None
+        shape = shape or self.agreement.agree(0, IDLE if graphs is not None else EAGER)
         if not shape.total:
             return 0
         if shape.bucket is not None:

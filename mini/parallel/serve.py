@@ -28,7 +28,10 @@ as on one GPU, are overlapped: a rank plans and launches step N+1 while step N r
 lock step waits for a device: the step messages and the step-shape agreement travel over a gloo group between the
 hosts (`step_shape.host_group`; the messages in one collective while they fit, `step_shape.HostMessages`); only
 the MoE collectives run over NCCL, inside the graphs or the eager forwards.
-GET /dp reports the step kinds and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
+A steady decode step needs no agreement at all: when the step messages show that no rank can prefill and no
+request is added, every rank knows the step's bucket from them (`foreseen_bucket`, `DPModel.foresee`), so such a
+step costs one host round trip (its messages), other steps two. GET /dp reports the step kinds (`foreseen`: steps
+without an agreement) and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ class StepMessage:
     commands: list = field(default_factory=list)  # rank 0 only: AddRequest | AbortRequest
     stop: bool = False  # rank 0 only: leave the loop after this message
     load: RankLoad = field(default_factory=RankLoad)  # the sender's load before this step's commands
+    decode_graphs: bool = False  # the sender's engine replays decode graphs
 
 
 def slim(out: RequestOutput) -> RequestOutput:
@@ -155,6 +159,21 @@ def added_tokens(commands: list, world: int) -> list[int]:
     return added
 
 
+def foreseen_bucket(messages: list[StepMessage], graphs) -> int | None:
+    """The decode bucket of this step on every rank, known from its messages alone (None: the ranks agree on it
+    before the forward, mini.parallel.step_shape). When no rank has prompt tokens to prefill (nothing waits,
+    nothing runs in prefill) and rank 0 adds no request, every rank's step is a pure decode step of at most its
+    decoding sequences (fewer when some finish or are preempted now; a preempted one waits, since nothing is
+    admitted in a step that preempts), or no step: the bucket of the largest such count serves every rank. The
+    same on every rank; `graphs`: this rank's DecodeGraphs (every rank's engine must have them)."""
+    if graphs is None or not all(m.decode_graphs for m in messages):
+        return None
+    if any(isinstance(c, AddRequest) for c in messages[0].commands) or any(m.load.prefill_tokens for m in messages):
+        return None
+    most = max(m.load.decode_seqs for m in messages)
+    return graphs.bucket(most) if most else None
+
+
 def step_loads(messages: list[StepMessage]) -> list[RankLoad]:
     """Every rank's load as the step will find it: its report plus the requests rank 0 adds to it now (applied
     after the report was taken). The same on every rank."""
@@ -176,7 +195,8 @@ class DPWorker:
 
     def sync(self, commands: list = (), stop: bool = False) -> list[StepMessage]:
         """The step's one all-gather: every rank's message, in rank order."""
-        mine = StepMessage(self.engine.has_work(), self._outbox, list(commands), stop, RankLoad.of(self.engine))
+        mine = StepMessage(self.engine.has_work(), self._outbox, list(commands), stop, RankLoad.of(self.engine),
+                           self.engine.runner.graphs is not None)
         self._outbox = []
         if not self.ctx.multi:
             return [mine]
@@ -195,6 +215,9 @@ class DPWorker:
         self._outbox += [RequestError(f.request_id, str(f.error)) for f in refused]
         if not commands and not any(m.has_work for m in messages):
             return False
+        bucket = foreseen_bucket(messages, self.engine.runner.graphs)
+        if bucket is not None:
+            self.dp.foresee(bucket)
         ran_forward = False
         if self.engine.has_work():
             outputs = self._engine_step(prefill_cap(step_loads(messages), self.min_prefill_chunk))

@@ -132,6 +132,8 @@ def test_dp_serving_lock_step_with_static_overlapped_decode_equals_one_process()
     assert status["step_kinds"] == kinds0 and status["agree_us_mean"] > 0 and status["sync_us_mean"] > 0
     for kinds in (kinds0, kinds1):  # both ranks decoded through the static path, in the same steps
         assert kinds["static"] + kinds["idle_static"] == kinds0["static"] + kinds0["idle_static"] > 0
+        # steady decode steps took their bucket from the step messages, without an agreement
+        assert kinds["foreseen"] == kinds0["foreseen"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------- warm-up
@@ -195,3 +197,38 @@ def test_host_messages_gather_like_all_gather_object_in_one_collective_while_the
         # 1 KiB buffer at first; 3,000 > 1 KiB: a second round, then a 3 KiB buffer; 20,000 again; the same size
         # next time fits; 40 after 20,000 fits (the buffer shrinks to 1 KiB after it)
         assert rounds == [1, 2, 1, 2, 1, 1]
+
+
+def test_a_step_is_foreseen_only_when_no_rank_can_prefill():
+    from mini.engine.cuda_graphs import DecodeGraphs
+    from mini.parallel.balance import RankLoad
+    from mini.parallel.serve import AbortRequest, AddRequest, StepMessage, foreseen_bucket
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes = [1, 2, 4, 8]
+
+    def msgs(*loads, commands=(), decode_graphs=True):
+        return [StepMessage(True, commands=list(commands) if r == 0 else [], load=RankLoad(*ld),
+                            decode_graphs=decode_graphs) for r, ld in enumerate(loads)]
+    assert foreseen_bucket(msgs((0, 90, 3, 512), (0, 40, 2, 512)), graphs) == 4
+    assert foreseen_bucket(msgs((0, 90, 3, 512), (0, 0, 0, 512)), graphs) == 4  # an idle rank joins
+    assert foreseen_bucket(msgs((0, 90, 3, 512), (7, 40, 2, 512)), graphs) is None  # a rank prefills
+    assert foreseen_bucket(msgs((0, 90, 3, 512), (0, 40, 2, 512), commands=[AddRequest("r", [1, 2], None)]),
+                           graphs) is None  # a new request
+    assert foreseen_bucket(msgs((0, 90, 3, 512), (0, 40, 2, 512), commands=[AbortRequest("r")]), graphs) == 4
+    assert foreseen_bucket(msgs((0, 0, 0, 512), (0, 0, 0, 512)), graphs) is None  # nothing decodes
+    assert foreseen_bucket(msgs((0, 90, 3, 512), decode_graphs=False), graphs) is None
+    assert foreseen_bucket(msgs((0, 90, 3, 512)), None) is None
+
+
+def test_a_step_that_breaks_what_was_foreseen_is_refused():
+    from mini.parallel.dp import DPModel
+    from mini.parallel.groups import DistContext
+    model, _, _ = load_model("tiny-v4.1", device="cpu", dtype=torch.float32)
+    dp = DPModel(model, DistContext(0, 1, torch.device("cpu"), None))
+    dp.foresee(4)
+    assert dp.agree_step(3, 4) == 4 and dp.kinds.foreseen == 1
+    assert dp.agree_step(3, 4) == 4 and dp.kinds.foreseen == 1  # once: the next step agrees again
+    for n, bucket in ((5, 8), (3, None)):  # more rows than foreseen; a step that needs an eager forward
+        dp.foresee(4)
+        with pytest.raises(RuntimeError, match="foreseen"):
+            dp.agree_step(n, bucket)
