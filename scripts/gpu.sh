@@ -597,8 +597,10 @@ phase_det_profile() {  # issue 17 item 4 (<= 200 s): where the deterministic mod
 }
 
 phase_det_final() {  # issue 17 item 4 (<= 280 s): the deterministic mode's cost, A/B in one job (the mode's
-    # default now sends multi-token chunks to FlashMLA). 1. gpu tests: every TUNED tile and the fp32 small-row tile
-    # keep a row's bits alone / among 1..4,096 rows; FlashMLA rows alone == among load == chunked; the overrides.
+    # default now sends multi-token chunks to FlashMLA; TUNED's TMA kernels and the fp32 FMA-chain head kernel from
+    # phase det_gemm). 1. gpu tests: every TUNED tile (TMA ones too), the fp32 few-rows kernel and the grouped
+    # output projection's bmm (TMA, groups side by side) keep a row's bits alone / among 1..4,096 rows; FlashMLA
+    # rows alone == among load == chunked; the overrides.
     # 2. rank4 in ONE process (one build): default and det each profiled (stage tables side by side), then 4
     # interleaved rounds x 2 timed steps of each (8 steps per mode). 3. tiny goodput without / with
     # --deterministic, 5 bursts each (metrics over bursts 2-5). Look at: "passed"; "rank4 A/B interleaved" (det's
@@ -609,6 +611,7 @@ phase_det_final() {  # issue 17 item 4 (<= 280 s): the deterministic mode's cost
     timeout 70 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
         tests/kernels/test_batch_invariant.py::test_every_weight_shape_config_keeps_rows_invariant_gpu \
         tests/kernels/test_batch_invariant.py::test_fp32_small_rows_tile_equals_the_default_tile_gpu \
+        tests/kernels/test_batch_invariant.py::test_grouped_out_proj_rows_invariant_gpu \
         tests/ops/test_deterministic_attention.py \
         tests/kernels/test_batch_invariant.py::test_overrides_make_cuda_gemms_batch_invariant \
         --junitxml="$PHASE_DIR/junit.xml" 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" || rc=1

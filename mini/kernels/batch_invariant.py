@@ -12,14 +12,14 @@ The output tile (BM x BN, warps, stages) only says which program computes which 
 dot is a chain of k16 MMAs into the same fp32 accumulator, so an element's sum is the same chain whatever the
 tile. Measured, not assumed: on the H200 all 14 tiles of tools/det_profile.py's sweep (BM 16-256, BN 64-256, BK
 32-128, 4 and 8 warps, wgmma- and mma.sync-sized) gave the same bits at the 12 weight shapes of the rank4 step
-(bf16 and fp32). So `config_for` may give large calls their weight shape's tuned tile (`TUNED`, from that sweep),
-fp32 calls of at most 16 rows (the head at decode) a 16-row tile (`SMALL_FP32`), and the others the dtype's
-default (more programs for decode-sized calls), with BK fixed per dtype (the CPU interpreter rounds once per BK
-step, so BK would matter there); the gpu tests check every `TUNED` entry's rows alone == among 7, 300 and 4,096
-rows, and fp32 rows alone == among 2..4,096, bit for bit. Row r's bits depend only on row r of A and on B.
-A TileConfig also names its kernel (`KERNELS`: through pointers, TMA descriptors, persistent, an FMA chain for
-fp32 rows): candidates `tools/det_profile.py --variants-only` times and compares bit for bit on the GPU before
-any becomes a default.
+(bf16 and fp32). So `config_for` may give large calls their weight shape's tuned tile (`TUNED`, from the sweeps),
+fp32 calls of at most 16 rows (the head at decode) a kernel of FMA chains sized by M (`SMALL_FP32`), and the
+others the dtype's default (more programs for decode-sized calls), with BK fixed per dtype (the CPU interpreter
+rounds once per BK step, so BK would matter there); the gpu tests check every `TUNED` entry's rows alone == among
+7, 300 and 4,096 rows, and fp32 rows alone == among 2..4,096, bit for bit. Row r's bits depend only on row r of
+A and on B. A TileConfig also names its kernel (`KERNELS`: through pointers, TMA descriptors, persistent, an FMA
+chain for fp32 rows): `tools/det_profile.py --variants-only` times each and compares its bits with the current
+kernel's on the GPU before it becomes a default (TUNED's TMA entries and SMALL_FP32 came from there).
 
 `enable()` makes it aten's CUDA implementation of mm, addmm and bmm (and their out= / out_dtype forms), so that
 every GEMM of the process takes it (F.linear, @, einsum, torch.mm(..., out_dtype=)) without touching each call
@@ -74,20 +74,22 @@ FMA_ROWS_MAX = 16
 CONFIGS = {torch.bfloat16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
            torch.float16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
            torch.float32: TileConfig(64, 64, 32, num_warps=4, num_stages=2)}
-# per weight shape (dtype, N, K): the fastest tile of tools/det_profile.py's sweep on the H200 at the rank4 step's
-# row counts (4,096; 2,048 for the last), among those with the default's BK (scripts/gpu.sh phase det_profile,
-# at 28589aa). TFLOP/s there, default -> tuned (cuBLAS): wq_b 467 -> 572 (710), wo_b 456 -> 620 (752), wo_a (8
-# groups) 461 -> 607 (771), shared w1|w3 475 -> 569 (780), shared w2 465 -> 583 (732), wq_a 416 -> 484 (749);
-# GEMMs of a rank4 step ~137 -> ~109 ms (cuBLAS 81)
+# per weight shape (dtype, N, K): the fastest tile of tools/det_profile.py's sweeps on the H200 at the rank4 step's
+# row counts (4,096; 2,048 for the last), among those with the default's BK and bits. Pointer tiles from phase
+# det_profile at 28589aa (TFLOP/s default -> tuned, cuBLAS: wq_b 467 -> 572 (710), wo_b 456 -> 620 (752), wo_a 461
+# -> 607 (771), shared w1|w3 475 -> 569 (780), w2 465 -> 583 (732), wq_a 416 -> 484 (749)); TMA kernels from phase
+# det_gemm at 0ab9964 (every variant the current bits; TFLOP/s pointer-tuned -> TMA, cuBLAS): wq_b 582 -> 688 (773),
+# wo_b 648 -> 783 (816), wo_a 550 -> 704 (785), w1|w3 591 -> 653 (802), w2 570 -> 665 (704), Engram 544 -> 738
+# (801); over those shapes a step's GEMMs 97.0 -> 79.8 ms (cuBLAS 70.7)
 _T = TileConfig
 TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {
-    (torch.bfloat16, 32768, 1280): _T(128, 128, 64, 8, 3),  # attention wq_b
-    (torch.bfloat16, 5120, 8192): _T(256, 128, 64, 8, 3),  # attention wo_b
-    (torch.bfloat16, 1024, 4096): _T(256, 128, 64, 8, 3),  # attention wo_a (bmm over 8 groups)
-    (torch.bfloat16, 4608, 5120): _T(128, 128, 64, 4, 4),  # shared expert w1 | w3
-    (torch.bfloat16, 5120, 2304): _T(128, 128, 64, 8, 3),  # shared expert w2
-    (torch.bfloat16, 25600, 6144): _T(256, 128, 64, 8, 3),  # Engram
-    (torch.bfloat16, 1280, 5120): _T(128, 128, 64, 8, 3),  # attention wq_a
+    (torch.bfloat16, 32768, 1280): _T(128, 256, 64, 8, 3, kernel="tma-persistent"),  # attention wq_b
+    (torch.bfloat16, 5120, 8192): _T(128, 256, 64, 8, 3, kernel="tma-persistent"),  # attention wo_b
+    (torch.bfloat16, 1024, 4096): _T(128, 256, 64, 8, 3, kernel="tma-persistent"),  # wo_a (bmm over 8 groups)
+    (torch.bfloat16, 4608, 5120): _T(128, 256, 64, 8, 3, kernel="tma-persistent"),  # shared expert w1 | w3
+    (torch.bfloat16, 5120, 2304): _T(128, 256, 64, 8, 3, kernel="tma-persistent"),  # shared expert w2
+    (torch.bfloat16, 25600, 6144): _T(256, 128, 64, 8, 3, kernel="tma"),  # Engram
+    (torch.bfloat16, 1280, 5120): _T(128, 128, 64, 8, 3),  # attention wq_a (no TMA variant was faster)
     (torch.bfloat16, 512, 5120): _T(128, 64, 64, 4, 4),  # attention wkv, compressor (also fp32 out)
     (torch.bfloat16, 4096, 1280): _T(128, 128, 64, 8, 3),  # indexer wq_b
     (torch.bfloat16, 32, 5120): _T(64, 64, 64, 4, 4),  # indexer weights_proj
@@ -97,11 +99,15 @@ TUNED: dict[tuple[torch.dtype, int, int], TileConfig] = {
 # smaller tiles spread a decode-sized call over more SMs (at 64 rows the large tiles measured up to 2x slower).
 # Setting it above any row count makes the choice by (dtype, N, K) alone.
 TUNED_MIN_ROWS = 1024
-# fp32 calls of at most this many rows (the LM head at decode, M = sequences of the step): a 16-row tile (tl.dot's
-# least) over 64 columns, so that a 1-row call over the 129,280-column head is 2,020 programs of a quarter of the
-# default tile's FMA work (the default's 64 x 64 took 6.3 ms there on the H200, cuBLAS 0.64). Same BK
+# fp32 calls of at most this many rows (the LM head at decode, M = sequences of the step) take the "fma-rows"
+# kernel: one warp per 32 columns, each thread its column's FMA chain. On the H200 (phase det_gemm at 0ab9964) the
+# head (N = 129,280, K = 5,120) took 1.06 ms at 1 row and 1.40 at 16 (cuBLAS 0.63 / 1.21), where the default
+# 64 x 64 dot tile took 6.3 and a 16-row dot tile 2.9; its bits equal the default tile's (rows alone too). Under
+# the CPU interpreter, whose tl.fma rounds the product and the sum apart, such calls take the 16-row dot tile
+# instead (SMALL_FP32_DOT: the same sums as the default tile there), so the CPU tests see one reduction throughout
 SMALL_ROWS = 16
-SMALL_FP32 = TileConfig(16, 64, 32, num_warps=4, num_stages=3)
+SMALL_FP32 = TileConfig(16, 32, 32, num_warps=1, num_stages=1, kernel="fma-rows")
+SMALL_FP32_DOT = TileConfig(16, 128, 32, num_warps=4, num_stages=3)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -111,7 +117,7 @@ def config_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
     if m >= TUNED_MIN_ROWS:
         return TUNED.get((dtype, n, k), CONFIGS[dtype])
     if dtype == torch.float32 and m <= SMALL_ROWS:
-        return SMALL_FP32
+        return SMALL_FP32_DOT if _INTERPRET else SMALL_FP32
     return CONFIGS[dtype]
 
 
@@ -188,16 +194,21 @@ def _tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.con
 
 
 @triton.jit
-def _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
-              alpha, beta, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, a_bstride, s_cb, s_cm, s_cn, s_addb, s_addm,
+              s_addn, alpha, beta, HAS_ADD: tl.constexpr, SCALE: tl.constexpr, A_COLS: tl.constexpr,
+              B_NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """One output tile of `_mm_tma_kernel`: loads from tile number `tile`, the epilogue at `tile_c` (the same
     number, from a counter of its own: Triton's persistent matmul keeps the two apart for its loop flattening)."""
     bat, pid_m, pid_n = _tile_coords(tile, M, N, BM, BN, GROUP_M)
-    a_row = bat * M + pid_m * BM
+    if A_COLS:  # a's batches side by side in its rows: batch bat's K columns start at bat * a_bstride
+        a_row = pid_m * BM
+        a_col = bat * a_bstride
+    else:  # a's batches one after another: batch bat's rows start at bat * M
+        a_row = bat * M + pid_m * BM
+        a_col = 0
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):  # K in increasing BK steps, one dot each: the pointer kernel's sum
-        a = a_desc.load([a_row, k0])
+        a = a_desc.load([a_row, a_col + k0])
         if B_NK:
             b = b_desc.load([bat * N + pid_n * BN, k0]).T
         else:
@@ -211,32 +222,35 @@ def _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm,
 
 
 @triton.jit(do_not_specialize=["M", "tiles"])
-def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles,
+def _mm_tma_kernel(a_desc, b_desc, c_ptr, add_ptr, M, N, K, tiles, a_bstride,
                    s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
-                   HAS_ADD: tl.constexpr, SCALE: tl.constexpr, B_NK: tl.constexpr, BM: tl.constexpr,
+                   HAS_ADD: tl.constexpr, SCALE: tl.constexpr, A_COLS: tl.constexpr, B_NK: tl.constexpr,
+                   BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
                    FLATTEN: tl.constexpr, INTERPRET: tl.constexpr):
     """`_mm_kernel`'s sums with the operands brought by TMA descriptors: a over [Bt * M, K] (a batch's rows one
-    after another), b over [Bt * N, K] (B_NK: the weight as stored, [N, K] per batch) or [Bt * K, N]. A tile's
+    after another) or (A_COLS) [M, columns] with batch i's K columns from i * a_bstride (batches side by side in a
+    row, as attention's grouped output projection passes them: its K a multiple of BK), b over [Bt * N, K] (B_NK:
+    the weight as stored, [N, K] per batch) or [Bt * K, N]. A tile's
     rows or columns past its batch read the next batch's (or TMA's zeros): never stored. The K tail reads zeros
     (past K of a row of a / of b^T); the host sends a [K, N] b with a K tail to the pointer kernel. PROGRAMS 0: one
     program per tile; else a persistent grid of PROGRAMS programs, each walking tiles pid, pid + PROGRAMS, ...
     (which program computes a tile: no sum depends on it)."""
     pid = tl.program_id(0)
     if PROGRAMS == 0:
-        _tma_tile(pid, pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn,
-                  alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+        _tma_tile(pid, pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, a_bstride, s_cb, s_cm, s_cn, s_addb, s_addm,
+                  s_addn, alpha, beta, HAS_ADD, SCALE, A_COLS, B_NK, BM, BN, BK, GROUP_M)
     elif INTERPRET:  # (the interpreter's range takes no tensor bounds: the same walk, a guard per tile)
         for t0 in range(0, tiles, PROGRAMS):
             if t0 + pid < tiles:
-                _tma_tile(t0 + pid, t0 + pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb,
-                          s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+                _tma_tile(t0 + pid, t0 + pid, a_desc, b_desc, c_ptr, add_ptr, M, N, K, a_bstride, s_cb, s_cm, s_cn,
+                          s_addb, s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, A_COLS, B_NK, BM, BN, BK, GROUP_M)
     else:
         tile_c = pid - PROGRAMS
         for tile in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN):
             tile_c += PROGRAMS
-            _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, s_cb, s_cm, s_cn, s_addb, s_addm,
-                      s_addn, alpha, beta, HAS_ADD, SCALE, B_NK, BM, BN, BK, GROUP_M)
+            _tma_tile(tile, tile_c, a_desc, b_desc, c_ptr, add_ptr, M, N, K, a_bstride, s_cb, s_cm, s_cn, s_addb,
+                      s_addm, s_addn, alpha, beta, HAS_ADD, SCALE, A_COLS, B_NK, BM, BN, BK, GROUP_M)
 
 
 @triton.jit
@@ -309,31 +323,41 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
-    """The TMA kernel's views of a [Bt, M, K] and b [Bt, K, N]: (a as [Bt * M, K], b as [Bt * N, K] or
-    [Bt * K, N], b_nk), or None where a descriptor cannot take them (a's rows not contiguous in k or its batches
-    not one after another; b neither way; strides or base not 16-byte aligned; a [K, N] b over several batches
-    with a K tail, whose tail would read the next batch's rows instead of zeros)."""
+    """The TMA kernel's views of a [Bt, M, K] and b [Bt, K, N]: (a's descriptor, b's, a_cols, a's batch stride,
+    b_nk), or None where descriptors cannot take them. a: [Bt * M, K] (its batches one after another), or [M,
+    columns] (a_cols: batches side by side in each row, e.g. [T, G, k] transposed to [G, T, k]; K a multiple of BK,
+    or a partial last step would read the next batch's columns instead of zeros). b: [Bt * N, K] (b_nk: the weight
+    as stored) or [Bt * K, N] (one batch, or K a multiple of BK). Strides and bases 16-byte aligned, the last
+    dimension contiguous."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     Bt, M, K = a.shape
     N = b.shape[2]
     es = a.element_size()
+    whole_steps = K % cfg.BK == 0
 
-    def aligned(t, row_stride):
-        return t.data_ptr() % 16 == 0 and (row_stride * es) % 16 == 0
+    def aligned(t, *strides):
+        return t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in strides)
 
-    if a.stride(2) != 1 or (Bt > 1 and a.stride(0) != M * a.stride(1)) or not aligned(a, a.stride(1)):
+    if a.stride(2) != 1 or not aligned(a, a.stride(1), a.stride(0) if Bt > 1 else 0):
+        return None
+    if Bt == 1 or a.stride(0) == M * a.stride(1):
+        a_cols = False
+        ad = TensorDescriptor(a, [Bt * M, K], [a.stride(1), 1], [cfg.BM, cfg.BK])
+    elif whole_steps and a.stride(0) >= K and (Bt - 1) * a.stride(0) + K <= a.stride(1):
+        a_cols = True
+        ad = TensorDescriptor(a, [M, (Bt - 1) * a.stride(0) + K], [a.stride(1), 1], [cfg.BM, cfg.BK])
+    else:
         return None
     if b.stride(1) == 1 and (Bt == 1 or b.stride(0) == N * b.stride(2)) and aligned(b, b.stride(2)):
         b_nk = True
         bd = TensorDescriptor(b, [Bt * N, K], [b.stride(2), 1], [cfg.BN, cfg.BK])
     elif (b.stride(2) == 1 and (Bt == 1 or b.stride(0) == K * b.stride(1)) and aligned(b, b.stride(1))
-          and (Bt == 1 or K % cfg.BK == 0)):
+          and (Bt == 1 or whole_steps)):
         b_nk = False
         bd = TensorDescriptor(b, [Bt * K, N], [b.stride(1), 1], [cfg.BK, cfg.BN])
     else:
         return None
-    ad = TensorDescriptor(a, [Bt * M, K], [a.stride(1), 1], [cfg.BM, cfg.BK])
-    return ad, bd, b_nk
+    return ad, bd, a_cols, a.stride(0), b_nk
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
@@ -375,14 +399,15 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
         return out
     tma = _tma_operands(a, b, cfg) if cfg.kernel.startswith("tma") and not fp32 else None
     if tma is not None:
-        ad, bd, b_nk = tma
+        ad, bd, a_cols, a_bstride, b_nk = tma
         tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN) * Bt
         # persistent: one program per SM whatever the call's size (one build per GPU; programs past the last
         # tile have nothing to do)
         programs = 0 if cfg.kernel == "tma" else (_sm_count(a.device) if a.is_cuda else 3)
         _mm_tma_kernel[(programs or tiles,)](
             ad, bd, out, add_t, M, N, *((tl.constexpr(K), tl.constexpr(tiles)) if _INTERPRET else (K, tiles)),
-            *out.stride(), *add_t.stride(), float(alpha), float(beta), B_NK=b_nk, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+            a_bstride, *out.stride(), *add_t.stride(), float(alpha), float(beta), A_COLS=a_cols, B_NK=b_nk,
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
             GROUP_M=cfg.GROUP_M, PROGRAMS=programs, FLATTEN=cfg.kernel == "tma-persistent-flat",
             INTERPRET=_INTERPRET, **common)
         return out

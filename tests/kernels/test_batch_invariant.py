@@ -80,18 +80,23 @@ def test_tuned_tiles_keep_the_default_reduction():
         assert dtype in bi.CONFIGS and n > 0 and k > 0
         assert cfg.BK == bi.CONFIGS[dtype].BK, (dtype, n, k, cfg)
         assert cfg.BM >= 16 and cfg.BN >= 16 and cfg.num_warps in (4, 8)
+        assert cfg.kernel in bi.KERNELS and cfg.kernel != "fma-rows", (dtype, n, k, cfg)
 
 
 def test_fp32_few_rows_take_the_small_tile_with_the_same_sums(bf16_interpreter):
-    """fp32 calls of at most SMALL_ROWS rows (the head at decode) take SMALL_FP32 (16-row tile, the dtype's BK),
-    larger ones the default 64 x 64: a row alone, among 2..16 rows (small tile) and among 40 and 150 (default
-    tile) gives the same bits. K = 200: several K steps and a partial last one; N = 150: a partial column tile."""
+    """fp32 calls of at most SMALL_ROWS rows (the head at decode) take SMALL_FP32 (the FMA-chain kernel; under the
+    interpreter, whose tl.fma rounds twice, the 16-row dot tile SMALL_FP32_DOT), larger ones the default 64 x 64: a
+    row alone, among 2..16 rows (small tile) and among 40 and 150 (default tile) gives the same bits. K = 200:
+    several K steps and a partial last one; N = 150: a partial column tile. (The FMA-chain kernel's bits against
+    the dot tile's: test_fp32_small_rows_tile_equals_the_default_tile_gpu.)"""
     f32 = torch.float32
-    assert bi.config_for(f32, 129280, 5120, 1) == bi.SMALL_FP32
-    assert bi.config_for(f32, 129280, 5120, bi.SMALL_ROWS) == bi.SMALL_FP32
+    assert bi.SMALL_FP32.kernel == "fma-rows" and bi.SMALL_FP32_DOT.kernel == "pointer"
+    small = bi.SMALL_FP32_DOT if bi._INTERPRET else bi.SMALL_FP32
+    assert bi.config_for(f32, 129280, 5120, 1) == small
+    assert bi.config_for(f32, 129280, 5120, bi.SMALL_ROWS) == small
     assert bi.config_for(f32, 129280, 5120, bi.SMALL_ROWS + 1) == bi.CONFIGS[f32]
     assert bi.config_for(torch.bfloat16, 129280, 5120, 1) == bi.CONFIGS[torch.bfloat16]
-    assert bi.SMALL_FP32.BK == bi.CONFIGS[f32].BK and bi.SMALL_FP32.BM == 16
+    assert bi.SMALL_FP32_DOT.BK == bi.CONFIGS[f32].BK and bi.SMALL_FP32_DOT.BM == 16
     a, w = _data(150, 200, 150, f32, seed=5)
     full = bi.matmul(a, w.t())  # 150 rows: the default tile
     for lo, hi in ((0, 1), (7, 8), (149, 150), (3, 5), (10, 26), (100, 140)):
@@ -122,6 +127,15 @@ def test_tma_kernels_give_the_pointer_kernels_bits(bf16_interpreter, kernel):
     out = torch.full((3, 40, 24), float("nan"))
     bi.bmm(x, y.transpose(1, 2), out=out, config=cfg)
     assert torch.equal(out, want_b)
+    # attention's grouped output projection: a = o [T, G, k] transposed (groups side by side in a row), b = wo_a
+    # [G, r, k] transposed, out [T, G, r] transposed
+    o, wo_a = torch.randn(40, 3, 128).to(bf), torch.randn(3, 24, 128).to(bf)
+    assert bi._tma_operands(o.transpose(0, 1), wo_a.transpose(1, 2), cfg)[2] is True  # a's batches in columns
+    out = torch.full((40, 3, 24), float("nan"), dtype=bf)
+    bi.bmm(o.transpose(0, 1), wo_a.transpose(1, 2), out=out.transpose(0, 1), config=cfg)
+    assert torch.equal(out.transpose(0, 1), bi.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)))
+    o2 = torch.randn(40, 3, 100).to(bf)  # a partial K step: would read the next group's columns, so not TMA
+    assert bi._tma_operands(o2.transpose(0, 1), torch.randn(3, 100, 24).to(bf), cfg) is None
     # [K, N] b over batches with a K tail: a descriptor would read the next batch's rows, so the pointer kernel
     x2, y2 = torch.randn(2, 9, 100).to(bf), torch.randn(2, 100, 24).to(bf)
     assert bi._tma_operands(x2, y2, cfg) is None
@@ -162,7 +176,7 @@ def test_kernels_build_for_sm90():
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("batch_invariant_sm90_build.py"))], env=env,
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 18, run.stdout
+    assert run.stdout.count(" ok") == 21, run.stdout
 
 
 def test_addmm_and_bmm_forms(bf16_interpreter):
@@ -233,6 +247,32 @@ def test_fp32_small_rows_tile_equals_the_default_tile_gpu():
         assert rel < 5e-6, rel
         for lo, hi in ((0, 1), (1, 2), (4095, 4096), (0, 16), (3, 10), (100, 117), (1000, 1300)):
             assert torch.equal(F.linear(a[lo:hi], w), full[lo:hi]), (lo, hi)
+    finally:
+        bi.disable()
+
+
+@pytest.mark.gpu
+def test_grouped_out_proj_rows_invariant_gpu():
+    """Attention's grouped output projection as the model calls it (mini/model/attn_layer._grouped_out_proj: bmm
+    of o [T, 8, 4096] transposed by wo_a [8, 1024, 4096] transposed into out [T, 8, 1024] transposed) on the
+    compiled kernels: 4,096 rows take the TUNED TMA kernel with the groups side by side in a's rows, 1, 7 and 300
+    rows the default pointer tile; a row's bits are the same in each, and it stays a GEMM."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mini.model.attn_layer import _grouped_out_proj
+    g = torch.Generator(device="cuda").manual_seed(30)
+    o = torch.randn(4096, 8, 4096, device="cuda", generator=g).bfloat16()
+    wo_a = torch.randn(8, 1024, 4096, device="cuda", generator=g).bfloat16()
+    cfg = bi.config_for(torch.bfloat16, 1024, 4096, 4096)
+    assert cfg.kernel.startswith("tma") and bi._tma_operands(o.transpose(0, 1), wo_a.transpose(1, 2), cfg)[2]
+    want = torch.einsum("tgd,grd->tgr", o[:64].double(), wo_a.double()).flatten(1)
+    bi.enable()
+    try:
+        full = _grouped_out_proj(o, wo_a)
+        rel = float((full[:64].double() - want).norm() / want.norm())
+        assert rel < 4e-3, rel
+        for lo, hi in ((0, 1), (4095, 4096), (1000, 1007), (2000, 2300), (10, 1510)):
+            assert torch.equal(_grouped_out_proj(o[lo:hi], wo_a), full[lo:hi]), (lo, hi)
     finally:
         bi.disable()
 
