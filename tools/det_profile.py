@@ -271,14 +271,13 @@ RANK4_GEMMS = {
     ("mm", "float32", "float32", 1, 1, 129280, 5120, "N", "T"): 1,
 }
 # the kernel variants of mini/kernels/batch_invariant.py measured by --variants-only: (BM, BN, BK, warps, stages,
-# GROUP_M, kernel); BK the dtype's (the sums must stay the current kernel's)
+# GROUP_M, kernel); BK the dtype's (the sums must stay the current kernel's). (Flattened 128 x 256 tiles need 272 KB
+# of shared memory, over the H200's 227: left out)
 VARIANTS = {
     torch.bfloat16: [(128, 256, 64, 8, 3, 8, "pointer"),
                      (128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent"),
-                     (128, 128, 64, 8, 3, 8, "tma-persistent-flat"), (128, 256, 64, 8, 3, 8, "tma-persistent-flat"),
-                     (128, 128, 64, 4, 4, 8, "tma-persistent-flat"), (128, 256, 64, 8, 4, 8, "tma-persistent-flat"),
-                     (256, 128, 64, 8, 4, 8, "tma-persistent-flat")],
+                     (128, 128, 64, 8, 3, 8, "tma-persistent-flat"), (128, 128, 64, 4, 4, 8, "tma-persistent-flat")],
     torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
                     (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
                     (16, 64, 32, 2, 1, 8, "fma-rows"), (16, 128, 32, 4, 1, 8, "fma-rows"),
