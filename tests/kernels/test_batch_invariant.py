@@ -158,6 +158,9 @@ def test_fma_rows_kernel_is_a_gemm_and_row_invariant(bf16_interpreter):
     bias = torch.randn(70)
     got = bi.matmul(a[:3], w.t(), add=bias, config=cfg)
     assert torch.allclose(got.double(), want[:3] + bias.double(), rtol=1e-5, atol=1e-4)
+    x, y = torch.randn(2, 3, 203), torch.randn(2, 203, 40)  # batched, b as [K, N] (its k strided)
+    got = bi.bmm(x, y, config=cfg)
+    assert torch.allclose(got.double(), x.double() @ y.double(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="unknown kernel 'fast'"):
         bi.matmul(a, w.t(), config=bi.TileConfig(16, 32, 32, 4, 2, kernel="fast"))
 
