@@ -278,11 +278,11 @@ VARIANTS = {
                      (128, 128, 64, 8, 3, 8, "tma"), (128, 256, 64, 8, 3, 8, "tma"), (256, 128, 64, 8, 3, 8, "tma"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent"),
                      (128, 128, 64, 8, 3, 8, "tma-persistent-flat"), (128, 128, 64, 4, 4, 8, "tma-persistent-flat")],
-    torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 64, 32, 4, 3, 8, "pointer"),
-                    (16, 64, 32, 2, 3, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
-                    (16, 64, 32, 2, 1, 8, "fma-rows"), (16, 128, 32, 4, 1, 8, "fma-rows"),
-                    (16, 128, 32, 4, 2, 8, "fma-rows"), (16, 256, 32, 8, 1, 8, "fma-rows")],
+    torch.float32: [(64, 64, 32, 4, 2, 8, "pointer"), (16, 128, 32, 4, 3, 8, "pointer"),
+                    (16, 32, 32, 1, 1, 8, "fma-rows"), (16, 64, 32, 2, 1, 8, "fma-rows"),
+                    (16, 128, 32, 4, 1, 8, "fma-rows")],
 }
+HEAD_ROWS = (1, 16, 64, 256)  # --variants-only runs the fp32 head at these row counts
 MAX_VARIANT_SHAPES = 7  # bf16 weight shapes measured, the most work per step first (plus every fp32 one)
 
 
@@ -307,7 +307,8 @@ def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
     cases = []  # (shape key as run, calls per step, operands, the current kernel's fp32 sums, row)
     for key in [k for k in seen if k[1] == "float32"] + bf16:
         a, b, add, odt = _operands(key, device)
-        m_list = [key[4]] if key[1] == "bfloat16" or key[4] > bi.SMALL_ROWS else sorted({key[4], bi.SMALL_ROWS})
+        # the fp32 head also at the row counts of decode steps (1..256 sequences)
+        m_list = [key[4]] if key[1] == "bfloat16" or key[4] > bi.SMALL_ROWS else sorted({key[4], *HEAD_ROWS})
         for m in m_list:
             am = a if m <= a.shape[1] else torch.randn(a.shape[0], m, a.shape[2], device=device).to(a.dtype)
             k_m = key[:4] + (m,) + key[5:]
@@ -364,13 +365,14 @@ def bench_variants(seen: dict, device: str = "cuda") -> list[dict]:
     for k_m, _, _, row in cases:
         if k_m[1] == "bfloat16" and row["best_same_bits"] != "current":
             print(f"    (torch.bfloat16, {k_m[5]}, {k_m[6]}): TileConfig{row['best_same_bits']},")
-    f32_rows = [row for k_m, _, _, row in cases if k_m[1] == "float32"]
-    if f32_rows:
-        both = {v: sum(r["variants"][v]["ms"] for r in f32_rows) for v in f32_rows[0]["variants"]
+    for label, pick in (("SMALL_FP32 (<= SMALL_ROWS rows)", lambda m: m <= bi.SMALL_ROWS),
+                        ("fp32 above SMALL_ROWS", lambda m: m > bi.SMALL_ROWS)):
+        f32_rows = [row for k_m, _, _, row in cases if k_m[1] == "float32" and pick(k_m[4])]
+        both = {v: sum(r["variants"][v]["ms"] for r in f32_rows) for v in (f32_rows[0]["variants"] if f32_rows else ())
                 if all(r["variants"].get(v, {}).get("same_bits") for r in f32_rows)}
         if both:
             best = min(both, key=both.get)
-            print(f"    SMALL_FP32 = TileConfig{best}  # {both[best]:.4f} ms over the fp32 runs "
+            print(f"    {label}: TileConfig{best}  # {both[best]:.4f} ms over those fp32 runs "
                   f"(current {sum(r['current_ms'] for r in f32_rows):.4f})", flush=True)
     return [{"per_step_ms": total}] + [row for *_, row in cases]
 

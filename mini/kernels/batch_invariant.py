@@ -61,8 +61,9 @@ class TileConfig:
 #   one's loads). Where a call's operands do not fit a descriptor (strides, alignment) it runs the "pointer"
 #   kernel. (Triton 3.6's automatic warp specialization does nothing on sm_90: with it, the flattened kernel's PTX
 #   is the same, so there is no such variant);
-# "fma-rows": `_mm_fma_rows_kernel`, fp32 calls of at most FMA_ROWS_MAX rows (the head at decode): one thread per
-#   output column, its FMA chain over k written out (tl.fma, k in order: checked in the sm_90 PTX), the weight
+# "fma-rows": `_mm_fma_rows_kernel`, fp32 (SMALL_FP32: calls of at most SMALL_ROWS rows, the head at decode;
+#   larger calls in blocks of FMA_ROWS_MAX rows, measured by det_profile only): one thread per output column and
+#   block of rows, its FMA chains over k written out (tl.fma, k in order: checked in the sm_90 PTX), the weight
 #   read 4 contiguous k per 16-byte load with no data moved between threads, so that it streams at memory speed.
 #   Meant to be the fp32 dot's chain bit for bit (tools/det_profile.py --variants-only compares them on the GPU);
 #   the CPU interpreter rounds its dots per BK step instead, so there it is only checked against float64.
@@ -279,13 +280,15 @@ def _mm_fma_rows_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
                         s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
                         HAS_ADD: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr):
-    """fp32, M <= BM: per output element acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, .., K - 1 from 0, the
-    chain the fp32 IEEE dot builds, written out: a program holds all BM rows and BN columns and reads k four at a
-    time, twice per step ([BN, 4] of b: one column's 4 contiguous k in one thread's 16-byte load, so that taking
-    them apart moves no data between threads)."""
-    pid_n = tl.program_id(0)
-    bat = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BM)
+    """fp32: per output element acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, .., K - 1 from 0, the chain the fp32
+    IEEE dot builds, written out: a program holds BM rows and BN columns and reads k four at a time, twice per step
+    ([BN, 4] of b: one column's 4 contiguous k in one thread's 16-byte load, so that taking them apart moves no data
+    between threads). Row blocks are the grid's first axis, so the programs reading one column block of the weight
+    run together (it is read from memory once)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bat = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, 4)
     a_ptrs = a_ptr + bat * s_ab + (rows % M).to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak
@@ -391,9 +394,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     if cfg.kernel not in KERNELS:
         raise ValueError(f"bmm: unknown kernel {cfg.kernel!r} in {cfg}; known: {KERNELS}")
     common = dict(HAS_ADD=add is not None, SCALE=alpha != 1.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.kernel == "fma-rows" and fp32 and M <= FMA_ROWS_MAX:
-        bm = max(1, triton.next_power_of_2(M))  # rows of the program: a tile by M, the chain per element is one
-        _mm_fma_rows_kernel[(triton.cdiv(N, cfg.BN), Bt)](
+    if cfg.kernel == "fma-rows" and fp32:
+        # rows of a program: a tile by M (up to FMA_ROWS_MAX), the chain per element is the same
+        bm = min(FMA_ROWS_MAX, triton.next_power_of_2(M))
+        _mm_fma_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(N, cfg.BN), Bt)](
             a, b, out, add_t, M, N, tl.constexpr(K) if _INTERPRET else K, *a.stride(), *b.stride(), *out.stride(),
             *add_t.stride(), float(alpha), float(beta), EVEN_K=K % 8 == 0, BM=bm, BN=cfg.BN, **common)
         return out

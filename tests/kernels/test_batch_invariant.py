@@ -161,6 +161,10 @@ def test_fma_rows_kernel_is_a_gemm_and_row_invariant(bf16_interpreter):
     x, y = torch.randn(2, 3, 203), torch.randn(2, 203, 40)  # batched, b as [K, N] (its k strided)
     got = bi.bmm(x, y, config=cfg)
     assert torch.allclose(got.double(), x.double() @ y.double(), rtol=1e-5, atol=1e-4)
+    a2, _ = _data(37, 203, 70, f32, seed=8)  # more rows than a program holds: 3 row blocks
+    got = bi.matmul(a2, w.t(), config=cfg)
+    assert torch.allclose(got.double(), a2.double() @ w.double().t(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(bi.matmul(a2[20:21], w.t(), config=cfg), got[20:21])
     with pytest.raises(ValueError, match="unknown kernel 'fast'"):
         bi.matmul(a, w.t(), config=bi.TileConfig(16, 32, 32, 4, 2, kernel="fast"))
 
