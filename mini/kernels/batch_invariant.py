@@ -6,7 +6,8 @@ layers round differently when the step holds 1, 37 or 4,096 tokens; that alone c
 (docs/design.md, Determinism). `matmul` below is one Triton kernel in which every output element is an fp32 sum
 over K in BK steps, in increasing k, each step one tensor-core dot (bf16/fp16) or an IEEE fp32 dot (fp32: what
 torch's fp32 GEMM computes, no TF32), then alpha, the addend and one rounding to the output dtype. No split of K;
-BK is one per dtype; M is not even specialized at compile time.
+BK is one per dtype; M is not specialized at compile time (but for the fp32 few-rows kernel's rows per program, a
+power of two up to 16: a tile, not a sum).
 
 The output tile (BM x BN, warps, stages) only says which program computes which elements: on the GPU a BK step's
 dot is a chain of k16 MMAs into the same fp32 accumulator, so an element's sum is the same chain whatever the
@@ -394,7 +395,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
     if cfg.kernel not in KERNELS:
         raise ValueError(f"bmm: unknown kernel {cfg.kernel!r} in {cfg}; known: {KERNELS}")
     common = dict(HAS_ADD=add is not None, SCALE=alpha != 1.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.kernel == "fma-rows" and fp32:
+    if cfg.kernel == "fma-rows" and fp32:  # (other dtypes: the pointer kernel with the config's tile)
         # rows of a program: a tile by M (up to FMA_ROWS_MAX), the chain per element is the same
         bm = min(FMA_ROWS_MAX, triton.next_power_of_2(M))
         _mm_fma_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(N, cfg.BN), Bt)](
