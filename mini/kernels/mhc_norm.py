@@ -24,11 +24,6 @@ on the H200 against 574 us for the former one-kernel version, docs/kernels.md):
    partial sum of squares;
 2. `_mhc_finish_kernel`, grid (token blocks): sums the partials in split order, then the sigmoids and the Sinkhorn,
    (V4 only: the collapse with its own pre, a second read of h) and the normalisation of y in place.
-
-`mhc_expand_norm` replaces pass 1 by `_mhc_expand_partial_kernel`, which first computes the previous site's expand
-(mhc_expand.py's math, bit for bit) on its tile and writes it as the new stream, then does pass 1's work on that
-tile: the stream is written once and not read back (`mini.ops.mhc.expand_pre_norm`, at every site of the model
-that follows another site directly).
 """
 import os
 import weakref
@@ -108,124 +103,6 @@ def _mhc_partial_kernel(
     # one partial row per token: m in cols 0..NM-1 (fn's zero rows leave NM.. at 0), then the two statistics
     m = tl.where((cols == NM)[None, :], sumsq[:, None], tl.where((cols == NM + 1)[None, :], ysq[:, None], m))
     tl.store(part_ptr + (s * T + toks.to(tl.int64))[:, None] * 32 + cols[None, :], m, mask=tok_ok[:, None])
-
-
-@triton.jit
-def _mul_rn(a, b, ASM: tl.constexpr):
-    """a * b rounded on its own (broadcast as `*`). On the GPU a PTX multiply with an explicit rounding mode, which
-    neither LLVM nor ptxas folds with a following add into an FMA, so that a kernel keeping FMA contraction elsewhere
-    still computes these products as the eager reference does; under the interpreter numpy's product (no FMA)."""
-    if ASM:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return a * b
-
-
-@triton.jit
-def _mhc_expand_partial_kernel(
-    f_ptr, res_ptr, post_ptr, comb_ptr, h_ptr, pieces_ptr, pre_in_ptr, part_ptr, y_ptr, T,
-    D: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, COLLAPSE: tl.constexpr, OP: tl.constexpr, ASM_MUL: tl.constexpr,
-):
-    """The previous site's expand (mhc_expand.py's math and order, products unfused) written to h, and this site's
-    split-K pass (`_mhc_partial_kernel`'s partial rows and delayed collapse) on the tiles just computed, so that
-    the new stream is written once and never read back. bf16 streams of 4 copies only. Every tile is a 2-D
-    [BLOCK_T, BLOCK_K] slice of one copy (no 3-D tiles or reshapes, which cost registers): the projection takes one
-    MMA per copy and fn piece (K = BLOCK_K each) instead of the split-K pass's one over the 4 copies side by side,
-    so its fp32 partial sums may group differently (last bits of the mixes; same bounds)."""
-    tl.static_assert(HC == 4)
-    s = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = toks < T
-    K: tl.constexpr = HC * D
-    row0 = toks.to(tl.int64)[:, None] * K  # start of each token's [hc, D] block
-    kk = tl.arange(0, BLOCK_K)
-    cols = tl.arange(0, 32)
-    # the token's weights, loaded once: comb[t, j, k] as cjk, post[t, k], the delayed pre[t, k]
-    cb = comb_ptr + toks * (HC * HC)
-    c00 = tl.load(cb + 0, mask=tok_ok, other=0.0)[:, None]
-    c01 = tl.load(cb + 1, mask=tok_ok, other=0.0)[:, None]
-    c02 = tl.load(cb + 2, mask=tok_ok, other=0.0)[:, None]
-    c03 = tl.load(cb + 3, mask=tok_ok, other=0.0)[:, None]
-    c10 = tl.load(cb + 4, mask=tok_ok, other=0.0)[:, None]
-    c11 = tl.load(cb + 5, mask=tok_ok, other=0.0)[:, None]
-    c12 = tl.load(cb + 6, mask=tok_ok, other=0.0)[:, None]
-    c13 = tl.load(cb + 7, mask=tok_ok, other=0.0)[:, None]
-    c20 = tl.load(cb + 8, mask=tok_ok, other=0.0)[:, None]
-    c21 = tl.load(cb + 9, mask=tok_ok, other=0.0)[:, None]
-    c22 = tl.load(cb + 10, mask=tok_ok, other=0.0)[:, None]
-    c23 = tl.load(cb + 11, mask=tok_ok, other=0.0)[:, None]
-    c30 = tl.load(cb + 12, mask=tok_ok, other=0.0)[:, None]
-    c31 = tl.load(cb + 13, mask=tok_ok, other=0.0)[:, None]
-    c32 = tl.load(cb + 14, mask=tok_ok, other=0.0)[:, None]
-    c33 = tl.load(cb + 15, mask=tok_ok, other=0.0)[:, None]
-    pb = post_ptr + toks * HC
-    p0 = tl.load(pb + 0, mask=tok_ok, other=0.0)[:, None]
-    p1 = tl.load(pb + 1, mask=tok_ok, other=0.0)[:, None]
-    p2 = tl.load(pb + 2, mask=tok_ok, other=0.0)[:, None]
-    p3 = tl.load(pb + 3, mask=tok_ok, other=0.0)[:, None]
-    wb = pre_in_ptr + toks * HC
-    w0 = tl.load(wb + 0, mask=tok_ok, other=0.0)[:, None]
-    w1 = tl.load(wb + 1, mask=tok_ok, other=0.0)[:, None]
-    w2 = tl.load(wb + 2, mask=tok_ok, other=0.0)[:, None]
-    w3 = tl.load(wb + 3, mask=tok_ok, other=0.0)[:, None]
-
-    sumsq = tl.zeros([BLOCK_T], tl.float32)
-    ysq = tl.zeros([BLOCK_T], tl.float32)
-    m = tl.zeros([BLOCK_T, 32], tl.float32)
-    for d0 in range(0, CHUNK, BLOCK_K):
-        d = s * CHUNK + d0 + kk
-        d_ok = d < D
-        ok = tok_ok[:, None] & d_ok[None, :]
-        r0 = tl.load(res_ptr + row0 + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        r1 = tl.load(res_ptr + row0 + D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        r2 = tl.load(res_ptr + row0 + 2 * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        r3 = tl.load(res_ptr + row0 + 3 * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        fv = tl.load(f_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        # out[k] = post[k] * f + (((c0k r0 + c1k r1) + c2k r2) + c3k r3): the reference expand's order
-        o0 = _expand_col(fv, r0, r1, r2, r3, p0, c00, c10, c20, c30, ASM_MUL).to(h_ptr.dtype.element_ty)
-        o1 = _expand_col(fv, r0, r1, r2, r3, p1, c01, c11, c21, c31, ASM_MUL).to(h_ptr.dtype.element_ty)
-        o2 = _expand_col(fv, r0, r1, r2, r3, p2, c02, c12, c22, c32, ASM_MUL).to(h_ptr.dtype.element_ty)
-        o3 = _expand_col(fv, r0, r1, r2, r3, p3, c03, c13, c23, c33, ASM_MUL).to(h_ptr.dtype.element_ty)
-        hp = h_ptr + row0 + d[None, :]
-        tl.store(hp, o0, mask=ok)
-        tl.store(hp + D, o1, mask=ok)
-        tl.store(hp + 2 * D, o2, mask=ok)
-        tl.store(hp + 3 * D, o3, mask=ok)
-        # the split-K pass on the new tiles (0 outside the tokens and columns, as its masked load gives)
-        of0, of1, of2, of3 = o0.to(tl.float32), o1.to(tl.float32), o2.to(tl.float32), o3.to(tl.float32)
-        sumsq += tl.sum(of0 * of0 + of1 * of1 + of2 * of2 + of3 * of3, axis=1)
-        p = pieces_ptr + d[:, None] * 32 + cols[None, :]  # fn's bf16 pieces [3, K, 32] of copy 0's columns
-        pm = d_ok[:, None]
-        m = _dot_pieces(o0, tl.load(p, mask=pm, other=0.0), tl.load(p + K * 32, mask=pm, other=0.0),
-                        tl.load(p + 2 * K * 32, mask=pm, other=0.0), m, OP)
-        p += D * 32
-        m = _dot_pieces(o1, tl.load(p, mask=pm, other=0.0), tl.load(p + K * 32, mask=pm, other=0.0),
-                        tl.load(p + 2 * K * 32, mask=pm, other=0.0), m, OP)
-        p += D * 32
-        m = _dot_pieces(o2, tl.load(p, mask=pm, other=0.0), tl.load(p + K * 32, mask=pm, other=0.0),
-                        tl.load(p + 2 * K * 32, mask=pm, other=0.0), m, OP)
-        p += D * 32
-        m = _dot_pieces(o3, tl.load(p, mask=pm, other=0.0), tl.load(p + K * 32, mask=pm, other=0.0),
-                        tl.load(p + 2 * K * 32, mask=pm, other=0.0), m, OP)
-        if COLLAPSE:
-            y = (of0 * w0 + of1 * w1 + of2 * w2 + of3 * w3).to(y_ptr.dtype.element_ty)
-            yf = y.to(tl.float32)
-            ysq += tl.sum(yf * yf, axis=1)
-            tl.store(y_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], y, mask=ok)
-    m = tl.where((cols == NM)[None, :], sumsq[:, None], tl.where((cols == NM + 1)[None, :], ysq[:, None], m))
-    tl.store(part_ptr + (s * T + toks.to(tl.int64))[:, None] * 32 + cols[None, :], m, mask=tok_ok[:, None])
-
-
-@triton.jit
-def _expand_col(fv, r0, r1, r2, r3, post, c0, c1, c2, c3, ASM: tl.constexpr):
-    """One output copy of the expand: post * f + (((c0 r0 + c1 r1) + c2 r2) + c3 r3), each product rounded."""
-    mixed = _mul_rn(c0, r0, ASM)
-    mixed = mixed + _mul_rn(c1, r1, ASM)
-    mixed = mixed + _mul_rn(c2, r2, ASM)
-    mixed = mixed + _mul_rn(c3, r3, ASM)
-    return _mul_rn(post, fv, ASM) + mixed
 
 
 @triton.jit
@@ -354,55 +231,11 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. The defaults were the
     fastest of 35 configurations on the H200 (block_k 16, 3 stages: 4 programs per SM; split 8: 512 programs, one
     wave; docs/kernels.md)."""
-    h = h.contiguous()
-    return _site(h, None, fn, scale, base, norm_weight, pre_in, iters, hc_eps, norm_eps, quant, quant_block,
-                 collapse, block_t, block_k, split, num_warps, num_stages, finish_block_t, block_d, finish_warps,
-                 precision)
-
-
-def expand_supported(f: torch.Tensor, residual: torch.Tensor) -> bool:
-    """What `mhc_expand_norm` takes: a bf16 stream of 4 copies and a bf16 sub-layer output of its width."""
-    return (residual.dim() == 3 and residual.shape[1] == 4 and f.shape == (residual.shape[0], residual.shape[2])
-            and f.dtype == residual.dtype == torch.bfloat16)
-
-
-def mhc_expand_norm(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor | None, *,
-                    pre_in: torch.Tensor | None, iters: int, hc_eps: float, norm_eps: float,
-                    quant: str | None = None, quant_block: int = 32, block_t: int = 64, block_k: int = 16,
-                    split: int = 6, num_warps: int = 4, num_stages: int = 3, finish_block_t: int = 8,
-                    block_d: int = 512, finish_warps: int = 4, maxnreg: int | None = None):
-    """One site's output and the next site's input step in one pass over the stream: h = mhc_expand(f, residual,
-    post, comb) (bit for bit: same order, products unfused) and mhc_norm(h, fn, ...) computed on the tiles of h as
-    they are written, instead of h written by one kernel and read back by the next. Returns (h [T, hc, D], y, pre,
-    post, comb) as mhc_norm. f [T, D] and residual [T, hc, D] bf16 (`expand_supported`); post [T, hc] and comb
-    [T, hc, hc] the previous site's fp32 mixes. Tiles as mhc_norm's; split 6 by default: the fused pass needs 168
-    registers a thread (built for sm_90a: 3 programs per SM, 396 slots), so 64 token blocks x 6 chunks is one wave
-    (`maxnreg` caps the registers instead, e.g. 128 for 4 programs per SM with a few spills)."""
-    if not expand_supported(f, residual):
-        raise ValueError(f"mhc_expand_norm: f {tuple(f.shape)} {f.dtype} / residual {tuple(residual.shape)} "
-                         f"{residual.dtype}: needs a bf16 [T, 4, D] stream and a bf16 [T, D] output")
-    T, HC, D = residual.shape
-    if post.shape != (T, HC) or comb.shape != (T, HC, HC):
-        raise ValueError(f"mhc_expand_norm: post {tuple(post.shape)} / comb {tuple(comb.shape)} do not match "
-                         f"the stream's [{T}, {HC}]")
-    expand = (f.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous())
-    h = torch.empty(T, HC, D, dtype=f.dtype, device=f.device)
-    y, pre, post_out, comb_out = _site(h, expand, fn, scale, base, norm_weight, pre_in, iters, hc_eps, norm_eps,
-                                       quant, quant_block, True, block_t, block_k, split, num_warps, num_stages,
-                                       finish_block_t, block_d, finish_warps, "tf32x3", maxnreg)
-    return h, y, pre, post_out, comb_out
-
-
-def _site(h, expand, fn, scale, base, norm_weight, pre_in, iters, hc_eps, norm_eps, quant, quant_block, collapse,
-          block_t, block_k, split, num_warps, num_stages, finish_block_t, block_d, finish_warps, precision,
-          maxnreg=None):
-    """mhc_norm's two launches. `expand` None: the split-K pass reads h; else (f, residual, post, comb): the fused
-    pass computes h from them, writes it, and takes its partials from the tiles it wrote."""
     T, HC, D = h.shape
     NM = (2 + HC) * HC
     assert HC * HC == 16, "the kernel's comb tile is 4x4"
     assert fn.shape == (NM, HC * D)
+    h = h.contiguous()
     fn_in = fn  # the caller's weight tensor: the key of its cached pieces
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
     dev = h.device
@@ -423,19 +256,11 @@ def _site(h, expand, fn, scale, base, norm_weight, pre_in, iters, hc_eps, norm_e
     pre_in_t = pre_in.float().contiguous() if delayed else pre
     split_bf16 = h.dtype == torch.bfloat16
     pieces = _pieces_of(fn_in) if split_bf16 else fn
-    grid = (triton.cdiv(T, block_t), nsplit)
-    consts = dict(D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
-                  SPLIT_BF16=split_bf16, OP=tl.float32 if _INTERPRET else tl.bfloat16, PRECISION=precision,
-                  num_warps=num_warps, num_stages=num_stages)
-    if expand is None:
-        _mhc_partial_kernel[grid](h, fn, pieces, pre_in_t, part, y if collapse else h, T, **consts)
-    else:
-        assert split_bf16 and HC == 4
-        _mhc_expand_partial_kernel[grid](*expand, h, pieces, pre_in_t, part, y if collapse else h, T,
-                                         D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k,
-                                         COLLAPSE=collapse and delayed, OP=consts["OP"], ASM_MUL=not _INTERPRET,
-                                         num_warps=num_warps, num_stages=num_stages,
-                                         **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
+        h, fn, pieces, pre_in_t, part, y if collapse else h, T,
+        D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
+        SPLIT_BF16=split_bf16, OP=tl.float32 if _INTERPRET else tl.bfloat16, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages)
     _mhc_finish_kernel[(triton.cdiv(T, finish_block_t),)](
         h, part, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
         T, norm_eps, hc_eps,

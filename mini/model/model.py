@@ -110,17 +110,11 @@ class Model:
                 MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts, device=self.device, consume=True),
                 EngramWeights.from_state(state, f"{p}.", cfg) if plan.engram else None))
 
-    def _pre_norm(self, h: torch.Tensor, w: HCWeights, norm_weight: torch.Tensor, pre_in: torch.Tensor | None,
-                  pending: tuple | None = None):
-        """(h, rms_norm(collapse(h, pre_in or this site's pre)), pre, post, comb) of one mHC site. `pending` (the
-        previous site's output, post, comb) is first written into h: mhc.expand_pre_norm, one pass over the stream
-        on the fast path instead of the expand writing h and this site reading it back."""
+    def _pre_norm(self, h: torch.Tensor, w: HCWeights, norm_weight: torch.Tensor, pre_in: torch.Tensor | None):
+        """(rms_norm(collapse(h, pre_in or this site's pre)), pre, post, comb) of one mHC site."""
         c = self.config
-        kw = dict(hc_mult=c.hc_mult, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
-        if pending is None:
-            return (h, *mhc.pre_norm(h, w.fn, w.scale, w.base, norm_weight, pre_in, **kw))
-        f, post, comb = pending
-        return mhc.expand_pre_norm(f, h, post, comb, w.fn, w.scale, w.base, norm_weight, pre_in, **kw)
+        return mhc.pre_norm(h, w.fn, w.scale, w.base, norm_weight, pre_in, hc_mult=c.hc_mult,
+                            iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
 
     @staged("moe")
     def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
@@ -183,11 +177,8 @@ class Model:
             raise ValueError("the batch has no Engram input (Batch.build needs a hasher)")
         if eng is not None and eng.form == "prefix":  # a static decode step with the tables on the device
             eng = EngramInput("ids", self.hash_on_device(eng.data, batch.input_ids))
-        pending = None  # the last site's (output, post, comb), written into h by the next site's input step
         for blk in self.blocks:
             if blk.engram is not None:
-                if pending is not None:  # Engram takes the whole stream: the last site's output goes in first
-                    h, pending = mhc.expand(pending[0], h, pending[1], pending[2]), None
                 if eng.form == "rows":  # looked up on the host before a CUDA-graph replay
                     h = engram(h, None, blk.engram, cfg, rows=eng.data[:, engram_col])
                 elif eng.form == "pending":  # host tables, looked up ahead (mini.model.engram_host)
@@ -196,16 +187,12 @@ class Model:
                     h = engram(h, eng.data[:, engram_col], blk.engram, cfg)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
-            h, x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm,
-                                                         pre_mix if cfg.is_v41 else None, pending)
-            f = attention(x, blk.attn, blk.plan, cfg, lay, cache, shared)
-            h, x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None,
-                                                         (f, a_post, a_comb))
-            pending = (self._ffn(x, blk, batch.input_ids), f_post, f_comb)
+            x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
+            h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
+            x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
+            h = mhc.expand(self._ffn(x, blk, batch.input_ids), h, f_post, f_comb)
             pre_mix = f_pre
-        rows = batch.logit_rows  # the last site's output is only needed where logits are taken (per-token math)
-        f, post, comb = pending
-        h = mhc.expand(f[rows], h[rows], post[rows], comb[rows])
+        h = h[batch.logit_rows]
         if cfg.is_v41:
             x = mhc.collapse(h, pre_mix[batch.logit_rows])
         else:

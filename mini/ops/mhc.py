@@ -3,13 +3,12 @@
 `mixes` turns one site's stream into the pre weights (collapse), post weights (expand) and a doubly stochastic
 `comb` [T, hc, hc] (Sinkhorn), all in fp32. `collapse` folds the copies into one sub-layer input; `expand` writes
 the sub-layer output back into every copy while mixing the residual copies through `comb`. `pre_norm` is a site's
-whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the fast path); `expand_pre_norm` is
-one site's expand followed by the next site's input step (one pass over the stream on the fast path). V4 ends with
+whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the fast path). V4 ends with
 `hc_head` (a sigmoid-only pre mix); V4.1 has no head and collapses with the last FFN site's `pre`.
 """
 import torch
 
-from mini.ops import deterministic, use_fast
+from mini.ops import use_fast
 from mini.ops.norm import rms_norm
 from mini.ops.stages import staged
 
@@ -59,10 +58,6 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 @staged("hc_norm_other.mhc")
 def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * residual[t, j], fp32 math, result in f.dtype."""
-    return _expand(f, residual, post, comb)
-
-
-def _expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     if use_fast(f, residual) and f.dtype == residual.dtype == torch.bfloat16:
         from mini.kernels.mhc_expand import mhc_expand, supported
         if supported(residual.shape[1]):
@@ -80,55 +75,12 @@ def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A site's input: its mixes, then rms_norm(collapse(h, pre_in)) with the delayed pre of the previous site
     (V4.1), or with this site's own pre when pre_in is None (V4). Returns (x [T, D] in h.dtype, pre, post, comb)."""
-    return _pre_norm(h, fn, scale, base, norm_weight, pre_in, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps,
-                     norm_eps=norm_eps)
-
-
-def _pre_norm(h, fn, scale, base, norm_weight, pre_in, *, hc_mult, iters, hc_eps, norm_eps):
     if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
         from mini.kernels.mhc_norm import mhc_norm
-        small = h.is_cuda and h.shape[0] < FUSED_EXPAND_MIN_TOKENS and not deterministic()
         return mhc_norm(h, fn, scale, base, norm_weight, pre_in=pre_in, iters=iters, hc_eps=hc_eps,
-                        norm_eps=norm_eps, **(dict(split=SMALL_STEP_SPLIT) if small else {}))
+                        norm_eps=norm_eps)
     pre, post, comb = mixes(h, fn, scale, base, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
-
-
-# From this many tokens a site's expand and the next site's input step run as one pass on the GPU
-# (`expand_pre_norm`); below it as two (the stream written, then read back): few tokens give the fused pass few
-# programs (64-token blocks x 6 chunks: 24 at a 256-sequence decode step), each streaming a long chunk, where the
-# split-K pass has 8 chunks and the expand a program per 2 tokens. The two differ in the mixes' last bits, so in the
-# deterministic mode the token count does not choose: the fused pass serves every step. (Under the interpreter, CPU
-# tensors always take the fused pass: only speed depends on the choice.)
-FUSED_EXPAND_MIN_TOKENS = 1024
-# Below that, the split-K pass cuts D into this many chunks instead of its default 8: a decode step's few 64-token
-# blocks (1 at 64 sequences, 4 at 256) then still give it 40-160 programs of 8 steps each instead of 8-32 programs of
-# 40 (at B = 256 the pass took 39 us per site, ~8 GB/s per program). The chunking orders the fp32 partial sums, so
-# the deterministic mode keeps the default at every size.
-SMALL_STEP_SPLIT = 40
-
-
-def _fused_expand_ok(f: torch.Tensor) -> bool:
-    return deterministic() or not f.is_cuda or f.shape[0] >= FUSED_EXPAND_MIN_TOKENS
-
-
-@staged("hc_norm_other.mhc")
-def expand_pre_norm(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
-                    pre_in: torch.Tensor | None, *, hc_mult: int, iters: int, hc_eps: float, norm_eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A site's output followed by the next site's input: h = expand(f, residual, post, comb), then
-    pre_norm(h, fn, ...). Returns (h, x, pre, post, comb). The fast path does both in one pass over the stream
-    (mini/kernels/mhc_norm.py `mhc_expand_norm`: h bit for bit as `expand`, written once and not read back)."""
-    if use_fast(f, residual) and hc_mult == 4 and _fused_expand_ok(f):
-        from mini.kernels.mhc_norm import expand_supported, mhc_expand_norm
-        if expand_supported(f, residual):
-            return mhc_expand_norm(f, residual, post, comb, fn, scale, base, norm_weight, pre_in=pre_in,
-                                   iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    # the unmarked ops: this call already is the stage (a nested one of the same name would count twice)
-    h = _expand(f, residual, post, comb)
-    return (h, *_pre_norm(h, fn, scale, base, norm_weight, pre_in, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps,
-                          norm_eps=norm_eps))
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, hc_eps: float,

@@ -43,11 +43,11 @@ E2E_FLOOR = 0.02
 # (module, attribute) of every dispatched op the model calls, where the model looks it up
 OPS = [("mini.model.attn_layer", n) for n in ("linear", "apply_rope", "norm_rope_quant", "index_scores",
                                              "sparse_attention")]
-OPS += [("mini.ops.mhc", "pre_norm"), ("mini.ops.mhc", "expand"), ("mini.ops.mhc", "expand_pre_norm"),
-        ("mini.model.model", "moe"), ("mini.model.model", "engram")]
+OPS += [("mini.ops.mhc", "pre_norm"), ("mini.ops.mhc", "expand"), ("mini.model.model", "moe"),
+        ("mini.model.model", "engram")]
 # kernel entry points, counted to report which kernels ran (module -> functions)
 KERNELS = {"mini.kernels.sparse_attention": ["sparse_mla_attention"], "mini.kernels.rope_quant": ["rope_quant"],
-           "mini.kernels.indexer_scores": ["index_scores"], "mini.kernels.mhc_norm": ["mhc_norm", "mhc_expand_norm"],
+           "mini.kernels.indexer_scores": ["index_scores"], "mini.kernels.mhc_norm": ["mhc_norm"],
            "mini.kernels.mhc_expand": ["mhc_expand"], "mini.kernels.fp8_act_quant": ["fp8_act_quant"],
            "mini.kernels.mxfp4_grouped_gemm": ["grouped_swiglu", "grouped_down", "swiglu_rows"],
            "mini.kernels.moe_gate": ["gate_topk"], "mini.kernels.humming_experts": ["grouped_gemm"],

@@ -34,14 +34,8 @@ def reference(h, fn, scale, base, w, pre_prev, quant):
 
 def check(h, fn, scale, base, w, pre_prev, quant, **kw):
     from mini.kernels.mhc_norm import mhc_norm
-    got = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                   quant="fp8" if quant else None, **kw)
-    assert_close_to_reference(got, h, fn, scale, base, w, pre_prev, quant)
-
-
-def assert_close_to_reference(got, h, fn, scale, base, w, pre_prev, quant):
-    """A site's (y, pre, post, comb) against the reference ops on the stream h, within the kernels' bounds."""
-    y, pre, post, comb = got
+    y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, quant="fp8" if quant else None, **kw)
     ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_prev, quant)
     for got in (y, pre, post, comb):
         assert torch.isfinite(got).all()
@@ -101,8 +95,8 @@ def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
                                                      (333, 5120, False, False, {}), (77, 1000, True, False, {}),
                                                      (77, 5120, True, False, dict(split=40))])
 def test_mhc_norm_gpu(T, D, delayed, quant, tiles):
-    # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: the small steps' chunking
-    # (mini.ops.mhc.SMALL_STEP_SPLIT)
+    # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: 128-column chunks of one
+    # program each (the decode-size configuration `mini bench kernels --only mhc_split` times)
     h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant, **tiles)
 
@@ -191,87 +185,3 @@ def test_rms_norm_interpreter(shape, quant, interpreter):
 def test_rms_norm_gpu(D, quant):
     x = (torch.randn(1003, D, device="cuda") * 3).bfloat16()
     check_rms_norm(x, (torch.rand(D, device="cuda") + 0.5).bfloat16(), quant)
-
-
-# ------------------------------------------------------------ expand of the previous site fused into the pass
-def poisoned_outputs():
-    """Every tensor the wrappers allocate (outputs, split-K partials) starts as NaN instead of whatever memory held:
-    an element a kernel fails to write shows up."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def empty(*shape, **kw):
-        return real_empty(*shape, **kw).fill_(float("nan"))
-
-    def empty_like(t, **kw):
-        return real_like(t, **kw).fill_(float("nan"))
-    return pytest.MonkeyPatch.context(), empty, empty_like
-
-
-def expand_norm_poisoned(*args, **kw):
-    from mini.kernels.mhc_norm import mhc_expand_norm
-    ctx, empty, empty_like = poisoned_outputs()
-    with ctx as mp:
-        mp.setattr(torch, "empty", empty)
-        mp.setattr(torch, "empty_like", empty_like)
-        return mhc_expand_norm(*args, **kw)
-
-
-def make_expand(T, D, device):
-    from tests.kernels.test_mhc_expand import make as make_out
-    f, residual, post, comb = make_out(T, D, device, torch.bfloat16)
-    return f, residual, post, comb
-
-
-def check_expand_norm(T, D, device, delayed, quant, unfused_bits, **tiles):
-    """h bit for bit as mini.ops.mhc.expand; y / pre / post / comb within `check`'s bounds of the reference on that
-    h, and (unfused_bits) bit for bit as the unfused kernels (mhc_norm on h)."""
-    from mini.kernels.mhc_norm import mhc_norm
-    from mini.ops.mhc import expand
-    f, residual, post, comb = make_expand(T, D, device)
-    _, fn, scale, base, w, pre_prev = make(T, D, device, torch.bfloat16)
-    pre_in = pre_prev if delayed else None
-    kw = dict(pre_in=pre_in, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, quant="fp8" if quant else None)
-    h, y, pre, post2, comb2 = expand_norm_poisoned(f, residual, post, comb, fn, scale, base, w, **kw, **tiles)
-    ref_h = expand(f, residual, post, comb)
-    assert torch.equal(h.view(torch.int16), ref_h.view(torch.int16)), \
-        f"{(h != ref_h).sum().item()} of {h.numel()} stream elements differ from expand"
-    for got in (y, pre, post2, comb2):
-        assert not got.isnan().any()
-    assert_close_to_reference((y, pre, post2, comb2), ref_h, fn, scale, base, w, pre_in, quant)
-    unfused = mhc_norm(ref_h, fn, scale, base, w, **kw, **tiles)
-    if unfused_bits:
-        for name, a, b in zip(("y", "pre", "post", "comb"), (y, pre, post2, comb2), unfused):
-            assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} of {a.numel()} differ from the unfused pass"
-    return ref_h, fn, scale, base, w, pre_in, (y, pre, post2, comb2)
-
-
-@pytest.mark.parametrize("D,delayed,quant", [(150, True, False), (160, True, True), (150, False, False)])
-def test_mhc_expand_norm_interpreter(D, delayed, quant, interpreter):
-    """7 tokens in blocks of 4, D = 150 in three split-K chunks of 64, 64 and 22 columns (the last step partial;
-    the FP8 quant's 1x32 blocks need D = 160: 64, 64, 32): the stream bit for bit as the reference expand, the
-    site's outputs within the kernels' bounds (the interpreter sums each dot exactly and rounds once, so the fused
-    pass's per-copy dots differ from the split-K pass's in the last bits)."""
-    check_expand_norm(7, D, "cpu", delayed, quant, False, block_t=4, block_k=16, split=3, finish_block_t=4,
-                      block_d=64)
-
-
-def test_mhc_expand_norm_refuses_what_it_does_not_take():
-    from mini.kernels.mhc_norm import mhc_expand_norm
-    f, residual, post, comb = make_expand(3, 64, "cpu")
-    _, fn, scale, base, w, pre_prev = make(3, 64, "cpu", torch.bfloat16)
-    kw = dict(pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    with pytest.raises(ValueError, match="bf16"):
-        mhc_expand_norm(f.float(), residual.float(), post, comb, fn, scale, base, w, **kw)
-    with pytest.raises(ValueError, match="post"):
-        mhc_expand_norm(f, residual, post[:2], comb, fn, scale, base, w, **kw)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,D,delayed,quant,tiles", [(333, 5120, True, False, {}), (333, 5120, True, True, {}),
-                                                     (333, 5120, False, False, {}), (77, 1000, True, False, {}),
-                                                     (333, 5120, True, False, dict(split=8, maxnreg=128))])
-def test_mhc_expand_norm_gpu(T, D, delayed, quant, tiles):
-    """The stream bit for bit as mini.ops.mhc.expand (the products are unfused by the PTX mul.rn in a kernel that
-    keeps FMA contraction elsewhere); the site's outputs within the bounds of the reference on that stream."""
-    h, fn, scale, base, w, pre_in, _ = check_expand_norm(T, D, "cuda", delayed, quant, False, **tiles)
-    check(h, fn, scale, base, w, pre_in, quant)  # the unfused kernels on the same data, for the same bounds
