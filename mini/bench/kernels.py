@@ -268,12 +268,15 @@ HBM_TBS = 4.8  # the H200's nominal memory bandwidth (COPY_TBS is what a device 
 
 
 def bench_mhc_split(rows: list, sweep: bool, dev="cuda", sizes=(4096, 256, 64), dim: int = DIM):
-    """The mHC site input (mhc_norm, V4.1 delayed pre) at a prefill step and two decode batches, in the default 8
-    split-K chunks and in more: few 64-token blocks leave the default few programs (8 at 64 tokens, 32 at 256:
-    39 us per site at B = 256 in rank4-decode's split). More chunks regroup the mixes' fp32 sums, so a change of
-    the default would move their last bits (and need the deterministic mode kept fixed): `bits` says by how much.
-    Floor: h read once + y written once; tbs = those bytes over the time, frac_hbm_peak against 4.8 TB/s."""
+    """The mHC site input (mhc_norm, V4.1 delayed pre) at a prefill step and two decode batches: the default
+    (copies side by side in one tile, 8 split-K chunks) against one tile per copy (layout="copies": fewer
+    instructions and registers, so more programs per SM) and more chunks (few 64-token blocks leave the default
+    few programs: 8 at 64 tokens, 32 at 256; 39 us per site at B = 256 in rank4-decode's split). Both regroup the
+    mixes' fp32 sums, so a new default would move their last bits (and need the deterministic mode kept fixed):
+    `bits` says by how much against the default. Floor: h read once + y written once; tbs = those bytes over the
+    time, frac_hbm_peak against 4.8 TB/s."""
     from mini.kernels.mhc_norm import mhc_norm
+    copies = dict(layout="copies")
     for T in sizes:
         h = torch.randn(T, HC, dim, device=dev).bfloat16()
         fn = torch.randn((2 + HC) * HC, HC * dim, device=dev) * 0.01
@@ -282,10 +285,20 @@ def bench_mhc_split(rows: list, sweep: bool, dev="cuda", sizes=(4096, 256, 64), 
         kw = dict(pre_in=torch.rand(T, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20)
         nbytes = h.numel() * 2 + T * dim * 2
         base_out = mhc_norm(h, fn, scale, base, nw, **kw)
-        for split in (8, 20, 40):
-            ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, split=split))
-            out = mhc_norm(h, fn, scale, base, nw, **kw, split=split)
-            rows.append(dict(kernel=f"mhc_norm [{T},{HC},{dim}]", config=f"split={split}", ms=ms,
+        if T >= 1024:  # 2 stages: 33 KB of shared memory, 56 registers: 6 programs per SM, so 12 chunks or
+            # 32-token blocks fill them (768 / 1,024 programs)
+            configs = [{}, copies, dict(copies, num_stages=2), dict(copies, num_stages=2, split=12),
+                       dict(copies, num_stages=2, block_t=32)]
+        else:
+            configs = [{}, dict(split=40), copies, dict(copies, split=40), dict(copies, num_stages=2, split=40)]
+        for cfg in configs:
+            try:
+                ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, **cfg))
+                out = mhc_norm(h, fn, scale, base, nw, **kw, **cfg)
+            except Exception as e:  # a configuration the compiler refuses must not hide the others
+                rows.append(dict(kernel=f"mhc_norm [{T},{HC},{dim}]", config=cfg, error=str(e)[:200]))
+                continue
+            rows.append(dict(kernel=f"mhc_norm [{T},{HC},{dim}]", config=cfg or "default", ms=ms,
                              tbs=nbytes / ms / 1e9, frac_hbm_peak=nbytes / ms / 1e9 / HBM_TBS,
                              bits=dict(y_differ=int((out[0] != base_out[0]).sum()),
                                        mixes_max_rel=max(float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())

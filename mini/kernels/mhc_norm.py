@@ -106,6 +106,62 @@ def _mhc_partial_kernel(
 
 
 @triton.jit
+def _mhc_partial_copies_kernel(
+    h_ptr, pieces_ptr, pre_in_ptr, part_ptr, y_ptr, T,
+    D: tl.constexpr, HC: tl.constexpr, NM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, COLLAPSE: tl.constexpr, OP: tl.constexpr,
+):
+    """`_mhc_partial_kernel` for a bf16 stream of 4 copies with each copy's [BLOCK_T, BLOCK_K] slice its own tile
+    (layout="copies"): the collapse and the sums of squares are elementwise across the copies instead of a
+    reduction over a [BLOCK_T, 4, BLOCK_K] view of one side-by-side tile, so no cross-thread shuffles and fewer
+    registers (sm_90a at 64 x 16: 372 instructions per step and thread, 56 registers, against 568 and 95). The
+    projection's MMAs keep the side-by-side tile's order (hi over copies 0..3, then mid, then lo); the sums of
+    squares and the collapse group their fp32 terms otherwise, so the mixes and y may move in their last bits."""
+    tl.static_assert(HC == 4)
+    s = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < T
+    K: tl.constexpr = HC * D
+    row0 = toks.to(tl.int64)[:, None] * K  # start of each token's [hc, D] block
+    kk = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, 32)
+    wb = pre_in_ptr + toks * HC  # the delayed pre of every copy, loaded once
+    w0 = tl.load(wb + 0, mask=tok_ok, other=0.0)[:, None]
+    w1 = tl.load(wb + 1, mask=tok_ok, other=0.0)[:, None]
+    w2 = tl.load(wb + 2, mask=tok_ok, other=0.0)[:, None]
+    w3 = tl.load(wb + 3, mask=tok_ok, other=0.0)[:, None]
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    ysq = tl.zeros([BLOCK_T], tl.float32)
+    m = tl.zeros([BLOCK_T, 32], tl.float32)
+    for d0 in range(0, CHUNK, BLOCK_K):
+        d = s * CHUNK + d0 + kk
+        d_ok = d < D
+        ok = tok_ok[:, None] & d_ok[None, :]
+        x0 = tl.load(h_ptr + row0 + d[None, :], mask=ok, other=0.0)
+        x1 = tl.load(h_ptr + row0 + D + d[None, :], mask=ok, other=0.0)
+        x2 = tl.load(h_ptr + row0 + 2 * D + d[None, :], mask=ok, other=0.0)
+        x3 = tl.load(h_ptr + row0 + 3 * D + d[None, :], mask=ok, other=0.0)
+        f0, f1, f2, f3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        sumsq += tl.sum(f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3, axis=1)
+        # fn's bf16 pieces [3, K, 32]: rows c * D + d of copy c; piece by piece over the copies, as one K = 4 x
+        # BLOCK_K dot of the side-by-side tile accumulates
+        pm = d_ok[:, None]
+        for piece in tl.static_range(3):
+            p = pieces_ptr + piece * K * 32 + d[:, None] * 32 + cols[None, :]
+            m = tl.dot(x0.to(OP), tl.load(p, mask=pm, other=0.0).to(OP), m)
+            m = tl.dot(x1.to(OP), tl.load(p + D * 32, mask=pm, other=0.0).to(OP), m)
+            m = tl.dot(x2.to(OP), tl.load(p + 2 * D * 32, mask=pm, other=0.0).to(OP), m)
+            m = tl.dot(x3.to(OP), tl.load(p + 3 * D * 32, mask=pm, other=0.0).to(OP), m)
+        if COLLAPSE:
+            y = ((f0 * w0 + f1 * w1) + (f2 * w2 + f3 * w3)).to(y_ptr.dtype.element_ty)
+            yf = y.to(tl.float32)
+            ysq += tl.sum(yf * yf, axis=1)
+            tl.store(y_ptr + toks.to(tl.int64)[:, None] * D + d[None, :], y, mask=ok)
+    m = tl.where((cols == NM)[None, :], sumsq[:, None], tl.where((cols == NM + 1)[None, :], ysq[:, None], m))
+    tl.store(part_ptr + (s * T + toks.to(tl.int64))[:, None] * 32 + cols[None, :], m, mask=tok_ok[:, None])
+
+
+@triton.jit
 def _mhc_finish_kernel(
     h_ptr, part_ptr, scale_ptr, base_ptr, norm_w_ptr, pre_in_ptr,
     pre_ptr, post_ptr, comb_ptr, y_ptr,
@@ -224,14 +280,20 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
              block_t: int = 64, block_k: int = 16, split: int = 8, num_warps: int = 4, num_stages: int = 3,
-             finish_block_t: int = 8, block_d: int = 512, finish_warps: int = 4, precision: str = "tf32x3"):
+             finish_block_t: int = 8, block_d: int = 512, finish_warps: int = 4, precision: str = "tf32x3",
+             layout: str = "side_by_side"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
     pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks.
     Tiles: the partial kernel takes block_t tokens × one of `split` D chunks (block_k columns of every copy per
     step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. The defaults were the
     fastest of 35 configurations on the H200 (block_k 16, 3 stages: 4 programs per SM; split 8: 512 programs, one
-    wave; docs/kernels.md)."""
+    wave; docs/kernels.md). layout="copies" runs the split-K pass on one tile per copy
+    (`_mhc_partial_copies_kernel`: bf16 streams only; fewer instructions, last bits of the mixes may move)."""
     T, HC, D = h.shape
+    if layout not in ("side_by_side", "copies"):
+        raise ValueError(f"mhc_norm: layout {layout!r} is not 'side_by_side' or 'copies'")
+    if layout == "copies" and h.dtype != torch.bfloat16:
+        raise ValueError(f"mhc_norm: layout 'copies' takes a bf16 stream, not {h.dtype}")
     NM = (2 + HC) * HC
     assert HC * HC == 16, "the kernel's comb tile is 4x4"
     assert fn.shape == (NM, HC * D)
@@ -256,11 +318,17 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     pre_in_t = pre_in.float().contiguous() if delayed else pre
     split_bf16 = h.dtype == torch.bfloat16
     pieces = _pieces_of(fn_in) if split_bf16 else fn
-    _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
-        h, fn, pieces, pre_in_t, part, y if collapse else h, T,
-        D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
-        SPLIT_BF16=split_bf16, OP=tl.float32 if _INTERPRET else tl.bfloat16, PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages)
+    op = tl.float32 if _INTERPRET else tl.bfloat16
+    if layout == "copies":
+        _mhc_partial_copies_kernel[(triton.cdiv(T, block_t), nsplit)](
+            h, pieces, pre_in_t, part, y if collapse else h, T,
+            D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
+            OP=op, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _mhc_partial_kernel[(triton.cdiv(T, block_t), nsplit)](
+            h, fn, pieces, pre_in_t, part, y if collapse else h, T,
+            D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
+            SPLIT_BF16=split_bf16, OP=op, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     _mhc_finish_kernel[(triton.cdiv(T, finish_block_t),)](
         h, part, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
         T, norm_eps, hc_eps,

@@ -6,7 +6,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mini.kernels.indexer_scores import _index_scores_kernel
-from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_kernel, _rms_norm_kernel
+from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel, _rms_norm_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _sparse_mla_kernel
 
@@ -48,6 +48,10 @@ def main() -> None:
         build(_mhc_finish_kernel, ptrs, dict(D=d, HC=4, ITERS=20, NSPLIT=10 if d == 5120 else 1, BLOCK_T=8,
                                              BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32),
               ("norm_eps", "hc_eps"))
+    for d, delayed in ((5120, True), (64, False)):  # the one-tile-per-copy split-K pass (layout="copies")
+        build(_mhc_partial_copies_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=640 if d == 5120 else 64, BLOCK_T=64,
+                                                     BLOCK_K=16, COLLAPSE=delayed, OP=triton.language.bfloat16),
+              num_stages=3)
     for d, rd, quant, qb in ((512, 64, 0, 32), (512, 64, 1, 32), (512, 64, 3, 16), (128, 64, 2, 32), (64, 16, 0, 32),
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,

@@ -71,16 +71,18 @@ def test_mhc_norm_interpreter(delayed, quant, interpreter):
           finish_block_t=2, block_d=64)
 
 
-@pytest.mark.parametrize("delayed", [True, False])
-def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
+@pytest.mark.parametrize("delayed,layout", [(True, "side_by_side"), (False, "side_by_side"), (True, "copies"),
+                                            (False, "copies")])
+def test_mhc_norm_interpreter_bf16_stream(delayed, layout, interpreter):
     """The bf16 stream's path (fn's three bf16 pieces), three split-K chunks of 64, 64 and 22 columns in steps of 16
-    (the last step partial). The mixes keep the GPU tolerances; y only within two truncations (the interpreter
-    rounds fp32 -> bf16 towards 0)."""
+    (the last step partial), with the copies side by side in one tile or one tile each. The mixes keep the GPU
+    tolerances; y only within two truncations (the interpreter rounds fp32 -> bf16 towards 0)."""
     from mini.kernels.mhc_norm import mhc_norm
     h, fn, scale, base, w, pre_prev = make(7, 150, "cpu", torch.bfloat16)
     pre_in = pre_prev if delayed else None
     y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_in, iters=ITERS, hc_eps=HC_EPS,
-                                  norm_eps=NORM_EPS, block_t=4, block_k=16, split=3, finish_block_t=4, block_d=64)
+                                  norm_eps=NORM_EPS, block_t=4, block_k=16, split=3, finish_block_t=4, block_d=64,
+                                  layout=layout)
     ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_in, False)
     torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
     torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
@@ -90,13 +92,20 @@ def test_mhc_norm_interpreter_bf16_stream(delayed, interpreter):
     assert ((y.float() - ry.float()).abs() <= 2.0 ** -6 * ry.float().abs() + atol).all()
 
 
+COPIES = dict(layout="copies")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,D,delayed,quant,tiles", [(333, 5120, True, False, {}), (333, 5120, True, True, {}),
                                                      (333, 5120, False, False, {}), (77, 1000, True, False, {}),
-                                                     (77, 5120, True, False, dict(split=40))])
+                                                     (77, 5120, True, False, dict(split=40)),
+                                                     (333, 5120, True, False, COPIES), (333, 5120, True, True, COPIES),
+                                                     (333, 5120, False, False, COPIES),
+                                                     (77, 1000, True, False, COPIES),
+                                                     (77, 5120, True, False, dict(COPIES, num_stages=2, split=40))])
 def test_mhc_norm_gpu(T, D, delayed, quant, tiles):
     # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: 128-column chunks of one
-    # program each (the decode-size configuration `mini bench kernels --only mhc_split` times)
+    # program each, and layout "copies": what `mini bench kernels --only mhc_split` times
     h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant, **tiles)
 
@@ -185,3 +194,29 @@ def test_rms_norm_interpreter(shape, quant, interpreter):
 def test_rms_norm_gpu(D, quant):
     x = (torch.randn(1003, D, device="cuda") * 3).bfloat16()
     check_rms_norm(x, (torch.rand(D, device="cuda") + 0.5).bfloat16(), quant)
+
+
+def test_mhc_norm_refuses_an_unknown_layout_or_copies_of_fp32():
+    from mini.kernels.mhc_norm import mhc_norm
+    h, fn, scale, base, w, pre_prev = make(3, 64, "cpu", torch.float32)
+    kw = dict(pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    with pytest.raises(ValueError, match="layout 'rows'"):
+        mhc_norm(h.bfloat16(), fn, scale, base, w, layout="rows", **kw)
+    with pytest.raises(ValueError, match="bf16 stream"):
+        mhc_norm(h, fn, scale, base, w, layout="copies", **kw)
+
+
+def test_mhc_norm_copies_writes_every_output_interpreter(interpreter, monkeypatch):
+    """Every buffer the wrapper allocates (outputs and split-K partials) starts as NaN: the one-tile-per-copy pass
+    and the finishing pass must write all of it (9 tokens in blocks of 4, D = 96 in chunks of 48 and 48)."""
+    from mini.kernels.mhc_norm import mhc_norm
+    h, fn, scale, base, w, pre_prev = make(9, 96, "cpu", torch.bfloat16)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    out = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                   block_t=4, block_k=16, split=2, finish_block_t=4, block_d=32, layout="copies")
+    monkeypatch.undo()
+    for got in out:
+        assert not got.isnan().any()
+    ref = reference(h, fn, scale, base, w, pre_prev, False)
+    torch.testing.assert_close(out[1], ref[1], rtol=2e-4, atol=2e-5)
