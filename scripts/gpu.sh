@@ -438,19 +438,22 @@ phase_ep2_balance() {  # issue 19 item 3 (2 GPUs, <= 3 min): DP balance under `m
     return $rc
 }
 
-phase_ep1_graphs() {  # issue 19 item 1 (ONE GPU, <= 90 s): graph-captured EP/DP decode on a one-rank NCCL group
-    # (the exchange's all-gather / reduce-scatter captured in the graphs). tests.log: the gpu tests of
+phase_ep1_graphs() {  # issue 19 item 1 (ONE GPU, <= 105 s; EP1_TESTS=0: <= 45 s): graph-captured EP/DP decode
+    # on a one-rank NCCL group (the exchange's all-gather / reduce-scatter in the graphs). tests.log: the gpu tests of
     # tests/parallel/test_dp_graphs_gpu.py: expect 2 passed (exchange replay == eager bitwise; DP engine with graphs
     # == plain engine tokens+logprobs bitwise == enforce_eager tokens, 19 graph steps, buckets [1,2,4,8]) and the
     # 2-GPU test skipped. tpot.json: batch-64 decode of tiny-v4.1 (64 x 128 in / 64 out, graphs + overlap) per
     # engine: plain (one GPU), dp_graphs (DPModel on the 1-rank NCCL group), dp_eager (the old EP path): look at
     # decode_step_p50_ms (dp_graphs vs plain: the cost of the exchange's collectives + the host agreement; dp_eager
-    # for the eager path issue 19 starts from) and identical_tokens (dp_graphs vs plain).
+    # for the eager path issue 19 starts from, over 16 tokens) and identical_tokens (dp_graphs vs plain). At
+    # 0ab9964: 2 passed, 1 skipped; plain 2.834 ms, dp_graphs 2.857 (63/63 graph steps); dp_eager cut by the cap.
     local rc=0
-    timeout 60 python3 -m pytest -v -m gpu -n 2 -p no:cacheprovider -rfEs tests/parallel/test_dp_graphs_gpu.py \
-        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
-    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$PHASE_DIR/tests.log" | tail -8
-    timeout 28 python3 - "$PHASE_DIR/tpot.json" <<'PY' || rc=1
+    if [ "${EP1_TESTS:-1}" = 1 ]; then  # EP1_TESTS=0: the TPOT part only (the tests passed at 0ab9964)
+        timeout 60 python3 -m pytest -v -m gpu -n 2 -p no:cacheprovider -rfEs tests/parallel/test_dp_graphs_gpu.py \
+            --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+        grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$PHASE_DIR/tests.log" | tail -8
+    fi
+    timeout 45 python3 - "$PHASE_DIR/tpot.json" <<'PY' || rc=1
 import json, statistics, sys, time
 import torch, torch.distributed as dist
 import mini.ops
@@ -471,14 +474,15 @@ model, cfg, tok = load_model("tiny-v4.1", device=dev, dtype=torch.bfloat16)
 prompts = [[3 + (7 * i + 13 * j) % 500 for j in range(128)] for i in range(64)]
 params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 out, tokens = {}, {}
+eager_params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # eager steps are slow: fewer
 for name in ("plain", "dp_graphs", "dp_eager"):
     m = model if name == "plain" else DPModel(model, group)
     llm = LLM(m, config=cfg, tokenizer=tok, device="cuda", dtype=torch.bfloat16, max_num_seqs=64,
               max_model_len=1024, num_blocks=160, enable_prefix_caching=False, enforce_eager=name == "dp_eager")
-    llm.generate(prompts[:8], params)  # warm-up
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.step_times = []
     t0 = time.perf_counter()
-    tokens[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    tokens[name] = [o.token_ids for o in llm.generate(prompts, eager_params if name == "dp_eager" else params)]
     wall = time.perf_counter() - t0
     dec = [t.total_s for t in llm.engine.step_times if t.decode]
     out[name] = {"decode_step_p50_ms": round(1e3 * statistics.median(dec), 3), "decode_steps": len(dec),
