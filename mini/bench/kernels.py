@@ -288,7 +288,7 @@ def bench_mhc_split(rows: list, sweep: bool, dev="cuda", sizes=(4096, 256, 64), 
         if T >= 1024:  # 2 stages: 33 KB of shared memory, 56 registers: 6 programs per SM, so 12 chunks or
             # 32-token blocks fill them (768 / 1,024 programs)
             configs = [{}, copies, dict(copies, num_stages=2), dict(copies, num_stages=2, split=12),
-                       dict(copies, num_stages=2, block_t=32)]
+                       dict(copies, num_stages=2, block_t=32), dict(copies, num_stages=2, block_k=32)]
         else:
             configs = [{}, dict(split=40), copies, dict(copies, split=40), dict(copies, num_stages=2, split=40)]
         for cfg in configs:
