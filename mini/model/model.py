@@ -19,6 +19,7 @@ from mini.model.batch import Batch, EngramInput, SeqChunk
 from mini.model.cache import KVCache
 from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
+from mini.ops.linear import head_logits
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
 from mini.ops.stages import staged
@@ -98,7 +99,11 @@ class Model:
         state = _on_device(state, self.device, consume_state, self.engram_on_device)
         self.embed = state["embed.weight"]
         self.norm = state["norm.weight"]
-        self.head = state["head.weight"].float()  # the reference keeps the head in fp32
+        # the reference keeps the head in fp32; on CUDA a bf16 head stays bf16 for the fast path's exact-product
+        # GEMM (ops.linear.head_logits), which widens it itself on the reference path
+        head = state["head.weight"]
+        lossless = head.dtype == torch.bfloat16 and self.device.type == "cuda"
+        self.head = head if lossless else head.float()
         self.hc_head = None if cfg.is_v41 else HCWeights.from_state(state, "hc_head")
         self.blocks = []
         for plan in cfg.layers:
@@ -198,7 +203,7 @@ class Model:
         else:
             w = self.hc_head
             x = mhc.hc_head(h, w.fn, w.scale, w.base, hc_eps=cfg.hc_eps, norm_eps=eps)
-        return torch.nn.functional.linear(self._final_norm(x).float(), self.head)
+        return head_logits(self._final_norm(x), self.head)
 
     @staged("hc_norm_other.norm")
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:

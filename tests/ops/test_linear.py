@@ -134,3 +134,55 @@ def test_fast_path_honours_no_fake_quant():
     finally:
         set_backend(prev)
     torch.testing.assert_close(y.float(), (x.float() @ w.prepare().T).bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_head_logits_is_the_fp32_linear_off_the_fast_path():
+    """The official head, F.linear(x.float(), fp32 weight): a bf16 head is widened (exactly) first; on the CPU the
+    model keeps the head in fp32, as before."""
+    from mini.ops.linear import head_logits
+    x, head = torch.randn(5, 96).bfloat16(), torch.randn(333, 96).bfloat16()
+    want = F.linear(x.float(), head.float())
+    assert torch.equal(head_logits(x, head), want) and torch.equal(head_logits(x, head.float()), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_head_logits_fast_path_sums_the_same_exact_products_gpu(rows):
+    """On CUDA the bf16 head runs a bf16 tensor-core GEMM with fp32 output: the products x_i * w_i are exact in
+    fp32 either way, so against float64 it must be as close as the fp32 GEMM is (summation order only), and its
+    output poisoned beforehand never leaks NaN."""
+    from mini.ops import backend, set_backend
+    from mini.ops.linear import head_logits
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 5120, device="cuda", generator=g).bfloat16()
+    head = (torch.randn(4099, 5120, device="cuda", generator=g) * 0.02).bfloat16()
+    prev = backend()
+    try:
+        set_backend("fast")
+        fast = head_logits(x, head)
+    finally:
+        set_backend(prev)
+    exact = x.double() @ head.double().T
+    fp32 = F.linear(x.float(), head.float())
+    assert fast.dtype == torch.float32 and fast.shape == (rows, 4099) and not fast.isnan().any()
+    tol = 4 * (fp32.double() - exact).abs().max().item() + 1e-6
+    assert (fast.double() - exact).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+def test_model_keeps_a_bf16_head_on_cuda_and_its_logits_match_the_fp32_head_gpu():
+    from mini.model import load_model
+    from mini.ops import backend, set_backend
+    prev = backend()
+    try:
+        set_backend("fast")
+        model, cfg, _ = load_model("tiny-v4.1", device="cuda", dtype=torch.bfloat16)
+        assert model.head.dtype == torch.bfloat16
+        x = torch.randn(9, cfg.dim, device="cuda").bfloat16()
+        from mini.ops.linear import head_logits
+        fast = head_logits(x, model.head)
+        set_backend("reference")
+        ref = head_logits(x, model.head)
+    finally:
+        set_backend(prev)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
