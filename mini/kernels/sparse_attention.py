@@ -18,6 +18,12 @@ blocks of BLOCK_N = 64 entries, the list in the reference's order (window entrie
 over the logits alone, from -1e30), P cast to the KV dtype (bf16) before PV, fp32 accumulator, and the per-head
 sink logit (not scaled) added to the denominator at the end. exp is computed as exp2 with log2(e) folded into the
 scale (last-ulp differences only).
+
+`d_split=2` is a second build of the same sums for decode (not the default until measured on the GPU): two
+programs per token and head tile, each computing all the scores (QK as two dots over the halves of D chained
+through one accumulator: the same k16 MMA chain as one dot) and accumulating half of the output's columns. The
+default's [64, 512] fp32 accumulator is 128 of a thread's 255 registers at 8 warps and ptxas spills ~2 KB per
+thread on sm_90a; the split build has none (tools/attn_sweep.py times both and compares their bits).
 """
 import torch
 import triton
@@ -39,6 +45,29 @@ def window_widths(seq_of: torch.Tensor, start_pos: torch.Tensor, W: int) -> torc
 
 
 @triton.jit
+def _key_rows(j0, t, pos, seq, start, slot, first, width, kv_new_ptr, window_ptr, comp_ptr, btab_ptr, cidx_ptr,
+              stride_win, stride_btab, stride_cidx, n_comp, rows_per_block,
+              W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Entries j0..j0+BLOCK_N-1 of token t's key list: [BLOCK_N] pointers to their rows (K = V) and which exist.
+    Fresh rows of this chunk are contiguous in the flat batch, earlier window rows sit in the ring, groups are read
+    through the block table."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    in_window = j < width
+    kpos = first + j
+    win_ok = in_window & (kpos >= 0) & (kpos <= pos)
+    fresh = kpos >= start
+    win_row = tl.where(fresh, kv_new_ptr + tl.where(win_ok & fresh, t - (pos - kpos), 0).to(tl.int64) * D,
+                       window_ptr + slot * stride_win + tl.where(win_ok, kpos % W, 0) * D)
+    c = j - width
+    g = tl.load(cidx_ptr + t * stride_cidx + c, mask=(c >= 0) & (c < n_comp), other=-1)
+    comp_ok = g >= 0
+    g = tl.where(comp_ok, g, 0)
+    blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=comp_ok, other=0)
+    comp_row = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
+    return tl.where(in_window, win_row, comp_row), win_ok | comp_ok
+
+
+@triton.jit
 def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr):
     """One key tile of the online softmax: q [BH, D], rowptr [BN] pointers to the key rows (K = V)."""
     d = tl.arange(0, D)
@@ -54,19 +83,41 @@ def _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr
 
 
 @triton.jit
-def _unrotate(x, rope_ptr, t, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
-    """x [ROWS, D] with its last RD channels, complex pairs (2i, 2i+1), multiplied by the conjugate of token t's
-    table row: fp32 math and result (the store rounds it, as ops.rope.apply_rope(inverse=True) does); the nope
-    pairs see cos 1, sin 0.
+def _online_update_half(q_lo, q_hi, rowptr, key_ok, m_i, l_i, acc, scale_log2, D: tl.constexpr, half):
+    """_online_update for output columns half * D/2 .. (half + 1) * D/2 - 1 only (the d_split=2 build): the same
+    scores, as two dots over the halves of D, the second accumulating onto the first (the same chain of k16 MMAs
+    in increasing d as one dot over D), and PV with that half of the rows: acc [BH, D/2]."""
+    d = tl.arange(0, D // 2)
+    k_lo = tl.load(rowptr[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+    k_hi = tl.load(rowptr[:, None] + (D // 2 + d)[None, :], mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo))) * scale_log2  # [BH, BN] fp32, in log2 units
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if half == 0:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lo.dtype), k_lo)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_hi.dtype), k_hi)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _unrotate(x, rope_ptr, t, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, C0,
+              COLS: tl.constexpr):
+    """x [ROWS, COLS], columns C0..C0+COLS-1 of D-wide rows whose last RD channels, complex pairs (2i, 2i+1), are
+    multiplied by the conjugate of token t's table row: fp32 math and result (the store rounds it, as
+    ops.rope.apply_rope(inverse=True) does); the nope pairs see cos 1, sin 0.
     q is NOT rotated here the same way: a computed QK operand makes Triton keep q in registers through the key
     loop (wgmma register operand), which spills; see docs/kernels.md."""
-    pair = tl.arange(0, D // 2)
+    pair = C0 // 2 + tl.arange(0, COLS // 2)
     rot = pair >= (D - RD) // 2
     off = t.to(tl.int64) * RD + 2 * tl.where(rot, pair - (D - RD) // 2, 0)
     cos = tl.load(rope_ptr + off, mask=rot, other=1.0)[None, :]
     sin = tl.load(rope_ptr + off + 1, mask=rot, other=0.0)[None, :]
-    re, im = tl.split(tl.reshape(x.to(tl.float32), [ROWS, D // 2, 2]))
-    return tl.reshape(tl.join(re * cos + im * sin, im * cos - re * sin), [ROWS, D])
+    re, im = tl.split(tl.reshape(x.to(tl.float32), [ROWS, COLS // 2, 2]))
+    return tl.reshape(tl.join(re * cos + im * sin, im * cos - re * sin), [ROWS, COLS])
 
 
 @triton.jit
@@ -76,13 +127,46 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
     n_heads, n_comp, scale_log2, rows_per_block,
     W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
+    # D_SPLIT = 2: program_id(2) says which half of the output's D columns this program accumulates (each computes
+    # all the scores)
+    if D_SPLIT == 1:
+        _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
+                pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
+                n_heads, n_comp, scale_log2, rows_per_block,
+                W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, 1, 0)
+    else:
+        _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
+                pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
+                n_heads, n_comp, scale_log2, rows_per_block,
+                W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, tl.program_id(2))
+
+
+@triton.jit
+def _attend(
+    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
+    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
+    n_heads, n_comp, scale_log2, rows_per_block,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr, half,
+):
+    """One program: BLOCK_H heads of token t, output columns half * D/D_SPLIT .. (half + 1) * D/D_SPLIT - 1
+    (D_SPLIT 1 or 2; `half` is the constant 0 when D_SPLIT is 1, which leaves that build's code as it was)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < n_heads
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    DO: tl.constexpr = D // D_SPLIT  # output columns of this program
+    d = tl.arange(0, DO)
+    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    if D_SPLIT == 1:
+        q = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
+    else:
+        q_lo = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
+        q_hi = tl.load(q_rows + (DO + d)[None, :], mask=head_ok[:, None], other=0.0)
 
     pos = tl.load(pos_ptr + t)
     seq = tl.load(seq_ptr + t)
@@ -91,13 +175,12 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, DO], tl.float32)
 
     # One walk over the query's key list in the official kernel's order, BLOCK_N entries per online-softmax step
     # (64: its blocks): `width` window entries, then the compressed groups, valid ones first in ascending order.
     # A chunk that starts its sequence lists its window from max(0, pos-W+1), oldest first (the reference's
-    # prefill), any other chunk from pos-W+1 (its decode ring). Fresh rows of this chunk are contiguous in the
-    # flat batch, earlier ones sit in the ring; groups are read through the block table.
+    # prefill), any other chunk from pos-W+1 (its decode ring).
     width = tl.load(width_ptr + seq)
     if PREFILL_LISTS:
         first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
@@ -108,29 +191,21 @@ def _sparse_mla_kernel(
     else:
         end = width + n_comp
     for j0 in range(0, end, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        in_window = j < width
-        kpos = first + j
-        win_ok = in_window & (kpos >= 0) & (kpos <= pos)
-        fresh = kpos >= start
-        win_row = tl.where(fresh, kv_new_ptr + tl.where(win_ok & fresh, t - (pos - kpos), 0).to(tl.int64) * D,
-                           window_ptr + slot * stride_win + tl.where(win_ok, kpos % W, 0) * D)
-        c = j - width
-        g = tl.load(cidx_ptr + t * stride_cidx + c, mask=(c >= 0) & (c < n_comp), other=-1)
-        comp_ok = g >= 0
-        g = tl.where(comp_ok, g, 0)
-        blk = tl.load(btab_ptr + seq * stride_btab + g // rows_per_block, mask=comp_ok, other=0)
-        comp_row = comp_ptr + (blk.to(tl.int64) * rows_per_block + g % rows_per_block) * D
-        rowptr = tl.where(in_window, win_row, comp_row)
-        m_i, l_i, acc = _online_update(q, rowptr, win_ok | comp_ok, m_i, l_i, acc, scale_log2, D)
+        rowptr, key_ok = _key_rows(j0, t, pos, seq, start, slot, first, width, kv_new_ptr, window_ptr, comp_ptr,
+                                   btab_ptr, cidx_ptr, stride_win, stride_btab, stride_cidx, n_comp, rows_per_block,
+                                   W, D, BLOCK_N)
+        if D_SPLIT == 1:
+            m_i, l_i, acc = _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D)
+        else:
+            m_i, l_i, acc = _online_update_half(q_lo, q_hi, rowptr, key_ok, m_i, l_i, acc, scale_log2, D, half)
 
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
     if RD > 0:  # rotate back by the conjugate, from the output rounded to its dtype as the unfused op stores it
-        out = _unrotate(out.to(out_ptr.dtype.element_ty), rope_ptr, t, BLOCK_H, D, RD)
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None])
+        out = _unrotate(out.to(out_ptr.dtype.element_ty), rope_ptr, t, BLOCK_H, D, RD, half * DO, DO)
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + (half * DO + d)[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 def supported(head_dim: int) -> bool:
@@ -145,18 +220,23 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
                          rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
-                         block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2
-                         ) -> torch.Tensor:
+                         block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+                         d_split: int = 1) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
     complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is
     mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool). `prefill_lists=False`: every
-    query's window list is W wide in the decode ring's order (the deterministic mode's chunk-invariant lists)."""
+    query's window list is W wide in the decode ring's order (the deterministic mode's chunk-invariant lists).
+    `d_split=2`: two programs per (token, head tile), each computing all the scores and accumulating half of the
+    output's D columns (half the fp32 accumulator per program, twice the programs; the same sums, see
+    `_online_update_half`). Not the default until measured equal and faster on the GPU (tools/attn_sweep.py)."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
         raise ValueError(f"sparse_mla_attention: head dim {D} is not a power of two >= 16")
+    if d_split not in (1, 2) or D // d_split < 16:
+        raise ValueError(f"sparse_mla_attention: d_split {d_split} (1 or 2, with D / d_split >= 16; D = {D})")
     q, kv_new = q.contiguous(), kv_new.contiguous()
     assert kv_new.shape == (T, D) and window.shape[2] == D and window.stride(-1) == 1 and window.stride(1) == D
     out = torch.empty_like(q)
@@ -179,7 +259,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D
         rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
-    grid = (T, triton.cdiv(H, block_h))
+    grid = (T, triton.cdiv(H, block_h), d_split)
     _sparse_mla_kernel[grid](
         q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
         positions, seq_of, slots, start_pos, block_table, comp_idx, width,
@@ -187,6 +267,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         comp_idx.stride(0),
         H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
         W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
-        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, num_warps=num_warps,
-        num_stages=num_stages)
+        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists,
+        D_SPLIT=d_split, num_warps=num_warps, num_stages=num_stages)
     return out

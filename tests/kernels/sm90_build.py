@@ -34,7 +34,14 @@ def main() -> None:
     for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (128, 32, 16, 16)):
         for tiles, rope in ((0, 0), (8, rd)):
             build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
-                                                 PREFILL_LISTS=True),
+                                                 PREFILL_LISTS=True, D_SPLIT=1),
+                  ("scale_log2",), num_warps=8)
+    # the d_split=2 build (tools/attn_sweep.py): half the output columns per program, with and without the RoPE
+    # epilogue (a rotated range inside the upper half only, and across both halves)
+    for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (32, 32, 16, 16)):
+        for rope in (0, rd):
+            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=0, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
+                                                 PREFILL_LISTS=True, D_SPLIT=2),
                   ("scale_log2",), num_warps=8)
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):

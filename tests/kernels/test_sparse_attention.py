@@ -63,9 +63,10 @@ def rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rop
     return out if rope is None else apply_rope(out.float(), rope, inverse=True).double()
 
 
-@pytest.mark.parametrize("with_comp,rope_dim", [(True, 0), (False, 0), (True, 8), (False, 32)])
+@pytest.mark.parametrize("d_split", [1, 2])
+@pytest.mark.parametrize("with_comp,rope_dim", [(True, 0), (False, 0), (True, 8), (False, 32), (True, 24)])
 @pytest.mark.parametrize("W,block_n", [(8, 4), (6, 4), (16, 64)])  # windows that are not whole key tiles too
-def test_sparse_attention_interpreter(with_comp, rope_dim, W, block_n, interpreter, flat_batch):
+def test_sparse_attention_interpreter(with_comp, rope_dim, W, block_n, d_split, interpreter, flat_batch):
     from mini.kernels.sparse_attention import sparse_mla_attention
     H, D, ratio, rpb, topk = 5, 32, 2, 4, 7
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.float32, [7, 1, 3], [0, 19, 5],
@@ -78,7 +79,7 @@ def test_sparse_attention_interpreter(with_comp, rope_dim, W, block_n, interpret
     out.copy_(sparse_mla_attention(q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, scale,
                                    comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
                                    rope_out=rope,
-                                   block_h=8, block_n=block_n, num_warps=1))
+                                   block_h=8, block_n=block_n, num_warps=1, d_split=d_split))
     ref = rotated_oracle(q, kv_new, window, comp, sink, b, comp_idx, ratio, scale, rope)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
@@ -124,3 +125,68 @@ def test_sparse_attention_matches_reference_op(rope_dim, flat_batch):
     ref = sparse_attention(*args, **kw)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert torch.isfinite(out).all() and err < 5e-3, err
+
+
+def _poisoned_call(fn):
+    """Runs fn with the allocator's free blocks filled with NaN first, so that an output element the kernel does
+    not write reads NaN (the wrapper allocates its output with empty_like)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+        junk = torch.full((min(free // 8, 1 << 28),), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del junk  # back to the caching allocator, NaN-filled
+    return fn()
+
+
+def test_sparse_attention_d_split_interpreter(interpreter, flat_batch):
+    """d_split=2 against the default build under the interpreter, bf16 as on the GPU, RoPE across both halves.
+    A tolerance, not bits: the interpreter rounds each tl.dot once (float64 sum), so the split's two QK dots round
+    twice where the default rounds once; on the GPU both are one chain of k16 MMAs and the gpu test below asks for
+    the same bits."""
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    H, D, W, ratio, rpb, topk = 5, 64, 6, 2, 4, 9
+    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.bfloat16, [9, 1, 2], [0, 23, 4],
+                                                           H, D, W, ratio, rpb, topk)
+    args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
+    kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio, rope_out=rope_for(b.positions,
+              48), block_h=8, block_n=4, num_warps=1)
+    base = sparse_mla_attention(*args, **kw)
+    split = sparse_mla_attention(*args, **kw, d_split=2)
+    assert torch.isfinite(split).all()
+    torch.testing.assert_close(split.float(), base.float(), rtol=2e-2, atol=2e-3)  # a bf16 ulp or two
+    with pytest.raises(ValueError, match="d_split"):
+        sparse_mla_attention(*args, **kw, d_split=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,D,W,ratio,rpb,topk,lens,starts,rope_dim,prefill_lists,block_h", [
+    (64, 512, 128, 4, 64, 512, [1] * 37, [40000 + 997 * i for i in range(37)], 64, True, 64),  # V4.1 decode
+    (64, 512, 128, 4, 64, 512, [1] * 9, [3, 50, 127, 128, 129, 700, 5000, 20000, 32767], 64, False, 64),
+    (64, 512, 128, 4, 64, 512, [600, 1, 130], [0, 9000, 200], 64, True, 64),  # prefill chunks + a decode token
+    (64, 512, 128, 128, 64, 509, [1] * 5 + [90], [4100, 70000, 9, 131071, 640, 3000], 0, True, 64),
+    (13, 512, 100, 2, 32, 61, [300, 1, 77, 1], [0, 1000, 150, 3], 64, True, 16),  # odd heads, window, top-k
+    (40, 512, 77, 4, 16, 33, [1, 1, 201], [88, 5, 0], 0, True, 32),
+    (8, 128, 16, 2, 32, 61, [300, 1, 77], [0, 1000, 150], 64, True, 64),  # the official fixtures' width
+])
+def test_sparse_attention_d_split_same_bits_gpu(H, D, W, ratio, rpb, topk, lens, starts, rope_dim, prefill_lists,
+                                                block_h, flat_batch):
+    """d_split=2 == the default build bit for bit on the H200 (the same sums: two QK dots chained through one
+    accumulator are one chain of k16 MMAs; PV per output column is unchanged), and both near the reference op."""
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    from mini.ops.attention import sparse_attention
+    torch.manual_seed(H * 7 + W)
+    b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cuda", torch.bfloat16, lens, starts,
+                                                           H, D, W, ratio, rpb, topk)
+    args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
+    kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
+              rope_out=rope_for(b.positions, rope_dim) if rope_dim else None)
+    base = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h))
+    split = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h,
+                                                        d_split=2))
+    assert torch.isfinite(base).all() and torch.isfinite(split).all()
+    differ = (split.view(torch.int16) != base.view(torch.int16)).sum().item()
+    assert differ == 0, f"{differ} of {base.numel()} elements differ from the default build"
+    if prefill_lists:  # the reference op lists windows as the prefill does
+        ref = sparse_attention(*args, **kw)
+        err = (split.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 5e-3, err
