@@ -212,7 +212,7 @@ phase_attn_sweep() {  # issue 13 item 5 (<= 145 s): the Triton sparse attention'
     # at 7 shapes (decode, prefill, odd heads / windows / top-k, D 128), near the reference op.
     # Look at: "N passed" (7); per case the "d_split=2 (8 warps, 2 stages)" line (speedup, same_bits=True) and the
     # "best same-bits config" lines. Only same_bits=True configs that are faster may become defaults.
-    timeout 45 python3 -m pytest -q -m gpu -n 3 -p no:cacheprovider -rfE tests/kernels/test_sparse_attention.py \
+    timeout 45 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE tests/kernels/test_sparse_attention.py \
         -k d_split >"$PHASE_DIR/tests.log" 2>&1
     local trc=$?
     grep -E "passed|failed|FAILED|Error" "$PHASE_DIR/tests.log" | tail -6
