@@ -58,11 +58,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json")
     a = p.parse_args(argv)
-    rows = []
+    rows, default_ms = [], {}
     for name, (T, make) in CASES.items():
         args, kw = inputs(T, make(DEVICE), DEVICE)
         base = sparse_mla_attention(*args, **kw, **DEFAULT)
-        base_ms = _bench(lambda: sparse_mla_attention(*args, **kw, **DEFAULT))
+        base_ms = default_ms[name] = _bench(lambda: sparse_mla_attention(*args, **kw, **DEFAULT))
         for cfg in CONFIGS:
             try:
                 out = sparse_mla_attention(*args, **kw, **cfg)
@@ -82,9 +82,11 @@ def main(argv=None) -> int:
                  and r["num_stages"] == 2]
         for r in split:
             print(f"d_split=2 (8 warps, 2 stages) {name}: speedup={r.get('speedup', float('nan')):.3f} "
-                  f"same_bits={r.get('same_bits')} ms={r.get('ms', float('nan')):.4g} {r.get('error', '')}")
+                  f"same_bits={r.get('same_bits')} ms={r.get('ms', float('nan')):.4g} default_ms={default_ms[name]:.4g} "
+                  f"{r.get('error', '')}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"suite": "attn_sweep", "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"suite": "attn_sweep", "default": DEFAULT, "default_ms": default_ms,
+                                            "rows": rows}, indent=1))
     return 0
 
 
