@@ -28,11 +28,16 @@ drawn at random over the experts, the busiest rank's load factor is estimated by
 Overlap (MINI_EP_OVERLAP=m, mini/parallel/exchange.py): each layer's exchange in m micro-batches on one NCCL
 stream; `exposed_ms` plays the layer's timeline (the m gathers back to back from the start; the shared expert, then
 each part's experts once its gather is in; each part's scatter once its experts are done and the stream is free)
-and returns the communication the compute waits for; the step also pays `overlap_slowdown` x the hidden part: NCCL's
-kernels take SMs from the compute they run under (report 004: the shared expert ran ~20% slower under the
-all-gather). Each part's
-GEMMs are assumed as efficient as the whole layer's (at 4,096 tokens a part still fills its tiles: 2 parts at EP4
-have ~64 rows per local expert on average, 128-row tiles half full, which the tile count term does not see).
+and returns the communication the compute waits for; the step also pays `overlap_slowdown` x the hidden part:
+NCCL's kernels take SMs from the compute they run under (report 004: the shared expert ran ~20% slower under the
+all-gather). Splitting costs the experts: each part fills its own 128-row tiles, so a local expert's ~N T k / E
+rows (128 at EP2, 4,096 tokens per rank) take m E[ceil(Poisson(rows / m) / 128)] tiles instead of
+E[ceil(Poisson(rows) / 128)]. Measured on an H200 (`mini bench ep-exchange --parts`, EP2 shape, 15:30 call): the
+routed experts 4.130 ms in one piece, 6.555 with 2 parts (+59%; tile ratio 1.355) and 13.23 with 4 (+220%; tile
+ratio 2.709): the time grows faster than the tile count (per-part launches, route plan, act quant and combine
+besides). The model charges the routed experts' time x `parts_cost` x (tile ratio - 1), `parts_cost` = 1.65
+fitted to the 2-part point (it overstates the 4-part one: +12.6 ms/layer against +9.1 measured), and the longer
+experts hide more of the communication.
 """
 from __future__ import annotations
 
@@ -82,6 +87,9 @@ class Inputs:
     micro_batches: int = 2
     shared_ms_per_layer: float = 19.9 / 40
     overlap_slowdown: float = 0.2
+    # routed experts' extra time per extra 128-row tile when split into parts, relative to the tile ratio: fitted
+    # to ep-exchange --parts at EP2 on an H200 (15:30 call: 4.130 -> 6.555 ms with 2 parts, tile ratio 1.355)
+    parts_cost: float = (6.555 / 4.130 - 1) / 0.355
 
 
 def p_no_expert_on_rank(experts: int, held: int, k: int) -> float:
@@ -149,7 +157,9 @@ class Prediction:
     tok_per_s_per_gpu_ring: float
     # the same exchanges in inp.micro_batches parts: ms per layer the compute waits (ep-prefill's communication
     # stage), ms per layer the step pays (that + the slowdown of the compute under the hidden part), step ms,
-    # (paid + glue) share of the step
+    # (paid + glue + split cost) share of the step
+    parts_tile_ratio: float  # the routed experts' 128-row tiles in inp.micro_batches parts / in one piece
+    parts_cost_ms: float  # what the split adds to the routed experts, ms/layer
     ring_stall_overlap_ms: float
     a2a_stall_overlap_ms: float
     ring_exposed_overlap_ms: float
@@ -228,10 +238,15 @@ def predict(inp: Inputs, ranks: int) -> Prediction:
     step_a2a = base + L * (inp.glue_fused_ms_per_layer + a2a_ms)
     ring_parts = (ag / inp.all_gather_gbps, rs / inp.reduce_scatter_gbps)
     a2a_parts = (dispatch / inp.all_to_all_gbps, combine / inp.all_to_all_gbps)
-    (ring_stall, ring_exp), (a2a_stall, a2a_exp) = (_overlapped(inp, calib * g / 1e6, calib * c / 1e6, routed_layer)
-                                                    for g, c in (ring_parts, a2a_parts))
-    step_ring_ov = base + L * (inp.glue_fused_ms_per_layer + ring_exp)
-    step_a2a_ov = base + L * (inp.glue_fused_ms_per_layer + a2a_exp)
+    m = inp.micro_batches
+    tile_ratio = m * expected_tiles(rows_per_expert(ranks) / m, inp.tile_rows) / expected_tiles(
+        rows_per_expert(ranks), inp.tile_rows)
+    split_cost = routed_layer * inp.parts_cost * (tile_ratio - 1.0)  # ms/layer the split adds to the experts
+    (ring_stall, ring_exp), (a2a_stall, a2a_exp) = (
+        _overlapped(inp, calib * g / 1e6, calib * c / 1e6, routed_layer + split_cost)
+        for g, c in (ring_parts, a2a_parts))
+    step_ring_ov = base + L * (inp.glue_fused_ms_per_layer + ring_exp + split_cost)
+    step_a2a_ov = base + L * (inp.glue_fused_ms_per_layer + a2a_exp + split_cost)
     return Prediction(
         ranks=ranks, ring_all_gather_mb=ag / 1e6, ring_reduce_scatter_mb=rs / 1e6,
         a2a_remote_ranks_per_token=remote, a2a_dispatch_mb=dispatch / 1e6, a2a_combine_fp32_mb=combine_fp32 / 1e6,
@@ -240,11 +255,12 @@ def predict(inp: Inputs, ranks: int) -> Prediction:
         step_ring_ms=step_ring, step_ring_eager_glue_ms=step_ring_eager, step_a2a_ms=step_a2a,
         step_ring_skewed_ms=step_ring + L * skew_wait, comm_share_ring=L * ring_ms / step_ring,
         tok_per_s_per_gpu_ring=inp.tokens / (step_ring / 1e3),
+        parts_tile_ratio=tile_ratio, parts_cost_ms=split_cost,
         ring_stall_overlap_ms=ring_stall, a2a_stall_overlap_ms=a2a_stall,
         ring_exposed_overlap_ms=ring_exp, a2a_exposed_overlap_ms=a2a_exp, step_ring_overlap_ms=step_ring_ov,
         step_a2a_overlap_ms=step_a2a_ov,
-        exposed_share_ring_overlap=L * (ring_exp + inp.glue_fused_ms_per_layer) / step_ring_ov,
-        exposed_share_a2a_overlap=L * (a2a_exp + inp.glue_fused_ms_per_layer) / step_a2a_ov,
+        exposed_share_ring_overlap=L * (ring_exp + inp.glue_fused_ms_per_layer + split_cost) / step_ring_ov,
+        exposed_share_a2a_overlap=L * (a2a_exp + inp.glue_fused_ms_per_layer + split_cost) / step_a2a_ov,
         extra={"rows_per_local_expert": rows_per_expert(ranks), "tiles_per_layer": tiles(ranks),
                "calibration": calib})
 
@@ -272,14 +288,16 @@ def render(inp: Inputs, preds: list[Prediction]) -> str:
         ("step, ring, skewed routing", "step_ring_skewed_ms", "{:.0f}"),
         ("communication share (ring)", "comm_share_ring", "{:.1%}"),
         ("tok/s/GPU (ring, fused glue)", "tok_per_s_per_gpu_ring", "{:,.0f}"),
+        (f"{inp.micro_batches} parts: expert tiles / one piece", "parts_tile_ratio", "{:.2f}"),
+        (f"{inp.micro_batches} parts: routed experts +ms/layer", "parts_cost_ms", "{:+.2f}"),
         (f"ring, {inp.micro_batches} parts: wait ms/layer", "ring_stall_overlap_ms", "{:.2f}"),
         (f"ring, {inp.micro_batches} parts: paid ms/layer", "ring_exposed_overlap_ms", "{:.2f}"),
         (f"a2a, {inp.micro_batches} parts: wait ms/layer", "a2a_stall_overlap_ms", "{:.2f}"),
         (f"a2a, {inp.micro_batches} parts: paid ms/layer", "a2a_exposed_overlap_ms", "{:.2f}"),
         (f"step, ring, {inp.micro_batches} parts", "step_ring_overlap_ms", "{:.0f}"),
         (f"step, all-to-all, {inp.micro_batches} parts", "step_a2a_overlap_ms", "{:.0f}"),
-        ("paid comm + glue share, ring", "exposed_share_ring_overlap", "{:.1%}"),
-        ("paid comm + glue share, a2a", "exposed_share_a2a_overlap", "{:.1%}"),
+        ("paid comm + glue + split share, ring", "exposed_share_ring_overlap", "{:.1%}"),
+        ("paid comm + glue + split share, a2a", "exposed_share_a2a_overlap", "{:.1%}"),
     ]
     head = f"{'per rank, ' + str(inp.tokens) + ' tokens/rank, ' + str(inp.layers) + ' layers':40s}" + "".join(
         f"{'EP' + str(p.ranks):>10s}" for p in preds)

@@ -33,10 +33,21 @@ def test_more_parts_never_wait_longer_at_the_real_shapes():
         assert waits == sorted(waits, reverse=True) and waits[-1] > 0
         p = predict(Inputs(micro_batches=2, skew_draws=20), n)
         assert p.ring_stall_overlap_ms <= p.ring_exposed_overlap_ms <= p.ring_comm_ms  # slowdown charged, < serial
-        assert p.step_ring_overlap_ms < p.step_ring_ms
+
+
+def test_the_split_costs_the_experts_tiles():
+    """Each part fills its own 128-row tiles: at EP2 (128 rows per local expert) the tile ratio the H200 measurement
+    was fitted on (1.355 for 2 parts), and the split loses there and pays only at EP8 (512 rows per expert)."""
+    ep2, ep8 = predict(Inputs(skew_draws=20), 2), predict(Inputs(skew_draws=20), 8)
+    assert ep2.parts_tile_ratio == pytest.approx(1.355, abs=0.002)
+    routed_ep2 = Inputs().rank4_routed_ms / 40 + ep2.routed_ms_delta
+    assert ep2.parts_cost_ms == pytest.approx(routed_ep2 * (6.555 / 4.130 - 1), rel=0.01)  # the fitted point
+    assert 1.0 < ep8.parts_tile_ratio < ep2.parts_tile_ratio
+    assert ep2.step_ring_overlap_ms > ep2.step_ring_ms and ep8.step_ring_overlap_ms < ep8.step_ring_ms
+    assert predict(Inputs(micro_batches=1, skew_draws=20), 4).parts_cost_ms == 0
 
 
 def test_cli_prints_the_overlap_rows(capsys):
     assert ep_model.main(["--ranks", "2", "4", "--micro-batches", "4", "--skew-draws", "20"]) == 0
     text = capsys.readouterr().out
-    assert "ring, 4 parts: wait ms/layer" in text and "paid comm + glue share, a2a" in text
+    assert "ring, 4 parts: wait ms/layer" in text and "paid comm + glue + split share, a2a" in text
