@@ -766,7 +766,9 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
     #    collectives), stage.exchange_glue_ms, stage.exposed_fraction = (communication + glue) / step (target
     #    <= 0.05), overlapN.logits_identical 1 (same bits as off) with logits_repeat_identical 1 (the control).
     #    Expect at overlap 1 ~0.4-0.6 ms/layer communication (6-9 ms per step: issue 18 measured 9.4 eagerly); at 2
-    #    about half (the last part's reduce-scatter stays exposed), at 4 about a quarter, each part's GEMMs smaller.
+    #    about half (the last part's reduce-scatter stays exposed), at 4 about a quarter; but the steps SLOWER with
+    #    parts: phase ep_overlap_gpu measured the routed experts at EP2 shape +59% with 2 parts, +220% with 4 (each
+    #    part fills its own 128-row tiles; 128 rows per local expert here), i.e. ~+38 / ~+145 ms per 16-layer step.
     # 3. the one-GPU gpu tests of the micro-batched exchange (phase ep_overlap_gpu): expect 2 passed.
     local rc=0
     MINI_EP_OVERLAP=2 MINI_EP_OVERLAP_MIN_TOKENS=1 timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact \
