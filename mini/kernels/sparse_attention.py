@@ -19,11 +19,13 @@ over the logits alone, from -1e30), P cast to the KV dtype (bf16) before PV, fp3
 sink logit (not scaled) added to the denominator at the end. exp is computed as exp2 with log2(e) folded into the
 scale (last-ulp differences only).
 
-`d_split=2` is a second build of the same sums for decode (not the default until measured on the GPU): two
-programs per token and head tile, each computing all the scores (QK as two dots over the halves of D chained
-through one accumulator: the same k16 MMA chain as one dot) and accumulating half of the output's columns. The
-default's [64, 512] fp32 accumulator is 128 of a thread's 255 registers at 8 warps and ptxas spills ~2 KB per
-thread on sm_90a; the split build has none (tools/attn_sweep.py times both and compares their bits).
+The work is split over D (`d_split`, 2 by default where D >= 32): two programs per token and head tile, each
+computing all the scores (QK as two dots over the halves of D chained through one accumulator: the same k16 MMA
+chain as one dot) and accumulating half of the output's columns. With one program (d_split=1, the same bits) the
+[64, 512] fp32 accumulator is 128 of a thread's 255 registers at 8 warps and ptxas spills ~2 KB per thread inside
+the key loop on sm_90a (468 stores, 511 loads per iteration); the split build spills nothing. Measured on the H200
+at 7298590 (tools/attn_sweep.py, phase attn_sweep, RoPE epilogue on): decode B=256 x 32K 0.522 -> 0.347 ms, B=64
+0.270 -> 0.219, prefill 4,096 6.91 -> 4.30 ms; every output bit equal to d_split=1 there and in the gpu tests.
 """
 import torch
 import triton
@@ -221,20 +223,21 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
                          rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
                          block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                         d_split: int = 1) -> torch.Tensor:
+                         d_split: int | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
     complex64 [T, RD/2] that the output is rotated back by. Returns [T, H, D] in q.dtype. The signature is
     mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool). `prefill_lists=False`: every
     query's window list is W wide in the decode ring's order (the deterministic mode's chunk-invariant lists).
-    `d_split=2`: two programs per (token, head tile), each computing all the scores and accumulating half of the
-    output's D columns (half the fp32 accumulator per program, twice the programs; the same sums, see
-    `_online_update_half`). Not the default until measured equal and faster on the GPU (tools/attn_sweep.py)."""
+    `d_split`: programs per (token, head tile), each computing all the scores and accumulating 1/d_split of the
+    output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`)."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
         raise ValueError(f"sparse_mla_attention: head dim {D} is not a power of two >= 16")
+    if d_split is None:
+        d_split = 2 if D >= 32 else 1  # a dot's K is at least 16
     if d_split not in (1, 2) or D // d_split < 16:
         raise ValueError(f"sparse_mla_attention: d_split {d_split} (1 or 2, with D / d_split >= 16; D = {D})")
     q, kv_new = q.contiguous(), kv_new.contiguous()

@@ -31,18 +31,13 @@ def main() -> None:
     # (head dim, rope dim, heads -> BLOCK_H, window) of V4.1 / tiny-v4.1 / tiny-v4 / the official fixtures;
     # 0 compressed tiles = window-only layers; RD > 0: the output RoPE in the epilogue (what the model runs),
     # RD = 0: the plain op
-    for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (128, 32, 16, 16)):
-        for tiles, rope in ((0, 0), (8, rd)):
-            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
-                                                 PREFILL_LISTS=True, D_SPLIT=1),
-                  ("scale_log2",), num_warps=8)
-    # the d_split=2 build (tools/attn_sweep.py): half the output columns per program, with and without the RoPE
-    # epilogue (a rotated range inside the upper half only, and across both halves)
-    for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (32, 32, 16, 16)):
-        for rope in (0, rd):
-            build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=0, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
-                                                 PREFILL_LISTS=True, D_SPLIT=2),
-                  ("scale_log2",), num_warps=8)
+    # D_SPLIT 2: the dispatched build (half the output columns per program); 1: the one-program build (selectable)
+    for split in (2, 1):
+        for d, rd, bh, w in ((512, 64, 64, 128), (64, 16, 16, 128), (128, 64, 16, 128), (128, 32, 16, 16)):
+            for tiles, rope in ((0, 0), (8, rd)):
+                build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
+                                                     PREFILL_LISTS=True, D_SPLIT=split),
+                      ("scale_log2",), num_warps=8)
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},

@@ -139,10 +139,10 @@ def _poisoned_call(fn):
 
 
 def test_sparse_attention_d_split_interpreter(interpreter, flat_batch):
-    """d_split=2 against the default build under the interpreter, bf16 as on the GPU, RoPE across both halves.
-    A tolerance, not bits: the interpreter rounds each tl.dot once (float64 sum), so the split's two QK dots round
-    twice where the default rounds once; on the GPU both are one chain of k16 MMAs and the gpu test below asks for
-    the same bits."""
+    """d_split=2 (the default) against d_split=1 under the interpreter, bf16 as on the GPU, RoPE across both
+    halves. A tolerance, not bits: the interpreter rounds each tl.dot once (float64 sum), so the split's two QK dots
+    round twice where d_split=1 rounds once; on the GPU both are one chain of k16 MMAs and the gpu test below asks
+    for the same bits."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     H, D, W, ratio, rpb, topk = 5, 64, 6, 2, 4, 9
     b, q, kv_new, window, comp, sink, comp_idx = make_case(flat_batch, "cpu", torch.bfloat16, [9, 1, 2], [0, 23, 4],
@@ -150,8 +150,9 @@ def test_sparse_attention_d_split_interpreter(interpreter, flat_batch):
     args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
     kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio, rope_out=rope_for(b.positions,
               48), block_h=8, block_n=4, num_warps=1)
-    base = sparse_mla_attention(*args, **kw)
-    split = sparse_mla_attention(*args, **kw, d_split=2)
+    base = sparse_mla_attention(*args, **kw, d_split=1)
+    split = sparse_mla_attention(*args, **kw)
+    assert torch.equal(split, sparse_mla_attention(*args, **kw, d_split=2))  # the default is the split build
     assert torch.isfinite(split).all()
     torch.testing.assert_close(split.float(), base.float(), rtol=2e-2, atol=2e-3)  # a bf16 ulp or two
     with pytest.raises(ValueError, match="d_split"):
@@ -170,8 +171,8 @@ def test_sparse_attention_d_split_interpreter(interpreter, flat_batch):
 ])
 def test_sparse_attention_d_split_same_bits_gpu(H, D, W, ratio, rpb, topk, lens, starts, rope_dim, prefill_lists,
                                                 block_h, flat_batch):
-    """d_split=2 == the default build bit for bit on the H200 (the same sums: two QK dots chained through one
-    accumulator are one chain of k16 MMAs; PV per output column is unchanged), and both near the reference op."""
+    """d_split=2 (the default) == d_split=1 bit for bit on the H200 (the same sums: two QK dots chained through
+    one accumulator are one chain of k16 MMAs; PV per output column is unchanged), and near the reference op."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention
     torch.manual_seed(H * 7 + W)
@@ -180,12 +181,12 @@ def test_sparse_attention_d_split_same_bits_gpu(H, D, W, ratio, rpb, topk, lens,
     args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
     kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
               rope_out=rope_for(b.positions, rope_dim) if rope_dim else None)
-    base = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h))
-    split = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h,
-                                                        d_split=2))
+    base = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h,
+                                                       d_split=1))
+    split = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h))
     assert torch.isfinite(base).all() and torch.isfinite(split).all()
     differ = (split.view(torch.int16) != base.view(torch.int16)).sum().item()
-    assert differ == 0, f"{differ} of {base.numel()} elements differ from the default build"
+    assert differ == 0, f"{differ} of {base.numel()} elements differ from the d_split=1 build"
     if prefill_lists:  # the reference op lists windows as the prefill does
         ref = sparse_attention(*args, **kw)
         err = (split.float() - ref.float()).norm() / ref.float().norm()
