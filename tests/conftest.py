@@ -23,3 +23,18 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _ops_state():
+    """Each test leaves mini.ops' process-wide switches (backend, interpreted fast path on CPU, deterministic mode)
+    as it found them. A test or a bench it runs that switches one would otherwise change the numbers of whatever
+    runs next in the same worker (test_serve_dp's greedy tokens changed after an ep-exchange bench test that set
+    the interpreted fast backend)."""
+    import mini.ops
+    saved = mini.ops.backend(), mini.ops.interpreting_on_cpu(), mini.ops.deterministic()
+    yield
+    if (mini.ops.backend(), mini.ops.interpreting_on_cpu()) != saved[:2]:
+        mini.ops.set_backend(saved[0], interpret_on_cpu=saved[1])
+    if mini.ops.deterministic() != saved[2]:
+        mini.ops.set_deterministic(saved[2])
