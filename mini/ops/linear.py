@@ -110,7 +110,8 @@ def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     order (as any two fp32 GEMMs differ). On the H200 the fp32 GEMM at decode batch 256 took 6.8 ms of a 90 ms
     rank4-decode step, compute-bound on the fp32 units; the bf16 one reads half the bytes on the tensor cores."""
     if use_fast(x) and x.is_cuda and x.dtype == torch.bfloat16 and head.dtype == torch.bfloat16:
-        return torch.mm(x.reshape(-1, x.shape[-1]), head.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        logits = torch.mm(x.reshape(-1, x.shape[-1]), head.t(), out_dtype=torch.float32)
+        return logits.view(*x.shape[:-1], head.shape[0])  # explicit width: a step may have no logit rows
     return F.linear(x.float(), head.float())
 
 

@@ -146,7 +146,7 @@ def test_head_logits_is_the_fp32_linear_off_the_fast_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 7, 256])
+@pytest.mark.parametrize("rows", [0, 1, 7, 256])
 def test_head_logits_fast_path_sums_the_same_exact_products_gpu(rows):
     """On CUDA the bf16 head runs a bf16 tensor-core GEMM with fp32 output: the products x_i * w_i are exact in
     fp32 either way, so against float64 it must be as close as the fp32 GEMM is (summation order only), and its
@@ -165,6 +165,8 @@ def test_head_logits_fast_path_sums_the_same_exact_products_gpu(rows):
     exact = x.double() @ head.double().T
     fp32 = F.linear(x.float(), head.float())
     assert fast.dtype == torch.float32 and fast.shape == (rows, 4099) and not fast.isnan().any()
+    if rows == 0:  # a step without logit rows (at b0f5be4 the view of the empty result failed on the H200)
+        return
     tol = 4 * (fp32.double() - exact).abs().max().item() + 1e-6
     assert (fast.double() - exact).abs().max().item() <= tol
 
