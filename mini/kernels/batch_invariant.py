@@ -156,15 +156,8 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
-    if SCALE:
-        acc = acc * alpha
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
-    if HAS_ADD:
-        add_ptrs = add_ptr + bat * s_addb + rows.to(tl.int64)[:, None] * s_addm + cols.to(tl.int64)[None, :] * s_addn
-        add = tl.load(add_ptrs, mask=ok, other=0.0).to(tl.float32)
-        acc = acc + beta * add
-    c = c_ptr + bat * s_cb + rows.to(tl.int64)[:, None] * s_cm + cols.to(tl.int64)[None, :] * s_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    _epilogue(acc, rows, cols, bat, c_ptr, add_ptr, M, N, s_cb, s_cm, s_cn, s_addb, s_addm, s_addn, alpha, beta,
+              HAS_ADD, SCALE)
 
 
 @triton.jit

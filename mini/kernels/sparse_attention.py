@@ -132,19 +132,15 @@ def _sparse_mla_kernel(
     BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
     # D_SPLIT = 2: program_id(2) says which half of the output's D columns this program accumulates (each computes
-    # all the scores)
-    if D_SPLIT == 1:
-        _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
-                pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
-                n_heads, n_comp, scale_log2, rows_per_block,
-                W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, 1, 0)
-    else:
-        _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
-                pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
-                n_heads, n_comp, scale_log2, rows_per_block,
-                W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, tl.program_id(2))
+    # all the scores); with one program per tile `half` stays the constant 0, which leaves that build's code as it was
+    half = 0
+    if D_SPLIT != 1:
+        half = tl.program_id(2)
+    _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
+            pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
+            n_heads, n_comp, scale_log2, rows_per_block,
+            W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half)
 
 
 @triton.jit
