@@ -96,3 +96,10 @@ def test_decode_only_skips_the_layer_check(monkeypatch):
         assert res["layers"] == [] and not _layer_metrics(res["metrics"], "_rel_err")
         assert res["metrics"]["decode_tokens_identical"] == 1
     assert seen == [True, False] and fake_quant_enabled()  # off only inside the decode check, then restored
+
+
+def test_clear_steps_are_those_above_bf16s_own_reach():
+    """On the CPU both backends are the reference: every clear step agrees, and a step is clear exactly when the
+    reference's top-2 gap is at least twice bf16's own logit error there."""
+    m = fc.run(_args(["--decode-only", "--decode-no-fake-quant"]))["metrics"]
+    assert 0 < m["decode_clear_steps"] <= 6 and m["decode_forced_argmax_disagree_at_clear_steps"] == 0, m

@@ -54,13 +54,16 @@ def test_tiny_greedy_decode_matches(result):
 
 
 @pytest.mark.gpu
-def test_tiny_greedy_decode_64_steps_identical_without_fake_quant(monkeypatch):
+def test_tiny_greedy_decode_64_steps_without_fake_quant(monkeypatch):
     """With the activation/KV fake quantization off, a summation-order difference stays a bf16 ulp instead of
-    becoming a whole FP8/FP4 step, so the kernels must keep the reference's greedy tokens over 64 steps (with it on,
-    the random tiny model splits at the first near tie: even bf16 vs fp32 activations differ at step 0).
+    becoming a whole FP8/FP4 step. Teacher-forced on the reference's tokens, the kernels must then pick the
+    reference's token at every one of the 64 steps except ties at bf16 resolution (the reference's top-2 gap below
+    twice what bf16 itself moves that step's logits against fp32), and free-running they keep its tokens up to the
+    first such tie. Such ties do occur: bf16 itself leaves fp32's greedy tokens within 64 steps on this model, and
+    on the H200 the paths split at step 12 on a top-2 gap of 0.005 where bf16 moves the logits by 0.022.
     The reference ranks exact index-score ties (common: relu zeroes whole groups) by the fast path's rule here,
     ties to the newer group: the official torch.topk order depends on the row's width and the device, which is a
-    choice between equals, not a rounding (it split the two paths at step 12 on the H200)."""
+    choice between equals, not a rounding."""
     from mini.ops import indexer
     monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
     p = argparse.ArgumentParser()
@@ -68,6 +71,10 @@ def test_tiny_greedy_decode_64_steps_identical_without_fake_quant(monkeypatch):
     args = p.parse_args(["--decode-only", "--decode-no-fake-quant", "--decode-steps", "64", "--device", "cuda"])
     m = check_result("fastpath", fc.run(args))["metrics"]
     print(m)
-    assert m["decode_tokens_identical"] == 1, m
+    assert m["decode_clear_steps"] >= 48, m  # the check has teeth: 57 of 65 steps are clear on the CPU
+    assert m["decode_forced_argmax_disagree_at_clear_steps"] == 0, m
+    if not m["decode_tokens_identical"]:
+        assert m["decode_ref_top2_gap_at_divergence"] < 2 * m["decode_bf16_vs_fp32_abs_logit_err_at_divergence"], m
     # a routing flip at a near tie still moves some step's logits by ~10%, as bf16 vs fp32 activations do
     assert m["decode_max_logit_rel_err"] < 1.5 * m["decode_bf16_vs_fp32_forced_max_logit_rel_err"] + 0.01, m
+    assert m["decode_forced_max_logit_rel_err"] < 1.5 * m["decode_bf16_vs_fp32_forced_max_logit_rel_err"] + 0.01, m
