@@ -642,6 +642,29 @@ phase_det_final() {  # issue 17 item 4 (<= 280 s): the deterministic mode's cost
     return $rc
 }
 
+phase_det_ab() {  # issue 17 item 4 (<= 330 s): the mode's decode cost with the scheduling held fixed, then tiny
+    # goodput interleaved. 1. decode-host: batch-64 tiny-v4.1 decode steps (graphs + overlap, as `mini serve`),
+    # without / with the mode, 3 interleaved rounds, medians (decode_host.json): step_ms and gpu_ms per mode.
+    # 2. tiny goodput default, det, default, det (5 bursts each; goodput_{default,det}_{1,2}.json): a burst's TPOT
+    # also moves with where the prefill chunks land (the mode fixes them per prompt), so look at request_throughput
+    # and at ttft + 63 * tpot beside TPOT p50.
+    local rc=0 r f
+    timeout 130 mini bench decode-host --modes graphs+overlap,graphs+overlap+det --rounds 3 \
+        --json "$PHASE_DIR/decode_host.json" 2>&1 | tail -14 || rc=1
+    for r in 1 2; do
+        timeout 50 mini bench tiny-goodput --repeat 5 --json "$PHASE_DIR/goodput_default_$r.json" \
+            >"$PHASE_DIR/goodput_default_$r.log" 2>&1 || rc=1
+        timeout 50 mini bench tiny-goodput --repeat 5 --deterministic --json "$PHASE_DIR/goodput_det_$r.json" \
+            >"$PHASE_DIR/goodput_det_$r.log" 2>&1 || rc=1
+    done
+    for f in "$PHASE_DIR"/goodput_*.json; do
+        python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['metrics']; print(sys.argv[1].rsplit('/', 1)[1], \
+{k: round(m[k], 3) for k in ('tpot_p50_ms', 'ttft_p50_ms', 'request_throughput', 'failed')}, \
+'ttft+63*tpot', round(m['ttft_p50_ms'] + 63 * m['tpot_p50_ms'], 1))" "$f" || rc=1
+    done
+    return $rc
+}
+
 phase_det_gemm() {  # issue 17 item 4 (<= 170 s, no model build): the batch-invariant GEMM's kernel variants at the
     # rank4 step's GEMM shapes (tools/det_profile.py --variants-only: TMA descriptors, persistent, flattened
     # persistent, 128x256 tiles for bf16; 16-row tiles and the FMA-chain "fma-rows" kernel for the fp32 head at 1

@@ -17,6 +17,11 @@ step; the pure-decode steps at the full batch (after `--skip` of them) are summa
                   this is what is left of the host share; without, the same as host_share up to the loop)
 * schedule_ms, prepare_ms, forward_call_ms (host time of the launches / one replay), sample_ms: the host phases
 
+A mode with `+det` appended (e.g. `graphs+overlap+det`) runs the same with the deterministic mode on
+(EngineOptions.deterministic: batch-invariant kernels, fixed prefill chunks), switched off again after it: the
+mode's cost on a decode step with the scheduling held fixed (a burst's TPOT also moves with where prefill chunks
+land). `--rounds N` runs the mode list N times, interleaved, and reports each figure's median over the rounds.
+
 On CPU the graphs modes are left out and the GPU columns are absent.
 """
 from __future__ import annotations
@@ -26,6 +31,8 @@ import statistics
 import traceback
 
 import torch
+
+import mini.ops
 
 SUITE = "decode-host"
 MODES = ("eager", "graphs", "graphs+overlap", "eager+overlap")
@@ -37,7 +44,9 @@ def add_args(p) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--skip", type=int, default=3, help="full-batch decode steps not timed (warm-up)")
-    p.add_argument("--modes", default=",".join(MODES[:3]), help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES[:3]),
+                   help=f"comma-separated: {', '.join(MODES)}, each optionally with +det appended")
+    p.add_argument("--rounds", type=int, default=1, help="run the mode list this many times, interleaved")
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--host-threads", type=int, default=None,
@@ -49,14 +58,23 @@ def add_args(p) -> None:
 
 
 def _measure(model, config, tokenizer, args, device, mode: str) -> dict[str, float]:
-    from mini.engine import SamplingParams
     from mini.engine.llm import build_engine
-    graphs, overlap = mode.startswith("graphs"), mode.endswith("+overlap")
+    base, det = mode.removesuffix("+det"), mode.endswith("+det")
+    graphs, overlap = base.startswith("graphs"), base.endswith("+overlap")
     need = args.input_len + args.output_len + 1
-    engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, max_num_seqs=args.batch,
-                          max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                          max_model_len=args.max_model_len, enforce_eager=not graphs, overlap=overlap,
-                          num_blocks=None if device == "cuda" else args.batch * -(-need // 128))
+    try:
+        engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, max_num_seqs=args.batch,
+                              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                              max_model_len=args.max_model_len, enforce_eager=not graphs, overlap=overlap,
+                              deterministic=det, num_blocks=None if device == "cuda" else args.batch * -(-need // 128))
+        return _run_batch(engine, config, args, graphs, overlap, mode)
+    finally:
+        if det:  # process-wide: the next mode's engine must not capture with it
+            mini.ops.set_deterministic(False)
+
+
+def _run_batch(engine, config, args, graphs: bool, overlap: bool, mode: str) -> dict[str, float]:
+    from mini.engine import SamplingParams
     if graphs and engine.runner.graphs is None:
         raise ValueError("CUDA graphs need CUDA and the fast backend in bf16")
     if engine.overlap != overlap:
@@ -97,8 +115,11 @@ def run(args) -> dict:
     from mini.model import load_model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = [m for m in args.modes.split(",") if m]
-    if set(modes) - set(MODES):
-        raise ValueError(f"--modes: some of {', '.join(MODES)} (graphs on CUDA only), got {args.modes!r}")
+    if {m.removesuffix("+det") for m in modes} - set(MODES):
+        raise ValueError(f"--modes: some of {', '.join(MODES)}, each optionally +det (graphs on CUDA only), "
+                         f"got {args.modes!r}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if device != "cuda":
         modes = [m for m in modes if not m.startswith("graphs")]
     if not modes:
@@ -106,18 +127,22 @@ def run(args) -> dict:
     if args.host_threads is not None:
         torch.set_num_threads(args.host_threads)
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
-    metrics, failed = {}, {}
-    for mode in modes:
-        try:
-            for k, v in _measure(model, config, tokenizer, args, device, mode).items():
-                metrics[f"{mode}_{k}"] = v
-        except Exception as e:  # one mode failing keeps the others' numbers (a device call measures them all)
-            if len(modes) == 1:
-                raise
-            traceback.print_exc()
-            failed[mode] = f"{type(e).__name__}: {e}"
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    samples, failed = {}, {}
+    for _ in range(args.rounds):
+        for mode in modes:
+            if mode in failed:
+                continue
+            try:
+                for k, v in _measure(model, config, tokenizer, args, device, mode).items():
+                    samples.setdefault(f"{mode}_{k}", []).append(v)
+            except Exception as e:  # one mode failing keeps the others' numbers (a device call measures them all)
+                if len(modes) == 1:
+                    raise
+                traceback.print_exc()
+                failed[mode] = f"{type(e).__name__}: {e}"
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    metrics = {k: statistics.median(v) for k, v in samples.items()}
     if not metrics:
         raise RuntimeError(f"every mode failed: {failed}")
     rows = list(dict.fromkeys(k.split("_", 1)[1] for k in metrics))
@@ -126,7 +151,7 @@ def run(args) -> dict:
         print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):16.3f}" for m in modes))
     definition = {"model": args.model, "device": device, "dtype": "bfloat16", "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
-                  "modes": ",".join(modes), "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "modes": ",".join(modes), "rounds": args.rounds, "max_num_batched_tokens": args.max_num_batched_tokens,
                   "max_model_len": args.max_model_len, "host_threads": torch.get_num_threads()}
     result = {"suite": SUITE, "definition": definition, "metrics": metrics}
     if failed:

@@ -62,3 +62,22 @@ def test_decode_host_reports_every_mode_on_the_gpu():
         assert m[f"{mode}_gpu_ms"] > 0 and abs(m[f"{mode}_host_share"]) < 1
         assert m[f"{mode}_period_ms"] > 0 and abs(m[f"{mode}_gpu_idle_share"]) < 1
     assert m["graphs_gpu_ms"] < m["graphs_step_ms"]
+
+
+def test_det_modes_and_rounds_on_cpu(monkeypatch):
+    """`+det` runs a mode with the deterministic mode on and switches it off after; `--rounds` interleaves the
+    mode list and reports medians."""
+    import mini.bench.decode_host as dh
+    import mini.ops
+    seen, run_batch = [], dh._run_batch
+
+    def spy(engine, config, args, graphs, overlap, mode):
+        seen.append((mode, mini.ops.deterministic(), engine.scheduler.config.chunk_tokens > 0))
+        return run_batch(engine, config, args, graphs, overlap, mode)
+
+    monkeypatch.setattr(dh, "_run_batch", spy)
+    res = SUITES["decode-host"](_args("--device", "cpu", "--modes", "eager,eager+det", "--rounds", "2"))
+    assert seen == [("eager", False, False), ("eager+det", True, True)] * 2 and not mini.ops.deterministic()
+    assert res["definition"]["rounds"] == 2 and res["metrics"]["eager+det_steps"] == 4
+    with pytest.raises(ValueError, match="rounds"):
+        SUITES["decode-host"](_args("--device", "cpu", "--rounds", "0"))
