@@ -128,6 +128,20 @@ phase_fidelity_diag() {  # issue 12 (<= 150 s): where the fast backend parts fro
     return $rc
 }
 
+phase_fidelity_ensemble() {  # issue 12 (<= 150 s): how far one fp32 ulp carries on f1/f2 on the GPU. The official
+    # algorithm (reference backend on CUDA) and the fast backend, each with every mHC mix moved by at most one ulp at
+    # random, 8 seeds (tools/fidelity_diag.py order-ensemble --sites mixes_ulp). Look at the summary lines: prefill
+    # rel-MAE min / median / max and how many seeds meet the 2x bound (rel-MAE and top-1) for each backend. On the
+    # CPU with the fixtures' own sums (MKL AVX2): f1 1 of 8 meet it, f2 5 of 8 (docs/fidelity.md).
+    local rc=0 b
+    for b in reference fast; do
+        timeout 70 python3 tools/fidelity_diag.py order-ensemble --fixture f1,f2 --sites mixes_ulp --seeds 8 \
+            --backend "$b" --device cuda --json "$PHASE_DIR/$b.json" >"$PHASE_DIR/$b.log" 2>&1 || rc=1
+        grep "seeds" "$PHASE_DIR/$b.log" || tail -5 "$PHASE_DIR/$b.log"
+    done
+    return $rc
+}
+
 # ---------------------------------------------------------------- phases: measurements (docs/perf/README.md)
 # Folded from the former scripts/gpu_{final,attention,moe,gate,humming,flashmla,ep2}.sh. Durations are those
 # measured on the H200 in reports 004-007; give each phase a cap above them (`NAME:SECONDS`). Knobs are

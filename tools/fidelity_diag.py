@@ -268,7 +268,9 @@ def order_ensemble(args) -> int:
     from mini.formats.quant import quant_fp8
     from mini import ops
     torch.set_num_threads(1)
-    ops.set_backend("reference")
+    ops.set_backend(args.backend)
+    if args.backend == "fast" and set(args.sites.split(",")) - {"mixes_ulp"}:
+        raise ValueError("--backend fast: only the mixes_ulp site reaches the fast path's fused kernels")
     gen = torch.Generator().manual_seed(0)
 
     def perm(n: int) -> torch.Tensor:
@@ -294,27 +296,47 @@ def order_ensemble(args) -> int:
         p = perm(x.shape[-1]).to(x.device)
         return x.float()[..., p] @ weight.float()[:, p].t()
 
+    pre_norm = mhc_mod.pre_norm
+
+    def pre_norm_ulp(*a, **kw):
+        """Every mix (pre, post, comb) one fp32 ulp up or down or kept, at random: the size of the difference any
+        other summation order of the mixes' projection makes, on either backend (the fast one sums inside its
+        fused kernel, out of reach of a permutation)."""
+        x, *mixes = pre_norm(*a, **kw)
+        out = []
+        for m in mixes:
+            step = torch.randint(-1, 2, m.shape, generator=gen).to(m.device)
+            up, down = torch.nextafter(m, torch.full_like(m, float("inf"))), torch.nextafter(m, torch.full_like(
+                m, float("-inf")))
+            out.append(torch.where(step > 0, up, torch.where(step < 0, down, m)))
+        return (x, *out)
+
     if args.index_ties == "newer":
         from mini.ops import indexer
         indexer.RANK_AS_OFFICIAL = False
     sites = {"mhc": (mhc_mod, "_projected", mhc_permuted), "gemm": (linear_mod, "blockwise_gemm", gemm_permuted),
-             "gate": (moe_mod, "_gate_logits", gate_permuted)}
+             "gate": (moe_mod, "_gate_logits", gate_permuted), "mixes_ulp": (mhc_mod, "pre_norm", pre_norm_ulp)}
     for site in args.sites.split(","):
         mod, fname, fn = sites[site]
         setattr(mod, fname, fn)
     rows = []
     for fixture in args.fixture.split(","):
-        model = of.load(fixture)
+        model = of.load(fixture, args.device)
         for seed in range(args.seeds):
             gen.manual_seed(seed)
-            r = of.measure(fixture, model=model)
+            r = of.measure(fixture, args.device, model=model)
             rows.append({"fixture": fixture, "seed": seed, "prefill": r.prefill.row(), "decode": r.decode.row()})
             print(json.dumps(rows[-1]))
         got = sorted(x["prefill"]["rel_mae"] for x in rows if x["fixture"] == fixture)
         bound = 2 * of.own_noise(fixture).rel_mae
-        print(f"{fixture} sites {args.sites} ties {args.index_ties}: prefill rel-MAE over {len(got)} seeds min "
-              f"{got[0]:.4f} median {got[len(got) // 2]:.4f} max {got[-1]:.4f}; {sum(g > bound for g in got)} of "
-              f"{len(got)} above 2x the reference's own noise ({bound:.4f})")
+        top1 = sorted(x["prefill"]["top1"] for x in rows if x["fixture"] == fixture)
+        noise = of.own_noise(fixture)
+        meets = sum(x["prefill"]["rel_mae"] <= bound and x["prefill"]["top1"] >= noise.top1
+                    for x in rows if x["fixture"] == fixture)
+        print(f"{fixture} {args.backend} on {args.device}, sites {args.sites}, ties {args.index_ties}: prefill "
+              f"rel-MAE over {len(got)} seeds min {got[0]:.4f} median {got[len(got) // 2]:.4f} max {got[-1]:.4f}; "
+              f"{sum(g > bound for g in got)} of {len(got)} above 2x the reference's own noise ({bound:.4f}); top-1 "
+              f"median {top1[len(top1) // 2]:.3f} (its own {noise.top1:.3f}); {meets} of {len(got)} meet both")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
@@ -548,7 +570,10 @@ def main(argv=None) -> int:
     si.add_argument("--json", default=None)
     e = sub.add_parser("order-ensemble", help="the reference with its fp32 sums in a random order, one per seed")
     e.add_argument("--fixture", default="f1,f2")
-    e.add_argument("--sites", default="mhc,gemm,gate", help="comma-separated of mhc, gemm, gate")
+    e.add_argument("--sites", default="mhc,gemm,gate", help="comma-separated of mhc, gemm, gate, mixes_ulp")
+    e.add_argument("--backend", default="reference", choices=["reference", "fast"],
+                   help="fast: only with --sites mixes_ulp")
+    e.add_argument("--device", default="cpu")
     e.add_argument("--index-ties", choices=["official", "newer"], default="official")
     e.add_argument("--seeds", type=int, default=8)
     e.add_argument("--json", default=None)

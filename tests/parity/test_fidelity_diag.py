@@ -72,3 +72,17 @@ def test_decode_search_finds_the_fed_token_and_no_one_token_cause_of_f2_step_6()
     head, best, summary = search(6)
     assert head["position"] == 102 and head["max_abs"] > 0.3, head
     assert summary["reproduced"] == [] and best["max_abs"] > head["max_abs"], (head, best)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="reproducing f2 needs MKL's AVX2 code path (this CPU has no AVX2)")
+def test_one_ulp_on_the_mixes_moves_f2():
+    """`order-ensemble --sites mixes_ulp`: every mHC mix moved by at most one fp32 ulp, at random per seed. The
+    reference reproduces f2 bit for bit unperturbed; a seed's ulps alone move its logits (docs/fidelity.md: how
+    far one ulp carries on these models), and two seeds move them differently."""
+    lines = _run("order-ensemble", "--fixture", "f2", "--sites", "mixes_ulp", "--seeds", "2")
+    rows = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 and all(r["prefill"]["rel_mae"] > 0.005 for r in rows), rows
+    assert rows[0]["prefill"] != rows[1]["prefill"] and "meet both" in lines, lines
+    with pytest.raises(AssertionError, match="only the mixes_ulp site"):
+        _run("order-ensemble", "--fixture", "f2", "--sites", "mhc", "--backend", "fast")
