@@ -269,8 +269,9 @@ def order_ensemble(args) -> int:
     from mini import ops
     torch.set_num_threads(1)
     ops.set_backend(args.backend)
-    if args.backend == "fast" and set(args.sites.split(",")) - {"mixes_ulp"}:
-        raise ValueError("--backend fast: only the mixes_ulp site reaches the fast path's fused kernels")
+    if args.backend == "fast" and set(args.sites.split(",")) - {"mixes_ulp", "mixes_copy"}:
+        raise ValueError("--backend fast: only the mixes_ulp (and mixes_copy) sites reach the fast path's fused "
+                         "kernels")
     gen = torch.Generator().manual_seed(0)
 
     def perm(n: int) -> torch.Tensor:
@@ -311,11 +312,17 @@ def order_ensemble(args) -> int:
             out.append(torch.where(step > 0, up, torch.where(step < 0, down, m)))
         return (x, *out)
 
+    def pre_norm_copy(*a, **kw):
+        """The control of mixes_ulp: the mixes copied, not moved (the wrapper alone must change nothing)."""
+        x, *mixes = pre_norm(*a, **kw)
+        return (x, *[m.clone() for m in mixes])
+
     if args.index_ties == "newer":
         from mini.ops import indexer
         indexer.RANK_AS_OFFICIAL = False
     sites = {"mhc": (mhc_mod, "_projected", mhc_permuted), "gemm": (linear_mod, "blockwise_gemm", gemm_permuted),
-             "gate": (moe_mod, "_gate_logits", gate_permuted), "mixes_ulp": (mhc_mod, "pre_norm", pre_norm_ulp)}
+             "gate": (moe_mod, "_gate_logits", gate_permuted), "mixes_ulp": (mhc_mod, "pre_norm", pre_norm_ulp),
+             "mixes_copy": (mhc_mod, "pre_norm", pre_norm_copy)}
     for site in args.sites.split(","):
         mod, fname, fn = sites[site]
         setattr(mod, fname, fn)
@@ -570,9 +577,10 @@ def main(argv=None) -> int:
     si.add_argument("--json", default=None)
     e = sub.add_parser("order-ensemble", help="the reference with its fp32 sums in a random order, one per seed")
     e.add_argument("--fixture", default="f1,f2")
-    e.add_argument("--sites", default="mhc,gemm,gate", help="comma-separated of mhc, gemm, gate, mixes_ulp")
+    e.add_argument("--sites", default="mhc,gemm,gate", help="comma-separated of mhc, gemm, gate, mixes_ulp, "
+                   "mixes_copy (the control of mixes_ulp: copies only)")
     e.add_argument("--backend", default="reference", choices=["reference", "fast"],
-                   help="fast: only with --sites mixes_ulp")
+                   help="fast: only with --sites mixes_ulp or mixes_copy")
     e.add_argument("--device", default="cpu")
     e.add_argument("--index-ties", choices=["official", "newer"], default="official")
     e.add_argument("--seeds", type=int, default=8)
