@@ -151,8 +151,9 @@ def run(args) -> dict:
         print(f"{r:16s}" + "".join(f"{metrics.get(f'{m}_{r}', float('nan')):16.3f}" for m in modes))
     definition = {"model": args.model, "device": device, "dtype": "bfloat16", "batch": args.batch,
                   "input_len": args.input_len, "output_len": args.output_len, "skip": args.skip,
-                  "modes": ",".join(modes), "rounds": args.rounds, "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "max_model_len": args.max_model_len, "host_threads": torch.get_num_threads()}
+                  "modes": ",".join(modes), "rounds": args.rounds,
+                  "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+                  "host_threads": torch.get_num_threads()}
     result = {"suite": SUITE, "definition": definition, "metrics": metrics}
     if failed:
         print(f"FAILED modes: {failed}")
