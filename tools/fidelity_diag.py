@@ -268,7 +268,9 @@ def order_ensemble(args) -> int:
     from mini.formats.quant import quant_fp8
     from mini import ops
     torch.set_num_threads(1)
-    ops.set_backend(args.backend)
+    # on a CPU the fast kernels run under Triton's interpreter (TRITON_INTERPRET=1; ~2 min a fixture)
+    ops.set_backend(args.backend, **({"interpret_on_cpu": True} if args.backend == "fast" and args.device == "cpu"
+                                     else {}))
     if args.backend == "fast" and set(args.sites.split(",")) - {"mixes_ulp", "mixes_copy"}:
         raise ValueError("--backend fast: only the mixes_ulp (and mixes_copy) sites reach the fast path's fused "
                          "kernels")
