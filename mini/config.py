@@ -12,6 +12,30 @@ from functools import cached_property
 from pathlib import Path
 
 
+# ---------------------------------------------------------------------- vision block of config.json
+_VISION_KEYS = {  # config.json `vision_config` key -> ModelConfig field
+    "num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim", "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim", "patch_size": "vision_patch_size", "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio", "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels", "max_wh_ratio": "vision_max_wh_ratio",
+}
+
+
+def _vision_fields(cfg: dict) -> dict:
+    """The vision block's fields from a (flattened) config.json: the release's nested `vision_config`, or the
+    reference ModelArgs' flat `vision_*` names. `vision_n_layers` 0 (or no block) means no vision tower."""
+    nested = cfg.get("vision_config") or {}
+    out = {}
+    for hf, ours in _VISION_KEYS.items():
+        value = nested.get(hf, cfg.get(ours))
+        if value is not None or (hf == "max_wh_ratio" and hf in nested):
+            out[ours] = value
+    if cfg.get("image_token_id") is not None:
+        out["image_token_id"] = int(cfg["image_token_id"])
+    out["vision"] = bool(nested or cfg.get("vision_n_layers")) and out.get("vision_n_layers", 0) > 0
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     version: str = "v4.1"  # "v4.1" or "v4"
@@ -71,7 +95,20 @@ class ModelConfig:
     expert_dtype: str = "fp4"  # MXFP4 routed experts
     # recognised and skipped (separate work)
     n_mtp_layers: int = 0
-    vision: bool = False
+    # ---- vision tower (V4.1; spec §2.8, official vision.py / image_processor.py). Defaults: the official ModelArgs
+    vision: bool = False  # the checkpoint has a ViT + aligner (config.json `vision_config`)
+    vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816  # SwiGLU: mlp.w1 is [2 * inter, dim]
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3  # the aligner's pixel-unshuffle: ratio x ratio patches -> one LLM token
+    vision_max_n_token: int = 1024  # token cap of one image span (start, rows + newlines, end)
+    vision_min_pixels: int = 544 * 544  # smaller images are upscaled to about this area
+    vision_max_wh_ratio: float | None = None  # wider images are squashed to this aspect ratio (None: never)
+    image_token_id: int = 129264  # every position of an image span carries this id
+    # ---- end of the vision block
     bos_id: int = 0
     eos_id: int = 1
 
@@ -132,6 +169,12 @@ class ModelConfig:
                      "candidate blocks must cover at least index_topk positions")
             need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
                  "engram_num_embeddings must have one entry per engram layer")
+            if self.vision:
+                need(self.vision_n_layers > 0 and self.vision_dim % self.vision_n_heads == 0
+                     and (self.vision_dim // self.vision_n_heads) % 4 == 0,
+                     "the vision tower needs layers and a head dim that is a multiple of 4 (2D RoPE halves)")
+                need(self.vision_max_n_token >= 4, "vision_max_n_token must leave room for one token row")
+                need(0 <= self.image_token_id < self.vocab_size, "image_token_id outside the vocabulary")
         else:
             need(all(r in (0, 4, 128) for r in self.compress_ratios), "V4 ratios must be 0, 4 or 128")
         return self
@@ -145,7 +188,7 @@ class ModelConfig:
         if "text_config" in cfg:
             cfg = {**cfg["text_config"], "model_type": model_type, "quantization_config":
                    cfg.get("quantization_config", cfg["text_config"].get("quantization_config")),
-                   "vision_config": cfg.get("vision_config")}
+                   "vision_config": cfg.get("vision_config"), "image_token_id": cfg.get("image_token_id")}
         is_v41 = model_type.startswith("deepseek_v41") or "kv_source_layer_ids" in cfg or "kv_source_layers" in cfg
 
         def get(*names, default=None):
@@ -203,7 +246,7 @@ class ModelConfig:
             fp8_block=int(block[0]),
             expert_dtype=expert_dtype or "fp4",
             n_mtp_layers=mtp,
-            vision=bool(cfg.get("vision_config")) or int(get("vision_n_layers", default=0)) > 0,
+            **_vision_fields(cfg),
             bos_id=get("bos_token_id", default=0),
             eos_id=get("eos_token_id", default=1),
         )
@@ -268,9 +311,14 @@ class ModelConfig:
                 "engram_compressed_vocab_size": self.engram_compressed_vocab_size,
             })
             quant["expert_dtype"] = self.expert_dtype
-            return {"architectures": ["DeepseekV41ForConditionalGeneration"], "model_type": "deepseek_v41",
-                    "text_config": text, "quantization_config": quant, "torch_dtype": "bfloat16",
-                    "bos_token_id": self.bos_id, "eos_token_id": self.eos_id}
+            out = {"architectures": ["DeepseekV41ForConditionalGeneration"], "model_type": "deepseek_v41",
+                   "text_config": text, "quantization_config": quant, "torch_dtype": "bfloat16",
+                   "bos_token_id": self.bos_id, "eos_token_id": self.eos_id}
+            if self.vision:
+                out["image_token_id"] = self.image_token_id
+                out["vision_config"] = {"model_type": "deepseek_v41_vision",
+                                        **{hf: getattr(self, ours) for hf, ours in _VISION_KEYS.items()}}
+            return out
         text.update({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
                      "num_hash_layers": self.n_hash_layers, "quantization_config": {**quant, "fmt": "e4m3"},
                      "expert_dtype": self.expert_dtype})
@@ -379,8 +427,15 @@ TINY_V4 = ModelConfig(
     norm_eps=1e-6, engram_layer_ids=(), engram_num_embeddings=(), engram_max_ngram_size=1, engram_n_heads=0,
     engram_head_dim=0, engram_compressed_vocab_size=0, fp8_block=128)
 
+# tiny-v4.1 with a vision tower: a 2-block ViT at f3's widths (dim 64, 2 heads), images of up to 64 tokens.
+# A preset of its own, so tiny-v4.1's cached checkpoint (and every figure measured on it) stays as it is.
+TINY_V41_VL = TINY_V41.replace(
+    vision=True, vision_n_layers=2, vision_dim=64, vision_n_heads=2, vision_inter_dim=64, vision_max_n_token=64,
+    vision_min_pixels=84 * 84, image_token_id=510)
+
 PRESETS: dict[str, ModelConfig] = {
     "v4.1-flash": V41_FLASH, "v4-flash": V4_FLASH, "v4-pro": V4_PRO, "tiny-v4.1": TINY_V41, "tiny-v4": TINY_V4,
+    "tiny-v4.1-vl": TINY_V41_VL,
 }
 
 
