@@ -212,7 +212,7 @@ class LLMEngine:
                        else self._rng.getrandbits(62), eos_token_id=self.config.eos_id,
                        max_total_tokens=self.max_model_len)
         if self.tokenizer is not None:
-            seq.detok = self.tokenizer.stream(skip_special_tokens=True)
+            seq.detok = self.tokenizer.stream(skip_special_tokens=params.skip_special_tokens)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         self.requests[request_id] = seq

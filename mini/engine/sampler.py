@@ -96,20 +96,30 @@ class SamplingBatch:
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3], frequency=floats[4],
             repetition=floats[5], top_k=ints[0], seeds=ints[1], counters=ints[2],
-            output_counts=out_counts, seen=seen, bias=_logit_bias(ps, vocab, device), allowed=allowed,
+            output_counts=out_counts, seen=seen, bias=_logit_bias(seqs, vocab, device), allowed=allowed,
             n_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
             all_greedy=all(p.temperature == 0 for p in ps),
             any_filter=any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in ps))
 
 
-def _logit_bias(ps: list, vocab: int, device) -> torch.Tensor | None:
-    if not any(p.logit_bias for p in ps):
+# below min_tokens, EOS and stop_token_ids get this bias: never drawn, except where a grammar allows nothing else
+# (-inf would leave such a row no token at all)
+HOLD_BIAS = -1e30
+
+
+def _logit_bias(seqs: list[Sequence], vocab: int, device) -> torch.Tensor | None:
+    """OpenAI's logit_bias, and min_tokens' hold on the tokens that would end the output."""
+    held = [s for s in seqs if s.num_output_tokens < s.params.min_tokens]
+    if not held and not any(s.params.logit_bias for s in seqs):
         return None
-    bias = torch.zeros(len(ps), vocab, dtype=torch.float32)
-    for i, p in enumerate(ps):
-        for tid, value in (p.logit_bias or {}).items():
+    bias = torch.zeros(len(seqs), vocab, dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        for tid, value in (s.params.logit_bias or {}).items():
             if tid < vocab:
                 bias[i, tid] = value
+        if s.num_output_tokens < s.params.min_tokens:
+            ends = [t for t in (*s.params.stop_token_ids, s.eos_token_id) if t is not None and t < vocab]
+            bias[i, ends] = HOLD_BIAS
     return to_device(bias, device)
 
 

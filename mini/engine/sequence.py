@@ -37,6 +37,8 @@ class SamplingParams:
     grammar: str | None = None  # llguidance Lark grammar the output must follow (mini.engine.structured)
     share_prompt: bool = False  # other requests will take this prompt from the prefix cache (n > 1): end its
     # prefill with a snapshot at the prompt's last block boundary (see mini.engine.scheduler)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens (vLLM's min_tokens)
+    skip_special_tokens: bool = True  # the text leaves out BOS / EOS / pad (role and think markers always stay)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -63,6 +65,8 @@ class SamplingParams:
         need(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         need(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(0 < self.repetition_penalty <= 10 and math.isfinite(self.repetition_penalty),

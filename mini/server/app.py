@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -73,13 +73,41 @@ def _parse(raw: bytes, schema):
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":  # never accepted and ignored
-            raise ApiError(f"'{loc}' is not supported by this server", param=loc,
-                           code="unsupported_parameter") from None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ApiError(f"invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
+        raise validation_error(e, data) from None
+
+
+def validation_error(e: ValidationError, data) -> ApiError:
+    """The first problem of a validation error as an ApiError naming the field as the client wrote it (pydantic's
+    location also names the union members it tried, e.g. `reasoning_effort.literal['low', ...]`), with what each
+    member would have accepted."""
+    errors = e.errors()
+    first = errors[0]
+    loc = field_path(first["loc"], data, first["type"] == "missing")
+    if first["type"] == "extra_forbidden":  # never accepted and ignored
+        return ApiError(f"'{loc}' is not supported by this server", param=loc, code="unsupported_parameter")
+    # a union's members each report their own error at the same field: say what any of them accepts
+    msgs = [err["msg"].removeprefix("Value error, ") for err in errors
+            if field_path(err["loc"], data, err["type"] == "missing") == loc and err["type"] != "extra_forbidden"]
+    msg = " or ".join(dict.fromkeys(m[0].lower() + m[1:] if m.startswith("Input should") else m for m in msgs))
+    return ApiError(f"invalid value for '{loc}': {msg}" if loc else msg, param=loc or None)
+
+
+def field_path(loc: tuple, data, missing: bool = False) -> str:
+    """A validation error's location as the client's field path: the keys and indexes that exist in the request
+    (pydantic adds the union member it tried, `literal[...]`, `int`, `function-after[...]`, which do not), and
+    for a `missing` error the key left out."""
+    parts, value = [], data
+    for k, part in enumerate(loc):
+        if missing and k == len(loc) - 1 and isinstance(part, str) and isinstance(value, dict):
+            parts.append(("." if parts else "") + part)
+            break
+        if isinstance(part, int) and isinstance(value, list) and 0 <= part < len(value):
+            parts.append(f"[{part}]")
+            value = value[part]
+        elif isinstance(part, str) and isinstance(value, dict) and part in value:
+            parts.append(("." if parts else "") + part)
+            value = value[part]
+    return "".join(parts)
 
 
 def json_depth(value) -> int:
@@ -219,21 +247,24 @@ class OpenAIServer:
                 task.cancel()
                 raise ApiError("client disconnected", status=499)
 
-    def _token_text(self, tid: int) -> str:
+    def _token_text(self, tid: int, as_id: bool = False) -> str:
+        """A token's text in logprobs; `as_id` (return_tokens_as_token_ids): "token_id:N", as vLLM writes it."""
+        if as_id:
+            return f"token_id:{tid}"
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
 
     # ------------------------------------------------------------------ /v1/completions
-    def _completion_logprobs(self, out: RequestOutput, n_new: int, offset: int) -> dict | None:
+    def _completion_logprobs(self, out: RequestOutput, n_new: int, offset: int, as_ids: bool) -> dict | None:
         lps = out.logprobs[len(out.logprobs) - n_new:] if n_new else []
         if not out.logprobs and not lps:
             return None
-        tokens = [self._token_text(lp.token_id) for lp in lps]
+        tokens = [self._token_text(lp.token_id, as_ids) for lp in lps]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top.items()} for lp in lps],
+                "top_logprobs": [{self._token_text(t, as_ids): v for t, v in lp.top.items()} for lp in lps],
                 "text_offset": offsets}
 
     async def completions(self, request: Request):
@@ -243,109 +274,147 @@ class OpenAIServer:
             params = req.sampling_params(16, req.logprobs)
         except ValueError as e:
             raise ApiError(str(e)) from None
+        params.grammar = req.grammar()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = await self._start_n(req.prompt, params, rid, req.n)
-        want_lp = req.logprobs is not None
+        want_lp, as_ids = req.logprobs is not None, req.return_tokens_as_token_ids
+        echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
         if not req.stream:
             choices = []
             outs = await self._final(stream, request)
             for i, out in enumerate(outs):
-                choice = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                          "logprobs": self._completion_logprobs(out, len(out.token_ids), 0) if want_lp else None}
+                choice = {"index": i, "text": echo + out.text, "finish_reason": out.finish_reason,
+                          "logprobs": self._completion_logprobs(out, len(out.token_ids), 0, as_ids)
+                          if want_lp else None}
                 if isinstance(out.stop_reason, (str, int)):
                     choice["stop_reason"] = out.stop_reason
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                                  "model": self.model_name, "choices": choices, "usage": _usage(*outs)})
 
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices}
+            return _sse({**body, "usage": usage} if usage is not None else body)
+
         async def events():
             sent = [0] * req.n
             last = {}
+            if echo:
+                for i in range(req.n):
+                    yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
             try:
                 async for i, out in stream:
                     last[i] = out
                     if out.new_token_ids or out.finished:  # one chunk per token, even if its text is held back
-                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent[i]) if want_lp else None
-                        yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": self.model_name, "choices": [
-                                        {"index": i, "text": out.new_text, "logprobs": lp,
-                                         "finish_reason": out.finish_reason if out.finished else None}]})
+                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent[i], as_ids) \
+                            if want_lp else None
+                        yield chunk([{"index": i, "text": out.new_text, "logprobs": lp,
+                                      "finish_reason": out.finish_reason if out.finished else None}],
+                                    _usage(*last.values()) if req.continuous_usage else None)
                         sent[i] += len(out.new_text)
             except RuntimeError as e:
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
                 return
             if req.include_usage and last:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage(*last.values())})
+                yield chunk([], _usage(*last.values()))
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    def _chat_logprobs(self, out: RequestOutput, n_new: int) -> dict:
+    def _chat_logprobs(self, out: RequestOutput, n_new: int, as_ids: bool = False) -> dict:
         lps = out.logprobs[len(out.logprobs) - n_new:] if n_new else []
 
         def entry(tid, lp):
-            text = self._token_text(tid)
+            text = self._token_text(tid, as_ids)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
 
-    async def chat(self, request: Request):
-        req = await parse_body(request, ChatCompletionRequest)
+    async def start_chat(self, req: ChatCompletionRequest, rid: str) -> ChatRun:
+        """A chat request checked, rendered to V4.1's prompt, constrained as its tools / format ask, and submitted:
+        the one path from a request to the engine for chat completions, the Responses API and Anthropic's
+        Messages (which translate their requests into a ChatCompletionRequest)."""
         self._check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        req.max_tokens = max_tokens
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
         try:
             params = req.sampling_params(None, n_lp)
+        except ValueError as e:
+            raise ApiError(str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
+        try:
             prompt = req.prompt()
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
         try:
             params.grammar = req.grammar()
         except ValueError as e:
-            raise ApiError(str(e), param="response_format" if req.response_format else "tools") from None
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            raise ApiError(str(e), param="structured_outputs" if req.structured_outputs else
+                           "response_format" if req.response_format else "tools") from None
         stream = await self._start_n(prompt, params, rid, req.n)
         names = req.tool_names if req.parses_tool_calls else None
-        choices = [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)]
+        return ChatRun(req, rid, int(time.time()), stream,
+                       [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)])
+
+    async def chat(self, request: Request):
+        req = await parse_body(request, ChatCompletionRequest)
+        run = await self.start_chat(req, f"chatcmpl-{uuid.uuid4().hex}")
+        rid, created, stream, choices, as_ids = run.id, run.created, run.stream, run.choices, \
+            req.return_tokens_as_token_ids
+        tier = {"service_tier": "default"} if req.service_tier is not None else {}
         if not req.stream:
             outs = await self._final(stream, request)
             body = [{"index": i, "message": c.message(out), "finish_reason": c.finish_reason(out),
-                     "logprobs": self._chat_logprobs(out, len(out.token_ids)) if req.logprobs else None}
+                     "logprobs": self._chat_logprobs(out, len(out.token_ids), as_ids) if req.logprobs else None}
                     for i, (c, out) in enumerate(zip(choices, outs))]
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                                 "model": self.model_name, "choices": body, "usage": _usage(*outs)})
+                                 "model": self.model_name, "choices": body, "usage": _usage(*outs), **tier})
 
-        def chunk(i: int, delta: dict, finish=None, lp=None):
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
+        def chunk(choices_: list[dict], usage: dict | None = None):
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    **tier, "choices": choices_}
+            return _sse({**body, "usage": usage} if usage is not None else body)
+
+        def choice(i: int, delta: dict, finish=None, lp=None):
+            return [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]
 
         async def events():
             for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                yield chunk(choice(i, {"role": "assistant", "content": ""}))
             last = {}
             try:
                 async for i, out in stream:
                     last[i] = out
-                    lp = self._chat_logprobs(out, len(out.new_token_ids)) if req.logprobs else None
+                    usage = _usage(*last.values()) if req.continuous_usage else None
+                    lp = self._chat_logprobs(out, len(out.new_token_ids), as_ids) if req.logprobs else None
                     for k, delta in enumerate(choices[i].deltas(out)):
                         # one chunk per token (its text may be held back), as in completions; calls as they grow
                         if (k == 0 and out.new_token_ids and (any(delta.values()) or not out.finished)) or k > 0:
-                            yield chunk(i, delta, lp=lp)
+                            yield chunk(choice(i, delta, lp=lp), usage)
                             lp = None
                     if out.finished:
-                        yield chunk(i, {}, finish=choices[i].finish_reason(out), lp=lp)
+                        yield chunk(choice(i, {}, finish=choices[i].finish_reason(out), lp=lp), usage)
             except RuntimeError as e:
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
                 return
             if req.include_usage and last:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [], "usage": _usage(*last.values())})
+                yield chunk([], _usage(*last.values()))
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@dataclass
+class ChatRun:
+    """A chat request submitted to the engine (OpenAIServer.start_chat): its choices' outputs as (index, output)
+    pairs, and per choice how its text reads (reasoning, content, tool calls)."""
+    request: ChatCompletionRequest
+    id: str
+    created: int
+    stream: AsyncIterator[tuple[int, RequestOutput]]
+    choices: list[ChatChoice]
 
 
 def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: Policy | None = None) -> FastAPI:
@@ -359,7 +428,7 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: P
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
-    app.add_middleware(Guard, policy=policy)  # added last: the outermost
+    app.add_middleware(Guard, policy=policy, routes=app.router.routes)  # added last: the outermost
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -431,7 +500,8 @@ def policy_from_args(args) -> Policy:
     else:
         hosts = (*LOOPBACK_HOSTS, args.host.lower())
     return Policy(api_key=args.api_key, allowed_origins=split_list(args.allowed_origins), allowed_hosts=hosts,
-                  max_body_bytes=args.max_body_mb * 1000 * 1000, read_timeout_s=args.request_timeout)
+                  max_body_bytes=args.max_body_mb * 1000 * 1000, read_timeout_s=args.request_timeout,
+                  metrics_need_key=getattr(args, "metrics_need_key", False))
 
 
 def exposure_warning(host: str, policy: Policy) -> str | None:
@@ -455,6 +525,7 @@ def startup_line(app: FastAPI, url: str) -> str:
     """One line: model, dtype and device, the backends chosen, the cache, memory, warm-up and address."""
     import torch
 
+    from mini import switches
     from mini.ops.backends import current
     engine = app.state.server.llm.engine
     o, runner = engine.options, engine.runner
@@ -465,7 +536,8 @@ def startup_line(app: FastAPI, url: str) -> str:
         memory = f"RSS {_rss_bytes() / 2**30:.2f} GiB"
     warm = getattr(engine, "warmup_s", None)
     return (f"mini serve: {app.state.server.model_name} · {str(o.dtype).removeprefix('torch.')} on {runner.device}"
-            f" · {current()}, decode {'CUDA graphs' if runner.graphs is not None else 'eager'}"
+            f" · {current()} (switches: {switches.current()}), decode"
+            f" {'CUDA graphs' if engine.decode_graphs else 'eager'}"
             f"{', overlapped' if engine.overlap else ''} · cache {engine.blocks.n_blocks} blocks x "
             f"{engine.blocks.block_tokens} positions, context {engine.max_model_len:,} · {memory}"
             f"{f' · warmed up in {warm:.1f} s' if warm is not None else ''} · {url}"

@@ -14,6 +14,7 @@ greedy otherwise, so "any text without X, then X" written as a regex intersectio
 from __future__ import annotations
 
 import json
+import re
 
 from mini.tokenizer import CALLS_CLOSE, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
     param_open
@@ -128,3 +129,15 @@ def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool
         answer = [f"answer: {block}"]
     body = [*answer, f"call: {' | '.join(invokes)}", *rules]
     return _with_reasoning(body, thinking)
+
+
+def regex_grammar(pattern: str, thinking: bool = False) -> str:
+    """The output matches `pattern` (Rust regex syntax, as llguidance reads it; vLLM's guided_regex). A `/`
+    not already escaped is escaped: Lark's regex literals end at one."""
+    escaped = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", pattern).replace("\n", "\\n")
+    return _with_reasoning([f"answer: /{escaped}/"], thinking)
+
+
+def choice_grammar(choices: list[str], thinking: bool = False) -> str:
+    """The output is one of `choices`, exactly (vLLM's guided_choice)."""
+    return _with_reasoning([f"answer: {' | '.join(_lit(c) for c in choices)}"], thinking)

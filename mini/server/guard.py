@@ -25,6 +25,10 @@ log = logging.getLogger("mini.server")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_BODY_BYTES = 16 * 1000 * 1000
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, readiness probes)
+METRICS_PATH = "/metrics"  # open too unless Policy.metrics_need_key: scrapers (Prometheus, aiperf) send no key
+# a body over the cap is still read (and dropped) up to this many bytes before the 413: a client that is still
+# sending when the server closes gets a TCP reset and never reads the answer
+DRAIN_MIN_BYTES = 64 * 1000 * 1000
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,11 @@ class Policy:
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # None or "*": any
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_timeout_s: float = 30.0  # headers (H11WithHeaderTimeout), and the body between two chunks
+    metrics_need_key: bool = False  # /metrics takes the API key too (default: open, as vLLM's)
+
+    def needs_key(self, path: str) -> bool:
+        return self.api_key is not None and path not in OPEN_PATHS and \
+            (path != METRICS_PATH or self.metrics_need_key)
 
     def host_allowed(self, host: str) -> bool:
         return self.allowed_hosts is None or "*" in self.allowed_hosts or host in self.allowed_hosts
@@ -59,8 +68,10 @@ class Refusal(Exception):
 class Guard:
     """ASGI middleware applying a Policy to every HTTP request (see the module doc)."""
 
-    def __init__(self, app, policy: Policy):
-        self.app, self.policy = app, policy
+    def __init__(self, app, policy: Policy, routes: list | None = None):
+        """`routes`: the app's routes (Starlette's, read at each request), so a method a path does not take is
+        a 405 before its body is checked or read."""
+        self.app, self.policy, self.routes = app, policy, routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -91,25 +102,43 @@ class Guard:
                                "(see --allowed-origins)", "origin_not_allowed")
         if scope["method"] == "OPTIONS":  # a CORS preflight of an allowed origin (browsers send no key with it)
             return
-        if p.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if p.needs_key(scope["path"]):
             auth = headers.get("authorization", "")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), p.api_key.encode()):
                 raise Refusal(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                               "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+        allowed = self._other_methods(scope)
+        if allowed:
+            raise Refusal(405, f"{scope['method']} is not allowed on {scope['path']}", "method_not_allowed",
+                          ((b"allow", ", ".join(allowed).encode()),))
         if scope["method"] in ("POST", "PUT", "PATCH"):
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media != "application/json":
                 raise Refusal(415, f"the request body must be JSON sent as `Content-Type: application/json`, got "
                                    f"{media or 'no content type'!r}", "unsupported_media_type")
 
+    def _other_methods(self, scope) -> tuple[str, ...]:
+        """The methods the path takes when the request's is not among them (else empty)."""
+        from starlette.routing import Match
+        allowed: set[str] = set()
+        for route in self.routes or ():
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return ()
+            if match == Match.PARTIAL:
+                allowed |= set(getattr(route, "methods", None) or ())
+        return tuple(sorted(allowed))
+
     async def _read_body(self, scope, headers: dict[str, str], receive) -> bytes | None:
         cap = self.policy.max_body_bytes
         too_big = Refusal(413, f"the request body is larger than this server's limit of {cap:,} bytes",
-                          "request_too_large")
+                          "request_too_large", ((b"connection", b"close"),))
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cap:
-            raise too_big  # refused before a byte of it is read
+            if headers.get("expect", "").lower() != "100-continue":  # else the client waits: nothing to drain
+                await self._drain(receive, max(DRAIN_MIN_BYTES, 4 * cap))
+            raise too_big  # refused before a byte of it is kept
         chunks, size = [], 0
         while True:
             try:
@@ -124,10 +153,26 @@ class Guard:
                 return None
             size += len(message.get("body", b""))
             if size > cap:
+                if message.get("more_body", False):
+                    await self._drain(receive, max(DRAIN_MIN_BYTES, 4 * cap) - size)
                 raise too_big
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+    async def _drain(self, receive, limit: int) -> None:
+        """Read and drop the rest of a body, up to `limit` bytes and with the usual deadline between chunks, so
+        that the 413 that follows reaches a client still sending (a close while it sends is a TCP reset)."""
+        drained = 0
+        while drained <= limit:
+            try:
+                message = await asyncio.wait_for(receive(), self.policy.read_timeout_s)
+            except asyncio.TimeoutError:
+                return
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            drained += len(message.get("body", b""))
 
 
 def _same_origin(origin: str, host: str) -> bool:

@@ -29,6 +29,46 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    include_obfuscation: bool = False  # OpenAI pads chunks against length side channels; a hint here (no padding)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (and its older top-level `guided_*` fields): exactly one constraint."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json", "regex", "choice", "json_object") if self.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, json_object "
+                             f"(got {', '.join(given) if given else 'none'})")
+        if isinstance(self.json_, str):
+            import json
+            try:
+                self.json_ = json.loads(self.json_)
+            except ValueError:
+                raise ValueError("json must be a JSON schema (an object, or its JSON text)") from None
+            if not isinstance(self.json_, dict):
+                raise ValueError("json must be a JSON schema object")
+        return self
+
+    def get(self, key: str):
+        return self.json_ if key == "json" else getattr(self, key)
+
+    def grammar(self, thinking: bool = False) -> str:
+        from mini.server import grammars
+        if self.regex is not None:
+            return grammars.regex_grammar(self.regex, thinking)
+        if self.choice is not None:
+            return grammars.choice_grammar(self.choice, thinking)
+        return grammars.json_grammar(self.json_ if self.json_ is not None else None, thinking)
+
+
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
 class _Common(_Strict):
@@ -51,7 +91,25 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    user: str | None = None  # an end-user id for the caller's own records: nothing to do here
+    min_tokens: int = Field(0, ge=0)  # vLLM: EOS and stop_token_ids cannot end the output before this many tokens
+    skip_special_tokens: bool = True  # vLLM: False keeps BOS / EOS / pad in the text
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
+    structured_outputs: StructuredOutputs | None = None  # vLLM's constraint (json, regex, choice, json_object)
+    guided_json: dict | str | None = None  # vLLM's older names of structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    # hints and the caller's records: accepted, nothing in V4.1 or one server acts on them
+    user: str | None = None  # an end-user id
+    safety_identifier: str | None = Field(None, max_length=64)  # OpenAI's successor of `user`
+    metadata: dict[str, str] | None = None  # up to 16 pairs (OpenAI's limits), echoed where OpenAI echoes it
+    store: bool | None = None  # OpenAI's stored completions; chat completions are not stored here
+    service_tier: Literal[SERVICE_TIERS] | None = None  # one tier here: answered as "default"
+    prompt_cache_key: str | None = None  # prefix caching is automatic: the key changes nothing
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v):
+        return check_metadata(v)
 
     @field_validator("best_of")
     @classmethod
@@ -84,13 +142,28 @@ class _Common(_Strict):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v
 
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        guided = {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice")
+                  if getattr(self, k) is not None}
+        if len(guided) + (self.structured_outputs is not None) > 1:
+            raise ValueError(f"give one of structured_outputs, guided_json, guided_regex, guided_choice "
+                             f"(got {', '.join([*(['structured_outputs'] if self.structured_outputs else []), *guided])})")
+        if guided:
+            (key, value), = guided.items()
+            self.structured_outputs = StructuredOutputs.model_validate({key.removeprefix("guided_"): value})
+        return self
+
     def sampling_params(self, max_tokens_default: int | None, n_logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad value."""
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        return SamplingParams(
+        max_tokens = self.max_tokens if self.max_tokens is not None else max_tokens_default
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})")
+        return SamplingParams(min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_tokens=self.max_tokens if self.max_tokens is not None else max_tokens_default, stop=self.stop,
+            max_tokens=max_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logprobs=n_logprobs, ignore_eos=self.ignore_eos,
@@ -100,6 +173,26 @@ class _Common(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512."""
+    if v is None:
+        return v
+    if len(v) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} metadata pairs, got {len(v)}")
+    for key, value in v.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise ValueError(f"metadata keys take up to {MAX_METADATA_KEY} characters and values up to "
+                             f"{MAX_METADATA_VALUE} (key {key[:64]!r})")
+    return v
 
 
 class CompletionRequest(_Common):
@@ -121,12 +214,14 @@ class CompletionRequest(_Common):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        return self
+
+    def grammar(self) -> str | None:
+        return None if self.structured_outputs is None else self.structured_outputs.grammar()
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -146,7 +241,7 @@ class ChatMessage(_Strict):
     content: str | list[dict] | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
-    name: str | None = None  # tool only (redundant with tool_call_id); other roles have no name in V4.1's format
+    name: str | None = None  # a hint: V4.1's format has no place for a speaker's name (tool: tool_call_id names it)
     reasoning_content: str | None = None  # assistant (also accepted as `reasoning`)
     reasoning: str | None = None
     refusal: str | None = None  # assistant: must be empty, V4.1 has no refusal field
@@ -157,8 +252,6 @@ class ChatMessage(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
-        if self.name is not None and self.role != "tool":
-            raise ValueError(f"'name' is not supported on {self.role} messages (V4.1's format has no names)")
         if (self.reasoning_content or self.reasoning) and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning_content")
         if self.refusal:
@@ -204,6 +297,20 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# OpenAI's reasoning levels mapped to V4.1's nearest (mini.tokenizer.EFFORT_PRESETS: low 50, high 75, max 100):
+# "medium" is OpenAI's default level, as "high" is V4.1's; "minimal" is below V4.1's lowest preset
+EFFORT_ALIASES = {"minimal": "low", "medium": "high"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max")
+
+
+def check_effort(v):
+    """A reasoning effort: one of REASONING_EFFORTS or an integer 1..100 (ValueError listing them)."""
+    ok = v is None or v in REASONING_EFFORTS or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 100)
+    if not ok:
+        raise ValueError(f"expected one of {', '.join(REASONING_EFFORTS)} or an integer 1-100, got {v!r}")
+    return v
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -213,7 +320,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["low", "medium", "high", "max", "none"] | int | None = None
+    reasoning_effort: str | int | None = None  # REASONING_EFFORTS or 1..100
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: V4.1 has no length control
     thinking: bool = False  # V4.1 thinking mode (also read from chat_template_kwargs)
     chat_template_kwargs: dict | None = None
 
@@ -241,13 +349,23 @@ class ChatCompletionRequest(_Common):
         unknown = set(v or {}) - {"thinking", "enable_thinking", "reasoning_effort"}
         if unknown:
             raise ValueError(f"unsupported chat_template_kwargs {sorted(unknown)}")
+        if v and v.get("reasoning_effort") is not None:
+            check_effort(v["reasoning_effort"])
         return v
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _known_effort(cls, v):
+        return check_effort(v)
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self):
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice needs tools")
+        if self.structured_outputs is not None and (self.parses_tool_calls or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("structured_outputs cannot be combined with tools or a response_format")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
         if self.forced_tool_call and self.response_format is not None and self.response_format.type != "text":
@@ -277,9 +395,9 @@ class ChatCompletionRequest(_Common):
 
     @property
     def effort(self):
-        """reasoning_effort ("medium" is OpenAI's default level: V4.1's default, "high")."""
+        """reasoning_effort as V4.1 takes it (EFFORT_ALIASES: OpenAI's levels to V4.1's nearest)."""
         e = (self.chat_template_kwargs or {}).get("reasoning_effort", self.reasoning_effort)
-        return "high" if e == "medium" else e
+        return EFFORT_ALIASES.get(e, e)
 
     def prompt(self) -> str:
         """The V4.1 prompt (ValueError names what cannot be rendered)."""
@@ -303,4 +421,6 @@ class ChatCompletionRequest(_Common):
         if self.parses_tool_calls:  # auto
             return grammars.tool_call_grammar(self.tools, None, self.parallel_tool_calls, thinking, optional=True,
                                               content_schema=schema)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar(thinking)
         return None if fmt is None or fmt.type == "text" else grammars.json_grammar(schema, thinking)

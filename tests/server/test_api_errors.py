@@ -48,7 +48,6 @@ def test_unknown_path_and_wrong_method(server):
     ("/v1/chat/completions", {"modalities": ["text"]}, "modalities"),
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "chunk_size": 4}}, "chunk_size"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "audio"),
     ("/v1/chat/completions", {"best_of": 2}, "best_of"),
     ("/v1/chat/completions", {"n": 17}, "n"),
@@ -60,8 +59,14 @@ def test_unknown_path_and_wrong_method(server):
     ("/v1/chat/completions", {"logit_bias": {"100000": 5}}, "logit_bias"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"echo": True}, "echo"),
-    ("/v1/completions", {"guided_json": {}}, "guided_json"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "start: x"}}, "grammar"),
+    ("/v1/completions", {"structured_outputs": {}}, "exactly one"),
+    ("/v1/chat/completions", {"service_tier": "cheapest"}, "service_tier"),
+    ("/v1/chat/completions", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("/v1/chat/completions", {"verbosity": "extreme"}, "verbosity"),
+    ("/v1/chat/completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ])
 def test_unsupported_fields_are_400_naming_them(server, path, extra, name):
     url, _ = server
@@ -74,8 +79,24 @@ def test_openai_client_raises_bad_request_for_unsupported_fields(server):
     url, _ = server
     with pytest.raises(openai.BadRequestError, match="best_of"):
         _client(url).completions.create(model=MODEL, prompt="x", best_of=2, n=1)
-    with pytest.raises(openai.BadRequestError, match="service_tier"):
-        _client(url).chat.completions.create(model=MODEL, messages=CHAT["messages"], service_tier="flex")
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        _client(url).chat.completions.create(model=MODEL, messages=CHAT["messages"], reasoning_effort="extreme")
+
+
+@pytest.mark.parametrize("extra,param,listed", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", ["minimal", "low", "medium", "high", "max", "none",
+                                                           "1-100"]),
+    ({"chat_template_kwargs": {"reasoning_effort": 0}}, "chat_template_kwargs", ["minimal", "1-100"]),
+    ({"tool_choice": "sometimes"}, "tool_choice", ["'none'", "'auto'", "'required'"]),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", ["'user'", "'assistant'"]),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", ["required"]),
+])
+def test_errors_name_the_field_as_sent_and_list_what_it_accepts(server, extra, param, listed):
+    """`param` is the client's field path, never pydantic's union members (`reasoning_effort.literal[...]`)."""
+    url, _ = server
+    err = _error(httpx.post(url + "/v1/chat/completions", json={**CHAT, **extra}), 400)
+    assert err["param"] == param, err
+    assert all(word in err["message"] for word in listed), err
 
 
 def test_null_fields_are_left_out(server):
@@ -89,4 +110,3 @@ def test_null_fields_are_left_out(server):
                          {"role": "user", "content": "again"}]}
     r = httpx.post(url + "/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    _error(httpx.post(url + "/v1/chat/completions", json={**CHAT, "metadata": {"k": "v"}}), 400)

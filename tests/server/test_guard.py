@@ -43,14 +43,36 @@ KEY = {"authorization": "Bearer sesame"}
 
 
 # ---------------------------------------------------------------------------------------------------- API key
-@pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/completions", "POST"),
+@pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/v1/completions", "POST"),
                                          ("/v1/chat/completions", "POST")])
-def test_every_endpoint_but_health_needs_the_key(keyed, path, method):
+def test_every_endpoint_but_health_and_metrics_needs_the_key(keyed, path, method):
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sesame"}, {"authorization": "Basic x"}):
         r = httpx.request(method, keyed + path, headers={**JSON, **headers}, content=b"{}")
         err = _error(r, 401, "invalid_api_key")
         assert err["type"] == "invalid_request_error" and "Bearer" in err["message"]
     assert httpx.get(keyed + "/health").status_code == 200
+
+
+def test_metrics_are_open_unless_they_need_the_key(keyed):
+    """Scrapers (Prometheus, aiperf) send no key: /metrics is open as vLLM's is; --metrics-need-key closes it."""
+    r = httpx.get(keyed + "/metrics")
+    assert r.status_code == 200 and "mini_num_requests_running" in r.text
+    with BackgroundServer(fake_app(policy=Policy(api_key="sesame", metrics_need_key=True))) as url:
+        _error(httpx.get(url + "/metrics"), 401, "invalid_api_key")
+        assert httpx.get(url + "/metrics", headers=KEY).status_code == 200
+    assert policy_from_args(_serve_args("--metrics-need-key")).metrics_need_key
+    assert not policy_from_args(_serve_args()).metrics_need_key
+
+
+@pytest.mark.parametrize("method,path,allow", [("PUT", "/v1/chat/completions", "POST"), ("POST", "/health", "GET"),
+                                               ("DELETE", "/v1/completions", "POST"), ("PATCH", "/v1/models", "GET")])
+def test_a_wrong_method_is_405_before_any_body_check(keyed, method, path, allow):
+    """No body, no content type, a body over the cap: the method is what is wrong, so it is what the client
+    hears (with Allow)."""
+    for extra in ({}, {"content": b"x" * 5000, "headers": {**KEY, "content-type": "text/plain"}}):
+        r = httpx.request(method, keyed + path, **{"headers": KEY, **extra})
+        _error(r, 405, "method_not_allowed")
+        assert allow in r.headers["allow"]
 
 
 def test_the_key_opens_the_api_and_the_openai_client_sees_401(keyed):
@@ -140,6 +162,17 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(keyed):
                   b"content-type: application/json\r\ncontent-length: 50000000\r\n\r\n{")
         head = _response(s)  # answered while 49,999,999 bytes were never sent
     assert head.startswith(b"HTTP/1.1 413") and b"request_too_large" in head
+
+
+def test_a_large_body_gets_a_413_the_client_can_read(keyed):
+    """A client that sends all of a body over the cap reads the 413 (the server drains the body first: closing
+    while the client still sends would reset the connection), with or without Content-Length."""
+    body = b"{" + b" " * 20_000_000 + b"}"
+    _error(httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON}, content=body, timeout=60), 413,
+           "request_too_large")
+    _error(httpx.post(keyed + "/v1/completions", headers={**KEY, **JSON}, timeout=60,
+                      content=(body[i:i + 1 << 20] for i in range(0, len(body), 1 << 20))), 413, "request_too_large")
+    assert httpx.get(keyed + "/v1/models", headers=KEY).status_code == 200
 
 
 def test_a_chunked_body_over_the_cap_is_refused(keyed):
