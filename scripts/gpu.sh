@@ -176,7 +176,7 @@ phase_profile_skewed() {  # issue 13 item 4 (<= 80 s): rank4 per stage with --ro
 }
 
 phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uniform, then skewed (RoutingSkew in
-    # mini/bench/prefill.py: hot experts at 2.5x the mean, this rank 16 of the 48 hot ones), each its own process
+    # mini/testing/emulated_ep.py: hot experts at 2.5x the mean, this rank 16 of the 48 hot ones), each its own process
     # (~35 s build + 12 steps). MINI_MOE_GEMM=humming unless set: a run without the carried wheels refuses (exit 2,
     # naming what is missing) instead of reporting Triton GEMMs under the same name. Look at: rank4_*.json metrics
     # mean/median_step_ms and pairs_per_local_expert_{min,median,mean,max} (skewed: max ~700, mean ~274 at seed 0),
@@ -259,7 +259,7 @@ predicted_bytes_per_token|written_bytes_per_token|pools_with_unexpected_rows|ful
 
 phase_rank4_real() {  # issue 13 items 1-3 (~120 s): the host-table gpu test (~20 s: prefetched rows through the
     # side-stream copy == the in-place lookup, bitwise; expect 1 passed), then rank4's workloads on ONE build
-    # (python3 -m mini.bench.prefill --modes: the model is drawn once, ~35 s; each workload 10 steps after 2 warm-up):
+    # (tools/rank4_modes.py: the model is drawn once, ~35 s; each workload 10 steps after 2 warm-up):
     # uniform (GPU Engram 2^20 rows, one reused batch: the workload of earlier revisions), uniform_host (the same
     # with the Engram tables on the host: the placement's A/B alone), realistic (host Engram tables pinned, 2 x 96M
     # rows = 53.1 GB, a fresh batch every step, skewed routing). RANK4_REAL_MODES picks workloads,
@@ -272,7 +272,7 @@ phase_rank4_real() {  # issue 13 items 1-3 (~120 s): the host-table gpu test (~2
     timeout 30 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/model/test_engram_host.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/test.log" 2>&1 || rc=1
     tail -3 "$PHASE_DIR/test.log"
-    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 150 python3 -m mini.bench.prefill \
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 150 python3 tools/rank4_modes.py \
         --modes "${RANK4_REAL_MODES:-uniform,uniform_host,realistic}" --out "$PHASE_DIR" --steps 10 --warmup 2 \
         ${RANK4_ENGRAM_ROWS:+--host-engram-rows $RANK4_ENGRAM_ROWS} >"$PHASE_DIR/rank4.log" 2>&1 || rc=1
     tail -5 "$PHASE_DIR/rank4.log"
@@ -412,7 +412,7 @@ phase_cold_diag() {  # issue 15 (<= 2 min): phase_goodput_cold with the server's
 phase_ep2() {  # needs kind nvidia-h200-x2 (~235 s): EP2 vs one rank over NCCL (tokens, logits), then EP2 prefill
     # at EP2_LAYERS (32: 128.5 GiB per GPU, report 004), EP2_FALLBACK layers if that fails with > 60 s left
     local rc=0 left
-    timeout "${EP2_EXACT_S:-90}" torchrun --nproc-per-node 2 -m mini bench ep-exact \
+    timeout "${EP2_EXACT_S:-90}" torchrun --nproc-per-node 2 -m mini check ep-exact \
         --json "$PHASE_DIR/ep_exact.json" || rc=$?
     ep2_prefill() {
         torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers "$1" --steps 5 --warmup 1 --profile-steps 2 \
@@ -699,10 +699,10 @@ phase_det_gemm() {  # issue 17 item 4 (<= 170 s, no model build): the batch-inva
 phase_ep_exact() {  # issue 18 item 1 (2 GPUs, <= 3 min): EP2 == one rank at V4.1 width; which part drifts
     # default, deterministic, and our Triton grouped GEMM instead of Humming (attribution); then the 2-GPU tests.
     # Expect rows_bit_identical 1 / max_abs_logit_diff 0 for wide-fast-bf16 in every run that is exact.
-    timeout 60 torchrun --nproc-per-node 2 -m mini bench ep-exact --json "$PHASE_DIR/ep_exact.json"
-    timeout 45 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 --deterministic \
+    timeout 60 torchrun --nproc-per-node 2 -m mini check ep-exact --json "$PHASE_DIR/ep_exact.json"
+    timeout 45 torchrun --nproc-per-node 2 -m mini check ep-exact --cases wide-fast-bf16 --deterministic \
         --json "$PHASE_DIR/ep_exact_det.json"
-    MINI_MOE_GEMM=triton timeout 45 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 \
+    MINI_MOE_GEMM=triton timeout 45 torchrun --nproc-per-node 2 -m mini check ep-exact --cases wide-fast-bf16 \
         --json "$PHASE_DIR/ep_exact_triton.json"
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=120 tests/parallel \
         --junitxml="$PHASE_DIR/junit.xml"
@@ -717,7 +717,7 @@ phase_ep_diag() {  # issue 18 item 1 (2 GPUs, <= 3 min): where EP2 and one rank 
     # backends_at_start ep "auto-flashmla", one "flashmla". Before the fix auto would show step 0 layer 0 attn.
     local mode rc=0
     for mode in auto triton flashmla; do
-        MINI_SPARSE_ATTN=$mode timeout 60 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 \
+        MINI_SPARSE_ATTN=$mode timeout 60 torchrun --nproc-per-node 2 -m mini check ep-exact --cases wide-fast-bf16 \
             --decode-steps 3 --trace --json "$PHASE_DIR/ep_diag_$mode.json" >"$PHASE_DIR/$mode.log" 2>&1 || rc=1
         tail -4 "$PHASE_DIR/$mode.log"
     done
@@ -766,7 +766,7 @@ phase_ep2_glue_ab() {  # issue 18 items 1-2 (2 GPUs, <= 4 min): ep-exact at V4.1
     # ~21.9 in ep2_L16_eager.json, and mean_step_ms lower by about the difference (routed.act_quant / combine may
     # grow slightly: the decode and the shared-expert add moved there).
     local rc=0 glue
-    timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16,tiny-fast-bf16 \
+    timeout 70 torchrun --nproc-per-node 2 -m mini check ep-exact --cases wide-fast-bf16,tiny-fast-bf16 \
         --json "$PHASE_DIR/ep_exact.json" >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
     tail -12 "$PHASE_DIR/ep_exact.log"
     for glue in eager fused; do
@@ -809,7 +809,7 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
     #    part fills its own 128-row tiles; 128 rows per local expert here), i.e. ~+38 / ~+145 ms per 16-layer step.
     # 3. the one-GPU gpu tests of the micro-batched exchange (phase ep_overlap_gpu): expect 2 passed.
     local rc=0
-    MINI_EP_OVERLAP=2 MINI_EP_OVERLAP_MIN_TOKENS=1 timeout 70 torchrun --nproc-per-node 2 -m mini bench ep-exact \
+    MINI_EP_OVERLAP=2 MINI_EP_OVERLAP_MIN_TOKENS=1 timeout 70 torchrun --nproc-per-node 2 -m mini check ep-exact \
         --cases wide-fast-bf16,tiny-fast-bf16 --json "$PHASE_DIR/ep_exact_overlap2.json" \
         >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
     grep -E "identical|max_abs_logit" "$PHASE_DIR/ep_exact.log" || tail -8 "$PHASE_DIR/ep_exact.log"
@@ -825,7 +825,7 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
 }
 
 phase_ep4() {  # issue 18 item 4 (kind nvidia-h200-x4, <= 5 min): the first EP4 run against the scaling model
-    # (python -m mini.bench.ep_model, docs/parallel.md). NCCL at the exchange's real sizes on 2 and on 4 GPUs
+    # (tools/ep_model.py, docs/parallel.md). NCCL at the exchange's real sizes on 2 and on 4 GPUs
     # (ep-exchange: all_gather_GBps / reduce_scatter_GBps, the model assumes 267 / 240 at any N; exchange_fused_ms),
     # then EP4 prefill with all 40 layers (the real model's shape, 96 experts per GPU, 4,096 tokens per rank).
     # Expect ep4_prefill.json mean_step_ms near the model's 401 (fused glue, nothing overlapped; 445 with
@@ -842,7 +842,8 @@ phase_ep4() {  # issue 18 item 4 (kind nvidia-h200-x4, <= 5 min): the first EP4 
     grep -E "mean_step_ms|tok_per_s|peak_mem|exchange_glue|communication|routed_experts_ms" "$PHASE_DIR/ep4_prefill.log"
     python3 - "$PHASE_DIR" >"$PHASE_DIR/model.txt" 2>&1 <<'PY' || rc=1
 import json, pathlib, sys
-from mini.bench import ep_model
+sys.path.insert(0, "tools")
+import ep_model
 f = pathlib.Path(sys.argv[1]) / "ep_exchange_4.json"
 args = []
 if f.exists():

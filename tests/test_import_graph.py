@@ -117,3 +117,38 @@ def test_nothing_below_the_cli_imports_it(entry):
     g = graph()
     below = {m for m in g if m == entry or m.startswith(entry + ".")}
     assert not any("mini.cli" in g[m] for m in below)
+
+
+PRODUCT = ("mini.engine", "mini.server", "mini.model", "mini.ops", "mini.kernels", "mini.parallel")
+
+
+def _within(module: str, part_name: str) -> bool:
+    return module == part_name or module.startswith(part_name + ".")
+
+
+def _reaches(g: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for t in g.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def test_check_does_not_import_bench():
+    """`mini check` shares the suite registry with `mini bench` through mini.testing, never through bench."""
+    g = graph()
+    bad = {m: sorted(t for t in _reaches(g, m) if _within(t, "mini.bench")) for m in g if _within(m, "mini.check")}
+    assert not any(bad.values()), {m: t for m, t in bad.items() if t}
+
+
+@pytest.mark.parametrize("product", PRODUCT)
+def test_the_product_imports_no_measurement(product):
+    """Measurement (mini.bench) and its support (mini.testing) sit above the product: nothing the engine, server,
+    model, ops, kernels or parallel run imports them, directly or through another module."""
+    g = graph()
+    bad = {m: sorted(t for t in _reaches(g, m) if _within(t, "mini.bench") or _within(t, "mini.testing"))
+           for m in g if _within(m, product)}
+    assert not any(bad.values()), {m: t for m, t in bad.items() if t}

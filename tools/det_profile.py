@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mini.ops  # noqa: E402
-from mini.bench import prefill  # noqa: E402
+from mini.bench import rank4  # noqa: E402
 from mini.bench.profile import report, staged  # noqa: E402
 
 # candidate fixed configs of the sweep: (BM, BN, BK, num_warps, num_stages), GROUP_M 8
@@ -119,9 +119,9 @@ def profile_mode(r, mode: str, args, cuda: bool) -> dict:
     for _ in range(args.warmup):
         r.step()
     _sync(cuda)
-    plain = prefill.time_steps(r, args.steps)
+    plain = rank4.time_steps(r, args.steps)
     with staged(cuda) as timer:
-        timed = prefill.time_steps(r, args.profile_steps)
+        timed = rank4.time_steps(r, args.profile_steps)
         totals = timer.totals()
     return {"mode": mode, "deterministic": mode != "default", "step_ms": plain,
             "median_step_ms": statistics.median(plain),
@@ -142,7 +142,7 @@ def ab_rounds(r, modes: list[str], rounds: int, steps: int, cuda: bool) -> dict:
             set_mode(r, m)
             r.step()
             _sync(cuda)
-            t = prefill.time_steps(r, steps)
+            t = rank4.time_steps(r, steps)
             times[m] += t
             med[m] = statistics.median(t)
         for m in modes[1:]:
@@ -405,7 +405,7 @@ def flashmla_rows_probe() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    prefill.add_args(p)
+    rank4.add_args(p)
     p.add_argument("--out", type=Path, default=Path("det-profile-out"))
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--modes", default="default,det", help=f"comma-separated, the first the baseline: {MODES}")
@@ -419,15 +419,15 @@ def main(argv=None) -> int:
                         "TFLOP/s and bits vs the current kernel")
     p.set_defaults(steps=3, warmup=1)
     args = p.parse_args(argv)
-    if hasattr(prefill, "resolve"):  # rank4's --mode defaults (idempotent), where this revision has them
-        prefill.resolve(args)
+    if hasattr(rank4, "resolve"):  # rank4's --mode defaults (idempotent), where this revision has them
+        rank4.resolve(args)
     cuda = args.device.startswith("cuda")
     if args.variants_only:
         result = {"variants": bench_variants(RANK4_GEMMS, device=args.device)}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "det_profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         return 0
-    r, setup_s = prefill.setup(args)
+    r, setup_s = rank4.setup(args)
     print(f"built in {setup_s:.1f} s", flush=True)
     names = args.modes.split(",")
     modes = [profile_mode(r, m, args, cuda) for m in names]
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
         r.step()
     _sync(cuda)
     mini.ops.set_deterministic(False)
-    result = {"definition": prefill.definition(args), "modes": modes, "ab": ab,
+    result = {"definition": rank4.definition(args), "modes": modes, "ab": ab,
               "gemms_per_step_det": [{"gemm": k, "calls": c} for k, c in rec.seen.items()]}
 
     base = modes[0]["stages_ms_per_step"]

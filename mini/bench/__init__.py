@@ -1,203 +1,25 @@
-"""Benchmark suites: `mini bench NAME [--json FILE] [suite options]`.
-
-A suite is a module with
-    add_args(parser)            its own command-line options
-    run(args) -> dict           {"suite": NAME, "definition": {...}, "metrics": {name: number}}
-`definition` holds every parameter that defines the workload (sizes, model, dtype, device kind): two results are
-comparable only when their definitions are equal, which is what `tools/bench_rev.py` checks before an A/B.
-
-Suites are registered by module path and imported only when asked for, so a suite that is missing from a revision
-(or fails to import) affects only its own name. `SUITES[name](args)` runs a suite like a plain function.
-"""
+"""Benchmark suites: `mini bench NAME [--json FILE] [suite options]`. Each suite is a module registered here by its
+dotted path and imported only when asked for; the registry's machinery (the result shape, the JSON with the
+environment, runs on several ranks) is mini/testing/suites.py, shared with `mini check`."""
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
-import math
-import os
-import platform
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
-
-
-class SuiteError(RuntimeError):
-    """A suite is unknown, missing from this revision, or returned a malformed result."""
-
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    module: str  # dotted path of the module that defines add_args and run
-    summary: str
-
-    def load(self) -> ModuleType:
-        try:
-            mod = importlib.import_module(self.module)
-        except ModuleNotFoundError as e:
-            if e.name == self.module:
-                raise SuiteError(f"suite {self.name!r} lives in {self.module}, which this revision does not have "
-                                 f"(not written yet?)") from e
-            raise
-        for attr in ("add_args", "run"):
-            if not callable(getattr(mod, attr, None)):
-                raise SuiteError(f"suite module {self.module} has no {attr}() function")
-        return mod
-
-    def add_args(self, parser: argparse.ArgumentParser) -> None:
-        self.load().add_args(parser)
-
-    def __call__(self, args: argparse.Namespace) -> dict:
-        return check_result(self.name, self.load().run(args))
-
+from mini.testing.suites import Suite
+from mini.testing.suites import main as _run_registry
 
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("tiny-cpu", "mini.bench.tiny_cpu", "prefill + decode throughput of tiny-v4.1 on CPU (seconds)"),
     Suite("moe-layer", "mini.bench.moe_layer", "one MoE layer at real V4.1-Flash shape, one EP4 rank's experts"),
-    Suite("rank4", "mini.bench.prefill", "prefill step of one EP4/DP4 rank at real V4.1-Flash shape"),
+    Suite("rank4", "mini.bench.rank4", "prefill step of one EP4/DP4 rank at real V4.1-Flash shape"),
     Suite("tiny-goodput", "mini.bench.serve", "serving goodput of the tiny model: TTFT, TPOT, req/s"),
     Suite("ep-exchange", "mini.bench.ep_exchange", "EP MoE exchange communication on N local ranks (NCCL / gloo)"),
     Suite("kernels", "mini.bench.kernels", "attention-side kernel micro-benchmarks (H200)"),
     Suite("ep-prefill", "mini.bench.ep_prefill", "lock-step EP prefill steps on N ranks (torchrun or --nproc)"),
-    Suite("ep-exact", "mini.bench.ep_exact", "N EP/DP ranks vs one rank holding every expert: tokens and logits"),
+    Suite("ep-exact", "mini.check.ep_exact", "the check `mini check ep-exact`, kept under its old name"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
     Suite("rank4-decode", "mini.bench.rank4_decode", "decode of one EP4 rank at real V4.1-Flash shape vs its floor"),
     Suite("long-context", "mini.bench.long_context", "a 131,072-token prompt prefilled in chunks on one EP4 rank"),
 )}
 
 
-def timed_call(fn, cuda: bool):
-    """(fn()'s result, its milliseconds): CUDA events around the call on the GPU (its kernels' time, waited for),
-    the wall clock on the CPU."""
-    import time
-    if not cuda:
-        t0 = time.perf_counter()
-        out = fn()
-        return out, 1e3 * (time.perf_counter() - t0)
-    import torch
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    out = fn()
-    b.record()
-    b.synchronize()
-    return out, a.elapsed_time(b)
-
-
-def get_suite(name: str, suites: dict[str, Suite] | None = None) -> Suite:
-    suites = SUITES if suites is None else suites
-    if name not in suites:
-        raise SuiteError(f"unknown suite {name!r}; known: {', '.join(sorted(suites))}")
-    return suites[name]
-
-
-def _is_json_value(v) -> bool:
-    if isinstance(v, (str, bool, int)) or v is None:
-        return True
-    if isinstance(v, float):
-        return math.isfinite(v)
-    if isinstance(v, (list, tuple)):
-        return all(_is_json_value(x) for x in v)
-    if isinstance(v, dict):
-        return all(isinstance(k, str) and _is_json_value(x) for k, x in v.items())
-    return False
-
-
-def check_result(name: str, result: dict) -> dict:
-    """Raise SuiteError unless `result` has the suite result shape; returns it unchanged."""
-    if not isinstance(result, dict) or set(result) < {"suite", "definition", "metrics"}:
-        raise SuiteError(f"suite {name!r} must return a dict with suite, definition and metrics")
-    if result["suite"] != name:
-        raise SuiteError(f"suite {name!r} returned a result labelled {result['suite']!r}")
-    if not isinstance(result["definition"], dict) or not _is_json_value(result["definition"]):
-        raise SuiteError(f"suite {name!r}: definition must be a dict of plain JSON values")
-    metrics = result["metrics"]
-    if not isinstance(metrics, dict) or not metrics:
-        raise SuiteError(f"suite {name!r}: metrics must be a non-empty dict")
-    bad = [k for k, v in metrics.items()
-           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-    if bad:
-        raise SuiteError(f"suite {name!r}: metrics {bad} are not finite numbers")
-    return result
-
-
-def environment() -> dict:
-    """Where a result was measured; recorded beside (not inside) the definition."""
-    import mini
-    env = {"python": platform.python_version(), "host": platform.node(),
-           "mini_path": str(Path(mini.__file__).resolve().parent)}
-    torch = sys.modules.get("torch")  # only if the suite used it: importing torch costs seconds
-    if torch is not None:
-        env["torch"] = torch.__version__
-        env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    if "mini.ops" in sys.modules:  # what the suite's ops ran on (mini.ops.backends)
-        from mini.ops.backends import current
-        env["backends"] = current().as_dict()
-    return env
-
-
-def _parser(suite: Suite | None, suites: dict[str, Suite] | None = None, prog: str = "mini bench"
-            ) -> argparse.ArgumentParser:
-    suites = SUITES if suites is None else suites
-    what = "benchmark suite" if prog == "mini bench" else "check"
-    p = argparse.ArgumentParser(prog=prog + (f" {suite.name}" if suite else ""), description=f"Run a {what}.",
-                                epilog=f"{what}s:\n" + "\n".join(f"  {s.name:13s} {s.summary}"
-                                                                 for s in suites.values()),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", help="suite name", **({"choices": [suite.name]} if suite else {}))
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the result (with the environment) to FILE")
-    if suite:
-        suite.add_args(p)
-    return p
-
-
-def run_on_ranks(name: str, rank_fn, args, min_ranks: int = 1) -> dict:
-    """A multi-rank suite's run(): one rank under torchrun, else `args.nproc` (default 2) local ranks started here
-    (mini.parallel.launch.run_ranks). Every rank returns the same numbers; only rank 0 writes `args.json`."""
-    import torch
-
-    from mini.parallel.launch import run_ranks
-    torchrun = "WORLD_SIZE" in os.environ
-    nproc = args.nproc if torchrun else (args.nproc or 2)
-    if not torchrun and nproc < min_ranks:
-        raise SuiteError(f"{name} needs at least {min_ranks} ranks")
-    device = args.device
-    if not torchrun:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and torch.cuda.device_count() < nproc:
-            raise SuiteError(f"{name}: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} visible")
-    try:
-        rank, result = run_ranks(rank_fn, args, nproc, device)
-    except ValueError as e:
-        raise SuiteError(f"{name}: {e}") from None
-    if rank != 0:
-        args.json = None
-    return result
-
-
-def main(argv: list[str] | None = None, suites: dict[str, Suite] | None = None, prog: str = "mini bench") -> int:
-    """`mini bench` (or, with `suites` and `prog`, another registry run the same way: `mini check`)."""
-    suites = SUITES if suites is None else suites
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0].startswith("-"):
-        _parser(None, suites, prog).parse_args(argv or ["--help"])  # prints help / usage and exits
-        return 2
-    try:
-        suite = get_suite(argv[0], suites)
-        args = _parser(suite, suites, prog).parse_args(argv)
-        result = suite(args)
-    except SuiteError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    result = {**result, "env": environment()}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank holds the same numbers
-        return 0
-    width = max(len(k) for k in result["metrics"])
-    print(f"{suite.name}: " + json.dumps(result["definition"], sort_keys=True))
-    for k, v in result["metrics"].items():
-        print(f"  {k:{width}s} {v:.6g}")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return _run_registry(argv, SUITES, "mini bench")

@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mini.bench import SuiteError
+from mini.testing.suites import SuiteError
 from mini.parallel.exchange import MoEExchange, all_gather, reduce_scatter
 from mini.parallel.groups import DistContext
 from mini.parallel.launch import spawn
@@ -318,7 +318,7 @@ def run_glue(args, device: str) -> dict:
 def run_parts(args, device: str) -> dict:
     """The --parts mode (see the module doc)."""
     import mini.ops
-    from mini.bench import timed_call
+    from mini.testing.suites import timed_call
     from mini.bench.moe_layer import random_layer
     from mini.config import preset
     from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire

@@ -57,14 +57,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mini.bench import SuiteError, run_on_ranks
 from mini.bench import profile
-from mini.config import ModelConfig, preset
+from mini.config import ModelConfig
 from mini.parallel import exchange as exchange_mod
 from mini.ops.stages import recording
 from mini.parallel.groups import DistContext
-
-SCHEDULE = "tiny-v4.1"  # the preset whose 8 layers hold every V4.1 layer kind
+from mini.testing.rank_model import layer_config
+from mini.testing.suites import SuiteError, run_on_ranks
 
 
 def add_args(p) -> None:
@@ -99,21 +98,6 @@ def _micro_batch_list(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- model
-def layer_config(name: str, layers: int) -> ModelConfig:
-    """Preset `name` with `layers` layers holding every layer kind (see the module doc); 0 keeps its own."""
-    base = preset(name)
-    if layers == 0:
-        return base
-    s = preset(SCHEDULE)
-    if layers < s.n_layers:
-        raise SuiteError(f"ep-prefill: --layers must be 0 or >= {s.n_layers} (every layer kind)")
-    extra = layers - s.n_layers
-    return base.replace(
-        n_layers=layers, compress_ratios=s.compress_ratios + (s.compress_ratios[-1],) * extra,
-        kv_source_layers=s.kv_source_layers, index_source_layers=s.index_source_layers,
-        candidate_source_layer=s.candidate_source_layer, engram_layer_ids=s.engram_layer_ids)
-
-
 @dataclass
 class EPRank:
     """One rank's model, exchange, batch and cache; `step()` runs one forward (counts exchange included)."""
@@ -129,7 +113,7 @@ class EPRank:
 
 def build(ctx: DistContext, cfg: ModelConfig, args, tokens: list[list[int]]) -> EPRank:
     """The rank's model (its experts only) over a prefill batch of `tokens` (one list per sequence)."""
-    from mini.bench.prefill import prefill_batch, rank_model
+    from mini.testing.rank_model import prefill_batch, rank_model
     from mini.checkpoint import expert_range
     dtype = getattr(torch, args.dtype)
     ex = exchange_mod.MoEExchange(ctx)

@@ -121,8 +121,8 @@ def main(argv=None) -> int:
         "metrics": metrics, "rounds": rounds}
     print(json.dumps(metrics, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        from mini.testing.suites import environment, write_result
+        write_result(args.json, {**result, "env": environment()})
     return 0
 
 

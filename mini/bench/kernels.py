@@ -442,9 +442,8 @@ def main(argv=None) -> None:
         rate += f" bits={r['bits']}" if "bits" in r else ""
         print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r.get('ms', float('nan')):8.4f}  {rate}")
     if args.json:
-        from mini.bench import environment
-        with open(args.json, "w") as f:
-            json.dump({**res, "env": environment()}, f, indent=1)
+        from mini.testing.suites import environment, write_result
+        write_result(args.json, {**res, "env": environment()})
 
 
 if __name__ == "__main__":

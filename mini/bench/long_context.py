@@ -2,7 +2,7 @@
 V4.1-Flash shape: time, peak memory, and the cache's bytes per token against what the compressed-KV schedule
 predicts.
 
-The model is rank4's (mini/bench/prefill.py): all 40 layers, random weights drawn on the device, this rank's 96 of
+The model is rank4's (mini/bench/rank4.py): all 40 layers, random weights drawn on the device, this rank's 96 of
 384 experts, Engram tables capped to `--engram-rows` rows (hash ids taken modulo the rows), the MoE through rank4's
 exchange emulation (`EmulatedEP`: the local experts also process (ep - 1) x the chunk's rows as synthetic remote
 tokens; the communication is not run). The prompt is one sequence of random tokens, prefilled `--chunk` tokens per
@@ -32,7 +32,7 @@ SUITE = "long-context"
 
 
 def add_args(p) -> None:
-    from mini.bench.prefill import add_emulated_rank_args
+    from mini.testing.rank_model import add_emulated_rank_args
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--prompt-tokens", type=int, default=131072)
     p.add_argument("--chunk", type=int, default=4096, help="prompt tokens per prefill step")
@@ -101,8 +101,8 @@ def written_cache_bytes(cache, slot: int, blocks: list[int]) -> tuple[dict[str, 
 
 
 def run(args) -> dict:
-    from mini.bench import SuiteError, timed_call
-    from mini.bench.prefill import emulated_rank, hasher_of
+    from mini.testing.suites import SuiteError, timed_call
+    from mini.testing.rank_model import emulated_rank, hasher_of
     from mini.model import Batch, KVCache
     from mini.model.batch import SeqChunk
     if args.prompt_tokens < 1 or args.chunk < 1:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from mini.bench import timed_call
+from mini.testing.suites import timed_call
 from mini.config import preset
 
 SWEEP = {  # (block_m, BN, BK, num_warps, num_stages, SWAP_AB); results: docs/kernels.md (MoE)

@@ -12,7 +12,7 @@ between its first and last kernel, launch gaps included:
     routed experts     mini.ops.moe.routed = act quant + routing plan + w1/w3 GEMM + w2 GEMM + combine
                        (Humming backend: act quant with the row gather + plan + both GEMMs + SwiGLU + combine)
     shared expert      mini.ops.moe.shared
-    ep emulation       the rest of the MoE (Model._ffn: bench.prefill.EmulatedEP's synthetic remote rows, the
+    ep emulation       the rest of the MoE (Model._ffn: mini.testing.emulated_ep.EmulatedEP's synthetic remote rows, the
                        own-row slice, the sum)
     communication      0 here: one GPU emulates an EP4 rank (the exchange is measured on 2 GPUs)
     hc / norm / other  mHC pre-norm (mixes, collapse, RMSNorm) and expand, the final RMSNorm, Engram
@@ -126,20 +126,21 @@ def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mini.bench import check_result, environment, prefill
+    from mini.bench import rank4
+    from mini.testing.suites import check_result, environment, write_result
     from mini.ops.stages import recording
     p = argparse.ArgumentParser(prog="mini profile", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=("rank4",), default="rank4")
     p.add_argument("--out", type=Path, default=Path("profile-out"), help="folder for the JSON report and the trace")
     p.add_argument("--profile-steps", type=int, default=3, help="steps timed by stage")
-    prefill.add_args(p)
+    rank4.add_args(p)
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    r, setup_s = prefill.setup(args)
-    suite = check_result("rank4", prefill.measure(r, setup_s, args))  # the rank4 suite's numbers, unwrapped
+    r, setup_s = rank4.setup(args)
+    suite = check_result("rank4", rank4.measure(r, setup_s, args))  # the rank4 suite's numbers, unwrapped
     plain = suite["raw"]["step_ms"]
     with staged(cuda) as timer:
-        timed = prefill.time_steps(r, args.profile_steps)
+        timed = rank4.time_steps(r, args.profile_steps)
         totals = timer.totals()
     step_ms = sum(timed) / len(timed)
     stages = report(totals, step_ms, len(timed))
@@ -147,17 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof, recording(torch.profiler.record_function):
         r.step()
-        prefill._sync(r.batch.input_ids.device)
+        rank4._sync(r.batch.input_ids.device)
     trace = args.out / "trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as f, gzip.open(args.out / "trace.json.gz", "wb") as z:  # Perfetto reads .json.gz
         shutil.copyfileobj(f, z)
     trace.unlink()
-    result = {"suite": args.suite, "definition": prefill.definition(args), "stages_ms_per_step": stages,
+    result = {"suite": args.suite, "definition": rank4.definition(args), "stages_ms_per_step": stages,
               "step_ms_unwrapped_mean": sum(plain) / len(plain), "step_ms_wrapped": timed, "raw_totals_ms": totals,
               "profile_steps": len(timed), "env": environment()}
-    (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "rank4.json").write_text(json.dumps({**suite, "env": environment()}, indent=1) + "\n")
+    write_result(args.out / "profile.json", result)
+    write_result(args.out / "rank4.json", {**suite, "env": environment()})
     width = max(len(k) for k in stages)
     print(f"profile {args.suite}: " + json.dumps(result["definition"], sort_keys=True))
     for k, v in stages.items():

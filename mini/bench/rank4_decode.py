@@ -1,6 +1,6 @@
 """`rank4-decode`: decode steps of one EP4/DP4 rank at real V4.1-Flash shape, on one GPU, against a memory floor.
 
-The model is rank4's (mini/bench/prefill.py: all 40 layers, random weights drawn on the device, this rank's 96 of 384
+The model is rank4's (mini/bench/rank4.py: all 40 layers, random weights drawn on the device, this rank's 96 of 384
 experts, Engram tables capped to `--engram-rows` rows) with rank4's exchange emulation (`EmulatedEP`): the gate
 over the rank's own B tokens, the local experts over those rows plus (ep - 1) x B synthetic remote rows with their
 routing, the own rows kept plus the shared expert; the communication is not run (measured on 2 GPUs).
@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from mini.bench import timed_call
+from mini.testing.suites import timed_call
 from mini.config import ModelConfig
 
 SUITE = "rank4-decode"
@@ -39,7 +39,7 @@ H200_TBPS = 4.26  # TB/s, device-to-device copy measured on one H200 (shared/per
 
 
 def add_args(p) -> None:
-    from mini.bench.prefill import add_emulated_rank_args
+    from mini.testing.rank_model import add_emulated_rank_args
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--batch", default="64,256", help="comma-separated batch sizes B (sequences per step)")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts C (tokens in the cache)")
@@ -54,7 +54,7 @@ def add_args(p) -> None:
 
 
 def _ints(text: str, what: str) -> list[int]:
-    from mini.bench import SuiteError
+    from mini.testing.suites import SuiteError
     try:
         out = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -131,6 +131,7 @@ class DecodeRun:
                  device, dtype, seed: int):
         from mini.engine.cuda_graphs import DecodeGraphs
         from mini.model import DecodeBuffers, KVCache
+        from mini.model.static_decode import StaticDecodeInputs
         self.model, self.cfg, self.exchange, self.B, self.C = model, cfg, exchange, batch, context
         max_len = -(-(context + extra + 1) // block_tokens) * block_tokens
         self.blocks_per_seq = max_len // block_tokens
@@ -149,7 +150,7 @@ class DecodeRun:
         self.blocks = [list(range(b * self.blocks_per_seq, (b + 1) * self.blocks_per_seq)) for b in range(batch)]
         self.step_no = 0
         self.fill()
-        self.graphs = DecodeGraphs(model, self.cache, self.buffers)
+        self.graphs = DecodeGraphs(model, self.cache, StaticDecodeInputs(self.buffers))
         self.graphs.sizes = [batch]  # one bucket: exactly this batch (capture_all would take every bucket up to B)
 
     def fill(self) -> None:
@@ -313,8 +314,8 @@ def definition(args, batches: list[int], contexts: list[int]) -> dict:
 
 
 def run(args) -> dict:
-    from mini.bench import SuiteError
-    from mini.bench.prefill import emulated_rank
+    from mini.testing.suites import SuiteError
+    from mini.testing.rank_model import emulated_rank
     batches, contexts = _ints(args.batch, "batch"), _ints(args.context, "context")
     cuda = args.device.startswith("cuda")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -29,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from mini import switches
+
 SUITE = "tiny-goodput"
 
 
@@ -280,7 +282,7 @@ def run(args) -> dict:
     model_name = args.served_model_name or args.model
     definition = {
         "model": args.model, "dtype": args.dtype, "device": args.device or ("cuda" if _cuda() else "cpu"),
-        "backend": args.backend or os.environ.get("MINI_BACKEND") or "default",
+        "backend": args.backend or switches.current().backend or "default",
         "server": args.url or "mini serve", "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefix_caching": args.enable_prefix_caching is not False, "enforce_eager": bool(args.enforce_eager),
@@ -327,7 +329,7 @@ def cold_diag(bursts: list[tuple[float, float]]) -> dict | None:
     """The server's warm-up trace (MINI_WARMUP_TRACE, mini.engine.warmup_trace) summarized per burst, where this
     process can read it (a started server inherits the variable); printed as one line per part. None without."""
     from mini.engine import warmup_trace
-    path = os.environ.get(warmup_trace.TRACE_ENV)
+    path = switches.current().warmup_trace
     if not path or not os.path.exists(path):
         return None
     diag = warmup_trace.summarize(warmup_trace.read(path), bursts)

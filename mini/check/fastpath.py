@@ -31,7 +31,7 @@ import torch
 
 from mini.ops import using_backend
 from mini.formats.quant import no_fake_quant
-from mini.bench.prefill import hasher_of
+from mini.testing.rank_model import hasher_of
 from mini.config import ModelConfig, preset
 
 SCHEDULE = "tiny-v4.1"  # the preset whose layer schedule the real-width check borrows

@@ -2,11 +2,12 @@
 on the GPU (gpu-marked) every mode reports its host share."""
 import pytest
 
-from mini.bench import SUITES, _parser
+from mini.bench import SUITES
+from mini.testing.suites import parser
 
 
 def _args(*extra):
-    return _parser(SUITES["decode-host"]).parse_args(
+    return parser(SUITES["decode-host"], SUITES, "mini bench").parse_args(
         ["decode-host", "--batch", "3", "--input-len", "9", "--output-len", "6", "--skip", "1", *extra])
 
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from mini.bench import SuiteError, check_result
+from mini.testing.suites import SuiteError, check_result
 from mini.bench import long_context as lc
 from mini.config import preset
 

@@ -4,7 +4,7 @@ import argparse
 import pytest
 import torch
 
-from mini.bench import SuiteError, check_result
+from mini.testing.suites import SuiteError, check_result
 from mini.bench import rank4_decode as rd
 from mini.config import preset
 
@@ -94,7 +94,8 @@ def test_suite_runs_on_the_tiny_model_and_reports_every_field():
 def test_decode_run_fills_the_cache_and_advances_positions():
     """The cache holds B x (C + steps) tokens of random values, and every step moves the positions one on."""
     import mini.ops
-    from mini.bench.prefill import EmulatedEP, rank_model
+    from mini.testing.emulated_ep import EmulatedEP
+    from mini.testing.rank_model import rank_model
     from mini.checkpoint import expert_range
     cfg = preset("tiny-v4.1")
     ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
@@ -138,7 +139,8 @@ def test_graph_replay_equals_the_eager_step_gpu():
     """The captured step (EmulatedEP inside a CUDA graph, fast backend, bf16) gives the eager step's logits for the
     same inputs, and the touched experts come from the emulation (tiny-v4.1, 4 local experts x 8 layers)."""
     import mini.ops
-    from mini.bench.prefill import EmulatedEP, rank_model
+    from mini.testing.emulated_ep import EmulatedEP
+    from mini.testing.rank_model import rank_model
     from mini.checkpoint import expert_range
     cfg, dev = preset("tiny-v4.1"), torch.device("cuda")
     experts = expert_range(cfg, 0, 4)

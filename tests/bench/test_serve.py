@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mini.bench import check_result
+from mini.testing.suites import check_result
 from mini.bench import serve as goodput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model

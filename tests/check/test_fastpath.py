@@ -8,7 +8,7 @@ import mini.model.model as mm
 from mini.model.attn_layer import attention
 import mini.ops
 from mini.formats.quant import fake_quant_enabled
-from mini.bench import check_result, get_suite
+from mini.testing.suites import check_result, get_suite
 from mini.check import CHECKS
 from mini.check import fastpath as fc
 

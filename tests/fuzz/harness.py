@@ -160,7 +160,7 @@ def coverage(counts: dict[str, int]):
 
 # ------------------------------------------------------------------------------------------------ the model runs
 def build(cfg, device, dtype, seed: int):
-    from mini.bench.prefill import hasher_of
+    from mini.testing.rank_model import hasher_of
     from mini.checkpoint import random_state
     from mini.model import Model
     model = Model(cfg, random_state(cfg, device, seed), device, dtype)

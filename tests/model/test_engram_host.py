@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from mini.bench.prefill import prefill_batch
+from mini.testing.rank_model import prefill_batch
 from mini.checkpoint import random_state
 from mini.config import TINY_V41
 from mini.model import EngramInput, Model

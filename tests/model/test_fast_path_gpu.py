@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from mini.bench import check_result
+from mini.testing.suites import check_result
 from mini.check import fastpath as fc
 
 SMALL = ["--tokens", "1024", "--experts", "16", "--candidate-blocks", "64", "--block-tokens", "256",

@@ -5,7 +5,8 @@ import argparse
 import pytest
 import torch
 
-from mini.bench import check_result, ep_exact
+from mini.check import ep_exact
+from mini.testing.suites import check_result
 
 
 def _args(*extra: str) -> argparse.Namespace:

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from mini.bench import check_result, ep_prefill
+from mini.bench import ep_prefill
+from mini.testing.suites import check_result
 from mini.checkpoint import random_state
 from mini.parallel.groups import DistContext
 from mini.parallel.launch import spawn

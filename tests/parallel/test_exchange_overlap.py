@@ -180,7 +180,8 @@ def _prefill_args(*extra: str):
 def test_ep_prefill_overlap_ab_reports_each_setting_and_equal_logits(monkeypatch):
     """`ep-prefill --overlap 1,2` on 2 gloo ranks (every V4.1 layer kind): each setting's step and stages, the
     exposed share, and logits equal bit for bit between the settings (and the control: one setting twice)."""
-    from mini.bench import check_result, ep_prefill
+    from mini.bench import ep_prefill
+    from mini.testing.suites import check_result
     monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "1")  # read by the spawned ranks: split 37 tokens too
     args = _prefill_args("--nproc", "2", "--tokens", "37", "--seqs", "2", "--steps", "2", "--warmup", "1",
                          "--profile-steps", "1", "--overlap", "1,2")
@@ -280,7 +281,8 @@ def test_ep_exact_with_overlap_on_two_cpu_ranks(monkeypatch):
     steps included (MINI_EP_OVERLAP_MIN_TOKENS=1): the tokens of one rank, its logits within fp32 order."""
     import argparse
 
-    from mini.bench import check_result, ep_exact
+    from mini.check import ep_exact
+    from mini.testing.suites import check_result
     monkeypatch.setenv("MINI_EP_OVERLAP", "2")
     monkeypatch.setenv("MINI_EP_OVERLAP_MIN_TOKENS", "1")
     p = argparse.ArgumentParser()
@@ -297,7 +299,8 @@ def test_parts_bench_runs_and_checks_bits_interpreter(monkeypatch):
     interpreter: one piece and 2 / 3 parts timed, every partial-sum row identical to the one-piece one."""
     import argparse
 
-    from mini.bench import check_result, ep_exchange
+    from mini.bench import ep_exchange
+    from mini.testing.suites import check_result
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     p = argparse.ArgumentParser()
     ep_exchange.add_args(p)

@@ -49,7 +49,8 @@ def repo(tmp_path):
     """A git repo with mini's real entry points and registry; commits A (100 tok/s), B (250 tok/s, branch `fast`),
     C (like B but a different workload size, branch `other-size`)."""
     repo = tmp_path / "repo"
-    for rel in ("mini/__init__.py", "mini/__main__.py", "mini/cli.py", "mini/args.py", "mini/bench/__init__.py"):
+    for rel in ("mini/__init__.py", "mini/__main__.py", "mini/cli.py", "mini/args.py", "mini/bench/__init__.py",
+                "mini/testing/__init__.py", "mini/testing/suites.py"):
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, repo / rel)
     _git(tmp_path, "init", "-q", "-b", "main", str(repo))

@@ -1,4 +1,5 @@
-"""`ep-exact`: greedy decoding on N EP/DP ranks against one rank holding every expert, same device, same kernels.
+"""`mini check ep-exact` (also `mini bench ep-exact`, its name before): greedy decoding on N EP/DP ranks against one
+rank holding every expert, same device, same kernels.
 
 Every rank draws the same random model (its own 1/N of the routed experts), takes its own prompts (odd lengths, a
 different number of sequences on each rank, so the exchange pads) and runs a prefill plus `--decode-steps` greedy
@@ -31,9 +32,9 @@ after the reduce-scatter) and the shared expert's output, plus the logits; the `
 the same points as it goes. The result's "trace" gives, per rank, every site's largest difference and the
 first (step, layer, site) in forward order that is not bit-identical: where EP and one rank part.
 
-    torchrun --nproc-per-node 2 -m mini bench ep-exact --json ep-exact.json        # 2 GPUs, NCCL
-    mini bench ep-exact --nproc 2 --device cpu --cases tiny-reference-fp32        # gloo
-    torchrun --nproc-per-node 2 -m mini bench ep-exact --cases wide-fast-bf16 --trace --decode-steps 1
+    torchrun --nproc-per-node 2 -m mini check ep-exact --json ep-exact.json        # 2 GPUs, NCCL
+    mini check ep-exact --nproc 2 --device cpu --cases tiny-reference-fp32        # gloo
+    torchrun --nproc-per-node 2 -m mini check ep-exact --cases wide-fast-bf16 --trace --decode-steps 1
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mini.bench import SuiteError, run_on_ranks
+from mini.testing.suites import SuiteError, run_on_ranks
 from mini.config import ModelConfig, preset
 from mini.parallel.groups import DistContext
 
@@ -62,7 +63,7 @@ class Case:
     engram_rows: int | None
 
     def config(self) -> ModelConfig:
-        from mini.bench.ep_prefill import layer_config
+        from mini.testing.rank_model import layer_config
         cfg = layer_config(self.preset, self.layers) if self.layers else preset(self.preset)
         if self.experts is not None:
             cfg = cfg.replace(n_routed_experts=self.experts,
@@ -133,7 +134,7 @@ def greedy(model, exchange, prompts: list[list[int]], steps: int, case: Case, fo
 
 
 def build_model(cfg: ModelConfig, case: Case, device, seed: int, experts: range, exchange):
-    from mini.bench.prefill import hasher_of, rank_model
+    from mini.testing.rank_model import hasher_of, rank_model
     model = rank_model(cfg, device, getattr(torch, case.dtype), seed, experts, case.engram_rows, exchange)
     model.hasher = hasher_of(cfg)
     return model

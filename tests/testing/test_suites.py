@@ -1,4 +1,5 @@
-"""The suite registry and `mini bench` entry: lazy loading, clear errors, result shape, JSON output."""
+"""The suite registry (mini/testing/suites.py) behind `mini bench` and `mini check`: lazy loading, clear errors,
+result shape, JSON output."""
 import importlib.util
 import json
 import math
@@ -7,24 +8,28 @@ import sys
 import pytest
 
 import mini.bench as bench
-from mini.bench import Suite, SuiteError, check_result, get_suite
+import mini.check as check
+from mini.testing.suites import Suite, SuiteError, check_result, environment, get_suite
 
 
 def test_registered_suites_point_at_their_modules():
     assert {n: s.module for n, s in bench.SUITES.items()} == {
-        "tiny-cpu": "mini.bench.tiny_cpu", "moe-layer": "mini.bench.moe_layer", "rank4": "mini.bench.prefill",
+        "tiny-cpu": "mini.bench.tiny_cpu", "moe-layer": "mini.bench.moe_layer", "rank4": "mini.bench.rank4",
         "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange", "kernels": "mini.bench.kernels",
         "ep-prefill": "mini.bench.ep_prefill",
-        "ep-exact": "mini.bench.ep_exact", "decode-host": "mini.bench.decode_host",
+        "ep-exact": "mini.check.ep_exact", "decode-host": "mini.bench.decode_host",
         "rank4-decode": "mini.bench.rank4_decode", "long-context": "mini.bench.long_context"}
-    assert all(name == s.name for name, s in bench.SUITES.items())
-    for s in bench.SUITES.values():  # every registered module exists in this revision
-        assert importlib.util.find_spec(s.module) is not None, s.module
+    assert {n: s.module for n, s in check.CHECKS.items()} == {
+        "fastpath": "mini.check.fastpath", "ep-exact": "mini.check.ep_exact"}
+    for registry in (bench.SUITES, check.CHECKS):
+        assert all(name == s.name for name, s in registry.items())
+        for s in registry.values():  # every registered module exists in this revision
+            assert importlib.util.find_spec(s.module) is not None, s.module
 
 
 def test_unknown_and_missing_suites_give_clear_errors(capsys):
     with pytest.raises(SuiteError, match="unknown suite 'nope'.*tiny-cpu"):
-        get_suite("nope")
+        get_suite("nope", bench.SUITES)
     with pytest.raises(SuiteError, match="lives in mini.bench._not_written, which this revision does not have"):
         Suite("later", "mini.bench._not_written", "").load()
     assert bench.main(["nope"]) == 2
@@ -85,6 +90,6 @@ def test_results_record_the_backends(monkeypatch):
     from mini.ops import backends
     monkeypatch.setattr(backends, "_libraries", {"moe_gemm": "triton", "sparse_attn": "triton"})
     monkeypatch.setattr(mini.ops, "_backend", "reference")
-    env = bench.environment()
+    env = environment()
     assert env["backends"] == {"ops": "reference", "moe_gemm": "triton", "sparse_attn": "triton",
                                "deterministic": mini.ops.deterministic()}

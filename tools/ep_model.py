@@ -3,7 +3,8 @@ EP8 should take, per MoE layer and per 40-layer step, for today's exchange and f
 
 Not a measurement: every input is a number measured elsewhere (defaults below, each with its source) and every
 output is arithmetic on them, so that the first 4- and 8-GPU runs have a number to meet and a way to say which
-input was wrong. Run `python -m mini.bench.ep_model` (options: `--help`; `--json FILE` writes the table).
+input was wrong. Run `python3 tools/ep_model.py` (options: `--help`; `--json FILE` writes the table); its inputs'
+sources are in docs/parallel.md ("Scaling model") and report 010 (docs/perf/) used it.
 
 Per MoE layer and rank, T tokens per rank, model width D, top-k of E experts, N ranks:
 * today's exchange (mini/parallel/exchange.py): an all-gather of one wire row per token (`WireRow`: 5,328 bytes at
@@ -46,9 +47,12 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
+import sys
 from pathlib import Path
 
-from mini.parallel.exchange import WireRow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mini.parallel.exchange import WireRow  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Inputs:
     # ep-exchange --glue` on an H200 at 6deedfb, alone (host launch included): 0.199 at EP2, 0.259 at EP4 (taken)
     glue_eager_ms_per_layer: float = 21.9 / 16
     glue_fused_ms_per_layer: float = 0.259
-    # RoutingSkew (mini/bench/prefill.py): hot experts and their load relative to the mean
+    # RoutingSkew (mini/testing/emulated_ep.py): hot experts and their load relative to the mean
     hot_experts: int = 48
     hot_load: float = 2.5
     tile_rows: int = 128
@@ -311,7 +315,7 @@ def render(inp: Inputs, preds: list[Prediction]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mini.bench.ep_model", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 tools/ep_model.py", description=__doc__.split("\n\n")[0])
     for f in Inputs.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])

@@ -1,4 +1,4 @@
-"""The EP scaling model (mini/bench/ep_model.py): its byte counts match the exchange's wire and report 004's figures,
+"""The EP scaling model (tools/ep_model.py): its byte counts match the exchange's wire and report 004's figures,
 its probabilities match enumeration, and the CLI prints and writes the table."""
 import itertools
 import json
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from mini.bench import ep_model
-from mini.bench.ep_model import Inputs, expected_tiles, p_no_expert_on_rank, pairs_on_rank_pmf, predict
+import ep_model
+from ep_model import Inputs, expected_tiles, p_no_expert_on_rank, pairs_on_rank_pmf, predict
 
 
 def test_ring_bytes_at_ep2_are_report_004s():

@@ -1,9 +1,9 @@
-"""The scaling model's overlap term (mini/bench/ep_model.py `exposed_ms`, issue 18 items 3-4): the timeline of a
+"""The scaling model's overlap term (tools/ep_model.py `exposed_ms`, issue 18 items 3-4): the timeline of a
 layer's exchange in m micro-batches on one collective stream, against cases worked out by hand."""
 import pytest
 
-from mini.bench import ep_model
-from mini.bench.ep_model import Inputs, exposed_ms, predict
+import ep_model
+from ep_model import Inputs, exposed_ms, predict
 
 
 def test_one_part_hides_only_the_gather_under_the_shared_expert():

@@ -1,0 +1,7 @@
+"""Test and measurement support, shared by mini/bench, mini/check, tests/ and tools/; the product (config, formats,
+checkpoint, ops, kernels, model, engine, server, parallel) never imports it (tests/test_import_graph.py).
+
+suites.py       the registry of command-line suites and their JSON results (`mini bench`, `mini check`)
+emulated_ep.py  one EP rank's MoE emulated on one device (`EmulatedEP`) and the skewed routing (`RoutingSkew`)
+rank_model.py   one EP rank's model with random weights at a preset's shape, its prefill batch and Engram tables
+"""
