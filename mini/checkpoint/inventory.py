@@ -71,6 +71,8 @@ def weights(config: ModelConfig, experts: range | None = None) -> list[Weight]:
     out = [Weight("embed.weight", "bf16", (c.vocab_size, c.dim))]
     for i in range(c.n_layers):
         out += _block(c, i, experts)
+    if c.vision:
+        out += _vision(c)
     out += [Weight("norm.weight", "bf16", (c.dim,)), Weight("head.weight", "bf16", (c.vocab_size, c.dim))]
     if not c.is_v41:
         out += [Weight("hc_head_fn", "f32", (c.hc_mult, c.hc_mult * c.dim)),
@@ -100,7 +102,7 @@ def skip_reason(name: str, config: ModelConfig) -> str | None:
     """'mtp' or 'vision' for tensors of the parts mini recognises but does not run; None otherwise."""
     if name.startswith("mtp."):
         return "mtp"
-    if name.startswith(_VISION) or (not config.vision and name.endswith(".ffn.gate.bias_vl")):
+    if not config.vision and (name.startswith(_VISION) or name.endswith(".ffn.gate.bias_vl")):
         return "vision"
     return None
 
@@ -112,6 +114,25 @@ def expert_range(config: ModelConfig, rank: int, world: int) -> range:
         raise ValueError(f"cannot split {n} experts over EP rank {rank} of {world}")
     per = n // world
     return range(rank * per, (rank + 1) * per)
+
+
+# ---------------------------------------------------------------------- vision (V4.1 images, spec §2.8)
+def _vision(c: ModelConfig) -> list[Weight]:
+    """The ViT (patch embedding, blocks, final norm), the aligner and the span delimiters: all bf16, as released
+    (official vision.py; the Linears carry biases, the MLP's do not)."""
+    C, inter, D, r = c.vision_dim, c.vision_inter_dim, c.dim, c.vision_downsample_ratio
+    w = [Weight("vision.patch_embed.proj.weight", "bf16", (C, 3 * c.vision_patch_size ** 2)),
+         Weight("vision.patch_embed.proj.bias", "bf16", (C,))]
+    for i in range(c.vision_n_layers):
+        pre = f"vision.blocks.{i}."
+        w += [Weight(pre + "norm1.weight", "bf16", (C,)), Weight(pre + "attn.wqkv.weight", "bf16", (3 * C, C)),
+              Weight(pre + "attn.wqkv.bias", "bf16", (3 * C,)), Weight(pre + "attn.wo.weight", "bf16", (C, C)),
+              Weight(pre + "attn.wo.bias", "bf16", (C,)), Weight(pre + "norm2.weight", "bf16", (C,)),
+              Weight(pre + "mlp.w1.weight", "bf16", (2 * inter, C)), Weight(pre + "mlp.w2.weight", "bf16", (C, inter))]
+    w += [Weight("vision.norm.weight", "bf16", (C,)),
+          Weight("aligner.w1.weight", "bf16", (D, C * r * r)), Weight("aligner.w1.bias", "bf16", (D,)),
+          Weight("aligner.w2.weight", "bf16", (D, D)), Weight("aligner.w2.bias", "bf16", (D,))]
+    return w + [Weight(f"image_{k}", "bf16", (D,)) for k in ("start", "newline", "end")]
 
 
 # ---------------------------------------------------------------------- one block

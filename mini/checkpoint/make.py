@@ -152,13 +152,13 @@ def _values(w: Weight, c: ModelConfig, shape: tuple[int, ...], gen: torch.Genera
         return 0.5 + 0.05 * noise
     if leaf.startswith("hc_") and leaf.endswith("_base"):
         return _hc_base(c.hc_mult, shape[0], device) + 0.1 * noise
-    if leaf.endswith("norm") or leaf in ("q_weight", "k_weight"):
+    if leaf.endswith("norm") or leaf in ("norm1", "norm2", "q_weight", "k_weight"):  # norm1/2: the ViT blocks'
         return 1.0 + 0.05 * noise
     if leaf in ("attn_sink", "ape"):
         return 0.1 * noise
     if leaf in ("bias", "bias_vl"):
         return 0.02 * noise
-    if name == "embed" or w.fmt == "fp8_rows":  # token and Engram embeddings
+    if name == "embed" or w.fmt == "fp8_rows" or name.startswith("image_"):  # token, Engram, image delimiters
         return noise
     gain = 1 / math.sqrt(c.n_layers) if name.endswith(("attn.wo_b", ".w2")) else 1.0
     return noise * (gain / math.sqrt(shape[1]))

@@ -93,6 +93,10 @@ class Model:
         only the code path differs)."""
         cfg = self.config = config
         self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
+        self.vision = None  # V4.1's vision tower (mini/model/vision.py): it takes its tensors before the text model
+        if cfg.vision:
+            from mini.model.vision import VisionTower
+            self.vision = VisionTower.take(state, cfg, self.device, dtype, consume_state)
         table_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if _is_engram_table(n))
         self.engram_on_device = bool(cfg.engram_layer_ids) and table_bytes <= engram_device_bytes
         self.hasher = None  # EngramHasher for Batch.build; load_model sets it
@@ -122,9 +126,10 @@ class Model:
                             iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
 
     @staged("moe")
-    def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor,
+             image_mask: torch.Tensor | None = None) -> torch.Tensor:
         run = self.moe_exchange or moe
-        return run(x, blk.moe, self.config, blk.plan, input_ids)
+        return run(x, blk.moe, self.config, blk.plan, input_ids, image_mask)  # image rows route with bias_vl
 
     # ---------------------------------------------------------- what the engine steps (model_runner.StepModel)
     def build_batch(self, chunks: list[SeqChunk], device) -> Batch:
@@ -168,12 +173,17 @@ class Model:
         return torch.stack([w.lookup(hash_ids[:, i], self.dtype, w.embed.device) for i, w in enumerate(tables)], 1)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
-        """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`."""
+    def forward(self, batch: Batch, cache: KVCache, images=None) -> torch.Tensor:
+        """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`. `images`: the step's image
+        positions (mini.model.vision.ImageRows), whose ids may be -1 (dead for Engram; their embedding is replaced)."""
         cfg, eps = self.config, self.config.norm_eps
         lay = batch.layout(cache.block_tokens, cfg.window_size)
         shared: dict = {}  # top-k / candidates published within this forward
-        h = self.embed[batch.input_ids].to(self.dtype)
+        h = self.embed[batch.input_ids if images is None else batch.input_ids.clamp(min=0)].to(self.dtype)
+        image_mask = text_mask = None
+        if images is not None:  # image spans: their embeddings, bias_vl in the gates, no Engram (spec §2.8)
+            h, image_mask = images.merge(h)
+            text_mask = ~image_mask
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
         pre_mix = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
         pre_mix[:, 0] = 1.0  # V4.1: layer 0 starts from copy 0 (all copies are equal)
@@ -185,17 +195,17 @@ class Model:
         for blk in self.blocks:
             if blk.engram is not None:
                 if eng.form == "rows":  # looked up on the host before a CUDA-graph replay
-                    h = engram(h, None, blk.engram, cfg, rows=eng.data[:, engram_col])
+                    h = engram(h, None, blk.engram, cfg, text_mask, rows=eng.data[:, engram_col])
                 elif eng.form == "pending":  # host tables, looked up ahead (mini.model.engram_host)
-                    h = engram(h, None, blk.engram, cfg, rows=eng.data.rows(engram_col, h.dtype))
+                    h = engram(h, None, blk.engram, cfg, text_mask, rows=eng.data.rows(engram_col, h.dtype))
                 else:
-                    h = engram(h, eng.data[:, engram_col], blk.engram, cfg)
+                    h = engram(h, eng.data[:, engram_col], blk.engram, cfg, text_mask)
                 engram_col += 1
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
             h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
             x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
-            h = mhc.expand(self._ffn(x, blk, batch.input_ids), h, f_post, f_comb)
+            h = mhc.expand(self._ffn(x, blk, batch.input_ids, image_mask), h, f_post, f_comb)
             pre_mix = f_pre
         h = h[batch.logit_rows]
         if cfg.is_v41:

@@ -106,12 +106,29 @@ def _counts(specs):
 def test_v41_counts_match_shard_header_inventory(v41):
     # §4.1: 96,085 tensors = BF16 520, F32 387, F8_E4M3 357, F8_E8M0 47,589, I8 47,232. mini skips the three
     # DSpark stages (each a window-only block with a 128-expert MoE: 9 F32, 8 FP8 + scales, 384 FP4 + scales;
-    # plus mtp.0.main_proj FP8 + scale) and every BF16 vision/aligner/image/mtp tensor, so the rest must be:
+    # plus mtp.0.main_proj FP8 + scale) and their BF16 tensors; it loads the 266 BF16 vision tensors (32 ViT blocks
+    # x 8, patch embedding 2, final norm, aligner 4, 3 span delimiters), so the rest must be:
     _, specs = v41
     dspark_f32, dspark_f8 = 3 * 9, 3 * 8 + 1
     dspark_i8 = 3 * 128 * 3
     assert _counts(specs) == {F32: 387 - dspark_f32, F8: 357 - dspark_f8, I8: 47_232 - dspark_i8,
-                              E8M0: 47_589 - dspark_f8 - dspark_i8, BF16: 234}
+                              E8M0: 47_589 - dspark_f8 - dspark_i8, BF16: 234 + 266}
+
+
+def test_v41_vision_tensors(v41):
+    """spec §2.8: ViT dim 1024, fused wqkv with bias, SwiGLU w1 [2 * 2816, 1024], a Linear over 3 * 14^2 = 588
+    pixels; the aligner's 3x3 unshuffle into w1 [5120, 9216], w2 [5120, 5120] with biases; the span delimiters."""
+    _, specs = v41
+    assert _spec(specs, "vision.patch_embed.proj.weight") == (BF16, [1024, 588])
+    assert _spec(specs, "vision.blocks.31.attn.wqkv.weight") == (BF16, [3072, 1024])
+    assert _spec(specs, "vision.blocks.31.attn.wqkv.bias") == (BF16, [3072])
+    assert _spec(specs, "vision.blocks.0.mlp.w1.weight") == (BF16, [5632, 1024])
+    assert _spec(specs, "vision.blocks.0.mlp.w2.weight") == (BF16, [1024, 2816])
+    assert "vision.blocks.32.norm1.weight" not in specs
+    assert _spec(specs, "aligner.w1.weight") == (BF16, [5120, 9216])
+    assert _spec(specs, "aligner.w2.bias") == (BF16, [5120])
+    assert _spec(specs, "image_newline") == (BF16, [5120])
+    assert not any(n.startswith(("vision.", "aligner.", "image_")) for n in expected_tensors(preset("v4.1-flash")))
 
 
 def test_v4_flash_counts_and_v4_only_tensors():
@@ -163,5 +180,7 @@ def test_skip_reasons():
     assert skip_reason("image_newline", text_only) == "vision"
     assert skip_reason("layers.3.ffn.gate.bias_vl", text_only) == "vision"
     assert skip_reason("layers.3.ffn.gate.bias_vl", text_only.replace(vision=True)) is None  # then it is loaded
+    assert skip_reason("vision.blocks.0.attn.wqkv.weight", text_only.replace(vision=True)) is None  # and these
+    assert skip_reason("image_newline", text_only.replace(vision=True)) is None
     assert skip_reason("layers.3.ffn.gate.bias", text_only) is None
     assert skip_reason("layers.3.attn.visionary", text_only) is None

@@ -1,0 +1,185 @@
+"""The vision tower of V4.1 (spec §2.8, official `vision.py`): patches -> ViT -> aligner -> LLM-width rows.
+
+    x = patch_embed(patches)                       # Linear over 3*p*p pixels, with bias
+    for block: x = x + attn(norm1(x)); x = x + mlp(norm2(x))
+    v = norm(x)                                    # [n_vit_h * n_vit_w, vision_dim]: ViT output
+    y = w2(gelu(w1(unshuffle_3x3(v))))             # [n_llm_h * n_llm_w, dim]: aligner output, reading order
+
+Attention is bidirectional over the patches of one image, with 2D RoPE: each head's dims are split in halves
+(rotate-half pairs x_i, x_{i + hd/2}); of the hd/2 angles, the first hd/4 turn with the patch's row, the last hd/4
+with its column, at frequencies theta^(-2j / (hd/2)). The MLP is SwiGLU (w1 = [gate; up]); norms are RMSNorm with
+eps 1e-6 (the ViT's own, not the text model's). Linears are bf16 with bias (no FP8), as the checkpoint stores them.
+The aligner pads the patch grid to multiples of 3 with zeros and folds each 3x3 cell channel-major
+(F.unfold: c * 9 + row * 3 + col), then a GELU (erf) MLP.
+
+Reference: one image at a time, the official ops (SDPA over [1, heads, n, hd]). Fast path (`use_fast`): the
+images of a step in one pass: every Linear, norm and RoPE over all their patches at once, attention over the images
+padded to the longest with its padding masked out, the aligner over all cells at once. The fast path's attention
+sums in another order than the reference's (a masked, batched SDPA), so it agrees to bf16 rounding, not bitwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from mini.config import ModelConfig
+from mini.ops import use_fast
+from mini.ops.norm import rms_norm
+from mini.ops.stages import staged
+
+VIT_NORM_EPS = 1e-6
+
+
+@dataclass
+class ViTBlockWeights:
+    norm1: torch.Tensor  # [C]
+    wqkv: torch.Tensor  # [3C, C], bias [3C]: q, k, v stacked
+    wqkv_bias: torch.Tensor
+    wo: torch.Tensor  # [C, C], bias [C]
+    wo_bias: torch.Tensor
+    norm2: torch.Tensor  # [C]
+    w1: torch.Tensor  # [2I, C]: gate rows, then up rows
+    w2: torch.Tensor  # [C, I]
+
+
+@dataclass
+class VisionWeights:
+    patch: torch.Tensor  # [C, 3*p*p], bias [C]
+    patch_bias: torch.Tensor
+    blocks: list[ViTBlockWeights]
+    norm: torch.Tensor  # [C]
+    aligner_w1: torch.Tensor  # [D, C*r*r], bias [D]
+    aligner_b1: torch.Tensor
+    aligner_w2: torch.Tensor  # [D, D], bias [D]
+    aligner_b2: torch.Tensor
+    n_heads: int
+    ratio: int  # the aligner's downsample ratio
+    rope_theta: float
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, dtype=torch.bfloat16) -> "VisionWeights":
+        """From checkpoint tensors `vision.*` and `aligner.*` (all bf16 in the release), in `dtype`."""
+        def get(name):
+            return state[name].to(dtype)
+
+        blocks = [ViTBlockWeights(*(get(f"vision.blocks.{i}.{n}") for n in (
+            "norm1.weight", "attn.wqkv.weight", "attn.wqkv.bias", "attn.wo.weight", "attn.wo.bias", "norm2.weight",
+            "mlp.w1.weight", "mlp.w2.weight"))) for i in range(cfg.vision_n_layers)]
+        return cls(get("vision.patch_embed.proj.weight"), get("vision.patch_embed.proj.bias"), blocks,
+                   get("vision.norm.weight"), get("aligner.w1.weight"), get("aligner.w1.bias"),
+                   get("aligner.w2.weight"), get("aligner.w2.bias"), cfg.vision_n_heads,
+                   cfg.vision_downsample_ratio, cfg.vision_rope_theta)
+
+
+@lru_cache(maxsize=16)
+def _rope_table(n_h: int, n_w: int, half: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [n_h * n_w, 1, half] (CPU): angles (row * f, col * f) with f = theta^(-2j/half), j < half/2."""
+    freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
+    rows = torch.arange(n_h).unsqueeze(1).expand(n_h, n_w)
+    cols = torch.arange(n_w).unsqueeze(0).expand(n_h, n_w)
+    angles = (torch.stack([rows, cols], -1).reshape(-1, 2, 1).float() * freq).flatten(1)
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def rope_table(n_h: int, n_w: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = _rope_table(n_h, n_w, head_dim // 2, theta)
+    return cos.to(device), sin.to(device)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in fp32 over [n, heads, hd]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _mlp(x: torch.Tensor, b: ViTBlockWeights) -> torch.Tensor:
+    gate, up = F.linear(x, b.w1).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, b.w2)
+
+
+def _qkv(x: torch.Tensor, b: ViTBlockWeights, n_heads: int, cos, sin):
+    """[n, C] -> q, k, v [n, heads, hd], q and k rotated."""
+    q, k, v = (t.unflatten(-1, (n_heads, -1)) for t in F.linear(x, b.wqkv, b.wqkv_bias).chunk(3, dim=-1))
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+# ----------------------------------------------------------------------------------- reference: one image
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention of one image, q, k, v [n, heads, hd] -> [n, heads, hd]: scores, softmax and the
+    value sum in fp32, rounded once (the bits of the official SDPA call as the fixtures' CPU run computed it)."""
+    dtype = v.dtype
+    q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))
+    p = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+    return (p @ v).transpose(0, 1).to(dtype)
+
+
+def vit_one(patches: torch.Tensor, n_h: int, n_w: int, w: VisionWeights) -> torch.Tensor:
+    """ViT output [n_h * n_w, C] of one image's patches [n_h * n_w, 3, p, p]."""
+    if patches.shape[0] != n_h * n_w:
+        raise ValueError(f"{patches.shape[0]} patches for a {n_h}x{n_w} grid")
+    x = F.linear(patches.flatten(1).to(w.patch.dtype), w.patch, w.patch_bias)
+    cos, sin = rope_table(n_h, n_w, x.shape[-1] // w.n_heads, w.rope_theta, x.device)
+    for b in w.blocks:
+        q, k, v = _qkv(rms_norm(x, b.norm1, VIT_NORM_EPS), b, w.n_heads, cos, sin)
+        x = x + F.linear(attend(q, k, v).flatten(1), b.wo, b.wo_bias)
+        x = x + _mlp(rms_norm(x, b.norm2, VIT_NORM_EPS), b)
+    return rms_norm(x, w.norm, VIT_NORM_EPS)
+
+
+def unshuffle(v: torch.Tensor, n_h: int, n_w: int, ratio: int) -> torch.Tensor:
+    """[n_h * n_w, C] -> [ceil(n_h/r) * ceil(n_w/r), C * r * r]: the grid zero-padded to multiples of r, each r x r
+    cell flattened channel-major (F.unfold's order), cells in reading order."""
+    grid = F.pad(v.view(n_h, n_w, -1).permute(2, 0, 1), (0, -n_w % ratio, 0, -n_h % ratio))
+    return F.unfold(grid.unsqueeze(0), ratio, stride=ratio).squeeze(0).transpose(0, 1)
+
+
+def align(cells: torch.Tensor, w: VisionWeights) -> torch.Tensor:
+    """The aligner's MLP over unshuffled cells [n, C*r*r] -> [n, D]."""
+    return F.linear(F.gelu(F.linear(cells, w.aligner_w1, w.aligner_b1)), w.aligner_w2, w.aligner_b2)
+
+
+# ----------------------------------------------------------------------------------- fast: the images of a step
+def vit_batched(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: VisionWeights) -> list[torch.Tensor]:
+    """vit_one over several images in one pass (padded, masked attention)."""
+    lens = [h * wd for h, wd in grids]
+    x = F.linear(torch.cat([p.flatten(1) for p in patches]).to(w.patch.dtype), w.patch, w.patch_bias)
+    hd, device = x.shape[-1] // w.n_heads, x.device
+    tables = [rope_table(h, wd, hd, w.rope_theta, device) for h, wd in grids]
+    cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+    longest, n_img = max(lens), len(lens)
+    # scatter the concatenated rows into [images, longest] slots; keys past an image's length are masked out
+    lengths = torch.tensor(lens, device=device)
+    slot = torch.arange(longest, device=device)
+    valid = slot < lengths[:, None]  # [images, longest]
+    keep = valid[:, None, None, :]  # [images, 1, 1, longest]: which keys a query may see
+    for b in w.blocks:
+        q, k, v = _qkv(rms_norm(x, b.norm1, VIT_NORM_EPS), b, w.n_heads, cos, sin)
+
+        def padded(t):  # [rows, heads, hd] -> [images, heads, longest, hd]
+            out = t.new_zeros(n_img, longest, *t.shape[1:])
+            out[valid] = t
+            return out.transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep)
+        x = x + F.linear(o.transpose(1, 2)[valid].flatten(1), b.wo, b.wo_bias)
+        x = x + _mlp(rms_norm(x, b.norm2, VIT_NORM_EPS), b)
+    return list(rms_norm(x, w.norm, VIT_NORM_EPS).split(lens))
+
+
+@staged("vision")
+def encode_images(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: VisionWeights,
+                  batched: bool | None = None) -> list[torch.Tensor]:
+    """Aligner rows [n_llm_h * n_llm_w, D] of each image (patches [n_vit_h * n_vit_w, 3, p, p], grids (n_vit_h,
+    n_vit_w)). `batched` None: the fast path where `use_fast`, else one image at a time (the reference)."""
+    if not patches:
+        return []
+    if batched is None:
+        batched = use_fast(patches[0])
+    vit = vit_batched(patches, grids, w) if batched else [vit_one(p, h, wd, w) for p, (h, wd) in zip(patches, grids)]
+    cells = [unshuffle(v, h, wd, w.ratio) for v, (h, wd) in zip(vit, grids)]
+    if batched:
+        return list(align(torch.cat(cells), w).split([c.shape[0] for c in cells]))
+    return [align(c, w) for c in cells]
