@@ -1,0 +1,46 @@
+# scripts/gpu.sh phases, area general: what machine, every gpu-marked test, the moves and seams of issue 16.
+# Sourced by scripts/gpu.sh (the driver): each phase_NAME writes under $PHASE_DIR (= $OUT/NAME).
+
+phase_env() {  # what machine and software the results come from
+    { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+      git log --oneline -1 2>/dev/null; env | grep '^MINI_'; } >"$PHASE_DIR/env.txt" 2>&1
+    cat "$PHASE_DIR/env.txt"
+}
+
+phase_gpu_tests() {  # every gpu-marked test
+    # -v: each result is printed as it completes, so a phase cut by its cap still says what failed
+    python3 -m pytest -v -m gpu -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -rfE --durations=25 --timeout=200 \
+        tests ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1
+    local rc=$?
+    grep -E "FAILED|ERROR" "$PHASE_DIR/tests.log" | sort | uniq | head -60
+    tail -3 "$PHASE_DIR/tests.log"
+    return $rc
+}
+
+phase_house() {  # issue 16 (<= 4 min): the moves and seams on the GPU. The gpu tests of what moved: the quant
+    # toolbox (one e4m3 rounding for act quant, RoPE and mHC kernels), FlashMLA's per-step row lists (wheel in
+    # .whl/gpu), Humming's layout adapter, the fast path vs reference check (mini check fastpath), CUDA-graph decode
+    # (the runner now decides graphs), overlap; then `mini profile` (stages as named ranges) at 2 steps and a tiny
+    # generate whose log names the backends. Expect: every test passed or skipped for a missing wheel only;
+    # profile.json stages_ms_per_step with the same keys as report 007's and unattributed_fraction < 0.05;
+    # backends.log has one "backends: ops fast, MoE GEMMs ..., sparse attention ..." line.
+    local rc=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --timeout=200 --junitxml="$PHASE_DIR/junit.xml" \
+        tests/kernels/test_quant.py tests/kernels/test_fp8_act_quant.py tests/kernels/test_rope_quant.py \
+        tests/kernels/test_mhc_norm.py tests/kernels/test_mxfp4_grouped_gemm.py tests/kernels/test_humming_experts.py \
+        tests/kernels/test_flashmla_attention.py tests/ops/test_moe.py tests/model/test_fast_path_gpu.py \
+        tests/engine/test_decode_graphs.py tests/engine/test_overlap.py || rc=1
+    python3 -m mini.cli profile --suite rank4 --steps 2 --warmup 1 --profile-steps 2 --out "$PHASE_DIR/profile" \
+        || rc=1
+    rm -f "$PHASE_DIR/profile/trace.json.gz"
+    python3 - >"$PHASE_DIR/backends.log" 2>&1 <<'PY' || rc=1
+import logging
+logging.basicConfig(level=logging.INFO)
+from mini.engine import LLM, SamplingParams
+out = LLM("tiny-v4.1", num_blocks=64, block_tokens=128).generate(["hello"], SamplingParams(max_tokens=4))
+print("generated", out[0].token_ids)
+PY
+    grep -h "backends:" "$PHASE_DIR/backends.log"
+    return $rc
+}

@@ -1,0 +1,82 @@
+# scripts/gpu.sh phases, area kernels: kernels and libraries at real shape: MoE layer, gate, Humming, FlashMLA,
+# attention side, mHC; fast path.
+# Sourced by scripts/gpu.sh (the driver): each phase_NAME writes under $PHASE_DIR (= $OUT/NAME).
+
+phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
+    python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
+}
+
+phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, then new vs old in one process,
+    # the gate kernel's configs and fused vs unfused by token count (mini.ops.moe.FUSED_GATE_MIN_TOKENS)
+    local rc=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py \
+        tests/kernels/test_moe_route.py --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
+        --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 \
+        --json "$PHASE_DIR/gate_plan.json" || rc=$?
+    return $rc
+}
+
+phase_humming() {  # routed experts on Humming (~270 s on a cold kernel cache): the moe-layer suite with its tile
+    # variants, its gpu tests, the suite on our Triton kernels for comparison; the compiled kernels come back as
+    # humming_cache.tgz (put it in .whl/ and carry .whl: install_wheels unpacks it)
+    local rc=0
+    python3 -m mini.cli bench moe-layer --moe-gemm humming \
+        --humming-tiles ${HUMMING_TILES:-128x4 128x6 192x4 208x3 176x5} \
+        --json "$PHASE_DIR/moe_layer_humming.json" || rc=$?
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_humming_experts.py \
+        tests/ops/test_moe.py -k "humming" --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.cli bench moe-layer --moe-gemm triton --json "$PHASE_DIR/moe_layer_triton.json" || rc=$?
+    tar czf "$PHASE_DIR/humming_cache.tgz" -C "$HUMMING_CACHE_DIR" . || rc=$?
+    return $rc
+}
+
+phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-shape micro-benchmark, then the
+    # in-model fast-path check with FlashMLA forced
+    local rc=0
+    python3 -c "import flash_mla; from mini.kernels.flashmla_attention import available; \
+print('flash_mla', flash_mla.__version__, 'available', available())" || return 2
+    python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/kernels/test_flashmla_attention.py \
+        --junitxml="$PHASE_DIR/junit.xml" || rc=$?
+    python3 -m mini.bench.kernels --only flashmla --json "$PHASE_DIR/kernels_flashmla.json" || rc=$?
+    MINI_SPARSE_ATTN=flashmla python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_fast_path_gpu.py \
+        || rc=$?
+    return $rc
+}
+
+phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS names them, KERNELS_ARGS=--sweep
+    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc rope_chains attn_glue norm} \
+        ${KERNELS_ARGS:-} --json "$PHASE_DIR/kernels.json"
+}
+
+phase_mhc_ab() {  # issue 13 item 4 (<= 80 s): the mHC site input's split-K pass, default vs candidates.
+    # (The fused expand + next site's input of 8cfc3bd lost on the H200 at 1db3041: 0.257 ms vs 0.233 for the two
+    # passes; removed, docs/kernels.md.) 1. gpu tests of the mHC kernels and ops (tests.log): expect all passed,
+    # incl. test_mhc_norm_gpu[...] with layout "copies" (one tile per copy) and split 40. 2. bench.log /
+    # kernels_mhc_split.json: mhc_norm at [4096|256|64, 4, 5120], default vs layout "copies" (2 stages, 12 chunks,
+    # 32-token blocks) and split 40 at decode sizes: ms, tbs (h read + y written), bits (y elements and the mixes'
+    # max relative change vs the default). At 56388c4 the default took 136 us at 4,096 tokens (80 sites: ~11 ms
+    # per rank4 step) and 39 us at 256: a candidate well under those is worth a new default (its bits move).
+    local rc=0
+    timeout 45 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -rfE --timeout=40 tests/kernels/test_mhc_norm.py \
+        tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
+        >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -6 "$PHASE_DIR/tests.log"
+    timeout 30 python3 -m mini.bench.kernels --only mhc_split --json "$PHASE_DIR/kernels_mhc_split.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^mhc_norm|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"  # cut short: the rows so far
+    return $rc
+}
+
+phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and without fake quant (~60 s);
+    # FASTPATH_LAYERS=1 also runs the real-width layer check first (~100 s more); FASTPATH_ARGS e.g. --device cpu
+    local rc=0
+    if [ "${FASTPATH_LAYERS:-0}" = 1 ]; then
+        python3 -m mini.cli check fastpath ${FASTPATH_ARGS:-} --json "$PHASE_DIR/fastpath.json" || rc=$?
+    fi
+    python3 -m mini.cli check fastpath --decode-only ${FASTPATH_ARGS:-} \
+        --json "$PHASE_DIR/fastpath_decode.json" || rc=$?
+    python3 -m mini.cli check fastpath --decode-only --decode-no-fake-quant ${FASTPATH_ARGS:-} \
+        --json "$PHASE_DIR/fastpath_decode_nofq.json" || rc=$?
+    return $rc
+}

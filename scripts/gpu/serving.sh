@@ -1,0 +1,51 @@
+# scripts/gpu.sh phases, area serving: the tiny model served: decode host share, goodput (warm and cold), grammar TPOT.
+# Sourced by scripts/gpu.sh (the driver): each phase_NAME writes under $PHASE_DIR (= $OUT/NAME).
+
+phase_decode_host() {  # host vs GPU share of a batch-64 decode step (~115 s): tiny-v4.1 eager / graphs /
+    # graphs+overlap, tiny-v4 graphs / graphs+overlap
+    local rc=0
+    python3 -m mini.cli bench decode-host --json "$PHASE_DIR/decode_host_v41.json" || rc=$?
+    python3 -m mini.cli bench decode-host --model tiny-v4 --modes graphs,graphs+overlap \
+        --json "$PHASE_DIR/decode_host_v4.json" || rc=$?
+    return $rc
+}
+
+phase_goodput() {  # tiny-v4.1 behind `mini serve`, 64 requests x 128 in / 64 out, burst (~45 s; the serve wheels)
+    python3 -m mini.cli bench tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 \
+        --json "$PHASE_DIR/goodput.json"
+}
+
+phase_goodput_cold() {  # issue 15 (<= 2 min): the goodput workload above from a fresh `mini serve` process with an
+    # empty Triton cache, 3 bursts: the first burst (first_*) apart from the median of the two after it. The server
+    # warms up before /health answers (its start-up line in the log says how long). Expect failed 0 and
+    # first_ttft_p50_over_warm <= 1.2 in goodput_cold.json (before warm-up: TTFT p50 1,878 vs 270 ms; the first
+    # warm-up 1,056 vs 410 ms; the specialization warm-up at 6deedfb: 231 vs 305, see phase_cold_diag).
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 115 python3 -m mini.cli bench tiny-goodput --backend fast \
+        --num-requests 64 --input-len 128 --output-len 64 --repeat 3 --json "$PHASE_DIR/goodput_cold.json"
+}
+
+phase_cold_diag() {  # issue 15 (<= 2 min): phase_goodput_cold with the server's warm-up trace (MINI_WARMUP_TRACE,
+    # mini/engine/warmup_trace.py): Triton JIT compiles (kernel, specialization key, seconds), graph captures, steps
+    # (shape, seconds) and allocator growth, in the warm-up and in each burst. The bench prints one line per part
+    # and puts the summary under cold_diag in goodput_cold.json: compare bursts[0] (compiled_kernels, compile_keys,
+    # slowest_steps, step_s, engine_ttft_p50_s, first_add_after_s, gc_full) with the others; trace.jsonl has every
+    # event. 5 bursts: the warm median is of 4. At 28589aa (first warm-up): first/warm 3.82, burst 0 compiled
+    # _sparse_mla_kernel (block-table stride 1) in a 0.89 s step; at 6deedfb: 0.76, no compile after the warm-up
+    # (7.4 s), a 0.19 s full GC in burst 1 (freeze_heap since c1251f5). Expect first_ttft_p50_over_warm <= 1.2,
+    # 0 compiles and 0 full GCs in every burst.
+    MINI_WARMUP_TRACE="$PHASE_DIR/trace.jsonl" TRITON_CACHE_DIR=$(mktemp -d) timeout 115 python3 -m mini.cli bench \
+        tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 --repeat 5 \
+        --json "$PHASE_DIR/goodput_cold.json"
+}
+
+phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap): plain, a JSON schema
+    # on every request (masks filled on the worker thread), and the same with every fill on the engine's thread (as
+    # before the worker), 5 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance wheel in
+    # .whl/serve). Then the grammar gpu tests. Expect in grammar.json: slowdown <= 0.10 (0.54 before the worker,
+    # 0.019 at 28589aa), slowdown_sync ~0.17, schema_grammar_background 1.0, schema_grammar_exposed_ms well under
+    # schema_sync_grammar_exposed_ms (0.52 vs 0.83 at 28589aa); then 1 passed. 5 rounds: at 28589aa one round of 3
+    # was slow for both schema kinds alike (mask times unchanged), so the median wants more rounds.
+    timeout 130 python3 -m mini.bench.grammar_tpot --rounds 5 --json "$PHASE_DIR/grammar.json"
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/engine/test_grammar.py \
+        --junitxml="$PHASE_DIR/junit.xml"
+}
