@@ -58,6 +58,14 @@ def cmd_logits(args) -> int:
         return 2
     steps = len(forced) or args.decode
     model, cfg, _ = load_model(args.model, device=device, dtype=dtype)
+    prompt = None  # --image: the prompt with every image placeholder expanded to its span (mini.model.image_input)
+    if args.image:
+        try:
+            prompt = _expand_images(ids, args.image, cfg)
+        except (OSError, ValueError) as e:
+            print(f"error: --image: {e}", file=sys.stderr)
+            return 2
+        ids = prompt.ids
     if not ids or min(ids + forced) < 0 or max(ids + forced) >= cfg.vocab_size:
         print(f"error: --ids (non-empty) and --force-tokens must be token ids in [0, {cfg.vocab_size})",
               file=sys.stderr)
@@ -68,10 +76,13 @@ def cmd_logits(args) -> int:
                     device=device, dtype=dtype)
     blocks = list(range(cache.n_blocks))
     with torch.inference_mode():
-        batch = Batch.build([SeqChunk(tokens=ids, start=0, slot=0, blocks=blocks)], cfg, device, hasher=model.hasher)
+        history = list(ids) if prompt is None else prompt.engram_ids()  # image positions: dead for Engram
+        images = None if prompt is None else _image_rows(model, prompt, device)
+        batch = Batch.build([SeqChunk(tokens=history, start=0, slot=0, blocks=blocks)], cfg, device,
+                            hasher=model.hasher)
         batch = dataclasses.replace(batch, logit_rows=torch.arange(len(ids), device=batch.input_ids.device))
-        prefill = model.forward(batch, cache)  # every prompt position
-        history, decode_logits = list(ids), []
+        prefill = model.forward(batch, cache, images)  # every prompt position
+        decode_logits = []
         nxt = int(prefill[-1].argmax())
         for step in range(steps):  # fed the forced tokens when given (decode by definition), else greedy ones
             history.append(forced[step] if forced else nxt)
@@ -82,9 +93,26 @@ def cmd_logits(args) -> int:
             nxt = int(row.argmax())
     decoded = torch.stack(decode_logits) if decode_logits else torch.empty(0, cfg.vocab_size)
     np.savez(args.out, prefill=prefill.float().cpu().numpy(), decode=decoded.float().cpu().numpy(),
+             **({} if prompt is None else {"token_types": np.array(prompt.token_types, dtype=np.int64)}),
              tokens=np.array(history[len(ids):], dtype=np.int64), ids=np.array(ids, dtype=np.int64))
     print(f"wrote {args.out}: prefill {tuple(prefill.shape)}, decode {tuple(decoded.shape)}")
     return 0
+
+
+def _expand_images(ids: list[int], paths: list[str], cfg):
+    """`mini logits --image`: the k-th `image_token_id` of `ids` becomes the span of the k-th image file."""
+    from pathlib import Path
+
+    from mini.model.image_input import expand_prompt, load_image
+    if not cfg.vision:
+        raise ValueError("this model has no vision tower")
+    return expand_prompt(ids, [load_image(Path(p).read_bytes(), cfg) for p in paths], cfg)
+
+
+def _image_rows(model, prompt, device):
+    """The prefill's image rows: each span's embeddings (the vision tower, once per image) at its positions."""
+    from mini.model.vision import ImageRows
+    return ImageRows.of(list(zip(prompt.starts, model.vision.spans(prompt.images))), device)
 
 
 def cmd_make_checkpoint(args) -> int:
@@ -185,6 +213,10 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("--decode", type=count(0), default=0)
     lg.add_argument("--force-tokens", default=None, metavar="IDS",
                     help="comma-separated tokens that the decode steps are fed instead of greedy ones")
+    lg.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image (PNG, JPEG, WebP, GIF) for the next image_token_id in --ids, in order; "
+                         "repeat for several. `prefill` then has a row per position of the expanded prompt, "
+                         "`ids` and `token_types` (-1 text, 0 start, 1 image, 2 newline, 3 end) describe it")
     lg.add_argument("--out", required=True)
     lg.set_defaults(fn=cmd_logits)
     mc = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")

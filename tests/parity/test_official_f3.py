@@ -1,0 +1,107 @@
+"""mini against DeepSeek's own V4.1 vision path: the f3 fixture (images in the prompt; harness official_f3.py).
+Reference backend, bf16, CPU, in a subprocess on MKL's AVX2 path with one thread, as the reference ran (see
+test_official_v41.py for why).
+
+Stage by stage, from the PNGs: the pixel tensors exactly; the ViT output and the aligned embeddings bit for bit on
+the AVX2 path (elsewhere to one bf16 step at most: a BLAS that sums in another order moves a last bit); the
+layer-0 input rows of every span exactly. Then the logits, bounded as for f0-f2 by the reference's own movement:
+* one image: bit-level where the reference is bit-stable (its decode equals its replay to the last bit);
+* two images: prefill rel-MAE <= 1.5 x its prefix noise with top-1 at least its own; forced decode vs the replay
+  <= 1.5 x its decode noise. Rows 0-27 (the first image's span and the second's first row) agree bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import official_f3 as f3
+import official_fixture as of
+from test_official_v41 import BITS, BOUND, REFERENCE_BLAS, _within, needs_avx2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("official_f3") / "rows.json"
+    proc = subprocess.run([sys.executable, str(Path(f3.__file__)), "--json", str(out)], capture_output=True,
+                          text=True, env={**os.environ, **REFERENCE_BLAS}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    return {r["case"]: f3.CaseResult.from_row(r) for r in json.loads(out.read_text())}
+
+
+def test_fixture_is_the_official_one():
+    one, two = f3.reference("reference"), f3.reference("reference_2img")
+    assert one["prefill_logits"].shape == (40, 1024) and two["prefill_logits"].shape == (89, 1024)
+    assert [m["path"] for m in two["meta"]["images"]] == ["image1.png", "image2.png"]
+    assert f3.decode_noise("reference").max_abs == 0  # the one-image case decodes bit-stably
+    assert abs(f3.own_noise("reference_2img").rel_mae - 0.029) < 5e-4
+
+
+@pytest.mark.parametrize("case", f3.CASES)
+def test_pixels_and_spans_are_exact(results, case):
+    r = results[case]
+    assert max(r.pixels) == 0 and r.input_embeds == 0, r.row()
+
+
+@pytest.mark.parametrize("case", f3.CASES)
+def test_vit_and_aligner_outputs(results, case):
+    """Within one bf16 step of the largest value everywhere (2^-8 relative), to the bit on MKL's AVX2 path."""
+    r, ref = results[case], f3.reference(case)
+    for k, (vit, emb) in enumerate(zip(r.vit, r.embeds)):
+        assert vit <= np.abs(ref[f"image{k}_vit_out"]).max() / 128, (k, vit)
+        assert emb <= np.abs(ref[f"image{k}_embeds"]).max() / 128, (k, emb)
+
+
+@needs_avx2
+@pytest.mark.parametrize("case", f3.CASES)
+def test_vit_and_aligner_outputs_are_bit_identical(results, case):
+    assert max(results[case].vit) == 0 and max(results[case].embeds) == 0, results[case].row()
+
+
+@needs_avx2
+def test_one_image_is_bit_level(results):
+    """Every prefill row to rounding (row 0 to 1.5e-4, as f1's row 3), and the forced decode steps."""
+    r = results["reference"]
+    assert max(r.prefill_rows) <= 1e-3 and max(r.prefill_rows[1:]) <= BITS, r.prefill_rows
+    assert r.decode.max_abs <= BITS and r.decode_steps.max_abs <= BITS, r.row()
+
+
+@needs_avx2
+def test_two_images_first_span_is_bit_level(results):
+    assert max(results["reference_2img"].prefill_rows[:28]) <= BITS, results["reference_2img"].prefill_rows[:28]
+
+
+@pytest.mark.parametrize("case", f3.CASES)
+def test_prefill_within_the_references_own_noise(results, case):
+    _within(results[case].prefill, f3.own_noise(case), BOUND)
+
+
+def test_forced_decode_within_the_references_own_noise(results):
+    """Two images (the one-image case decodes bit-stably: test_one_image_is_bit_level)."""
+    _within(results["reference_2img"].decode, f3.decode_noise("reference_2img"), BOUND)
+
+
+def test_cli_logits_image(tmp_path, results):
+    """`mini logits --image`: the k-th image_token_id in --ids takes the k-th image; `prefill` has a row per position
+    of the expanded prompt, and its rows are the harness's."""
+    from mini.cli import main
+    ref = f3.reference("reference_2img")
+    forced = [int(t) for t in ref["greedy_ids"][:2]]
+    out = tmp_path / "a.npz"
+    argv = ["logits", "--model", str(f3.FIXTURE), "--device", "cpu", "--backend", "reference",
+            "--ids", ",".join(str(int(t)) for t in ref["prompt_template_ids"]),
+            "--image", str(f3.FIXTURE / "image1.png"), "--image", str(f3.FIXTURE / "image2.png"),
+            "--force-tokens", ",".join(map(str, forced)), "--out", str(out)]
+    assert main(argv) == 0
+    a = np.load(out)
+    assert a["ids"].tolist() == ref["prompt_ids"].tolist() and a["token_types"].tolist() == ref["token_types"].tolist()
+    model, cfg = of.load("f3")
+    prefill, decode, _ = f3.run_logits(model, cfg, f3.prompt("reference_2img", cfg), forced)
+    assert np.array_equal(a["prefill"], prefill) and np.array_equal(a["decode"], decode)
+    assert main(argv[:-6] + ["--out", str(out)]) == 2  # two placeholders, one image: an error, not a guess
