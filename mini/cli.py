@@ -53,10 +53,13 @@ def cmd_logits(args) -> int:
         print(f"error: --ids and --force-tokens must be comma-separated integers, got {args.ids!r}, "
               f"{args.force_tokens!r}", file=sys.stderr)
         return 2
-    if forced and args.decode not in (0, len(forced)):
-        print(f"error: --decode {args.decode} but --force-tokens gives {len(forced)} tokens", file=sys.stderr)
+    # with --dspark the step after the last decode step is forced too: it is the last draft's anchor
+    fed = max(len(forced) - 1, 0) if args.dspark else len(forced)
+    if forced and args.decode not in (0, fed):
+        print(f"error: --decode {args.decode} but --force-tokens gives {len(forced)} tokens"
+              + (" (N + 1 for N steps with --dspark)" if args.dspark else ""), file=sys.stderr)
         return 2
-    steps = len(forced) or args.decode
+    steps = fed or args.decode
     model, cfg, _ = load_model(args.model, device=device, dtype=dtype)
     prompt = None  # --image: the prompt with every image placeholder expanded to its span (mini.model.image_input)
     if args.image:
@@ -70,6 +73,10 @@ def cmd_logits(args) -> int:
         print(f"error: --ids (non-empty) and --force-tokens must be token ids in [0, {cfg.vocab_size})",
               file=sys.stderr)
         return 2
+    if args.dspark and model.dspark is None:
+        print(f"error: --dspark: {args.model} has no DSpark draft module (mtp.*)", file=sys.stderr)
+        return 2
+    drafter = _Drafts(model, cfg, device, dtype) if args.dspark else None
     total = len(ids) + steps
     block_tokens = 128
     cache = KVCache(cfg, n_slots=1, n_blocks=(total + block_tokens - 1) // block_tokens, block_tokens=block_tokens,
@@ -82,6 +89,8 @@ def cmd_logits(args) -> int:
                             hasher=model.hasher)
         batch = dataclasses.replace(batch, logit_rows=torch.arange(len(ids), device=batch.input_ids.device))
         prefill = model.forward(batch, cache, images)  # every prompt position
+        if drafter:
+            drafter.write(batch)
         decode_logits = []
         nxt = int(prefill[-1].argmax())
         for step in range(steps):  # fed the forced tokens when given (decode by definition), else greedy ones
@@ -91,12 +100,53 @@ def cmd_logits(args) -> int:
             row = model.forward(batch, cache)[0]
             decode_logits.append(row)
             nxt = int(row.argmax())
+            if drafter:  # the step's features go into the rings, then a draft anchored on the next token
+                drafter.write(batch)
+                drafter.propose(forced[step + 1] if forced else nxt, len(history) - 1)
     decoded = torch.stack(decode_logits) if decode_logits else torch.empty(0, cfg.vocab_size)
     np.savez(args.out, prefill=prefill.float().cpu().numpy(), decode=decoded.float().cpu().numpy(),
              **({} if prompt is None else {"token_types": np.array(prompt.token_types, dtype=np.int64)}),
-             tokens=np.array(history[len(ids):], dtype=np.int64), ids=np.array(ids, dtype=np.int64))
-    print(f"wrote {args.out}: prefill {tuple(prefill.shape)}, decode {tuple(decoded.shape)}")
+             tokens=np.array(history[len(ids):], dtype=np.int64), ids=np.array(ids, dtype=np.int64),
+             **(drafter.arrays() if drafter else {}))
+    print(f"wrote {args.out}: prefill {tuple(prefill.shape)}, decode {tuple(decoded.shape)}"
+          + (f", {steps} DSpark drafts of {cfg.dspark_block_size}" if drafter else ""))
     return 0
+
+
+class _Drafts:
+    """`mini logits --dspark`: DSpark drafts along the decode, as the official driver makes them (the f4 fixture):
+    the prefill's features seed the rings; after each decode step at position p its features are written and a
+    draft is made, anchored on the token at p + 1."""
+
+    def __init__(self, model, cfg, device, dtype):
+        from mini.model.dspark import DSparkRings
+        self.model, self.cfg, self.rings, self.drafts = model, cfg, DSparkRings(cfg, 1, device, dtype), []
+
+    def write(self, batch) -> None:
+        from mini.model.dspark import write_rings
+        write_rings(self.model.dspark, self.cfg, self.model.target_features, batch.positions,
+                    batch.slots[batch.seq_of], self.rings)
+
+    def propose(self, anchor: int, position: int) -> None:
+        import torch
+
+        from mini.model.dspark import propose
+        dev = self.model.embed.device
+        self.drafts.append(propose(self.model.dspark, self.cfg, self.model.embed, self.model.head, self.rings,
+                                   torch.tensor([anchor], device=dev), torch.tensor([position], device=dev),
+                                   torch.tensor([0], device=dev)))
+
+    def arrays(self) -> dict:
+        import numpy as np
+        k, V = self.cfg.dspark_block_size, self.cfg.vocab_size
+
+        def stack(field, shape, dtype):
+            if not self.drafts:
+                return np.zeros((0, *shape), dtype)
+            return np.concatenate([getattr(d, field).float().cpu().numpy() for d in self.drafts]).astype(dtype)
+        return {"dspark_logits": stack("logits", (k, V), np.float32),
+                "dspark_draft_ids": stack("ids", (k,), np.int64),
+                "dspark_confidence": stack("confidence", (k,), np.float32)}
 
 
 def _expand_images(ids: list[int], paths: list[str], cfg):
@@ -213,6 +263,10 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("--decode", type=count(0), default=0)
     lg.add_argument("--force-tokens", default=None, metavar="IDS",
                     help="comma-separated tokens that the decode steps are fed instead of greedy ones")
+    lg.add_argument("--dspark", action="store_true",
+                    help="also write DSpark drafts after every decode step (dspark_logits [N, block, V], "
+                         "dspark_draft_ids, dspark_confidence); --force-tokens then takes N + 1 ids, the last "
+                         "being the last draft's anchor")
     lg.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image (PNG, JPEG, WebP, GIF) for the next image_token_id in --ids, in order; "
                          "repeat for several. `prefill` then has a row per position of the expanded prompt, "

@@ -111,6 +111,17 @@ class ModelConfig:
     # ---- end of the vision block
     bos_id: int = 0
     eos_id: int = 1
+    # ---- DSpark, V4.1's draft module (`mtp.*`; spec §2.7, official DSparkBlock). It has `n_mtp_layers` stages
+    # (0 or dspark_block_size 0: none); a stage is a window-only block with its own smaller MoE. Defaults: V4.1-Flash's
+    # values, except the block size, 0 as in the official ModelArgs (V4.1-Flash's config.json says 5): a config.json
+    # without DSpark keys has no draft module, and the presets keep theirs
+    dspark_block_size: int = 0  # draft positions per step: [anchor, noise x (block - 1)] in, block draft logits out
+    dspark_noise_id: int = 128799  # the token id of the block's 4 unknown positions
+    dspark_target_layers: tuple[int, ...] = (37, 38, 39)  # whose block inputs (mean over hc copies) feed the draft
+    dspark_markov_rank: int = 256  # the Markov head: logits += head(embed(previous token)), rank r
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
+    # ---- end of the DSpark block
 
     # ------------------------------------------------------------------ derived
     @property
@@ -145,6 +156,11 @@ class ModelConfig:
                 raise ValueError(f"invalid model config: {msg}")
 
         need(self.version in ("v4.1", "v4"), f"version must be 'v4.1' or 'v4', got {self.version!r}")
+        if self.has_dspark:
+            need(len(self.dspark_target_layers) > 0
+                 and all(0 <= t < self.n_layers for t in self.dspark_target_layers), "bad dspark_target_layers")
+            need(0 <= self.dspark_noise_id < self.vocab_size, "dspark_noise_id outside the vocabulary")
+            need(0 < self.dspark_n_activated_experts <= self.dspark_n_routed_experts, "bad DSpark expert counts")
         need(len(self.compress_ratios) == self.n_layers,
              f"compress_ratios has {len(self.compress_ratios)} entries for {self.n_layers} layers")
         need(self.n_heads % self.o_groups == 0, "n_heads must be a multiple of o_groups")
@@ -271,6 +287,8 @@ class ModelConfig:
                       candidate_topk_blocks=0, candidate_block_size=1, engram_layer_ids=(),
                       engram_num_embeddings=(), engram_max_ngram_size=1, engram_n_heads=0, engram_head_dim=0,
                       engram_compressed_vocab_size=0)
+        if is_v41:
+            kw.update(_dspark_fields(cfg))
         return cls(**kw).validate()
 
     def to_hf(self) -> dict:
@@ -294,6 +312,8 @@ class ModelConfig:
             "rms_norm_eps": self.norm_eps, "num_nextn_predict_layers": self.n_mtp_layers,
             "bos_token_id": self.bos_id, "eos_token_id": self.eos_id, "torch_dtype": "bfloat16",
         }
+        if self.has_dspark:
+            text.update(self._dspark_hf())
         quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
                  "weight_block_size": [self.fp8_block, self.fp8_block]}
         if self.is_v41:
@@ -339,6 +359,34 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw).validate()
+
+    # ------------------------------------------------------------------ DSpark (the draft module)
+    @property
+    def has_dspark(self) -> bool:
+        """V4.1 with DSpark stages (V4's single MTP block is another design, recognised and skipped)."""
+        return self.is_v41 and self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    @cached_property
+    def dspark_layers(self) -> tuple["LayerPlan", ...]:
+        """The stages as layers n_layers.. (as the reference numbers them): window only, RoPE base rope_theta
+        without YaRN (every ratio-0 layer's), no Engram."""
+        return tuple(LayerPlan(
+            layer=self.n_layers + s, ratio=0, kv_layer=-1, owns_kv=False, index_layer=-1, runs_indexer=False,
+            index_key_layer=-1, owns_index_keys=False, candidate_source=False, uses_candidates=False, engram=False,
+            hash_routed=False, rope_base=self.rope_theta, yarn=False) for s in range(self.n_mtp_layers))
+
+    @cached_property
+    def dspark_moe(self) -> "ModelConfig":
+        """This config with the draft MoE's expert counts: what `mini.ops.moe` reads for a stage's FFN."""
+        return dataclasses.replace(self, n_routed_experts=self.dspark_n_routed_experts,
+                                   n_activated_experts=self.dspark_n_activated_experts)
+
+    def _dspark_hf(self) -> dict:
+        return {"dspark_block_size": self.dspark_block_size, "dspark_noise_token_id": self.dspark_noise_id,
+                "dspark_target_layer_ids": list(self.dspark_target_layers),
+                "dspark_markov_rank": self.dspark_markov_rank,
+                "dspark_n_routed_experts": self.dspark_n_routed_experts,
+                "dspark_num_experts_per_tok": self.dspark_n_activated_experts}
 
 
 @dataclass(frozen=True)
@@ -443,3 +491,33 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# ---------------------------------------------------------------------- DSpark keys of config.json
+def _dspark_fields(cfg: dict) -> dict:
+    """The DSpark fields from a (flattened) V4.1 config.json, under the release's or the reference's names. No
+    `dspark_block_size` (or 0) means no draft module, whatever `num_nextn_predict_layers` says."""
+    if not cfg.get("dspark_block_size"):
+        return {}
+
+    def get(*names, default):
+        return next((cfg[n] for n in names if cfg.get(n) is not None), default)
+
+    return dict(
+        dspark_block_size=int(get("dspark_block_size", default=0)),
+        dspark_noise_id=int(get("dspark_noise_token_id", "dspark_noise_id", default=128799)),
+        dspark_target_layers=tuple(get("dspark_target_layer_ids", "dspark_target_layers", default=())),
+        dspark_markov_rank=int(get("dspark_markov_rank", default=256)),
+        # 0 or absent: the backbone's counts (the reference's ModelArgs.get_moe_config)
+        dspark_n_routed_experts=int(get("dspark_n_routed_experts", default=0)
+                                    or get("n_routed_experts", default=0)),
+        dspark_n_activated_experts=int(get("dspark_num_experts_per_tok", "dspark_n_activated_experts", default=0)
+                                       or get("num_experts_per_tok", "n_activated_experts", default=0)))
+
+
+# tiny-v4.1 with DSpark's three stages (block 5, 8 of 16 experts top-2, targets = the last three layers' inputs).
+# A preset of its own, so tiny-v4.1's cached checkpoint (and every figure measured on it) stays as it is.
+TINY_V41_DSPARK = TINY_V41.replace(
+    n_mtp_layers=3, dspark_block_size=5, dspark_noise_id=TINY_V41.vocab_size - 1, dspark_target_layers=(5, 6, 7),
+    dspark_markov_rank=16, dspark_n_routed_experts=8, dspark_n_activated_experts=2)
+PRESETS["tiny-v4.1-dspark"] = TINY_V41_DSPARK

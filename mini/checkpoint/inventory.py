@@ -9,8 +9,10 @@ two stored tensors of its format:
     fp8_rows           float8_e4m3fn [rows, dim] + E8M0 [rows, dim/B]: one scale per row per B channels (Engram)
     mxfp4              int8 [out, in/2] (two E2M1 codes per byte) + E8M0 [out, in/32]
 
-DSpark / MTP (`mtp.*`) and vision (`vision.*`, `aligner.*`, `image_*`, and `bias_vl` when the config has no
-vision) are recognised by `skip_reason` and never loaded.
+V4.1's DSpark draft module (`mtp.0..n-1.*`, `_dspark`) is part of the inventory when the config has it; its
+routed experts are always all listed (a rank holds the whole draft). V4's MTP block, `mtp.*` of a config without
+DSpark, and vision (`vision.*`, `aligner.*`, `image_*`, and `bias_vl` when the config has no vision) are
+recognised by `skip_reason` and never loaded.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ class Weight:
 
 
 def weights(config: ModelConfig, experts: range | None = None) -> list[Weight]:
-    """All logical parameters in checkpoint order (embed, blocks, norm, head, V4 hc_head). `experts` keeps only
-    those routed experts (None: all)."""
+    """All logical parameters in checkpoint order (embed, blocks, norm, head, V4 hc_head, DSpark stages).
+    `experts` keeps only those routed experts of the blocks (None: all)."""
     c = config
     out = [Weight("embed.weight", "bf16", (c.vocab_size, c.dim))]
     for i in range(c.n_layers):
@@ -77,6 +79,8 @@ def weights(config: ModelConfig, experts: range | None = None) -> list[Weight]:
     if not c.is_v41:
         out += [Weight("hc_head_fn", "f32", (c.hc_mult, c.hc_mult * c.dim)),
                 Weight("hc_head_base", "f32", (c.hc_mult,)), Weight("hc_head_scale", "f32", (1,))]
+    if c.has_dspark:
+        out += _dspark(c)
     return out
 
 
@@ -100,7 +104,7 @@ def expert_index(name: str) -> int:
 
 def skip_reason(name: str, config: ModelConfig) -> str | None:
     """'mtp' or 'vision' for tensors of the parts mini recognises but does not run; None otherwise."""
-    if name.startswith("mtp."):
+    if name.startswith("mtp.") and not config.has_dspark:
         return "mtp"
     if not config.vision and (name.startswith(_VISION) or name.endswith(".ffn.gate.bias_vl")):
         return "vision"
@@ -144,7 +148,7 @@ def _block(c: ModelConfig, i: int, experts: range | None) -> list[Weight]:
         w += [Weight(f"{pre}hc_{site}_fn", "f32", (c.hc_mix, hc * D)),
               Weight(f"{pre}hc_{site}_base", "f32", (c.hc_mix,)), Weight(f"{pre}hc_{site}_scale", "f32", (3,))]
     w += _attention(c, i, pre + "attn.")
-    w += _moe(c, i, pre + "ffn.", experts)
+    w += _moe(c, pre + "ffn.", experts, c.n_routed_experts, c.n_activated_experts, p.hash_routed)
     if p.engram:
         j = c.engram_layer_ids.index(i)
         w += [Weight(pre + "engram.embed.weight", "fp8_rows", (c.engram_num_embeddings[j], c.engram_head_dim)),
@@ -154,8 +158,36 @@ def _block(c: ModelConfig, i: int, experts: range | None) -> list[Weight]:
 
 
 def _attention(c: ModelConfig, i: int, pre: str) -> list[Weight]:
-    p, D, hd, H = c.layers[i], c.dim, c.head_dim, c.n_heads
-    w = [Weight(pre + "attn_sink", "f32", (H,)),
+    p = c.layers[i]
+    w = _window_attention(c, pre)
+    idx_q = [Weight(pre + "indexer.wq_b.weight", "fp8", (c.index_n_heads * c.index_head_dim, c.q_lora_rank)),
+             Weight(pre + "indexer.weights_proj.weight", "bf16", (c.index_n_heads, c.dim))]
+    if c.is_v41:
+        # only KV sources compress; ratio 1 is a plain projection (no gate)
+        if p.owns_kv:
+            w.append(Weight(pre + "compressor.wkv.weight", "bf16", (c.head_dim, c.dim)))
+            if p.ratio > 1:
+                w.append(Weight(pre + "compressor.wgate.weight", "bf16", (c.head_dim, c.dim)))
+            w.append(Weight(pre + "compressor.norm.weight", "bf16", (c.head_dim,)))
+        if p.runs_indexer:
+            if p.owns_index_keys:  # index keys come from the compressor's latent
+                w += [Weight(pre + "indexer.wk.weight", "bf16", (c.index_head_dim, c.head_dim)),
+                      Weight(pre + "indexer.k_norm.weight", "bf16", (c.index_head_dim,))]
+            w += idx_q
+        return w
+    # V4: every compressed layer compresses; ratio 4 overlaps two windows (2x wide) and runs an indexer with its
+    # own compressor over index_head_dim
+    if p.ratio:
+        w += _v4_compressor(c, pre + "compressor.", p.ratio, c.head_dim)
+    if p.runs_indexer:
+        w += idx_q + _v4_compressor(c, pre + "indexer.compressor.", p.ratio, c.index_head_dim)
+    return w
+
+
+def _window_attention(c: ModelConfig, pre: str) -> list[Weight]:
+    """What every attention has: projections, norms, sink (a window-only layer has nothing else)."""
+    D, hd, H = c.dim, c.head_dim, c.n_heads
+    return [Weight(pre + "attn_sink", "f32", (H,)),
          Weight(pre + "wq_a.weight", "fp8", (c.q_lora_rank, D)),
          Weight(pre + "q_norm.weight", "bf16", (c.q_lora_rank,)),
          Weight(pre + "wq_b.weight", "fp8", (H * hd, c.q_lora_rank)),
@@ -163,28 +195,6 @@ def _attention(c: ModelConfig, i: int, pre: str) -> list[Weight]:
          Weight(pre + "kv_norm.weight", "bf16", (hd,)),
          Weight(pre + "wo_a.weight", "fp8", (c.o_groups * c.o_lora_rank, H * hd // c.o_groups)),
          Weight(pre + "wo_b.weight", "fp8", (D, c.o_groups * c.o_lora_rank))]
-    idx_q = [Weight(pre + "indexer.wq_b.weight", "fp8", (c.index_n_heads * c.index_head_dim, c.q_lora_rank)),
-             Weight(pre + "indexer.weights_proj.weight", "bf16", (c.index_n_heads, D))]
-    if c.is_v41:
-        # only KV sources compress; ratio 1 is a plain projection (no gate)
-        if p.owns_kv:
-            w.append(Weight(pre + "compressor.wkv.weight", "bf16", (hd, D)))
-            if p.ratio > 1:
-                w.append(Weight(pre + "compressor.wgate.weight", "bf16", (hd, D)))
-            w.append(Weight(pre + "compressor.norm.weight", "bf16", (hd,)))
-        if p.runs_indexer:
-            if p.owns_index_keys:  # index keys come from the compressor's latent
-                w += [Weight(pre + "indexer.wk.weight", "bf16", (c.index_head_dim, hd)),
-                      Weight(pre + "indexer.k_norm.weight", "bf16", (c.index_head_dim,))]
-            w += idx_q
-        return w
-    # V4: every compressed layer compresses; ratio 4 overlaps two windows (2x wide) and runs an indexer with its
-    # own compressor over index_head_dim
-    if p.ratio:
-        w += _v4_compressor(c, pre + "compressor.", p.ratio, hd)
-    if p.runs_indexer:
-        w += idx_q + _v4_compressor(c, pre + "indexer.compressor.", p.ratio, c.index_head_dim)
-    return w
 
 
 def _v4_compressor(c: ModelConfig, pre: str, ratio: int, head_dim: int) -> list[Weight]:
@@ -193,11 +203,11 @@ def _v4_compressor(c: ModelConfig, pre: str, ratio: int, head_dim: int) -> list[
             Weight(pre + "wgate.weight", "bf16", (width, c.dim)), Weight(pre + "norm.weight", "bf16", (head_dim,))]
 
 
-def _moe(c: ModelConfig, i: int, pre: str, experts: range | None) -> list[Weight]:
-    D, E, inter = c.dim, c.n_routed_experts, c.moe_inter_dim
+def _moe(c: ModelConfig, pre: str, experts: range | None, E: int, k: int, hash_routed: bool) -> list[Weight]:
+    D, inter = c.dim, c.moe_inter_dim
     w = [Weight(pre + "gate.weight", "bf16", (E, D))]
-    if c.layers[i].hash_routed:
-        w.append(Weight(pre + "gate.tid2eid", "i64", (c.vocab_size, c.n_activated_experts)))
+    if hash_routed:
+        w.append(Weight(pre + "gate.tid2eid", "i64", (c.vocab_size, k)))
     else:
         w.append(Weight(pre + "gate.bias", "f32", (E,)))
         if c.is_v41 and c.vision:
@@ -214,3 +224,31 @@ def _moe(c: ModelConfig, i: int, pre: str, experts: range | None) -> list[Weight
           Weight(pre + "shared_experts.w2.weight", "fp8", (D, sh)),
           Weight(pre + "shared_experts.w3.weight", "fp8", (sh, D))]
     return w
+
+
+# ---------------------------------------------------------------------- DSpark (V4.1 `mtp.*`)
+def _dspark(c: ModelConfig) -> list[Weight]:
+    """The draft stages (official DSparkBlock): each a block without compressor, indexer or Engram and with the
+    draft MoE; stage 0 adds main_proj / main_norm (the target features -> D), the last one the final norm, the
+    Markov head (rank r: an embedding and a head over the vocabulary) and the confidence head. The draft shares
+    the model's embed and head, so the checkpoint has no copies of them."""
+    D, hc, n = c.dim, c.hc_mult, c.n_mtp_layers
+    out = []
+    for s in range(n):
+        pre = f"mtp.{s}."
+        if s == 0:
+            out += [Weight(pre + "main_proj.weight", "fp8", (D, len(c.dspark_target_layers) * D)),
+                    Weight(pre + "main_norm.weight", "bf16", (D,))]
+        out += [Weight(pre + "attn_norm.weight", "bf16", (D,)), Weight(pre + "ffn_norm.weight", "bf16", (D,))]
+        for site in ("attn", "ffn"):
+            out += [Weight(f"{pre}hc_{site}_fn", "f32", (c.hc_mix, hc * D)),
+                    Weight(f"{pre}hc_{site}_base", "f32", (c.hc_mix,)), Weight(f"{pre}hc_{site}_scale", "f32", (3,))]
+        out += _window_attention(c, pre + "attn.")
+        out += _moe(c, pre + "ffn.", None, c.dspark_n_routed_experts, c.dspark_n_activated_experts, False)
+        if s == n - 1:
+            r = c.dspark_markov_rank
+            out += [Weight(pre + "norm.weight", "bf16", (D,)),
+                    Weight(pre + "markov_head.embed.weight", "bf16", (c.vocab_size, r)),
+                    Weight(pre + "markov_head.head.weight", "bf16", (c.vocab_size, r)),
+                    Weight(pre + "confidence_head.proj.weight", "bf16", (1, D + r))]
+    return out

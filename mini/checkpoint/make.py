@@ -41,7 +41,8 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
     """Write `model-0000N-of-0000M.safetensors` shards (each at most `shard_bytes`, unless one weight is larger;
     None: about DEFAULT_SHARDS shards), `model.safetensors.index.json`, `config.json`, `generation_config.json`
     and (unless `tokenizer=False`, for vocabularies the tiny tokenizer cannot cover) the tiny tokenizer into
-    `out_dir`. DSpark/MTP and vision tensors are not written. Returns `out_dir`."""
+    `out_dir`. The DSpark stages (`mtp.*`) are written when the config has them; vision tensors are not.
+    Returns `out_dir`."""
     config = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from mini.config import LayerPlan, ModelConfig
 from mini.model.attn_layer import AttentionWeights, attention
 from mini.model.batch import Batch, EngramInput, SeqChunk
 from mini.model.cache import KVCache
+from mini.model.dspark import DSparkWeights
 from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
 from mini.ops.linear import head_logits
@@ -59,14 +60,14 @@ def _is_engram_table(name: str) -> bool:
     return ".engram.embed." in name
 
 
-def _on_device(state: dict, device, consume: bool, engram_tables: bool) -> dict:
+def _on_device(state: dict, device, consume: bool, engram_tables: bool, skip: dict = _SKIPPED) -> dict:
     """The tensors the model runs, on `device`; the Engram tables stay where they are (host, memory-mapped) unless
     `engram_tables`, the routed experts too until MoEWeights stacks them on the device (one copy, never two), and
     the parts mini does not run are dropped with one log line. `consume` empties `state` on the way."""
     kept, skipped = {}, {}
     for name in list(state):
         t = state.pop(name) if consume else state[name]
-        what = next((v for k, v in _SKIPPED.items() if name.startswith(k)), None)
+        what = next((v for k, v in skip.items() if name.startswith(k)), None)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
         elif (_is_engram_table(name) and not engram_tables) or ".ffn.experts." in name:
@@ -100,7 +101,9 @@ class Model:
         table_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if _is_engram_table(n))
         self.engram_on_device = bool(cfg.engram_layer_ids) and table_bytes <= engram_device_bytes
         self.hasher = None  # EngramHasher for Batch.build; load_model sets it
-        state = _on_device(state, self.device, consume_state, self.engram_on_device)
+        # DSpark (V4.1 `mtp.*`) is loaded when the config has it (mini/model/dspark.py); V4's MTP block is skipped
+        skip = {k: v for k, v in _SKIPPED.items() if not (k == "mtp." and cfg.has_dspark)}
+        state = _on_device(state, self.device, consume_state, self.engram_on_device, skip)
         self.embed = state["embed.weight"]
         self.norm = state["norm.weight"]
         # the reference keeps the head in fp32; on CUDA a bf16 head stays bf16 for the fast path's exact-product
@@ -118,6 +121,8 @@ class Model:
                 AttentionWeights.from_state(state, f"{p}.attn", cfg, plan, dtype),
                 MoEWeights.from_state(state, f"{p}.ffn", cfg, plan.layer, experts, device=self.device, consume=True),
                 EngramWeights.from_state(state, f"{p}.", cfg) if plan.engram else None))
+        self.dspark = DSparkWeights.from_state(state, cfg, self.device, dtype) if cfg.has_dspark else None
+        self.target_features: torch.Tensor | None = None  # DSpark's input, [T, n·D], set by each forward
 
     def _pre_norm(self, h: torch.Tensor, w: HCWeights, norm_weight: torch.Tensor, pre_in: torch.Tensor | None):
         """(rms_norm(collapse(h, pre_in or this site's pre)), pre, post, comb) of one mHC site."""
@@ -192,6 +197,9 @@ class Model:
             raise ValueError("the batch has no Engram input (Batch.build needs a hasher)")
         if eng is not None and eng.form == "prefix":  # a static decode step with the tables on the device
             eng = EngramInput("ids", self.hash_on_device(eng.data, batch.input_ids))
+        # DSpark's target features (spec §2.7): the mean over the hc copies of each target layer's input, after
+        # Engram, taken on the way (no extra pass); the draft module reads them from `self.target_features`
+        targets, features = cfg.dspark_target_layers if self.dspark is not None else (), []
         for blk in self.blocks:
             if blk.engram is not None:
                 if eng.form == "rows":  # looked up on the host before a CUDA-graph replay
@@ -201,12 +209,15 @@ class Model:
                 else:
                     h = engram(h, eng.data[:, engram_col], blk.engram, cfg, text_mask)
                 engram_col += 1
+            if blk.plan.layer in targets:
+                features.append(h.mean(1))
             # each site's mixes come from its own input; its collapse uses the previous site's pre (V4.1) or its own
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
             h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
             x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
             h = mhc.expand(self._ffn(x, blk, batch.input_ids, image_mask), h, f_post, f_comb)
             pre_mix = f_pre
+        self.target_features = torch.cat(features, -1) if features else None
         h = h[batch.logit_rows]
         if cfg.is_v41:
             x = mhc.collapse(h, pre_mix[batch.logit_rows])
