@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -190,9 +189,8 @@ class _StartedServer:
 
     def __init__(self, args):
         from mini.args import engine_argv
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from mini.parallel.launch import free_port
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mini", "serve", "--model", args.model, "--port", str(self.port),
                "--dtype", args.dtype]

@@ -25,9 +25,10 @@ import torch.multiprocessing as mp
 from mini.parallel.groups import DistContext, init, shutdown
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the rendezvous of local ranks; servers started by tests and benchmarks)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -43,7 +44,7 @@ def _rank_env(rank: int, world: int, port: int) -> None:
 
 def _start(world: int, target, *args):
     """`target(rank, world, port, *args)` on `world` fresh processes (spawned), not joined."""
-    return mp.start_processes(target, args=(world, _free_port(), *args), nprocs=world, join=False,
+    return mp.start_processes(target, args=(world, free_port(), *args), nprocs=world, join=False,
                               start_method="spawn")
 
 

@@ -580,35 +580,3 @@ def run_http(app: FastAPI, args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 http=h11_with_header_timeout(app.state.policy.read_timeout_s))
 
-
-class BackgroundServer:
-    """Serve an app from a thread of this process (tests, in-process benchmarks):
-    `with BackgroundServer(app) as url: ...`."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import socket
-        import threading
-
-        import uvicorn
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        policy = getattr(app.state, "policy", None) or Policy()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    http=h11_with_header_timeout(policy.read_timeout_s)))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)

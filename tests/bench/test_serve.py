@@ -32,7 +32,8 @@ def test_workload_is_fixed_by_seed():
 
 
 def test_against_a_running_server():
-    from mini.server.app import BackgroundServer, build_app
+    from mini.server.app import build_app
+    from mini.testing.background_server import BackgroundServer
     cfg = FakeConfig(vocab_size=512)
     app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), num_blocks=256,
                     block_tokens=4, device="cpu", dtype=torch.float32, max_num_seqs=8)
@@ -79,7 +80,8 @@ def test_cpu_smoke_tiny_model_started_server():
 def test_cold_diag_reads_the_server_trace_per_burst(tmp_path, monkeypatch):
     """With MINI_WARMUP_TRACE set, the warmed-up server traces its steps and the bench summarizes them per burst."""
     from mini.engine import warmup_trace
-    from mini.server.app import BackgroundServer, build_app
+    from mini.server.app import build_app
+    from mini.testing.background_server import BackgroundServer
     monkeypatch.setenv(warmup_trace.TRACE_ENV, str(tmp_path / "trace.jsonl"))
     cfg = FakeConfig(vocab_size=512)
     app = build_app(FakeModel(cfg), "tiny-v4.1", warmup=True, config=cfg, tokenizer=FakeTokenizer(), num_blocks=256,
@@ -99,7 +101,8 @@ def test_cold_diag_reads_the_server_trace_per_burst(tmp_path, monkeypatch):
 def test_the_client_warms_its_http_stack_on_health_only():
     """Before the first burst the bench touches GET /health with its async client: no request reaches the engine."""
     import asyncio
-    from mini.server.app import BackgroundServer, build_app
+    from mini.server.app import build_app
+    from mini.testing.background_server import BackgroundServer
     cfg = FakeConfig(vocab_size=512)
     app = build_app(FakeModel(cfg), "tiny-v4.1", config=cfg, tokenizer=FakeTokenizer(), num_blocks=64,
                     block_tokens=4, device="cpu", dtype=torch.float32, max_num_seqs=4)

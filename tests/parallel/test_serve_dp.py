@@ -3,7 +3,6 @@ one-process server, an idle rank, aborted streams; and the router's placement an
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,9 @@ import torch
 from mini.parallel.serve import RequestError, Router, slim
 from mini.engine.llm import RequestOutput
 from mini.engine.sequence import TokenLogprobs
-from mini.server.app import BackgroundServer, build_app
+from mini.parallel.launch import free_port
+from mini.server.app import build_app
+from mini.testing.background_server import BackgroundServer
 
 MODEL = "tiny"
 ENGINE = dict(num_blocks=24, block_tokens=32)  # 768 positions per rank
@@ -25,17 +26,11 @@ PROMPTS = [[3 + (11 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate(
 MAX_TOKENS = [6, 2, 5, 3, 4]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dp_server():
     """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the terminal's process
     group, which holds the launcher only: it forwards one SIGINT to rank 0)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", "tiny-v4.1", "--served-model-name", MODEL,
            "--device", "cpu", "--dtype", "float32", "--num-blocks", str(ENGINE["num_blocks"]),
            "--block-tokens", str(ENGINE["block_tokens"]), "--port", str(port)]

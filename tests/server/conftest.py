@@ -8,7 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the e
 
 from fake_model import FakeConfig, FakeModel, FakeTokenizer  # noqa: E402
 
-from mini.server.app import BackgroundServer, build_app  # noqa: E402
+from mini.server.app import build_app  # noqa: E402
+from mini.testing.background_server import BackgroundServer  # noqa: E402
 
 MODEL = "fake"
 

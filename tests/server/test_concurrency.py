@@ -10,7 +10,7 @@ import openai
 from conftest import MODEL, fake_app
 from fake_model import fake_llm
 from mini.engine import SamplingParams
-from mini.server.app import BackgroundServer
+from mini.testing.background_server import BackgroundServer
 
 N_GOOD = 32
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import MODEL, fake_app
 from fake_model import FakeTokenizer
 from mini.args import add_serve_args
-from mini.server.app import BackgroundServer, exposure_warning, policy_from_args, startup_line
+from mini.server.app import exposure_warning, policy_from_args, startup_line
+from mini.testing.background_server import BackgroundServer
 from mini.server.guard import LOOPBACK_HOSTS, Policy, host_name
 
 JSON = {"content-type": "application/json"}

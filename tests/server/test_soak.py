@@ -22,7 +22,7 @@ import httpx
 from conftest import MODEL, fake_app
 from fake_model import fake_llm
 from mini.engine import SamplingParams
-from mini.server.app import BackgroundServer
+from mini.testing.background_server import BackgroundServer
 from mini.server.guard import Policy
 
 KEY = "soak-key"

@@ -8,7 +8,8 @@ import torch
 
 import mini.ops
 from mini.engine import LLM, SamplingParams
-from mini.server.app import BackgroundServer, build_app
+from mini.server.app import build_app
+from mini.testing.background_server import BackgroundServer
 from test_concurrency import burst, token_prompts
 
 

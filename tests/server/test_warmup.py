@@ -7,7 +7,7 @@ import torch
 from conftest import MODEL, fake_app
 from mini.engine import build_engine
 from mini.engine.warmup import plan, warm_up
-from mini.server.app import BackgroundServer
+from mini.testing.background_server import BackgroundServer
 
 TINY = dict(device="cpu", dtype=torch.float32, num_blocks=64, block_tokens=16, max_num_seqs=4,
             max_num_batched_tokens=64)
