@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mini.ops  # noqa: E402
 from mini.bench import rank4  # noqa: E402
 from mini.bench.profile import report, staged  # noqa: E402
+from mini.testing.rank_step import time_steps  # noqa: E402
 
 # candidate fixed configs of the sweep: (BM, BN, BK, num_warps, num_stages), GROUP_M 8
 CANDIDATES = {
@@ -119,9 +120,9 @@ def profile_mode(r, mode: str, args, cuda: bool) -> dict:
     for _ in range(args.warmup):
         r.step()
     _sync(cuda)
-    plain = rank4.time_steps(r, args.steps)
+    plain = time_steps(r, args.steps)
     with staged(cuda) as timer:
-        timed = rank4.time_steps(r, args.profile_steps)
+        timed = time_steps(r, args.profile_steps)
         totals = timer.totals()
     return {"mode": mode, "deterministic": mode != "default", "step_ms": plain,
             "median_step_ms": statistics.median(plain),
@@ -142,7 +143,7 @@ def ab_rounds(r, modes: list[str], rounds: int, steps: int, cuda: bool) -> dict:
             set_mode(r, m)
             r.step()
             _sync(cuda)
-            t = rank4.time_steps(r, steps)
+            t = time_steps(r, steps)
             times[m] += t
             med[m] = statistics.median(t)
         for m in modes[1:]:

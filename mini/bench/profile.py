@@ -127,6 +127,7 @@ def report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, fl
 
 def main(argv: list[str] | None = None) -> int:
     from mini.bench import rank4
+    from mini.testing.rank_step import sync, time_steps
     from mini.testing.suites import check_result, environment, write_result
     from mini.ops.stages import recording
     p = argparse.ArgumentParser(prog="mini profile", description=__doc__.split("\n")[0])
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     suite = check_result("rank4", rank4.measure(r, setup_s, args))  # the rank4 suite's numbers, unwrapped
     plain = suite["raw"]["step_ms"]
     with staged(cuda) as timer:
-        timed = rank4.time_steps(r, args.profile_steps)
+        timed = time_steps(r, args.profile_steps)
         totals = timer.totals()
     step_ms = sum(timed) / len(timed)
     stages = report(totals, step_ms, len(timed))
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof, recording(torch.profiler.record_function):
         r.step()
-        rank4._sync(r.batch.input_ids.device)
+        sync(r.batch.input_ids.device)
     trace = args.out / "trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as f, gzip.open(args.out / "trace.json.gz", "wb") as z:  # Perfetto reads .json.gz

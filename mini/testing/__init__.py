@@ -1,7 +1,9 @@
 """Test and measurement support, shared by mini/bench, mini/check, tests/ and tools/; the product (config, formats,
 checkpoint, ops, kernels, model, engine, server, parallel) never imports it (tests/test_import_graph.py).
 
-suites.py       the registry of command-line suites and their JSON results (`mini bench`, `mini check`)
-emulated_ep.py  one EP rank's MoE emulated on one device (`EmulatedEP`) and the skewed routing (`RoutingSkew`)
-rank_model.py   one EP rank's model with random weights at a preset's shape, its prefill batch and Engram tables
+suites.py             the registry of command-line suites and their JSON results (`mini bench`, `mini check`)
+emulated_ep.py        one EP rank's MoE emulated on one device (`EmulatedEP`) and the skewed routing (`RoutingSkew`)
+rank_model.py         one EP rank's model with random weights at a preset's shape, its prefill batch, Engram tables
+rank_step.py          that rank's prefill steps as a server runs them (the next input built while the GPU works)
+background_server.py  an app served from a thread of this process (`with BackgroundServer(app) as url`)
 """

@@ -115,11 +115,12 @@ class EmulatedEP:
                                           self.seed, layer).to(device)
         return self._skewed[key]
 
-    def route(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor):
+    def route(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor,
+              image_mask: torch.Tensor | None = None):
         """(x, weights, ids) of every row the local experts see: own rows first, then the remote ones."""
         from mini.ops.moe import gate
         rows = self.remote_rows(x.shape[0], x.device)
-        weights, ids = gate(x, w, cfg, plan, input_ids)
+        weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
         x_all, weights_all = torch.cat([x, x[rows]]), torch.cat([weights, weights[rows]])
         if self.routing == "skewed":
             ids_all = self.skewed_ids(x_all.shape[0], w, cfg, plan.layer, x.device)
@@ -127,9 +128,11 @@ class EmulatedEP:
             ids_all = torch.cat([ids, ids[rows]])
         return x_all, weights_all, ids_all
 
-    def __call__(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor,
+                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The exchange's contract (mini.parallel.exchange.MoEExchange): image rows gate with `bias_vl`."""
         from mini.ops.moe import routed, shared
-        x_all, weights, ids = self.route(x, w, cfg, plan, input_ids)
+        x_all, weights, ids = self.route(x, w, cfg, plan, input_ids, image_mask)
         if self.recording:
             counts = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
             self.pairs[plan.layer] = counts[w.experts.start:w.experts.stop]

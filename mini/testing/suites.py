@@ -133,7 +133,7 @@ def write_result(path: Path | str, result: dict) -> None:
 
 
 def parser(suite: Suite | None, suites: dict[str, Suite], prog: str) -> argparse.ArgumentParser:
-    what = "benchmark suite" if prog == "mini bench" else "check"
+    what = {"mini bench": "benchmark suite", "mini check": "check"}.get(prog, "suite")
     p = argparse.ArgumentParser(prog=prog + (f" {suite.name}" if suite else ""), description=f"Run a {what}.",
                                 epilog=f"{what}s:\n" + "\n".join(f"  {s.name:13s} {s.summary}"
                                                                  for s in suites.values()),
@@ -192,3 +192,10 @@ def main(argv: list[str] | None, suites: dict[str, Suite], prog: str) -> int:
     for k, v in result["metrics"].items():
         print(f"  {k:{width}s} {v:.6g}")
     return 0
+
+
+def run_as_script(module: str, name: str, summary: str, argv: list[str] | None, prog: str) -> int:
+    """A suite module kept under tools/ run as a script, `python3 tools/X.py [options] [--json FILE]`, checked and
+    reported as `mini bench` reports a registered suite (`module`: the script's `__name__`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return main([name, *argv], {name: Suite(name, module, summary)}, prog)

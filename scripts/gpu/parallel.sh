@@ -236,7 +236,7 @@ phase_ep_glue() {  # issue 18 item 2 (ONE GPU, <= 100 s; EP2 last, if the cap al
     # EP4 1.629 -> 0.259.
     local rc=0
     ep_glue_run() {
-        timeout 30 python3 -m mini.cli bench ep-exchange --glue --ranks "$1" --iters 20 --warmup 5 \
+        timeout 30 python3 tools/ep_exchange_local.py --glue --ranks "$1" --iters 20 --warmup 5 \
             --json "$PHASE_DIR/ep_glue_ep$1.json" >"$PHASE_DIR/ep$1.log" 2>&1
         local r=$?
         grep -vE "^  (eager|fused|gpu)\." "$PHASE_DIR/ep$1.log" | tail -14
@@ -273,7 +273,7 @@ phase_ep_overlap_gpu() {  # issue 18 item 3 (ONE GPU, <= 150 s): the micro-batch
     # GPU. 1. gpu tests (tests.log): exchange_wire in 2 and 4 micro-batches on a one-rank NCCL group, Humming's GEMMs
     # where they load (4,096 tokens, 1,024 wide, 64 experts, top-6), against the one-piece exchange and the
     # one-device MoE: expect "2 passed" (a failure says how many elements differ). 2. the overlap's compute side at
-    # EP2 shape (parts.log, ep_parts_ep2.json: mini bench ep-exchange --parts 1,2,4): one rank's 192 routed experts
+    # EP2 shape (parts.log, ep_parts_ep2.json: tools/ep_exchange_local.py --parts 1,2,4): one rank's 192 routed experts
     # over 2 x 4,096 gathered rows in one piece / 2 / 4 parts: expect parts*_identical 1, parts2_overhead and
     # parts4_overhead small (what splitting costs the GEMMs: the communication it can hide is ~0.5 ms/layer at
     # EP2, docs/parallel.md), shared_ms ~0.5 (the window the first all-gather hides under).
@@ -281,7 +281,7 @@ phase_ep_overlap_gpu() {  # issue 18 item 3 (ONE GPU, <= 150 s): the micro-batch
     timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=55 \
         tests/parallel/test_exchange_overlap.py --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -4 "$PHASE_DIR/tests.log"
-    timeout 85 python3 -m mini.cli bench ep-exchange --parts 1,2,4 --ranks 2 --iters 10 --warmup 2 \
+    timeout 85 python3 tools/ep_exchange_local.py --parts 1,2,4 --ranks 2 --iters 10 --warmup 2 \
         --json "$PHASE_DIR/ep_parts_ep2.json" >"$PHASE_DIR/parts.log" 2>&1 || rc=1
     tail -12 "$PHASE_DIR/parts.log"
     return $rc

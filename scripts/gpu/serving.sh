@@ -40,12 +40,12 @@ phase_cold_diag() {  # issue 15 (<= 2 min): phase_goodput_cold with the server's
 
 phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (graphs + overlap): plain, a JSON schema
     # on every request (masks filled on the worker thread), and the same with every fill on the engine's thread (as
-    # before the worker), 5 alternating rounds each (mini/bench/grammar_tpot.py; needs the llguidance wheel in
+    # before the worker), 5 alternating rounds each (tools/grammar_tpot.py; needs the llguidance wheel in
     # .whl/serve). Then the grammar gpu tests. Expect in grammar.json: slowdown <= 0.10 (0.54 before the worker,
     # 0.019 at 28589aa), slowdown_sync ~0.17, schema_grammar_background 1.0, schema_grammar_exposed_ms well under
     # schema_sync_grammar_exposed_ms (0.52 vs 0.83 at 28589aa); then 1 passed. 5 rounds: at 28589aa one round of 3
     # was slow for both schema kinds alike (mask times unchanged), so the median wants more rounds.
-    timeout 130 python3 -m mini.bench.grammar_tpot --rounds 5 --json "$PHASE_DIR/grammar.json"
+    timeout 130 python3 tools/grammar_tpot.py --rounds 5 --json "$PHASE_DIR/grammar.json"
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --timeout=40 tests/engine/test_grammar.py \
         --junitxml="$PHASE_DIR/junit.xml"
 }

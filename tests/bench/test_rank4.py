@@ -11,6 +11,7 @@ from mini.bench import rank4
 from mini.bench.profile import main as profile_main
 from mini.config import preset
 from mini.testing.rank_model import prefill_batch
+from mini.testing.rank_step import FreshSteps
 
 TINY = ["--preset", "tiny-v4.1", "--tokens", "24", "--seqs", "2", "--steps", "2", "--warmup", "1",
         "--device", "cpu", "--dtype", "float32", "--block-tokens", "16"]
@@ -183,12 +184,12 @@ def test_a_fresh_batch_gives_the_reused_batchs_logits():
     tokens = [torch.randint(3, r.config.vocab_size, (n,), generator=g).tolist() for n in (17, 9)]
     batch, cache = prefill_batch(r.config, tokens, "cpu", torch.float32, 16, 1 << 20)
     want = r.model.forward(batch, cache)
-    fresh = rank4.FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, None, 0)
+    fresh = FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, None, 0)
     assert torch.equal(r.model.forward(fresh.next(tokens), cache), want)
     r.model.engram_on_device = False  # tiny tables: in CPU memory either way
     pre = EngramPrefetcher([b.engram for b in r.model.blocks if b.engram is not None], "cpu", threads=2)
     try:
-        fresh = rank4.FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, pre, 0)
+        fresh = FreshSteps(r.config, [17, 9], "cpu", 16, 1 << 20, pre, 0)
         batch = fresh.next(tokens)
         assert batch.engram.form == "pending"
         assert torch.equal(r.model.forward(batch, cache), want)

@@ -292,25 +292,3 @@ def test_ep_exact_with_overlap_on_two_cpu_ranks(monkeypatch):
     m = check_result("ep-exact", ep_exact.run(args))["metrics"]
     assert m["tiny-reference-fp32.tokens_identical"] == 1 and m["tiny-reference-fp32.logit_abs_max"] > 1
     assert m["tiny-reference-fp32.max_abs_logit_diff"] <= 1e-5
-
-
-def test_parts_bench_runs_and_checks_bits_interpreter(monkeypatch):
-    """`mini bench ep-exchange --parts` (the overlap's compute side on one device) at tiny size under the
-    interpreter: one piece and 2 / 3 parts timed, every partial-sum row identical to the one-piece one."""
-    import argparse
-
-    from mini.bench import ep_exchange
-    from mini.testing.suites import check_result
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    p = argparse.ArgumentParser()
-    ep_exchange.add_args(p)
-    args = p.parse_args(["--parts", "3,2", "--ranks", "2", "--tokens", "7", "--preset", "tiny-v4.1", "--device",
-                         "cpu", "--iters", "1", "--warmup", "0"])
-    r = check_result("ep-exchange", ep_exchange.run(args))
-    assert r["definition"]["parts"] == [1, 2, 3] and r["definition"]["local_experts"] == 8
-    m = r["metrics"]
-    assert m["parts1_overhead"] == 0 and m["shared_ms"] > 0
-    for n in (1, 2, 3):
-        assert m[f"parts{n}_identical"] == 1 and m[f"parts{n}_routed_ms"] > 0
-    with pytest.raises(ep_exchange.SuiteError, match="--parts"):
-        ep_exchange.run(p.parse_args(["--parts", "2,x", "--device", "cpu"]))

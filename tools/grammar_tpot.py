@@ -15,7 +15,7 @@ for the fill, upload: the critical path), `grammar_background` (fraction of fill
 median of each over the rounds of a kind, `slowdown` = TPOT(schema) / TPOT(plain) - 1 (issue 14's target: <= 0.10)
 and `slowdown_sync` the same for schema_sync.
 
-    python3 -m mini.bench.grammar_tpot --json out.json
+    python3 tools/grammar_tpot.py --json out.json     # phase grammar of scripts/gpu.sh; report 008 (docs/perf/)
 """
 from __future__ import annotations
 
@@ -23,8 +23,12 @@ import argparse
 import json
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},

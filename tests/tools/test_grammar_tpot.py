@@ -1,9 +1,9 @@
-"""The grammar-cost benchmark's plumbing on CPU (tiny-v4.1, a small batch, overlapped steps): the three kinds of
-round run, the schema rounds spend host time on masks (filled on the worker thread in `schema`, on the engine's
-thread in `schema_sync`), and the JSON has the metrics phase_grammar reads."""
+"""The grammar-cost benchmark's plumbing (tools/grammar_tpot.py) on CPU (tiny-v4.1, a small batch, overlapped
+steps): the three kinds of round run, the schema rounds spend host time on masks (filled on the worker thread in
+`schema`, on the engine's thread in `schema_sync`), and the JSON has the metrics phase_grammar reads."""
 import json
 
-from mini.bench import grammar_tpot
+import grammar_tpot
 
 
 def test_grammar_tpot_runs_and_writes_json(tmp_path):
