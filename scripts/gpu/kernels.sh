@@ -2,8 +2,13 @@
 # attention side, mHC; fast path.
 # Sourced by scripts/gpu.sh (the driver): each phase_NAME writes under $PHASE_DIR (= $OUT/NAME).
 
-phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep)
-    python3 -m mini.cli bench moe-layer ${MOE_LAYER_ARGS:-} --json "$PHASE_DIR/moe_layer.json"
+phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--sweep adds the Triton tile sweep, through
+    # tools/moe_layer_studies.py)
+    if [ -n "${MOE_LAYER_ARGS:-}" ]; then
+        python3 tools/moe_layer_studies.py $MOE_LAYER_ARGS --json "$PHASE_DIR/moe_layer.json"
+    else
+        python3 -m mini.cli bench moe-layer --json "$PHASE_DIR/moe_layer.json"
+    fi
 }
 
 phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, then new vs old in one process,
@@ -11,7 +16,7 @@ phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, th
     local rc=0
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py \
         tests/kernels/test_moe_route.py --junitxml="$PHASE_DIR/junit.xml" || rc=$?
-    python3 -m mini.cli bench moe-layer --only-gate-plan --old-gate-plan --gate-configs \
+    python3 tools/moe_layer_studies.py --only-gate-plan --old-gate-plan --gate-configs \
         --gate-sweep-tokens 1 64 256 1024 4096 16384 --route-blocks 256 512 \
         --json "$PHASE_DIR/gate_plan.json" || rc=$?
     return $rc
@@ -21,7 +26,7 @@ phase_humming() {  # routed experts on Humming (~270 s on a cold kernel cache): 
     # variants, its gpu tests, the suite on our Triton kernels for comparison; the compiled kernels come back as
     # humming_cache.tgz (put it in .whl/ and carry .whl: install_wheels unpacks it)
     local rc=0
-    python3 -m mini.cli bench moe-layer --moe-gemm humming \
+    python3 tools/moe_layer_studies.py --moe-gemm humming \
         --humming-tiles ${HUMMING_TILES:-128x4 128x6 192x4 208x3 176x5} \
         --json "$PHASE_DIR/moe_layer_humming.json" || rc=$?
     python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_humming_experts.py \
