@@ -9,9 +9,10 @@ from here. Nothing here imports torch at module level, so `mini --help` stays fa
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from mini import switches
 
 
 class UsageError(Exception):
@@ -101,9 +102,9 @@ def check_model(name: str) -> None:
     if name not in PRESETS:
         raise UsageError(f"--model {name}: no such directory, and not a preset (presets: {', '.join(PRESETS)})")
     from mini.checkpoint.make import checkpoint_bytes
-    from mini.model.load import CACHE_DIR
+    from mini.model.load import cache_dir
     size = checkpoint_bytes(PRESETS[name])
-    if size > REAL_SIZE_BYTES and not (CACHE_DIR / f"{name}-seed0" / "config.json").exists():
+    if size > REAL_SIZE_BYTES and not (cache_dir() / f"{name}-seed0" / "config.json").exists():
         raise UsageError(f"--model {name}: a random checkpoint of this preset takes {size / 1e9:,.0f} GB; write it on "
                          f"purpose with `mini make-checkpoint {name} DIR --yes` and pass --model DIR")
 
@@ -184,7 +185,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=count(0), default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that bring none")
-    p.add_argument("--api-key", default=os.environ.get("MINI_API_KEY") or None,
+    p.add_argument("--api-key", default=switches.current().api_key,
                    help="clients must send `Authorization: Bearer KEY` (everything but /health); "
                         "default: $MINI_API_KEY, else no key")
     p.add_argument("--allowed-origins", default="", help="comma-separated browser origins allowed to call the API "

@@ -26,6 +26,34 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _switches():
+    """Each test starts and ends with mini.switches' record read from the environment as it then is (it is read
+    once per process; pytest's monkeypatch gives the environment back only after the test)."""
+    from mini import switches
+    switches.refresh()
+    yield
+    switches.refresh()
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch):
+    """pytest's monkeypatch, whose setenv / delenv also drop mini.switches' record, so that the next use reads the
+    variable as the test set it (the process's code reads the environment once)."""
+    from mini import switches
+    setenv, delenv = monkeypatch.setenv, monkeypatch.delenv
+
+    def _setenv(*args, **kwargs):
+        setenv(*args, **kwargs)
+        switches.refresh()
+
+    def _delenv(*args, **kwargs):
+        delenv(*args, **kwargs)
+        switches.refresh()
+    monkeypatch.setenv, monkeypatch.delenv = _setenv, _delenv
+    return monkeypatch
+
+
+@pytest.fixture(autouse=True)
 def _ops_state():
     """Each test leaves mini.ops' process-wide switches (backend, interpreted fast path on CPU, deterministic mode)
     as it found them. A test or a bench it runs that switches one would otherwise change the numbers of whatever

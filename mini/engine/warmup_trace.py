@@ -181,8 +181,8 @@ def _allocator_stats(device) -> dict:
 
 def from_env(engine) -> WarmupTrace | None:
     """The trace MINI_WARMUP_TRACE asks for, attached to `engine` with Triton's hooks installed (None: not asked)."""
-    import os
-    path = os.environ.get(TRACE_ENV)
+    from mini import switches
+    path = switches.current().warmup_trace
     if not path:
         return None
     trace = WarmupTrace(path)

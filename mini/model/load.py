@@ -1,7 +1,8 @@
 """`load_model`: a checkpoint directory (or a preset name) -> (Model, ModelConfig, Tokenizer).
 
-A preset name stands for a random checkpoint of that preset, written once to `~/.cache/mini/<preset>-seed0`
-(made in a temporary directory and renamed into place, so concurrent first calls do not see half a checkpoint).
+A preset name stands for a random checkpoint of that preset, written once to `<cache>/<preset>-seed0` (the cache:
+MINI_CACHE, default ~/.cache/mini; made in a temporary directory and renamed into place, so concurrent first calls
+do not see half a checkpoint).
 """
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ from pathlib import Path
 
 import torch
 
+from mini import switches
 from mini.config import PRESETS, ModelConfig
 from mini.model.model import ENGRAM_DEVICE_BYTES, Model
 
-CACHE_DIR = Path(os.environ.get("MINI_CACHE", Path.home() / ".cache" / "mini"))
+CACHE_DIR: Path | None = None  # where preset checkpoints go (tests set it); None: MINI_CACHE (mini.switches)
+
+
+def cache_dir() -> Path:
+    """Where preset checkpoints are written: CACHE_DIR, else MINI_CACHE, else ~/.cache/mini."""
+    return CACHE_DIR if CACHE_DIR is not None else switches.current().cache_dir
 
 
 def preset_checkpoint(name: str, seed: int = 0) -> Path:
     """The directory of the random checkpoint of preset `name`, made on first use."""
     from mini.checkpoint.make import make_checkpoint
-    out = CACHE_DIR / f"{name}-seed{seed}"
+    out = cache_dir() / f"{name}-seed{seed}"
     if not (out / "config.json").exists():
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         make_checkpoint(name, tmp, seed)

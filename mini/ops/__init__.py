@@ -4,22 +4,24 @@ The backend is chosen once at start-up: "reference" (plain PyTorch, any device) 
 carried libraries on CUDA, falling back to the reference for an op that has no fast path).
 """
 import contextlib
-import os
 
 import torch
 
+from mini import switches
+
 _BACKENDS = ("reference", "fast")
-_backend: str | None = os.environ.get("MINI_BACKEND") or None
+_backend: str | None = None  # None until first asked: MINI_BACKEND (mini.switches), else by device
 # Tests only: the fast backend also takes CPU tensors, running the Triton kernels under Triton's interpreter
 # (TRITON_INTERPRET=1), so that the fast path's dispatch and kernels can be checked on a CPU machine.
 _interpret_on_cpu = False
 
 
 def backend() -> str:
-    """The active backend; defaults to "fast" when CUDA is available, else "reference"."""
+    """The active backend: `set_backend`'s, else MINI_BACKEND's, else "fast" when CUDA is available, else
+    "reference"."""
     global _backend
     if _backend is None:
-        _backend = "fast" if torch.cuda.is_available() else "reference"
+        _backend = switches.current().backend or ("fast" if torch.cuda.is_available() else "reference")
     return _backend
 
 

@@ -20,11 +20,11 @@ layers share once per step.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from mini import switches
 from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
@@ -247,9 +247,7 @@ def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, c
 # the deterministic mode's kernel for queries of multi-token chunks: "flashmla" (the default; where FlashMLA takes
 # the model's shapes: bitwise alone == among load == chunked on the H200 at 56388c4, phase det_final, and the mode
 # then costs +13% on rank4 instead of +78%), or MINI_DET_SPARSE_ATTN=triton: every query on our kernel
-DET_SPARSE_ATTN = os.environ.get("MINI_DET_SPARSE_ATTN", "flashmla")
-if DET_SPARSE_ATTN not in ("flashmla", "triton"):
-    raise ValueError(f"MINI_DET_SPARSE_ATTN={DET_SPARSE_ATTN!r}: expected 'flashmla' or 'triton'")
+DET_SPARSE_ATTN: str | None = None  # None: MINI_DET_SPARSE_ATTN (mini.switches); tests and tools set it
 
 
 def _flashmla_takes(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
@@ -277,7 +275,8 @@ def _deterministic_core(args, key_rows) -> torch.Tensor:
     with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
     keys = [kv_new, window] + ([comp] if with_pool else [])
     one_token_chunks = q.shape[0] == slots.shape[0]  # every sequence of a step holds at least one token
-    if (DET_SPARSE_ATTN != "flashmla" or backends.sparse_attn() == "triton" or one_token_chunks
+    det_kernel = DET_SPARSE_ATTN or switches.current().det_sparse_attn
+    if (det_kernel != "flashmla" or backends.sparse_attn() == "triton" or one_token_chunks
             or (q.is_cuda and torch.cuda.is_current_stream_capturing()) or not _flashmla_takes(q, keys)):
         return sparse_mla_attention(*args, prefill_lists=False)
     if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)

@@ -11,16 +11,17 @@ model runner calls it and logs the result) and recorded in every benchmark's JSO
   mini/ops/attention.py; `settle_sparse_attn` records the verdict);
 * deterministic: the deterministic mode (mini.ops.set_deterministic), which fixes every choice that depends on
   a step's size (e.g. the sparse attention core follows each chunk, not the step).
-The library switches are read from the environment once per process: a later change of a variable does not apply.
+The library switches come from mini.switches (the environment, read once per process) and are resolved against
+what imports here on first use: a later change of a variable does not apply.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import mini.ops
+from mini import switches
 
 log = logging.getLogger("mini.backends")
 
@@ -44,14 +45,11 @@ _libraries: dict[str, str] = {}  # field name -> the library switch as resolved 
 _logged: Backends | None = None
 
 
-def library_choice(env: str, library: str, available) -> str:
-    """An optional library's switch, read from the environment variable `env`: "auto" (the default) picks the
-    library where `available()` says it imports on this GPU, else "triton" (our kernels); naming the library forces
-    it (an error if it is missing); "triton" keeps our kernels. Returns `library`, "auto-" + `library` (chosen by
-    auto, so the caller may still check it on first use) or "triton"."""
-    want = os.environ.get(env, "auto").strip().lower()
-    if want not in ("auto", library, "triton"):
-        raise ValueError(f"{env}={want!r}: choose auto, {library} or triton")
+def library_choice(env: str, want: str, library: str, available) -> str:
+    """An optional library's switch `want` (the value of the variable `env`, mini.switches): "auto" (the default)
+    picks the library where `available()` says it imports on this GPU, else "triton" (our kernels); naming the
+    library forces it (an error if it is missing); "triton" keeps our kernels. Returns `library`, "auto-" +
+    `library` (chosen by auto, so the caller may still check it on first use) or "triton"."""
     if want == library and not available():
         raise RuntimeError(f"{env}={library}, but {library} does not import on an SM90 GPU here")
     if want == "auto":
@@ -64,7 +62,8 @@ def moe_gemm() -> str:
     "triton"."""
     if "moe_gemm" not in _libraries:
         from mini.kernels.humming_experts import available
-        _libraries["moe_gemm"] = library_choice("MINI_MOE_GEMM", "humming", available).removeprefix("auto-")
+        _libraries["moe_gemm"] = library_choice("MINI_MOE_GEMM", switches.current().moe_gemm, "humming",
+                                                 available).removeprefix("auto-")
     return _libraries["moe_gemm"]
 
 
@@ -74,7 +73,8 @@ def sparse_attn() -> str:
     (decode-sized, other head counts or widths, CUDA-graph capture) run the Triton kernel either way."""
     if "sparse_attn" not in _libraries:
         from mini.kernels.flashmla_attention import available
-        _libraries["sparse_attn"] = library_choice("MINI_SPARSE_ATTN", "flashmla", available)
+        _libraries["sparse_attn"] = library_choice("MINI_SPARSE_ATTN", switches.current().sparse_attn, "flashmla",
+                                                    available)
     return _libraries["sparse_attn"]
 
 
@@ -92,10 +92,10 @@ def current() -> Backends:
 
 
 def resolve() -> Backends:
-    """Resolve every choice now (start-up) and log it once per distinct result."""
+    """Resolve every choice now (start-up) and log it, with the switches asked for, once per distinct result."""
     global _logged
     b = current()
     if b != _logged:
-        log.info("backends: %s", b)
+        log.info("backends: %s (switches: %s)", b, switches.current())
         _logged = b
     return b
