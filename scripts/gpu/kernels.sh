@@ -67,7 +67,7 @@ phase_mhc_ab() {  # issue 13 item 4 (<= 80 s): the mHC site input's split-K pass
         tests/kernels/test_mhc_expand.py tests/ops/test_mhc.py --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
-    timeout 30 python3 -m mini.bench.kernels --only mhc_split --json "$PHASE_DIR/kernels_mhc_split.json" \
+    timeout 30 python3 tools/mhc_split.py --json "$PHASE_DIR/kernels_mhc_split.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^mhc_norm|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"  # cut short: the rows so far
     return $rc

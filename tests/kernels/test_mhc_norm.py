@@ -105,7 +105,7 @@ COPIES = dict(layout="copies")
                                                      (77, 5120, True, False, dict(COPIES, num_stages=2, split=40))])
 def test_mhc_norm_gpu(T, D, delayed, quant, tiles):
     # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: 128-column chunks of one
-    # program each, and layout "copies": what `mini bench kernels --only mhc_split` times
+    # program each, and layout "copies": what `tools/mhc_split.py` times
     h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant, **tiles)
 
