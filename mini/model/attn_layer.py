@@ -16,7 +16,6 @@ from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
-from mini.ops import deterministic, use_fast
 from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
@@ -136,10 +135,7 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
     scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
-    # the reference backend ranks as the official code does (torch.topk at each sequence's width); the fast path
-    # and the deterministic mode break ties toward the newer group, the same in prefill, chunked prefill and decode
-    official = indexer_op.RANK_AS_OFFICIAL and not use_fast(scores) and not deterministic()
-    widths = lay.tok_end // plan.ratio if official else None
+    widths = indexer_op.tie_widths(scores, lay.tok_end, plan.ratio)  # the op's tie rule for this step
     if plan.candidate_source:
         shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                  widths)

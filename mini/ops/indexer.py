@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from mini.formats import fake_quant_fp4
-from mini.ops import use_fast
+from mini.ops import deterministic, use_fast
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 # The reference backend ranks groups as the official code does (`widths` of select_candidates / top_groups): its
@@ -20,6 +20,16 @@ GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of querie
 # different groups at a tie, as the official code's own do. False: ties go to the newer group everywhere (the fast
 # path's rule, layout-invariant), for tests that compare layouts with each other.
 RANK_AS_OFFICIAL = True
+
+
+def tie_widths(scores: torch.Tensor, tok_end: torch.Tensor, ratio: int) -> torch.Tensor | None:
+    """The `widths` argument of `select_candidates` / `top_groups` for this step, i.e. which tie rule ranks it:
+    each query's sequence's groups at the step's end (`tok_end` [T] // ratio) where the official reference's rule
+    applies (the reference backend outside the deterministic mode, with RANK_AS_OFFICIAL: torch.topk at each
+    sequence's width), else None: ties go to the newer group (the fast path's and the deterministic mode's rule,
+    the same in prefill, chunked prefill and decode)."""
+    official = RANK_AS_OFFICIAL and not use_fast(scores) and not deterministic()
+    return tok_end // ratio if official else None
 
 
 @lru_cache(maxsize=8)

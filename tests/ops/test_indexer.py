@@ -106,3 +106,20 @@ def test_hadamard_is_the_normalised_walsh_transform():
 
     torch.testing.assert_close(hadamard(x.float()).double(), fwht(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hadamard(hadamard(x.float())).double(), x, atol=1e-5, rtol=1e-5)
+
+
+def test_tie_rule_is_the_ops_choice(monkeypatch):
+    """`tie_widths`: the official reference's ranking (each sequence's width) on the reference backend only;
+    ties to the newer group (None) in the deterministic mode and with RANK_AS_OFFICIAL off."""
+    import mini.ops
+    from mini.ops import indexer
+    scores, tok_end = torch.zeros(3, 5), torch.tensor([8, 8, 17])
+    with mini.ops.using_backend("reference"):
+        assert indexer.tie_widths(scores, tok_end, 4).tolist() == [2, 2, 4]
+        mini.ops.set_deterministic(True)
+        try:
+            assert indexer.tie_widths(scores, tok_end, 4) is None
+        finally:
+            mini.ops.set_deterministic(False)
+        monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
+        assert indexer.tie_widths(scores, tok_end, 4) is None
