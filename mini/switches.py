@@ -5,7 +5,7 @@ rest of mini asks `current()`, the process's one frozen `Switches` record, read 
 is refused when the record is built, with the variable's name and the values it takes, never at the import of an
 op file. What a switch *means* stays with the code that acts on it (named in each field's comment); the record
 only says what was asked for. It is logged at start-up (mini.ops.backends.resolve, `mini serve`'s start-up line)
-and stamped into every benchmark's JSON (mini.bench.environment).
+and stamped into every benchmark's JSON (mini.testing.suites.environment).
 
 The record is read once per process, so a later change of the environment does not apply by itself: tests that
 change a variable call `refresh()` (tests/conftest.py's `monkeypatch` does it for them).

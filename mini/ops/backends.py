@@ -1,5 +1,5 @@
 """Every backend choice of the process in one frozen object (`Backends`), resolved at start-up (`resolve`: the
-model runner calls it and logs the result) and recorded in every benchmark's JSON (mini.bench.environment).
+model runner calls it and logs the result) and recorded in every benchmark's JSON (mini.testing.suites.environment).
 
 * ops: "reference" (plain PyTorch, any device) or "fast" (Triton kernels and carried libraries on CUDA), from
   MINI_BACKEND or `mini.ops.set_backend` (default: fast where CUDA is available). Tests switch it at run time, so
