@@ -20,13 +20,14 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def imported(path: Path, known: dict[str, Path]) -> set[str]:
-    """mini modules that `path` imports (module or function level); `from pkg import name` counts as an import
-    of pkg.name when that is a module, else of pkg."""
+def imported(path: Path, known: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """mini modules that `path` imports (module or function level; `type_checking`: under `if TYPE_CHECKING:`
+    too); `from pkg import name` counts as an import of pkg.name when that is a module, else of pkg."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in (ast.walk(tree) if type_checking else _runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -152,3 +153,48 @@ def test_the_product_imports_no_measurement(product):
     bad = {m: sorted(t for t in _reaches(g, m) if _within(t, "mini.bench") or _within(t, "mini.testing"))
            for m in g if _within(m, product)}
     assert not any(bad.values()), {m: t for m, t in bad.items() if t}
+
+
+# ---------------------------------------------------------------------------------------------------- walls
+MODEL_FACTORY = "mini.model.load"  # load_model: the one entry point of the model package the engine may call
+MODEL_WORDS = ("engram", "hasher", "mhc", "hc_mult", "compressor", "indexer", "sinkhorn")
+
+
+def test_the_engine_imports_only_the_contract_of_the_model():
+    """mini/engine/ steps any mini.step.StepModel: of the model package it imports only the factory, never its
+    batches, buffers, layouts or caches (those are the model's, behind the contract)."""
+    g = graph()
+    bad = {m: sorted(t for t in g[m] if _within(t, "mini.model") and t != MODEL_FACTORY)
+           for m in g if _within(m, "mini.engine")}
+    assert not any(bad.values()), {m: t for m, t in bad.items() if t}
+    assert any("mini.step" in g[m] for m in g if _within(m, "mini.engine"))
+
+
+def test_the_engine_names_no_model_concept():
+    """What a model computes inside (V4.1's Engram, mHC, compressor, indexer) stays behind the contract: no name,
+    comment or docstring in mini/engine/ speaks of it."""
+    hits = []
+    for path in sorted((ROOT / "engine").glob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            hits += [f"{path.name}:{i}: {w}" for w in MODEL_WORDS if w in line.lower()]
+    assert not hits, hits
+
+
+def test_the_contract_imports_nothing_of_mini():
+    """mini.step sits below both sides: importing it pulls in neither the engine nor the model."""
+    assert graph()["mini.step"] == set()
+
+
+def test_parallel_does_not_import_kernels():
+    """mini/parallel/ reaches kernels only through mini.ops (one dispatch per op), never directly."""
+    g = graph()
+    bad = {m: sorted(t for t in g[m] if _within(t, "mini.kernels")) for m in g if _within(m, "mini.parallel")}
+    assert not any(bad.values()), {m: t for m, t in bad.items() if t}
+
+
+def test_batch_and_layout_form_no_circle():
+    """A layout is derived from a batch (mini.model.layout reads it through its own LayoutInput protocol); the batch
+    builds its layouts. One direction only, type-checking imports included."""
+    known = modules()
+    assert "mini.model.layout" in imported(known["mini.model.batch"], known, type_checking=True)
+    assert "mini.model.batch" not in imported(known["mini.model.layout"], known, type_checking=True)

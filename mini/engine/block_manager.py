@@ -1,15 +1,16 @@
 """Cache placement: block ids for the paged pools, slots for the per-sequence state, and the prefix cache.
 
-One block table per sequence serves every paged pool (compressed KV and index keys of all sources): block `b`
-holds positions `[i*block_tokens, (i+1)*block_tokens)` of the sequence whose table has `b` at index `i`.
+One block table per sequence serves every paged pool of the model: block `b` holds positions
+`[i*block_tokens, (i+1)*block_tokens)` of the sequence whose table has `b` at index `i`.
 
-Prefix caching with V4.1's hybrid state. A full block's compressed KV / index keys depend only on the tokens up
-to its end, so they are shared by every sequence with that prefix. The per-sequence state (window rings,
-compressor partial groups) is not in the blocks; it is reproduced exactly by a *snapshot*: a copy of a sequence's
-slot rows taken when its cached length sits on a block boundary, kept in spare slots of the state pools. A prefix
-hit therefore needs (a) every block of the prefix still cached and (b) a snapshot at the prefix's end; the new
-sequence takes the blocks (shared, reference counted) and restores the snapshot into its own slot. Engram history
-is the token list itself, so it needs nothing. What is reused is exactly what the sequence would have written.
+Prefix caching over a hybrid cache (docs/design.md "Cache pools"). What the model keeps in a full block depends only
+on the tokens up to its end, so the block is shared by every sequence with that prefix. What it keeps per sequence
+(slot rows) is not in the blocks; it is reproduced exactly by a *snapshot*: a copy of a sequence's slot rows taken
+when its cached length sits on a block boundary, kept in spare slots of the state pools. A prefix hit therefore
+needs (a) every block of the prefix still cached and (b) a snapshot at the prefix's end; the new sequence takes the
+blocks (shared, reference counted) and restores the snapshot into its own slot. State the model derives from the
+token history needs nothing: the history comes with the prompt. What is reused is exactly what the sequence would
+have written.
 
 Snapshots exist only where a step ended on a block boundary, so the scheduler ends chunks on boundaries where
 one is useful: when blocks match further than the last snapshot (a prefix shared with an earlier request), the

@@ -3,7 +3,7 @@
 Overlapped decode steps (`EngineOptions.overlap`; default: on where CUDA graphs are used). A pure-decode step
 without penalties is launched and left in flight: its sampled ids stay on the device, and `step()` returns. The
 next `step()` plans and prepares step N+1 while step N runs, launches it with step N's ids fed on the device
-(mini.model.DecodeBuffers), and only then reads step N's ids back and does its bookkeeping (append, stop checks,
+(mini.step.TokenFeed), and only then reads step N's ids back and does its bookkeeping (append, stop checks,
 detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those of the plain engine:
 
 * A sequence whose step-N token ends it is still in step N+1; that extra token is discarded, never emitted, and
@@ -11,12 +11,10 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
   Length limits are known without the token, so such a sequence is not planned again (Sequence.length_capped).
 * A step that is not pure decode, or samples with penalties (they read the whole history), first reads back the
   step in flight, then runs as the plain engine does, without the sequences that just finished.
-* Engram decode steps (V4.1) with the tables on the device (Model.engram_on_device: tables that fit, e.g. the
-  tiny models') hash and look up on the device, from the tokens before each decode token (on the host) and the
-  fed token: nothing waits. With the tables on the host (V4.1-Flash) they hash their last tokens on the host:
-  step N's ids are read back (a wait for the device) after step N+1's other inputs are copied and before its
-  Engram rows are looked up; the bookkeeping still overlaps step N+1. The eager forward (CPU, tests) reads them
-  back before building its batch.
+* A model whose static decode step needs a fed token on the host before the launch (mini.model.static_decode)
+  calls `TokenFeed.fetch` itself, after every other input is copied: step N's ids are read back then (a wait for
+  the device); the bookkeeping still overlaps step N+1. The eager forward (CPU, tests) reads them back before
+  building its batch.
 * A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
   history to recompute); its blocks are reused at once, which is safe because every device write (replays,
   eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.
@@ -29,12 +27,13 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from mini.engine.block_manager import BlockManager
-from mini.engine.model_runner import ForwardTiming, ModelRunner, StepModel, size_cache
-from mini.engine.cuda_graphs import TokenFeed, is_decode_step
+from mini.engine.block_manager import BlockManager, PrefixCacheStats
+from mini.engine.model_runner import ForwardTiming, ModelRunner, size_cache
+from mini.engine.cuda_graphs import is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
+from mini.step import StepModel, TokenFeed
 
 
 @dataclass
@@ -142,6 +141,16 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    capped_steps: int = 0  # steps whose token budget a prefill cap cut (`step(prefill_cap=)`)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's work at the start of a step (LLMEngine.load), for placing requests across engines."""
+    prefill_tokens: int  # prompt (history) tokens not yet in the cache: waiting + running in prefill
+    decode_tokens: int  # context (tokens in the cache) of the sequences that decode
+    decode_seqs: int  # sequences that decode (one token each per step)
+    cache_free_tokens: int  # free cache blocks x block tokens
 
 
 class LLMEngine:
@@ -156,6 +165,7 @@ class LLMEngine:
                            o.max_model_len or config.max_position_embeddings)
         self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
                                  shape.n_blocks * o.block_tokens)
+        self.model = model
         self.runner = ModelRunner(model, config, shape, device, o.dtype, enforce_eager=o.enforce_eager,
                                   max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
@@ -166,6 +176,7 @@ class LLMEngine:
         self.step_times: list[StepTimes] | None = None  # a list: step() appends each step's StepTimes
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.warmup_s: float | None = None  # how long the serving warm-up took (`warmed_up`); None: not warmed up
         self._rng = random.Random(o.seed)
         self._aborted: list[Sequence] = []
         # off by default on CPU, where nothing runs asynchronously (tests turn it on)
@@ -173,6 +184,46 @@ class LLMEngine:
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
         self._grammars = None  # see `grammars`
+
+    # ------------------------------------------------------------------ what serving over several engines needs
+    @property
+    def decode_graphs(self) -> bool:
+        """Pure-decode steps replay CUDA graphs (mini.engine.cuda_graphs)."""
+        return self.runner.graphs is not None
+
+    def decode_bucket(self, n_seqs: int) -> int:
+        """The graph bucket a decode step of `n_seqs` sequences replays (needs `decode_graphs`)."""
+        return self.runner.graphs.bucket(n_seqs)
+
+    @torch.inference_mode()
+    def replay_padding(self, bucket: int) -> None:
+        """Replay the decode graph of `bucket` with padding rows only: writes nothing a sequence reads (a
+        data-parallel rank without tokens of its own joins the other ranks' step, mini.parallel)."""
+        self.runner.graphs.replay_padding(bucket)
+
+    def load(self) -> EngineLoad:
+        """What is queued and running now, and the free cache."""
+        sched, blocks = self.scheduler, self.blocks
+        decoding = [s for s in sched.running if not s.in_prefill]
+        return EngineLoad(prefill_tokens=sum(s.num_pending for s in sched.waiting)
+                          + sum(s.num_pending for s in sched.running if s.in_prefill),
+                          decode_tokens=sum(s.num_computed for s in decoding), decode_seqs=len(decoding),
+                          cache_free_tokens=blocks.n_free_blocks * blocks.block_tokens)
+
+    def limit_context(self, tokens: int) -> None:
+        """Admit only requests within `tokens` of context (at most the engine's own): engines whose pools were
+        sized from free memory then take the same prompts (data-parallel ranks agree on the smallest)."""
+        self.max_model_len = min(self.max_model_len, tokens)
+
+    def reset_stats(self) -> None:
+        """Counters (EngineStats, the prefix cache's) back to zero."""
+        self.stats = EngineStats()
+        self.blocks.stats = PrefixCacheStats()
+
+    def warmed_up(self, seconds: float) -> None:
+        """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters."""
+        self.warmup_s = seconds
+        self.reset_stats()
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -238,11 +289,13 @@ class LLMEngine:
             later.release_after.append(seq)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> StepOutputs:
+    def step(self, prefill_cap: int | None = None) -> StepOutputs:
+        """One step. `prefill_cap`: at most this many prompt tokens besides the decodes (None: the step's whole
+        budget); the deterministic mode's chunks are fixed by the prompt, so it ignores the cap."""
         t0 = time.perf_counter()
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._budget(prefill_cap))
         self.stats.preemptions += len(plan.preempted)
         prev, self._inflight = self._inflight, None
         overlap = self.overlap and self._overlappable(plan.chunks)
@@ -275,6 +328,17 @@ class LLMEngine:
             if not overlap:
                 self._record(step)
         return StepOutputs(outputs, forward=True)
+
+    def _budget(self, prefill_cap: int | None) -> int:
+        """The step's token budget: the configured one, or the decodes plus `prefill_cap` when that is less (the
+        scheduler spends its budget on the decodes first)."""
+        full = self.scheduler.config.max_num_batched_tokens
+        if prefill_cap is None or self.scheduler.config.chunk_tokens > 0:
+            return full
+        decodes = sum(1 for s in self.scheduler.running if not s.in_prefill)
+        budget = min(full, decodes + prefill_cap)
+        self.stats.capped_steps += int(budget < full)
+        return budget
 
     def _overlappable(self, chunks: list[ScheduledChunk]) -> bool:
         """The one place that decides: a step may be left in flight (and launched before the previous step is read
@@ -464,11 +528,11 @@ def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | N
 
 def build_engine(model_or_path, **opts) -> LLMEngine:
     """`model_or_path`: a checkpoint directory / preset name, or a loaded model (mini.model.Model or any
-    mini.engine.model_runner.StepModel; then pass `config` and `tokenizer`). Other keyword options: EngineOptions
+    mini.step.StepModel; then pass `config` and `tokenizer`). Other keyword options: EngineOptions
     fields."""
     options, rest = EngineOptions.pick(opts)
     if isinstance(model_or_path, str):
-        from mini.model import load_model
+        from mini.model.load import load_model  # the factory: the engine's one import of the model package
         device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, config, tokenizer = load_model(model_or_path, device=device, dtype=options.dtype)
     else:

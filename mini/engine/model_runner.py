@@ -9,9 +9,9 @@ batch-size bucket at start-up (mini.engine.cuda_graphs); prefill and mixed steps
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
 The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves.
 
-The model and its cache are reached through two small protocols, `StepModel` and `StepCache` (mini.model's Model
-and KVCache, mini.parallel.dp.DPModel, the tests' fake model). The runner also owns the ops backends: it resolves
-and logs them once at start-up (mini.ops.backends).
+The model and its cache are reached only through the contract in mini.step (`StepModel`, `StepCache`,
+`StaticDecode`): mini.model's Model, mini.parallel.dp.DPModel and the tests' fake models all fit it. The runner also
+owns the ops backends: it resolves and logs them once at start-up (mini.ops.backends).
 
 `timing = True` records each step's host time (input preparation, the forward call: launches or one replay) and
 its GPU span (CUDA events around the forward) in `last_timing`, for the decode-host benchmark.
@@ -20,57 +20,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from mini.engine.block_manager import SlotCopy
-from mini.engine.cuda_graphs import DecodeGraphs, TokenFeed
+from mini.engine.cuda_graphs import DecodeGraphs
 from mini.engine.sampler import to_device
 from mini.engine.scheduler import ScheduledChunk
-from mini.model.batch import SeqChunk
 from mini.ops.backends import resolve as resolve_backends
-
-
-class StepModel(Protocol):
-    """What the engine steps. `hasher`: the model's EngramHasher (None without Engram layers); `engram_on_device`:
-    a static decode step hashes and looks up Engram rows on the device, else they are looked up on the host
-    (`engram_rows`); `exchanges_tokens`: every forward exchanges token counts with other ranks (EP); its decode
-    steps are captured in CUDA graphs only if it also has `agree_step(n_tokens, bucket) -> bucket | None`, which
-    the runner calls before every forward: the ranks agree on one graph bucket (at least this rank's `bucket`;
-    None in: this step needs an eager forward) or on None, every rank eager (mini.parallel.dp.DPModel). The
-    model also makes what a step needs: its batch from the step's chunks (mini.model.SeqChunk), its cache pools,
-    and their size per block and per slot."""
-    config: object
-    hasher: object | None
-    engram_on_device: bool
-    exchanges_tokens: bool
-
-    def forward(self, batch, cache) -> torch.Tensor: ...
-
-    def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def build_batch(self, chunks: list[SeqChunk], device) -> object: ...
-
-    def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> "StepCache": ...
-
-    def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
-        """(bytes per block, bytes per slot) of the cache pools."""
-
-
-class StepCache(Protocol):
-    """The cache pools the runner keeps for the model (StepModel.new_cache)."""
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every per-sequence state row of slots `src` to slots `dst` (int64, on the cache's device)."""
+from mini.step import SeqChunk, StepCache, StepModel, TokenFeed
 
 
 def use_cuda_graphs(model: StepModel, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
     """Decode steps replay CUDA graphs on CUDA with the fast ops backend in bf16, unless enforce_eager: the
-    reference ops have data-dependent shapes (the MoE's per-expert token lists), and an EP exchange sizes its
-    messages from the token counts of its step, so its ranks must agree on a bucket first (`agree_step`)."""
+    reference ops have data-dependent shapes (the MoE's per-expert token lists), and a model that exchanges token
+    counts with other ranks must agree on a bucket first (`StepModel.capturable`, `agree_step`)."""
     return (torch.device(device).type == "cuda" and resolve_backends().ops == "fast" and dtype == torch.bfloat16
-            and (not model.exchanges_tokens or hasattr(model, "agree_step")) and not enforce_eager)
+            and model.capturable and not enforce_eager)
 
 
 @dataclass
@@ -138,21 +104,13 @@ class ModelRunner:
         scratch = int(cuda_graphs)
         self.cache: StepCache = model.new_cache(shape.n_slots + scratch, shape.n_blocks + scratch, shape.block_tokens,
                                                 device, dtype)
-        self.hasher = model.hasher
         self.timing, self.last_timing = False, None
         self.graphs = None
         if cuda_graphs:
-            from mini.model import DecodeBuffers
-            engram_shape, engram_lookback = None, 0
-            if self.hasher is not None and model.engram_on_device:
-                engram_lookback = self.hasher.lookback  # hashed and looked up on the device, inside the graph
-            elif self.hasher is not None:
-                engram_shape = (*self.hasher.primes.shape, config.engram_head_dim)  # rows looked up on the host
-            buffers = DecodeBuffers(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
-                                    shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
-                                    device=self.device, engram_shape=engram_shape, engram_dtype=dtype,
-                                    engram_lookback=engram_lookback)
-            self.graphs = DecodeGraphs(model, self.cache, buffers, self.hasher)
+            static = model.static_decode(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
+                                         shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
+                                         device=self.device, dtype=dtype)
+            self.graphs = DecodeGraphs(model, self.cache, static)
             self.graphs.capture_all()
 
     @torch.inference_mode()
@@ -162,9 +120,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
         n = self.graphs.bucket(len(chunks)) if graph else None
-        if self.model.exchanges_tokens and hasattr(self.model, "agree_step"):  # EP: every rank the same bucket
-            n = self.model.agree_step(sum(c.length for c in chunks), n)
-            graph = n is not None
+        n = self.model.agree_step(sum(c.length for c in chunks), n)  # EP: every rank the same bucket (or eager)
+        graph = n is not None
         if feed is not None and not graph:
             feed.fetch()
             feed = None
@@ -172,7 +129,7 @@ class ModelRunner:
             n = self.graphs.prepare(chunks, _history, feed, bucket=n)
         else:
             seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
-                                             blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
+                                   blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
             batch = self.model.build_batch(seq_chunks, self.device)
         t1 = time.perf_counter()
         events = None

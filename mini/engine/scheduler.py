@@ -97,8 +97,9 @@ class Scheduler:
             self.waiting.remove(seq)
 
     # ------------------------------------------------------------------ the step plan
-    def schedule(self) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
+    def schedule(self, budget: int | None = None) -> StepPlan:
+        """The next step's chunks within `budget` tokens (None: `max_num_batched_tokens`)."""
+        budget = self.config.max_num_batched_tokens if budget is None else budget
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         # decodes first: they are cheap and every step without them adds to the inter-token latency

@@ -29,13 +29,12 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 
-from mini.engine.block_manager import PrefixCacheStats
 from mini.engine.cuda_graphs import buckets
-from mini.engine.llm import EngineStats, LLMEngine
+from mini.engine.llm import LLMEngine
 from mini.engine.sequence import SamplingParams
 from mini.engine.warmup_trace import from_env as trace_from_env
 
@@ -98,9 +97,20 @@ def freeze_heap() -> float:
     return time.perf_counter() - t0
 
 
-def warm_up(engine: LLMEngine, seed: int = 0, parts: Iterable[str] | None = None) -> float:
-    """Run the warm-up requests to their end on `engine` (not yet shared with another thread); returns seconds.
-    `parts`: only these parts of `plan` (tests).
+class Stepper(Protocol):
+    """Who steps the engine during the warm-up: the engine itself, or every rank of a lock step together
+    (mini.parallel.dp.LockStepEngine)."""
+
+    def step(self) -> object: ...
+
+    def has_work(self) -> bool: ...
+
+
+def warm_up(engine: LLMEngine, seed: int = 0, parts: Iterable[str] | None = None,
+            stepper: Stepper | None = None) -> float:
+    """Run the warm-up requests to their end on `engine` (not yet shared with another thread); returns seconds,
+    also recorded on the engine (`LLMEngine.warmed_up`, which resets its counters). `parts`: only these parts of
+    `plan` (tests). `stepper`: steps the engine (default: the engine itself).
 
     It runs in a thread of its own that ends with it: torch keeps per-thread library handles (cuBLAS, cuBLASLt
     and their workspaces) in pools that a thread's handles return to when it exits, so the engine's thread,
@@ -112,7 +122,7 @@ def warm_up(engine: LLMEngine, seed: int = 0, parts: Iterable[str] | None = None
             device = engine.runner.device
             if device.type == "cuda" and device.index is not None:  # a new thread starts on the default device
                 torch.cuda.set_device(device)
-            done["s"] = _warm_up(engine, seed, parts)
+            done["s"] = _warm_up(engine, seed, parts, stepper)
         except BaseException as e:  # raised again in the caller's thread
             done["error"] = e
     thread = threading.Thread(target=run, name="mini-warmup")
@@ -123,11 +133,12 @@ def warm_up(engine: LLMEngine, seed: int = 0, parts: Iterable[str] | None = None
     return done["s"]
 
 
-def _warm_up(engine: LLMEngine, seed: int, parts: Iterable[str] | None) -> float:
+def _warm_up(engine: LLMEngine, seed: int, parts: Iterable[str] | None, stepper: Stepper | None) -> float:
     t0 = time.perf_counter()
     trace = trace_from_env(engine)  # MINI_WARMUP_TRACE: what compiles now and what still compiles when serving
     if trace is not None:
         engine.trace = trace
+    stepper = stepper or engine  # after the trace wraps engine.step
     o = engine.options
     vocab = engine.config.vocab_size
     n = 0
@@ -146,12 +157,11 @@ def _warm_up(engine: LLMEngine, seed: int, parts: Iterable[str] | None) -> float
                 engine.add_request(f"warmup-{n}", [rng.randrange(min(16, vocab - 1), vocab)
                                                    for _ in range(r.length)], params)
                 n += 1
-            engine.step()
-        while engine.has_work():
-            engine.step()
-    engine.stats = EngineStats()
-    engine.blocks.stats = PrefixCacheStats()
+            stepper.step()
+        while stepper.has_work():
+            stepper.step()
     seconds = time.perf_counter() - t0
+    engine.warmed_up(seconds)
     if trace is not None:
         trace.emit("warmup_done", s=round(seconds, 3))
         trace.phase = "serve"

@@ -125,11 +125,11 @@ class WarmupTrace:
             self.emit("add", prompt=len(seq.prompt_token_ids), max_tokens=params.max_tokens)
             return seq
 
-        def stepped():
+        def stepped(*a, **kw):
             last["plan"] = None
             n0, s0 = self.compiles, self.compile_s
             t0 = time.perf_counter()
-            out = step()
+            out = step(*a, **kw)
             seconds = time.perf_counter() - t0
             plan = last["plan"]
             if plan is None or not plan.chunks:

@@ -14,19 +14,7 @@ import torch
 
 from mini.config import ModelConfig
 from mini.model.layout import DecodeLayout, StepLayout
-
-
-@dataclass
-class SeqChunk:
-    tokens: list[int]  # the whole history of the sequence up to the chunk's end
-    start: int  # absolute position of the chunk's first token (= tokens already in the cache)
-    slot: int  # row of the sequence in the per-sequence pools (window rings, compressor state)
-    blocks: list[int]  # block ids of the paged pools covering positions 0..len(tokens)-1
-    want_logits: bool = True
-
-    def __post_init__(self):
-        if not 0 <= self.start < len(self.tokens):
-            raise ValueError(f"chunk start {self.start} outside a history of {len(self.tokens)} tokens")
+from mini.step import SeqChunk  # the contract's type; Batch.build takes it (and mini.model exports it)
 
 
 @dataclass

@@ -9,18 +9,37 @@ Where each key lives (docs/design.md "Cache pools"):
 
 StepLayout shapes some tensors from host copies of the sequence sizes (any step). DecodeLayout builds the same
 tensors for a pure-decode step from static buffers with fixed shapes and device ops only (CUDA graphs).
+
+A layout reads its batch through `LayoutInput`, the fields it needs, so that this module does not import the batch
+(mini.model.batch imports this one: `Batch.layout` builds and keeps a step's layouts).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from mini.ops.attention import group_rows, step_rows
 from mini.ops.compressor import GroupIndex
 
-if TYPE_CHECKING:
-    from mini.model.batch import Batch
+
+class LayoutInput(Protocol):
+    """What a layout reads of its batch (mini.model.batch.Batch; docs/design.md "The forward step")."""
+    positions: torch.Tensor  # [T] int64, absolute
+    seq_of: torch.Tensor  # [T] int64, 0..B-1
+    slots: torch.Tensor  # [B] int64
+    start_pos: torch.Tensor  # [B] int64
+    lens: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, nb] int32
+    start_host: list[int]  # host copies of the sizes (StepLayout)
+    lens_host: list[int]
+    n_blocks_host: list[int]
+    max_len: int | None  # static decode buffers (DecodeLayout): the longest sequence, the scratch slot and block
+    pad_slot: int
+    pad_block: int
+
+    @property
+    def n_tokens(self) -> int: ...
 
 
 def _members_per_group(ratio: int, overlap: bool) -> int:
@@ -28,7 +47,7 @@ def _members_per_group(ratio: int, overlap: bool) -> int:
 
 
 class StepLayout:
-    def __init__(self, batch: "Batch", block_tokens: int, window: int):
+    def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
         dev = batch.positions.device
         self.device, self.block_tokens, self.window = dev, block_tokens, window
         self.batch = batch
@@ -147,7 +166,7 @@ class DecodeLayout(StepLayout):
       slot `batch.pad_slot`;
     * padding rows (slot pad_slot, every block pad_block) write nothing a real sequence reads."""
 
-    def __init__(self, batch: "Batch", block_tokens: int, window: int):
+    def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
         self.device, self.block_tokens, self.window = batch.positions.device, block_tokens, window
         self.batch = batch
         self.n_tokens = batch.positions.shape[0]

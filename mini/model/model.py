@@ -15,15 +15,17 @@ import torch
 
 from mini.config import LayerPlan, ModelConfig
 from mini.model.attn_layer import AttentionWeights, attention
-from mini.model.batch import Batch, EngramInput, SeqChunk
+from mini.model.batch import Batch, DecodeBuffers, EngramInput
 from mini.model.cache import KVCache
 from mini.model.dspark import DSparkWeights
+from mini.model.static_decode import StaticDecodeInputs
 from mini.ops import mhc
 from mini.ops.engram import EngramWeights, engram
 from mini.ops.linear import head_logits
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
 from mini.ops.stages import staged
+from mini.step import SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class Model:
         run = self.moe_exchange or moe
         return run(x, blk.moe, self.config, blk.plan, input_ids, image_mask)  # image rows route with bias_vl
 
-    # ---------------------------------------------------------- what the engine steps (model_runner.StepModel)
+    # ---------------------------------------------------------- what the engine steps (mini.step.StepModel)
     def build_batch(self, chunks: list[SeqChunk], device) -> Batch:
         return Batch.build(chunks, self.config, device, hasher=self.hasher)
 
@@ -148,9 +150,29 @@ class Model:
         return KVCache.bytes_per_block(self.config, block_tokens, dtype), KVCache.bytes_per_slot(self.config, dtype)
 
     @property
-    def exchanges_tokens(self) -> bool:
-        """Whether each forward exchanges token counts with other ranks (an EP exchange replaces `moe`)."""
-        return self.moe_exchange is not None
+    def capturable(self) -> bool:
+        """Decode steps may be captured in CUDA graphs unless an EP exchange replaces `moe`: it sizes its messages
+        from each step's token counts, which only a wrapper that agrees on them (mini.parallel.dp.DPModel) fixes."""
+        return self.moe_exchange is None
+
+    def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
+        """One process: nothing to agree on."""
+        return bucket
+
+    def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
+                      dtype) -> StaticDecodeInputs:
+        """Static decode buffers (mini.model.static_decode). Engram: with the tables on the device the graph hashes
+        and looks up itself (the buffers carry each token's predecessors); else the buffers take the rows looked up
+        on the host."""
+        engram_shape, engram_lookback = None, 0
+        if self.hasher is not None and self.engram_on_device:
+            engram_lookback = self.hasher.lookback
+        elif self.hasher is not None:
+            engram_shape = (*self.hasher.primes.shape, self.config.engram_head_dim)
+        buffers = DecodeBuffers(max_seqs, max_len, block_tokens, pad_slot=pad_slot, pad_block=pad_block,
+                                device=torch.device(device), engram_shape=engram_shape, engram_dtype=dtype,
+                                engram_lookback=engram_lookback)
+        return StaticDecodeInputs(buffers, self.hasher, self.engram_rows)
 
     @property
     def hasher(self):

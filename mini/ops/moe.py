@@ -383,6 +383,21 @@ def routed_wire_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
     return _fast_ok(x, ids, w) and x.dtype == torch.bfloat16 and fake_quant_enabled()
 
 
+def pack_wire(x: torch.Tensor, block: int, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor, ids_out: torch.Tensor, weights_out: torch.Tensor) -> None:
+    """The EP exchange's send rows in `routed_wire`'s form (mini.parallel.exchange, the fused glue): x as FP8
+    1 x `block` codes and E8M0 scales, each row's expert ids and weights beside them, written into views of one
+    buffer (mini.kernels.fp8_act_quant.fp8_act_quant_wire)."""
+    from mini.kernels.fp8_act_quant import fp8_act_quant_wire
+    fp8_act_quant_wire(x, block, codes, scales, ids, weights, ids_out, weights_out)
+
+
+def wire_rows(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype):
+    """Received wire rows (codes, scales of `pack_wire`) as `routed_wire` takes them."""
+    from mini.kernels.fp8_act_quant import FP8Rows
+    return FP8Rows(codes, scales, block, dtype)
+
+
 def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
     """Expert outputs by sorted row through our kernels: grouped w1/w3 GEMM + SwiGLU epilogue, grouped w2 GEMM."""
     from mini.kernels.fp8_act_quant import fp8_act_quant

@@ -28,13 +28,9 @@ class RankLoad:
 
     @staticmethod
     def of(engine) -> RankLoad:
-        """An LLMEngine's load (reads its scheduler and block manager)."""
-        sched, blocks = engine.scheduler, engine.blocks
-        decoding = [s for s in sched.running if not s.in_prefill]
-        return RankLoad(prefill_tokens=sum(s.num_pending for s in sched.waiting)
-                        + sum(s.num_pending for s in sched.running if s.in_prefill),
-                        decode_tokens=sum(s.num_computed for s in decoding), decode_seqs=len(decoding),
-                        cache_free_tokens=blocks.n_free_blocks * blocks.block_tokens)
+        """An LLMEngine's load (LLMEngine.load)."""
+        load = engine.load()
+        return RankLoad(load.prefill_tokens, load.decode_tokens, load.decode_seqs, load.cache_free_tokens)
 
 
 class Placement:

@@ -19,6 +19,7 @@ capture's exchange sending the bucket's rows from every rank, so at replay the c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,10 @@ class StepKinds:
 
 
 class DPModel:
-    """A Model of one EP/DP rank, as the engine steps it (mini.engine.model_runner.StepModel): each forward runs
-    with the token counts agreed for its step (`agree_step`; without one, it exchanges them first)."""
-    exchanges_tokens = True
+    """A Model of one EP/DP rank, as the engine steps it (mini.step.StepModel): each forward runs with the token
+    counts agreed for its step (`agree_step`; without one, it exchanges them first), so its decode steps can be
+    captured in CUDA graphs."""
+    capturable = True
 
     def __init__(self, model, ctx: DistContext):
         self.model, self.exchange, self.ctx = model, MoEExchange(ctx), ctx
@@ -55,19 +57,12 @@ class DPModel:
         self._shape: StepShape | None = None  # agreed for the next forward
         self._foreseen: int | None = None  # the bucket of the coming step, known without an agreement
 
-    @property
-    def hasher(self):
-        return self.model.hasher
-
-    @property
-    def engram_on_device(self) -> bool:
-        return self.model.engram_on_device
-
-    def engram_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.engram_rows(hash_ids)
-
     def build_batch(self, chunks, device):
         return self.model.build_batch(chunks, device)
+
+    def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
+                      dtype):
+        return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype)
 
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype):
         return self.model.new_cache(n_slots, n_blocks, block_tokens, device, dtype)
@@ -117,19 +112,19 @@ class DPModel:
         return self.model.forward(batch, cache)
 
     @torch.inference_mode()
-    def join_idle(self, graphs=None) -> int:
+    def join_idle(self, replay_padding: Callable[[int], None] | None = None) -> int:
         """Serve the other ranks' tokens in a step without own tokens; returns the step's total token count
-        (0: no rank had any, nothing ran). `graphs`: the engine's DecodeGraphs (runner.graphs), if it has them:
-        when the others agree on a decode bucket, this rank replays it with padding rows only."""
-        shape = self._take_foreseen(0, 0) if graphs is not None else None
-        shape = shape or self.agreement.agree(0, IDLE if graphs is not None else EAGER)
+        (0: no rank had any, nothing ran). `replay_padding(bucket)`: the engine's (LLMEngine.replay_padding) when
+        it has decode graphs: when the others agree on a decode bucket, this rank replays it with padding rows
+        only."""
+        shape = self._take_foreseen(0, 0) if replay_padding is not None else None
+        shape = shape or self.agreement.agree(0, IDLE if replay_padding is not None else EAGER)
         if not shape.total:
             return 0
         if shape.bucket is not None:
             self.kinds.idle_static += 1
-            graphs.buffers.fill(shape.bucket, [], [], [], [])
-            self._shape = shape  # read by the forward that replay() runs eagerly on the CPU
-            graphs.replay(shape.bucket, 0)
+            self._shape = shape  # read by the forward that the replay runs eagerly on the CPU
+            replay_padding(shape.bucket)
             self._shape = None
         else:
             self.kinds.idle_eager += 1
@@ -157,36 +152,38 @@ def _any_rank(ctx: DistContext, flag: bool) -> bool:
     return bool(t.item())
 
 
+def join_idle(engine) -> int:
+    """A step of `engine` (an LLMEngine over a DPModel) that ran no forward of its own joins the other ranks'
+    (`DPModel.join_idle`): eagerly, or replaying its agreed decode graph with padding rows only."""
+    return engine.model.join_idle(engine.replay_padding if engine.decode_graphs else None)
+
+
 class LockStepEngine:
-    """An LLMEngine (over a DPModel) seen as one rank of the lock step, for code written for one engine (the
-    serving warm-up, mini.engine.warmup): a step without a forward of its own joins the other ranks' step
-    (`DPModel.join_idle`), and `has_work` is whether any rank has work. Every rank must make the same calls in the
-    same order (each rank's step is one agreement, whatever its engine did); everything else goes to the engine."""
+    """An LLMEngine (over a DPModel) stepped as one rank of the lock step (the serving warm-up's `stepper`,
+    mini.engine.warmup): a step without a forward of its own joins the other ranks' step, and `has_work` is whether
+    any rank has work. Every rank must make the same calls in the same order (each rank's step is one agreement,
+    whatever its engine did)."""
 
     def __init__(self, engine, ctx: DistContext):
-        object.__setattr__(self, "_engine", engine)
-        object.__setattr__(self, "_ctx", ctx)
+        self.engine, self.ctx = engine, ctx
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def __setattr__(self, name, value):  # e.g. the warm-up resetting the engine's counters
-        setattr(self._engine, name, value)
+    def add_request(self, request_id: str, prompt, params):
+        return self.engine.add_request(request_id, prompt, params)
 
     def has_work(self) -> bool:
-        return _any_rank(self._ctx, self._engine.has_work())
+        return _any_rank(self.ctx, self.engine.has_work())
 
     def step(self):
-        outputs = self._engine.step()
+        outputs = self.engine.step()
         if not outputs.forward:
-            self._engine.runner.model.join_idle(self._engine.runner.graphs)
+            join_idle(self.engine)
         return outputs
 
 
 def generate(llm, ctx: DistContext, prompts: list, params) -> list:
     """Greedy/sampled generation of `prompts` spread over the ranks (prompt i on rank i % world); returns every
     prompt's final RequestOutput, in prompt order, on every rank. `llm` is an LLM over a DPModel."""
-    engine, dp = llm.engine, llm.engine.runner.model
+    engine = llm.engine
     params = params if isinstance(params, list) else [params] * len(prompts)
     mine = range(ctx.rank, len(prompts), ctx.world)
     for i in mine:
@@ -199,7 +196,7 @@ def generate(llm, ctx: DistContext, prompts: list, params) -> list:
             final.update({o.request_id: o for o in outputs if o.finished})
             ran_forward = outputs.forward
         if not ran_forward:
-            dp.join_idle(engine.runner.graphs)
+            join_idle(engine)
     outputs = [final[f"dp-{i}"] for i in mine]
     if not ctx.multi:
         return outputs

@@ -18,7 +18,7 @@ device. When fake quantization is switched off (`no_fake_quant`), the raw activa
 The glue around the collectives comes in two forms, chosen by MINI_EP_GLUE (or `MoEExchange(glue=)`):
 * "fused" (the default, where `mini.ops.moe.routed_wire_ok`: the fast path on bf16 activations with the fake quant
   on): the act-quant kernel writes the wire rows (codes, scales, ids, weights) straight into the send buffer
-  (`fp8_act_quant_wire`); the received rows are decoded in the pass that gathers them for the expert GEMMs
+  (`mini.ops.moe.pack_wire`); the received rows are decoded in the pass that gathers them for the expert GEMMs
   (`routed_wire`: where one device quantizes them); padding rows carry expert id -1 and are never computed; the
   shared expert is added in the combine, to this rank's rows before the reduce-scatter (step 5 moves into step
   3), so after the reduce-scatter only the rounding to bf16 is left. Every expert output and the shared one are
@@ -47,19 +47,19 @@ where others have some still runs every MoE layer, with an empty input (`join_id
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mini import switches
 from mini.config import LayerPlan, ModelConfig
 from mini.parallel.groups import DistContext
 from mini.formats.e8m0 import e8m0_to_float, pow2_ceil_scale
 from mini.formats.fp8 import FP8_MAX, to_e4m3
 from mini.formats.quant import fake_quant_enabled
-from mini.ops.moe import MoEWeights, gate, routed, routed_wire, routed_wire_ok, shared
+from mini.ops.moe import MoEWeights, gate, pack_wire, routed, routed_wire, routed_wire_ok, shared, wire_rows
 
 # torch >= 2.13 names them *_single; 2.11 only has the *_tensor spellings
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,24 +84,35 @@ GLUES = ("fused", "eager")
 
 
 def glue_choice(glue: str | None = None) -> str:
-    """`glue`, else MINI_EP_GLUE (mini.switches), else "fused"; an unknown name is refused."""
-    choice = glue or switches.current().ep_glue
+    """`glue`, else MINI_EP_GLUE, else "fused"; an unknown name is refused."""
+    choice = glue or os.environ.get("MINI_EP_GLUE") or "fused"
     if choice not in GLUES:
         raise ValueError(f"EP exchange glue {choice!r} (MINI_EP_GLUE): choose one of {', '.join(GLUES)}")
     return choice
 
 
 def overlap_min_tokens() -> int:
-    """MINI_EP_OVERLAP_MIN_TOKENS (mini.switches; default 256): the fewest rows of the largest rank per
-    micro-batch."""
-    return switches.current().ep_overlap_min_tokens
+    """MINI_EP_OVERLAP_MIN_TOKENS (default 256): the fewest rows of the largest rank per micro-batch."""
+    text = os.environ.get("MINI_EP_OVERLAP_MIN_TOKENS", "256")
+    if not text.strip().isdigit():
+        raise ValueError(f"MINI_EP_OVERLAP_MIN_TOKENS={text!r}: give a whole number of tokens")
+    return int(text)
 
 
 def overlap_choice(micro_batches: int | None = None) -> int:
-    """`micro_batches`, else MINI_EP_OVERLAP (mini.switches: "off" = 1, "on" = 2), else 1: how many micro-batches
-    each MoE layer's exchange is split into (1: not overlapped); anything but a positive integer is refused."""
+    """`micro_batches`, else MINI_EP_OVERLAP, else 1: how many micro-batches each MoE layer's exchange is split
+    into (1: not overlapped; "off" = 1, "on" = 2); anything but a positive integer is refused."""
     if micro_batches is None:
-        micro_batches = switches.current().ep_overlap
+        text = os.environ.get("MINI_EP_OVERLAP", "").strip().lower() or "1"
+        micro_batches = {"off": 1, "on": 2}.get(text)
+        if micro_batches is None:
+            try:
+                micro_batches = int(text)
+            except ValueError:
+                micro_batches = 0
+        if micro_batches < 1:
+            raise ValueError(f"MINI_EP_OVERLAP={text!r}: give the micro-batches per MoE layer (1 = off, 2, 4, ...),"
+                             " or off / on")
     elif micro_batches < 1:
         raise ValueError(f"EP exchange micro_batches must be >= 1, got {micro_batches}")
     return micro_batches
@@ -273,9 +284,8 @@ class MoEExchange:
                       ) -> torch.Tensor:
         """`exchange` with the glue in the kernels (the module doc's "fused"), in x.dtype [T, D]. `experts(rows,
         weights_all, ids_all, add, add_at)` -> fp32 [world * t_max, D] partial sums over one part's padded gathered
-        rows (`FP8Rows`, ids -1 on padding rows), with `add` = this part's rows of `local()` ([A, D], bf16 values in
-        bf16 or fp32) summed into rows add_at.."""
-        from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
+        rows (`mini.ops.moe.wire_rows`, ids -1 on padding rows), with `add` = this part's rows of `local()` ([A, D],
+        bf16 values in bf16 or fp32) summed into rows add_at.."""
         rank, world = self.ctx.rank, self.ctx.world
         row = WireRow(ids.shape[1], x.shape[1], block)
         gathers = []
@@ -283,7 +293,7 @@ class MoEExchange:
             r = part.rows(rank)
             send = torch.empty(part.t_max, row.width, dtype=torch.uint8, device=x.device)
             ids_out, weights_out, codes, scales = row.fields(send)
-            fp8_act_quant_wire(x[r], block, codes, scales, ids[r], weights[r], ids_out, weights_out)
+            pack_wire(x[r], block, codes, scales, ids[r], weights[r], ids_out, weights_out)
             recv = send.new_empty(world * part.t_max, row.width)
             gathers.append((part, send, recv, all_gather(recv, send, async_op=True)))
         own = local()
@@ -291,7 +301,7 @@ class MoEExchange:
         for part, _send, recv, pending in gathers:
             pending.wait()
             ids_all, weights_all, codes, scales = row.fields(recv)
-            partial = experts(FP8Rows(codes, scales, block, x.dtype), weights_all, ids_all, own[part.rows(rank)],
+            partial = experts(wire_rows(codes, scales, block, x.dtype), weights_all, ids_all, own[part.rows(rank)],
                               rank * part.t_max)
             out = torch.empty(part.t_max, x.shape[1], dtype=torch.float32, device=x.device)
             scatters.append((part, out, partial, reduce_scatter(out, partial, async_op=True)))

@@ -159,19 +159,20 @@ def added_tokens(commands: list, world: int) -> list[int]:
     return added
 
 
-def foreseen_bucket(messages: list[StepMessage], graphs) -> int | None:
+def foreseen_bucket(messages: list[StepMessage], decode_bucket: Callable[[int], int] | None) -> int | None:
     """The decode bucket of this step on every rank, known from its messages alone (None: the ranks agree on it
     before the forward, mini.parallel.step_shape). When no rank has prompt tokens to prefill (nothing waits,
     nothing runs in prefill) and rank 0 adds no request, every rank's step is a pure decode step of at most its
     decoding sequences (fewer when some finish or are preempted now; a preempted one waits, since nothing is
     admitted in a step that preempts), or no step: the bucket of the largest such count serves every rank. The
-    same on every rank; `graphs`: this rank's DecodeGraphs (every rank's engine must have them)."""
-    if graphs is None or not all(m.decode_graphs for m in messages):
+    same on every rank; `decode_bucket`: this rank's engine's (LLMEngine.decode_bucket; None without decode graphs,
+    which every rank's engine must have)."""
+    if decode_bucket is None or not all(m.decode_graphs for m in messages):
         return None
     if any(isinstance(c, AddRequest) for c in messages[0].commands) or any(m.load.prefill_tokens for m in messages):
         return None
     most = max(m.load.decode_seqs for m in messages)
-    return graphs.bucket(most) if most else None
+    return decode_bucket(most) if most else None
 
 
 def step_loads(messages: list[StepMessage]) -> list[RankLoad]:
@@ -187,16 +188,15 @@ class DPWorker:
 
     def __init__(self, engine: LLMEngine, ctx: DistContext):
         self.engine, self.ctx = engine, ctx
-        self.dp = engine.runner.model
+        self.dp = engine.model  # a DPModel
         self.messages = HostMessages(ctx)
         self._outbox: list = []
-        self.capped_steps = 0  # engine steps whose budget the prefill cap cut
         self.syncs, self.sync_s = 0, 0.0  # step messages exchanged and the host time they took
 
     def sync(self, commands: list = (), stop: bool = False) -> list[StepMessage]:
         """The step's one all-gather: every rank's message, in rank order."""
         mine = StepMessage(self.engine.has_work(), self._outbox, list(commands), stop, RankLoad.of(self.engine),
-                           self.engine.runner.graphs is not None)
+                           self.engine.decode_graphs)
         self._outbox = []
         if not self.ctx.multi:
             return [mine]
@@ -215,33 +215,18 @@ class DPWorker:
         self._outbox += [RequestError(f.request_id, str(f.error)) for f in refused]
         if not commands and not any(m.has_work for m in messages):
             return False
-        bucket = foreseen_bucket(messages, self.engine.runner.graphs)
+        engine = self.engine
+        bucket = foreseen_bucket(messages, engine.decode_bucket if engine.decode_graphs else None)
         if bucket is not None:
             self.dp.foresee(bucket)
         ran_forward = False
-        if self.engine.has_work():
-            outputs = self._engine_step(prefill_cap(step_loads(messages), self.min_prefill_chunk))
+        if engine.has_work():
+            outputs = engine.step(prefill_cap=prefill_cap(step_loads(messages), self.min_prefill_chunk))
             self._outbox += [slim(o) for o in outputs]
             ran_forward = outputs.forward
         if not ran_forward:  # no forward of our own: serve the other ranks' tokens
-            self.dp.join_idle(self.engine.runner.graphs)
+            self.dp.join_idle(engine.replay_padding if engine.decode_graphs else None)
         return True
-
-    def _engine_step(self, cap: int | None):
-        """One engine step with at most `cap` prompt tokens (None: the engine's budget). The scheduler spends its
-        budget on decodes first, so the step's budget becomes the decodes plus `cap`. The deterministic mode's
-        chunks are fixed by the prompt: no cap there."""
-        config = self.engine.scheduler.config
-        if cap is None or config.chunk_tokens > 0:
-            return self.engine.step()
-        decodes = sum(1 for s in self.engine.scheduler.running if not s.in_prefill)
-        full = config.max_num_batched_tokens
-        config.max_num_batched_tokens = min(full, decodes + cap)
-        self.capped_steps += int(config.max_num_batched_tokens < full)
-        try:
-            return self.engine.step()
-        finally:
-            config.max_num_batched_tokens = full
 
     def follow(self) -> None:
         """Ranks other than 0: run steps until rank 0 says stop."""
@@ -268,7 +253,8 @@ class DPDriver:
         """Requests and loads per rank (GET /dp), for operators and tests."""
         dp, worker = self.worker.dp, self.worker
         agreement = dp.agreement
-        return {**self.router.status(), "capped_steps": worker.capped_steps, "step_kinds": asdict(dp.kinds),
+        return {**self.router.status(), "capped_steps": worker.engine.stats.capped_steps,
+                "step_kinds": asdict(dp.kinds),
                 "agree_us_mean": round(1e6 * agreement.seconds / max(agreement.calls, 1), 1),
                 "sync_us_mean": round(1e6 * worker.sync_s / max(worker.syncs, 1), 1)}
 
@@ -326,7 +312,7 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
     if ctx.multi:  # pools sized from free memory may differ: rank 0 admits prompts that fit on every rank
         context = torch.tensor([engine.max_model_len], device=ctx.device)
         dist.all_reduce(context, op=dist.ReduceOp.MIN)
-        engine.max_model_len = int(context.item())
+        engine.limit_context(int(context.item()))
     warmup = getattr(args, "warmup", None)  # --warmup / --no-warmup; default: on CUDA, as `mini serve`
     if warmup if warmup is not None else ctx.device.type == "cuda":
         warm_up_ranks(engine, ctx)
@@ -339,7 +325,7 @@ def warm_up_ranks(engine: LLMEngine, ctx: DistContext, parts=None) -> float:
     parts of the warm-up's plan (tests). Then start-up's objects leave the collector's walks (`freeze_heap`)."""
     from mini.engine.warmup import freeze_heap, warm_up
     from mini.parallel.dp import LockStepEngine
-    seconds = warm_up(LockStepEngine(engine, ctx), parts=parts)
+    seconds = warm_up(engine, parts=parts, stepper=LockStepEngine(engine, ctx))
     print(f"rank {ctx.rank} warmed up in {seconds:.1f} s", file=sys.stderr, flush=True)  # a start-up line
     freeze_heap()
     return seconds

@@ -480,7 +480,7 @@ def build_app(model_or_path, model_name: str | None = None, policy: Policy | Non
     engine = build_engine(model_or_path, **engine_opts)
     if warmup:
         from mini.engine.warmup import warm_up
-        engine.warmup_s = warm_up(engine)
+        warm_up(engine)  # records engine.warmup_s
     metrics = ServerMetrics(engine)
     llm = AsyncLLM(engine, on_output=metrics.observe)
     name = model_name or (model_or_path if isinstance(model_or_path, str) else "mini")
@@ -534,7 +534,7 @@ def startup_line(app: FastAPI, url: str) -> str:
         memory = f"GPU memory {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
     else:
         memory = f"RSS {_rss_bytes() / 2**30:.2f} GiB"
-    warm = getattr(engine, "warmup_s", None)
+    warm = engine.warmup_s
     return (f"mini serve: {app.state.server.model_name} · {str(o.dtype).removeprefix('torch.')} on {runner.device}"
             f" · {current()} (switches: {switches.current()}), decode"
             f" {'CUDA graphs' if engine.decode_graphs else 'eager'}"

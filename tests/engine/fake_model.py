@@ -1,5 +1,4 @@
-"""A stand-in with the model's interface (mini.engine.model_runner.StepModel: forward, its batch and cache) for
-engine tests.
+"""A stand-in with the model's interface (mini.step.StepModel: forward, its batch and cache) for engine tests.
 
 Its logits are a deterministic function of the token history, but it computes that history *through its cache*
 the way V4.1 does: positions older than the window come from paged blocks (by block table), the last W
@@ -69,8 +68,15 @@ def _mix(h: int, token: int, pos: int) -> int:
 
 
 class FakeStepModel:
-    """What the engine needs of a model besides `forward` (mini.engine.model_runner.StepModel), for the fakes."""
-    hasher, engram_on_device, exchanges_tokens = None, False, False
+    """What the engine needs of a model besides `forward` (mini.step.StepModel), for the fakes: no static decode
+    buffers (the engine tests that take the static path use the tiny models)."""
+    capturable = False
+
+    def agree_step(self, n_tokens, bucket):
+        return bucket
+
+    def static_decode(self, *args, **kwargs):
+        raise NotImplementedError("the fake models run eagerly")
 
     def build_batch(self, chunks, device) -> FakeBatch:
         return FakeBatch(list(chunks))

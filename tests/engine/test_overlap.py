@@ -14,7 +14,7 @@ import mini.engine.llm as llm_module
 import mini.engine.model_runner as runner_module
 from fake_model import FakeConfig, FakeModel, fake_llm, scripted_llm
 from mini.engine import LLM, SamplingParams
-from mini.engine.cuda_graphs import TokenFeed
+from mini.step import TokenFeed
 
 EOS = FakeConfig().eos_id
 
@@ -290,7 +290,7 @@ def test_device_fed_tokens_on_the_static_decode_path(monkeypatch, model, block_t
         engine = llm.engine
         assert (engine.runner.graphs is not None) == static and engine.overlap == overlap
         if static and engram_tables is not None:
-            assert bool(engine.runner.graphs.buffers.n_prefix) == (engram_tables == "device")
+            assert bool(engine.runner.graphs.static.buffers.n_prefix) == (engram_tables == "device")
         runs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]
     assert sum(fed) >= 5  # decode steps fed from the device
@@ -327,7 +327,7 @@ def test_cuda_graphs_with_overlap_equal_eager(monkeypatch, model, engram_tables)
                         max_model_len=1024, **opts)
         assert llm.engine.overlap == (mode == "overlap")
         if mode != "eager" and tables is not None:
-            assert bool(llm.engine.runner.graphs.buffers.n_prefix) == (tables == "device")
+            assert bool(llm.engine.runner.graphs.static.buffers.n_prefix) == (tables == "device")
         llm.engine.step_times = []
         runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         assert [len(t) for t in runs[mode]] == [p.max_tokens for p in params]

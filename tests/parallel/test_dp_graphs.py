@@ -200,11 +200,12 @@ def test_host_messages_gather_like_all_gather_object_in_one_collective_while_the
 
 
 def test_a_step_is_foreseen_only_when_no_rank_can_prefill():
-    from mini.engine.cuda_graphs import DecodeGraphs
+    from mini.engine.cuda_graphs import buckets
     from mini.parallel.balance import RankLoad
     from mini.parallel.serve import AbortRequest, AddRequest, StepMessage, foreseen_bucket
-    graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs.sizes = [1, 2, 4, 8]
+
+    def graphs(n):  # LLMEngine.decode_bucket of an engine with max_num_seqs 8
+        return next(s for s in buckets(8) if s >= n)
 
     def msgs(*loads, commands=(), decode_graphs=True):
         return [StepMessage(True, commands=list(commands) if r == 0 else [], load=RankLoad(*ld),

@@ -1,0 +1,134 @@
+"""The engine↔model contract: what a step is made of, and what the engine asks of a model.
+
+Both sides import this module and nothing else of each other: `mini/engine/` steps any `StepModel` (mini.model's
+`Model`, mini.parallel's `DPModel`, the tests' fake models) and names nothing of what is inside it; the model
+knows nothing of sequences, schedulers or CUDA graphs. What a model needs beyond token ids (V4.1's Engram hashes
+and table rows, for one) it makes itself, from the histories the engine hands it here.
+
+A step, as the engine runs it:
+
+1. eager (any mix of prefill chunks and decodes): one `SeqChunk` per sequence -> `model.build_batch(chunks,
+   device)` -> `model.forward(batch, cache)`;
+2. static decode (every sequence one token; CUDA graphs on the GPU): `model.static_decode(...)` once at start-up
+   gives fixed device buffers (`StaticDecode`); the engine captures `model.forward(static.batch(n), cache)` per
+   bucket of n rows, and before each replay fills the buffers from the step's `DecodeRows` and, with overlapped
+   steps, a `TokenFeed` (tokens still on the device);
+3. before every forward the engine calls `model.agree_step(n_tokens, bucket)`: a model whose forward meets other
+   ranks (EP) agrees there on one bucket for all, or on an eager step; a single-process model returns `bucket`.
+
+Every capability is declared here, with its type, and never probed (`hasattr`): a model that cannot run one kind of
+step says so by a declared value (`capturable = False`), not by lacking a method.
+
+How new kinds of step are meant to fit (issues 27, 29; add them here, declared, when they land):
+* DSpark speculative decoding: a verify step decodes 1 + k rows per sequence. Eagerly that is a `SeqChunk` of
+  1 + k tokens (`build_batch` as today, logits for every row); for graphs, `DecodeRows` gains the rows per sequence
+  and `static_decode` the most it must hold (one bucket per (B, k)). The draft step is a second forward of the
+  model's own: a new `StepModel` method with a declared flag (a model without `mtp.*` says False), over the
+  features the verify forward kept. Rolling the cache back to the committed frontier after a rejection is a
+  `StepCache` method taking the accepted count of each sequence.
+* Vision: a chunk's images ride on `SeqChunk` (spans of image positions with their pixels and a content hash); the
+  model runs its encoder inside `build_batch` for the spans it has not encoded yet (once per image, not per chunk),
+  and the batch carries the step's image rows to `forward` (which keeps its two arguments). The engine only keeps a
+  span inside one chunk and keys prefix-cache blocks by the span's content hash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of an eager step: a prefill chunk of any length starting anywhere, or one decode token."""
+    tokens: list[int]  # the whole history of the sequence up to the chunk's end
+    start: int  # absolute position of the chunk's first token (= tokens already in the cache)
+    slot: int  # row of the sequence in the per-sequence pools (window rings, compressor state)
+    blocks: list[int]  # block ids of the paged pools covering positions 0..len(tokens)-1
+    want_logits: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.start < len(self.tokens):
+            raise ValueError(f"chunk start {self.start} outside a history of {len(self.tokens)} tokens")
+
+
+@dataclass
+class DecodeRows:
+    """The sequences of a pure-decode step, one row each, in columns (a static step fills its buffers from them
+    without making an object per row). Row b decodes the token at `positions[b]`."""
+    positions: list[int]
+    slots: list[int]
+    blocks: list[list[int]]  # block ids covering positions 0..positions[b]
+    # history(b, start, end): tokens start..end-1 of row b's sequence, as the host knows them: every token before
+    # its position, and its own token unless a TokenFeed brings it (then never asked for)
+    history: Callable[[int, int, int], list[int]]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @staticmethod
+    def none() -> "DecodeRows":
+        """No rows: a step of padding only (a capture's warm-up, a data-parallel rank without tokens)."""
+        return DecodeRows([], [], [], lambda b, start, end: [])
+
+
+@dataclass
+class TokenFeed:
+    """Decode tokens still on the device (an overlapped step's samples, see mini.engine.llm): row b of the step
+    takes `ids[rows[b]]` where rows[b] >= 0. `fetch()` waits for them, appends them to the histories on the host
+    (for a forward that needs them there) and returns them all (a list like `ids`)."""
+    ids: torch.Tensor
+    rows: list[int]
+    fetch: Callable[[], list[int]]
+
+
+class StaticDecode(Protocol):
+    """A model's static device inputs for pure-decode steps of up to `max_seqs` rows (`StepModel.static_decode`).
+    A forward over `batch(n)` reads only these buffers, so it can be captured once and replayed after `fill`."""
+    max_seqs: int
+    device: torch.device
+
+    def batch(self, n: int) -> object:
+        """A fresh batch over the first n rows (own layout: capture one per bucket)."""
+
+    def fill(self, n: int, rows: DecodeRows, feed: TokenFeed | None = None) -> None:
+        """Copy the step's rows (len(rows) <= n) into the buffers, the rows past them padding (all n for
+        `DecodeRows.none()`). `feed`: tokens taken on the device; the model calls `feed.fetch()` only where it
+        needs them on the host, as late as it can."""
+
+
+class StepCache(Protocol):
+    """The cache pools the runner keeps for the model (StepModel.new_cache)."""
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every per-sequence state row of slots `src` to slots `dst` (int64, on the cache's device)."""
+
+
+class StepModel(Protocol):
+    """What the engine steps."""
+    config: object  # vocab_size, eos_id, max_position_embeddings are what the engine reads
+    # decode steps may be captured in CUDA graphs (static_decode): False when each forward exchanges token counts
+    # with other ranks and nothing agrees on them first
+    capturable: bool
+
+    def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
+        """Called before every forward of `n_tokens` tokens that fits the decode graph of `bucket` (None: it needs
+        an eager forward). Returns the bucket to replay (at least `bucket`) or None: run eagerly. One process:
+        `bucket`; EP ranks agree on one answer for all (mini.parallel.dp.DPModel)."""
+
+    def build_batch(self, chunks: list[SeqChunk], device) -> object:
+        """The eager step's batch (whatever `forward` takes) from one chunk per sequence."""
+
+    def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int,
+                      device, dtype) -> StaticDecode:
+        """Static decode buffers for sequences of up to `max_len` tokens; padding rows write only slot `pad_slot`
+        and block `pad_block` (spares the engine keeps out of the block manager's hands)."""
+
+    def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> StepCache: ...
+
+    def cache_bytes(self, block_tokens: int, dtype) -> tuple[int, int]:
+        """(bytes per block, bytes per slot) of the cache pools."""
+
+    def forward(self, batch, cache) -> torch.Tensor:
+        """Logits [rows that want them, vocab], in chunk order; writes the step into `cache`."""
