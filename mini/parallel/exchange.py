@@ -47,13 +47,13 @@ where others have some still runs every MoE layer, with an empty input (`join_id
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mini import switches
 from mini.config import LayerPlan, ModelConfig
 from mini.parallel.groups import DistContext
 from mini.formats.e8m0 import e8m0_to_float, pow2_ceil_scale
@@ -84,35 +84,24 @@ GLUES = ("fused", "eager")
 
 
 def glue_choice(glue: str | None = None) -> str:
-    """`glue`, else MINI_EP_GLUE, else "fused"; an unknown name is refused."""
-    choice = glue or os.environ.get("MINI_EP_GLUE") or "fused"
+    """`glue`, else MINI_EP_GLUE (mini.switches), else "fused"; an unknown name is refused."""
+    choice = glue or switches.current().ep_glue
     if choice not in GLUES:
         raise ValueError(f"EP exchange glue {choice!r} (MINI_EP_GLUE): choose one of {', '.join(GLUES)}")
     return choice
 
 
 def overlap_min_tokens() -> int:
-    """MINI_EP_OVERLAP_MIN_TOKENS (default 256): the fewest rows of the largest rank per micro-batch."""
-    text = os.environ.get("MINI_EP_OVERLAP_MIN_TOKENS", "256")
-    if not text.strip().isdigit():
-        raise ValueError(f"MINI_EP_OVERLAP_MIN_TOKENS={text!r}: give a whole number of tokens")
-    return int(text)
+    """MINI_EP_OVERLAP_MIN_TOKENS (mini.switches; default 256): the fewest rows of the largest rank per
+    micro-batch."""
+    return switches.current().ep_overlap_min_tokens
 
 
 def overlap_choice(micro_batches: int | None = None) -> int:
-    """`micro_batches`, else MINI_EP_OVERLAP, else 1: how many micro-batches each MoE layer's exchange is split
-    into (1: not overlapped; "off" = 1, "on" = 2); anything but a positive integer is refused."""
+    """`micro_batches`, else MINI_EP_OVERLAP (mini.switches: "off" = 1, "on" = 2), else 1: how many micro-batches
+    each MoE layer's exchange is split into (1: not overlapped); anything but a positive integer is refused."""
     if micro_batches is None:
-        text = os.environ.get("MINI_EP_OVERLAP", "").strip().lower() or "1"
-        micro_batches = {"off": 1, "on": 2}.get(text)
-        if micro_batches is None:
-            try:
-                micro_batches = int(text)
-            except ValueError:
-                micro_batches = 0
-        if micro_batches < 1:
-            raise ValueError(f"MINI_EP_OVERLAP={text!r}: give the micro-batches per MoE layer (1 = off, 2, 4, ...),"
-                             " or off / on")
+        micro_batches = switches.current().ep_overlap
     elif micro_batches < 1:
         raise ValueError(f"EP exchange micro_batches must be >= 1, got {micro_batches}")
     return micro_batches
