@@ -150,6 +150,38 @@ def convert(data: torch.Tensor, scale: torch.Tensor) -> HummingStack:
                         locks=torch.zeros(2048, dtype=torch.int32, device=data.device))
 
 
+def takes(w1: tuple, w3: tuple, w2: tuple) -> bool:
+    """Whether the library takes a layer's stacked experts, each projection given as (kind, codes, scales) with
+    codes [E, N, K/2]: MXFP4 on a CUDA device, in shapes its tiles fit (`supports`, w1 and w3 as one GEMM of
+    N = 2I), with scale bytes it is known to decode exactly (`scales_supported`)."""
+    (_, inter, half_d), (_, dim, half_i) = w1[1].shape, w2[1].shape
+    return (all(kind == "mxfp4" and data.is_cuda for kind, data, _ in (w1, w3, w2))
+            and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i)
+            and scales_supported(w1[2], w3[2], w2[2]))
+
+
+@dataclass(eq=False)
+class HummingExperts:
+    """A layer's routed experts in Humming's layout, rewritten once at load (the library's quirk, kept here):
+    w1 and w3 side by side in one stack for one GEMM of N = 2I (`side_by_side`), w2 alone, both converted in place
+    (`convert`). Iterates as (w13, w2); `expert(i)` reads one expert back in the checkpoint layout."""
+    w13: HummingStack
+    w2: HummingStack
+
+    @classmethod
+    def convert(cls, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]
+                ) -> "HummingExperts":
+        """From `side_by_side`'s (codes, scales) stack and w2's (codes, scales uint8), rewritten in place."""
+        return cls(convert(*w13), convert(*w2))
+
+    def __iter__(self):
+        return iter((self.w13, self.w2))
+
+    def expert(self, i: int) -> tuple[tuple, tuple, tuple]:
+        """Expert i's (codes, scales) of w1, w3 and w2 in the checkpoint layout (new tensors)."""
+        return unpack_expert(self.w13, self.w2, i)
+
+
 def side_by_side(w1, w3) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """w1 and w3 of a layer's experts, each (codes uint8 [E, I, D/2], scales uint8 [E, I, D/32]), side by side in
     one [E, 2I, ...] stack for one GEMM with N = 2I (Humming's layout keeps every 64 rows of N in their own

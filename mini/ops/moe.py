@@ -55,9 +55,10 @@ class MoEWeights:
     shared_w3: QWeight
     shared_w2: QWeight
     swiglu_limit: float
-    # (w13, w2) as humming_experts.HummingStack once `to_humming` rewrote them into Humming's layout: the QWeights'
-    # bytes are then in that layout (w1 / w3 views of the w13 stack), and only `expert` reads them back
-    humming: tuple | None = field(default=None, repr=False)
+    # the experts in Humming's layout (humming_experts.HummingExperts, iterating as (w13, w2)) once `to_humming`
+    # rewrote them: the QWeights' bytes are then in that layout (w1 / w3 views of the w13 stack), and only `expert`
+    # reads them back
+    humming: object | None = field(default=None, repr=False)
     # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
     _per_expert: dict = field(default_factory=dict, repr=False)
     # the shared w1 and w3 dequantized to bf16 side by side (linear.stack_dequantized), built at first fast use
@@ -115,25 +116,21 @@ class MoEWeights:
                 w1=stacked("w1"), w3=stacked("w3"), w2=stacked("w2"),
                 shared_w1=single("w1"), shared_w3=single("w3"), shared_w2=single("w2"),
                 swiglu_limit=cfg.swiglu_limit)
-        if w.humming_ready() and backends.moe_gemm() == "humming":
+        if experts_gemm(w) == "humming":  # its layout is rewritten once, here, at load
             w.to_humming()
         return w
 
     def humming_ready(self) -> bool:
-        """Whether `to_humming` can take these experts: MXFP4 on a CUDA device, in shapes Humming's tiles fit, with
-        scale bytes it is known to decode exactly (humming_experts.SCALE_BYTES)."""
-        from mini.kernels.humming_experts import scales_supported, supports
-        (_, inter, half_d), (_, dim, half_i) = self.w1.data.shape, self.w2.data.shape
-        return (all(q.kind == "mxfp4" and q.data.is_cuda for q in (self.w1, self.w3, self.w2))
-                and supports(2 * inter, 2 * half_d) and supports(dim, 2 * half_i)
-                and scales_supported(self.w1.scale, self.w3.scale, self.w2.scale))
+        """Whether Humming's adapter takes these experts (humming_experts.takes)."""
+        from mini.kernels.humming_experts import takes
+        return takes(*((q.kind, q.data, q.scale) for q in (self.w1, self.w3, self.w2)))
 
     def to_humming(self) -> None:
         """Rewrite the routed experts into Humming's layout, once, at load (mini/kernels/humming_experts.py:
         `side_by_side` stacks w1 and w3 for one GEMM, `convert` rewrites a stack in place); afterwards the fast path
         runs Humming's GEMMs on them. The old w1 and w3 buffers are freed when nothing else holds them, before the
         rewrite, so a layer needs ~1.1 GB more only while it converts."""
-        from mini.kernels.humming_experts import convert, side_by_side
+        from mini.kernels.humming_experts import HummingExperts, side_by_side
         if self.humming is not None:
             return
         if not self.humming_ready():
@@ -141,7 +138,7 @@ class MoEWeights:
         (w1, w3), w13 = side_by_side(*((q.data, q.scale.view(torch.uint8)) for q in (self.w1, self.w3)))
         block = self.w1.block
         self.w1, self.w3 = QWeight("mxfp4", *w1, block), QWeight("mxfp4", *w3, block)  # the old buffers go here
-        self.humming = (convert(*w13), convert(self.w2.data, self.w2.scale.view(torch.uint8)))
+        self.humming = HummingExperts.convert(w13, (self.w2.data, self.w2.scale.view(torch.uint8)))
         self._per_expert.clear()  # views taken before hold the old layout's bytes
 
     def expert(self, i: int) -> tuple[QWeight, QWeight, QWeight]:
@@ -150,12 +147,20 @@ class MoEWeights:
             return QWeight(w.kind, w.data[i], None if w.scale is None else w.scale[i], w.block)
         if i not in self._per_expert:
             if self.humming is not None:  # rewritten: a copy in the checkpoint layout
-                from mini.kernels.humming_experts import unpack_expert
                 self._per_expert[i] = tuple(QWeight("mxfp4", *ds, q.block) for ds, q in
-                                            zip(unpack_expert(*self.humming, i), (self.w1, self.w3, self.w2)))
+                                            zip(self.humming.expert(i), (self.w1, self.w3, self.w2)))
             else:
                 self._per_expert[i] = one(self.w1), one(self.w3), one(self.w2)
         return self._per_expert[i]
+
+
+def experts_gemm(w: MoEWeights) -> str:
+    """Which grouped GEMM library the fast path runs this layer's routed experts through, the one place it is
+    chosen: "humming" where MINI_MOE_GEMM resolves to it (mini.ops.backends.moe_gemm) and its adapter takes these
+    experts (`MoEWeights.humming_ready`), else "triton". Asked once, at load: Humming needs its own layout, which
+    `from_state` rewrites the experts into (`to_humming`; the reference path reads them back per expert)."""
+    return "humming" if w.humming is not None or (w.humming_ready() and backends.moe_gemm() == "humming") \
+        else "triton"
 
 
 def _stack(ts: list[torch.Tensor], device) -> torch.Tensor:
