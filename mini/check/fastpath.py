@@ -112,12 +112,12 @@ class Recorder:
                 self.shadow_out[("attn", plan.layer)] = z.float()
             return y
 
-        def moe(x, blk, input_ids):
-            y = ffn(x, blk, input_ids)
+        def moe(x, blk, *inputs):  # inputs: the token ids, then the image rows' mask (Model._ffn)
+            y = ffn(x, blk, *inputs)
             self.out[("moe", blk.plan.layer)] = y.float()
             if self.shadow_cache is not None:
                 with using_backend("fast"):
-                    z = ffn(x, blk, input_ids)
+                    z = ffn(x, blk, *inputs)
                 self.shadow_out[("moe", blk.plan.layer)] = z.float()
             return y
 
