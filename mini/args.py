@@ -188,6 +188,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=switches.current().api_key,
                    help="clients must send `Authorization: Bearer KEY` (everything but /health); "
                         "default: $MINI_API_KEY, else no key")
+    p.add_argument("--responses-db", default=str(Path("~/.cache/mini/responses.sqlite3").expanduser()),
+                   help="SQLite file of the Responses API's stored responses, kept across restarts "
+                        "(default: ~/.cache/mini/responses.sqlite3; ':memory:' keeps none)")
+    p.add_argument("--responses-max", type=count(1), default=10_000,
+                   help="stored responses kept; the oldest beyond go (default: 10000)")
+    p.add_argument("--metrics-need-key", action="store_true",
+                   help="/metrics takes the API key too (default: open to scrapers, as /health is)")
     p.add_argument("--allowed-origins", default="", help="comma-separated browser origins allowed to call the API "
                    "cross-origin (e.g. http://localhost:3000; default: none)")
     p.add_argument("--allowed-hosts", default=None, help="comma-separated Host header values accepted "

@@ -21,10 +21,12 @@ from pydantic import ValidationError
 
 from mini.engine import RequestOutput, SamplingParams
 from mini.engine.async_engine import AsyncLLM
+from mini.server.errors import error_body
 from mini.server.chat_output import ChatChoice, split_reasoning  # noqa: F401 (split_reasoning: re-exported)
 from mini.server.guard import LOOPBACK_HOSTS, Guard, Policy, h11_with_header_timeout
 from mini.server.metrics import ServerMetrics
-from mini.server.protocol import ChatCompletionRequest, CompletionRequest
+from mini.server.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from mini.server.store import DEFAULT_MAX_RESPONSES, ResponseStore
 
 log = logging.getLogger("mini.server")
 
@@ -34,10 +36,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
 
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error in the shape of the API at `path` (mini.server.errors)."""
+        return JSONResponse(error_body(path, self.status, self.message, self.param, self.code),
+                            status_code=self.status)
 
 
 MAX_JSON_DEPTH = 64  # nesting of a request body: OpenAI requests need < 10; deeper is refused, never recursed into
@@ -85,9 +87,12 @@ def validation_error(e: ValidationError, data) -> ApiError:
     loc = field_path(first["loc"], data, first["type"] == "missing")
     if first["type"] == "extra_forbidden":  # never accepted and ignored
         return ApiError(f"'{loc}' is not supported by this server", param=loc, code="unsupported_parameter")
+    blamed = (first.get("ctx") or {}).get("error")
+    if isinstance(blamed, FieldError) and not loc:  # a check across fields names the one to blame
+        loc = blamed.param
     # a union's members each report their own error at the same field: say what any of them accepts
-    msgs = [err["msg"].removeprefix("Value error, ") for err in errors
-            if field_path(err["loc"], data, err["type"] == "missing") == loc and err["type"] != "extra_forbidden"]
+    msgs = [err["msg"].removeprefix("Value error, ") for err in errors if err is first or (
+        err["type"] != "extra_forbidden" and field_path(err["loc"], data, err["type"] == "missing") == loc)]
     msg = " or ".join(dict.fromkeys(m[0].lower() + m[1:] if m.startswith("Input should") else m for m in msgs))
     return ApiError(f"invalid value for '{loc}': {msg}" if loc else msg, param=loc or None)
 
@@ -417,10 +422,16 @@ class ChatRun:
     choices: list[ChatChoice]
 
 
-def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: Policy | None = None) -> FastAPI:
+def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: Policy | None = None,
+               store: ResponseStore | None = None) -> FastAPI:
     """The app over a running AsyncLLM. `policy` (default: Policy(), loopback hosts, no key): what every request
-    must pass first (mini.server.guard); listed origins also get CORS headers and preflight answers."""
+    must pass first (mini.server.guard); listed origins also get CORS headers and preflight answers. `store`: where
+    the Responses API keeps responses (default: in memory, gone with the process)."""
+    from mini.server.anthropic import MessagesAPI
+    from mini.server.responses import ResponsesAPI
     server = OpenAIServer(llm, metrics, model_name)
+    messages = MessagesAPI(server)
+    responses = ResponsesAPI(server, store if store is not None else ResponseStore())
     app = FastAPI(title="mini", docs_url=None, redoc_url=None)
     app.state.server = server
     app.state.policy = policy = policy or Policy()
@@ -432,12 +443,12 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: P
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("request failed")
-        return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500).response()
+        return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -449,12 +460,19 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: P
                              code="method_not_allowed")
         else:
             error = ApiError(str(exc.detail), status=exc.status_code)
-        response = error.response()
+        response = error.response(request.url.path)
         response.headers.update(exc.headers or {})
         return response
 
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.retrieve)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
+    app.router.on_shutdown.append(responses.store.close)
+    app.post("/v1/messages")(messages.create)
+    app.post("/v1/messages/count_tokens")(messages.count_tokens)
 
     @app.get("/v1/models")
     async def models():
@@ -473,9 +491,10 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: P
 
 
 def build_app(model_or_path, model_name: str | None = None, policy: Policy | None = None, warmup: bool = False,
-              **engine_opts) -> FastAPI:
+              responses_db: str | None = None, responses_max: int = DEFAULT_MAX_RESPONSES, **engine_opts) -> FastAPI:
     """Engine + background loop + app, for `serve` and tests. `engine_opts` go to mini.engine.build_engine;
-    `warmup` runs mini.engine.warmup before the engine thread starts (and so before the app can answer)."""
+    `warmup` runs mini.engine.warmup before the engine thread starts (and so before the app can answer).
+    `responses_db`: the SQLite file of stored responses (None: in memory), keeping the newest `responses_max`."""
     from mini.engine import build_engine
     engine = build_engine(model_or_path, **engine_opts)
     if warmup:
@@ -484,7 +503,7 @@ def build_app(model_or_path, model_name: str | None = None, policy: Policy | Non
     metrics = ServerMetrics(engine)
     llm = AsyncLLM(engine, on_output=metrics.observe)
     name = model_name or (model_or_path if isinstance(model_or_path, str) else "mini")
-    app = create_app(llm, metrics, name, policy)
+    app = create_app(llm, metrics, name, policy, ResponseStore(responses_db or ":memory:", responses_max))
     app.router.on_shutdown.append(llm.shutdown)
     return app
 
@@ -560,7 +579,8 @@ def serve(args) -> int:
     policy = policy_from_args(args)
     opts = engine_opts(args)
     warmup = args.warmup if args.warmup is not None else str(opts["device"]).startswith("cuda")
-    app = build_app(args.model, args.served_model_name, policy, warmup, **opts)
+    app = build_app(args.model, args.served_model_name, policy, warmup, responses_db=args.responses_db,
+                    responses_max=args.responses_max, **opts)
     from mini.engine.warmup import freeze_heap
     freeze_heap()  # start-up's objects out of the collector's walks: no full-collection pause while serving
     run_http(app, args)

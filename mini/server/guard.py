@@ -20,6 +20,8 @@ import json
 import logging
 from dataclasses import dataclass
 
+from mini.server.errors import error_body
+
 log = logging.getLogger("mini.server")
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -85,7 +87,7 @@ class Guard:
                     return
                 receive = _replay(body, receive)
         except Refusal as r:
-            return await _refuse(send, r)
+            return await _refuse(send, r, scope["path"])
         await self.app(scope, receive, send)
 
     def _check_headers(self, scope, headers: dict[str, str]) -> None:
@@ -103,11 +105,12 @@ class Guard:
         if scope["method"] == "OPTIONS":  # a CORS preflight of an allowed origin (browsers send no key with it)
             return
         if p.needs_key(scope["path"]):
-            auth = headers.get("authorization", "")
-            scheme, _, key = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), p.api_key.encode()):
-                raise Refusal(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                              "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+            scheme, _, key = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+                key = headers.get("x-api-key", "")
+            if not hmac.compare_digest(key.strip().encode(), p.api_key.encode()):
+                raise Refusal(401, "missing or invalid API key: send `Authorization: Bearer <key>` (or "
+                                   "`x-api-key: <key>`)", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
         allowed = self._other_methods(scope)
         if allowed:
             raise Refusal(405, f"{scope['method']} is not allowed on {scope['path']}", "method_not_allowed",
@@ -193,9 +196,8 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _refuse(send, r: Refusal) -> None:
-    body = json.dumps({"error": {"message": r.message, "type": "invalid_request_error", "param": None,
-                                 "code": r.code}}).encode()
+async def _refuse(send, r: Refusal, path: str) -> None:
+    body = json.dumps(error_body(path, r.status, r.message, code=r.code)).encode()
     await send({"type": "http.response.start", "status": r.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *r.headers]})

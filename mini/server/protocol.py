@@ -16,6 +16,14 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n
 
 
+class FieldError(ValueError):
+    """A check across fields (a model validator) that names the field to blame: the error's `param`."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -44,8 +52,8 @@ class StructuredOutputs(_Strict):
     def _exactly_one(self):
         given = [k for k in ("json", "regex", "choice", "json_object") if self.get(k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, json_object "
-                             f"(got {', '.join(given) if given else 'none'})")
+            raise FieldError("give exactly one of json, regex, choice, json_object "
+                             f"(got {', '.join(given) if given else 'none'})", "structured_outputs")
         if isinstance(self.json_, str):
             import json
             try:
@@ -147,8 +155,9 @@ class _Common(_Strict):
         guided = {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice")
                   if getattr(self, k) is not None}
         if len(guided) + (self.structured_outputs is not None) > 1:
-            raise ValueError(f"give one of structured_outputs, guided_json, guided_regex, guided_choice "
-                             f"(got {', '.join([*(['structured_outputs'] if self.structured_outputs else []), *guided])})")
+            raise FieldError(f"give one of structured_outputs, guided_json, guided_regex, guided_choice "
+                             f"(got {', '.join([*(['structured_outputs'] if self.structured_outputs else []), *guided])})",
+                             list(guided)[-1])
         if guided:
             (key, value), = guided.items()
             self.structured_outputs = StructuredOutputs.model_validate({key.removeprefix("guided_"): value})
@@ -217,7 +226,8 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _echo_without_logprobs(self):
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+            raise FieldError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                             "echo")
         return self
 
     def grammar(self) -> str | None:
@@ -362,14 +372,14 @@ class ChatCompletionRequest(_Common):
     def _tool_choice_needs_tools(self):
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise FieldError("tool_choice needs tools", "tool_choice")
         if self.structured_outputs is not None and (self.parses_tool_calls or (
                 self.response_format is not None and self.response_format.type != "text")):
-            raise ValueError("structured_outputs cannot be combined with tools or a response_format")
+            raise FieldError("structured_outputs cannot be combined with tools or a response_format",
+                             "structured_outputs")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if self.forced_tool_call and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("a forced tool call and a response_format cannot both be enforced")
+            raise FieldError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                             "tool_choice")
         return self
 
     @property
@@ -415,7 +425,7 @@ class ChatCompletionRequest(_Common):
         fmt = self.response_format
         schema = None if fmt is None or fmt.type == "text" else \
             (fmt.json_schema.schema_ or {} if fmt.type == "json_schema" else {"type": "object"})
-        if self.forced_tool_call:
+        if self.forced_tool_call:  # the output is calls: a response_format, for text answers, has nothing to shape
             only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
             return grammars.tool_call_grammar(self.tools, only, self.parallel_tool_calls, thinking)
         if self.parses_tool_calls:  # auto
