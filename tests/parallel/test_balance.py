@@ -54,12 +54,16 @@ def test_a_burst_between_reports_spreads_by_tokens():
 
 
 def test_rank_load_of_an_engine():
+    """RankLoad.of(engine) is the engine's own account (LLMEngine.load) of its scheduler and block manager."""
+    from mini.engine.llm import LLMEngine
+
     def seq(tokens, computed, prefill):
         return SimpleNamespace(num_pending=tokens - computed, num_computed=computed, in_prefill=prefill)
     engine = SimpleNamespace(
         scheduler=SimpleNamespace(waiting=[seq(40, 0, True)], running=[seq(500, 256, True), seq(30, 29, False),
                                                                       seq(12, 11, False)]),
         blocks=SimpleNamespace(n_free_blocks=5, block_tokens=32))
+    engine.load = lambda: LLMEngine.load(engine)
     assert RankLoad.of(engine) == RankLoad(prefill_tokens=40 + 244, decode_tokens=29 + 11, decode_seqs=2,
                                            cache_free_tokens=160)
 
