@@ -137,3 +137,25 @@ def test_logits_dspark_refuses_a_model_without_a_draft(tmp_path, capsys):
     from mini.cli import main
     assert main(["logits", "--model", "tiny-v4.1", "--ids", "5,6", "--dspark", "--out", str(tmp_path / "x.npz")]) == 2
     assert "no DSpark draft module" in capsys.readouterr().err
+
+
+def test_a_batch_of_drafts_is_each_draft_alone(tiny_model, batch_invariant_gemms):
+    """Sequences at different ring fills (one still filling, one wrapped) drafted together give each one's draft
+    made alone: a draft reads only its own slot, positions and anchor. fp32 with the GEMMs made batch-invariant;
+    the mHC sums (shared with the backbone) still move by an ulp with the row count, hence 1e-5, not equality."""
+    from mini.model.dspark import DSparkRings, propose, write_rings
+    model, _ = tiny_model("tiny-v4.1-dspark")
+    cfg, w = model.config, model.dspark
+    g = torch.Generator().manual_seed(3)
+    lengths = (40, cfg.window_size + 22)
+    rings = DSparkRings(cfg, 3, "cpu", torch.float32)
+    for slot, n in zip((2, 0), lengths):
+        feats = torch.randn(n, 3 * cfg.dim, generator=g)
+        write_rings(w, cfg, feats, torch.arange(n), torch.full((n,), slot), rings)
+    anchors, last, slots = torch.tensor([11, 200]), torch.tensor([n - 1 for n in lengths]), torch.tensor([2, 0])
+    both = propose(w, cfg, model.embed, model.head, rings, anchors, last, slots)
+    for b in range(2):
+        alone = propose(w, cfg, model.embed, model.head, rings, anchors[b:b + 1], last[b:b + 1], slots[b:b + 1])
+        assert torch.equal(alone.ids[0], both.ids[b])
+        assert torch.allclose(alone.logits[0], both.logits[b], rtol=0, atol=1e-5)
+        assert torch.allclose(alone.confidence[0], both.confidence[b], rtol=0, atol=1e-5)
