@@ -4,8 +4,8 @@ subprocess on the reference's BLAS path (MKL's AVX2 kernels, one thread), as tes
 
 * fed the recorded features, the drafts are the official ones: the same ids everywhere, and every draft's logits
   to 1e-3, but one: f4's draft 2, whose position 1 differs by 1-4 bf16 ulps in 9 of its 128 hidden values (4.5e-3
-  in the logits; every other draft to 2.4e-7). The fixture's README reports the reference itself moving by 5e-4
-  when its rings are re-seeded in one shot: a one-ulp rounding somewhere in a stage, not located yet.
+  in the logits; every other draft to 2.4e-7). mini's value there does not move with the GEMMs' summation order;
+  what the reference computes differently at that one place is not located yet (docs/fidelity.md, f4).
 * end to end (`mini logits --dspark`, mini's own prefill and decode make the features): the same figures, since
   mini's features are the reference's bit for bit here; the bound is 1% of the drafts' replay noise (rel-MAE 0.21
   on f4, 0.15 on the short case: the drafts made from the replay prefill's features).
