@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Set up a fresh CPU machine and run the whole test suite (what CI runs: .ci/run). The GPU image brings its own
-# torch 2.11; see the README for which torch build these requirements install.
+# Set up a virtual environment of its own and run the whole CPU test suite in it (the README's test command; CI
+# runs it from .ci/run). Nothing installed on the machine before can hide a missing or broken requirement: the
+# environment holds only what the README's requirements bring. The GPU image brings its own torch 2.11; see the
+# README for which torch build these requirements install.
+#
+#   bash scripts/test.sh [PYTEST ARGS...]
+#
+#   MINI_TEST_VENV=DIR      the environment (default .venv-test in the checkout); made when missing, reused after
+#   MINI_TEST_FRESH=1       remove it first: a fresh environment (what CI does)
+#   MINI_TEST_TRITON=X.Y.Z  install this Triton instead of the newest the requirements allow (CI's oldest-Triton job)
 #
 # First, the install check: these exact requirements must resolve from plain PyPI alone (`--isolated` ignores this
 # machine's pip config, local wheels and find-links), so that a pin conflicting with torch's own requirements
@@ -9,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUIREMENTS=(torch==2.13.0 -e '.[test]')
+VENV=${MINI_TEST_VENV:-.venv-test}
 
 check_install() {
     if [[ "${MINI_SKIP_INSTALL_CHECK:-0}" == 1 ]]; then
@@ -34,5 +43,16 @@ check_install() {
 }
 
 check_install
-python3 -m pip install -q "${REQUIREMENTS[@]}"
-OMP_NUM_THREADS=1 python3 -m pytest -q -n 2 "$@"
+if [[ "${MINI_TEST_FRESH:-0}" == 1 ]]; then
+    rm -rf "$VENV"
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+    python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --disable-pip-version-check "${REQUIREMENTS[@]}" \
+    ${MINI_TEST_TRITON:+"triton==$MINI_TEST_TRITON"}
+"$PY" -c "import sys, torch, triton; print('test environment', sys.prefix, '- python', sys.version.split()[0],
+          '- torch', torch.__version__, '- triton', triton.__version__, '- cpu', torch.backends.cpu.get_cpu_capability())"
+# the environment's own `mini` and tools first on PATH: tests that start `mini` as a command get this one
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 "$@"

@@ -53,10 +53,14 @@ def patch_bf16() -> None:
 
     def patched_binary(self, lhs, rhs, op):
         if scalar(lhs) != bf16 and scalar(rhs) != bf16:
-            return binary_op(self, lhs, rhs, op)
+            out = binary_op(self, lhs, rhs, op)
+            # A comparison's result is int1. The shipped builder tags it with the operands' dtype; Triton 3.9's
+            # splat then widens a scalar comparison (`e >= lo` with e loaded) to that dtype, and a mask made
+            # with it reaches the C++ load as int32 ('mask has unsupported dtype').
+            return ti.TensorHandle(out.data, tl.int1) if out.data.dtype == np.bool_ else out
         out = op(value(lhs), value(rhs))
         if out.dtype == np.bool_:
-            return ti.TensorHandle(out, scalar(lhs))
+            return ti.TensorHandle(out, tl.int1)
         return ti.TensorHandle(to_bf16(out), bf16)
     B.binary_op = patched_binary
 
