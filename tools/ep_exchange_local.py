@@ -128,6 +128,9 @@ def run_glue(args, device: str) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu" and not triton.knobs.runtime.interpret:
         raise SuiteError("ep-exchange --glue runs Triton kernels: on the CPU only with TRITON_INTERPRET=1")
+    if dev.type == "cpu":  # the interpreter with the GPU's semantics (bf16 tiles, int1 masks), as every CPU test
+        from mini.kernels.interpreter import patch_bf16
+        patch_bf16()
     if args.experts % args.ranks:
         raise SuiteError(f"ep-exchange --glue: {args.experts} experts do not split over {args.ranks} ranks")
     n, d, k, block, world = args.tokens, args.dim, args.topk, args.block, args.ranks
