@@ -1,6 +1,9 @@
 """FlashMLA's SM90 sparse prefill kernel (`sgl-flash-mla`, `flash_mla_sparse_fwd`) for the sparse attention core:
-library adapter, called only from mini/ops/attention.py: `StepRows` lays a step's keys out as the kernel reads them
-(the plain definition is mini.ops.attention.scratch_keys), `sparse_prefill` calls the kernel.
+library adapter, called only from mini/ops/attention.py (whose `core_kernel` decides when it runs). Everything the
+library needs beside the kernel is here: `StepRows` lays a step's keys out as the kernel reads them (a scratch; the
+plain definition is mini.ops.attention.scratch_keys), `serves` / `takes_model` say which steps and shapes it takes,
+`attend` runs it over a step (the output's inverse RoPE as its own pass), `checked_first_call` is MINI_SPARSE_ATTN
+=auto's comparison with our kernel, and `attend_by_chunk_kind` is the deterministic mode's split of a step's rows.
 
 The kernel computes, per query token t and head h, over the key rows rows[t, :count[t]] of one bf16 tensor kv
 (rows -1 or >= N skipped): o = Σ_j softmax_j(q·k_j·scale) k_j (K = V, all 512 channels), the denominator also
@@ -20,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from mini.kernels.attention_input import AttentionInput
+
 HEADS = (64,)
 HEAD_DIM = 512  # d_v is fixed at 512, so with K = V the key width must be 512 too (576 would mean V = K[:512])
 TOPK_MULTIPLE = 128
@@ -27,6 +32,7 @@ MIN_TOKENS = 512  # prefill-sized steps only; where the scratch building stops p
 # the scratch copies every key a step can touch, not only those it reads: skip steps where that is out of
 # proportion (a ~1 KB row per key vs ~84 MFLOP of attention per token at V4.1's 64 heads x 640 keys)
 SCRATCH_ROWS_PER_TOKEN = 32
+AUTO_CHECK_TOL = 2e-2  # MINI_SPARSE_ATTN=auto: FlashMLA's first output vs ours, largest per-token relative error
 
 
 @functools.cache
@@ -50,6 +56,28 @@ def supported(q: torch.Tensor, keys: list[torch.Tensor], scratch_rows: int) -> b
             and not torch.cuda.is_current_stream_capturing() and available())
 
 
+def scratch_rows(inp: AttentionInput) -> int:
+    """The rows of the step's scratch (`StepRows.scratch_keys`' kv): chunk KV, each sequence's ring and, when
+    groups are read, each sequence's pool blocks."""
+    rows = inp.kv_new.shape[0] + inp.slots.shape[0] * inp.window.shape[1]
+    if inp.with_pool:
+        rows += inp.block_table.shape[0] * inp.block_table.shape[1] * inp.comp.shape[1]
+    return rows
+
+
+def serves(inp: AttentionInput) -> bool:
+    """Whether the kernel serves this step (`supported` with the step's scratch size)."""
+    return supported(inp.q, inp.keys(), scratch_rows(inp))
+
+
+def takes_model(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
+    """The kernel takes the model's queries and keys: dtypes, head count and width, the library on this GPU.
+    Nothing about the step (its size, its scratch), so a query's kernel never follows what else is batched (the
+    deterministic mode's condition)."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and all(k.dtype == torch.bfloat16 for k in keys)
+            and q.shape[1] in HEADS and q.shape[2] == HEAD_DIM and available())
+
+
 def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """q [T, H, 512] bf16, kv [N, 512] bf16, rows [T, n] int32 (n a multiple of TOPK_MULTIPLE, -1 = none), count
@@ -59,6 +87,69 @@ def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, count:
                                attn_sink=sink.float().contiguous(), topk_length=count, use_legacy=True)[0]
     if out.shape != q.shape or out.dtype != q.dtype:  # (output, max_logits, lse) is the documented return
         raise RuntimeError(f"flash_mla_sparse_fwd returned {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)}")
+    return out
+
+
+Unrotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, rope table) -> x rotated back
+
+
+def prefill_unrotated(q, kv, rows, count, sink, scale, rope_out, unrotate: Unrotate) -> torch.Tensor:
+    """The kernel over a scratch, then the output's inverse RoPE as a separate pass (the library has no epilogue
+    for it), over the rotated channels only, in place: the others are left as the kernel wrote them."""
+    out = sparse_prefill(q, kv, rows, count, sink, scale)
+    if rope_out is not None:
+        tail = out[..., -2 * rope_out.shape[-1]:]
+        tail.copy_(unrotate(tail, rope_out))
+    return out
+
+
+def attend(inp: AttentionInput, key_rows: "StepRows", unrotate: Unrotate) -> torch.Tensor:
+    """The sparse attention core of a step through the kernel, over the step's scratch keys (`key_rows`)."""
+    kv, rows, count = key_rows.scratch_keys(inp.kv_new, inp.window, inp.comp, inp.block_table, inp.comp_idx,
+                                            TOPK_MULTIPLE)
+    return prefill_unrotated(inp.q, kv, rows, count, inp.sink, inp.scale, inp.rope_out, unrotate)
+
+
+def checked_first_call(ours: Callable[[], torch.Tensor], theirs: Callable[[], torch.Tensor]
+                       ) -> tuple[torch.Tensor, str | None]:
+    """MINI_SPARSE_ATTN=auto's check of the library's first call: our kernel's output, then the library's, compared
+    per token (largest relative error under AUTO_CHECK_TOL); a library we only hold as a binary must cost one
+    comparison when it is wrong, not a model's output. Returns the output of the kernel to keep and the problem
+    (None: the library ran and matched). One device sync."""
+    mine = ours()
+    try:
+        got = theirs()
+        diff = (got.float() - mine.float()).flatten(1).norm(dim=1)
+        err = float((diff / mine.float().flatten(1).norm(dim=1).clamp_min(1e-30)).max())
+        problem = None if err < AUTO_CHECK_TOL else f"differs from the Triton kernel's by {err:.3g} on a token"
+    except Exception as e:  # the library's shape/arch checks raise before launching; a changed API raises too
+        problem = f"failed ({type(e).__name__}: {str(e)[:200]})"
+    return (mine if problem else got), problem
+
+
+def attend_by_chunk_kind(inp: AttentionInput, key_rows: "StepRows",
+                         triton: Callable[[AttentionInput], torch.Tensor], unrotate: Unrotate) -> torch.Tensor:
+    """The deterministic mode's split of a step (its `key_rows` in position order): the queries of chunks of more
+    than one token through the kernel, those of one-token chunks through `triton` (our kernel with the mode's
+    lists) as the decode step those sequences would make alone (`AttentionInput.one_token_rows`), scattered back,
+    so that neither kind's numbers depend on the other being in the step. The split is found once per step (one
+    host sync) and kept on `key_rows`."""
+    q, slots, seq_of = inp.q, inp.slots, inp.seq_of
+    if key_rows.multi_token is None:  # once per step (one host sync): the queries of each kind of chunk
+        multi = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of] > 1
+        idx, single = multi.nonzero().squeeze(1), (~multi).nonzero().squeeze(1)
+        key_rows.multi_token = (idx.shape[0], idx, single)
+    n, idx, single = key_rows.multi_token
+    if n == 0:
+        return triton(inp)
+    kv, rows, count = key_rows.scratch_keys(inp.kv_new, inp.window, inp.comp, inp.block_table, inp.comp_idx,
+                                            TOPK_MULTIPLE)
+    if n == q.shape[0]:
+        return prefill_unrotated(q, kv, rows, count, inp.sink, inp.scale, inp.rope_out, unrotate)
+    out = torch.empty_like(q)
+    out[idx] = prefill_unrotated(q[idx], kv, rows[idx], count[idx], inp.sink, inp.scale,
+                                 None if inp.rope_out is None else inp.rope_out[idx], unrotate)
+    out[single] = triton(inp.one_token_rows(single))
     return out
 
 
@@ -95,7 +186,7 @@ class StepRows:
         # the deterministic mode's lists: window keys newest first by position, so that where a chunk starts (which
         # keys are fresh, where the ring wraps) moves no key in a query's list
         self.position_order = position_order
-        # the mode's split (mini.ops.attention), per step: (n multi-token rows, their rows, the one-token rows)
+        # the mode's split (`attend_by_chunk_kind`), per step: (n multi-token rows, their rows, the one-token rows)
         self.multi_token: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> rows [T, W], count
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, flat block ids, -1 -> 0)

@@ -76,6 +76,19 @@ def deterministic() -> bool:
     return _deterministic
 
 
+@contextlib.contextmanager
+def deterministic_mode(on: bool = True):
+    """Run the block in the deterministic mode (`on`) or out of it, then restore the mode found: the mode as a
+    context, entered and left by whoever owns the work (a test, a check, a benchmark's A/B), instead of a process
+    flag flipped and left behind."""
+    before = _deterministic
+    set_deterministic(on)
+    try:
+        yield
+    finally:
+        set_deterministic(before)
+
+
 def set_deterministic(on: bool) -> None:
     """The deterministic mode, process-wide (`--deterministic`, EngineOptions.deterministic): every fast-path
     choice that would depend on how many rows a step has is fixed, so a request's result does not depend on what

@@ -16,7 +16,8 @@ our Triton kernel (`mini.kernels.sparse_attention`, same signature), or for pref
 sparse prefill kernel (`mini.kernels.flashmla_attention`), which reads keys by row from ONE tensor: `scratch_keys`
 lays the step's keys out as such a tensor plus each query's row list (the plain definition); the adapter's
 `StepRows` (one per step, held by the step's layout: `step_rows`) gives the same bits, building what a step's
-layers share once per step.
+layers share once per step. `core_kernel` is the one dispatch: which kernel runs for a step, and why; what FlashMLA
+needs beside its kernel (the scratch, the first-call check, the deterministic mode's split) is in its adapter.
 """
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ import warnings
 import torch
 
 from mini import switches
-from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows, sparse_prefill
+from mini.kernels import flashmla_attention as flashmla
+from mini.kernels.attention_input import AttentionInput
+from mini.kernels.flashmla_attention import StepRows
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
 from mini.ops.stages import staged
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
-AUTO_CHECK_TOL = 2e-2  # MINI_SPARSE_ATTN=auto: FlashMLA's first output vs ours, largest per-token relative error
 
 
 def window_rows(positions, seq_of, slots, start_pos, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +134,11 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
     the step's `step_rows` (what the FlashMLA path's layers share; only it reads them).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
-    if use_fast(q) and q.dtype == torch.bfloat16 and _fast_supported(q):
-        return _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
-                     comp_idx, ratio, rope_out, key_rows)
+    inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
+                         comp_idx, ratio, rope_out)
+    kernel = core_kernel(inp)
+    if kernel != "reference":
+        return _run(kernel, inp, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     lists = layout_invariant_window_rows if deterministic() else reference_window_rows
     new_rows, ring_rows, width = lists(positions, seq_of, slots, start_pos, W)
@@ -199,22 +203,16 @@ def step_rows(positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor
 def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
                        block_table=None, comp_idx=None, ratio: int = 1, rope_out=None,
                        key_rows: StepRows | None = None) -> torch.Tensor:
-    """`sparse_attention` through FlashMLA's sparse prefill kernel over the step's scratch keys (`key_rows`, the
-    step's StepRows; None builds them for this call alone)."""
+    """`sparse_attention` through FlashMLA's sparse prefill kernel, whatever `core_kernel` would choose, over the
+    step's scratch keys (`key_rows`, the step's StepRows; None builds them for this call alone)."""
     if key_rows is None:
         key_rows = step_rows(positions, seq_of, slots, start_pos)
-    kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
-    return _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out)
+    return flashmla.attend(AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp,
+                                          block_table, comp_idx, ratio, rope_out), key_rows, _unrotate)
 
 
-def _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out) -> torch.Tensor:
-    """FlashMLA over the scratch, then the output's inverse RoPE as a separate pass (the library has no epilogue
-    for it), over the rotated channels only, in place: the others are left as the kernel wrote them."""
-    out = sparse_prefill(q, kv, rows, count, sink, scale)
-    if rope_out is not None:
-        tail = out[..., -2 * rope_out.shape[-1]:]
-        tail.copy_(apply_rope(tail, rope_out, inverse=True))
-    return out
+def _unrotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return apply_rope(x, table, inverse=True)
 
 
 def _fast_supported(q: torch.Tensor) -> bool:
@@ -223,110 +221,93 @@ def _fast_supported(q: torch.Tensor) -> bool:
     return supported(q.shape[-1])
 
 
-def _fast(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
-          rope_out, key_rows) -> torch.Tensor:
-    from mini.kernels import flashmla_attention as flashmla
-    from mini.kernels.sparse_attention import sparse_mla_attention
-    args = (q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio,
-            rope_out)
+# the deterministic mode's kernel for queries of multi-token chunks is MINI_DET_SPARSE_ATTN's (mini.switches):
+# "flashmla" (the default; where FlashMLA takes the model's shapes: bitwise alone == among load == chunked on the
+# H200 at 56388c4, phase det_final, and the mode then costs +13% on rank4 instead of +78%), or "triton": every
+# query on our kernel. Tests and tools/det_profile.py override it here (None: the switch).
+DET_SPARSE_ATTN: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------- dispatch
+def core_kernel(inp: AttentionInput) -> str:
+    """Which kernel computes this step's attention core, and why: the op's one dispatch.
+    * "reference": the plain PyTorch above: the reference backend, a CPU tensor (unless the fast path is
+      interpreted there), fp32 activations, or a head width our kernel does not take;
+    * "triton": our Triton kernel (mini/kernels/sparse_attention.py): decode-sized steps, shapes or steps FlashMLA
+      does not serve (`flashmla.serves`: head count and width, T >= its MIN_TOKENS, a scratch in proportion, not
+      during CUDA-graph capture), or MINI_SPARSE_ATTN=triton / FlashMLA missing (mini.ops.backends.sparse_attn);
+    * "flashmla": FlashMLA's sparse prefill over the step's scratch keys, where it serves the step;
+    * "flashmla-checked": the same under MINI_SPARSE_ATTN=auto before its first call was checked against ours
+      (`_first_flashmla_call`, once per process);
+    the deterministic mode (a query's kernel follows its own chunk, never the step's size; `_deterministic_kernel`):
+    * "triton-invariant": our kernel over W-wide lists in the decode ring's order, for every query;
+    * "flashmla-by-chunk": FlashMLA for the queries of multi-token chunks, ours for those of one-token chunks."""
+    q = inp.q
+    if not (use_fast(q) and q.dtype == torch.bfloat16 and _fast_supported(q)):
+        return "reference"
     if deterministic():  # FlashMLA serves only big steps here: a choice by T
-        return _deterministic_core(args, key_rows)
-    backend = backends.sparse_attn()
-    if backend != "triton":
-        with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
-        keys = [kv_new, window] + ([comp] if with_pool else [])
-        scratch_rows = kv_new.shape[0] + slots.shape[0] * window.shape[1]  # scratch_keys' kv
-        scratch_rows += block_table.shape[0] * block_table.shape[1] * comp.shape[1] if with_pool else 0
-        if flashmla.supported(q, keys, scratch_rows):
-            if backend == "flashmla":
-                return flashmla_attention(*args, key_rows=key_rows)
-            return _first_flashmla_call(args, key_rows)
-    return sparse_mla_attention(*args)
+        return _deterministic_kernel(inp)
+    library = backends.sparse_attn()
+    if library != "triton" and flashmla.serves(inp):
+        return "flashmla" if library == "flashmla" else "flashmla-checked"
+    return "triton"
 
 
-# the deterministic mode's kernel for queries of multi-token chunks: "flashmla" (the default; where FlashMLA takes
-# the model's shapes: bitwise alone == among load == chunked on the H200 at 56388c4, phase det_final, and the mode
-# then costs +13% on rank4 instead of +78%), or MINI_DET_SPARSE_ATTN=triton: every query on our kernel
-DET_SPARSE_ATTN: str | None = None  # None: MINI_DET_SPARSE_ATTN (mini.switches); tests and tools set it
+def _deterministic_kernel(inp: AttentionInput) -> str:
+    """The deterministic mode's kernel (docs/design.md, Determinism): by default (MINI_DET_SPARSE_ATTN flashmla,
+    where FlashMLA takes the model's shapes and MINI_SPARSE_ATTN allows it) the queries of chunks of more than one
+    token take FlashMLA's sparse prefill: one CTA per (token, 64 heads), nothing summed across tokens (bitwise on
+    the H200: a query alone == among 4,096 == in a shuffled batch, tools/det_profile.py), over lists with the window
+    keys in position order, so that neither the batch nor where a chunk starts moves a key; one-token chunks
+    (decode steps, the CUDA-graph ones) stay on the Triton kernel. Without FlashMLA (or with
+    MINI_DET_SPARSE_ATTN=triton) every query takes our Triton kernel over W-wide lists in the decode ring's order."""
+    q = inp.q
+    one_token_chunks = q.shape[0] == inp.slots.shape[0]  # every sequence of a step holds at least one token
+    if ((DET_SPARSE_ATTN or switches.current().det_sparse_attn) != "flashmla" or backends.sparse_attn() == "triton"
+            or one_token_chunks or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            or not flashmla.takes_model(q, inp.keys())):
+        return "triton-invariant"
+    return "flashmla-by-chunk"
 
 
-def _flashmla_takes(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
-    """FlashMLA takes the model's queries and keys: dtypes, head count and width, the library on this GPU. Nothing
-    about the step (its size, its scratch), so a query's kernel never follows what else is batched."""
-    from mini.kernels import flashmla_attention as flashmla
-    return (q.is_cuda and q.dtype == torch.bfloat16 and all(k.dtype == torch.bfloat16 for k in keys)
-            and q.shape[1] in flashmla.HEADS and q.shape[2] == flashmla.HEAD_DIM and flashmla.available())
-
-
-def _deterministic_core(args, key_rows) -> torch.Tensor:
-    """The deterministic mode's sparse attention core: a query's kernel follows its own chunk, never the step. By
-    default (DET_SPARSE_ATTN "flashmla", where FlashMLA takes the model's shapes and MINI_SPARSE_ATTN allows it),
-    the queries of chunks of more than one token take FlashMLA's sparse prefill: one CTA per (token, 64 heads),
-    nothing summed across tokens (bitwise on the H200: a query alone == among 4,096 == in a shuffled batch,
-    tools/det_profile.py), over lists with the window keys in position order, so that neither the batch nor where
-    a chunk starts moves a key; one-token chunks (decode steps, the CUDA-graph ones) stay on the Triton kernel. A
-    step with both splits its rows by kind: FlashMLA over the multi-token chunks' rows, the Triton kernel over the
-    one-token chunks' rows alone (`_one_token_rows`: the decode step those sequences would make by themselves), and
-    the two are scattered back, so neither kind's numbers depend on the other being in the step. Without FlashMLA
-    (or with MINI_DET_SPARSE_ATTN=triton) every query takes our Triton kernel over W-wide lists in the decode ring's
-    order."""
-    from mini.kernels.sparse_attention import sparse_mla_attention
-    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, _, rope_out = args
-    with_pool = comp_idx is not None and comp_idx.shape[-1] > 0
-    keys = [kv_new, window] + ([comp] if with_pool else [])
-    one_token_chunks = q.shape[0] == slots.shape[0]  # every sequence of a step holds at least one token
-    det_kernel = DET_SPARSE_ATTN or switches.current().det_sparse_attn
-    if (det_kernel != "flashmla" or backends.sparse_attn() == "triton" or one_token_chunks
-            or (q.is_cuda and torch.cuda.is_current_stream_capturing()) or not _flashmla_takes(q, keys)):
-        return sparse_mla_attention(*args, prefill_lists=False)
+def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None) -> torch.Tensor:
+    """Run the fast kernel `core_kernel` chose."""
+    if kernel == "triton":
+        from mini.kernels.sparse_attention import sparse_mla_attention
+        return sparse_mla_attention(*inp.args())
+    if kernel == "triton-invariant":
+        return _triton_invariant(inp)
+    if kernel == "flashmla":
+        return flashmla_attention(*inp.args(), key_rows=key_rows)
+    if kernel == "flashmla-checked":
+        return _first_flashmla_call(inp, key_rows)
+    if kernel != "flashmla-by-chunk":
+        raise ValueError(f"sparse attention kernel {kernel!r}")
     if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)
-        key_rows = StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=True)
-    if key_rows.multi_token is None:  # once per step (one host sync): the queries of each kind of chunk
-        multi = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of] > 1
-        idx, single = multi.nonzero().squeeze(1), (~multi).nonzero().squeeze(1)
-        key_rows.multi_token = (idx.shape[0], idx, single)
-    n, idx, single = key_rows.multi_token
-    if n == 0:
-        return sparse_mla_attention(*args, prefill_lists=False)
-    kv, rows, count = key_rows.scratch_keys(kv_new, window, comp, block_table, comp_idx, TOPK_MULTIPLE)
-    if n == q.shape[0]:
-        return _prefill_unrotated(q, kv, rows, count, sink, scale, rope_out)
-    out = torch.empty_like(q)
-    out[idx] = _prefill_unrotated(q[idx], kv, rows[idx], count[idx], sink, scale,
-                                  None if rope_out is None else rope_out[idx])
-    out[single] = sparse_mla_attention(*_one_token_rows(args, single), prefill_lists=False)
-    return out
+        key_rows = StepRows(inp.positions, inp.seq_of, inp.slots, inp.start_pos, window_rows, position_order=True)
+    return flashmla.attend_by_chunk_kind(inp, key_rows, _triton_invariant, _unrotate)
 
 
-def _one_token_rows(args, single: torch.Tensor) -> tuple:
-    """The op's arguments restricted to the rows `single` of one-token chunks: one row per sequence, so they form
-    a decode step of those sequences (T = B, their slots, starts and block-table rows, sequence i = row i), the
-    step they would make without the step's other chunks."""
-    q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table, comp_idx, ratio, \
-        rope_out = args
-    seqs = seq_of[single]
-    sub_seq_of = torch.arange(single.shape[0], device=seq_of.device, dtype=seq_of.dtype)
-    return (q[single], kv_new[single], window, sink, positions[single], sub_seq_of, slots[seqs], start_pos[seqs],
-            scale, comp, None if block_table is None else block_table[seqs],
-            None if comp_idx is None else comp_idx[single], ratio, None if rope_out is None else rope_out[single])
+def _deterministic_core(inp: AttentionInput, key_rows: StepRows | None = None) -> torch.Tensor:
+    """The deterministic mode's core for any tensors (the tests': it skips the fast path's dtype and device gate)."""
+    return _run(_deterministic_kernel(inp), inp, key_rows)
 
 
-def _first_flashmla_call(args, key_rows=None) -> torch.Tensor:
-    """MINI_SPARSE_ATTN=auto: run both kernels once and keep FlashMLA for the process only if it ran and matched
-    ours on every token (a library we only hold as a binary must cost one comparison when it is wrong, not a
-    model's output). One device sync, once per process. Returns the output of the kernel kept, so that this call
-    gives what every later one would: returning ours here made a step's result depend on whether it held the
-    process's first FlashMLA-sized call (issue 18: EP2 vs one rank in one process, 0.49 apart at V4.1 width)."""
+def _triton_invariant(inp: AttentionInput) -> torch.Tensor:
+    """Our kernel with the deterministic mode's lists (W wide, the decode ring's order, whatever the chunk)."""
     from mini.kernels.sparse_attention import sparse_mla_attention
-    ours = sparse_mla_attention(*args)
-    try:
-        theirs = flashmla_attention(*args, key_rows=key_rows)
-        diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1)
-        err = float((diff / ours.float().flatten(1).norm(dim=1).clamp_min(1e-30)).max())
-        problem = None if err < AUTO_CHECK_TOL else f"differs from the Triton kernel's by {err:.3g} on a token"
-    except Exception as e:  # the library's shape/arch checks raise before launching; a changed API raises too
-        problem = f"failed ({type(e).__name__}: {str(e)[:200]})"
+    return sparse_mla_attention(*inp.args(), prefill_lists=False)
+
+
+def _first_flashmla_call(inp: AttentionInput, key_rows: StepRows | None = None) -> torch.Tensor:
+    """MINI_SPARSE_ATTN=auto: run both kernels once (`flashmla.checked_first_call`) and keep FlashMLA for the process
+    only if it ran and matched ours on every token. Returns the output of the kernel kept, so that this call gives
+    what every later one would: returning ours here made a step's result depend on whether it held the process's
+    first FlashMLA-sized call (issue 18: EP2 vs one rank in one process, 0.49 apart at V4.1 width)."""
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    out, problem = flashmla.checked_first_call(lambda: sparse_mla_attention(*inp.args()),
+                                               lambda: flashmla_attention(*inp.args(), key_rows=key_rows))
     if problem:
         warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
     backends.settle_sparse_attn("triton" if problem else "flashmla")
-    return ours if problem else theirs
+    return out

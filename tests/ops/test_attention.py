@@ -331,7 +331,7 @@ def test_auto_keeps_flashmla_only_if_its_first_call_matches(flashmla_result, kep
     monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "auto-flashmla"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = attention_op._first_flashmla_call(args)
+        out = attention_op._first_flashmla_call(attention_op.AttentionInput(*args))
     assert backends.sparse_attn() == kept
     assert len(caught) == (kept == "triton")
     # the first call returns what the kept kernel returns, as every later call will (issue 18: returning ours

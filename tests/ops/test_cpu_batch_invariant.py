@@ -77,12 +77,12 @@ def test_elementwise_rows_do_not_depend_on_the_row_count(op, dtype, invariant):
 
 def test_deterministic_mode_switches_it(invariant):
     cpu_batch_invariant.disable()
-    try:
-        mini.ops.set_deterministic(True)
-        assert cpu_batch_invariant.enabled()
-    finally:
-        mini.ops.set_deterministic(False)
-    assert not cpu_batch_invariant.enabled()
+    with mini.ops.deterministic_mode():
+        assert cpu_batch_invariant.enabled() and mini.ops.deterministic()
+        with mini.ops.deterministic_mode(False):  # nested: the outer mode comes back
+            assert not cpu_batch_invariant.enabled() and not mini.ops.deterministic()
+        assert cpu_batch_invariant.enabled() and mini.ops.deterministic()
+    assert not cpu_batch_invariant.enabled() and not mini.ops.deterministic()
 
 
 def test_out_of_the_wrong_shape_is_refused(invariant):

@@ -1,4 +1,5 @@
-"""The deterministic mode's sparse attention core (mini.ops.attention._deterministic_core; FlashMLA by default,
+"""The deterministic mode's sparse attention core (mini.ops.attention._deterministic_kernel, the split in
+mini.kernels.flashmla_attention.attend_by_chunk_kind; FlashMLA by default,
 MINI_DET_SPARSE_ATTN=triton keeps every query on our kernel): queries of multi-token chunks take FlashMLA over
 lists in position order, one-token chunks our Triton kernel. CPU: the lists hold a query's keys in the same order
 whatever chunk, batch or physical layout holds them, and the split sends each query where its own chunk says; a
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 import mini.ops
+from mini import switches
+from mini.kernels import flashmla_attention as fm
+from mini.kernels.attention_input import AttentionInput
 from mini.kernels.flashmla_attention import TOPK_MULTIPLE, StepRows
 from mini.ops import attention
 from mini.ops.attention import window_rows
@@ -87,11 +91,11 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
         return torch.full_like(q, 2.0)
 
     monkeypatch.setattr(sa, "sparse_mla_attention", triton)
-    monkeypatch.setattr(attention, "sparse_prefill", flashmla)
+    monkeypatch.setattr(fm, "sparse_prefill", flashmla)
     if "MINI_DET_SPARSE_ATTN" not in os.environ:  # FlashMLA is the mode's default where it takes the shapes
-        assert attention.DET_SPARSE_ATTN == "flashmla"
+        assert switches.current().det_sparse_attn == "flashmla" and attention.DET_SPARSE_ATTN is None
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
-    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
     monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
 
     def run(lengths):
@@ -101,7 +105,7 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
         positions = torch.cat([torch.arange(10 * b, 10 * b + n) for b, n in enumerate(lengths)])
         args = (torch.randn(T, 2, D), torch.randn(T, D), torch.randn(B, W, D), torch.zeros(2), positions, seq_of,
                 torch.arange(B), starts, 0.1, None, None, None, 1, None)
-        return attention._deterministic_core(args, None)[:, 0, 0]
+        return attention._deterministic_core(AttentionInput(*args), None)[:, 0, 0]
 
     out = run([1, 5, 1, 3])
     assert out.tolist() == [1.0] + [2.0] * 5 + [1.0] + [2.0] * 3
@@ -111,20 +115,18 @@ def test_each_query_takes_the_kernel_of_its_own_chunk(monkeypatch):
     monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "triton")  # MINI_SPARSE_ATTN=triton
     assert run([4, 2]).tolist() == [1.0] * 6
     monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "auto-flashmla")
-    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: False)  # e.g. no FlashMLA on this GPU
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: False)  # e.g. no FlashMLA on this GPU
     assert run([4, 2]).tolist() == [1.0] * 6
-    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "triton")  # MINI_DET_SPARSE_ATTN=triton: our kernel always
     assert run([4, 2]).tolist() == [1.0] * 6
     assert calls["flashmla"] == 2
 
 
 def test_det_sparse_attn_refuses_an_unknown_value():
-    import subprocess
-    import sys
-    env = dict(os.environ, MINI_DET_SPARSE_ATTN="flashml")
-    r = subprocess.run([sys.executable, "-c", "import mini.ops.attention"], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "MINI_DET_SPARSE_ATTN='flashml'" in r.stderr
+    """Refused when the switches are read (mini.switches), naming the variable, not at the op's import."""
+    with pytest.raises(ValueError, match="MINI_DET_SPARSE_ATTN='flashml'"):
+        switches.read({"MINI_DET_SPARSE_ATTN": "flashml"})
 
 
 # ------------------------------------------------------------------------------------------------------ gpu
@@ -202,9 +204,9 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
         return real_triton(q, *a, **kw)
 
     monkeypatch.setattr(sa, "sparse_mla_attention", counted)
-    monkeypatch.setattr(attention, "sparse_prefill", _reference_prefill)
+    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
-    monkeypatch.setattr(attention, "_flashmla_takes", lambda q, keys: True)
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
     monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
     D, H, L = 16, 3, 40
     g = torch.Generator().manual_seed(0)
@@ -219,7 +221,7 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
     def run(specs):
         args, spans = _step(specs, 8, "cpu", Wv=8, rpb=8, nb=4, picks=6)
         rope = torch.polar(torch.ones(args[4].shape[0], 2), args[4][:, None].float() * freqs)
-        out = attention._deterministic_core(args[:-1] + (rope,), None)
+        out = attention._deterministic_core(AttentionInput(*args[:-1], rope), None)
         return {name: out[lo:hi] for name, (lo, hi) in spans.items()}
 
     mixed = run([("X", *X, 29, 30, 3), ("S", *S, 0, 12, 5), ("Z", *Z, 17, 18, 2), ("Y", *Y, 10, 21, 1)])
@@ -251,13 +253,13 @@ def test_flashmla_rows_alone_equal_among_load_and_chunks_gpu(monkeypatch):
         pytest.skip("needs FlashMLA's SM90 kernels on an H200")
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
     used = {"n": 0}
-    real = attention.sparse_prefill
+    real = fm.sparse_prefill
 
     def counted(*a, **kw):
         used["n"] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(attention, "sparse_prefill", counted)
+    monkeypatch.setattr(fm, "sparse_prefill", counted)
     dev, D, H = "cuda", fm.HEAD_DIM, 64
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -301,7 +303,7 @@ def test_flashmla_mixed_step_splits_rows_by_chunk_kind_gpu(monkeypatch):
         pytest.skip("needs FlashMLA's SM90 kernels on an H200")
     monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
     used = {"flashmla": 0, "triton_rows": []}
-    real_prefill, real_triton = attention.sparse_prefill, sa.sparse_mla_attention
+    real_prefill, real_triton = fm.sparse_prefill, sa.sparse_mla_attention
 
     def prefill(*a, **kw):
         used["flashmla"] += 1
@@ -311,7 +313,7 @@ def test_flashmla_mixed_step_splits_rows_by_chunk_kind_gpu(monkeypatch):
         used["triton_rows"].append(q.shape[0])
         return real_triton(q, *a, **kw)
 
-    monkeypatch.setattr(attention, "sparse_prefill", prefill)
+    monkeypatch.setattr(fm, "sparse_prefill", prefill)
     monkeypatch.setattr(sa, "sparse_mla_attention", triton)
     dev, D, H = "cuda", fm.HEAD_DIM, 64
     g = torch.Generator(device=dev).manual_seed(1)

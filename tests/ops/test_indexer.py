@@ -116,10 +116,7 @@ def test_tie_rule_is_the_ops_choice(monkeypatch):
     scores, tok_end = torch.zeros(3, 5), torch.tensor([8, 8, 17])
     with mini.ops.using_backend("reference"):
         assert indexer.tie_widths(scores, tok_end, 4).tolist() == [2, 2, 4]
-        mini.ops.set_deterministic(True)
-        try:
+        with mini.ops.deterministic_mode():
             assert indexer.tie_widths(scores, tok_end, 4) is None
-        finally:
-            mini.ops.set_deterministic(False)
         monkeypatch.setattr(indexer, "RANK_AS_OFFICIAL", False)
         assert indexer.tie_widths(scores, tok_end, 4) is None
