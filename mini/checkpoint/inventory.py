@@ -10,9 +10,10 @@ two stored tensors of its format:
     mxfp4              int8 [out, in/2] (two E2M1 codes per byte) + E8M0 [out, in/32]
 
 V4.1's DSpark draft module (`mtp.0..n-1.*`, `_dspark`) is part of the inventory when the config has it; its
-routed experts are always all listed (a rank holds the whole draft). V4's MTP block, `mtp.*` of a config without
-DSpark, and vision (`vision.*`, `aligner.*`, `image_*`, and `bias_vl` when the config has no vision) are
-recognised by `skip_reason` and never loaded.
+routed experts are always all listed (a rank holds the whole draft); so is V4.1's vision tower (`vision.*`,
+`aligner.*`, `image_*`, `_vision`) when the config has one. V4's MTP block, `mtp.*` of a config without DSpark,
+and the vision tensors (with `bias_vl`) of a config without vision are recognised by `skip_reason` and never
+loaded.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
     """Write `model-0000N-of-0000M.safetensors` shards (each at most `shard_bytes`, unless one weight is larger;
     None: about DEFAULT_SHARDS shards), `model.safetensors.index.json`, `config.json`, `generation_config.json`
     and (unless `tokenizer=False`, for vocabularies the tiny tokenizer cannot cover) the tiny tokenizer into
-    `out_dir`. The DSpark stages (`mtp.*`) are written when the config has them; vision tensors are not.
+    `out_dir`. The DSpark stages (`mtp.*`) and the vision tower are written when the config has them.
     Returns `out_dir`."""
     config = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
     out = Path(out_dir)
