@@ -61,6 +61,27 @@ def fed_drafts(model, cfg, ref: dict) -> dict:
     return {k: np.stack(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+def mini_features(model, cfg, ref: dict) -> tuple[np.ndarray, np.ndarray]:
+    """`Model.target_features` of mini's prefill of the prompt [S, 3·D] and of its decode steps fed greedy_ids[:N]
+    [N, 3·D]: what the fixture records as dspark_prefill_main_hidden / dspark_main_hidden."""
+    import dataclasses
+
+    from mini.model import Batch, KVCache, SeqChunk
+    ids, n = [int(t) for t in ref["prompt_ids"]], len(ref["dspark_start_pos"])
+    cache = KVCache(cfg, n_slots=1, n_blocks=2, block_tokens=128, device="cpu", dtype=model.dtype)
+    with torch.inference_mode():
+        batch = Batch.build([SeqChunk(tokens=ids, start=0, slot=0, blocks=[0, 1])], cfg, "cpu", hasher=model.hasher)
+        model.forward(dataclasses.replace(batch, logit_rows=torch.arange(len(ids))), cache)
+        prompt, steps = model.target_features.float().numpy(), []
+        for tok in ref["greedy_ids"][:n].tolist():
+            ids.append(int(tok))
+            batch = Batch.build([SeqChunk(tokens=ids, start=len(ids) - 1, slot=0, blocks=[0, 1])], cfg, "cpu",
+                                hasher=model.hasher)
+            model.forward(batch, cache)
+            steps.append(model.target_features[0].float().numpy())
+    return prompt, np.stack(steps)
+
+
 def end_to_end(case: str, ref: dict) -> dict:
     """`mini logits --dspark` on the fixture's prompt, fed greedy_ids[:N+1] (in this process)."""
     from mini.cli import main
@@ -84,6 +105,7 @@ def measure(model=None) -> list[dict]:
         scale = float(ref["dspark_logits"].std())
         fed = fed_drafts(model, cfg, ref)
         e2e = end_to_end(case, ref)
+        prompt_features, step_features = mini_features(model, cfg, ref)
         rows.append({
             "case": case, "drafts": len(ref["dspark_start_pos"]),
             "replay_noise": agreement(ref["dspark_replay_logits"], ref["dspark_logits"], scale),
@@ -96,6 +118,8 @@ def measure(model=None) -> list[dict]:
             "e2e_ids_equal": bool((e2e["dspark_draft_ids"] == ref["dspark_draft_ids"]).all()),
             "e2e_confidence_max_abs": float(np.abs(e2e["dspark_confidence"] - ref["dspark_confidence"]).max()),
             "e2e_decode_max_abs": float(np.abs(e2e["decode"] - ref["decode_logits"]).max()),
+            "features_prompt_max_abs": float(np.abs(prompt_features - ref["dspark_prefill_main_hidden"]).max()),
+            "features_decode_max_abs": float(np.abs(step_features - ref["dspark_main_hidden"]).max()),
         })
     return rows
 

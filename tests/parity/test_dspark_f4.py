@@ -54,6 +54,13 @@ def test_fed_the_recorded_features_the_drafts_are_the_official_ones(rows, case):
 
 
 @pytest.mark.parametrize("case", dfx.CASES)
+def test_the_forward_hands_over_the_official_features(rows, case):
+    """Model.target_features: the mean over the hc copies of layers 3-5's inputs, after Engram, of every prompt
+    position and of each decode step, as the official forward returns them (bf16, bit for bit)."""
+    assert rows[case]["features_prompt_max_abs"] == 0.0 and rows[case]["features_decode_max_abs"] == 0.0, rows[case]
+
+
+@pytest.mark.parametrize("case", dfx.CASES)
 def test_end_to_end_drafts_far_inside_the_replay_noise(rows, case):
     r = rows[case]
     assert r["e2e_decode_max_abs"] <= 1e-5, r  # the decode that makes the features
