@@ -172,3 +172,19 @@ def test_image_positions_take_bias_vl_and_skip_engram(tiny_model, monkeypatch):
     dead = hasher.hash_ids(pi.engram_ids(), after, after + 1)
     alive = hasher.hash_ids(pi.ids, after, after + 1)  # as if the span were text
     assert not torch.equal(dead, alive)
+
+
+@pytest.mark.gpu
+def test_fast_encoder_on_cuda_matches_the_reference(f3_tower):
+    """The fast path on the GPU (all three f3 images in one batched pass, SDPA's CUDA kernels) against the CPU
+    reference, which is the official encoder's bits: within bf16 rounding of each image's largest value."""
+    from mini import ops
+    w, images = f3_tower
+    patches, grids = [im.patches for im in images], [(im.plan.n_vit_h, im.plan.n_vit_w) for im in images]
+    ref = encode_images(patches, grids, w, batched=False)
+    cuda = VisionWeights(**{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in vars(w).items()
+                            if k != "blocks"}, blocks=[type(b)(*(t.cuda() for t in vars(b).values())) for b in w.blocks])
+    with ops.using_backend("fast"):
+        fast = encode_images([p.cuda() for p in patches], grids, cuda)  # use_fast: batched
+    for r, f in zip(ref, fast):
+        assert (r.float() - f.float().cpu()).abs().max() <= r.float().abs().max() / 64
