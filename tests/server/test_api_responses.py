@@ -172,18 +172,18 @@ def test_agents_sdk_default_model_runs_a_tool_calling_agent(server):
                          model_settings=agents.ModelSettings(tool_choice="required", max_tokens=300, temperature=1.0,
                                                              store=True, metadata={"test": "agents"},
                                                              extra_body={"seed": 7}))
-    result = asyncio.run(agents.Runner.run(agent, "Weather in Paris?", max_turns=4))
-    assert called and isinstance(result.final_output, Answer)
+    async def both():  # one event loop: the SDK's client keeps its connections in it
+        whole = await agents.Runner.run(agent, "Weather in Paris?", max_turns=4)
+        n_called = len(called)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Rome?", max_turns=4)  # streamed responses
+        return whole, n_called, streamed, [e.type async for e in streamed.stream_events()]
+    result, n_called, streamed, event_kinds = asyncio.run(both())
+    assert n_called and isinstance(result.final_output, Answer)
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
-
-    async def streamed():  # the same agent over streamed responses (Runner.run_streamed)
-        run = agents.Runner.run_streamed(agent, "Weather in Rome?", max_turns=4)
-        return run, [e.type async for e in run.stream_events()]
-    called.clear()
-    run, event_kinds = asyncio.run(streamed())
-    assert called and isinstance(run.final_output, Answer) and "raw_response_event" in event_kinds
-    assert [item.type for item in run.new_items][:2] == ["tool_call_item", "tool_call_output_item"]
+    assert len(called) > n_called and isinstance(streamed.final_output, Answer)
+    assert "raw_response_event" in event_kinds
+    assert [item.type for item in streamed.new_items][:2] == ["tool_call_item", "tool_call_output_item"]
 
 
 def test_store_survives_a_restart_and_keeps_the_newest(tmp_path):

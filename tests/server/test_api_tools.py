@@ -259,13 +259,18 @@ def test_bad_tool_requests_are_400(server):
            dict(tools=[{"type": "retrieval"}]),
            dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "missing"}}),
            dict(tools=TOOLS + TOOLS[:1]),
-           dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
            dict(messages=[{"role": "tool", "content": "r"}]),  # no tool_call_id
            dict(messages=[{"role": "user", "content": "x", "tool_calls": []}])]
     for kw in bad:
         kw = {"messages": USER, **kw}
         with pytest.raises(openai.BadRequestError):
             c.chat.completions.create(model=MODEL, max_tokens=2, **kw)
+    # a forced call with a response_format (the Agents SDK sends both): the output is the call
+    r = c.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, response_format={"type": "json_object"},
+                                  tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                  max_tokens=300, seed=1)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == \
+        "get_time"
 
 
 # ------------------------------------------------------------------------------------------ the parser itself
