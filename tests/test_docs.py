@@ -30,8 +30,9 @@ def tracked_files() -> list[str]:
 
 
 def code_names() -> set[str]:
+    """MINI_* names read by the package, or by the scripts that set up and run it (scripts/test.sh's environment)."""
     found = set()
-    for p in (ROOT / "mini").rglob("*.py"):
+    for p in [*(ROOT / "mini").rglob("*.py"), *(ROOT / "scripts").rglob("*.sh"), ROOT / ".ci" / "run"]:
         found |= set(SWITCH.findall(p.read_text()))
     return found
 
