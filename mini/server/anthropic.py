@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError, field_validator
 
-from mini.server.app import ApiError, parse_body, validation_error
+from mini.server.bodies import ApiError, parse_body, validation_error
 from mini.server.blocks import Block, BlockEvent, BlockStream, final_blocks
 from mini.server.protocol import ChatCompletionRequest, _Strict
 

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError, field_validator
 
-from mini.server.app import ApiError, parse_body, validation_error
+from mini.server.bodies import ApiError, parse_body, validation_error
 from mini.server.blocks import Block, BlockEvent, BlockStream, final_blocks
 from mini.server.protocol import SERVICE_TIERS, ChatCompletionRequest, _Strict, check_effort, check_metadata
 from mini.server.store import ChainError, ResponseStore
