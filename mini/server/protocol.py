@@ -308,9 +308,10 @@ class NamedToolChoice(_Strict):
 
 
 # OpenAI's reasoning levels mapped to V4.1's nearest (mini.tokenizer.EFFORT_PRESETS: low 50, high 75, max 100):
-# "medium" is OpenAI's default level, as "high" is V4.1's; "minimal" is below V4.1's lowest preset
-EFFORT_ALIASES = {"minimal": "low", "medium": "high"}
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max")
+# "medium" is OpenAI's default level, as "high" is V4.1's; "minimal" is below V4.1's lowest preset, "xhigh" above
+# its default
+EFFORT_ALIASES = {"minimal": "low", "medium": "high", "xhigh": "max"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def check_effort(v):

@@ -135,4 +135,5 @@ def test_reasoning_effort_minimal_is_v41_low():
     def prompt(effort):
         return ChatCompletionRequest(messages=MSGS, thinking=True, reasoning_effort=effort).prompt()
     assert prompt("minimal") == prompt("low") != prompt("high") == prompt("medium")
+    assert prompt("xhigh") == prompt("max") != prompt("high")
     assert "Reasoning Effort: 50" in prompt("minimal")
