@@ -53,17 +53,11 @@ def _decode_batch(B: int, pos: int, dev):
                 block_table=torch.randperm(B * nb, device=dev).view(B, nb).to(torch.int32), n_blocks=B * nb)
 
 
-def bench_attention(rows: list, sweep: bool, dev="cuda"):
-    from mini.kernels.sparse_attention import sparse_mla_attention
-    from mini.ops.attention import sparse_attention as reference
-    cases = [("prefill", 4096, _prefill_batch(4096, 4096, RATIO, dev)), ("decode", 128, _decode_batch(128, 9000, dev))]
-    from mini.ops.rope import apply_rope, rope_frequencies, rope_table
-    configs = [{}]  # the defaults: block_h 64, block_n 64, 8 warps, 2 stages
-    if sweep:
-        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
-                    dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
-                    dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
-    for name, T, b in cases:
+def attention_cases(dev="cuda"):
+    """The sparse attention's inputs at a prefill chunk and a decode batch: (name, positions, args, kw, flops);
+    the suite times the kernel on them, tools/attention_before_after.py its RoPE epilogue."""
+    for name, T, b in (("prefill", 4096, _prefill_batch(4096, 4096, RATIO, dev)),
+                       ("decode", 128, _decode_batch(128, 9000, dev))):
         q = torch.randn(T, H, D, device=dev).bfloat16()
         kv_new = torch.randn(T, D, device=dev).bfloat16()
         window = torch.randn(int(b["slots"].max()) + 1, W, D, device=dev).bfloat16()
@@ -73,115 +67,33 @@ def bench_attention(rows: list, sweep: bool, dev="cuda"):
         comp_idx = (torch.rand(T, TOPK, device=dev) * vis[:, None]).long().sort(-1).values  # all valid
         args = (q, kv_new, window, sink, b["positions"], b["seq_of"], b["slots"], b["start_pos"], D ** -0.5)
         kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=RATIO)
-        flops = 4 * H * D * T * (W + TOPK)
-        key_bytes = T * (W + TOPK) * D * 2  # keys as gathered per query (mostly L2 hits)
+        yield name, b["positions"], args, kw, 4 * H * D * T * (W + TOPK)
+
+
+def bench_attention(rows: list, sweep: bool, dev="cuda"):
+    from mini.kernels.sparse_attention import sparse_mla_attention
+    from mini.ops.attention import sparse_attention as reference
+    configs = [{}]  # the defaults: block_h 64, block_n 64, 8 warps, 2 stages
+    if sweep:
+        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
+                    dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
+                    dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
+    for name, positions, args, kw, flops in attention_cases(dev):
+        key_bytes = flops // (4 * H) * 2  # keys as gathered per query (mostly L2 hits): T * (W + TOPK) * D bf16
         for cfg in configs:
             ms = _bench(lambda: sparse_mla_attention(*args, **kw, **cfg))
             rows.append(dict(kernel=f"sparse_attention/{name}", config=cfg or "default", ms=ms,
                              tflops=flops / ms / 1e9, frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS,
                              gathered_tbs=key_bytes / ms / 1e9))
-        # what the layer runs: the output's inverse RoPE in the epilogue vs a separate apply_rope pass (before)
-        table = rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0))
-        for label, f in (("before: + apply_rope(inverse) pass",
-                          lambda: apply_rope(sparse_mla_attention(*args, **kw), table, inverse=True)),
-                         ("after: rope_out in the epilogue", lambda: sparse_mla_attention(*args, **kw,
-                                                                                          rope_out=table))):
-            ms = _bench(f)
-            rows.append(dict(kernel=f"sparse_attention+rope/{name}", config=label, ms=ms, tflops=flops / ms / 1e9,
-                             frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
         if name == "prefill":
             ms = _bench(_reference(lambda: reference(*args, **kw)))
             rows.append(dict(kernel=f"sparse_attention/{name}", config="torch reference", ms=ms,
                              tflops=flops / ms / 1e9))
 
 
-def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
-    """The sparse attention core through FlashMLA's sparse prefill kernel (MINI_SPARSE_ATTN=flashmla) vs our Triton
-    kernel, both with the output's inverse RoPE (what the layer runs). Cases: rank4's (4,096 tokens from position
-    0, a ratio-4 layer's top-512: early queries see fewer groups, -1 padded) and the attention bench's (at 4,096,
-    ratio 2, 512 valid groups). The op path = scratch (StepRows) + kernel + in-place RoPE of the rotated channels,
-    timed as a step's first layer (nothing kept) and as a later layer of the same index source (row lists kept);
-    the kernel rows time the library alone on a prebuilt scratch, with and without the valid-first compaction
-    (topk_length); the scratch rows time the first (sorted, per layer) scratch_keys against StepRows' three cases.
-    `tflops` counts the keys actually read (4·H·D per query and key)."""
-    import mini.ops.attention as attention_op
-    from mini.kernels.flashmla_attention import TOPK_MULTIPLE, available, sparse_prefill
-    from mini.kernels.sparse_attention import sparse_mla_attention
-    from mini.ops.rope import apply_rope, rope_frequencies, rope_table
-    if not available():
-        rows.append(dict(kernel="sparse_core/flashmla", error="skipped: sgl-flash-mla does not import on an SM90 "
-                                                              "GPU here (scripts/gpu.sh installs .whl/gpu)"))
-        return
-    T = 4096
-    for name, start, ratio in (("rank4 prefill@0 ratio 4", 0, 4), ("prefill@4096 ratio 2", 4096, 2)):
-        b = _prefill_batch(T, start, ratio, dev)
-        q = torch.randn(T, H, D, device=dev).bfloat16()
-        kv_new = torch.randn(T, D, device=dev).bfloat16()
-        window = torch.randn(int(b["slots"].max()) + 1, W, D, device=dev).bfloat16()
-        comp = torch.randn(b["n_blocks"], BLOCK_TOKENS // ratio, D, device=dev).bfloat16()
-        sink = torch.randn(H, device=dev)
-        vis = ((b["positions"] + 1) // ratio)[:, None]
-        j = torch.arange(TOPK, device=dev)[None, :]
-        few = torch.where(j < vis, j, -1)  # a query seeing <= TOPK groups reads them all
-        comp_idx = torch.where(vis <= TOPK, few, (torch.rand(T, TOPK, device=dev) * vis).long()).sort(-1).values
-        table = rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0))
-        args = (q, kv_new, window, sink, b["positions"], b["seq_of"], b["slots"], b["start_pos"], D ** -0.5)
-        kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=ratio, rope_out=table)
-        src = (kv_new, window, b["positions"], b["seq_of"], b["slots"], b["start_pos"], comp, b["block_table"],
-               comp_idx, TOPK_MULTIPLE)
-        step = src[2:6]
-        own = (kv_new, window, comp, b["block_table"], comp_idx, TOPK_MULTIPLE)  # a StepRows call's arguments
-        kv, key_rows, count = attention_op.scratch_keys(*src)
-        flops = 4 * H * D * float(count.sum())
-        ours = sparse_mla_attention(*args, **kw)
-        theirs = attention_op.flashmla_attention(*args, **kw)
-        diff = (theirs.float() - ours.float()).flatten(1).norm(dim=1) / ours.float().flatten(1).norm(dim=1)
-        kv_all, rows_all, count_all = attention_op.scratch_keys(*src, valid_first=False)
-
-        kept = attention_op.step_rows(*step)  # a step's rows, built by its first layer
-        attention_op.flashmla_attention(*args, **kw, key_rows=kept)
-        warm = attention_op.step_rows(*step)
-        warm.scratch_keys(*own)
-
-        def new_source():  # the step's window rows kept, the row lists built
-            warm.lists = None
-            return warm.scratch_keys(*own)
-
-        rotated = q.clone()  # rotated again at every repetition: the time does not depend on the values
-
-        def tail_rope():
-            tail = rotated[..., -2 * table.shape[-1]:]
-            return tail.copy_(apply_rope(tail, table, inverse=True))
-
-        kernels = [("triton (rope_out in the epilogue)", lambda: sparse_mla_attention(*args, **kw)),
-                   ("flashmla op, a step's first layer (StepRows cold)",
-                    lambda: attention_op.flashmla_attention(*args, **kw, key_rows=attention_op.step_rows(*step))),
-                   ("flashmla op, a layer sharing its source's top-k ids (rows kept)",
-                    lambda: attention_op.flashmla_attention(*args, **kw, key_rows=kept)),
-                   ("flashmla kernel, valid-first rows + topk_length",
-                    lambda: sparse_prefill(q, kv, key_rows, count, sink, D ** -0.5)),
-                   ("flashmla kernel, rows as built (count = n)",
-                    lambda: sparse_prefill(q, kv_all, rows_all, count_all, sink, D ** -0.5))]
-        parts = [("scratch_keys alone (before: sorted lists per layer)", lambda: attention_op.scratch_keys(*src)),
-                 ("StepRows scratch, a step's first layer", lambda: attention_op.step_rows(*step).scratch_keys(*own)),
-                 ("StepRows scratch, an index source's first layer", new_source),
-                 ("StepRows scratch, a layer sharing its source's ids", lambda: warm.scratch_keys(*own)),
-                 ("inverse rope pass alone (before)", lambda: apply_rope(q, table, inverse=True)),
-                 ("inverse rope of the rotated channels in place", tail_rope)]
-        for i, (label, f) in enumerate(kernels + parts):
-            ms = _bench(f)
-            row = dict(kernel=f"sparse_core/{name}", config=label, ms=ms)
-            if i < len(kernels):
-                row.update(tflops=flops / ms / 1e9, frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS,
-                           keys_per_query=float(count.float().mean()), rows_per_query=key_rows.shape[1])
-            if label.startswith("flashmla op"):
-                row.update(max_token_rel_err_vs_triton=float(diff.max()))
-            rows.append(row)
-
-
-def bench_indexer(rows: list, sweep: bool, dev="cuda"):
-    from mini.kernels.indexer_scores import index_scores
-    from mini.ops.indexer import index_scores as reference, top_groups, topk_recent
+def indexer_case(dev="cuda"):
+    """The indexer's inputs at a 4,096-token chunk after 4,096 (ratio 1): (args, flops, visible groups N); the
+    suite times the scores on them, tools/attention_before_after.py the top-k that follows."""
     T, start, ratio = 4096, 4096, 1
     b = _prefill_batch(T, start, ratio, dev)
     rpb = BLOCK_TOKENS // ratio
@@ -192,8 +104,13 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     q = torch.randn(T, IH, IDI, device=dev).bfloat16()
     w = (torch.randn(T, IH, device=dev) * 0.02).bfloat16()
     n_vis = (b["positions"] + 1) // ratio
-    args = (q, w, keys, seq_rows, b["seq_of"], n_vis)
-    flops = 2 * IH * IDI * float(n_vis.sum())
+    return (q, w, keys, seq_rows, b["seq_of"], n_vis), 2 * IH * IDI * float(n_vis.sum()), N
+
+
+def bench_indexer(rows: list, sweep: bool, dev="cuda"):
+    from mini.kernels.indexer_scores import index_scores
+    from mini.ops.indexer import index_scores as reference
+    args, flops, _ = indexer_case(dev)
     configs = [dict(block_t=4, block_n=64)]
     if sweep:
         configs += [dict(block_t=2, block_n=128), dict(block_t=4, block_n=128, num_stages=3),
@@ -202,19 +119,6 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
         ms = _bench(lambda: index_scores(*args, **cfg))
         rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
                          frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
-    scores = index_scores(*args)  # bf16, as the model now gets them
-    f32 = scores.float()
-
-    def before():  # int64 keys from fp32 scores, sorted top-k, then the ascending sort
-        values, indices = topk_recent(f32, TOPK)
-        return torch.where(values > float("-inf"), indices, -1).sort(dim=-1).values
-
-    for label, f in (("before: fp32 scores, int64 keys, sorted top-k", before),
-                     ("fp32 scores, int64 keys, unsorted", lambda: top_groups(f32, TOPK)),
-                     ("after: bf16 scores, int32 keys, unsorted", lambda: top_groups(scores, TOPK))):
-        ms = _bench(f)
-        rows.append(dict(kernel=f"indexer/top_groups [{T},{N}] k={TOPK}", config=label, ms=ms))
-    assert torch.equal(before(), top_groups(scores, TOPK)), "the key paths must pick the same groups"
     ms = _bench(_reference(lambda: reference(*args)))
     rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
 
@@ -284,65 +188,6 @@ def bench_rope(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-def bench_rope_chains(rows: list, sweep: bool, dev="cuda"):
-    """The attention layer's producer chains, before (eager norm / quant around the RoPE kernel, what
-    attn_layer ran until norm_rope_quant) and after (ops.rope.norm_rope_quant: one fused kernel)."""
-    from mini.formats import fake_quant_fp4, fake_quant_fp8
-    from mini.ops.norm import rms_norm
-    from mini.ops.rope import apply_rope, norm_rope_quant, rope_frequencies, rope_table
-    T = 4096
-    table = rope_table(torch.arange(T, device=dev) + 4096, rope_frequencies(64, 160000.0, 65536, 16.0))
-    kv, iq = torch.randn(T, D, device=dev).bfloat16(), torch.randn(T, IH, IDI, device=dev).bfloat16()
-    ik = torch.randn(T, IDI, device=dev).bfloat16()
-    nw, knw = torch.rand(D, device=dev).bfloat16(), torch.rand(IDI, device=dev).bfloat16()
-    cases = [("window kv: norm+rope+fp8 [4096,512]", kv,
-              lambda: fake_quant_fp8(apply_rope(rms_norm(kv, nw, 1e-20), table), 32),
-              lambda: norm_rope_quant(kv, table, nw, 1e-20, "fp8", 32)),
-             ("index q: rope+fp4 ue8m0 [4096,32,128]", iq,
-              lambda: fake_quant_fp4(apply_rope(iq, table), 32, "ue8m0"),
-              lambda: norm_rope_quant(iq, table, quant="fp4_ue8m0")),
-             ("index k: norm+rope+fp4 ue8m0 [4096,128]", ik,
-              lambda: fake_quant_fp4(apply_rope(rms_norm(ik, knw, 1e-20), table), 32, "ue8m0"),
-              lambda: norm_rope_quant(ik, table, knw, 1e-20, "fp4_ue8m0")),
-             ("compressed kv: rope+fp4 e4m3 [4096,512]", kv,
-              lambda: fake_quant_fp4(apply_rope(kv, table), 16, "e4m3"),
-              lambda: norm_rope_quant(kv, table, quant="fp4_e4m3", quant_block=16))]
-    for name, x, before, after in cases:
-        nbytes = 2 * x.numel() * 2
-        for label, f in (("before: eager norm/quant + rope kernel", before), ("after: norm_rope_quant", after)):
-            ms = _bench(f)
-            rows.append(dict(kernel=name, config=label, ms=ms, tbs=nbytes / ms / 1e9,
-                             frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
-
-
-def bench_attn_glue(rows: list, sweep: bool, dev="cuda"):
-    """GEMM glue of the attention layer, before / after: the grouped wo_a projection (einsum + transposing copy vs
-    a batched GEMM writing [T, G, r]) and the ratio-2 compressor's fp32 projections (fp32 FMA GEMM vs a bf16
-    tensor-core GEMM with an fp32 result)."""
-    import torch.nn.functional as F
-
-    from mini.model.attn_layer import _grouped_out_proj
-    from mini.ops.compressor import _linear_fp32
-    T, G, R = 4096, 8, 1024
-    o = torch.randn(T, G, H * D // G, device=dev).bfloat16()
-    wo_a = (torch.randn(G, R, H * D // G, device=dev) * 0.02).bfloat16()
-    flops = 2 * T * H * D * R
-    for label, f in (("before: einsum + flatten copy", lambda: torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)),
-                     ("after: bmm into [T, G, r]", lambda: _grouped_out_proj(o, wo_a))):
-        ms = _bench(f)
-        rows.append(dict(kernel="attn/wo_a grouped projection", config=label, ms=ms, tflops=flops / ms / 1e9,
-                         frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
-    x = torch.randn(T, DIM, device=dev).bfloat16()
-    w = (torch.randn(2 * D, DIM, device=dev) * 0.02).bfloat16()
-    wf = w.float()
-    flops = 2 * T * DIM * 2 * D
-    for label, f in (("before: fp32 F.linear", lambda: F.linear(x.float(), wf)),
-                     ("after: bf16 GEMM, fp32 out", lambda: _linear_fp32(x, w))):
-        ms = _bench(f)
-        rows.append(dict(kernel="attn/compressor wkv+wgate [4096,5120]x[5120,1024]", config=label, ms=ms,
-                         tflops=flops / ms / 1e9))
-
-
 def bench_norm(rows: list, sweep: bool, dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.mhc_norm import rms_norm
@@ -359,8 +204,8 @@ def bench_norm(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-BENCHES = {"attention": bench_attention, "flashmla": bench_flashmla, "indexer": bench_indexer, "mhc": bench_mhc,
-           "rope": bench_rope, "rope_chains": bench_rope_chains, "attn_glue": bench_attn_glue, "norm": bench_norm}
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
+           "norm": bench_norm}  # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 
 def add_args(parser: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
@@ -383,7 +228,8 @@ def run(args, benches: dict = BENCHES) -> dict:
 
 
 def main(argv=None, benches: dict = BENCHES, prog: str | None = None) -> None:
-    """Run `benches` (default: the suite's) and print a table: `python -m mini.bench.kernels`, tools/mhc_split.py."""
+    """Run `benches` (default: the suite's) and print a table: `python -m mini.bench.kernels`, and the studies of
+    tools/ (mhc_split.py, attention_before_after.py, flashmla_core.py)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_args(parser, benches)
     parser.add_argument("--json")

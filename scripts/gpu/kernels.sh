@@ -43,15 +43,20 @@ phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-
 print('flash_mla', flash_mla.__version__, 'available', available())" || return 2
     python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/kernels/test_flashmla_attention.py \
         --junitxml="$PHASE_DIR/junit.xml" || rc=$?
-    python3 -m mini.bench.kernels --only flashmla --json "$PHASE_DIR/kernels_flashmla.json" || rc=$?
+    python3 tools/flashmla_core.py --json "$PHASE_DIR/kernels_flashmla.json" || rc=$?
     MINI_SPARSE_ATTN=flashmla python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_fast_path_gpu.py \
         || rc=$?
     return $rc
 }
 
-phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS names them, KERNELS_ARGS=--sweep
-    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc rope_chains attn_glue norm} \
-        ${KERNELS_ARGS:-} --json "$PHASE_DIR/kernels.json"
+phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS names them, KERNELS_ARGS=--sweep;
+    # then the finished before/after studies (tools/attention_before_after.py; STUDIES names them)
+    local rc=0
+    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc norm} \
+        ${KERNELS_ARGS:-} --json "$PHASE_DIR/kernels.json" || rc=$?
+    python3 tools/attention_before_after.py --only ${STUDIES:-attention_rope indexer_topk rope_chains attn_glue} \
+        --json "$PHASE_DIR/kernels_before_after.json" || rc=$?
+    return $rc
 }
 
 phase_mhc_ab() {  # issue 13 item 4 (<= 80 s): the mHC site input's split-K pass, default vs candidates.

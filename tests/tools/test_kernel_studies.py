@@ -1,0 +1,21 @@
+"""tools/attention_before_after.py and tools/flashmla_core.py: the finished attention-side studies run through the
+kernels suite's machinery under their own names (they need a GPU: phases `kernels` and `flashmla` of
+scripts/gpu.sh)."""
+import argparse
+
+import attention_before_after
+import flashmla_core
+import pytest
+
+from mini.bench import kernels
+
+
+@pytest.mark.parametrize("tool, names", [
+    (attention_before_after, ["attention_rope", "indexer_topk", "rope_chains", "attn_glue"]),
+    (flashmla_core, ["flashmla"])])
+def test_the_studies_are_the_tools_and_not_the_suites(tool, names):
+    p = argparse.ArgumentParser()
+    kernels.add_args(p, tool.BENCHES)
+    assert p.parse_args([]).only == names
+    assert not set(names) & set(kernels.BENCHES)
+    assert list(kernels.BENCHES) == ["attention", "indexer", "mhc", "rope", "norm"]
