@@ -49,11 +49,11 @@ phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at 
     # B in {64, 256} x contexts {4K, 32K} (random cache contents), one build (~35 s) for the four. Look at:
     # rank4_decode.json metrics b256_c32768.{ms_per_step, tok_per_s_per_gpu, floor_ms, vs_floor} (target vs_floor
     # <= 1.5; the floor is ~21-23 ms at B = 256), stage_ms.* (eager steps), peak_mem_gb, touched_local_experts.
-    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 -m mini.cli bench rank4-decode --batch 64,256 \
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 tools/rank4_decode_floor.py --batch 64,256 \
         --context 4096,32768 --steps 10 --warmup 3 --profile-steps 2 --json "$PHASE_DIR/rank4_decode.json" \
         >"$PHASE_DIR/rank4_decode.log" 2>&1
     local rc=$?
-    grep -E "Error|error:|^mini bench:" "$PHASE_DIR/rank4_decode.log" | tail -5
+    grep -E "Error|error:|^tools/rank4_decode_floor.py:" "$PHASE_DIR/rank4_decode.log" | tail -5
     grep -E "^  (setup_s|built_mem_gb|b[0-9]+_c[0-9]+\.(peak_mem_gb|touched_local_experts)) " \
         "$PHASE_DIR/rank4_decode.log" | tr -s ' ' | paste -sd' '
     grep "^rank4-decode B=" "$PHASE_DIR/rank4_decode.log"  # one line per shape: ms/step, tok/s/GPU, vs the floor
@@ -64,11 +64,12 @@ phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 3
     # shape alone (one build), its graph replays under torch.profiler, kernels grouped into parts (kernel_ms.*:
     # moe_experts, sparse_attention, indexer, gemm, gate_route, mhc_norm, quant_rope, copies, other; they add up to
     # the step less its gaps). 13:05 run: 90.3 ms/step vs a 22.3 ms floor. Look at: the kernel lines (8 longest) and kernel_ms.*.
-    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 85 python3 -m mini.cli bench rank4-decode --batch 256 \
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 85 python3 tools/rank4_decode_floor.py --batch 256 \
         --context 32768 --steps 10 --warmup 3 --profile-steps 0 --kernel-split-steps 2 \
         --json "$PHASE_DIR/rank4_decode_split.json" >"$PHASE_DIR/rank4_decode_split.log" 2>&1
     local rc=$?
-    grep -E "Error|error:|^mini bench:|kernel split|saw no kernel" "$PHASE_DIR/rank4_decode_split.log" | tail -5
+    grep -E "Error|error:|^tools/rank4_decode_floor.py:|kernel split|saw no kernel" \
+        "$PHASE_DIR/rank4_decode_split.log" | tail -5
     grep "^rank4-decode B=" "$PHASE_DIR/rank4_decode_split.log"
     grep -E "^  b256_c32768\.kernel_ms\." "$PHASE_DIR/rank4_decode_split.log" | tr -s ' ' | paste -sd' '
     return $rc
