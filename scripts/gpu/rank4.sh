@@ -101,10 +101,10 @@ phase_long_context() {  # issue 13 item 6 (<= 200 s): one 131,072-token prompt p
     # pools_with_unexpected_rows (0), full_kv_over_predicted (~12.6).
     local rc chunk
     for chunk in 4096 2048; do
-        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 150 python3 -m mini.cli bench long-context --chunk "$chunk" \
+        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 150 python3 tools/long_context_cache.py --chunk "$chunk" \
             --json "$PHASE_DIR/long_context.json" >"$PHASE_DIR/long_context_$chunk.log" 2>&1
         rc=$?
-        grep -E "Error|error:|^mini bench:" "$PHASE_DIR/long_context_$chunk.log" | tail -3
+        grep -E "Error|error:|^tools/long_context_cache.py:" "$PHASE_DIR/long_context_$chunk.log" | tail -3
         grep -E "^  (prompt_tokens|total_s|tok_per_s|(first|median|last)_chunk_ms|peak_mem_gb|built_mem_gb|\
 predicted_bytes_per_token|written_bytes_per_token|pools_with_unexpected_rows|full_kv_over_predicted) " \
             "$PHASE_DIR/long_context_$chunk.log" | tr -s ' ' | paste -sd' '
