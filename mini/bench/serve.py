@@ -12,7 +12,8 @@ interpreter) and stops it afterwards. `--repeat N` runs the workload N times bac
 the first burst with nothing sent before it but GET /health (the client warms its own HTTP stack, `_touch`): the
 metrics are the median of the bursts after the first (the warm server; with N = 1, the first itself), and
 `first_*` metrics are the first burst's (a cold server: kernels that compile on first use show there; `mini serve`
-warms up at start on CUDA). The per-run metrics are kept under "runs".
+warms up at start on CUDA). The per-run metrics are kept under "runs", their wall-clock spans under "bursts" (to
+read the server's warm-up trace by: tools/goodput_cold_diag.py).
 """
 from __future__ import annotations
 
@@ -293,7 +294,7 @@ def run(args) -> dict:
                       "(the client's own warm-up)",
     }
 
-    bursts: list[tuple[float, float]] = []  # wall-clock start and end of each run (to read a server trace by)
+    bursts: list[tuple[float, float]] = []  # wall-clock start and end of each run: tools/goodput_cold_diag.py
 
     def bench(url: str) -> list[dict[str, float]]:
         runs = []
@@ -316,24 +317,4 @@ def run(args) -> dict:
             runs = bench(url)
     metrics = warm_and_first(runs)
     print(_table(metrics))
-    result = {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs}
-    diag = cold_diag(bursts)
-    if diag is not None:
-        result["cold_diag"] = diag
-    return result
-
-
-def cold_diag(bursts: list[tuple[float, float]]) -> dict | None:
-    """The server's warm-up trace (MINI_WARMUP_TRACE, mini.engine.warmup_trace) summarized per burst, where this
-    process can read it (a started server inherits the variable); printed as one line per part. None without."""
-    from mini.engine import warmup_trace
-    path = switches.current().warmup_trace
-    if not path or not os.path.exists(path):
-        return None
-    diag = warmup_trace.summarize(warmup_trace.read(path), bursts)
-    for name, part in [("warm-up", diag["warmup"])] + [(f"burst {b['burst']}", b) for b in diag["bursts"]]:
-        print(f"{name}: {part['steps']} steps in {part['step_s']:.3f} s (slowest {part['max_step_s']:.3f} s), "
-              f"{part['compiles']} Triton compiles ({part['compile_s']:.2f} s) {part['compiled_kernels']}, "
-              f"{part['captures']} graph captures, reserved +{part['reserved_growth'] / 2**20:.0f} MiB, "
-              f"{part['gc_full']} full GCs ({part['gc_s']:.3f} s)")
-    return diag
+    return {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs, "bursts": bursts}

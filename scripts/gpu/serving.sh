@@ -33,8 +33,8 @@ phase_cold_diag() {  # issue 15 (<= 2 min): phase_goodput_cold with the server's
     # _sparse_mla_kernel (block-table stride 1) in a 0.89 s step; at 6deedfb: 0.76, no compile after the warm-up
     # (7.4 s), a 0.19 s full GC in burst 1 (freeze_heap since c1251f5). Expect first_ttft_p50_over_warm <= 1.2,
     # 0 compiles and 0 full GCs in every burst.
-    MINI_WARMUP_TRACE="$PHASE_DIR/trace.jsonl" TRITON_CACHE_DIR=$(mktemp -d) timeout 115 python3 -m mini.cli bench \
-        tiny-goodput --backend fast --num-requests 64 --input-len 128 --output-len 64 --repeat 5 \
+    MINI_WARMUP_TRACE="$PHASE_DIR/trace.jsonl" TRITON_CACHE_DIR=$(mktemp -d) timeout 115 \
+        python3 tools/goodput_cold_diag.py --backend fast --num-requests 64 --input-len 128 --output-len 64 --repeat 5 \
         --json "$PHASE_DIR/goodput_cold.json"
 }
 
