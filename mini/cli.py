@@ -270,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image (PNG, JPEG, WebP, GIF) for the next image_token_id in --ids, in order; "
                          "repeat for several. `prefill` then has a row per position of the expanded prompt, "
-                         "`ids` and `token_types` (-1 text, 0 start, 1 image, 2 newline, 3 end) describe it")
+                         "`ids` and `token_types` (-1 text, 0 start, 1 image, 2 newline, 3 end) describe it. Without "
+                         "--image every id is text, image_token_id too (as the text-only reference takes it)")
     lg.add_argument("--out", required=True)
     lg.set_defaults(fn=cmd_logits)
     mc = sub.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
