@@ -105,3 +105,21 @@ def test_cli_logits_image(tmp_path, results):
     prefill, decode, _ = f3.run_logits(model, cfg, f3.prompt("reference_2img", cfg), forced)
     assert np.array_equal(a["prefill"], prefill) and np.array_equal(a["decode"], decode)
     assert main(argv[:-6] + ["--out", str(out)]) == 2  # two placeholders, one image: an error, not a guess
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", f3.CASES)
+def test_fast_backend_on_the_gpu(case):
+    """The fast backend on CUDA: pixels exact; the encoder's ops on CUDA (ViT and aligner outputs) and the span rows
+    the model takes (the batched encoder) within one bf16 step; the logits' figures are printed for fidelity.md
+    (f1 and f2 show where the fast path lands against these random models' noise, test_official_v41.py)."""
+    from mini import ops
+    with ops.using_backend("fast"):
+        r = f3.measure(case, device="cuda")
+    print(json.dumps(r.row()))
+    ref = f3.reference(case)
+    assert max(r.pixels) == 0, r.row()
+    for k, (vit, emb) in enumerate(zip(r.vit, r.embeds)):
+        assert vit <= np.abs(ref[f"image{k}_vit_out"]).max() / 128 and emb <= np.abs(ref[f"image{k}_embeds"]).max() / 128
+    assert r.input_embeds <= np.abs(ref["input_embeds"]).max() / 64, r.row()
+    assert np.isfinite(r.prefill.rel_mae) and r.prefill.rel_mae < 1, r.prefill  # wired right: not O(1) off
