@@ -21,6 +21,7 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -62,13 +63,11 @@ class EngineOptions:
 
 
 def deterministic_options(o: EngineOptions) -> EngineOptions:
-    """EngineOptions.deterministic: switch the kernels' mode on (process-wide, before any CUDA graph is captured)
-    and prefix caching off, saying so: a hit starts a prompt's computation at a cached block boundary, a chunking
-    the miss did not have (the scheduler's deterministic chunks are fixed per prompt only without it)."""
+    """EngineOptions.deterministic: prefix caching off, saying so: a hit starts a prompt's computation at a cached
+    block boundary, a chunking the miss did not have (the scheduler's deterministic chunks are fixed per prompt only
+    without it). The kernels' mode is the engine's context (`LLMEngine.mode`)."""
     import warnings
 
-    import mini.ops
-    mini.ops.set_deterministic(True)
     if o.enable_prefix_caching:
         warnings.warn("deterministic mode: prefix caching is off (a cache hit would change a prompt's chunking)",
                       stacklevel=3)
@@ -159,6 +158,12 @@ class LLMEngine:
     def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions):
         o = deterministic_options(options) if options.deterministic else options
         self.options, self.config, self.tokenizer = o, config, tokenizer
+        # the kernels' deterministic mode, entered before any CUDA graph is captured and held while the engine
+        # lives (the mode is process-wide: ops read it); `close()` leaves it, restoring the mode found
+        self.mode = contextlib.ExitStack()
+        if o.deterministic:
+            import mini.ops
+            self.mode.enter_context(mini.ops.deterministic_mode())
         device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shape = size_cache(model, device, o.dtype, o.block_tokens, o.max_num_seqs,
                            o.num_snapshots if o.enable_prefix_caching else 0, o.num_blocks, o.gpu_memory_utilization,
@@ -277,6 +282,11 @@ class LLMEngine:
         self._remove(seq)
         seq.finish("abort")
         self._aborted.append(seq)
+
+    def close(self) -> None:
+        """Leave the engine's kernel mode (`mode`: the deterministic mode it entered), restoring the mode found.
+        The engine may not step afterwards in that mode; a process that serves until it ends need not call it."""
+        self.mode.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted) or self._inflight is not None

@@ -91,6 +91,8 @@ def test_mode_turns_prefix_caching_off_and_says_so():
         llm = LLM("tiny-v4.1", **OPTS, deterministic=True)
     assert mini.ops.deterministic()
     assert not llm.engine.blocks.prefix_caching and llm.engine.scheduler.config.chunk_tokens > 0
+    llm.engine.close()  # the engine held the mode as a context: closing it restores the mode found
+    assert not mini.ops.deterministic()
 
 
 @pytest.mark.slow
