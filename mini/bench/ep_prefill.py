@@ -30,11 +30,7 @@ routed.combine). `raw.exchange_glue` is the choice (the fused glue serves the fa
 elsewhere the eager one runs). A collective's time includes waiting for the slowest rank to arrive, so uneven
 ranks show up as communication.
 
-`--overlap 1,2` compares micro-batch counts of the exchange (MINI_EP_OVERLAP, `mini.parallel.exchange`: 1 = not
-overlapped) on one build: the timed steps interleaved (setting by setting within each step round), each setting
-profiled, the top-level metrics the first setting's and `overlap<N>.*` every setting's, with
-`overlap<N>.logits_identical` (1: every rank's logits with N equal the first setting's bit for bit) and its control
-`logits_repeat_identical` (one setting run twice: 0 means the forward itself is not reproducible here).
+`tools/ep_prefill_overlap.py` runs this suite as an A/B of the exchange's micro-batch counts (MINI_EP_OVERLAP).
 
     # 2 H200s (one command; the JSON is written by rank 0)
     torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 8 --json ep-prefill.json
@@ -43,11 +39,9 @@ profiled, the top-level metrics the first setting's and `overlap<N>.*` every set
     # the same with local processes, or on the CPU at tiny size (gloo)
     python -m mini bench ep-prefill --nproc 2 --layers 8
     python -m mini bench ep-prefill --nproc 2 --preset tiny-v4.1 --tokens 64 --device cpu --dtype float32
-    torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 16 --overlap 1,2,4   # overlap A/B
 """
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import time
@@ -81,20 +75,6 @@ def add_args(p) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overlap", type=_micro_batch_list, default=None,
-                   help="micro-batches per MoE layer to compare on one build, e.g. 1,2 (A/B in one job: the timed "
-                        "steps interleaved, each setting profiled, logits compared); default: MINI_EP_OVERLAP (1: off)")
-
-
-def _micro_batch_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--overlap takes micro-batch counts >= 1 separated by commas, e.g. 1,2; "
-                                         f"got {text!r}")
-    return values
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -234,57 +214,46 @@ def device_mem_gb(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
-def _rank(ctx: DistContext, args) -> dict:
+def setup(ctx: DistContext, args) -> tuple[EPRank, ModelConfig, float]:
+    """The rank built (its model, exchange, batch, cache), its config and the build's seconds."""
     if not ctx.multi:
         raise SuiteError("ep-prefill needs at least 2 ranks (torchrun --nproc-per-node N, or --nproc N)")
     import mini.ops
-    cuda = ctx.device.type == "cuda"
-    if cuda:
+    if ctx.device.type == "cuda":
         mini.ops.set_backend("fast")
         torch.cuda.reset_peak_memory_stats(ctx.device)
     cfg = layer_config(args.preset, args.layers)
     t0 = time.perf_counter()
     r = build(ctx, cfg, args, rank_tokens(cfg, args, ctx.rank))
-    setup_s = time.perf_counter() - t0
-    settings = args.overlap or [r.exchange.micro_batches]
-    logits, steps, timed, stages = {}, {s: [] for s in settings}, {}, {}
-    for s in settings:
-        r.exchange.micro_batches = s
-        lockstep(r, ctx.device, args.warmup)
-        logits[s] = r.step()
-    repeat_identical = torch.equal(r.step(), logits[settings[-1]])  # the control: one setting run twice
-    for _ in range(args.steps):  # interleaved, so a drift of the machine hits every setting alike
-        for s in settings:
-            r.exchange.micro_batches = s
-            steps[s] += lockstep(r, ctx.device, 1)
-    for s in settings:
-        r.exchange.micro_batches = s
-        with staged(cuda) as timer:
-            timed[s] = lockstep(r, ctx.device, args.profile_steps)
-            totals = timer.totals()
-        stages[s] = stage_report(totals, statistics.mean(timed[s]), len(timed[s]))
-        steps[s] = slowest(ctx, steps[s])
-    # 1 where every rank's logits with each setting equal the first setting's bit for bit
-    same = [float(repeat_identical)] + [float(torch.equal(logits[s], logits[settings[0]])) for s in settings]
-    same = torch.tensor(same, device=ctx.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    mem, reserved, setup_s = slowest(ctx, [peak_mem_gb(ctx.device), peak_reserved_gb(ctx.device), setup_s])
+    return r, cfg, time.perf_counter() - t0
+
+
+def profiled(r: EPRank, ctx: DistContext, args) -> dict[str, float]:
+    """`--profile-steps` steps timed by stage: rank 0's ms/step per stage (stage_report)."""
+    with staged(ctx.device.type == "cuda") as timer:
+        timed = lockstep(r, ctx.device, args.profile_steps)
+        totals = timer.totals()
+    return stage_report(totals, statistics.mean(timed), len(timed))
+
+
+def setting_metrics(args, steps: list[float], stages: dict[str, float]) -> dict[str, float]:
+    """One setting's step times (slowest rank per step), tok/s/GPU and stages."""
+    mean = statistics.mean(steps)
     tokens = args.tokens // args.seqs * args.seqs
+    return {"mean_step_ms": mean, "median_step_ms": statistics.median(steps), "min_step_ms": min(steps),
+            "max_step_ms": max(steps), "tok_per_s_per_gpu": tokens / (mean / 1e3),
+            **{f"stage.{k}" + ("" if k.endswith("_fraction") else "_ms"): v for k, v in stages.items()}}
 
-    def setting_metrics(s: int) -> dict[str, float]:
-        mean = statistics.mean(steps[s])
-        return {"mean_step_ms": mean, "median_step_ms": statistics.median(steps[s]), "min_step_ms": min(steps[s]),
-                "max_step_ms": max(steps[s]), "tok_per_s_per_gpu": tokens / (mean / 1e3),
-                **{f"stage.{k}" + ("" if k.endswith("_fraction") else "_ms"): v for k, v in stages[s].items()}}
 
-    metrics = {**setting_metrics(settings[0]), "peak_mem_gb": mem,
+def result(ctx: DistContext, args, cfg: ModelConfig, r: EPRank, setup_s: float, settings: list[int],
+           steps: list[float], stages: dict[str, float]) -> dict:
+    """The suite's JSON: the metrics of `steps` / `stages` (the first of `settings`, the micro-batch counts run),
+    memory and setup (max over ranks: a collective, every rank calls it)."""
+    cuda = ctx.device.type == "cuda"
+    mem, reserved, setup_s = slowest(ctx, [peak_mem_gb(ctx.device), peak_reserved_gb(ctx.device), setup_s])
+    metrics = {**setting_metrics(args, steps, stages), "peak_mem_gb": mem,
                **({"peak_reserved_gb": reserved, "device_mem_gb": device_mem_gb(ctx.device)} if cuda else {}),
                "setup_s": setup_s}
-    if len(settings) > 1:  # the A/B: every setting's numbers, and whether its logits equal the first's
-        metrics["logits_repeat_identical"] = same[0].item()
-        for i, s in enumerate(settings):
-            metrics.update({f"overlap{s}.{k}": v for k, v in setting_metrics(s).items()})
-            metrics[f"overlap{s}.logits_identical"] = same[1 + i].item()
     definition = {"preset": args.preset, "layers": cfg.n_layers, "ranks": ctx.world, "tokens_per_rank": args.tokens,
                   "seqs": args.seqs, "dtype": args.dtype, "block_tokens": args.block_tokens,
                   "engram_rows": args.engram_rows, "seed": args.seed, "backend": ctx.backend,
@@ -292,8 +261,14 @@ def _rank(ctx: DistContext, args) -> dict:
                   "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps,
                   "micro_batches": settings}
     return {"suite": "ep-prefill", "definition": definition, "metrics": metrics,
-            "raw": {"step_ms": steps[settings[0]], "exchange_glue": r.exchange.glue,
-                    **({"step_ms_by_overlap": {str(s): steps[s] for s in settings}} if len(settings) > 1 else {})}}
+            "raw": {"step_ms": steps, "exchange_glue": r.exchange.glue}}
+
+
+def _rank(ctx: DistContext, args) -> dict:
+    r, cfg, setup_s = setup(ctx, args)
+    lockstep(r, ctx.device, args.warmup)
+    steps = slowest(ctx, lockstep(r, ctx.device, args.steps))
+    return result(ctx, args, cfg, r, setup_s, [r.exchange.micro_batches], steps, profiled(r, ctx, args))
 
 
 def run(args) -> dict:

@@ -291,9 +291,9 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
     # (MINI_EP_OVERLAP=N micro-batches per MoE layer, mini/parallel/exchange.py; off by default).
     # 1. ep-exact at V4.1 width with every exchange in 2 micro-batches, decode steps too (MIN_TOKENS=1): expect
     #    rows_bit_identical 1, tokens_identical 1, max_abs_logit_diff 0 for wide-fast-bf16 and tiny-fast-bf16.
-    # 2. ep-prefill, 16 layers, 4,096 tokens/rank, fused glue, overlap 1 (off) / 2 / 4 on ONE build, steps
-    #    interleaved: per setting mean_step_ms, stage.communication_ms (EXPOSED: the compute stream's stall in the
-    #    collectives), stage.exchange_glue_ms, stage.exposed_fraction = (communication + glue) / step (target
+    # 2. tools/ep_prefill_overlap.py (ep-prefill), 16 layers, 4,096 tokens/rank, fused glue, overlap 1 (off) / 2 /
+    #    4 on ONE build, steps interleaved: per setting mean_step_ms, stage.communication_ms (EXPOSED: the compute
+    #    stream's stall in the collectives), stage.exchange_glue_ms, stage.exposed_fraction = (communication + glue) / step (target
     #    <= 0.05), overlapN.logits_identical 1 (same bits as off) with logits_repeat_identical 1 (the control).
     #    Expect at overlap 1 ~0.4-0.6 ms/layer communication (6-9 ms per step: issue 18 measured 9.4 eagerly); at 2
     #    about half (the last part's reduce-scatter stays exposed), at 4 about a quarter; but the steps SLOWER with
@@ -305,7 +305,7 @@ phase_ep2_overlap() {  # issue 18 item 3 (2 GPUs, <= 4 min): communication overl
         --cases wide-fast-bf16,tiny-fast-bf16 --json "$PHASE_DIR/ep_exact_overlap2.json" \
         >"$PHASE_DIR/ep_exact.log" 2>&1 || rc=1
     grep -E "identical|max_abs_logit" "$PHASE_DIR/ep_exact.log" || tail -8 "$PHASE_DIR/ep_exact.log"
-    timeout 120 torchrun --nproc-per-node 2 -m mini bench ep-prefill --layers 16 --steps 5 --warmup 1 \
+    timeout 120 torchrun --nproc-per-node 2 tools/ep_prefill_overlap.py --layers 16 --steps 5 --warmup 1 \
         --profile-steps 2 --overlap 1,2,4 --json "$PHASE_DIR/ep2_L16_overlap.json" \
         >"$PHASE_DIR/ep_prefill.log" 2>&1 || rc=1
     grep -E "^ +(overlap[0-9]+\.(mean_step_ms|stage\.(communication|exchange_glue|routed_experts|shared_expert)_ms|stage\.exposed_fraction|logits_identical)|logits_repeat_identical|peak_mem_gb)" \
