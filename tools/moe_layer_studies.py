@@ -9,6 +9,7 @@ and `humming` of scripts/gpu.sh.
   `--only-gate-plan` stops there (no experts' GEMMs).
 * `--sweep`: the Triton grouped GEMMs under several tile configs; `--humming-tiles BMxSTAGES ...`: Humming's GEMMs
   with its heuristic config changed to these row tiles and pipeline depths.
+* always (after the layer): `ms_dense_bf16_same_flops`, the local pairs' FLOPs as one dense bf16 GEMM (cuBLAS).
 
     python3 tools/moe_layer_studies.py --only-gate-plan --old-gate-plan --gate-configs --route-blocks 256 512
     python3 tools/moe_layer_studies.py --moe-gemm humming --humming-tiles 128x4 192x4
@@ -86,9 +87,25 @@ class Studies:
             _timed(ms, f"gate_unfused_t{n}", lambda: gate_unfused(xn, w, cfg, plan_l), args)  # noqa: B023
         return extra
 
+    def gate_plan_result(self, cfg, tiles: bool, ms: dict, n_local: int, extra: dict) -> dict:
+        """--only-gate-plan: the suite's result after the gate and the routing plan."""
+        args = self.args
+        definition = {"preset": args.preset, "tokens": args.tokens, "local_experts": args.local_experts,
+                      "topk": cfg.n_activated_experts, "dim": cfg.dim, "experts": cfg.n_routed_experts,
+                      "route_tiles": tiles, "dtype": "bfloat16", "seed": args.seed,
+                      "device": torch.cuda.get_device_name()}
+        return {"suite": "moe-layer", "definition": definition,
+                "metrics": {**{f"ms_{k}": v for k, v in ms.items()}, "local_pairs": n_local, **extra}}
+
     def after_layer(self, gemm_lib: str, cfg, w, x, plan, ids, weights) -> dict:
         from mini.kernels.fp8_act_quant import fp8_act_quant
-        args, metrics = self.args, {}
+        args = self.args
+        # the local pairs' FLOPs as one dense bf16 GEMM through cuBLAS (dequantized weights without grouping)
+        n_local = int(((ids >= w.experts.start) & (ids < w.experts.stop)).sum())
+        a = torch.randn(n_local, cfg.dim, device=x.device).bfloat16()
+        b = torch.randn(cfg.dim, 3 * cfg.moe_inter_dim, device=x.device).bfloat16()
+        metrics = {"ms_dense_bf16_same_flops": _time(lambda: a @ b, args.iters, args.warmup)}
+        del a, b
         if args.sweep and gemm_lib == "triton":
             metrics.update(_sweep(args, cfg, w, fp8_act_quant(x, cfg.fp8_block), ids, weights))
         if args.humming_tiles and gemm_lib == "humming":

@@ -131,13 +131,8 @@ def run(args, study=None) -> dict:
     _timed(ms, "gate", lambda: gate(x, w, cfg, plan_l), args)
     _timed(ms, "route_plan", lambda: plan_routes(ids, weights, w.experts, BLOCK_M, tiles), args)
     extra = study.after_gate(cfg, w, x, plan_l, weights, ids, plan, tiles, ms) if study is not None else {}
-    if only_gate_plan:
-        definition = {"preset": args.preset, "tokens": args.tokens, "local_experts": args.local_experts,
-                      "topk": cfg.n_activated_experts, "dim": cfg.dim, "experts": cfg.n_routed_experts,
-                      "route_tiles": tiles, "dtype": "bfloat16", "seed": args.seed,
-                      "device": torch.cuda.get_device_name()}
-        return {"suite": "moe-layer", "definition": definition,
-                "metrics": {**{f"ms_{k}": v for k, v in ms.items()}, "local_pairs": n_local, **extra}}
+    if only_gate_plan:  # the study's gate-and-plan timing ends here
+        return study.gate_plan_result(cfg, tiles, ms, n_local, extra)
     parts = _humming_parts if gemm_lib == "humming" else _triton_parts
     part_ms, y, part_extra = parts(args, cfg, w, x, plan, ids)
     ms.update(part_ms)
@@ -146,11 +141,6 @@ def run(args, study=None) -> dict:
     ms["combine"] = _time(lambda: combine(y, ids, plan.slot_row, w.experts, torch.float32), args.iters, args.warmup)
     ms["routed"] = _time(lambda: routed(x, w, cfg, weights, ids), args.iters, args.warmup)
     ms["shared_own_tokens"] = _time(lambda: shared(own, w), args.iters, args.warmup)
-    # the same FLOPs as one dense bf16 GEMM through cuBLAS (what dequantized weights without grouping would cost)
-    a = torch.randn(n_local, cfg.dim, device=dev).bfloat16()
-    b = torch.randn(cfg.dim, 3 * cfg.moe_inter_dim, device=dev).bfloat16()
-    ms["dense_bf16_same_flops"] = _time(lambda: a @ b, args.iters, args.warmup)
-    del a, b
     ms["layer"] = _time(lambda: (routed(x, w, cfg, *gate(x, w, cfg, plan_l)), shared(own, w)),
                         args.iters, args.warmup)
     peak_gb = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
