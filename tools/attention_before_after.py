@@ -23,7 +23,7 @@ from mini.bench.kernels import (COPY_TBS, D, DIM, GEMM_TFLOPS, H, IDI, IH, TOPK,
                                 attention_cases, indexer_case)
 
 
-def bench_attention_rope(rows: list, sweep: bool, dev="cuda"):
+def bench_attention_rope(rows: list, sweep=(), dev="cuda"):
     """What the layer runs: the output's inverse RoPE in the epilogue vs a separate apply_rope pass (before)."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.rope import apply_rope, rope_frequencies, rope_table
@@ -38,7 +38,7 @@ def bench_attention_rope(rows: list, sweep: bool, dev="cuda"):
                              frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
 
 
-def bench_indexer_topk(rows: list, sweep: bool, dev="cuda"):
+def bench_indexer_topk(rows: list, sweep=(), dev="cuda"):
     """The top-k groups of the indexer's scores: the keys as they were (fp32 scores, int64, sorted top-k) and as
     they are (bf16 scores as the model now gets them, int32, unsorted); both must pick the same groups."""
     from mini.kernels.indexer_scores import index_scores
@@ -60,7 +60,7 @@ def bench_indexer_topk(rows: list, sweep: bool, dev="cuda"):
     assert torch.equal(before(), top_groups(scores, TOPK)), "the key paths must pick the same groups"
 
 
-def bench_rope_chains(rows: list, sweep: bool, dev="cuda"):
+def bench_rope_chains(rows: list, sweep=(), dev="cuda"):
     """The attention layer's producer chains, before (eager norm / quant around the RoPE kernel, what
     attn_layer ran until norm_rope_quant) and after (ops.rope.norm_rope_quant: one fused kernel)."""
     from mini.formats import fake_quant_fp4, fake_quant_fp8
@@ -91,7 +91,7 @@ def bench_rope_chains(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-def bench_attn_glue(rows: list, sweep: bool, dev="cuda"):
+def bench_attn_glue(rows: list, sweep=(), dev="cuda"):
     """GEMM glue of the attention layer, before / after: the grouped wo_a projection (einsum + transposing copy vs
     a batched GEMM writing [T, G, r]) and the ratio-2 compressor's fp32 projections (fp32 FMA GEMM vs a bf16
     tensor-core GEMM with an fp32 result)."""

@@ -17,7 +17,7 @@ from mini.bench import kernels  # noqa: E402
 from mini.bench.kernels import BLOCK_TOKENS, GEMM_TFLOPS, TOPK, D, H, W, _bench, _prefill_batch  # noqa: E402
 
 
-def bench_flashmla(rows: list, sweep: bool, dev="cuda"):
+def bench_flashmla(rows: list, sweep=(), dev="cuda"):
     """The sparse attention core through FlashMLA's sparse prefill kernel (MINI_SPARSE_ATTN=flashmla) vs our Triton
     kernel, both with the output's inverse RoPE (what the layer runs). Cases: rank4's (4,096 tokens from position
     0, a ratio-4 layer's top-512: early queries see fewer groups, -1 padded) and the attention bench's (at 4,096,

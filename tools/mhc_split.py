@@ -18,7 +18,7 @@ from mini.bench.kernels import DIM, HC, _bench  # noqa: E402
 HBM_TBS = 4.8  # the H200's nominal memory bandwidth (COPY_TBS is what a device copy reaches)
 
 
-def bench_mhc_split(rows: list, sweep: bool, dev="cuda", sizes=(4096, 256, 64), dim: int = DIM):
+def bench_mhc_split(rows: list, sweep=(), dev="cuda", sizes=(4096, 256, 64), dim: int = DIM):
     """The mHC site input (mhc_norm, V4.1 delayed pre) at a prefill step and two decode batches: the default
     (copies side by side in one tile, 8 split-K chunks) against one tile per copy (layout="copies": fewer
     instructions and registers, so more programs per SM) and more chunks (few 64-token blocks leave the default

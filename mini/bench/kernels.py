@@ -1,10 +1,11 @@
 """Micro-benchmarks of the attention-side kernels at real V4.1-Flash shape (one EP4/DP4 rank: 4,096 tokens).
 
-`python -m mini.bench.kernels [--json FILE] [--only NAME ...] [--sweep]` prints, per kernel, the median time
+`python -m mini.bench.kernels [--json FILE] [--only NAME ...]` prints, per kernel, the median time
 (triton.testing.do_bench on random data) and the achieved rate against the measured H200 ceilings (bf16 GEMM
 804 TFLOP/s, device copy 4.26 TB/s; /work/shared/perf/README.md), plus the torch reference op where it fits.
 Counting: attention 4·H·D FLOP per (query, key) (QK and PV); indexer 2·H·di per visible (query, group); the
-memory-bound kernels count each input read once and each output written once.
+memory-bound kernels count each input read once and each output written once. Every bench takes `sweep`, tile
+configurations timed beside its default (none here; tools/kernel_tile_sweep.py passes its lists).
 """
 from __future__ import annotations
 
@@ -70,14 +71,10 @@ def attention_cases(dev="cuda"):
         yield name, b["positions"], args, kw, 4 * H * D * T * (W + TOPK)
 
 
-def bench_attention(rows: list, sweep: bool, dev="cuda"):
+def bench_attention(rows: list, sweep=(), dev="cuda"):
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention as reference
-    configs = [{}]  # the defaults: block_h 64, block_n 64, 8 warps, 2 stages
-    if sweep:
-        configs += [dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
-                    dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
-                    dict(block_h=64, block_n=16, num_warps=8, num_stages=3)]
+    configs = [{}, *sweep]  # the defaults: block_h 64, block_n 64, 8 warps, 2 stages
     for name, positions, args, kw, flops in attention_cases(dev):
         key_bytes = flops // (4 * H) * 2  # keys as gathered per query (mostly L2 hits): T * (W + TOPK) * D bf16
         for cfg in configs:
@@ -107,14 +104,11 @@ def indexer_case(dev="cuda"):
     return (q, w, keys, seq_rows, b["seq_of"], n_vis), 2 * IH * IDI * float(n_vis.sum()), N
 
 
-def bench_indexer(rows: list, sweep: bool, dev="cuda"):
+def bench_indexer(rows: list, sweep=(), dev="cuda"):
     from mini.kernels.indexer_scores import index_scores
     from mini.ops.indexer import index_scores as reference
     args, flops, _ = indexer_case(dev)
-    configs = [dict(block_t=4, block_n=64)]
-    if sweep:
-        configs += [dict(block_t=2, block_n=128), dict(block_t=4, block_n=128, num_stages=3),
-                    dict(block_t=2, block_n=64, num_stages=3)]
+    configs = [dict(block_t=4, block_n=64), *sweep]
     for cfg in configs:
         ms = _bench(lambda: index_scores(*args, **cfg))
         rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
@@ -123,7 +117,7 @@ def bench_indexer(rows: list, sweep: bool, dev="cuda"):
     rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
 
 
-def bench_mhc(rows: list, sweep: bool, dev="cuda"):
+def bench_mhc(rows: list, sweep=(), dev="cuda"):
     """mhc_norm at one V4.1 site (delayed pre): the floor is h read once + y written once (~210 MB, ~49 us at the
     copy ceiling). The kernel itself moves h once, y three times (written by the split-K pass, read and written
     by the normalisation): `moved_tbs` counts those bytes."""
@@ -139,11 +133,7 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     kw = dict(pre_in=pre_prev, iters=20, hc_eps=1e-6, norm_eps=1e-20)
     nbytes = h.numel() * 2 + T * DIM * 2 + fn.numel() * 4  # h once, y once, fn once
     moved = nbytes + 2 * T * DIM * 2
-    configs = [{}]  # the defaults: block_t=64, block_k=16, split=8, 4 warps, 3 stages; finish 8 tokens x 512
-    if sweep:
-        # the neighbours of the default among the 35 configurations of docs/perf/raw/mhc2 (the default was fastest)
-        configs += [dict(block_k=16, num_stages=4, split=6), dict(block_k=16, num_stages=2, split=10),
-                    dict(block_k=16, split=20), dict(block_k=32), dict(finish_block_t=4)]
+    configs = [{}, *sweep]  # the defaults: block_t=64, block_k=16, split=8, 4 warps, 3 stages; finish 8 x 512
     for cfg in configs:
         for quant in ((None, "fp8") if cfg is configs[0] else (None,)):
             ms = _bench(lambda: mhc_norm(h, fn, scale, base, nw, **kw, quant=quant, **cfg))
@@ -168,7 +158,7 @@ def bench_mhc(rows: list, sweep: bool, dev="cuda"):
     rows.append(dict(kernel="mhc_norm", config="torch reference", ms=ms, tbs=nbytes / ms / 1e9))
 
 
-def bench_rope(rows: list, sweep: bool, dev="cuda"):
+def bench_rope(rows: list, sweep=(), dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.rope_quant import rope_quant
     from mini.ops.norm import rms_norm
@@ -188,7 +178,7 @@ def bench_rope(rows: list, sweep: bool, dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-def bench_norm(rows: list, sweep: bool, dev="cuda"):
+def bench_norm(rows: list, sweep=(), dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.mhc_norm import rms_norm
     from mini.ops.norm import rms_norm as reference
@@ -210,7 +200,6 @@ BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_
 
 def add_args(parser: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     parser.add_argument("--only", nargs="*", choices=list(benches), default=list(benches))
-    parser.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
 
 
 def run(args, benches: dict = BENCHES) -> dict:
@@ -218,18 +207,18 @@ def run(args, benches: dict = BENCHES) -> dict:
     rows: list = []
     for name in args.only:
         try:
-            benches[name](rows, args.sweep)
+            benches[name](rows)
         except Exception as e:  # one failing kernel must not hide the others' numbers
             rows.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
         print("\n".join(json.dumps(r) for r in rows[-8:]), flush=True)
     metrics = {f"{r['kernel']}|{r.get('config')}|ms": r["ms"] for r in rows if "ms" in r}
-    return {"suite": "kernels", "definition": {"device": torch.cuda.get_device_name(), "tokens": 4096,
-                                               "sweep": bool(args.sweep)}, "metrics": metrics, "rows": rows}
+    return {"suite": "kernels", "definition": {"device": torch.cuda.get_device_name(), "tokens": 4096},
+            "metrics": metrics, "rows": rows}
 
 
 def main(argv=None, benches: dict = BENCHES, prog: str | None = None) -> None:
     """Run `benches` (default: the suite's) and print a table: `python -m mini.bench.kernels`, and the studies of
-    tools/ (mhc_split.py, attention_before_after.py, flashmla_core.py)."""
+    tools/ (mhc_split.py, attention_before_after.py, flashmla_core.py, kernel_tile_sweep.py)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_args(parser, benches)
     parser.add_argument("--json")

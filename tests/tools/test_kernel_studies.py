@@ -19,3 +19,15 @@ def test_the_studies_are_the_tools_and_not_the_suites(tool, names):
     assert p.parse_args([]).only == names
     assert not set(names) & set(kernels.BENCHES)
     assert list(kernels.BENCHES) == ["attention", "indexer", "mhc", "rope", "norm"]
+
+
+def test_the_tile_sweeps_are_a_tool_over_the_suites_benches():
+    """tools/kernel_tile_sweep.py times the suite's own benches with its config lists; the suite has no --sweep."""
+    import kernel_tile_sweep
+    p = argparse.ArgumentParser()
+    kernels.add_args(p, kernel_tile_sweep.BENCHES)
+    assert p.parse_args([]).only == ["attention", "indexer", "mhc"]
+    assert set(kernel_tile_sweep.SWEEPS) <= set(kernels.BENCHES)
+    with pytest.raises(SystemExit):
+        kernels.add_args(p := argparse.ArgumentParser())
+        p.parse_args(["--sweep"])
