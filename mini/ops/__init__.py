@@ -76,17 +76,35 @@ def deterministic() -> bool:
     return _deterministic
 
 
+_holds = 0  # contexts holding the mode on now
+_found = False  # the mode the first of them found
+
+
 @contextlib.contextmanager
 def deterministic_mode(on: bool = True):
     """Run the block in the deterministic mode (`on`) or out of it, then restore the mode found: the mode as a
-    context, entered and left by whoever owns the work (a test, a check, a benchmark's A/B), instead of a process
-    flag flipped and left behind."""
-    before = _deterministic
-    set_deterministic(on)
+    context, entered and left by whoever owns the work (an engine while it lives, a test, a check, a benchmark's
+    A/B), instead of a process flag flipped and left behind. Holds of the mode are counted: engines end in any
+    order (one garbage-collected while the next runs), and the mode stays on until the last hold is left."""
+    global _holds, _found
+    if not on:
+        before = _deterministic
+        set_deterministic(False)
+        try:
+            yield
+        finally:
+            set_deterministic(before)
+        return
+    if _holds == 0:
+        _found = _deterministic
+    _holds += 1
+    set_deterministic(True)
     try:
         yield
     finally:
-        set_deterministic(before)
+        _holds -= 1
+        if _holds == 0:
+            set_deterministic(_found)
 
 
 def set_deterministic(on: bool) -> None:

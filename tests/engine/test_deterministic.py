@@ -95,6 +95,21 @@ def test_mode_turns_prefix_caching_off_and_says_so():
     assert not mini.ops.deterministic()
 
 
+def test_the_mode_stays_on_until_the_last_holder_leaves():
+    """Engines end in any order (one garbage-collected while the next runs): the first to leave must not turn the
+    mode off under the other (test_budget_does_not_change_a_request's second engine ran out of the mode so)."""
+    first, second = mini.ops.deterministic_mode(), mini.ops.deterministic_mode()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert mini.ops.deterministic()
+    with mini.ops.deterministic_mode(False):
+        assert not mini.ops.deterministic()
+    assert mini.ops.deterministic()
+    second.__exit__(None, None, None)
+    assert not mini.ops.deterministic()
+
+
 @pytest.mark.slow
 def test_outputs_alone_equal_outputs_among_load():
     """Greedy and seeded-sampling requests with logprobs, each alone, then all together among other requests of

@@ -111,8 +111,10 @@ def test_cli_logits_image(tmp_path, results):
 @pytest.mark.parametrize("case", f3.CASES)
 def test_fast_backend_on_the_gpu(case):
     """The fast backend on CUDA: pixels exact; the encoder's ops on CUDA (ViT and aligner outputs) and the span rows
-    the model takes (the batched encoder) within one bf16 step; the logits' figures are printed for fidelity.md
-    (f1 and f2 show where the fast path lands against these random models' noise, test_official_v41.py)."""
+    the model takes (the batched encoder) within two bf16 steps of the largest value (the H200 at 1cca95c: the
+    two-image case's ViT output 0.03125 off at a largest |value| of 2.875, two steps of 0.0156: 12 blocks of bf16
+    GEMMs and SDPA against the reference's fp32 attention); the logits' figures are printed for fidelity.md (f1
+    and f2 show where the fast path lands against these random models' noise, test_official_v41.py)."""
     from mini import ops
     with ops.using_backend("fast"):
         r = f3.measure(case, device="cuda")
@@ -120,6 +122,6 @@ def test_fast_backend_on_the_gpu(case):
     ref = f3.reference(case)
     assert max(r.pixels) == 0, r.row()
     for k, (vit, emb) in enumerate(zip(r.vit, r.embeds)):
-        assert vit <= np.abs(ref[f"image{k}_vit_out"]).max() / 128 and emb <= np.abs(ref[f"image{k}_embeds"]).max() / 128
+        assert vit <= np.abs(ref[f"image{k}_vit_out"]).max() / 64 and emb <= np.abs(ref[f"image{k}_embeds"]).max() / 64
     assert r.input_embeds <= np.abs(ref["input_embeds"]).max() / 64, r.row()
     assert np.isfinite(r.prefill.rel_mae) and r.prefill.rel_mae < 1, r.prefill  # wired right: not O(1) off

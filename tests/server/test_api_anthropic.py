@@ -4,11 +4,12 @@ validate against input_schema), thinking blocks, stop_sequences, count_tokens, x
 error shape."""
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
 import torch
+
+anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK (the test extra; the GPU image has none)")
 
 from conftest import MODEL
 from mini.server.app import build_app
