@@ -143,11 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as the reference ran
-    rows = measure()
-    for r in rows:
-        print(json.dumps(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    from official_fixture import report  # beside this file (the script's own folder, or tests/parity under pytest)
+    report(measure(), args.json)
     return 0
 
 

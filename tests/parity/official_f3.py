@@ -156,9 +156,7 @@ def main(argv=None) -> int:
         r = measure(case, loaded, args.device).row()
         r.update(backend=args.backend, device=args.device)
         rows.append(r)
-        print(json.dumps(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    of.report(rows, args.json)
     return 0
 
 

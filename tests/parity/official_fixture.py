@@ -154,10 +154,16 @@ def main(argv=None) -> int:
         r = measure(name, args.device).row()
         r.update(backend=args.backend, device=args.device)
         rows.append(r)
-        print(json.dumps(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    report(rows, args.json)
     return 0
+
+
+def report(rows: list[dict], json_path: str | None) -> None:
+    """A harness's rows: one JSON line each on stdout, and all of them in `json_path` when given."""
+    for r in rows:
+        print(json.dumps(r))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
