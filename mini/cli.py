@@ -17,7 +17,7 @@ from mini.args import (UsageError, add_engine_args, add_model_args, add_serve_ar
 def cmd_generate(args) -> int:
     from mini.parallel.launch import generate_torchrun, under_torchrun
     from mini.engine import LLM, SamplingParams
-    from mini.tokenizer import render_chat
+    from mini.chat_format import render_chat
     check_model(args.model)
     opts = engine_opts(args)
     # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request

@@ -448,7 +448,7 @@ V4_PRO = V4_FLASH.replace(
 
 # Tiny models keep every layer kind of the real schedule at small widths. Engram table sizes come from the prime
 # walk (mini/ops/engram.py) and the compressed vocabulary from the tiny tokenizer make-checkpoint writes
-# (mini/tokenizer.py); tests/ops/test_engram.py and tests/test_tokenizer.py recompute both.
+# (mini/checkpoint/tiny_tokenizer.py); tests/ops/test_engram.py and tests/test_tokenizer.py recompute both.
 TINY_V41 = ModelConfig(
     vocab_size=512, dim=64, n_layers=8, n_heads=8, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
     o_lora_rank=32,

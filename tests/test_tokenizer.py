@@ -8,10 +8,10 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
+from mini.chat_format import ASSISTANT, END_THINK, SYSTEM, THINK, USER, render_chat
+from mini.checkpoint.tiny_tokenizer import TINY_SPECIALS, build_tiny_tokenizer, write_tiny_tokenizer
 from mini.config import TINY_V41
-from mini.tokenizer import (ASSISTANT, BOS, END_THINK, EOS, SYSTEM, THINK, TINY_SPECIALS, USER, Tokenizer,
-                            build_tiny_tokenizer, compressed_token_map, load_token_map, render_chat,
-                            write_tiny_tokenizer)
+from mini.tokenizer import BOS, EOS, Tokenizer, compressed_token_map, load_token_map
 
 EFFORT = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 

@@ -69,7 +69,7 @@ def make_checkpoint(config_or_preset: ModelConfig | str, out_dir: str | Path, se
                   "temperature": 1.0, "top_p": 1.0}  # the model card's recommended sampling
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer:
-        from mini.tokenizer import write_tiny_tokenizer  # lazy: the tokenizer pulls in `tokenizers`
+        from mini.checkpoint.tiny_tokenizer import write_tiny_tokenizer  # lazy: the tokenizer pulls in `tokenizers`
         write_tiny_tokenizer(out, config.vocab_size)
     return out
 

@@ -23,7 +23,7 @@ from mini.server.bodies import ApiError, parse_body, validation_error
 from mini.server.blocks import Block, BlockEvent, BlockStream, final_blocks
 from mini.server.protocol import ChatCompletionRequest, _Strict
 
-# thinking.budget_tokens -> V4.1's reasoning effort (mini.tokenizer.EFFORT_PRESETS): the effort is V4.1's knob for
+# thinking.budget_tokens -> V4.1's reasoning effort (mini.chat_format.EFFORT_PRESETS): the effort is V4.1's knob for
 # how long it reasons, the budget Anthropic's; below 4,096 tokens "low", below 16,384 "high", else "max"
 EFFORT_OF_BUDGET = ((4096, "low"), (16384, "high"))
 SIGNATURE = "mini"  # thinking blocks carry a signature in Anthropic's API; mini checks none, so any comes back
@@ -49,7 +49,7 @@ class OutputConfig(_Strict):
     format: OutputFormat | None = None  # structured output: the JSON schema enforced by constrained decoding
 
 
-# output_config.effort -> V4.1's reasoning effort (mini.tokenizer.EFFORT_PRESETS: low, high = default, max)
+# output_config.effort -> V4.1's reasoning effort (mini.chat_format.EFFORT_PRESETS: low, high = default, max)
 EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 

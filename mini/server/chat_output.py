@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mini.engine import RequestOutput
 from mini.server.tool_calls import ToolCall, held_back, parse_partial_block
-from mini.tokenizer import END_THINK, TOOL_CALLS_START
+from mini.chat_format import END_THINK, TOOL_CALLS_START
 
 
 def split_reasoning(text: str, final: bool) -> tuple[str, str]:

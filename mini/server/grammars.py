@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from mini.tokenizer import CALLS_CLOSE, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
+from mini.chat_format import CALLS_CLOSE, END_THINK, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START, invoke_open, \
     param_open
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -269,7 +269,7 @@ class ChatMessage(_Strict):
         return self
 
     def for_prompt(self) -> dict:
-        """The message as mini.tokenizer.render_chat takes it."""
+        """The message as mini.chat_format.render_chat takes it."""
         msg: dict = {"role": self.role, "content": self.content}
         if self.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -307,7 +307,7 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-# OpenAI's reasoning levels mapped to V4.1's nearest (mini.tokenizer.EFFORT_PRESETS: low 50, high 75, max 100):
+# OpenAI's reasoning levels mapped to V4.1's nearest (mini.chat_format.EFFORT_PRESETS: low 50, high 75, max 100):
 # "medium" is OpenAI's default level, as "high" is V4.1's; "minimal" is below V4.1's lowest preset, "xhigh" above
 # its default
 EFFORT_ALIASES = {"minimal": "low", "medium": "high", "xhigh": "max"}
@@ -412,7 +412,7 @@ class ChatCompletionRequest(_Common):
 
     def prompt(self) -> str:
         """The V4.1 prompt (ValueError names what cannot be rendered)."""
-        from mini.tokenizer import render_chat
+        from mini.chat_format import render_chat
         effort = None if self.effort == "none" else self.effort
         return render_chat([m.for_prompt() for m in self.messages], thinking=self.thinking_mode,
                            reasoning_effort=effort, tools=self.tools or None)

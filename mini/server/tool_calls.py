@@ -1,7 +1,7 @@
 """The model's side of V4.1 tool calling: its DSML calls block parsed back into OpenAI `tool_calls`.
 
 An assistant turn that calls tools is `content` + `\\n\\n<｜DSML｜ calls>` + invokes + `</｜DSML｜ calls>`
-(mini.tokenizer.render_tool_calls writes the same markup into prompts). The parser is strict about the markup and
+(mini.chat_format.render_tool_calls writes the same markup into prompts). The parser is strict about the markup and
 total: text that is not a well-formed block naming offered tools (a random-weight model writes such text) is
 returned as content, never an error.
 
@@ -18,7 +18,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from mini.tokenizer import CALLS_CLOSE, DSML, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START
+from mini.chat_format import CALLS_CLOSE, DSML, INVOKE_CLOSE, PARAM_CLOSE, TOOL_CALLS_START
 
 _INVOKE_HEAD = f'<{DSML} invoke name="'
 _PARAM_HEAD = f'<{DSML} parameter name="'

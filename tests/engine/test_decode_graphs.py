@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import mini.engine.model_runner as runner_module
+from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
 from mini.config import preset
 from mini.engine import LLM, SamplingParams
 from mini.engine.cuda_graphs import buckets
 from mini.ops.engram import EngramHasher
-from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+from mini.tokenizer import compressed_token_map
 
 # lengths around the window (128) and the ratio-2 groups, a 1-token prompt, a prompt shorter than the n-gram size
 LENGTHS = [126, 1, 63, 3, 140]

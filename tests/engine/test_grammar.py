@@ -212,7 +212,9 @@ def test_reasoning_ends_with_the_models_own_end_of_thinking_token():
     grammar text matches, and the reasoning could never end). Special tokens (BOS, pad) stay out of text."""
     from mini.engine.sampler import unpack_bitmask
     from mini.engine.structured import GrammarBackend
-    from mini.tokenizer import END_THINK, Tokenizer, build_tiny_tokenizer
+    from mini.chat_format import END_THINK
+    from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
+    from mini.tokenizer import Tokenizer
     tok = Tokenizer(build_tiny_tokenizer())
     end_think = tok.encode(END_THINK)
     assert len(end_think) == 1

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mini.checkpoint.make import random_state
+from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
 from mini.config import preset
 from mini.model import Batch, KVCache, Model, SeqChunk
 from mini.ops.engram import EngramHasher
-from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+from mini.tokenizer import compressed_token_map
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 

@@ -3,10 +3,11 @@ import torch
 import torch.nn.functional as F
 
 from mini.checkpoint.make import random_state
+from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
 from mini.config import preset
 from mini.model import Model
 from mini.ops.engram import EngramHasher
-from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+from mini.tokenizer import compressed_token_map
 
 
 @pytest.fixture

@@ -42,7 +42,8 @@ def test_engram_tables_go_to_the_device_up_to_a_size_limit():
     """Tables of at most engram_device_bytes (all layers, values and scales) move to the device and the model can
     hash there; one byte over the limit (V4.1-Flash: ~200 GB, far over the default) and they stay on the host."""
     from mini.ops.engram import EngramHasher
-    from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+    from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
+    from mini.tokenizer import compressed_token_map
     cfg = preset("tiny-v4.1")
     state = random_state(cfg)
     tables = sum(t.numel() * t.element_size() for n, t in state.items() if ".engram.embed." in n)

@@ -356,7 +356,8 @@ def test_flashmla_path_inside_tiny_models(preset_name, block_tokens, lens, cut, 
     from mini.config import preset
     from mini.model import Batch, KVCache, Model, SeqChunk
     from mini.ops.engram import EngramHasher
-    from mini.tokenizer import build_tiny_tokenizer, compressed_token_map
+    from mini.checkpoint.tiny_tokenizer import build_tiny_tokenizer
+    from mini.tokenizer import compressed_token_map
 
     def fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False):
         assert use_legacy and indices.dtype == topk_length.dtype == torch.int32 and indices.shape[2] % 128 == 0

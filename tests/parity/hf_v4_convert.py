@@ -258,7 +258,7 @@ def write_checkpoint(official: dict[str, torch.Tensor], cfg: ModelConfig, out_di
                      n_shards: int = 2) -> Path:
     """The official on-disk layout: `model-0000k-of-0000n.safetensors` shards, `model.safetensors.index.json`,
     `config.json`; plus mini's tiny tokenizer (the loader wants one; no test here depends on its merges)."""
-    from mini.tokenizer import write_tiny_tokenizer
+    from mini.checkpoint.tiny_tokenizer import write_tiny_tokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Tool calling through the official `openai` client over tiny-v4.1 (random weights): tools and tool history
-reach the prompt exactly as mini.tokenizer renders them, forced calls (tool_choice required / named) come back as
+reach the prompt exactly as mini.chat_format renders them, forced calls (tool_choice required / named) come back as
 tool_calls whose arguments validate against the tool's schema, a stream's tool_call deltas rebuild the same call,
 and whatever else the model writes comes back as content, never an error."""
 import json
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import MODEL, tiny_server
+from mini.chat_format import render_chat
 from mini.server.tool_calls import parse_tool_calls
-from mini.tokenizer import render_chat
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8}, "unit": {"type": "string", "enum": ["C", "F"]},
@@ -179,7 +179,7 @@ def test_an_auto_block_is_well_formed_by_construction(server, parallel, thinking
     offered tools whose arguments validate; one call at most unless parallel; an unknown tool cannot start.
     Thinking mode: the same after free reasoning up to `</think>`."""
     from mini.server.grammars import tool_call_grammar
-    from mini.tokenizer import TOOL_CALLS_START
+    from mini.chat_format import TOOL_CALLS_START
     _, app = server
     engine = app.state.server.llm.engine
     tok, backend, vocab = engine.tokenizer, engine.grammars, engine.config.vocab_size
@@ -385,7 +385,7 @@ def test_partial_parse_agrees_with_the_full_parse():
     The partial parse of a whole block is "closed" exactly when the full parse accepts it, with the same calls;
     while a well-formed block grows, each call's arguments only ever extend what was shown."""
     from mini.server.tool_calls import parse_partial_block
-    from mini.tokenizer import TOOL_CALLS_START, render_tool_calls
+    from mini.chat_format import TOOL_CALLS_START, render_tool_calls
     rng, names = random.Random(0), {"f", "get_weather"}
     values = ["", "a\nb", 'q"</', "x</｜DSML｜ par", "é", 3, -1.5, True, None, [1, {"k": "v"}], {"a": []}]
     edits = ["\n", '">', '"', "</｜DSML｜ parameter>", "</｜DSML｜ invoke>", "</｜DSML｜ calls>", "x", "{", ""]

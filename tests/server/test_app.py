@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from conftest import MODEL
-from mini.tokenizer import render_chat
+from mini.chat_format import render_chat
 
 
 def _client(url):
