@@ -198,3 +198,17 @@ def test_batch_and_layout_form_no_circle():
     known = modules()
     assert "mini.model.layout" in imported(known["mini.model.batch"], known, type_checking=True)
     assert "mini.model.batch" not in imported(known["mini.model.layout"], known, type_checking=True)
+
+
+BENCH_SHARE = 0.10  # issue 26: the measurement wing may not outgrow a tenth of the package again
+
+
+def _lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_bench_stays_a_tenth_of_the_package():
+    """mini/bench/ holds the suites (register + run); what they share with checks, tests and tools lives in
+    mini/testing/, studies in tools/. Counted as `wc -l` counts: every line of every .py file."""
+    bench, total = _lines((ROOT / "bench").rglob("*.py")), _lines(ROOT.rglob("*.py"))
+    assert bench <= BENCH_SHARE * total, f"mini/bench is {bench} of {total} lines ({bench / total:.1%})"

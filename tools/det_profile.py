@@ -1,6 +1,6 @@
 """Where the deterministic mode's cost goes on rank4 (issue 17 item 4): one model build, then
 
-1. the rank4 step per stage (mini.bench.profile's stages) and its 20 costliest GPU kernels in each of `--modes`
+1. the rank4 step per stage (mini.testing.stage_times' stages) and its 20 costliest GPU kernels in each of `--modes`
    (default: the mode off, then on; det-triton: on with MINI_DET_SPARSE_ATTN=triton), side by side;
 2. every GEMM the step sends to aten under the mode (op, dtype, batch, M, N, K, operand layouts, calls per step),
    recorded by a dispatch mode over one step;
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mini.ops  # noqa: E402
 from mini.bench import rank4  # noqa: E402
-from mini.bench.profile import report, staged  # noqa: E402
 from mini.testing.rank_step import time_steps  # noqa: E402
+from mini.testing.stage_times import report, staged  # noqa: E402
 
 # candidate fixed configs of the sweep: (BM, BN, BK, num_warps, num_stages), GROUP_M 8
 CANDIDATES = {

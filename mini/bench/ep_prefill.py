@@ -15,7 +15,7 @@ EP4 `--layers 0` is the real model (~half the experts per layer).
 Metrics (from rank 0): the step time is the slowest rank's of each step (a barrier starts every step), mean /
 median over `--steps` after `--warmup`; tok/s/GPU = tokens per rank / mean step; peak memory (max over ranks;
 GPU: allocated, and what the caching allocator reserved; CPU: peak RSS); then `--profile-steps` more steps with
-every stage timed (its named range, `mini.bench.profile`), rank 0's ms/step per stage. `communication`
+every stage timed (its named range, `mini.testing.stage_times`), rank 0's ms/step per stage. `communication`
 is the EXPOSED communication: the time inside the collectives' calls and their `wait()`s (the step's token-count
 all-gather, each MoE layer's all-gathers and reduce-scatters, all issued asynchronously). On the GPU these are CUDA
 events on the compute stream around each call and wait, so a collective that finished under the experts or the
@@ -45,18 +45,16 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mini.bench import profile
 from mini.config import ModelConfig
 from mini.parallel import exchange as exchange_mod
-from mini.ops.stages import recording
 from mini.parallel.groups import DistContext
 from mini.testing.rank_model import layer_config
+from mini.testing.stage_times import exchange_report, staged_with_exchange
 from mini.testing.suites import SuiteError, run_on_ranks
 
 
@@ -107,70 +105,6 @@ def rank_tokens(cfg: ModelConfig, args, rank: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(args.seed * 1000 + rank)
     per_seq = args.tokens // args.seqs
     return [torch.randint(3, cfg.vocab_size, (per_seq,), generator=g).tolist() for _ in range(args.seqs)]
-
-
-# ---------------------------------------------------------------------------------------------------- stages
-class _Pending:
-    """An async collective's handle whose `wait()` is timed (the exchange overlaps the shared expert with it)."""
-
-    def __init__(self, work, timer):
-        self.work, self.timer = work, timer
-
-    def wait(self):
-        with self.timer("communication.moe"):
-            return self.work.wait()
-
-
-COMMUNICATION = ("communication.moe", "communication.counts")
-
-
-@contextmanager
-def staged(cuda: bool):
-    """profile.staged's stages (the real exchange is the MoE stage: Model._ffn), plus the collectives as
-    communication: the exchange's own (its MoE rows) and those of its token counts (begin_step)."""
-    timer = profile.StageTimer(cuda, profile.STAGES + COMMUNICATION)
-    originals = {n: getattr(exchange_mod, n) for n in ("all_gather", "reduce_scatter")}
-    begin_step = exchange_mod.MoEExchange.begin_step
-    in_counts = [False]
-
-    def collective(fn):
-        def call(*a, **kw):
-            with timer(COMMUNICATION[1] if in_counts[0] else COMMUNICATION[0]):
-                work = fn(*a, **kw)
-            return _Pending(work, timer) if kw.get("async_op") else work
-        return call
-
-    def counted_begin_step(self, n):
-        in_counts[0] = True
-        try:
-            return begin_step(self, n)
-        finally:
-            in_counts[0] = False
-
-    try:
-        for n, fn in originals.items():
-            setattr(exchange_mod, n, collective(fn))
-        exchange_mod.MoEExchange.begin_step = counted_begin_step
-        with recording(timer):
-            yield timer
-    finally:
-        exchange_mod.MoEExchange.begin_step = begin_step
-        for n, fn in originals.items():
-            setattr(exchange_mod, n, fn)
-
-
-def stage_report(totals: dict[str, float], step_ms: float, steps: int) -> dict[str, float]:
-    """profile.report's stages, with the EP exchange in place of the emulation: the MoE stage's remainder is
-    communication + exchange glue, and the token-count exchange (outside the MoE) is communication too."""
-    stages = profile.report(totals, step_ms, steps)
-    moe_comm = totals.get("communication.moe", 0.0) / steps
-    counts = totals.get("communication.counts", 0.0) / steps
-    stages["exchange_glue"] = stages.pop("ep_emulation") - moe_comm
-    stages["communication"] = moe_comm + counts
-    stages["unattributed"] -= counts
-    stages["unattributed_fraction"] = stages["unattributed"] / step_ms
-    stages["exposed_fraction"] = (stages["communication"] + stages["exchange_glue"]) / step_ms
-    return stages
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -229,11 +163,11 @@ def setup(ctx: DistContext, args) -> tuple[EPRank, ModelConfig, float]:
 
 
 def profiled(r: EPRank, ctx: DistContext, args) -> dict[str, float]:
-    """`--profile-steps` steps timed by stage: rank 0's ms/step per stage (stage_report)."""
-    with staged(ctx.device.type == "cuda") as timer:
+    """`--profile-steps` steps timed by stage: rank 0's ms/step per stage (exchange_report)."""
+    with staged_with_exchange(ctx.device.type == "cuda") as timer:
         timed = lockstep(r, ctx.device, args.profile_steps)
         totals = timer.totals()
-    return stage_report(totals, statistics.mean(timed), len(timed))
+    return exchange_report(totals, statistics.mean(timed), len(timed))
 
 
 def setting_metrics(args, steps: list[float], stages: dict[str, float]) -> dict[str, float]:

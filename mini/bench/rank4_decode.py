@@ -143,7 +143,7 @@ def _time(fn, steps: int, cuda: bool, before=None) -> list[float]:
 def measure_one(run: DecodeRun, args, cuda: bool, study=None) -> tuple[dict[str, float], dict]:
     """Metrics of one (B, C): graph replays, the per-stage split of eager steps; `study(run, touched, ms, cuda)`
     (tools/rank4_decode_floor.py) adds its metrics and raw entries after the replays."""
-    from mini.bench.profile import report, staged
+    from mini.testing.stage_times import report, staged
     touched, pairs = run.touched_experts()  # also the eager warm-up of this shape
     run.capture()
     for _ in range(args.warmup):

@@ -1,6 +1,6 @@
-"""Named stages of the forward step: the rows of `mini profile` (mini/bench/profile.py) and named ranges in its
-torch.profiler trace. Model and op code marks a stage with `@staged("name")` on a function or `with stage("name"):`
-around a call; names nest with dots ("moe.routed.combine" is a part of "moe.routed").
+"""Named stages of the forward step: the rows of `mini profile` (timed by mini/testing/stage_times.py) and named
+ranges in its torch.profiler trace. Model and op code marks a stage with `@staged("name")` on a function or
+`with stage("name"):` around a call; names nest with dots ("moe.routed.combine" is a part of "moe.routed").
 
 Nothing is recorded unless a profiler installs a recorder (`recording`): then every marked call runs inside
 `recorder(name)`, a context manager. Without one a marked call costs one check of a module global.

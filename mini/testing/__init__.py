@@ -6,4 +6,6 @@ emulated_ep.py        one EP rank's MoE emulated on one device (`EmulatedEP`) an
 rank_model.py         one EP rank's model with random weights at a preset's shape, its prefill batch, Engram tables
 rank_step.py          that rank's prefill steps as a server runs them (the next input built while the GPU works)
 background_server.py  an app served from a thread of this process (`with BackgroundServer(app) as url`)
+stage_times.py        the per-stage timer of a forward step (`mini profile`, ep-prefill's and rank4-decode's stages)
+serving_load.py       a fixed random serving workload, streamed to a server, and its TTFT / TPOT summary
 """

@@ -91,7 +91,7 @@ def test_a_sub_stage_counts_only_calls_inside_its_parent():
     """The routed experts' FP8 act quant is the same function every linear layer calls: only the calls made
     inside the routed stage may count as its part (else `routed.other` goes negative). Stages are named ranges
     (mini.ops.stages); without a recorder they only run the function."""
-    from mini.bench.profile import StageTimer
+    from mini.testing.stage_times import StageTimer
     from mini.ops.stages import recording, stage, staged
     calls = []
 

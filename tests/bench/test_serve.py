@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mini.testing.suites import check_result
 from mini.bench import serve as goodput
+from mini.testing.serving_load import make_workload, touch
+from mini.testing.suites import check_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine tests' fake model
 from fake_model import FakeConfig, FakeModel, FakeTokenizer  # noqa: E402
@@ -22,13 +23,13 @@ def _args(*argv):
 def test_workload_is_fixed_by_seed():
     a = _args("--num-requests", "20", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
               "--request-rate", "4")
-    w1, w2 = goodput.make_workload(a, 512), goodput.make_workload(a, 512)
+    w1, w2 = make_workload(a, 512), make_workload(a, 512)
     assert w1 == w2
     assert all(5 <= len(r.prompt) <= 15 and 2 <= r.max_tokens <= 7 for r in w1)
     gaps = [b.send_at - a.send_at for a, b in zip(w1, w1[1:])]
     assert all(g >= 0 for g in gaps) and 0.05 < sum(gaps) / len(gaps) < 1.0  # Poisson, mean 1/4 s
-    assert goodput.make_workload(_args("--seed", "1", "--num-requests", "3"), 512) != \
-        goodput.make_workload(_args("--num-requests", "3"), 512)
+    assert make_workload(_args("--seed", "1", "--num-requests", "3"), 512) != \
+        make_workload(_args("--num-requests", "3"), 512)
 
 
 def test_against_a_running_server():
@@ -87,5 +88,5 @@ def test_the_client_warms_its_http_stack_on_health_only():
                     block_tokens=4, device="cpu", dtype=torch.float32, max_num_seqs=4)
     engine = app.state.server.llm.engine
     with BackgroundServer(app) as url:
-        asyncio.run(goodput._touch(url))
+        asyncio.run(touch(url))
     assert engine.stats.steps == 0 and not engine.requests

@@ -3,8 +3,8 @@ tiny-goodput; their defaults are EngineOptions' own."""
 import argparse
 
 from mini.bench import SUITES
+from mini.testing.serving_load import StartedServer
 from mini.testing.suites import parser
-from mini.bench.serve import _StartedServer
 from mini.args import ENGINE_FLAGS, add_serve_args, engine_opts
 from mini.engine import EngineOptions
 
@@ -22,7 +22,7 @@ def test_serve_flag_sets_the_engine_option():
 
 def test_goodput_passes_the_flag_to_the_started_server():
     def cmd(*argv):
-        return _StartedServer(parser(SUITES["tiny-goodput"], SUITES, "mini bench").parse_args(["tiny-goodput", "--device", "cpu", *argv])).cmd
+        return StartedServer(parser(SUITES["tiny-goodput"], SUITES, "mini bench").parse_args(["tiny-goodput", "--device", "cpu", *argv])).cmd
     assert "--enforce-eager" not in cmd() and "--enforce-eager" in cmd("--enforce-eager")
 
 
@@ -37,7 +37,7 @@ def test_engine_flag_defaults_are_the_engine_options_defaults():
 
 def test_goodput_forwards_only_the_engine_flags_given():
     def cmd(*argv):
-        return _StartedServer(parser(SUITES["tiny-goodput"], SUITES, "mini bench").parse_args(["tiny-goodput", "--device", "cpu", *argv])).cmd
+        return StartedServer(parser(SUITES["tiny-goodput"], SUITES, "mini bench").parse_args(["tiny-goodput", "--device", "cpu", *argv])).cmd
     base = cmd()
     assert base[base.index("--num-blocks") + 1] == "512"  # the CPU default of the started server
     assert not {"--max-num-seqs", "--block-tokens", "--no-enable-prefix-caching"} & set(base)
