@@ -87,8 +87,9 @@ def cmd_logits(args) -> int:
         images = None if prompt is None else _image_rows(model, prompt, device)
         batch = Batch.build([SeqChunk(tokens=history, start=0, slot=0, blocks=blocks)], cfg, device,
                             hasher=model.hasher)
-        batch = dataclasses.replace(batch, logit_rows=torch.arange(len(ids), device=batch.input_ids.device))
-        prefill = model.forward(batch, cache, images)  # every prompt position
+        batch = dataclasses.replace(batch, logit_rows=torch.arange(len(ids), device=batch.input_ids.device),
+                                    images=images)
+        prefill = model.forward(batch, cache)  # every prompt position
         if drafter:
             drafter.write(batch)
         decode_logits = []

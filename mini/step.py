@@ -26,17 +26,36 @@ How new kinds of step are meant to fit (issues 27, 29; add them here, declared, 
   model's own: a new `StepModel` method with a declared flag (a model without `mtp.*` says False), over the
   features the verify forward kept. Rolling the cache back to the committed frontier after a rejection is a
   `StepCache` method taking the accepted count of each sequence.
-* Vision: a chunk's images ride on `SeqChunk` (spans of image positions with their pixels and a content hash); the
-  model runs its encoder inside `build_batch` for the spans it has not encoded yet (once per image, not per chunk),
-  and the batch carries the step's image rows to `forward` (which keeps its two arguments). The engine only keeps a
-  span inside one chunk and keys prefix-cache blocks by the span's content hash.
+
+Images (issue 29). A request may carry images: each is an `ImageSpan` of the prompt, positions [start, end) that
+take the image's embeddings instead of token embeddings (their ids are the model's image id; the engine reads them
+as it reads any id). The engine keeps every span inside one prefill chunk, keys the prefix cache's blocks by the
+digests of the spans they intersect, and hands each chunk the spans it needs (`SeqChunk.images`) and each static
+decode row its sequence's spans (`DecodeRows.images`); what an image *is* (`ImageSpan.data`) only the model reads:
+it encodes each image once, inside `build_batch`, and the batch carries the step's image rows to `forward`. A model
+that cannot read images says so (`StepModel.reads_images = False`); the engine then refuses requests with images.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image in a sequence's history: positions [start, start + length) take its embeddings. `digest` names its
+    content (equal digests: equal embeddings; the prefix cache keys blocks by it); `data` is the model's own input
+    (mini.model.image_input.ImageInput), which the engine never reads."""
+    start: int
+    length: int
+    digest: str
+    data: object = field(repr=False, compare=False)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass
@@ -47,6 +66,9 @@ class SeqChunk:
     slot: int  # row of the sequence in the per-sequence pools (window rings, compressor state)
     blocks: list[int]  # block ids of the paged pools covering positions 0..len(tokens)-1
     want_logits: bool = True
+    # the sequence's image spans that start before the chunk's end, in order (those its positions are in, and
+    # those the model may look back over); empty for a text-only sequence
+    images: list[ImageSpan] = field(default_factory=list)
 
     def __post_init__(self):
         if not 0 <= self.start < len(self.tokens):
@@ -63,6 +85,8 @@ class DecodeRows:
     # history(b, start, end): tokens start..end-1 of row b's sequence, as the host knows them: every token before
     # its position, and its own token unless a TokenFeed brings it (then never asked for)
     history: Callable[[int, int, int], list[int]]
+    # images(b): row b's sequence's image spans (before its position: a decode row is never inside one)
+    images: Callable[[int], list[ImageSpan]] = lambda b: []
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -111,6 +135,8 @@ class StepModel(Protocol):
     # decode steps may be captured in CUDA graphs (static_decode): False when each forward exchanges token counts
     # with other ranks and nothing agrees on them first
     capturable: bool
+    # the model reads images (ImageSpan.data): False for a model without a vision tower
+    reads_images: bool
 
     def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
         """Called before every forward of `n_tokens` tokens that fits the decode graph of `bucket` (None: it needs

@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from mini.engine.sequence import Sequence
 
 
-def block_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
-    """Chained key of a full block: its tokens and (through `parent`) everything before it."""
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: int, tokens: list[int] | tuple[int, ...], images: tuple = ()) -> int:
+    """Chained key of a full block: its tokens, the images it holds positions of (`images`: their digests and
+    offsets, see `block_images`; an image position's id says nothing of the image) and (through `parent`)
+    everything before it."""
+    return hash((parent, tuple(tokens), images) if images else (parent, tuple(tokens)))
+
+
+def block_images(seq: Sequence, start: int, end: int) -> tuple:
+    """(digest, first position relative to `start`) of each of `seq`'s image spans that intersects [start, end)."""
+    return tuple((s.digest, s.start - start) for s in seq.images if s.start < end and s.end > start)
 
 
 @dataclass
@@ -103,8 +110,9 @@ class BlockManager:
         tokens = seq.tokens
         keys, parent = [], 0
         # the last token is always computed (its logits are needed), so only blocks strictly before it match
-        for i in range((len(tokens) - 1) // self.block_tokens):
-            parent = block_hash(parent, tokens[i * self.block_tokens:(i + 1) * self.block_tokens])
+        bt = self.block_tokens
+        for i in range((len(tokens) - 1) // bt):
+            parent = block_hash(parent, tokens[i * bt:(i + 1) * bt], block_images(seq, i * bt, (i + 1) * bt))
             if parent not in self.block_of:
                 break
             keys.append(parent)
@@ -159,8 +167,8 @@ class BlockManager:
         tokens = seq.tokens if len(seq.block_hashes) < n_full else None  # the copy only when a block completed
         while len(seq.block_hashes) < n_full:
             i = len(seq.block_hashes)
-            key = block_hash(seq.block_hashes[-1] if i else 0,
-                             tokens[i * self.block_tokens:(i + 1) * self.block_tokens])
+            lo, hi = i * self.block_tokens, (i + 1) * self.block_tokens
+            key = block_hash(seq.block_hashes[-1] if i else 0, tokens[lo:hi], block_images(seq, lo, hi))
             seq.block_hashes.append(key)
             b = seq.blocks[i]
             if key not in self.block_of and b not in self.hash_of:

@@ -73,7 +73,7 @@ class DecodeGraphs:
         the model fetches them only if it needs them on the host, as late as it can)."""
         n = self.bucket(len(chunks)) if bucket is None else bucket
         rows = DecodeRows([c.start for c in chunks], [c.seq.slot for c in chunks], [c.seq.blocks for c in chunks],
-                          lambda b, start, end: history(chunks[b].seq, start, end))
+                          lambda b, start, end: history(chunks[b].seq, start, end), lambda b: chunks[b].seq.images)
         self.static.fill(n, rows, feed)
         return n
 

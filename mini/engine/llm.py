@@ -34,7 +34,7 @@ from mini.engine.cuda_graphs import is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
-from mini.step import StepModel, TokenFeed
+from mini.step import ImageSpan, StepModel, TokenFeed
 
 
 @dataclass
@@ -259,14 +259,29 @@ class LLMEngine:
             self._grammars = GrammarBackend(self.tokenizer, self.config.vocab_size)
         return self._grammars
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def check_images(self, ids: list[int], images: list[ImageSpan]) -> None:
+        """Raise ValueError unless `images` are spans of the prompt `ids`, in order, apart, and the model reads
+        images."""
+        if images and not self.model.reads_images:
+            raise ValueError("this model has no vision tower: it cannot read images")
+        end = 0
+        for k, span in enumerate(images):
+            if span.length < 1 or span.start < end or span.end > len(ids):
+                raise ValueError(f"image {k} at positions [{span.start}, {span.end}) is not a span of the prompt's "
+                                 f"{len(ids)} tokens after the previous image")
+            end = span.end
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    images: list[ImageSpan] | None = None) -> Sequence:
+        """`images`: the prompt's image spans (its ids expanded, mini.model.image_input.PromptImages.spans)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.encode(prompt)
+        ids, images = self.encode(prompt), list(images or [])
         self.check_prompt(ids, params)
+        self.check_images(ids, images)
         seq = Sequence(request_id, ids, params, seed=params.seed if params.seed is not None
                        else self._rng.getrandbits(62), eos_token_id=self.config.eos_id,
-                       max_total_tokens=self.max_model_len)
+                       max_total_tokens=self.max_model_len, images=images)
         if self.tokenizer is not None:
             seq.detok = self.tokenizer.stream(skip_special_tokens=params.skip_special_tokens)
         if params.grammar is not None:
@@ -558,21 +573,25 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """`prompts`: a string, a list of token ids, or a list of either. Outputs come back in prompt order."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[list[ImageSpan]] | None = None) -> list[RequestOutput]:
+        """`prompts`: a string, a list of token ids, or a list of either. Outputs come back in prompt order.
+        `images`: each prompt's image spans (mini.step.ImageSpan), its ids expanded."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        images = images if images is not None else [[]] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but images for {len(images)}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         params = sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, spans in zip(prompts, params, images):
             ids.append(f"offline-{self._next_id}")
             self._next_id += 1
-            self.engine.add_request(ids[-1], prompt, p)
+            self.engine.add_request(ids[-1], prompt, p, spans)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_work():
             for o in self.engine.step():

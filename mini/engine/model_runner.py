@@ -129,7 +129,8 @@ class ModelRunner:
             n = self.graphs.prepare(chunks, _history, feed, bucket=n)
         else:
             seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
-                                   blocks=c.seq.blocks, want_logits=c.samples) for c in chunks]
+                                   blocks=c.seq.blocks, want_logits=c.samples,
+                                   images=[s for s in c.seq.images if s.start < c.end]) for c in chunks]
             batch = self.model.build_batch(seq_chunks, self.device)
         t1 = time.perf_counter()
         events = None

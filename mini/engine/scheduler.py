@@ -78,6 +78,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self._prefilling = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,6 +101,7 @@ class Scheduler:
     def schedule(self, budget: int | None = None) -> StepPlan:
         """The next step's chunks within `budget` tokens (None: `max_num_batched_tokens`)."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
+        self._prefilling = False  # a prefill chunk is planned (see _whole_spans)
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         # decodes first: they are cheap and every step without them adds to the inter-token latency
@@ -115,7 +117,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, 1, is_decode=True))
             budget -= 1
         for seq in [s for s in self.running if s.in_prefill]:
-            if budget == 0:
+            if budget <= 0:  # (below 0 after an image span longer than the budget)
                 break
             if seq.status is not Status.RUNNING:
                 continue
@@ -126,6 +128,7 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            self._prefilling = True
         restores: list[SlotCopy] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs \
                 and self.blocks.has_free_slot():
@@ -146,6 +149,7 @@ class Scheduler:
                 restores.append(restore)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            self._prefilling = True
         # a sequence preempted to make room for a later one may already have had a chunk planned
         chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
         return StepPlan(chunks, restores, preempted)
@@ -154,7 +158,7 @@ class Scheduler:
         c = self.config.chunk_tokens
         if c > 0:  # deterministic: the chunk up to the next multiple of c, whole or not at all (0)
             n = min(seq.num_tokens, (seq.num_computed // c + 1) * c) - seq.num_computed
-            return n if n <= budget else 0
+            return self._whole_spans(seq, n, budget)
         n = min(seq.num_pending, budget)
         bt = self.blocks.block_tokens
         if self.blocks.prefix_caching:
@@ -169,7 +173,22 @@ class Scheduler:
                 aligned = end
             if aligned > seq.num_computed:
                 n = aligned - seq.num_computed
-        return n
+        return self._whole_spans(seq, n, budget)
+
+    def _whole_spans(self, seq: Sequence, n: int, budget: int) -> int:
+        """`n` moved so that the chunk ends outside every image span (the official code prefills a span in one
+        forward): back to the start of the span it would cut, or, for a chunk starting at (or, after a prefix hit,
+        in) the span, on to its end. A chunk past `budget` waits (0) unless it can never fit (a span longer than
+        the step budget) and is the step's first prefill chunk: then it goes over the budget, beside the decodes
+        only."""
+        start = seq.num_computed
+        for span in seq.images:
+            if span.start < start + n < span.end:
+                n = (span.start if span.start > start else span.end) - start
+                break
+        if n <= budget:
+            return n
+        return n if n > self.config.max_num_batched_tokens and not self._prefilling else 0
 
     def _make_room(self, seq: Sequence, upto: int, preempted: list[Sequence]) -> bool:
         """Grow `seq` to cover `upto` tokens, preempting the newest running sequences if needed.

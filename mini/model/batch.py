@@ -51,6 +51,7 @@ class Batch:
     start_host: list[int] = field(default_factory=list)
     lens_host: list[int] = field(default_factory=list)
     n_blocks_host: list[int] = field(default_factory=list)
+    images: object | None = None  # the step's image rows (mini.model.vision.ImageRows), None without any
     # a decode step in static buffers (DecodeBuffers) sets these instead of the host copies; its layout is a
     # DecodeLayout, shaped by max_len (the longest sequence the buffers allow)
     max_len: int | None = None

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from mini.config import ModelConfig
+from mini.step import ImageSpan
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3  # token types, as prepare_vl_inputs
 PAD_GRAY = (127, 127, 127)  # the official fill of the letterbox
@@ -51,7 +52,7 @@ class ImagePlan:
 @dataclass
 class ImageInput:
     """One preprocessed image: ViT patches [n_vit_h * n_vit_w, 3, p, p] bf16 (raster order, channel-major) and its
-    plan. `digest` names the decoded pixels (sha256 of the RGB bytes): equal digests mean equal spans."""
+    plan. `digest` names the decoded pixels (sha256 of the size and the RGB bytes): equal digests mean equal spans."""
     patches: torch.Tensor
     plan: ImagePlan
     digest: str
@@ -131,7 +132,7 @@ def preprocess(image, cfg: ModelConfig) -> ImageInput:
     if not cfg.vision:
         raise ValueError("this model has no vision tower: it cannot read images")
     image = image.convert("RGB")
-    digest = hashlib.sha256(image.tobytes()).hexdigest()
+    digest = hashlib.sha256(f"{image.width}x{image.height}:".encode() + image.tobytes()).hexdigest()
     plan, p = plan_image(image.width, image.height, cfg), cfg.vision_patch_size
     squash = cfg.vision_max_wh_ratio is not None and image.width >= cfg.vision_max_wh_ratio * image.height
     if squash:  # the official code stretches a too-wide image instead of letterboxing it
@@ -161,6 +162,22 @@ class PromptImages:
     def engram_ids(self) -> list[int]:
         """The ids with image positions marked dead (-1): they take part in no Engram n-gram (spec §2.3)."""
         return [-1 if t != TEXT else i for i, t in zip(self.ids, self.token_types)]
+
+    def spans(self) -> list[ImageSpan]:
+        """The images as an engine request carries them (mini.step.ImageSpan: position, length, digest)."""
+        return [ImageSpan(s, im.plan.n_tokens, im.digest, im) for s, im in zip(self.starts, self.images)]
+
+
+def dead_at_images(tokens: list[int], first: int, spans: list[ImageSpan]) -> list[int]:
+    """`tokens` (positions first, first + 1, ...) with the positions inside `spans` marked dead (-1) for Engram:
+    a copy when a span reaches into them, else `tokens` itself."""
+    end, out = first + len(tokens), tokens
+    for span in spans:
+        lo, hi = max(span.start, first), min(span.end, end)
+        if lo < hi:
+            out = list(tokens) if out is tokens else out
+            out[lo - first:hi - first] = [-1] * (hi - lo)
+    return out
 
 
 def expand_prompt(ids: list[int], images: list[ImageInput], cfg: ModelConfig) -> PromptImages:

@@ -9,7 +9,7 @@ FFN's, and the last FFN's `pre` makes the final collapse; there is no hc_head.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,10 +96,11 @@ class Model:
         only the code path differs)."""
         cfg = self.config = config
         self.device, self.dtype, self.moe_exchange = torch.device(device), dtype, moe_exchange
-        self.vision = None  # V4.1's vision tower (mini/model/vision.py): it takes its tensors before the text model
+        self.vision = self.span_cache = None  # V4.1's vision tower (mini/model/vision.py), before the text model
         if cfg.vision:
-            from mini.model.vision import VisionTower
+            from mini.model.vision import SpanCache, VisionTower
             self.vision = VisionTower.take(state, cfg, self.device, dtype, consume_state)
+            self.span_cache = SpanCache(self.vision)  # an engine's steps: each image encoded once
         table_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if _is_engram_table(n))
         self.engram_on_device = bool(cfg.engram_layer_ids) and table_bytes <= engram_device_bytes
         self.hasher = None  # EngramHasher for Batch.build; load_model sets it
@@ -140,7 +141,26 @@ class Model:
 
     # ---------------------------------------------------------- what the engine steps (mini.step.StepModel)
     def build_batch(self, chunks: list[SeqChunk], device) -> Batch:
-        return Batch.build(chunks, self.config, device, hasher=self.hasher)
+        """The flat batch; with images, their rows (each image encoded once, SpanCache) and their positions dead in
+        the histories Engram hashes (their input ids stay the image id)."""
+        if not any(c.images for c in chunks):
+            return Batch.build(chunks, self.config, device, hasher=self.hasher)
+        if self.span_cache is None:
+            raise ValueError("this model has no vision tower: it cannot read images")
+        from mini.model.image_input import dead_at_images
+        back = self.hasher.lookback if self.hasher is not None else 0
+        marked = []
+        for c in chunks:  # only the positions the hash reads: the chunk and the lookback before it
+            first = max(0, c.start - back)
+            marked.append(replace(c, tokens=c.tokens[:first] + dead_at_images(c.tokens[first:], first, c.images)))
+        batch = Batch.build(marked, self.config, device, hasher=self.hasher)
+        batch.input_ids = batch.input_ids.masked_fill(batch.input_ids < 0, self.config.image_token_id)
+        batch.images = self.span_cache.step_rows(chunks, device)
+        return batch
+
+    @property
+    def reads_images(self) -> bool:
+        return self.vision is not None
 
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> KVCache:
         return KVCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
@@ -200,12 +220,14 @@ class Model:
         return torch.stack([w.lookup(hash_ids[:, i], self.dtype, w.embed.device) for i, w in enumerate(tables)], 1)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, cache: KVCache, images=None) -> torch.Tensor:
-        """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`. `images`: the step's image
-        positions (mini.model.vision.ImageRows), whose ids may be -1 (dead for Engram; their embedding is replaced)."""
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """logits fp32 [len(batch.logit_rows), vocab]; writes the step's KV into `cache`. `batch.images`: the step's
+        image positions (mini.model.vision.ImageRows), whose ids may be -1 (dead for Engram, as `mini logits` builds
+        its batch; their embedding is replaced)."""
         cfg, eps = self.config, self.config.norm_eps
         lay = batch.layout(cache.block_tokens, cfg.window_size)
         shared: dict = {}  # top-k / candidates published within this forward
+        images = batch.images
         h = self.embed[batch.input_ids if images is None else batch.input_ids.clamp(min=0)].to(self.dtype)
         image_mask = text_mask = None
         if images is not None:  # image spans: their embeddings, bias_vl in the gates, no Engram (spec §2.8)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mini.model.batch import Batch, DecodeBuffers
+from mini.model.image_input import dead_at_images
 from mini.step import DecodeRows, TokenFeed
 
 
@@ -41,8 +42,8 @@ class StaticDecodeInputs:
         if self.hasher is not None and len(rows):  # the last `lookback` tokens of each sequence, its decode token last
             k = self.hasher.lookback
             tails = np.full((len(rows), k), -1, dtype=np.int64)  # -1: before the sequence's start
-            for b, p in enumerate(rows.positions):  # the tokens before the decode token
-                tail = rows.history(b, max(0, p + 1 - k), p)
+            for b, p in enumerate(rows.positions):  # the tokens before the decode token, image positions dead
+                tail = dead_at_images(rows.history(b, max(0, p + 1 - k), p), max(0, p + 1 - k), rows.images(b))
                 tails[b, k - 1 - len(tail):k - 1] = tail
             tails[:, -1] = tokens
             if self.buffers.n_prefix:  # tables on the device: hashed there, with the token the buffers hold

@@ -7,12 +7,17 @@ Every position of a span (delimiters included) is an image position: the MoE gat
 `bias`, and Engram leaves it alone (its gate shut, and its token dead in every n-gram that would reach back over
 it: the token history carries -1 there, `PromptImages.engram_ids`). Attention treats it as any other position.
 
-`VisionTower.spans` is what an engine calls once per image (and may keep); `ImageRows` is one step's share of the
-spans: which batch rows they cover and the embeddings those rows take. A span may be split across prefill chunks
-(each chunk's ImageRows holds its part), although the official code prefills a span in one chunk.
+`VisionTower.spans` encodes images; `ImageRows` is one step's share of the spans: which batch rows they cover and
+the embeddings those rows take (`Batch.images`). A span may be split across prefill chunks (each chunk's ImageRows
+holds its part), although the official code prefills a span in one chunk (the engine keeps it whole).
+
+`SpanCache` is the engine's side of it (`Model.build_batch`): a step's chunks name their spans (mini.step.ImageSpan);
+the images it has not encoded yet are encoded in one call, their span embeddings kept by digest, so an image is
+encoded once however many chunks, sequences (n > 1, a shared prefix) or recomputations (preemption) read it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +25,7 @@ import torch
 from mini.config import ModelConfig
 from mini.model.image_input import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageInput
 from mini.ops.vision import VisionWeights, encode_images
+from mini.step import SeqChunk
 
 VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
@@ -76,3 +82,50 @@ class ImageRows:
         h = h.index_put((self.rows,), self.embeds.to(h.dtype))
         mask = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         return h, mask.index_fill(0, self.rows, True)
+
+
+SPAN_CACHE_BYTES = 256 << 20  # span embeddings kept (V4.1-Flash: 10 MB for a span of 1024 tokens of 5120 bf16)
+
+
+class SpanCache:
+    """Span embeddings by image digest, least recently used dropped past `max_bytes` (never those of the step that
+    reads them). A finished request's images may stay a while: the same image in a later request is not encoded
+    again. `encoded` counts the images the tower has encoded (tests read it)."""
+
+    def __init__(self, tower: VisionTower, max_bytes: int = SPAN_CACHE_BYTES):
+        self.tower, self.max_bytes = tower, max_bytes
+        self.spans: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoded = 0
+
+    def step_rows(self, chunks: list[SeqChunk], device) -> ImageRows | None:
+        """The step's image rows: the part of each span inside each chunk, at its rows of the flat batch (chunks in
+        order); None when no chunk holds an image position."""
+        parts, row = [], 0  # (first batch row, span, first and last + 1 position within the span)
+        for c in chunks:
+            end = len(c.tokens)
+            for span in c.images:
+                lo, hi = max(span.start, c.start), min(span.end, end)
+                if lo < hi:
+                    parts.append((row + lo - c.start, span, lo - span.start, hi - span.start))
+            row += end - c.start
+        if not parts:
+            return None
+        new = {span.digest: span.data for _, span, _, _ in parts if span.digest not in self.spans}
+        if new:  # one batched encoder call over the step's new images
+            for digest, emb in zip(new, self.tower.spans(list(new.values()))):
+                self.spans[digest] = emb
+            self.encoded += len(new)
+        used = {span.digest for _, span, _, _ in parts}
+        for digest in used:
+            self.spans.move_to_end(digest)
+        self._trim(keep=used)
+        return ImageRows.of([(r, self.spans[span.digest][a:b]) for r, span, a, b in parts], device)
+
+    def _trim(self, keep: set[str]) -> None:
+        size = sum(e.numel() * e.element_size() for e in self.spans.values())
+        for digest in list(self.spans):
+            if size <= self.max_bytes:
+                break
+            if digest not in keep:
+                e = self.spans.pop(digest)
+                size -= e.numel() * e.element_size()

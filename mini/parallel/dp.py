@@ -57,6 +57,10 @@ class DPModel:
         self._shape: StepShape | None = None  # agreed for the next forward
         self._foreseen: int | None = None  # the bucket of the coming step, known without an agreement
 
+    @property
+    def reads_images(self) -> bool:
+        return self.model.reads_images
+
     def build_batch(self, chunks, device):
         return self.model.build_batch(chunks, device)
 

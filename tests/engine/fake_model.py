@@ -71,6 +71,7 @@ class FakeStepModel:
     """What the engine needs of a model besides `forward` (mini.step.StepModel), for the fakes: no static decode
     buffers (the engine tests that take the static path use the tiny models)."""
     capturable = False
+    reads_images = False
 
     def agree_step(self, n_tokens, bucket):
         return bucket

@@ -102,7 +102,8 @@ def _run(model, hasher, pi, spans, steps, slot=0, blocks=tuple(range(8)), block_
                 parts.append((lo - start, span[lo - s:hi - s]))
         batch = Batch.build([SeqChunk(history[:end], start, slot, list(blocks))], cfg, "cpu", hasher)
         batch.logit_rows = torch.arange(batch.n_tokens)
-        out.append(model.forward(batch, cache, ImageRows.of(parts, "cpu") if parts else None))
+        batch.images = ImageRows.of(parts, "cpu") if parts else None
+        out.append(model.forward(batch, cache))
         start = end
     return torch.cat(out)
 
@@ -138,8 +139,9 @@ def test_sequences_with_images_batched_equal_each_alone(tiny_model, batch_invari
                          SeqChunk(b.engram_ids(), 0, 3, list(range(24, 32)))], cfg, "cpu", hasher)
     batch.logit_rows = torch.arange(batch.n_tokens)
     n = len(a.ids)
-    rows = ImageRows.of([(s, e) for s, e in zip(a.starts, sa)] + [(n + s, e) for s, e in zip(b.starts, sb)], "cpu")
-    together = model.forward(batch, cache, rows)
+    batch.images = ImageRows.of([(s, e) for s, e in zip(a.starts, sa)] + [(n + s, e) for s, e in zip(b.starts, sb)],
+                                "cpu")
+    together = model.forward(batch, cache)
     _close(together[:n], alone_a)
     _close(together[n:], alone_b)
 

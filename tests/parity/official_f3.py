@@ -73,8 +73,9 @@ def run_logits(model, cfg, pi, forced: list[int], device="cpu", dtype=torch.bflo
         images = ImageRows.of(list(zip(pi.starts, spans)), device)
         batch = Batch.build([SeqChunk(tokens=list(history), start=0, slot=0, blocks=blocks)], cfg, device,
                             hasher=model.hasher)
-        batch = dataclasses.replace(batch, logit_rows=torch.arange(len(history), device=batch.input_ids.device))
-        prefill = model.forward(batch, cache, images).float().cpu().numpy()
+        batch = dataclasses.replace(batch, logit_rows=torch.arange(len(history), device=batch.input_ids.device),
+                                    images=images)
+        prefill = model.forward(batch, cache).float().cpu().numpy()
         rows = []
         for tok in forced:
             history.append(int(tok))
