@@ -195,6 +195,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="stored responses kept; the oldest beyond go (default: 10000)")
     p.add_argument("--metrics-need-key", action="store_true",
                    help="/metrics takes the API key too (default: open to scrapers, as /health is)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in chat requests (public addresses only, 20 MB, 10 s; default: "
+                        "only inline data: URLs)")
     p.add_argument("--allowed-origins", default="", help="comma-separated browser origins allowed to call the API "
                    "cross-origin (e.g. http://localhost:3000; default: none)")
     p.add_argument("--allowed-hosts", default=None, help="comma-separated Host header values accepted "

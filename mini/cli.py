@@ -23,14 +23,27 @@ def cmd_generate(args) -> int:
     # on CPU the cache is sized by a block count (on CUDA from free memory): enough for this one request
     if args.num_blocks is None and not opts["device"].startswith("cuda"):
         opts["num_blocks"] = 8 + (args.max_tokens + 4096) // args.block_tokens
-    prompt = render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    marker = "<mini-image>"  # --image: each image's place, before the prompt's text (one user message with --chat)
+    content = [{"type": "text", "text": marker} for _ in args.image] + [{"type": "text", "text": args.prompt}]
+    prompt = render_chat([{"role": "user", "content": content}]) if args.chat else \
+        marker * len(args.image) + args.prompt
     if under_torchrun():  # DP ranks: the prompt runs on rank 0, the others serve its MoE layers
+        if args.image:
+            print("error: --image: not under torchrun (EP ranks serve text only)", file=sys.stderr)
+            return 2
         return generate_torchrun(args, prompt, opts.get("num_blocks"))
     llm = LLM(args.model, **opts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
+    images = None
+    if args.image:
+        try:
+            prompt, images = _prompt_with_images(prompt, marker, args.image, llm.engine)
+        except (OSError, ValueError) as e:
+            print(f"error: --image: {e}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
+    out = llm.generate([prompt], params, images=images)[0]
     dt = time.perf_counter() - t0
     print(out.text)
     n = len(out.token_ids)
@@ -150,6 +163,19 @@ class _Drafts:
                 "dspark_confidence": stack("confidence", (k,), np.float32)}
 
 
+def _prompt_with_images(text: str, marker: str, paths: list[str], engine):
+    """`mini generate --image`: (prompt ids with each marker expanded to its image's span, [the spans])."""
+    from pathlib import Path
+
+    from mini.model.image_input import expand_prompt, load_image, marked_ids
+    cfg = engine.config
+    if not engine.model.reads_images:
+        raise ValueError("this model has no vision tower")
+    ids = marked_ids(text, marker, engine.tokenizer.encode, cfg.image_token_id)
+    prompt = expand_prompt(ids, [load_image(Path(p).read_bytes(), cfg) for p in paths], cfg)
+    return prompt.ids, [prompt.spans()]
+
+
 def _expand_images(ids: list[int], paths: list[str], cfg):
     """`mini logits --image`: the k-th `image_token_id` of `ids` becomes the span of the k-th image file."""
     from pathlib import Path
@@ -256,6 +282,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=non_negative, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat format")
+    g.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image (PNG, JPEG, WebP, GIF) before the prompt's text, in order; repeatable (a model with "
+                        "a vision tower, e.g. tiny-v4.1-vl)")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(fn=cmd_generate)
     lg = sub.add_parser("logits", help="write fp32 logits of a prefill and N greedy decode steps (parity checks)")

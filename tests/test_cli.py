@@ -22,6 +22,22 @@ def test_generate_chat_format(capsys):
     assert "2 tokens in" in capsys.readouterr().err
 
 
+def test_generate_with_images(tmp_path, capsys):
+    """`mini generate --image` (twice): the prompt carries both spans (tiny-v4.1-vl: 10 tokens each for 60x50)."""
+    import numpy as np
+    from PIL import Image
+    path = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 60, 3), dtype=np.uint8)).save(path)
+    common = ["generate", "--model", "tiny-v4.1-vl", "--prompt", "Hi", "--max-tokens", "2", "--ignore-eos",
+              "--device", "cpu"]
+    assert main(common) == 0
+    text_only = int(capsys.readouterr().err.split("prompt ")[1].split()[0])
+    assert main([*common, "--image", str(path), "--image", str(path)]) == 0
+    assert f"prompt {text_only + 20} tokens" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "Hi", "--image", str(path), "--device", "cpu"]) == 2
+    assert "no vision tower" in capsys.readouterr().err
+
+
 def test_logits_decode_matches_prefill_of_the_extended_prompt(tmp_path):
     """`mini logits` decode rows must equal the prefill logits of the prompt extended by the greedy tokens."""
     ids = [0, 17, 42, 300, 5, 99, 7]

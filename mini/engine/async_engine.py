@@ -13,11 +13,12 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from mini.engine.llm import LLMEngine, RequestOutput
 from mini.engine.sequence import SamplingParams
+from mini.step import ImageSpan
 
 log = logging.getLogger("mini.engine")
 
@@ -37,6 +38,7 @@ class Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    images: list[ImageSpan] = field(default_factory=list)  # the prompt's image spans (LLMEngine.add_request)
 
 
 @dataclass
@@ -59,7 +61,7 @@ def apply(engine: LLMEngine, commands: list[Add | Abort]) -> list[Failed]:
             engine.abort(cmd.request_id)
             continue
         try:
-            engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+            engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.images)
         except ValueError as e:
             failed.append(Failed(cmd.request_id, e))
     return failed
@@ -130,21 +132,23 @@ class AsyncLLM:
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side (any thread / event loop)
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt: str | list[int], params: SamplingParams, images: list[ImageSpan] | None = None
+                 ) -> list[int]:
         """Tokenize and check a request; ValueError says what is wrong. Read-only, so safe off the engine thread."""
         ids = self.engine.encode(prompt)
         self.engine.check_prompt(ids, params)
+        self.engine.check_images(ids, images or [])
         return ids
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
-        ids = self.validate(prompt, params)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       images: list[ImageSpan] | None = None) -> AsyncIterator[RequestOutput]:
+        ids = self.validate(prompt, params, images)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(Add(request_id, ids, params))
+        self._inbox.put(Add(request_id, ids, params, list(images or [])))
         finished = False
         try:
             while not finished:

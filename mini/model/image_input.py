@@ -198,3 +198,13 @@ def expand_prompt(ids: list[int], images: list[ImageInput], cfg: ModelConfig) ->
         out += [cfg.image_token_id] * len(span)
         types += span
     return PromptImages(out, types, starts, list(images))
+
+
+def marked_ids(text: str, marker: str, encode, image_token_id: int) -> list[int]:
+    """Token ids of `text` with each `marker` one `image_token_id` (to expand with `expand_prompt`): the text between
+    markers is tokenized piece by piece, as an added token splits it."""
+    pieces = text.split(marker)
+    ids = list(encode(pieces[0]))
+    for piece in pieces[1:]:
+        ids += [image_token_id, *encode(piece)]
+    return ids

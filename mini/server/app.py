@@ -23,6 +23,8 @@ from mini.engine.async_engine import AsyncLLM
 from mini.server.bodies import ApiError, json_depth, parse_body, validation_error  # noqa: F401 (re-exported)
 from mini.server.chat_output import ChatChoice, split_reasoning  # noqa: F401 (split_reasoning: re-exported)
 from mini.server.guard import LOOPBACK_HOSTS, Guard, Policy, h11_with_header_timeout
+from mini.server import images
+from mini.server.images import ImageLimits
 from mini.server.metrics import ServerMetrics
 from mini.server.protocol import ChatCompletionRequest, CompletionRequest
 from mini.server.store import DEFAULT_MAX_RESPONSES, ResponseStore
@@ -90,9 +92,10 @@ def _sse(obj) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, model_name: str):
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, model_name: str, images: ImageLimits | None = None):
         self.llm, self.metrics, self.model_name = llm, metrics, model_name
         self.tokenizer = llm.engine.tokenizer
+        self.images = images or ImageLimits()
 
     # ------------------------------------------------------------------ shared plumbing
     def _check_model(self, name: str | None) -> None:
@@ -100,23 +103,24 @@ class OpenAIServer:
             raise ApiError(f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", status=404, code="model_not_found")
 
-    async def _start_n(self, prompt, params: SamplingParams, request_id: str, n: int
+    async def _start_n(self, prompt, params: SamplingParams, request_id: str, n: int, images: list | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`n` samples of one prompt as (choice index, output) pairs. Choice 0 ends its prefill with a snapshot at
         the prompt's last block boundary (`share_prompt`); the others are submitted once it has its first token and
         take the prompt's full blocks and that snapshot from the prefix cache: each computes only the prompt's
-        last partial block. A seed gives choice i the seed + i."""
+        last partial block. A seed gives choice i the seed + i. `images`: the prompt's image spans (ids expanded)."""
         if n == 1:
-            stream = await self._start(prompt, params, request_id)
+            stream = await self._start(prompt, params, request_id, images)
             return _only(stream)
-        first = await self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0")
+        first = await self._start(prompt, replace(params, share_prompt=True), f"{request_id}-0", images)
 
         async def later():
             return [await self._start(prompt, replace(params, seed=None if params.seed is None else params.seed + i),
-                                      f"{request_id}-{i}") for i in range(1, n)]
+                                      f"{request_id}-{i}", images) for i in range(1, n)]
         return _indexed([first], later)
 
-    async def _start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _start(self, prompt, params: SamplingParams, request_id: str, images: list | None = None
+                     ) -> AsyncIterator[RequestOutput]:
         """Tokenize and check in a worker thread (a long prompt never holds the event loop), then submit. A text
         prompt that cannot fit the context even at PROMPT_CHARS_PER_TOKEN is refused before tokenizing."""
         limit = PROMPT_CHARS_PER_TOKEN * self.llm.engine.max_model_len
@@ -125,12 +129,12 @@ class OpenAIServer:
                            f"{self.llm.engine.max_model_len:,} tokens takes at most {limit:,}", param="prompt",
                            code="context_length_exceeded")
         try:
-            ids = await asyncio.to_thread(self.llm.validate, prompt, params)
+            ids = await asyncio.to_thread(self.llm.validate, prompt, params, images)
         except ValueError as e:
             raise ApiError(str(e)) from None
         except (UnicodeError, TypeError) as e:
             raise ApiError(f"the prompt cannot be tokenized: {e}") from None
-        return self.llm.generate(ids, params, request_id)
+        return self.llm.generate(ids, params, request_id, images)
 
     @staticmethod
     async def _final(stream: AsyncIterator[tuple[int, RequestOutput]], request: Request) -> list[RequestOutput]:
@@ -248,19 +252,39 @@ class OpenAIServer:
             params = req.sampling_params(None, n_lp)
         except ValueError as e:
             raise ApiError(str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
+        marker, parts = images.take_image_parts(req.messages, self.images)  # before rendering: they become markers
         try:
             prompt = req.prompt()
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
+        spans = None
+        if parts:
+            prompt, spans = await self._with_images(prompt, marker, parts)
         try:
             params.grammar = req.grammar()
         except ValueError as e:
             raise ApiError(str(e), param="structured_outputs" if req.structured_outputs else
                            "response_format" if req.response_format else "tools") from None
-        stream = await self._start_n(prompt, params, rid, req.n)
+        stream = await self._start_n(prompt, params, rid, req.n, spans)
         names = req.tool_names if req.parses_tool_calls else None
         return ChatRun(req, rid, int(time.time()), stream,
                        [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)])
+
+    async def _with_images(self, prompt: str, marker: str, parts: list[images.ImagePart]) -> tuple[list[int], list]:
+        """The rendered chat's ids with every image's span, and the spans (mini.step.ImageSpan): decoded, planned
+        and tokenized in a worker thread, before the engine sees the request."""
+        engine = self.llm.engine
+        if not engine.model.reads_images:
+            raise ApiError("this model has no vision tower: it cannot read images", param=parts[0].param)
+        cfg = engine.config
+
+        def work():
+            from mini.model.image_input import expand_prompt
+            loaded = images.load_images(parts, cfg, self.images)
+            ids = images.prompt_ids(prompt, marker, len(parts), self.tokenizer, cfg.image_token_id)
+            expanded = expand_prompt(ids, loaded, cfg)
+            return expanded.ids, expanded.spans()
+        return await asyncio.to_thread(work)
 
     async def chat(self, request: Request):
         req = await parse_body(request, ChatCompletionRequest)
@@ -321,13 +345,14 @@ class ChatRun:
 
 
 def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: Policy | None = None,
-               store: ResponseStore | None = None) -> FastAPI:
+               store: ResponseStore | None = None, images: ImageLimits | None = None) -> FastAPI:
     """The app over a running AsyncLLM. `policy` (default: Policy(), loopback hosts, no key): what every request
     must pass first (mini.server.guard); listed origins also get CORS headers and preflight answers. `store`: where
-    the Responses API keeps responses (default: in memory, gone with the process)."""
+    the Responses API keeps responses (default: in memory, gone with the process). `images`: the limits on images in
+    chat requests (mini.server.images; default ImageLimits(): inline data URLs only)."""
     from mini.server.anthropic import MessagesAPI
     from mini.server.responses import ResponsesAPI
-    server = OpenAIServer(llm, metrics, model_name)
+    server = OpenAIServer(llm, metrics, model_name, images)
     messages = MessagesAPI(server)
     responses = ResponsesAPI(server, store if store is not None else ResponseStore())
     app = FastAPI(title="mini", docs_url=None, redoc_url=None)
@@ -389,7 +414,8 @@ def create_app(llm: AsyncLLM, metrics: ServerMetrics, model_name: str, policy: P
 
 
 def build_app(model_or_path, model_name: str | None = None, policy: Policy | None = None, warmup: bool = False,
-              responses_db: str | None = None, responses_max: int = DEFAULT_MAX_RESPONSES, **engine_opts) -> FastAPI:
+              responses_db: str | None = None, responses_max: int = DEFAULT_MAX_RESPONSES,
+              images: ImageLimits | None = None, **engine_opts) -> FastAPI:
     """Engine + background loop + app, for `serve` and tests. `engine_opts` go to mini.engine.build_engine;
     `warmup` runs mini.engine.warmup before the engine thread starts (and so before the app can answer).
     `responses_db`: the SQLite file of stored responses (None: in memory), keeping the newest `responses_max`."""
@@ -401,7 +427,7 @@ def build_app(model_or_path, model_name: str | None = None, policy: Policy | Non
     metrics = ServerMetrics(engine)
     llm = AsyncLLM(engine, on_output=metrics.observe)
     name = model_name or (model_or_path if isinstance(model_or_path, str) else "mini")
-    app = create_app(llm, metrics, name, policy, ResponseStore(responses_db or ":memory:", responses_max))
+    app = create_app(llm, metrics, name, policy, ResponseStore(responses_db or ":memory:", responses_max), images)
     app.router.on_shutdown.append(llm.shutdown)
     return app
 
@@ -478,7 +504,7 @@ def serve(args) -> int:
     opts = engine_opts(args)
     warmup = args.warmup if args.warmup is not None else str(opts["device"]).startswith("cuda")
     app = build_app(args.model, args.served_model_name, policy, warmup, responses_db=args.responses_db,
-                    responses_max=args.responses_max, **opts)
+                    responses_max=args.responses_max, images=ImageLimits(allow_urls=args.allow_image_urls), **opts)
     from mini.engine.warmup import freeze_heap
     freeze_heap()  # start-up's objects out of the collector's walks: no full-collection pause while serving
     run_http(app, args)

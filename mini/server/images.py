@@ -1,0 +1,166 @@
+"""Images in chat requests (issue 29): `image_url` content parts -> the prompt's ids with each image's span, checked
+and decoded before the request reaches the engine, so a bad image is a 400 naming its part and never a step's error.
+
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}
+
+A part takes its place among the message's text parts (joined by blank lines, as text parts are): the chat is
+rendered with a per-request marker there, the text between markers is tokenized piece by piece and each marker
+becomes one `image_token_id`, which `expand_prompt` widens to the image's span (an added token splits the text
+the same way, so the pieces tokenize as the whole would). `detail` is a hint: V4.1's size plan decides the tokens.
+
+Limits (ImageLimits): encoded bytes per image, images per request, decoded pixels per image (read from the header
+before any pixel is decoded: a decompression bomb is a 400, never an out-of-memory). PNG, JPEG, WebP and GIF only.
+http(s) URLs are refused unless the server allows them (`mini serve --allow-image-urls`); then they are fetched
+with a size and time limit, only from public addresses (every address the name resolves to is checked), and a
+redirect is followed only to a URL that passes the same checks. What remains: the name is resolved again by the
+HTTP client, so a DNS answer that changes between the check and the fetch (rebinding) is not caught.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
+
+from mini.server.bodies import ApiError
+
+FORMATS = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF"}
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 20 * 1000 * 1000  # encoded bytes of one image
+    max_images: int = 8  # per request
+    max_pixels: int = 25 * 1000 * 1000  # decoded pixels of one image (5000 x 5000)
+    allow_urls: bool = False  # fetch http(s) image URLs (mini serve --allow-image-urls)
+    fetch_timeout_s: float = 10.0  # the whole fetch of one URL, redirects included
+    max_redirects: int = 3
+
+
+@dataclass
+class ImagePart:
+    param: str  # where the request holds it, e.g. messages[1].content[2]
+    url: str
+
+
+def take_image_parts(messages, limits: ImageLimits) -> tuple[str, list[ImagePart]]:
+    """Replace every `image_url` part of the chat messages (their `content` lists, changed in place) by a text part
+    holding a marker; returns (the marker, the parts in prompt order). ApiError for a malformed part or too many."""
+    marker, parts = f"<mini-image-{uuid.uuid4().hex}>", []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg.content, list):
+            continue
+        for k, part in enumerate(msg.content):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            param = f"messages[{i}].content[{k}]"
+            if msg.role != "user":
+                raise ApiError(f"{param}: only user messages carry images", param=param)
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url  # also the bare-string form some clients send
+            if not isinstance(url, str):
+                raise ApiError(f"{param}: image_url needs a 'url' (a data: URL or, if allowed, http(s))", param=param)
+            parts.append(ImagePart(param, url))
+            msg.content[k] = {"type": "text", "text": marker}
+    if len(parts) > limits.max_images:
+        raise ApiError(f"the request has {len(parts)} images; this server takes at most {limits.max_images}",
+                       param=parts[limits.max_images].param)
+    return marker, parts
+
+
+def load_images(parts: list[ImagePart], cfg, limits: ImageLimits) -> list:
+    """Each part's bytes (data URL, or fetched) decoded and planned -> ImageInput, in order (a worker thread: this
+    is slow). ApiError naming the part for anything wrong with it."""
+    from mini.model.image_input import load_image
+    out = []
+    for part in parts:
+        data = _bytes_of(part, limits)
+        kind = next((name for magic, name in FORMATS.items() if data.startswith(magic)), None)
+        if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            kind = "WEBP"
+        if kind is None:
+            raise ApiError(f"{part.param}: not a supported image (PNG, JPEG, WebP, GIF)", param=part.param)
+        try:
+            out.append(load_image(data, cfg, limits.max_pixels))
+        except ValueError as e:
+            raise ApiError(f"{part.param}: {e}", param=part.param) from None
+    return out
+
+
+def prompt_ids(prompt: str, marker: str, n_images: int, tokenizer, image_token_id: int) -> list[int]:
+    """The rendered prompt's ids, each marker one `image_token_id`."""
+    from mini.model.image_input import marked_ids
+    if prompt.count(marker) != n_images:  # a marker in the user's own text cannot happen (a fresh uuid), but say so
+        raise ApiError("the prompt's image markers do not match its images")
+    return marked_ids(prompt, marker, tokenizer.encode, image_token_id)
+
+
+def _bytes_of(part: ImagePart, limits: ImageLimits) -> bytes:
+    url, param = part.url, part.param
+    if url.startswith("data:"):
+        head, sep, payload = url[5:].partition(",")
+        if not sep or not head.startswith("image/") or not head.endswith(";base64"):
+            raise ApiError(f"{param}: a data URL must be data:image/<type>;base64,<data>", param=param)
+        if len(payload) * 3 // 4 > limits.max_bytes:
+            raise ApiError(f"{param}: the image is over this server's {limits.max_bytes:,}-byte limit", param=param)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(f"{param}: the data URL is not valid base64", param=param) from None
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ApiError(f"{param}: an image URL is a data: URL (or http(s), if the server allows it)", param=param)
+    if not limits.allow_urls:
+        raise ApiError(f"{param}: this server does not fetch image URLs (start it with --allow-image-urls); send "
+                       "the image inline as a data:image/...;base64 URL", param=param)
+    return fetch(url, limits, param)
+
+
+def check_public(url: str, param: str) -> None:
+    """ApiError unless `url` is http(s) and every address its host resolves to is public (no loopback, private,
+    link-local, multicast, reserved or unspecified address)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ApiError(f"{param}: {url!r} is not an http(s) URL", param=param)
+    try:
+        infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                                   type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ApiError(f"{param}: cannot resolve {parts.hostname!r}: {e}", param=param) from None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not address.is_global:
+            raise ApiError(f"{param}: {parts.hostname!r} is a private, loopback or link-local address ({address}); "
+                           "only public addresses are fetched", param=param)
+
+
+def fetch(url: str, limits: ImageLimits, param: str) -> bytes:
+    """GET a public URL within the limits, following at most `max_redirects` redirects, each checked."""
+    import httpx
+    deadline = time.monotonic() + limits.fetch_timeout_s
+    with httpx.Client(follow_redirects=False, timeout=limits.fetch_timeout_s) as client:
+        for _ in range(limits.max_redirects + 1):
+            check_public(url, param)
+            try:
+                with client.stream("GET", url) as r:
+                    if r.is_redirect:
+                        url = urljoin(url, r.headers.get("location", ""))
+                        continue
+                    if r.status_code != 200:
+                        raise ApiError(f"{param}: fetching the image gave HTTP {r.status_code}", param=param)
+                    data = bytearray()
+                    for chunk in r.iter_bytes():
+                        data += chunk
+                        if len(data) > limits.max_bytes:
+                            raise ApiError(f"{param}: the image is over this server's {limits.max_bytes:,}-byte "
+                                           "limit", param=param)
+                        if time.monotonic() > deadline:
+                            raise ApiError(f"{param}: fetching the image took over {limits.fetch_timeout_s} s",
+                                           param=param)
+                    return bytes(data)
+            except httpx.HTTPError as e:
+                raise ApiError(f"{param}: fetching the image failed: {e}", param=param) from None
+    raise ApiError(f"{param}: more than {limits.max_redirects} redirects", param=param)
