@@ -268,11 +268,15 @@ class DPDriver:
     def step(self, commands: list[Add | Abort], stop: bool) -> list[RequestOutput | Failed]:
         if self._failed is not None:
             return [Failed(c.request_id, self._failed) for c in commands if isinstance(c, Add)]
+        # images are not sent to the ranks (not built): refused, never run as text
+        refused = [Failed(c.request_id, ValueError("images are not served over EP ranks (mini serve --ep) yet"))
+                   for c in commands if isinstance(c, Add) and c.images]
+        commands = [c for c in commands if not (isinstance(c, Add) and c.images)]
         try:
             routed = self._route(commands)
             messages = self.worker.sync(routed, stop)
             self.router.report([m.load for m in messages], routed)
-            outputs = [out for m in messages for out in self._receive(m.outputs)]
+            outputs = refused + [out for m in messages for out in self._receive(m.outputs)]
             if not stop:
                 self._idle = not self.worker.step(messages)
             return outputs
