@@ -94,3 +94,16 @@ phase_fidelity_ensemble() {  # issue 12 (<= 150 s): how far one fp32 ulp carries
     done
     return $rc
 }
+
+phase_vision_speed() {  # issue 29 item 6 (expected <= 150 s: the encoder ~15 s; the TTFT model's build ~35-60 s, as
+    # rank4's, then 13 prefills of ~2K tokens): tools/vision_speed.py at V4.1-Flash's real vision shape, random bf16
+    # weights, the fast path: the encoder on one maximum-size image (1302 x 1302 px, 8,649 patches, a 994-token
+    # span; median of 10 after 3 warm-up; target <= 50 ms) with its TFLOP/s, then the time to first token of 1,024
+    # text tokens + that image on one emulated EP4 rank (see the tool's doc for what is emulated). Look at:
+    # vision_speed.json (encoder_ms, tflops, ttft_ms), out.log. VISION_TTFT=0 times the encoder only; VISION_SMALL=1
+    # runs tiny-v4.1-vl on the CPU (the phase's own check, ~20 s).
+    local flags=""
+    [ "${VISION_TTFT:-1}" = 0 ] && flags="--no-ttft"
+    [ "${VISION_SMALL:-0}" = 1 ] && flags="$flags --small"
+    timeout 280 python3 tools/vision_speed.py $flags --json "$PHASE_DIR/vision_speed.json"
+}
