@@ -88,6 +88,35 @@ def bench_attention(rows: list, sweep=(), dev="cuda"):
                              tflops=flops / ms / 1e9))
 
 
+def bench_attention_decode(rows: list, sweep=(), dev="cuda"):
+    """Decode steps of B = 1..256 rows at 4K and 32K context (RoPE epilogue on, as the model runs it): the
+    one-program walk (k_split=1) against the split-key walk (k_split chosen by the wrapper, then fixed counts).
+    The byte floor: q, each row's W + TOPK keys and its indices read once, the output written once."""
+    from mini.kernels.sparse_attention import _sm_count, sparse_mla_attention, split_pieces
+    from mini.ops.rope import rope_frequencies, rope_table
+    for ctx in (4096, 32768):
+        for B in (1, 4, 16, 64, 256):
+            b = _decode_batch(B, ctx, dev)
+            torch.manual_seed(B)
+            q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+            kv_new = torch.randn(B, D, device=dev, dtype=torch.bfloat16)
+            window = torch.randn(B, W, D, device=dev, dtype=torch.bfloat16)
+            comp = torch.randn(b["n_blocks"], BLOCK_TOKENS // RATIO, D, device=dev, dtype=torch.bfloat16)
+            comp_idx = (torch.rand(B, TOPK, device=dev) * (ctx + 1) // RATIO).long().sort(-1).values
+            args = (q, kv_new, window, torch.randn(H, device=dev), b["positions"], b["seq_of"], b["slots"],
+                    b["start_pos"], D ** -0.5)
+            kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=RATIO,
+                      rope_out=rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0)))
+            nbytes = B * (2 * H * D * 2 + (W + TOPK) * D * 2 + TOPK * 8)
+            auto = split_pieces(B * 2, -(-(W + TOPK) // 64), _sm_count(q.device))
+            for cfg in ({"k_split": 1}, {}, *({"k_split": s} for s in (2, 4, 10) if B <= 64), *sweep):
+                ms = _bench(lambda: sparse_mla_attention(*args, **kw, **cfg))
+                rows.append(dict(kernel=f"sparse_attention/decode B={B} ctx={ctx}",
+                                 config=cfg or f"default (k_split {auto})", ms=ms, gbs=nbytes / ms / 1e6,
+                                 frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS, floor_ms=nbytes / COPY_TBS / 1e9))
+            del comp
+
+
 def indexer_case(dev="cuda"):
     """The indexer's inputs at a 4,096-token chunk after 4,096 (ratio 1): (args, flops, visible groups N); the
     suite times the scores on them, tools/attention_before_after.py the top-k that follows."""
@@ -194,8 +223,8 @@ def bench_norm(rows: list, sweep=(), dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "mhc": bench_mhc, "rope": bench_rope,
-           "norm": bench_norm}  # the studies beside them: tools/attention_before_after.py, flashmla_core.py
+BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
+           "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm}  # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 
 def add_args(parser: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
@@ -229,8 +258,8 @@ def main(argv=None, benches: dict = BENCHES, prog: str | None = None) -> None:
         if "error" in r:
             print(f"{r['kernel']:44s} ERROR {r['error']}")
             continue
-        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "frac_hbm_peak",
-                                                     "frac_copy_peak", "moved_tbs", "gathered_tbs",
+        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "gbs", "frac_hbm_peak",
+                                                     "frac_copy_peak", "floor_ms", "moved_tbs", "gathered_tbs",
                                                      "max_token_rel_err_vs_triton") if k in r)
         rate += f" bits={r['bits']}" if "bits" in r else ""
         print(f"{r['kernel']:44s} {str(r['config'])[:58]:58s} {r.get('ms', float('nan')):8.4f}  {rate}")

@@ -26,7 +26,14 @@ chain as one dot) and accumulating half of the output's columns. With one progra
 the key loop on sm_90a (468 stores, 511 loads per iteration); the split build spills nothing. Measured on the H200
 at 7298590 (tools/attn_sweep.py, phase attn_sweep, RoPE epilogue on): decode B=256 x 32K 0.522 -> 0.347 ms, B=64
 0.270 -> 0.219, prefill 4,096 6.91 -> 4.30 ms; every output bit equal to d_split=1 there and in the gpu tests.
+
+At decode the grid is small (2 programs per row at V4.1 width against 132 SMs), so the key list can be split too
+(`k_split`, flash-decoding): S programs per (token, head tile, half) walk contiguous runs of whole blocks of the
+query's list and store their unnormalised output and (max, sum) in fp32; `_combine_kernel` merges them by log-sum-exp
+and ends as the one-program walk does (`_finish`). `split_pieces` chooses S from the grid (docs/kernels.md).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -140,7 +147,85 @@ def _sparse_mla_kernel(
             pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
             n_heads, n_comp, scale_log2, rows_per_block,
-            W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half)
+            W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half,
+            False, 0, 1, width_ptr, sink_ptr, sink_ptr)
+
+
+@triton.jit
+def _sparse_mla_split_kernel(
+    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, out_ptr,
+    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr, nvalid_ptr, part_ptr, stat_ptr,
+    stride_qt, stride_qh, stride_win, stride_btab, stride_cidx,
+    n_heads, n_comp, scale_log2, rows_per_block, n_pieces,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr,
+):
+    # program_id(2) = piece * D_SPLIT + half: piece `piece` of the query's key list, output columns `half`
+    half = 0
+    if D_SPLIT != 1:
+        half = tl.program_id(2) % D_SPLIT
+    piece = tl.program_id(2) // D_SPLIT
+    _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, sink_ptr, out_ptr,
+            pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+            stride_qt, stride_qh, 0, 0, stride_win, stride_btab, stride_cidx,
+            n_heads, n_comp, scale_log2, rows_per_block,
+            W, N_COMP_TILES, D, 0, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half,
+            True, piece, n_pieces, nvalid_ptr, part_ptr, stat_ptr)
+
+
+@triton.jit
+def _piece_bounds(n_keys, piece, n_pieces, BLOCK_N: tl.constexpr):
+    """Entries [lo, hi) of a key list of n_keys entries that piece `piece` of n_pieces walks: contiguous runs of
+    whole BLOCK_N blocks, ceil(blocks / n_pieces) each (the last ones shorter or empty), so the online softmax's
+    blocks are the one-program walk's and a piece depends on its query's list alone."""
+    per = tl.cdiv(tl.cdiv(n_keys, BLOCK_N), n_pieces) * BLOCK_N
+    lo = piece * per
+    return lo, tl.minimum(lo + per, n_keys)
+
+
+@triton.jit
+def _store_partial(part_ptr, stat_ptr, acc, m_i, l_i, piece, t, heads, head_ok, n_heads, half,
+                   D: tl.constexpr, DO: tl.constexpr):
+    """A piece's unnormalised output columns (part [S, T, H, D] fp32) and its running max and sum (stat
+    [S, T, H, 2] fp32; every half holds the same ones, the first stores them)."""
+    row = (piece * tl.num_programs(0) + t).to(tl.int64) * n_heads + heads  # [BLOCK_H] rows of [S * T * H]
+    d = tl.arange(0, DO)
+    tl.store(part_ptr + row[:, None] * D + (half * DO + d)[None, :], acc, mask=head_ok[:, None])
+    if half == 0:
+        tl.store(stat_ptr + 2 * row, m_i, mask=head_ok)
+        tl.store(stat_ptr + 2 * row + 1, l_i, mask=head_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, stat_ptr, sink_ptr, rope_ptr, out_ptr, stride_ot, stride_oh, n_heads,
+                    N_PIECES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+                    D_SPLIT: tl.constexpr):
+    """The split walk's end, one program per (token, head tile, output half): the pieces' partials merged in
+    piece order by log-sum-exp (each scaled by exp2(m_s - M) from the largest running max M), then `_finish` as
+    the one-program walk ends. With one piece every scale is exp2(0) = 1: the one-program path's bits."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < n_heads
+    half = 0
+    if D_SPLIT != 1:
+        half = tl.program_id(2)
+    DO: tl.constexpr = D // D_SPLIT
+    d = tl.arange(0, DO)
+    n_tok = tl.num_programs(0)
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    for s in range(N_PIECES):
+        row = (s * n_tok + t).to(tl.int64) * n_heads + heads
+        m = tl.maximum(m, tl.load(stat_ptr + 2 * row, mask=head_ok, other=-1.0e30))
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DO], tl.float32)
+    for s in range(N_PIECES):
+        row = (s * n_tok + t).to(tl.int64) * n_heads + heads
+        scale = tl.exp2(tl.load(stat_ptr + 2 * row, mask=head_ok, other=-1.0e30) - m)  # 0 for an empty piece
+        l_i += tl.load(stat_ptr + 2 * row + 1, mask=head_ok, other=0.0) * scale
+        acc += tl.load(part_ptr + row[:, None] * D + (half * DO + d)[None, :], mask=head_ok[:, None],
+                       other=0.0) * scale[:, None]
+    _finish(acc, m, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, half,
+            D, RD, BLOCK_H, DO)
 
 
 @triton.jit
@@ -151,9 +236,12 @@ def _attend(
     n_heads, n_comp, scale_log2, rows_per_block,
     W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr, half,
+    SPLIT_K: tl.constexpr, piece, n_pieces, nvalid_ptr, part_ptr, stat_ptr,
 ):
     """One program: BLOCK_H heads of token t, output columns half * D/D_SPLIT .. (half + 1) * D/D_SPLIT - 1
-    (D_SPLIT 1 or 2; `half` is the constant 0 when D_SPLIT is 1, which leaves that build's code as it was)."""
+    (D_SPLIT 1 or 2; `half` is the constant 0 when D_SPLIT is 1, which leaves that build's code as it was).
+    SPLIT_K: only piece `piece` of the n_pieces contiguous runs of whole BLOCK_N blocks of the query's key list
+    (`_piece_bounds`), ending with the partial (acc, m, l) in fp32 (`_store_partial`) instead of the output."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < n_heads
@@ -184,24 +272,44 @@ def _attend(
         first = tl.where(start == 0, tl.maximum(pos - W + 1, 0), pos - W + 1)
     else:
         first = pos - W + 1
+    if SPLIT_K:
+        lo, hi = _piece_bounds(width + tl.load(nvalid_ptr + t), piece, n_pieces, BLOCK_N)
+    else:
+        lo, hi = 0, width + n_comp
     if _INTERPRETED:
         end: tl.constexpr = W + N_COMP_TILES * BLOCK_N
+        begin: tl.constexpr = 0
     else:
-        end = width + n_comp
-    for j0 in range(0, end, BLOCK_N):
+        begin, end = lo, hi
+    for j0 in range(begin, end, BLOCK_N):
         rowptr, key_ok = _key_rows(j0, t, pos, seq, start, slot, first, width, kv_new_ptr, window_ptr, comp_ptr,
                                    btab_ptr, cidx_ptr, stride_win, stride_btab, stride_cidx, n_comp, rows_per_block,
                                    W, D, BLOCK_N)
+        if SPLIT_K and _INTERPRETED:  # the constant walk visits every block: the other pieces' are no-ops
+            key_ok = key_ok & (j0 >= lo) & (j0 < hi)
         if D_SPLIT == 1:
             m_i, l_i, acc = _online_update(q, rowptr, key_ok, m_i, l_i, acc, scale_log2, D)
         else:
             m_i, l_i, acc = _online_update_half(q_lo, q_hi, rowptr, key_ok, m_i, l_i, acc, scale_log2, D, half)
 
+    if SPLIT_K:
+        _store_partial(part_ptr, stat_ptr, acc, m_i, l_i, piece, t, heads, head_ok, n_heads, half, D, DO)
+    else:
+        _finish(acc, m_i, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, half,
+                D, RD, BLOCK_H, DO)
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, half,
+            D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, DO: tl.constexpr):
+    """The softmax's end for one query's whole key list: the per-head sink logit in the denominator, the division,
+    the RoPE-unrotate epilogue and the store of output columns half * DO .. half * DO + DO - 1."""
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
     if RD > 0:  # rotate back by the conjugate, from the output rounded to its dtype as the unfused op stores it
         out = _unrotate(out.to(out_ptr.dtype.element_ty), rope_ptr, t, BLOCK_H, D, RD, half * DO, DO)
+    d = tl.arange(0, DO)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + (half * DO + d)[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
@@ -219,7 +327,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
                          rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
                          block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                         d_split: int | None = None) -> torch.Tensor:
+                         d_split: int | None = None, k_split: int | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
@@ -227,7 +335,12 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     mini.ops.attention.sparse_attention's (`ratio` is not needed to address the pool). `prefill_lists=False`: every
     query's window list is W wide in the decode ring's order (the deterministic mode's chunk-invariant lists).
     `d_split`: programs per (token, head tile), each computing all the scores and accumulating 1/d_split of the
-    output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`)."""
+    output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`).
+    `k_split`: pieces each query's key list is walked in (split-K, `split_pieces`): 1 is the one-program walk; S > 1
+    walks contiguous runs of whole blocks in S programs and merges them in `_combine_kernel` (not the one-program
+    bits: each piece's P is rounded against its own running max). None: chosen by the grid's size with the official
+    lists; 1 with `prefill_lists=False`, whose point is that a row does not depend on the rest of the step (any
+    fixed k_split keeps that: a piece depends on its query's list alone)."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
@@ -259,6 +372,15 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h), d_split)
+    if k_split is None:
+        k_split = split_pieces(T * grid[1] * d_split, triton.cdiv(W + comp_idx.shape[1], block_n),
+                               _sm_count(q.device)) if prefill_lists else 1
+    if not isinstance(k_split, int) or k_split < 1:
+        raise ValueError(f"sparse_mla_attention: k_split {k_split!r} (a positive int or None)")
+    if k_split > 1:
+        return _split_k(q, kv_new, window, comp, sink, rope, out, positions, seq_of, slots, start_pos, block_table,
+                        comp_idx, width, scale, rows_per_block, prefill_lists, block_h, block_n, num_warps,
+                        num_stages, d_split, k_split)
     _sparse_mla_kernel[grid](
         q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
         positions, seq_of, slots, start_pos, block_table, comp_idx, width,
@@ -268,4 +390,49 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
         RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists,
         D_SPLIT=d_split, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+H200_SMS = 132  # the SM count assumed where there is no CUDA device (the interpreter: the choice is only a test's)
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
+
+
+def split_pieces(programs: int, max_blocks: int, sms: int) -> int:
+    """Pieces per key list for a grid of `programs` one-program walks of up to `max_blocks` blocks each: 1 where
+    the grid fills at least half the SMs; else as many as keep the split grid within one wave (every program
+    resident at once: about one per SM at 8 warps and ~190 KB of shared memory), no more than the blocks, and no
+    more than those blocks need (10 blocks in 4 pieces of 3, not 5 of 2 and 3 empty-ended)."""
+    if 2 * programs > sms:
+        return 1
+    pieces = max(1, min(max_blocks, sms // programs))
+    return triton.cdiv(max_blocks, triton.cdiv(max_blocks, pieces))
+
+
+def _split_k(q, kv_new, window, comp, sink, rope, out, positions, seq_of, slots, start_pos, block_table, comp_idx,
+             width, scale, rows_per_block, prefill_lists, block_h, block_n, num_warps, num_stages, d_split,
+             k_split) -> torch.Tensor:
+    """The split walk: k_split pieces of every query's list (its window width + its valid groups, which the wrapper
+    put first), partials in fp32 scratch, then the combine kernel (merge, sink, division, RoPE epilogue, store)."""
+    T, H, D = q.shape
+    W = window.shape[1]
+    n_valid = (comp_idx >= 0).sum(-1, dtype=torch.int32)  # [T] on the device, no sync
+    part = torch.empty((k_split, T, H, D), dtype=torch.float32, device=q.device)
+    stat = torch.empty((k_split, T, H, 2), dtype=torch.float32, device=q.device)
+    head_tiles = triton.cdiv(H, block_h)
+    _sparse_mla_split_kernel[(T, head_tiles, k_split * d_split)](
+        q, kv_new, window, comp, sink, out,
+        positions, seq_of, slots, start_pos, block_table, comp_idx, width, n_valid, part, stat,
+        q.stride(0), q.stride(1), window.stride(0), block_table.stride(0), comp_idx.stride(0),
+        H, comp_idx.shape[1], scale * _LOG2E, rows_per_block, k_split,
+        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
+        BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, D_SPLIT=d_split,
+        num_warps=num_warps, num_stages=num_stages)
+    _combine_kernel[(T, head_tiles, d_split)](
+        part, stat, sink, rope if rope is not None else sink, out, out.stride(0), out.stride(1), H,
+        N_PIECES=k_split, D=D, RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, D_SPLIT=d_split,
+        num_warps=4)
     return out

@@ -63,6 +63,20 @@ phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS nam
     return $rc
 }
 
+phase_attn_split() {  # issue 28, sparse attention split over the key list at decode (expected < 120 s): the gpu tests
+    # of the kernel (tests.log: the split and the one-program walk each within 5e-3 of the reference op at V4.1 shape,
+    # both distances printed; d_split bits), then decode B = 1..256 at 4K and 32K, k_split 1 vs the wrapper's
+    # choice vs 2/4/10 (bench.log, kernels_attn_split.json: ms, GB/s and the byte floor)
+    local rc=0
+    timeout 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE tests/kernels/test_sparse_attention_split.py \
+        tests/kernels/test_sparse_attention.py --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    grep -E "one-program .* split|passed|failed" "$PHASE_DIR/tests.log" | tail -40
+    timeout 60 python3 -m mini.bench.kernels --only attention_decode --json "$PHASE_DIR/kernels_attn_split.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^sparse_attention|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    return $rc
+}
+
 phase_mhc_ab() {  # issue 13 item 4 (<= 80 s): the mHC site input's split-K pass, default vs candidates.
     # (The fused expand + next site's input of 8cfc3bd lost on the H200 at 1db3041: 0.257 ms vs 0.233 for the two
     # passes; removed, docs/kernels.md.) 1. gpu tests of the mHC kernels and ops (tests.log): expect all passed,

@@ -8,7 +8,7 @@ from triton.compiler import ASTSource
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel, _rms_norm_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
-from mini.kernels.sparse_attention import _sparse_mla_kernel
+from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
 def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2) -> None:
@@ -38,6 +38,14 @@ def main() -> None:
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
                       ("scale_log2",), num_warps=8)
+    # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
+    for split in (2, 1):
+        for d, bh in ((512, 64), (64, 16)):
+            build(_sparse_mla_split_kernel, {**ptrs, "nvalid_ptr": "*i32", "stat_ptr": "*fp32"},
+                  dict(W=128, N_COMP_TILES=0, D=d, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True, D_SPLIT=split),
+                  ("scale_log2",), num_warps=8)
+            build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
+                  dict(N_PIECES=5, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, D_SPLIT=split))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
