@@ -66,6 +66,9 @@ class SeqChunk:
     slot: int  # row of the sequence in the per-sequence pools (window rings, compressor state)
     blocks: list[int]  # block ids of the paged pools covering positions 0..len(tokens)-1
     want_logits: bool = True
+    # a speculative verify chunk: its last `drafts` tokens are a draft, not yet committed: logits for them and the
+    # row before (1 + drafts rows), and the cache keeps them aside until `StepCache.commit_drafts`
+    drafts: int = 0
     # the sequence's image spans that start before the chunk's end, in order (those its positions are in, and
     # those the model may look back over); empty for a text-only sequence
     images: list[ImageSpan] = field(default_factory=list)
@@ -73,6 +76,8 @@ class SeqChunk:
     def __post_init__(self):
         if not 0 <= self.start < len(self.tokens):
             raise ValueError(f"chunk start {self.start} outside a history of {len(self.tokens)} tokens")
+        if not 0 <= self.drafts < len(self.tokens) - self.start:
+            raise ValueError(f"{self.drafts} drafts in a chunk of {len(self.tokens) - self.start} tokens")
 
 
 @dataclass
@@ -128,6 +133,37 @@ class StepCache(Protocol):
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every per-sequence state row of slots `src` to slots `dst` (int64, on the cache's device)."""
 
+    def commit_drafts(self, accepted: list[int]) -> None:
+        """After a forward with draft rows (`SeqChunk.drafts`): chunk b's first accepted[b] drafts join the cache
+        as if decoded one by one, the others leave no trace a later step reads (one count per chunk of that step,
+        0 for a chunk without drafts)."""
+
+
+@dataclass
+class Commit:
+    """What a step kept of one of its chunks (in chunk order), for a `Drafter`: the chunk's first `rows` rows
+    (all of a prefill chunk, 1 + the accepted drafts of a verify chunk, 0 for a sequence that finished) are in the
+    cache now, positions ..end-1 of slot `slot`; `anchor` is the token sampled at position `end` (None: the chunk
+    did not sample), on which a draft of at most `max_draft` tokens is wanted."""
+    rows: int
+    length: int  # the chunk's rows in the step's forward (where its rows start in the step's row order)
+    slot: int
+    end: int
+    anchor: int | None
+    max_draft: int
+    history: Callable[[], list[int]]  # the sequence's tokens 0..end (anchor included), for drafters that read them
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for speculative decoding (docs/engine.md): the model's own draft module
+    (`StepModel.drafter`), or a test's."""
+    max_draft: int  # the most tokens one draft holds
+
+    def propose(self, cache: StepCache, commits: list[Commit]) -> list[list[int]]:
+        """Called after every forward of a speculating engine, before prefix-cache snapshots are taken: take in
+        what the step committed (its state for the drafter lives in `cache`'s slots) and return one draft per
+        commit (empty without an anchor or `max_draft` 0)."""
+
 
 class StepModel(Protocol):
     """What the engine steps."""
@@ -137,6 +173,8 @@ class StepModel(Protocol):
     capturable: bool
     # the model reads images (ImageSpan.data): False for a model without a vision tower
     reads_images: bool
+    # the model's own draft module for speculative decoding, None without one (V4.1 without `mtp.*`)
+    drafter: Drafter | None
 
     def agree_step(self, n_tokens: int, bucket: int | None) -> int | None:
         """Called before every forward of `n_tokens` tokens that fits the decode graph of `bucket` (None: it needs

@@ -34,7 +34,8 @@ from mini.engine.cuda_graphs import is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
-from mini.step import ImageSpan, StepModel, TokenFeed
+from mini.engine.speculative import Speculation, SpecStats
+from mini.step import Drafter, ImageSpan, StepModel, TokenFeed
 
 
 @dataclass
@@ -54,6 +55,8 @@ class EngineOptions:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used on CUDA with the fast backend)
     overlap: bool | None = None  # overlapped decode steps (see the module doc); None: on where graphs are used
     deterministic: bool = False  # a request's output does not depend on its batch (docs/design.md, Determinism)
+    speculative: str | None = None  # "dspark": the model's own drafter proposes, each step verifies (speculative.py)
+    spec_tokens: int = 0  # the longest draft (0: the drafter's own, DSpark's block size)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -141,6 +144,7 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     capped_steps: int = 0  # steps whose token budget a prefill cap cut (`step(prefill_cap=)`)
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's drafted / accepted tokens
 
 
 @dataclass(frozen=True)
@@ -155,8 +159,10 @@ class EngineLoad:
 class LLMEngine:
     """Synchronous core. Not thread-safe: one thread calls add_request / abort / step (see async_engine)."""
 
-    def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions):
+    def __init__(self, model: StepModel, config, tokenizer, options: EngineOptions, drafter: Drafter | None = None):
+        """`drafter`: speculate with this drafter (tests); `options.speculative` "dspark" takes the model's own."""
         o = deterministic_options(options) if options.deterministic else options
+        drafter = drafter or _model_drafter(model, o.speculative)
         self.options, self.config, self.tokenizer = o, config, tokenizer
         # the kernels' deterministic mode, entered before any CUDA graph is captured and held while the engine
         # lives (the mode is process-wide: ops read it); `close()` leaves it, restoring the mode found
@@ -171,7 +177,9 @@ class LLMEngine:
         self.max_model_len = min(o.max_model_len or config.max_position_embeddings,
                                  shape.n_blocks * o.block_tokens)
         self.model = model
-        self.runner = ModelRunner(model, config, shape, device, o.dtype, enforce_eager=o.enforce_eager,
+        # speculation runs eager steps (verify chunks are not the decode graphs' one token per sequence)
+        self.runner = ModelRunner(model, config, shape, device, o.dtype,
+                                  enforce_eager=o.enforce_eager or drafter is not None,
                                   max_model_len=self.max_model_len)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
@@ -188,6 +196,9 @@ class LLMEngine:
         self.overlap = o.overlap if o.overlap is not None else (self.runner.graphs is not None
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
+        self.spec = None if drafter is None else Speculation(self, drafter, o.spec_tokens or drafter.max_draft)
+        if self.spec is not None:
+            self.overlap = False  # a verify step's acceptance needs its tokens on the host before the next plan
         self._grammars = None  # see `grammars`
 
     # ------------------------------------------------------------------ what serving over several engines needs
@@ -332,6 +343,8 @@ class LLMEngine:
             return StepOutputs(outputs, forward=False)
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
+        if self.spec is not None:  # speculative decoding: its own eager step (mini.engine.speculative)
+            return StepOutputs(outputs + self.spec.step(plan), forward=True)
         t1 = time.perf_counter()
         step = self._launch(plan.chunks, prev)
         t2 = time.perf_counter()
@@ -533,6 +546,17 @@ class LLMEngine:
             seq.is_finished, seq.finish_reason, seq.stop_reason,
             list(seq.output_logprobs), seq.num_cached_prefix, seq.arrival_time,
             seq.first_token_time, seq.finish_time)
+
+
+def _model_drafter(model: StepModel, speculative: str | None) -> Drafter | None:
+    """The drafter `EngineOptions.speculative` names: None, or "dspark" (the model's own draft module)."""
+    if speculative is None:
+        return None
+    if speculative != "dspark":
+        raise ValueError(f"speculative {speculative!r}: the one drafter is 'dspark'")
+    if model.drafter is None:
+        raise ValueError("--speculative dspark: this model has no DSpark draft module (mtp.* weights)")
+    return model.drafter
 
 
 def _copy_to_host(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:

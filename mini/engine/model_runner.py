@@ -115,7 +115,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], feed: TokenFeed | None = None) -> torch.Tensor:
-        """Forward one step. Returns fp32 logits, one row per chunk that `samples`, in chunk order. `feed`: tokens
+        """Forward one step. Returns fp32 logits, one row per chunk that `samples` (1 + drafts for a verify chunk),
+        in chunk order. `feed`: tokens
         still on the device; a static decode step takes them there, the eager forward fetches them first."""
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
@@ -128,8 +129,9 @@ class ModelRunner:
         if graph:
             n = self.graphs.prepare(chunks, _history, feed, bucket=n)
         else:
-            seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end), start=c.start, slot=c.seq.slot,
-                                   blocks=c.seq.blocks, want_logits=c.samples,
+            seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end - c.drafts) + c.seq.draft[:c.drafts],
+                                   start=c.start, slot=c.seq.slot, blocks=c.seq.blocks, want_logits=c.samples,
+                                   drafts=c.drafts,
                                    images=[s for s in c.seq.images if s.start < c.end]) for c in chunks]
             batch = self.model.build_batch(seq_chunks, self.device)
         t1 = time.perf_counter()

@@ -50,6 +50,7 @@ class ScheduledChunk:
     start: int  # = seq.num_computed when scheduled
     length: int
     is_decode: bool = False
+    drafts: int = 0  # a verify chunk (speculative decoding): its last `drafts` tokens are seq.draft's first
 
     @property
     def end(self) -> int:
@@ -58,7 +59,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the end of the history: its last logits give the next token."""
-        return self.end == self.seq.num_tokens
+        return self.end - self.drafts == self.seq.num_tokens
 
 
 @dataclass
@@ -112,10 +113,11 @@ class Scheduler:
                 continue
             if seq.length_capped:  # its token in flight is its last (overlapped steps): no decode after it
                 continue
-            if not self._make_room(seq, seq.num_tokens, preempted):
+            k = min(len(seq.draft), budget - 1)  # speculative decoding: verify the draft in the same chunk
+            if not self._make_room(seq, seq.num_tokens + k, preempted):
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed, 1, is_decode=True))
-            budget -= 1
+            chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + k, is_decode=True, drafts=k))
+            budget -= 1 + k
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:  # (below 0 after an image span longer than the budget)
                 break

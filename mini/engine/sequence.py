@@ -124,6 +124,7 @@ class Sequence:
     emitted_chars: int = 0  # how much of `text` was already streamed
     num_inflight: int = 0  # sampled tokens not yet read back from the device (overlapped steps)
     matcher: object | None = None  # grammar state (llguidance matcher) when params.grammar is set
+    draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed after the last one
     images: list[ImageSpan] = field(default_factory=list)  # the prompt's image spans, in order (mini.step)
 
     @property

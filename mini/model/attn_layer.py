@@ -109,12 +109,19 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
     groups = lay.groups(plan.ratio, w.compressor.overlap)
     freqs = layer_frequencies(cfg, plan)
     table = rope_table(groups.pos, freqs)
-    latent = compress(x, w.compressor, pos, groups, *cache.comp_state.get(l, (None, None)), eps)
+    drafts = lay.draft_rows  # a verify step keeps its draft rows' state writes (mini.model.drafts)
+
+    def keep(pool: str, comp):
+        return drafts.keeper(pool, l, comp.ratio, comp.overlap) if drafts is not None and comp.ratio > 1 else None
+
+    latent = compress(x, w.compressor, pos, groups, *cache.comp_state.get(l, (None, None)), eps,
+                      keep("comp_state", w.compressor))
     if plan.owns_index_keys:
         if cfg.is_v41:
             keys = _rope_index(F.linear(latent, w.indexer.wk.to(latent.dtype)), table, cfg, w.indexer.k_norm)
         else:
-            keys = _rope_index(compress(x, w.indexer.compressor, pos, groups, *cache.index_state[l], eps), table, cfg)
+            keys = _rope_index(compress(x, w.indexer.compressor, pos, groups, *cache.index_state[l], eps,
+                                        keep("index_state", w.indexer.compressor)), table, cfg)
         pool = cache.index_k[l]
         pool.view(-1, pool.shape[-1])[groups.pool_row] = keys.to(pool.dtype)
     latent = _rope_compressed_kv(latent, table, cfg)
@@ -182,6 +189,8 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
                          comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
+    if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
+        lay.draft_rows.window[plan.layer] = kv
     return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
 
 

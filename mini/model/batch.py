@@ -51,6 +51,7 @@ class Batch:
     start_host: list[int] = field(default_factory=list)
     lens_host: list[int] = field(default_factory=list)
     n_blocks_host: list[int] = field(default_factory=list)
+    drafts_host: list[int] = field(default_factory=list)  # per sequence, its chunk's trailing draft rows (verify)
     images: object | None = None  # the step's image rows (mini.model.vision.ImageRows), None without any
     # a decode step in static buffers (DecodeBuffers) sets these instead of the host copies; its layout is a
     # DecodeLayout, shaped by max_len (the longest sequence the buffers allow)
@@ -85,8 +86,8 @@ class Batch:
             seq_of += [b] * n
             table[b, : len(c.blocks)] = torch.tensor(c.blocks, dtype=torch.int32)
             row += n
-            if c.want_logits:
-                logit_rows.append(row - 1)
+            if c.want_logits:  # a verify chunk's last committed row and its drafts: 1 + drafts rows
+                logit_rows += range(row - 1 - c.drafts, row)
             if hasher is not None:
                 engram.append(hasher.hash_ids(c.tokens, c.start, len(c.tokens)))
 
@@ -99,7 +100,8 @@ class Batch:
             block_table=table.to(device), logit_rows=t(logit_rows),
             engram=EngramInput("ids", torch.cat(engram).to(device)) if engram else None,
             start_host=[c.start for c in chunks], lens_host=[len(c.tokens) - c.start for c in chunks],
-            n_blocks_host=[len(c.blocks) for c in chunks])
+            n_blocks_host=[len(c.blocks) for c in chunks],
+            drafts_host=[c.drafts for c in chunks] if any(c.drafts for c in chunks) else [])
 
     def layout(self, block_tokens: int, window: int) -> StepLayout:
         """The step's index tensors for a cache with `block_tokens` positions per block (built once per batch)."""

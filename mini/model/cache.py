@@ -5,14 +5,24 @@
 * `index_k[l]`      [n_blocks, block_tokens // ratio, index_head_dim] paged index keys of each key-owning layer.
 * `comp_state[l]`   (kv, score) fp32 [n_slots, state_rows, width]: the compressor's open groups (ratio > 1).
 * `index_state[l]`  the same for V4's indexer compressor.
+* `draft.rings[s]`  [n_slots, W, head_dim] DSpark's ring per draft stage (mini.model.dspark), models with `mtp.*`.
 Stored values are fake-quantized (FP8/FP4 grids), so bf16 storage is exact. Nothing needs resetting when a
 slot or block is reused: a step only reads positions its own sequence wrote before.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mini.config import ModelConfig
+from mini.model.drafts import DraftRows
+
+
+@dataclass
+class DraftRings:
+    """DSpark's per-sequence state (mini.model.dspark.DSparkRings's layout): `rings[stage]` [n_slots, W, d]."""
+    rings: list[torch.Tensor]
 
 
 def _overlap(cfg: ModelConfig, ratio: int) -> bool:
@@ -48,11 +58,24 @@ class KVCache:
                                                     device=device)
                 if not cfg.is_v41:  # V4: the indexer pools its own keys
                     self.index_state[p.layer] = self._state(p.ratio, di)
+        self.draft = DraftRings([torch.zeros(n_slots, cfg.window_size, d, dtype=dtype, device=device)
+                                 for _ in range(cfg.n_mtp_layers)]) if cfg.has_dspark else None
+        self.drafts: DraftRows | None = None  # the last forward's draft rows (a verify step), until committed
+
+    def commit_drafts(self, accepted: list[int]) -> None:
+        """After a verify step: the first accepted[b] drafts of each of its chunks b join the state as plain decode
+        would have written them (mini.model.drafts); the rest are dropped."""
+        drafts, self.drafts = self.drafts, None
+        if drafts is None:
+            if any(accepted):
+                raise ValueError("commit_drafts: the last forward had no drafts")
+            return
+        drafts.commit(self.window, {"comp_state": self.comp_state, "index_state": self.index_state}, accepted)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the per-slot state rows (window rings, compressor states) of slots `src` to slots `dst` (prefix-cache
-        snapshot / restore). Paged pools (comp_kv, index_k) are indexed by block and are not copied."""
-        pools = list(self.window)
+        """Copy the per-slot state rows (window rings, compressor states, DSpark rings) of slots `src` to slots `dst`
+        (prefix-cache snapshot / restore). Paged pools (comp_kv, index_k) are indexed by block and are not copied."""
+        pools = list(self.window) + (self.draft.rings if self.draft is not None else [])
         for states in (self.comp_state, self.index_state):
             for kv_and_score in states.values():
                 pools += list(kv_and_score)
@@ -79,9 +102,10 @@ class KVCache:
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype=torch.bfloat16) -> int:
-        """Per-sequence memory: a window ring per layer and the fp32 compressor states."""
+        """Per-sequence memory: a window ring per layer (and per DSpark stage) and the fp32 compressor states."""
         size = torch.tensor([], dtype=dtype).element_size()
-        total = config.n_layers * config.window_size * config.head_dim * size
+        rings = config.n_layers + (config.n_mtp_layers if config.has_dspark else 0)
+        total = rings * config.window_size * config.head_dim * size
         for p in config.layers:
             if p.owns_kv and p.ratio > 1:
                 rows, width = state_shape(config, p.ratio, config.head_dim)

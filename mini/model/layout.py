@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from mini.model.drafts import DraftRows
 from mini.ops.attention import group_rows, step_rows
 from mini.ops.compressor import GroupIndex
 
@@ -34,6 +35,7 @@ class LayoutInput(Protocol):
     start_host: list[int]  # host copies of the sizes (StepLayout)
     lens_host: list[int]
     n_blocks_host: list[int]
+    drafts_host: list[int]  # per sequence, the chunk's last rows that are drafts (empty: none; mini.model.drafts)
     max_len: int | None  # static decode buffers (DecodeLayout): the longest sequence, the scratch slot and block
     pad_slot: int
     pad_block: int
@@ -47,6 +49,8 @@ def _members_per_group(ratio: int, overlap: bool) -> int:
 
 
 class StepLayout:
+    draft_rows: DraftRows | None = None  # a verify step's drafts (SeqChunk.drafts): kept, not written
+
     def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
         dev = batch.positions.device
         self.device, self.block_tokens, self.window = dev, block_tokens, window
@@ -63,16 +67,37 @@ class StepLayout:
         self.end_pos = batch.start_pos + lens
         self.tok_end = self.end_pos[batch.seq_of]
         self.tok_slot = batch.slots[batch.seq_of]
+        # the per-sequence state later steps read (window ring, open compressor groups) takes rows up to
+        # `write_end`, the chunk's end less its drafts; the draft rows' writes wait in `draft_rows`
+        self.write_end = self.tok_end
+        if any(batch.drafts_host):
+            self._drafts(batch)
         self._groups: dict = {}
         self._seq_rows: dict = {}
         self._tables: dict = {}
         self._window()
 
+    def _drafts(self, batch: LayoutInput):
+        drafts = batch.drafts_host
+        self.write_end = self.tok_end - torch.tensor(drafts, device=self.device)[batch.seq_of]
+        row_start = [0]
+        for n in batch.lens_host:
+            row_start.append(row_start[-1] + n)
+        has = [b for b, k in enumerate(drafts) if k]
+        for b in has:
+            if not 0 < drafts[b] < batch.lens_host[b]:
+                raise ValueError(f"sequence {b}: {drafts[b]} drafts in a chunk of {batch.lens_host[b]} rows (a "
+                                 "verify chunk starts with one committed token)")
+        self.draft_rows = DraftRows(len(drafts), has, [row_start[b + 1] - drafts[b] for b in has],
+                                    [self.end_host[b] - drafts[b] for b in has], [drafts[b] for b in has],
+                                    batch.slots[has].tolist())
+
     # ------------------------------------------------------------------ sliding window
     def _window(self):
-        """The last <= W positions of each chunk are written into the ring after the layer's attention."""
+        """The last <= W positions of each chunk before its drafts are written into the ring after the layer's
+        attention."""
         W, pos = self.window, self.batch.positions
-        self.ring_write_row = torch.nonzero(pos >= self.tok_end - W).flatten()
+        self.ring_write_row = torch.nonzero((pos >= self.write_end - W) & (pos < self.write_end)).flatten()
         self.ring_write_dst = (self.tok_slot * W + pos % W)[self.ring_write_row]
 
     # ------------------------------------------------------------------ paged compressed pools
@@ -123,8 +148,9 @@ class StepLayout:
 
     def _stays_open(self, ratio: int, overlap: bool) -> torch.Tensor:
         """[T] bool: the token belongs to a group still open after the step (with overlap, also to the last
-        complete one), so the compressor state keeps it."""
-        return self.batch.positions >= (self.tok_end // ratio - int(overlap)) * ratio
+        complete one), so the compressor state keeps it. Draft rows never (`draft_rows`)."""
+        pos = self.batch.positions
+        return (pos >= (self.write_end // ratio - int(overlap)) * ratio) & (pos < self.write_end)
 
     def _members(self, seq, group, pool_row, ratio: int, overlap: bool, write_row, write_state) -> GroupIndex:
         """The GroupIndex of groups (seq, group): where each of their M members is read from. A member is in the
@@ -171,7 +197,7 @@ class DecodeLayout(StepLayout):
         self.batch = batch
         self.n_tokens = batch.positions.shape[0]
         self.row_start = batch.seq_of  # row b is sequence b
-        self.end_pos = self.tok_end = batch.positions + 1
+        self.end_pos = self.tok_end = self.write_end = batch.positions + 1
         self.tok_slot = batch.slots
         self._groups, self._seq_rows, self._tables = {}, {}, {}
         self.ring_write_row = batch.seq_of

@@ -162,6 +162,14 @@ class Model:
     def reads_images(self) -> bool:
         return self.vision is not None
 
+    @property
+    def drafter(self):
+        """DSpark as the engine's drafter (mini.model.dspark_drafter), None without `mtp.*`."""
+        if self.dspark is None:
+            return None
+        from mini.model.dspark_drafter import DSparkDrafter
+        return DSparkDrafter(self)
+
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> KVCache:
         return KVCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
 
@@ -226,6 +234,7 @@ class Model:
         its batch; their embedding is replaced)."""
         cfg, eps = self.config, self.config.norm_eps
         lay = batch.layout(cache.block_tokens, cfg.window_size)
+        cache.drafts = lay.draft_rows  # a verify step's drafts, kept aside until cache.commit_drafts
         shared: dict = {}  # top-k / candidates published within this forward
         images = batch.images
         h = self.embed[batch.input_ids if images is None else batch.input_ids.clamp(min=0)].to(self.dtype)

@@ -11,6 +11,7 @@ The result is pre-RoPE: the caller makes index keys from it, then rotates it at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +69,19 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=)
 
 
 def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, groups: GroupIndex,
-             state_kv: torch.Tensor | None, state_score: torch.Tensor | None, eps: float) -> torch.Tensor:
+             state_kv: torch.Tensor | None, state_score: torch.Tensor | None, eps: float,
+             keep: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """x [T, D] (normed attention input), positions [T] -> latents [G, d] of the groups completed in this step, in
-    `groups` order. Updates the state pools [n_slots, rows, width] in place with the still-open tokens."""
+    `groups` order. Updates the state pools [n_slots, rows, width] in place with the still-open tokens. `keep`
+    (ratio > 1) is handed every row's (kv, score) as the state would take them: a speculative verify step keeps its
+    draft rows' to write the accepted ones later (mini.model.drafts)."""
     if w.ratio == 1:
         return rms_norm(F.linear(x, w.wkv.to(x.dtype)), w.norm, eps)
     kv, score = _linear_fp32(x, w.wkv), _linear_fp32(x, w.wgate)
     if w.ape is not None:
         score = score + w.ape[positions % w.ratio]
+    if keep is not None:
+        keep(kv, score)
     width = kv.shape[-1]
     flat_kv, flat_score = state_kv.view(-1, width), state_score.view(-1, width)
 

@@ -47,6 +47,7 @@ class DPModel:
     counts agreed for its step (`agree_step`; without one, it exchanges them first), so its decode steps can be
     captured in CUDA graphs."""
     capturable = True
+    drafter = None  # speculative decoding over EP ranks: not built (issue 27)
 
     def __init__(self, model, ctx: DistContext):
         self.model, self.exchange, self.ctx = model, MoEExchange(ctx), ctx

@@ -62,6 +62,10 @@ class FakeCache:
             self.ring[d] = self.ring[s]
             self.state[d] = self.state[s]
 
+    def commit_drafts(self, accepted: list[int]) -> None:
+        if any(accepted):  # the fakes have no drafter, so no step of theirs verifies a draft
+            raise NotImplementedError("the fake models do not speculate")
+
 
 def _mix(h: int, token: int, pos: int) -> int:
     return (h * 1000003 + (token + 1) * (pos + 7)) % _P
@@ -72,6 +76,7 @@ class FakeStepModel:
     buffers (the engine tests that take the static path use the tiny models)."""
     capturable = False
     reads_images = False
+    drafter = None  # no draft module: `speculative` refuses it
 
     def agree_step(self, n_tokens, bucket):
         return bucket

@@ -1,0 +1,174 @@
+"""Speculative decoding's step (docs/engine.md, "DSpark speculative decoding"): verify each decoding sequence's
+draft in one eager forward, accept the longest prefix that the target itself would have produced, commit it to the
+cache and the outputs, and let the drafter propose the next draft.
+
+A decoding sequence with frontier f (tokens ..f cached) has its last sampled token b at f + 1 and a draft d1..dk
+(`Sequence.draft`); its verify chunk is [b, d1..dk] (`ScheduledChunk.drafts` = k), whose 1 + k logit rows are the
+target's distributions at output indices n..n+k. Row i is sampled exactly as plain decode would sample output index
+n + i after d1..di: penalties, logit bias and min_tokens' hold read the history with those drafts appended, a
+seeded draw uses the counter n + i (`_Row`). Acceptance: d(i+1) is taken while it equals row i's token t_i; the
+step commits t_0..t_a (a drafts accepted, t_a the new last token): the very tokens plain decode draws, for greedy
+and for seeded sampling alike (an unseeded request's seed is drawn once by the engine), so speculation never
+changes an output; it only saves steps where the drafter guessed the target's token.
+
+Then: the cache keeps the accepted drafts (`StepCache.commit_drafts`), the stop checks run over the committed
+tokens in order (a stop inside them truncates), the drafter takes the committed rows and proposes drafts anchored
+on each sequence's new last token (before prefix-cache snapshots: its state is in the slots they copy), and the
+outputs go out. A sequence with a grammar drafts nothing yet (its rows would need the matcher advanced over the
+drafts and rolled back: not built), so it decodes one token per step, exactly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mini.engine.sampler import SamplingBatch, sample
+from mini.engine.scheduler import StepPlan
+from mini.engine.sequence import Sequence, TokenLogprobs
+from mini.step import Commit, Drafter
+
+
+@dataclass
+class SpecStats:
+    """Speculation's counters (LLMEngine.stats.spec): drafted and accepted tokens, and how many verify chunks
+    accepted each length 0..max_draft."""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # [a] = verify chunks that accepted a drafts
+
+    def count(self, drafted: int, accepted: int, max_draft: int) -> None:
+        if len(self.accept_lengths) <= max_draft:
+            self.accept_lengths += [0] * (max_draft + 1 - len(self.accept_lengths))
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.accept_lengths[accepted] += 1
+
+
+class _Row:
+    """A verify row as the sampler reads a sequence: its history with the drafts before the row appended."""
+
+    def __init__(self, seq: Sequence, drafts: list[int]):
+        self.seq, self.drafts = seq, drafts
+        self.params, self.seed, self.eos_token_id = seq.params, seq.seed, seq.eos_token_id
+        self.matcher = seq.matcher if not drafts else None  # (a grammar's sequence never drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.tokens + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
+
+
+def accept(draft: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the target's own tokens (targets[i]: row i's, drawn after draft[:i])."""
+    a = 0
+    while a < len(draft) and draft[a] == targets[a]:
+        a += 1
+    return a
+
+
+class Speculation:
+    """The speculative step of an LLMEngine (`engine.spec`): eager, never overlapped."""
+
+    def __init__(self, engine, drafter: Drafter, max_draft: int):
+        if not 0 < max_draft <= drafter.max_draft:
+            raise ValueError(f"spec tokens must be in [1, {drafter.max_draft}] for this drafter, got {max_draft}")
+        self.engine, self.drafter, self.max_draft = engine, drafter, max_draft
+
+    def draft_room(self, seq: Sequence) -> int:
+        """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context;
+        none under a grammar (see the module doc)."""
+        if seq.is_finished or seq.matcher is not None:
+            return 0
+        room = seq.max_total_tokens - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.max_draft, room))
+
+    def step(self, plan: StepPlan) -> list:
+        e = self.engine
+        for seq in plan.preempted:  # recomputed as a prompt; a new draft follows its first token
+            seq.draft = []
+        chunks = plan.chunks
+        logits = e.runner.run(chunks)
+        sampling = [c for c in chunks if c.samples]  # (read before the histories grow below)
+        samples = {id(c) for c in sampling}
+        rows = [_Row(c.seq, c.seq.draft[:i]) for c in sampling for i in range(1 + c.drafts)]
+        if logits.shape[0] != len(rows):
+            raise RuntimeError(f"{logits.shape[0]} logit rows for {len(rows)} verify rows")
+        out = None
+        if rows:
+            batch = SamplingBatch.from_seqs(rows, logits.shape[-1], logits.device)
+            if any(r.matcher is not None for r in rows):
+                batch.allowed = e.grammars.start([r.matcher for r in rows], logits.device, background=False).result()
+            out = sample(logits, batch)
+        ids = out.token_ids.tolist() if out is not None else []
+        lp = out.logprobs.tolist() if out is not None and out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out is not None and out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out is not None and out.top_logprobs is not None else None
+
+        # acceptance, then the cache at the committed frontier
+        accepted, new_tokens, row = [], {}, 0
+        for c in chunks:
+            a = 0
+            if id(c) in samples:
+                targets = ids[row:row + 1 + c.drafts]
+                a = accept(c.seq.draft[:c.drafts], targets)
+                new_tokens[id(c)] = (row, targets[:a + 1])
+                row += 1 + c.drafts
+                if c.drafts:
+                    e.stats.spec.count(c.drafts, a, self.max_draft)
+            accepted.append(a)
+            if c.is_decode:
+                e.stats.decode_tokens += 1 + a
+            else:
+                e.stats.prefill_tokens += c.length
+        e.runner.cache.commit_drafts(accepted)
+        for c, a in zip(chunks, accepted):
+            c.seq.num_computed = c.end - c.drafts + a
+
+        # the committed tokens, in order, through the stop checks (a stop inside them drops the rest)
+        now, emitted = time.monotonic(), {}
+        for c in sampling:
+            seq, (first, tokens) = c.seq, new_tokens[id(c)]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            kept = []
+            for i, token in enumerate(tokens):
+                seq.output_token_ids.append(token)
+                kept.append(token)
+                if seq.matcher is not None:
+                    e.grammars.advance([(seq.matcher, token)])
+                if lp is not None and seq.params.logprobs is not None:
+                    k = seq.params.logprobs
+                    top = dict(zip(top_ids[first + i][:k], top_lp[first + i][:k]))
+                    seq.output_logprobs.append(TokenLogprobs(token, lp[first + i], top))
+                e._check_stop(seq, token)
+                if seq.is_finished:
+                    break
+            emitted[id(c)] = kept
+
+        # the drafter takes the committed rows (its state in the slots) and proposes; then snapshots
+        commits = [Commit(rows=c.end - c.drafts + a - c.start, length=c.length, slot=c.seq.slot,
+                          end=c.seq.num_computed, anchor=c.seq.output_token_ids[-1] if id(c) in samples else None,
+                          max_draft=self.draft_room(c.seq), history=lambda s=c.seq: s.tokens)
+                   for c, a in zip(chunks, accepted)]
+        for c, draft in zip(chunks, self.drafter.propose(e.runner.cache, commits)):
+            c.seq.draft = list(draft) if id(c) in samples else []
+        live = [c for c in chunks if not c.seq.is_finished]
+        e.runner.copy_slots([s for s in (e.blocks.commit(c.seq) for c in live) if s is not None])
+
+        results = []
+        for c in sampling:
+            seq = c.seq
+            if seq.is_finished:
+                e._remove(seq)
+                e.requests.pop(seq.request_id, None)
+            results.append(e._output(seq, emitted[id(c)]))
+        return results

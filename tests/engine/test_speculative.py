@@ -1,0 +1,137 @@
+"""Speculative decoding (mini/engine/speculative.py, docs/engine.md "DSpark speculative decoding") on the real
+tiny-v4.1 model, CPU, fp32, under the kernels' deterministic mode (mini.ops.deterministic_mode: every GEMM row its
+own product on the CPU, so a row's logits do not depend on how many rows its step has, and a verify chunk's rows
+equal the decode steps they replace bit for bit).
+
+The drafter here is an oracle: it proposes the target's own future tokens (from a plain run) with an error at a
+planned position, cycling through every accept length 0..K, so the tests reach each length and each cache edge
+(a prompt of 118 crosses the 128-slot window ring's wrap while decoding; blocks of 16 and the ratio-2 groups are
+crossed many times) and compare tokens and logprobs with plain decode bit for bit: alone, among other sequences
+with prefill chunks in the same steps, under preemption, after a prefix-cache hit, and sampled with seeds."""
+import pytest
+import torch
+
+import mini.ops
+from mini.engine import LLM, SamplingParams
+from mini.engine.speculative import accept
+
+K = 5
+PLAN = [0, 1, 2, 3, 4, 5, 2, 5, 1]  # accept lengths the oracle aims for, in turn
+PROMPTS = [[5 + (7 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([3, 12, 118])]
+OPTS = dict(device="cpu", dtype=torch.float32, block_tokens=16)
+
+
+class OracleDrafter:
+    """mini.step.Drafter proposing the reference continuation of each prompt (`futures`), wrong at the position
+    `plan` names for each proposal in turn (a position >= the draft's length: the whole draft is right)."""
+
+    def __init__(self, futures: dict[tuple, list[int]], plan: list[int], vocab: int, max_draft: int = K):
+        self.futures, self.plan, self.vocab, self.max_draft = futures, plan, vocab, max_draft
+        self.proposals = 0
+
+    def propose(self, cache, commits):
+        drafts = []
+        for c in commits:
+            if c.anchor is None or c.max_draft == 0:
+                drafts.append([])
+                continue
+            history = c.history()
+            prompt = next(p for p in self.futures if tuple(history[:len(p)]) == p)
+            n = len(history) - len(prompt)  # the next output index
+            draft = (self.futures[prompt][n:] + [0] * c.max_draft)[:c.max_draft]
+            wrong = self.plan[self.proposals % len(self.plan)]
+            self.proposals += 1
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % self.vocab
+            drafts.append(draft)
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def kernels_deterministic():
+    with mini.ops.deterministic_mode():
+        yield
+
+
+def _generate(prompts, params, drafter=None, **opts):
+    llm = LLM("tiny-v4.1", **{**OPTS, "num_blocks": 64, **opts}, drafter=drafter,
+              spec_tokens=K if drafter is not None else 0)
+    return llm.generate(prompts, params), llm.engine
+
+
+def _same(got, want):
+    """Tokens, finish and logprobs (float ==: bit for bit) of two runs' outputs."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert [[(lp.logprob, lp.top) for lp in o.logprobs] for o in got] == \
+        [[(lp.logprob, lp.top) for lp in o.logprobs] for o in want]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def plain(kernels_deterministic):
+    outs, _ = _generate(PROMPTS, GREEDY)
+    return outs
+
+
+def _oracle(outs, plan=PLAN):
+    return OracleDrafter({tuple(p): o.token_ids for p, o in zip(PROMPTS, outs)}, plan, 512)
+
+
+def test_accept_is_the_longest_matching_prefix():
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accept([1, 2, 3], [1, 5, 3, 4]) == 1
+    assert accept([7], [1, 2]) == 0
+    assert accept([], [4]) == 0
+
+
+def test_greedy_among_load_equals_plain_decode_bitwise(plain):
+    # a budget of 24 tokens: the 118-token prompt is prefilled in chunks beside the others' verify chunks
+    outs, engine = _generate(PROMPTS, GREEDY, _oracle(plain), max_num_batched_tokens=24)
+    _same(outs, plain)
+    lengths = engine.stats.spec.accept_lengths
+    assert len(lengths) == K + 1 and all(n > 0 for n in lengths), lengths  # every accept length 0..K happened
+    assert engine.stats.spec.accepted_tokens == sum(a * n for a, n in enumerate(lengths))
+
+
+def test_greedy_alone_equals_plain_decode_bitwise(plain):
+    outs, engine = _generate(PROMPTS[2:], GREEDY, _oracle(plain, plan=[3, 0, 5, 1, 4, 2]))
+    _same(outs, plain[2:])
+    assert engine.stats.steps < 14  # fewer steps than tokens: drafts were taken
+
+
+def test_preemption_mid_speculation_equals_plain_decode(plain):
+    # 2 blocks of 16 positions for two sequences admitted with one each, that need 1 and 2: the second is
+    # preempted as it grows (a verify chunk's drafts grow it too) and recomputed once the first is done
+    outs, engine = _generate(PROMPTS[:2], GREEDY, _oracle(plain), num_blocks=2, enable_prefix_caching=False)
+    _same(outs, plain[:2])
+    assert engine.stats.preemptions > 0
+
+
+def test_prefix_cache_hit_then_speculation_equals_plain_decode(plain):
+    prompts = [PROMPTS[2][:16] + PROMPTS[0], PROMPTS[2][:16] + PROMPTS[1][:2]]
+    ref, _ = _generate(prompts, GREEDY, enable_prefix_caching=False)
+    drafter = OracleDrafter({tuple(p): o.token_ids for p, o in zip(prompts, ref)}, PLAN, 512)
+    # one at a time: the second restores the snapshot the first left at 16 (rings, compressor state)
+    outs, engine = _generate(prompts, GREEDY, drafter, max_num_seqs=1, snapshot_prompt_end=True)
+    assert [o.num_cached_tokens for o in outs] == [0, 16]
+    _same(outs, ref)
+
+
+def test_seeded_sampling_penalties_and_stops_equal_plain_decode(kernels_deterministic):
+    """Seeded draws, a repetition penalty, a logit bias and min_tokens' hold are applied to every verify row with
+    the drafts before it in the history; a stop token inside an accepted run ends the output there."""
+    params = [SamplingParams(temperature=0.9, seed=7, max_tokens=12, logprobs=1, repetition_penalty=1.3,
+                             logit_bias={17: 3.0}, min_tokens=4),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=12, presence_penalty=0.5, frequency_penalty=0.4)]
+    ref, _ = _generate(PROMPTS[:2], params)
+    stop_at = ref[1].token_ids[6]
+    params[1].stop_token_ids = [stop_at]
+    ref, _ = _generate(PROMPTS[:2], params)
+    assert ref[1].finish_reason == "stop" and len(ref[1].token_ids) <= 7
+    drafter = OracleDrafter({tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}, [5, 5, 2, 5], 512)
+    outs, engine = _generate(PROMPTS[:2], params, drafter)
+    _same(outs, ref)
+    assert engine.stats.spec.accepted_tokens > 0
