@@ -49,6 +49,13 @@ def fraction(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def drafter_name(text: str) -> str:
+    """argparse type: a drafter for speculative decoding (EngineOptions.speculative): "dspark"."""
+    if text != "dspark":
+        raise argparse.ArgumentTypeError(f"the one drafter is 'dspark' (the model's own mtp.* module), got {text!r}")
+    return text
+
+
 def non_negative(text: str) -> float:
     """argparse type: a finite number >= 0."""
     return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
@@ -140,6 +147,10 @@ ENGINE_FLAGS = (
          "start-up)"),
     Flag("--deterministic", False, "a request's tokens and logprobs do not depend on what else is batched with "
          "it: batch-invariant kernels, fixed prefill chunks, prefix caching off (docs/design.md, Determinism)"),
+    Flag("--speculative", None, "speculative decoding with this drafter: 'dspark', the model's own mtp.* module "
+         "(each step verifies its drafts; outputs equal plain decode's; eager steps; docs/engine.md)", drafter_name),
+    Flag("--spec-tokens", None, "the longest draft with --speculative (default: the drafter's own, DSpark's "
+         "block of 5)", count(1)),
 )
 
 

@@ -32,7 +32,11 @@ def cmd_generate(args) -> int:
             print("error: --image: not under torchrun (EP ranks serve text only)", file=sys.stderr)
             return 2
         return generate_torchrun(args, prompt, opts.get("num_blocks"))
-    llm = LLM(args.model, **opts)
+    try:
+        llm = LLM(args.model, **opts)
+    except ValueError as e:  # an option the model cannot take (--speculative dspark without mtp.*)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     images = None

@@ -19,13 +19,12 @@ A step, as the engine runs it:
 Every capability is declared here, with its type, and never probed (`hasattr`): a model that cannot run one kind of
 step says so by a declared value (`capturable = False`), not by lacking a method.
 
-How new kinds of step are meant to fit (issues 27, 29; add them here, declared, when they land):
-* DSpark speculative decoding: a verify step decodes 1 + k rows per sequence. Eagerly that is a `SeqChunk` of
-  1 + k tokens (`build_batch` as today, logits for every row); for graphs, `DecodeRows` gains the rows per sequence
-  and `static_decode` the most it must hold (one bucket per (B, k)). The draft step is a second forward of the
-  model's own: a new `StepModel` method with a declared flag (a model without `mtp.*` says False), over the
-  features the verify forward kept. Rolling the cache back to the committed frontier after a rejection is a
-  `StepCache` method taking the accepted count of each sequence.
+Speculative decoding (issue 27; docs/engine.md). A verify step is eager: a decoding sequence's chunk is its last
+token and a draft (`SeqChunk.drafts` trailing tokens), logits for 1 + drafts rows; the model keeps the drafts'
+cache writes aside until `StepCache.commit_drafts` gets the accepted count of each chunk. Drafts come from a
+`Drafter`: after every forward it takes what each chunk committed (`Commit`) and proposes the next drafts; a model
+offers its own as `StepModel.drafter` (None without a draft module). For CUDA graphs (not built) `DecodeRows`
+would gain the rows per sequence and `static_decode` a bucket per (B, k).
 
 Images (issue 29). A request may carry images: each is an `ImageSpan` of the prompt, positions [start, end) that
 take the image's embeddings instead of token embeddings (their ids are the model's image id; the engine reads them

@@ -56,7 +56,7 @@ class EngineOptions:
     overlap: bool | None = None  # overlapped decode steps (see the module doc); None: on where graphs are used
     deterministic: bool = False  # a request's output does not depend on its batch (docs/design.md, Determinism)
     speculative: str | None = None  # "dspark": the model's own drafter proposes, each step verifies (speculative.py)
-    spec_tokens: int = 0  # the longest draft (0: the drafter's own, DSpark's block size)
+    spec_tokens: int | None = None  # the longest draft (None: the drafter's own, DSpark's block size)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:

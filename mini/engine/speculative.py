@@ -14,13 +14,15 @@ changes an output; it only saves steps where the drafter guessed the target's to
 Then: the cache keeps the accepted drafts (`StepCache.commit_drafts`), the stop checks run over the committed
 tokens in order (a stop inside them truncates), the drafter takes the committed rows and proposes drafts anchored
 on each sequence's new last token (before prefix-cache snapshots: its state is in the slots they copy), and the
-outputs go out. A sequence with a grammar drafts nothing yet (its rows would need the matcher advanced over the
-drafts and rolled back: not built), so it decodes one token per step, exactly.
+outputs go out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts before the
+row, then rolled back (`_grammar_masks`); the committed tokens advance it for good, as plain decode's do.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from mini.engine.sampler import SamplingBatch, sample
 from mini.engine.scheduler import StepPlan
@@ -50,7 +52,6 @@ class _Row:
     def __init__(self, seq: Sequence, drafts: list[int]):
         self.seq, self.drafts = seq, drafts
         self.params, self.seed, self.eos_token_id = seq.params, seq.seed, seq.eos_token_id
-        self.matcher = seq.matcher if not drafts else None  # (a grammar's sequence never drafts)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -82,14 +83,42 @@ class Speculation:
         self.engine, self.drafter, self.max_draft = engine, drafter, max_draft
 
     def draft_room(self, seq: Sequence) -> int:
-        """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context;
-        none under a grammar (see the module doc)."""
-        if seq.is_finished or seq.matcher is not None:
+        """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context."""
+        if seq.is_finished:
             return 0
         room = seq.max_total_tokens - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.max_draft, room))
+
+    def _grammar_masks(self, sampling: list, device):
+        """The bitmask of every verify row (None: no sequence has a grammar): row i of a sequence with a matcher
+        takes its mask after the matcher consumed the drafts before the row; the matcher is rolled back after. A
+        draft the grammar refuses ends that: the rows after it keep its mask (their drafts cannot be accepted, the
+        target never draws a refused token)."""
+        if not any(c.seq.matcher is not None for c in sampling):
+            return None
+        grammars, masks = self.engine.grammars, []
+        for c in sampling:
+            m = c.seq.matcher
+            if m is None:
+                masks += [None] * (1 + c.drafts)
+                continue
+            consumed, mask = 0, None
+            for i in range(1 + c.drafts):
+                if i == consumed:  # every draft before row i was consumed
+                    mask = grammars.bitmask([m], "cpu")
+                    if i < c.drafts and not m.is_stopped():
+                        consumed += m.try_consume_tokens([c.seq.draft[i]])
+                masks.append(mask)
+            if consumed:
+                m.rollback(consumed)
+        words = next(x for x in masks if x is not None).shape[1]
+        full = torch.full((len(masks), words), -1, dtype=torch.int32)
+        for i, x in enumerate(masks):
+            if x is not None:
+                full[i] = x[0]
+        return full.to(device)
 
     def step(self, plan: StepPlan) -> list:
         e = self.engine
@@ -105,8 +134,7 @@ class Speculation:
         out = None
         if rows:
             batch = SamplingBatch.from_seqs(rows, logits.shape[-1], logits.device)
-            if any(r.matcher is not None for r in rows):
-                batch.allowed = e.grammars.start([r.matcher for r in rows], logits.device, background=False).result()
+            batch.allowed = self._grammar_masks(sampling, logits.device)
             out = sample(logits, batch)
         ids = out.token_ids.tolist() if out is not None else []
         lp = out.logprobs.tolist() if out is not None and out.logprobs is not None else None

@@ -32,6 +32,20 @@ class Histogram:
         return lines
 
 
+def _accept_histogram(counts: list[int], max_draft: int) -> list[str]:
+    """Verify chunks by accepted draft length (0..max_draft) as a Prometheus histogram."""
+    name = "mini_spec_acceptance_length"
+    counts = counts + [0] * (max_draft + 1 - len(counts))
+    lines = [f"# HELP {name} Drafts accepted per verified draft.", f"# TYPE {name} histogram"]
+    total = 0
+    for a, n in enumerate(counts):
+        total += n
+        lines.append(f'{name}_bucket{{le="{a}"}} {total}')
+    lines += [f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_sum {sum(a * n for a, n in enumerate(counts))}",
+              f"{name}_count {total}"]
+    return lines
+
+
 class ServerMetrics:
     """Latency histograms are fed from the engine thread (`observe`); gauges are read at scrape time."""
 
@@ -77,6 +91,12 @@ class ServerMetrics:
         lines += metric("mini_decode_tokens_total", "counter", "Tokens computed in decode steps.", stats.decode_tokens)
         lines += metric("mini_preemptions_total", "counter", "Requests preempted (recomputed later).",
                         stats.preemptions)
+        if eng.spec is not None:  # speculative decoding (docs/engine.md)
+            spec = stats.spec
+            lines += metric("mini_spec_draft_tokens_total", "counter", "Draft tokens verified.", spec.drafted_tokens)
+            lines += metric("mini_spec_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                            spec.accepted_tokens)
+            lines += _accept_histogram(spec.accept_lengths, eng.spec.max_draft)
         with self._lock:
             lines += ["# HELP mini_requests_finished_total Finished requests by reason.",
                       "# TYPE mini_requests_finished_total counter"]

@@ -55,7 +55,7 @@ def kernels_deterministic():
 
 def _generate(prompts, params, drafter=None, **opts):
     llm = LLM("tiny-v4.1", **{**OPTS, "num_blocks": 64, **opts}, drafter=drafter,
-              spec_tokens=K if drafter is not None else 0)
+              spec_tokens=K if drafter is not None else None)
     return llm.generate(prompts, params), llm.engine
 
 
@@ -135,3 +135,80 @@ def test_seeded_sampling_penalties_and_stops_equal_plain_decode(kernels_determin
     outs, engine = _generate(PROMPTS[:2], params, drafter)
     _same(outs, ref)
     assert engine.stats.spec.accepted_tokens > 0
+
+
+# ------------------------------------------------------------------------------------------- DSpark as the drafter
+class Recording:
+    """Wraps a drafter and records each draft it proposes with the end of the cache it was made at."""
+
+    def __init__(self, drafter):
+        self.drafter, self.max_draft, self.drafts = drafter, drafter.max_draft, []
+
+    def propose(self, cache, commits):
+        out = self.drafter.propose(cache, commits)
+        self.drafts += [(c.end, d) for c, d in zip(commits, out) if d]
+        return out
+
+
+def test_dspark_drafts_are_mini_logits_dspark_drafts(kernels_deterministic, tmp_path):
+    """Greedy speculation with DSpark (tiny-v4.1-dspark, random weights: its drafts are rarely right) gives plain
+    decode's output, and every draft it proposes after a decode step is the one `mini logits --dspark` records for
+    that step (the f4 order: the step's features into the rings, then a draft anchored on the next token), cut to
+    the room the request has left."""
+    import numpy as np
+
+    from mini.cli import main
+    prompt, params = PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    opts = dict(OPTS, num_blocks=16)
+    plain = LLM("tiny-v4.1-dspark", **opts).generate([prompt], params)
+    spec = LLM("tiny-v4.1-dspark", **opts, speculative="dspark")
+    spec.engine.spec.drafter = recording = Recording(spec.engine.spec.drafter)
+    outs = spec.generate([prompt], params)
+    _same(outs, plain)
+    tokens = outs[0].token_ids
+    assert main(["logits", "--model", "tiny-v4.1-dspark", "--device", "cpu", "--dtype", "float32",
+                 "--ids", ",".join(map(str, prompt)), "--force-tokens", ",".join(map(str, tokens)), "--dspark",
+                 "--out", str(tmp_path / "l.npz")]) == 0
+    reference = np.load(tmp_path / "l.npz")["dspark_draft_ids"]  # row n: after feeding tokens[n]
+    after_decode = [(end, d) for end, d in recording.drafts if end > len(prompt)]
+    assert recording.drafts[0][0] == len(prompt) and after_decode  # one after the prefill, then after verifies
+    for end, draft in after_decode:
+        assert draft == reference[end - len(prompt) - 1][:len(draft)].tolist(), end
+
+
+def test_a_model_without_dspark_refuses_speculation():
+    with pytest.raises(ValueError, match="no DSpark draft module"):
+        LLM("tiny-v4.1", **OPTS, num_blocks=8, speculative="dspark")
+
+
+def test_metrics_report_drafted_and_accepted_tokens(plain):
+    from mini.server.metrics import ServerMetrics
+    _, engine = _generate(PROMPTS[:1], GREEDY, _oracle(plain, plan=[2, 5]))
+    text = ServerMetrics(engine).render()
+    spec = engine.stats.spec
+    assert f"mini_spec_draft_tokens_total {spec.drafted_tokens}" in text and spec.drafted_tokens > 0
+    assert f"mini_spec_accepted_tokens_total {spec.accepted_tokens}" in text
+    assert f'mini_spec_acceptance_length_bucket{{le="+Inf"}} {sum(spec.accept_lengths)}' in text
+    assert f"mini_spec_acceptance_length_sum {spec.accepted_tokens}" in text
+
+
+def test_grammar_rows_follow_the_matcher_over_the_drafts(kernels_deterministic):
+    """A JSON-schema grammar: each verify row's mask is the matcher's after the drafts before it (then rolled
+    back); greedy and seeded outputs equal plain decode's, drafts are accepted."""
+    from mini.server.grammars import json_grammar
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 4}},
+              "required": ["n", "s"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=30, grammar=json_grammar(schema)),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, grammar=json_grammar(schema))]
+    ref, _ = _generate(PROMPTS[:2], params)
+    drafter = OracleDrafter({tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}, [5, 1, 5, 3], 512)
+    outs, engine = _generate(PROMPTS[:2], params, drafter)
+    _same(outs, ref)
+    assert engine.stats.spec.accepted_tokens > 0
+
+
+def test_generate_refuses_speculation_without_dspark(capsys):
+    from mini.cli import main
+    assert main(["generate", "--model", "tiny-v4.1", "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                 "--speculative", "dspark"]) == 2
+    assert "no DSpark draft module (mtp.* weights)" in capsys.readouterr().err
