@@ -199,33 +199,29 @@ def _store_partial(part_ptr, stat_ptr, acc, m_i, l_i, piece, t, heads, head_ok, 
 @triton.jit
 def _combine_kernel(part_ptr, stat_ptr, sink_ptr, rope_ptr, out_ptr, stride_ot, stride_oh, n_heads,
                     N_PIECES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    D_SPLIT: tl.constexpr):
-    """The split walk's end, one program per (token, head tile, output half): the pieces' partials merged in
-    piece order by log-sum-exp (each scaled by exp2(m_s - M) from the largest running max M), then `_finish` as
-    the one-program walk ends. With one piece every scale is exp2(0) = 1: the one-program path's bits."""
+                    BLOCK_D: tl.constexpr):
+    """The split walk's end, one program per (token, head tile, BLOCK_D output columns): the pieces' partials
+    merged in piece order by log-sum-exp (each scaled by exp2(m_s - M) from the largest running max M), then
+    `_finish` as the one-program walk ends. With one piece every scale is exp2(0) = 1: the one-program bits."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < n_heads
-    half = 0
-    if D_SPLIT != 1:
-        half = tl.program_id(2)
-    DO: tl.constexpr = D // D_SPLIT
-    d = tl.arange(0, DO)
+    chunk = tl.program_id(2)
+    cols = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     n_tok = tl.num_programs(0)
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     for s in range(N_PIECES):
         row = (s * n_tok + t).to(tl.int64) * n_heads + heads
         m = tl.maximum(m, tl.load(stat_ptr + 2 * row, mask=head_ok, other=-1.0e30))
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DO], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s in range(N_PIECES):
         row = (s * n_tok + t).to(tl.int64) * n_heads + heads
         scale = tl.exp2(tl.load(stat_ptr + 2 * row, mask=head_ok, other=-1.0e30) - m)  # 0 for an empty piece
         l_i += tl.load(stat_ptr + 2 * row + 1, mask=head_ok, other=0.0) * scale
-        acc += tl.load(part_ptr + row[:, None] * D + (half * DO + d)[None, :], mask=head_ok[:, None],
-                       other=0.0) * scale[:, None]
-    _finish(acc, m, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, half,
-            D, RD, BLOCK_H, DO)
+        acc += tl.load(part_ptr + row[:, None] * D + cols[None, :], mask=head_ok[:, None], other=0.0) * scale[:, None]
+    _finish(acc, m, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, chunk,
+            D, RD, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
@@ -303,7 +299,7 @@ def _attend(
 def _finish(acc, m_i, l_i, sink_ptr, rope_ptr, out_ptr, t, heads, head_ok, stride_ot, stride_oh, half,
             D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, DO: tl.constexpr):
     """The softmax's end for one query's whole key list: the per-head sink logit in the denominator, the division,
-    the RoPE-unrotate epilogue and the store of output columns half * DO .. half * DO + DO - 1."""
+    the RoPE-unrotate epilogue and the store of output columns half * DO .. half * DO + DO - 1 (acc holds those)."""
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
     l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
@@ -431,8 +427,9 @@ def _split_k(q, kv_new, window, comp, sink, rope, out, positions, seq_of, slots,
         W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
         BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, D_SPLIT=d_split,
         num_warps=num_warps, num_stages=num_stages)
-    _combine_kernel[(T, head_tiles, d_split)](
+    block_d = min(D, 64)  # column chunks: many programs to read the partials at small T
+    _combine_kernel[(T, head_tiles, D // block_d)](
         part, stat, sink, rope if rope is not None else sink, out, out.stride(0), out.stride(1), H,
-        N_PIECES=k_split, D=D, RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, D_SPLIT=d_split,
+        N_PIECES=k_split, D=D, RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4)
     return out

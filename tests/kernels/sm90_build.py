@@ -45,7 +45,7 @@ def main() -> None:
                   dict(W=128, N_COMP_TILES=0, D=d, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True, D_SPLIT=split),
                   ("scale_log2",), num_warps=8)
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
-                  dict(N_PIECES=5, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, D_SPLIT=split))
+                  dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},

@@ -50,12 +50,14 @@ def _case(flat_batch, steps, H=5, D=32, W=8, ratio=2, rpb=4, topk=7, seed=0):
 
 
 @pytest.mark.parametrize("k_split", [1, 2, 3, 5])
-@pytest.mark.parametrize("steps,rope_dim,d_split", [(DECODE_1, 0, 2), (DECODE_3, 8, 2), (DECODE_17, 0, 1),
-                                                    (MIXED, 24, 2)])
-def test_split_matches_oracle_interpreter(steps, rope_dim, d_split, k_split, interpreter, flat_batch, poisoned):
+@pytest.mark.parametrize("steps,D,rope_dim,d_split", [(DECODE_1, 32, 0, 2), (DECODE_3, 32, 8, 2),
+                                                      (DECODE_17, 32, 0, 1), (MIXED, 128, 80, 2)],
+                         ids=["B1", "B3-rope", "B17-d1", "mixed-D128-rope"])
+def test_split_matches_oracle_interpreter(steps, D, rope_dim, d_split, k_split, interpreter, flat_batch, poisoned):
     """fp32 against the float64 oracle within the one-program kernel's bound (test_sparse_attention_interpreter):
-    W 8 + top-k 7 in blocks of 4 gives lists of 2 to 4 blocks, some pieces empty at S = 3 and 5."""
-    case = _case(flat_batch, steps)
+    W 8 + top-k 7 in blocks of 4 gives lists of 2 to 4 blocks, some pieces empty at S = 3 and 5; at D 128 the
+    combine's two column chunks, the RoPE across both."""
+    case = _case(flat_batch, steps, D=D)
     b, q, kv_new, window, comp, sink, comp_idx, ratio = case
     out = _run(case, k_split, rope_dim=rope_dim, d_split=d_split)
     rope = rope_for(b.positions * 97, rope_dim) if rope_dim else None
@@ -153,7 +155,7 @@ def test_split_bf16_distance_to_reference_op_interpreter(interpreter, flat_batch
     ([1] * 3, [60, 1000, 32767], 512, 64),  # a window partly filled; groups fewer than the top-k (-1 holes)
     ([1] * 17, [40000 + 997 * i for i in range(17)], 512, 0),
     ([1] * 64, [3 + 517 * i for i in range(64)], 509, 64),  # a list not whole blocks
-])
+], ids=["B1", "B3", "B17", "B64"])
 def test_split_real_shape_gpu(lens, starts, topk, rope_dim, k_split, flat_batch, poisoned):
     """V4.1 real shape (64 heads, D 512, W 128, ratio 4): the split walk and the one-program walk each within
     5e-3 (relative norm) of mini.ops.attention's reference, as test_sparse_attention_matches_reference_op asks of
