@@ -186,3 +186,28 @@ def test_split_real_shape_gpu(lens, starts, topk, rope_dim, k_split, flat_batch,
                                                   rope_out=None if kw["rope_out"] is None else kw["rope_out"][r:r + 1]),
                                      k_split=k_split)
         assert torch.equal(alone[0], split[r])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_fuzz_interpreter(seed, interpreter, flat_batch, poisoned):
+    """Seeded configurations nobody chose: heads, head and RoPE widths, window, pool rows, top-k, key block, rows
+    (decode rows and short chunks at random positions) and S, against the float64 oracle."""
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+    H, D, W, block_n = pick(1, 3, 5, 9), pick(16, 32, 64), pick(3, 5, 8, 13), pick(4, 8, 16)
+    ratio, rpb, topk = pick(1, 2, 4), pick(2, 4), pick(0, 1, 6, 11)
+    rope_dim = pick(0, 2 * int(torch.randint(1, D // 2, (1,), generator=g)))
+    B = pick(1, 2, 5)
+    lens = [pick(1, 1, 2, 4) for _ in range(B)]
+    starts = [pick(0, int(torch.randint(0, 60, (1,), generator=g))) for _ in range(B)]
+    k_split = pick(2, 3, 4, 7)
+    case = _case(flat_batch, (lens, starts), H=H, D=D, W=W, ratio=ratio, rpb=rpb, topk=max(topk, 1), seed=seed)
+    b, q, kv_new, window, comp, sink, comp_idx, ratio = case
+    idx = comp_idx if topk else None
+    out = _run((*case[:6], idx, ratio), k_split, rope_dim=rope_dim, block_n=block_n)
+    rope = rope_for(b.positions * 97, rope_dim) if rope_dim else None
+    ref = rotated_oracle(q, kv_new, window, comp, sink, b, idx, ratio, D ** -0.5, rope)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
