@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import mini.engine.model_runner as runner_module
+from mini.config import preset
 from mini.engine import LLM, SamplingParams
 from mini.model.image_input import expand_prompt, load_image
 
@@ -189,3 +190,64 @@ def test_requests_with_images_are_checked():
         vl.generate([pi.ids[:50]], GREEDY, images=[spans])  # the second span is past the prompt's end
     with pytest.raises(ValueError, match="not a span of the prompt"):
         vl.generate([pi.ids], GREEDY, images=[spans[::-1]])  # out of order
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_images_equal_eager():
+    """On the GPU (bf16, fast backend): decode steps replayed from CUDA graphs, their Engram tails marked from
+    DecodeRows.images, give the tokens of the eager engine, for prompts ending in a span and with text after."""
+    cfg = preset("tiny-v4.1-vl")
+    prompts = [_prompt(cfg), _prompt(cfg, seeds=(1,), sizes=((60, 50),), text=(7, 0))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM("tiny-v4.1-vl", device="cuda", dtype=torch.bfloat16, num_blocks=64, block_tokens=16,
+                  max_num_seqs=4, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs.append([o.token_ids for o in llm.generate([p.ids for p in prompts], params,
+                                                       images=[p.spans() for p in prompts])])
+    assert outs[0] == outs[1]
+
+
+# ----------------------------------------------------------------------- the scheduler's spans, on the fake model
+def _fake_vl_llm(**opts):
+    """The fake model taking requests with images (it reads their ids as text): the scheduler's side alone."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_model import FakeModel, fake_llm
+
+    class FakeVL(FakeModel):
+        reads_images = True
+    return fake_llm(FakeVL, **opts)
+
+
+def _span(start, length, tag="x"):
+    from mini.step import ImageSpan
+    return ImageSpan(start, length, tag, data=None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_spans_stay_whole_beside_decodes_and_in_deterministic_chunks(deterministic):
+    """A 40-token budget with 4 decoding sequences: a 50-token span goes over the budget as the step's only prefill
+    chunk; a 20-token span waits rather than being cut; the deterministic mode's fixed chunks move to span edges
+    (and still finish); every output equals the same prompt's alone."""
+    prompt = [7 + i % 50 for i in range(130)]
+    spans = [_span(10, 50, "a"), _span(75, 20, "b")]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = _fake_vl_llm(max_num_batched_tokens=512).generate([prompt], params, images=[spans])[0].token_ids
+    llm = _fake_vl_llm(max_num_batched_tokens=40, max_num_seqs=8, deterministic=deterministic,
+                       enable_prefix_caching=False)
+    model = llm.engine.model
+    others = [[3 + i] * 5 for i in range(4)]
+    outs = llm.generate(others + [prompt], params, images=[[]] * 4 + [spans])
+    assert outs[-1].token_ids == alone
+    image_chunks = []
+    for step in model.calls:
+        for start, length in step:
+            if length > 1 and start < 130 and start + length > 6:  # the long prompt's chunks
+                image_chunks.append((start, start + length))
+                assert not any(s.start < start + length < s.end for s in spans), (start, length)
+        prefills = [length for _, length in step if length > 1]
+        if sum(length for _, length in step) > 40:  # over the budget: only with a span too long for any step
+            assert prefills == [50], step
+    assert (10, 60) in image_chunks  # the long span went whole, alone
+    assert any(sum(length for _, length in step) > 40 and len(step) > 1 for step in model.calls)  # beside decodes
