@@ -56,6 +56,11 @@ def drafter_name(text: str) -> str:
     return text
 
 
+def unit_interval(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    return _number(text, lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
 def non_negative(text: str) -> float:
     """argparse type: a finite number >= 0."""
     return _number(text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
@@ -151,6 +156,8 @@ ENGINE_FLAGS = (
          "(each step verifies its drafts; outputs equal plain decode's; eager steps; docs/engine.md)", drafter_name),
     Flag("--spec-tokens", None, "the longest draft with --speculative (default: the drafter's own, DSpark's "
          "block of 5)", count(1)),
+    Flag("--spec-min-confidence", 0.0, "with --speculative: a draft stops at its first token whose confidence "
+         "(DSpark's head, a probability) is below this (0: fixed length)", unit_interval),
 )
 
 

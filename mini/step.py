@@ -157,6 +157,9 @@ class Drafter(Protocol):
     """Proposes draft tokens for speculative decoding (docs/engine.md): the model's own draft module
     (`StepModel.drafter`), or a test's."""
     max_draft: int  # the most tokens one draft holds
+    # a draft stops before its first token whose confidence (a probability) is below this; 0: never (a drafter
+    # without a confidence estimate ignores it)
+    min_confidence: float
 
     def propose(self, cache: StepCache, commits: list[Commit]) -> list[list[int]]:
         """Called after every forward of a speculating engine, before prefix-cache snapshots are taken: take in

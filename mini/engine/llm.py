@@ -57,6 +57,7 @@ class EngineOptions:
     deterministic: bool = False  # a request's output does not depend on its batch (docs/design.md, Determinism)
     speculative: str | None = None  # "dspark": the model's own drafter proposes, each step verifies (speculative.py)
     spec_tokens: int | None = None  # the longest draft (None: the drafter's own, DSpark's block size)
+    spec_min_confidence: float = 0.0  # drafts stop at the first token the drafter is less sure of (0: never)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -163,6 +164,8 @@ class LLMEngine:
         """`drafter`: speculate with this drafter (tests); `options.speculative` "dspark" takes the model's own."""
         o = deterministic_options(options) if options.deterministic else options
         drafter = drafter or _model_drafter(model, o.speculative)
+        if drafter is not None:
+            drafter.min_confidence = o.spec_min_confidence
         self.options, self.config, self.tokenizer = o, config, tokenizer
         # the kernels' deterministic mode, entered before any CUDA graph is captured and held while the engine
         # lives (the mode is process-wide: ops read it); `close()` leaves it, restoring the mode found

@@ -21,6 +21,7 @@ class DSparkDrafter:
             raise ValueError("this model has no DSpark draft module (mtp.*)")
         self.model = model
         self.max_draft = model.config.dspark_block_size
+        self.min_confidence = 0.0  # the adaptive draft length: cut at the first sigmoid(confidence) below it
 
     @torch.inference_mode()
     def propose(self, cache, commits: list[Commit]) -> list[list[int]]:
@@ -45,6 +46,8 @@ class DSparkDrafter:
         if want:
             draft = propose(m.dspark, cfg, m.embed, m.head, cache.draft, t([commits[i].anchor for i in want]),
                             t([commits[i].end - 1 for i in want]), t([commits[i].slot for i in want]))
-            for i, ids in zip(want, draft.ids.tolist()):
-                out[i] = ids[:commits[i].max_draft]
+            sure = torch.sigmoid(draft.confidence) >= self.min_confidence  # [B, k]
+            lengths = sure.int().cumprod(1).sum(1).tolist()  # up to the first position below the threshold
+            for i, ids, n in zip(want, draft.ids.tolist(), lengths):
+                out[i] = ids[:min(n, commits[i].max_draft)]
         return out

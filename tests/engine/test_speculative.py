@@ -25,6 +25,8 @@ class OracleDrafter:
     """mini.step.Drafter proposing the reference continuation of each prompt (`futures`), wrong at the position
     `plan` names for each proposal in turn (a position >= the draft's length: the whole draft is right)."""
 
+    min_confidence = 0.0  # (no confidence: ignored)
+
     def __init__(self, futures: dict[tuple, list[int]], plan: list[int], vocab: int, max_draft: int = K):
         self.futures, self.plan, self.vocab, self.max_draft = futures, plan, vocab, max_draft
         self.proposals = 0
@@ -142,7 +144,7 @@ class Recording:
     """Wraps a drafter and records each draft it proposes with the end of the cache it was made at."""
 
     def __init__(self, drafter):
-        self.drafter, self.max_draft, self.drafts = drafter, drafter.max_draft, []
+        self.drafter, self.max_draft, self.min_confidence, self.drafts = drafter, drafter.max_draft, 0.0, []
 
     def propose(self, cache, commits):
         out = self.drafter.propose(cache, commits)
@@ -153,27 +155,36 @@ class Recording:
 def test_dspark_drafts_are_mini_logits_dspark_drafts(kernels_deterministic, tmp_path):
     """Greedy speculation with DSpark (tiny-v4.1-dspark, random weights: its drafts are rarely right) gives plain
     decode's output, and every draft it proposes after a decode step is the one `mini logits --dspark` records for
-    that step (the f4 order: the step's features into the rings, then a draft anchored on the next token), cut to
-    the room the request has left."""
+    that step (the f4 order: the step's features into the rings, then a draft anchored on the next token), cut at
+    its first position whose sigmoid(confidence) is below --spec-min-confidence and to the room the request has
+    left."""
     import numpy as np
 
     from mini.cli import main
     prompt, params = PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     opts = dict(OPTS, num_blocks=16)
     plain = LLM("tiny-v4.1-dspark", **opts).generate([prompt], params)
-    spec = LLM("tiny-v4.1-dspark", **opts, speculative="dspark")
-    spec.engine.spec.drafter = recording = Recording(spec.engine.spec.drafter)
-    outs = spec.generate([prompt], params)
-    _same(outs, plain)
-    tokens = outs[0].token_ids
+    tokens = plain[0].token_ids
     assert main(["logits", "--model", "tiny-v4.1-dspark", "--device", "cpu", "--dtype", "float32",
                  "--ids", ",".join(map(str, prompt)), "--force-tokens", ",".join(map(str, tokens)), "--dspark",
                  "--out", str(tmp_path / "l.npz")]) == 0
-    reference = np.load(tmp_path / "l.npz")["dspark_draft_ids"]  # row n: after feeding tokens[n]
+    ref = np.load(tmp_path / "l.npz")  # row n: the draft after feeding tokens[n]
+    sure = 1 / (1 + np.exp(-ref["dspark_confidence"].astype(np.float64)))
+    levels = np.unique(sure)
+    threshold = float(levels[len(levels) // 2 - 1:len(levels) // 2 + 1].mean())  # between two of them: no tie
+    spec = LLM("tiny-v4.1-dspark", **opts, speculative="dspark", spec_min_confidence=threshold)
+    spec.engine.spec.drafter = recording = Recording(spec.engine.spec.drafter)
+    _same(spec.generate([prompt], params), plain)
     after_decode = [(end, d) for end, d in recording.drafts if end > len(prompt)]
-    assert recording.drafts[0][0] == len(prompt) and after_decode  # one after the prefill, then after verifies
+    assert after_decode
+    cut_short = 0
     for end, draft in after_decode:
-        assert draft == reference[end - len(prompt) - 1][:len(draft)].tolist(), end
+        n = end - len(prompt) - 1
+        confident = int(np.cumprod(sure[n] >= threshold).sum())
+        room = min(K, params.max_tokens - (end + 1 - len(prompt)) - 1)
+        assert draft == ref["dspark_draft_ids"][n][:min(confident, room)].tolist(), end
+        cut_short += confident < room
+    assert cut_short > 0  # the threshold did cut some drafts
 
 
 def test_a_model_without_dspark_refuses_speculation():
@@ -212,3 +223,21 @@ def test_generate_refuses_speculation_without_dspark(capsys):
     assert main(["generate", "--model", "tiny-v4.1", "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
                  "--speculative", "dspark"]) == 2
     assert "no DSpark draft module (mtp.* weights)" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_speculation_on_cuda_equals_plain_decode_gpu(kernels_deterministic):
+    """The eager speculative path on CUDA (bf16, the fast backend, the deterministic kernels): the oracle's and
+    DSpark's speculation give plain decode's tokens and logprobs, plain decode run eagerly and on CUDA graphs with
+    overlap (scripts/gpu/serving.sh phase_spec_gpu)."""
+    opts = dict(device="cuda", dtype=torch.bfloat16, block_tokens=16, num_blocks=64)
+    plain = LLM("tiny-v4.1-dspark", **opts).generate(PROMPTS, GREEDY)
+    eager = LLM("tiny-v4.1-dspark", **opts, enforce_eager=True).generate(PROMPTS, GREEDY)
+    _same(eager, plain)
+    oracle = OracleDrafter({tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}, PLAN, 512)
+    spec = LLM("tiny-v4.1-dspark", **opts, drafter=oracle, spec_tokens=K, max_num_batched_tokens=24)
+    _same(spec.generate(PROMPTS, GREEDY), plain)
+    assert all(n > 0 for n in spec.engine.stats.spec.accept_lengths)
+    dspark = LLM("tiny-v4.1-dspark", **opts, speculative="dspark")
+    _same(dspark.generate(PROMPTS, GREEDY), plain)
+    assert dspark.engine.stats.spec.drafted_tokens > 0
