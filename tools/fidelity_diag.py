@@ -195,9 +195,9 @@ def install() -> Recorder:
     # the FFN's layer: Model._ffn gets the block
     ffn = model.Model._ffn
 
-    def _ffn(self, x, blk, ids, image_mask=None):
+    def _ffn(self, x, blk, ids, image_mask=None, step=None):
         rec.layer = blk.plan.layer
-        return ffn(self, x, blk, ids, image_mask)
+        return ffn(self, x, blk, ids, image_mask, step)
     model.Model._ffn = _ffn
     return rec
 

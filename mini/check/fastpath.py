@@ -96,11 +96,12 @@ class Recorder:
         self.shadow_cache = shadow_cache
         self.out: dict[tuple[str, int], torch.Tensor] = {}
         self.shadow_out: dict[tuple[str, int], torch.Tensor] = {}
-        self._shadow_shared: dict = {}
+        self._shadow_shared = None  # the shadow forward's StepShared: the fast path's plan, its own top-k
 
     @contextlib.contextmanager
     def installed(self, model):
         import mini.model.model as mm
+        from mini.model.attn_layer import StepShared
         attention, ffn = mm.attention, model._ffn
 
         def attn(x, w, plan, cfg, lay, cache, shared):
@@ -108,16 +109,18 @@ class Recorder:
             self.out[("attn", plan.layer)] = y.float()
             if self.shadow_cache is not None:
                 with using_backend("fast"):
+                    if self._shadow_shared is None:  # the step's plan under the fast backend
+                        self._shadow_shared = StepShared(lay.plan(x.dtype))
                     z = attention(x, w, plan, cfg, lay, self.shadow_cache, self._shadow_shared)
                 self.shadow_out[("attn", plan.layer)] = z.float()
             return y
 
-        def moe(x, blk, *inputs):  # inputs: the token ids, then the image rows' mask (Model._ffn)
-            y = ffn(x, blk, *inputs)
+        def moe(x, blk, input_ids, image_mask=None, step=None):  # Model._ffn's arguments
+            y = ffn(x, blk, input_ids, image_mask, step)
             self.out[("moe", blk.plan.layer)] = y.float()
             if self.shadow_cache is not None:
                 with using_backend("fast"):
-                    z = ffn(x, blk, *inputs)
+                    z = ffn(x, blk, input_ids, image_mask, self._shadow_shared.step)
                 self.shadow_out[("moe", blk.plan.layer)] = z.float()
             return y
 

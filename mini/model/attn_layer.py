@@ -1,12 +1,12 @@
 """One attention sub-layer (spec §2.4): projections, the KV sources' compressor and index keys, the indexer, sparse
 attention over window ring + fresh chunk + compressed pool, and the grouped output projection.
 
-`shared` carries what a layer publishes to later layers within one forward (never across steps): the top-k group
-ids of each index source and V4.1's candidate mask.
+`StepShared` carries what one forward's layers share (never across steps): the step's plan of what runs, the top-k
+group ids each index source publishes and V4.1's candidate mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,16 @@ from mini.ops.linear import QWeight, linear
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
 from mini.ops.stages import staged
+from mini.ops.step_plan import StepPlan
+
+
+@dataclass
+class StepShared:
+    """What the layers of one forward share: the step's plan (mini.ops.step_plan: which kernels run), and what index
+    sources publish to the layers after them."""
+    step: StepPlan
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source layer -> [T, k] group ids, -1 = none
+    candidates: torch.Tensor | None = None  # V4.1's candidate source: [T, N] bool, the groups later sources score
 
 
 @dataclass
@@ -131,7 +141,7 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
 
 @staged("attention.indexer_topk")
 def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
-           table: torch.Tensor, shared: dict) -> torch.Tensor:
+           table: torch.Tensor, shared: StepShared) -> torch.Tensor:
     """This index source's top-k group ids [T, k] (-1 = none); V4.1's candidate source also publishes its blocks."""
     T, H, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     rows = lay.seq_rows(plan.ratio)
@@ -142,27 +152,27 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
     scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
-    widths = indexer_op.tie_widths(scores, lay.tok_end, plan.ratio)  # the op's tie rule for this step
+    widths = indexer_op.tie_widths(scores, lay.tok_end, plan.ratio, shared.step)  # the step's tie rule
     if plan.candidate_source:
-        shared["candidates"] = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
+        shared.candidates = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                  widths)
     elif plan.uses_candidates:
-        scores = scores.masked_fill(~shared["candidates"], float("-inf"))
+        scores = scores.masked_fill(~shared.candidates, float("-inf"))
     return top_groups(scores, cfg.index_topk, n_vis, widths)
 
 
 @staged("attention.key_gathering")
-def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: dict) -> torch.Tensor:
+def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: StepShared) -> torch.Tensor:
     """[T, K] absolute group ids each query reads (-1 = none)."""
     if plan.index_layer < 0:  # V4 ratio 128: every visible group
         j = torch.arange(lay.seq_rows(plan.ratio).shape[1], device=lay.device)
         return torch.where(j < lay.n_visible(plan.ratio)[:, None], j, -1)
-    return shared[("topk", plan.index_layer)]
+    return shared.topk[plan.index_layer]
 
 
 @staged("attention")
 def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout,
-              cache: KVCache, shared: dict) -> torch.Tensor:
+              cache: KVCache, shared: StepShared) -> torch.Tensor:
     """x [T, D] (normed collapsed input) -> [T, D]; writes this layer's caches."""
     T, H, d, eps = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.norm_eps
     freqs = layer_frequencies(cfg, plan)
@@ -180,13 +190,14 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
         if plan.owns_kv:
             _compress_into_pools(x, w, plan, cfg, lay, cache)
         if plan.runs_indexer:
-            shared[("topk", plan.layer)] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
+            shared.topk[plan.layer] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
         comp, comp_ids = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
 
     b, ring = lay.batch, cache.window[plan.layer]
     # rope_out: the keys' rotation carried through V = K is removed from the output
     o = sparse_attention(q, kv, ring, w.sink, b.positions, b.seq_of, b.slots, b.start_pos, d ** -0.5,
-                         comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows)
+                         comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows,
+                         step=shared.step)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)

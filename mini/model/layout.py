@@ -22,6 +22,7 @@ import torch
 from mini.model.drafts import DraftRows
 from mini.ops.attention import group_rows, step_rows
 from mini.ops.compressor import GroupIndex
+from mini.ops.step_plan import StepPlan, choices, plan_step
 
 
 class LayoutInput(Protocol):
@@ -171,6 +172,11 @@ class StepLayout:
         if name not in self._tables:
             self._tables[name] = make()
         return self._tables[name]
+
+    def plan(self, dtype: torch.dtype) -> StepPlan:
+        """What runs for this step (mini.ops.step_plan): resolved once per step, activation dtype and set of backend
+        choices, and handed by the model to every layer's ops."""
+        return self.table(("plan", dtype, choices(self.device)), lambda: plan_step(self.n_tokens, self.device, dtype))
 
     @property
     def key_rows(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mini.config import LayerPlan, ModelConfig
-from mini.model.attn_layer import AttentionWeights, attention
+from mini.model.attn_layer import AttentionWeights, StepShared, attention
 from mini.model.batch import Batch, DecodeBuffers, EngramInput
 from mini.model.cache import KVCache
 from mini.model.dspark import DSparkWeights
@@ -25,6 +25,7 @@ from mini.ops.linear import head_logits
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
 from mini.ops.stages import staged
+from mini.ops.step_plan import StepPlan
 from mini.step import SeqChunk
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,12 @@ class Model:
 
     @staged("moe")
     def _ffn(self, x: torch.Tensor, blk: BlockWeights, input_ids: torch.Tensor,
-             image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        run = self.moe_exchange or moe
-        return run(x, blk.moe, self.config, blk.plan, input_ids, image_mask)  # image rows route with bias_vl
+             image_mask: torch.Tensor | None = None, step: StepPlan | None = None) -> torch.Tensor:
+        """The block's MoE (image rows route with bias_vl) under the step's plan; the EP exchange runs the op's
+        pieces itself, each deciding for its call."""
+        if self.moe_exchange is not None:
+            return self.moe_exchange(x, blk.moe, self.config, blk.plan, input_ids, image_mask)
+        return moe(x, blk.moe, self.config, blk.plan, input_ids, image_mask, step=step)
 
     # ---------------------------------------------------------- what the engine steps (mini.step.StepModel)
     def build_batch(self, chunks: list[SeqChunk], device) -> Batch:
@@ -235,7 +239,7 @@ class Model:
         cfg, eps = self.config, self.config.norm_eps
         lay = batch.layout(cache.block_tokens, cfg.window_size)
         cache.drafts = lay.draft_rows  # a verify step's drafts, kept aside until cache.commit_drafts
-        shared: dict = {}  # top-k / candidates published within this forward
+        shared = StepShared(lay.plan(self.dtype))  # what runs, and what index sources publish, in this forward
         images = batch.images
         h = self.embed[batch.input_ids if images is None else batch.input_ids.clamp(min=0)].to(self.dtype)
         image_mask = text_mask = None
@@ -268,7 +272,7 @@ class Model:
             x, a_pre, a_post, a_comb = self._pre_norm(h, blk.hc_attn, blk.attn_norm, pre_mix if cfg.is_v41 else None)
             h = mhc.expand(attention(x, blk.attn, blk.plan, cfg, lay, cache, shared), h, a_post, a_comb)
             x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
-            h = mhc.expand(self._ffn(x, blk, batch.input_ids, image_mask), h, f_post, f_comb)
+            h = mhc.expand(self._ffn(x, blk, batch.input_ids, image_mask, shared.step), h, f_post, f_comb)
             pre_mix = f_pre
         self.target_features = torch.cat(features, -1) if features else None
         h = h[batch.logit_rows]

@@ -68,6 +68,11 @@ def use_fast(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) or (_interpret_on_cpu and not any(t.is_cuda for t in tensors))
 
 
+def fast_on(device: torch.device) -> bool:
+    """`use_fast` for tensors on `device` (a step's plan asks it once, mini.ops.step_plan)."""
+    return backend() == "fast" and (device.type == "cuda" or (_interpret_on_cpu and device.type != "cuda"))
+
+
 _deterministic = False
 
 

@@ -22,6 +22,7 @@ needs beside its kernel (the scratch, the first-call check, the deterministic mo
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from mini.kernels.flashmla_attention import StepRows
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
 from mini.ops.stages import staged
+
+if TYPE_CHECKING:
+    from mini.ops.step_plan import StepPlan
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 
@@ -128,15 +132,17 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
                      positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                      scale: float, comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      comp_idx: torch.Tensor | None = None, ratio: int = 1,
-                     rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None) -> torch.Tensor:
+                     rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None,
+                     step: StepPlan | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
-    the step's `step_rows` (what the FlashMLA path's layers share; only it reads them).
+    the step's `step_rows` (what the FlashMLA path's layers share; only it reads them); optional `step`, the step's
+    plan (mini.ops.step_plan: `core_kernel` asked once per step and layer kind; None: asked for this call).
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                          comp_idx, ratio, rope_out)
-    kernel = core_kernel(inp)
+    kernel = step.attention(inp) if step is not None else core_kernel(inp)
     if kernel != "reference":
         return _run(kernel, inp, key_rows)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
@@ -228,20 +234,32 @@ def _fast_supported(q: torch.Tensor) -> bool:
 DET_SPARSE_ATTN: str | None = None
 
 
+def det_sparse_attn() -> str:
+    """The deterministic mode's kernel for queries of multi-token chunks: DET_SPARSE_ATTN, else the switch."""
+    return DET_SPARSE_ATTN or switches.current().det_sparse_attn
+
+
 # ------------------------------------------------------------------------------------------------- dispatch
+# the kernels `core_kernel` chooses from, and when
+KERNELS = {
+    "reference": "plain PyTorch (sparse_attention's own code): the reference backend, a CPU tensor (unless the "
+                 "fast path is interpreted there), fp32 activations, or a head width our kernel does not take",
+    "triton": "our Triton kernel (mini/kernels/sparse_attention.py): steps FlashMLA does not serve (flashmla.serves: "
+              "head count and width, T >= its MIN_TOKENS, a scratch in proportion, not during CUDA-graph capture), "
+              "or MINI_SPARSE_ATTN=triton / FlashMLA missing",
+    "flashmla": "FlashMLA's sparse prefill over the step's scratch keys, where it serves the step",
+    "flashmla-checked": "the same under MINI_SPARSE_ATTN=auto before its first call was checked against ours "
+                        "(once per process)",
+    # the deterministic mode: a query's kernel follows its own chunk, never the step's size (_deterministic_kernel)
+    "triton-invariant": "deterministic mode: our kernel over W-wide lists in the decode ring's order, every query",
+    "flashmla-by-chunk": "deterministic mode: FlashMLA for the queries of multi-token chunks, ours for one-token "
+                         "chunks",
+}
+
+
 def core_kernel(inp: AttentionInput) -> str:
-    """Which kernel computes this step's attention core, and why: the op's one dispatch.
-    * "reference": the plain PyTorch above: the reference backend, a CPU tensor (unless the fast path is
-      interpreted there), fp32 activations, or a head width our kernel does not take;
-    * "triton": our Triton kernel (mini/kernels/sparse_attention.py): decode-sized steps, shapes or steps FlashMLA
-      does not serve (`flashmla.serves`: head count and width, T >= its MIN_TOKENS, a scratch in proportion, not
-      during CUDA-graph capture), or MINI_SPARSE_ATTN=triton / FlashMLA missing (mini.ops.backends.sparse_attn);
-    * "flashmla": FlashMLA's sparse prefill over the step's scratch keys, where it serves the step;
-    * "flashmla-checked": the same under MINI_SPARSE_ATTN=auto before its first call was checked against ours
-      (`_first_flashmla_call`, once per process);
-    the deterministic mode (a query's kernel follows its own chunk, never the step's size; `_deterministic_kernel`):
-    * "triton-invariant": our kernel over W-wide lists in the decode ring's order, for every query;
-    * "flashmla-by-chunk": FlashMLA for the queries of multi-token chunks, ours for those of one-token chunks."""
+    """Which kernel computes this step's attention core, one of KERNELS (which says why): the op's one dispatch.
+    A step's plan (mini.ops.step_plan) asks it once per layer kind."""
     q = inp.q
     if not (use_fast(q) and q.dtype == torch.bfloat16 and _fast_supported(q)):
         return "reference"
@@ -263,7 +281,7 @@ def _deterministic_kernel(inp: AttentionInput) -> str:
     MINI_DET_SPARSE_ATTN=triton) every query takes our Triton kernel over W-wide lists in the decode ring's order."""
     q = inp.q
     one_token_chunks = q.shape[0] == inp.slots.shape[0]  # every sequence of a step holds at least one token
-    if ((DET_SPARSE_ATTN or switches.current().det_sparse_attn) != "flashmla" or backends.sparse_attn() == "triton"
+    if (det_sparse_attn() != "flashmla" or backends.sparse_attn() == "triton"
             or one_token_chunks or (q.is_cuda and torch.cuda.is_current_stream_capturing())
             or not flashmla.takes_model(q, inp.keys())):
         return "triton-invariant"
@@ -280,6 +298,9 @@ def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None) -> torch.T
     if kernel == "flashmla":
         return flashmla_attention(*inp.args(), key_rows=key_rows)
     if kernel == "flashmla-checked":
+        settled = backends.sparse_attn()
+        if settled != "auto-flashmla":  # an earlier layer of this step's plan made the check: its verdict holds
+            return _run(settled, inp, key_rows)
         return _first_flashmla_call(inp, key_rows)
     if kernel != "flashmla-by-chunk":
         raise ValueError(f"sparse attention kernel {kernel!r}")

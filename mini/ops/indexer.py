@@ -8,11 +8,15 @@ only score inside them. Results are absolute group ids, -1 = none; equal scores 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from mini.formats import fake_quant_fp4
 from mini.ops import deterministic, use_fast
+
+if TYPE_CHECKING:
+    from mini.ops.step_plan import StepPlan
 
 GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of queries at once: at most this many values
 # The reference backend ranks groups as the official code does (`widths` of select_candidates / top_groups): its
@@ -22,14 +26,22 @@ GATHER_ELEMENTS = 1 << 25  # the reference gathers the keys of a block of querie
 RANK_AS_OFFICIAL = True
 
 
-def tie_widths(scores: torch.Tensor, tok_end: torch.Tensor, ratio: int) -> torch.Tensor | None:
-    """The `widths` argument of `select_candidates` / `top_groups` for this step, i.e. which tie rule ranks it:
-    each query's sequence's groups at the step's end (`tok_end` [T] // ratio) where the official reference's rule
-    applies (the reference backend outside the deterministic mode, with RANK_AS_OFFICIAL: torch.topk at each
-    sequence's width), else None: ties go to the newer group (the fast path's and the deterministic mode's rule,
-    the same in prefill, chunked prefill and decode)."""
-    official = RANK_AS_OFFICIAL and not use_fast(scores) and not deterministic()
-    return tok_end // ratio if official else None
+def tie_rule(fast: bool) -> str:
+    """How the indexer ranks exactly equal scores in a step whose tensors the fast path serves (`fast`) or not:
+    "official" (the official reference's rule: torch.topk at each sequence's width, so prefill, chunked prefill and
+    decode may keep different groups at a tie) on the reference backend outside the deterministic mode with
+    RANK_AS_OFFICIAL; else "newer" (ties go to the newer group: the fast path's and the deterministic mode's rule,
+    the same in every layout)."""
+    return "official" if RANK_AS_OFFICIAL and not fast and not deterministic() else "newer"
+
+
+def tie_widths(scores: torch.Tensor, tok_end: torch.Tensor, ratio: int, step: StepPlan | None = None
+               ) -> torch.Tensor | None:
+    """The `widths` argument of `select_candidates` / `top_groups` for this step under its tie rule (`step`'s, or
+    `tie_rule` for `scores`' device): each query's sequence's groups at the step's end (`tok_end` [T] // ratio)
+    for the official rule, else None."""
+    rule = step.tie_rule if step is not None else tie_rule(use_fast(scores))
+    return tok_end // ratio if rule == "official" else None
 
 
 @lru_cache(maxsize=8)

@@ -23,10 +23,13 @@ per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
   rewritten into its layout once at load (`MoEWeights.to_humming`), the rows are gathered and FP8-quantized in
   one pass, w1 and w3 are one GEMM (N = 2I), the SwiGLU epilogue is its own pass, then w2.
 "auto" (the default) takes Humming when it imports on an SM90 GPU. The CPU reference path reads either layout.
+Which gate and GEMMs a step runs are `gate_kernel` and `experts_kernel`, asked once per step by its plan
+(mini.ops.step_plan); a layer whose weights a kernel does not take runs the reference's code either way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,9 @@ from mini.formats.quant import fake_quant_enabled
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.linear import QWeight, linear
 from mini.ops.stages import stage, staged
+
+if TYPE_CHECKING:
+    from mini.ops.step_plan import StepPlan
 
 
 @dataclass(eq=False)
@@ -190,11 +196,12 @@ def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------- gate
 @staged("moe.gate")
 def gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
-         image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         image_mask: torch.Tensor | None = None, step: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k].
     Fast path: one kernel for logits, scores, top-k and weights (mini/kernels/moe_gate.py) where `_fused_gate_ok`;
-    ids as torch.topk's except at exact ties of the biased scores, which go to the lowest expert id there."""
-    if _fused_gate_ok(x, w, cfg, plan):
+    ids as torch.topk's except at exact ties of the biased scores, which go to the lowest expert id there.
+    `step`: the step's plan (mini.ops.step_plan), None: `gate_kernel` for this call."""
+    if _fused_gate_ok(x, w, cfg, plan, step):
         return fused_gate(x, w, cfg, image_mask)
     return gate_unfused(x, w, cfg, plan, input_ids, image_mask)
 
@@ -217,13 +224,21 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 FUSED_GATE_MIN_TOKENS = 1024
 
 
-def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan) -> bool:
-    """The fused kernel covers bf16 activations and gate weights, sqrtsoftplus scores and a selection bias (V4.1,
-    and V4's non-hash layers), from FUSED_GATE_MIN_TOKENS tokens; other cases (softmax / sigmoid, hash layers, no
-    bias, few tokens) run `gate_unfused`. In the deterministic mode the token count does not choose: the fused
-    kernel (fixed tiles, one program per row block) serves every step it covers."""
-    return (use_fast(x, w.gate) and x.dtype == torch.bfloat16 and w.gate.dtype == torch.bfloat16
-            and (x.shape[0] >= FUSED_GATE_MIN_TOKENS or deterministic()) and cfg.score_func == "sqrtsoftplus"
+def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:
+    """The gate of a step of `tokens` rows of `dtype` activations, served by the fast path (`fast`) or not:
+    "fused" (mini/kernels/moe_gate.py, where the layer's gate is one it covers: `_fused_gate_ok`) for bf16 steps of
+    FUSED_GATE_MIN_TOKENS tokens or more, or of any size in the deterministic mode (the kernel's tiles are fixed:
+    one program per row block, so the token count must not choose); else "unfused" (`gate_unfused`)."""
+    big = tokens >= FUSED_GATE_MIN_TOKENS or deterministic()
+    return "fused" if fast and dtype == torch.bfloat16 and big else "unfused"
+
+
+def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, step: StepPlan | None) -> bool:
+    """The fused kernel where the step's gate is "fused" and the layer's gate is one it covers: bf16 gate weights,
+    sqrtsoftplus scores and a selection bias (V4.1, and V4's non-hash layers); other layers (softmax / sigmoid,
+    hash layers, no bias) run `gate_unfused`."""
+    kind = step.gate if step is not None else gate_kernel(x.shape[0], x.dtype, use_fast(x, w.gate))
+    return (kind == "fused" and w.gate.dtype == torch.bfloat16 and cfg.score_func == "sqrtsoftplus"
             and not plan.hash_routed and w.bias is not None)
 
 
@@ -281,10 +296,10 @@ def expert_ffn(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, limit: fl
 
 @staged("moe.routed")
 def routed(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
-           ids: torch.Tensor, layer_pairs: int | None = None) -> torch.Tensor:
+           ids: torch.Tensor, layer_pairs: int | None = None, step: StepPlan | None = None) -> torch.Tensor:
     """Sum over each token's selected experts that are held in `w`, fp32 [T, D]. Other experts contribute 0.
-    `layer_pairs`: see `_routed_fast`."""
-    if _fast_ok(x, ids, w):
+    `layer_pairs`: see `_routed_fast`; `step`: the step's plan (None: `experts_kernel` for this call)."""
+    if _fast_ok(x, ids, w, step):
         return _routed_fast(x, w, weights, ids, torch.float32, layer_pairs=layer_pairs)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for i, e in enumerate(w.experts):
@@ -328,23 +343,36 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
-        image_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole MoE FFN on one device (all experts local, or EP without exchange), in x.dtype."""
-    weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
-    if _fast_ok(x, ids, w):
+        image_mask: torch.Tensor | None = None, step: StepPlan | None = None) -> torch.Tensor:
+    """The whole MoE FFN on one device (all experts local, or EP without exchange), in x.dtype; `step`: the step's
+    plan (mini.ops.step_plan: its gate and experts' GEMMs), None: decided for this call."""
+    weights, ids = gate(x, w, cfg, plan, input_ids, image_mask, step)
+    if _fast_ok(x, ids, w, step):
         return _routed_fast(x, w, weights, ids, x.dtype, add=_shared(x, w))
-    return (routed(x, w, cfg, weights, ids) + shared(x, w)).to(x.dtype)
+    return (routed(x, w, cfg, weights, ids, step=step) + shared(x, w)).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)
-def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights) -> bool:
-    """The kernels take MXFP4 experts and multiply in bf16: exact for bf16 activations and for fake-quantized
-    ones (FP8 values are bf16 values), not for fp32 activations with the fake quant switched off. Humming's GEMMs
-    also round their outputs to bf16, which is the reference's rounding only for bf16 activations."""
+def experts_kernel(dtype: torch.dtype, fast: bool) -> str:
+    """The routed experts' GEMMs of a step of `dtype` activations, served by the fast path (`fast`) or not: the
+    kernels (MINI_MOE_GEMM's library, mini.ops.backends.moe_gemm: "humming" or "triton", as the experts were laid
+    out at load, `experts_gemm`) where they are exact, else "reference". They multiply in bf16: exact for bf16
+    activations and for fake-quantized ones (FP8 values are bf16 values), not for fp32 activations with the fake
+    quant switched off."""
+    exact = dtype == torch.bfloat16 or fake_quant_enabled()
+    return backends.moe_gemm() if fast and exact else "reference"
+
+
+def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights, step: StepPlan | None = None) -> bool:
+    """The kernels where the step's experts are not "reference" and they take this layer's experts: converted to
+    Humming's layout (whose GEMMs round their outputs to bf16, the reference's rounding only for bf16
+    activations), or MXFP4 for ours."""
+    kind = step.experts if step is not None else experts_kernel(x.dtype, use_fast(x, ids))
+    if kind == "reference":
+        return False
     if w.humming is not None:
-        return use_fast(x, ids) and x.dtype == torch.bfloat16
-    return (use_fast(x, ids) and w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4"
-            and (x.dtype == torch.bfloat16 or fake_quant_enabled()))
+        return x.dtype == torch.bfloat16
+    return w.w1.kind == "mxfp4" and w.w2.kind == "mxfp4"
 
 
 def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,

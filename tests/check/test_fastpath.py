@@ -66,8 +66,8 @@ def faulty_fast_moe(monkeypatch):
     """Under the "fast" backend, the MoE of layer FAULT_LAYER returns its output scaled by 1.01."""
     moe = mm.moe
 
-    def faulty(x, w, cfg, plan, input_ids, image_mask=None):
-        y = moe(x, w, cfg, plan, input_ids, image_mask)
+    def faulty(x, w, cfg, plan, input_ids, image_mask=None, step=None):
+        y = moe(x, w, cfg, plan, input_ids, image_mask, step)
         return y * 1.01 if mini.ops.backend() == "fast" and plan.layer == FAULT_LAYER else y
     monkeypatch.setattr(mm, "moe", faulty)
 

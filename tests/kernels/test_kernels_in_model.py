@@ -42,7 +42,7 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
             return ref  # the model goes on with the reference result
         return call
 
-    def kernel_attention(*args, key_rows=None, **kw):  # key_rows: the FlashMLA path's (StepLayout.key_rows)
+    def kernel_attention(*args, key_rows=None, step=None, **kw):  # the FlashMLA path's rows, the step's plan
         return sparse_mla_attention(*args, **kw)
 
     monkeypatch.setattr(attn_layer, "sparse_attention", compared("attention", attn_layer.sparse_attention,

@@ -155,9 +155,9 @@ def test_image_positions_take_bias_vl_and_skip_engram(tiny_model, monkeypatch):
     seen = {"moe": [], "engram": []}
     moe, engram = model_mod.moe, model_mod.engram
 
-    def spy_moe(x, w, cfg, plan, input_ids=None, image_mask=None):
+    def spy_moe(x, w, cfg, plan, input_ids=None, image_mask=None, step=None):  # step: the step's plan
         seen["moe"].append(image_mask)
-        return moe(x, w, cfg, plan, input_ids, image_mask)
+        return moe(x, w, cfg, plan, input_ids, image_mask, step)
 
     def spy_engram(h, hash_ids, w, cfg, token_mask=None, rows=None):
         seen["engram"].append(token_mask)
