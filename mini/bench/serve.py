@@ -9,11 +9,12 @@ Goodput counts the requests per second that meet both `--slo-ttft-ms` and `--slo
 
 Without `--url` the suite starts `mini serve` in a subprocess (so the client does not share the server's
 interpreter) and stops it afterwards. `--repeat N` runs the workload N times back to back on the same server,
-the first burst with nothing sent before it but GET /health (the client warms its own HTTP stack, `_touch`): the
-metrics are the median of the bursts after the first (the warm server; with N = 1, the first itself), and
-`first_*` metrics are the first burst's (a cold server: kernels that compile on first use show there; `mini serve`
-warms up at start on CUDA). The per-run metrics are kept under "runs", their wall-clock spans under "bursts" (to
-read the server's warm-up trace by: tools/goodput_cold_diag.py).
+the first burst with nothing sent before it but GET /health (the client warms its own HTTP stack,
+`serving_load.touch`): the metrics are the median of the bursts after the first (the warm server; with N = 1, the
+first itself), and `first_*` metrics are the first burst's (a cold server: kernels that compile on first use show
+there; `mini serve` warms up at start on CUDA). The per-run metrics are kept under "runs", their wall-clock spans
+under "bursts" (to read the server's warm-up trace by: tools/goodput_cold_diag.py). The load generator itself is
+mini/testing/serving_load.py.
 """
 from __future__ import annotations
 

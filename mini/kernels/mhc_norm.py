@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.formats import quant as _fq
+from mini.formats.quant import fake_quant_enabled
 from mini.kernels.quant import fake_quant_tile, kind_code
 
 PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24), then sum h^2, sum y^2
@@ -305,7 +305,7 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     post = torch.empty_like(pre)
     comb = torch.empty(T, HC, HC, dtype=torch.float32, device=dev)
     y = torch.empty(T, D, dtype=h.dtype, device=dev) if collapse else None
-    if not _fq._enabled:
+    if not fake_quant_enabled():
         quant = None
     if quant is not None:
         assert D % quant_block == 0 and block_d % quant_block == 0
@@ -361,7 +361,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: str | Non
     x = x.contiguous()
     out = torch.empty_like(x)
     R = x.numel() // D
-    if not _fq._enabled:
+    if not fake_quant_enabled():
         quant = None
     if quant is not None:
         assert D % quant_block == 0

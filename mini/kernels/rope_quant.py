@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.formats import quant as _fq
+from mini.formats.quant import fake_quant_enabled
 from mini.kernels.quant import fake_quant_tile, kind_code
 
 
@@ -70,7 +70,7 @@ def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm
     RD = 2 * table.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     assert x.shape[0] == table.shape[0]
-    if not _fq._enabled:
+    if not fake_quant_enabled():
         quant = None
     if not supported(D, RD, quant, quant_block):
         raise ValueError(f"rope_quant: width {D} with RoPE {RD} and {quant} blocks of {quant_block} is not a shape "
