@@ -61,6 +61,13 @@ def take_image_parts(messages, limits: ImageLimits) -> tuple[str, list[ImagePart
             if msg.role != "user":
                 raise ApiError(f"{param}: only user messages carry images", param=param)
             url = part.get("image_url")
+            extra = (set(part) - {"type", "image_url"}) | (set(url) - {"url", "detail"} if isinstance(url, dict)
+                                                            else set())
+            if extra:
+                raise ApiError(f"{param}: unsupported fields {sorted(extra)} (an image part has image_url.url and "
+                               "image_url.detail)", param=param)
+            if isinstance(url, dict) and url.get("detail", "auto") not in ("auto", "low", "high", None):
+                raise ApiError(f"{param}: image_url.detail must be auto, low or high", param=param)
             url = url.get("url") if isinstance(url, dict) else url  # also the bare-string form some clients send
             if not isinstance(url, str):
                 raise ApiError(f"{param}: image_url needs a 'url' (a data: URL or, if allowed, http(s))", param=param)

@@ -68,6 +68,8 @@ def test_usage_counts_each_image_span(client):
 
 def test_images_in_several_messages_and_n(client):
     a, b = _png(60, 50, 1), _png(60, 50, 3)
+    detailed = {"type": "image_url", "image_url": {"url": _url(a), "detail": "low"}}  # a hint: the same tokens
+    assert _chat(client, [detailed]).usage.prompt_tokens == _chat(client, [_image(a)]).usage.prompt_tokens
     conversation = [{"role": "user", "content": [{"type": "text", "text": "first"}, _image(a)]},
                     {"role": "assistant", "content": "ok"},
                     {"role": "user", "content": [_image(b), {"type": "text", "text": "and this one?"}]}]
@@ -103,6 +105,11 @@ def test_bad_images_are_400s_naming_the_part(client):
     _refused(client, [_image(bomb)], "messages[0].content[0]", "pixel limit")
     _refused(client, [_image("https://example.com/cat.png")], "messages[0].content[0]", "--allow-image-urls")
     _refused(client, [_image("ftp://example.com/cat.png")], "messages[0].content[0]", "data: URL")
+    _refused(client, [text, {**ok, "image_url": {**ok["image_url"], "detail": "ultra"}}], "messages[0].content[1]",
+             "detail must be")
+    _refused(client, [text, {**ok, "cache_control": {}}], "messages[0].content[1]", "unsupported fields")
+    _refused(client, [{"role": "system", "content": [ok]}, {"role": "user", "content": "hi"}],
+             "messages[0].content[0]", "only user messages")
     assert _chat(client, [text, ok]).choices[0].finish_reason == "length"  # the server still serves
 
 
