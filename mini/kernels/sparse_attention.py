@@ -153,23 +153,24 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _sparse_mla_split_kernel(
-    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, out_ptr,
-    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr, nvalid_ptr, part_ptr, stat_ptr,
-    stride_qt, stride_qh, stride_win, stride_btab, stride_cidx,
-    n_heads, n_comp, scale_log2, rows_per_block, n_pieces,
-    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+    q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
+    pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
+    n_heads, n_comp, scale_log2, rows_per_block, nvalid_ptr, part_ptr, stat_ptr, n_pieces,
+    W: tl.constexpr, N_COMP_TILES: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PREFILL_LISTS: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
-    # program_id(2) = piece * D_SPLIT + half: piece `piece` of the query's key list, output columns `half`
+    # _sparse_mla_kernel's arguments (the output's are the combine's business) and the split's: each query's valid
+    # group count, the fp32 partials; program_id(2) = piece * D_SPLIT + half
     half = 0
     if D_SPLIT != 1:
         half = tl.program_id(2) % D_SPLIT
     piece = tl.program_id(2) // D_SPLIT
-    _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, sink_ptr, out_ptr,
+    _attend(q_ptr, kv_new_ptr, window_ptr, comp_ptr, sink_ptr, rope_ptr, out_ptr,
             pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, width_ptr,
-            stride_qt, stride_qh, 0, 0, stride_win, stride_btab, stride_cidx,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_win, stride_btab, stride_cidx,
             n_heads, n_comp, scale_log2, rows_per_block,
-            W, N_COMP_TILES, D, 0, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half,
+            W, N_COMP_TILES, D, RD, BLOCK_H, BLOCK_N, PREFILL_LISTS, D_SPLIT, half,
             True, piece, n_pieces, nvalid_ptr, part_ptr, stat_ptr)
 
 
@@ -373,19 +374,30 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                                _sm_count(q.device)) if prefill_lists else 1
     if not isinstance(k_split, int) or k_split < 1:
         raise ValueError(f"sparse_mla_attention: k_split {k_split!r} (a positive int or None)")
-    if k_split > 1:
-        return _split_k(q, kv_new, window, comp, sink, rope, out, positions, seq_of, slots, start_pos, block_table,
-                        comp_idx, width, scale, rows_per_block, prefill_lists, block_h, block_n, num_warps,
-                        num_stages, d_split, k_split)
-    _sparse_mla_kernel[grid](
-        q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
-        positions, seq_of, slots, start_pos, block_table, comp_idx, width,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
-        comp_idx.stride(0),
-        H, comp_idx.shape[1], scale * _LOG2E, rows_per_block,
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
-        RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists,
-        D_SPLIT=d_split, num_warps=num_warps, num_stages=num_stages)
+    rd = 0 if rope is None else 2 * rope.shape[1]
+    args = (q, kv_new, window, comp, sink, rope if rope is not None else sink, out,
+            positions, seq_of, slots, start_pos, block_table, comp_idx, width,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), window.stride(0), block_table.stride(0),
+            comp_idx.stride(0),
+            H, comp_idx.shape[1], scale * _LOG2E, rows_per_block)
+    consts = dict(W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D, RD=rd,
+                  BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, D_SPLIT=d_split,
+                  num_warps=num_warps, num_stages=num_stages)
+    if k_split == 1:
+        _sparse_mla_kernel[grid](*args, **consts)
+        return out
+    # the split walk: pieces of each query's list (its window width + its valid groups, which come first), partials
+    # in fp32 scratch, then the combine (merge, sink, division, RoPE epilogue, store) over 64-column chunks, so that
+    # even B = 1 reads the partials with several programs
+    n_valid = (comp_idx >= 0).sum(-1, dtype=torch.int32)  # [T] on the device, no sync
+    part = torch.empty((k_split, T, H, D), dtype=torch.float32, device=q.device)
+    stat = torch.empty((k_split, T, H, 2), dtype=torch.float32, device=q.device)
+    _sparse_mla_split_kernel[(T, grid[1], k_split * d_split)](*args, n_valid, part, stat, k_split,
+                                                              **dict(consts, RD=0))  # (the combine's)
+    block_d = min(D, 64)
+    _combine_kernel[(T, grid[1], D // block_d)](
+        part, stat, sink, args[5], out, out.stride(0), out.stride(1), H,
+        N_PIECES=k_split, D=D, RD=rd, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -406,30 +418,3 @@ def split_pieces(programs: int, max_blocks: int, sms: int) -> int:
         return 1
     pieces = max(1, min(max_blocks, sms // programs))
     return triton.cdiv(max_blocks, triton.cdiv(max_blocks, pieces))
-
-
-def _split_k(q, kv_new, window, comp, sink, rope, out, positions, seq_of, slots, start_pos, block_table, comp_idx,
-             width, scale, rows_per_block, prefill_lists, block_h, block_n, num_warps, num_stages, d_split,
-             k_split) -> torch.Tensor:
-    """The split walk: k_split pieces of every query's list (its window width + its valid groups, which the wrapper
-    put first), partials in fp32 scratch, then the combine kernel (merge, sink, division, RoPE epilogue, store)."""
-    T, H, D = q.shape
-    W = window.shape[1]
-    n_valid = (comp_idx >= 0).sum(-1, dtype=torch.int32)  # [T] on the device, no sync
-    part = torch.empty((k_split, T, H, D), dtype=torch.float32, device=q.device)
-    stat = torch.empty((k_split, T, H, 2), dtype=torch.float32, device=q.device)
-    head_tiles = triton.cdiv(H, block_h)
-    _sparse_mla_split_kernel[(T, head_tiles, k_split * d_split)](
-        q, kv_new, window, comp, sink, out,
-        positions, seq_of, slots, start_pos, block_table, comp_idx, width, n_valid, part, stat,
-        q.stride(0), q.stride(1), window.stride(0), block_table.stride(0), comp_idx.stride(0),
-        H, comp_idx.shape[1], scale * _LOG2E, rows_per_block, k_split,
-        W=W, N_COMP_TILES=triton.cdiv(comp_idx.shape[1], block_n) if _INTERPRETED else 0, D=D,
-        BLOCK_H=block_h, BLOCK_N=block_n, PREFILL_LISTS=prefill_lists, D_SPLIT=d_split,
-        num_warps=num_warps, num_stages=num_stages)
-    block_d = min(D, 64)  # column chunks: many programs to read the partials at small T
-    _combine_kernel[(T, head_tiles, D // block_d)](
-        part, stat, sink, rope if rope is not None else sink, out, out.stride(0), out.stride(1), H,
-        N_PIECES=k_split, D=D, RD=0 if rope is None else 2 * rope.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4)
-    return out

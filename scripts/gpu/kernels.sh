@@ -63,15 +63,17 @@ phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS nam
     return $rc
 }
 
-phase_attn_split() {  # issue 28, sparse attention split over the key list at decode (expected < 120 s): the gpu tests
-    # of the kernel (tests.log: the split and the one-program walk each within 5e-3 of the reference op at V4.1 shape,
-    # both distances printed; d_split bits), then decode B = 1..256 at 4K and 32K, k_split 1 vs the wrapper's
-    # choice vs 2/4/10 (bench.log, kernels_attn_split.json: ms, GB/s and the byte floor)
+phase_attn_split() {  # issue 28, sparse attention split over the key list at decode (~100 s on a cold kernel cache,
+    # not yet measured; cap it at 240): the kernel's split gpu tests and its one-program parity test at V4.1 shape
+    # (tests.log: the split and the one-program walk each within 5e-3 of the reference op, both distances printed;
+    # a fixed k_split keeps a row alone == batched), then decode B = 1..256 at 4K and 32K, k_split 1 vs the
+    # wrapper's choice vs 2/4/10 (bench.log, kernels_attn_split.json: ms, GB/s and the byte floor)
     local rc=0
-    timeout 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE tests/kernels/test_sparse_attention_split.py \
-        tests/kernels/test_sparse_attention.py --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rfE tests/kernels/test_sparse_attention_split.py \
+        tests/kernels/test_sparse_attention.py::test_sparse_attention_matches_reference_op \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     grep -E "one-program .* split|passed|failed" "$PHASE_DIR/tests.log" | tail -40
-    timeout 60 python3 -m mini.bench.kernels --only attention_decode --json "$PHASE_DIR/kernels_attn_split.json" \
+    timeout 80 python3 -m mini.bench.kernels --only attention_decode --json "$PHASE_DIR/kernels_attn_split.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^sparse_attention|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
     return $rc

@@ -42,7 +42,8 @@ def main() -> None:
     for split in (2, 1):
         for d, bh in ((512, 64), (64, 16)):
             build(_sparse_mla_split_kernel, {**ptrs, "nvalid_ptr": "*i32", "stat_ptr": "*fp32"},
-                  dict(W=128, N_COMP_TILES=0, D=d, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True, D_SPLIT=split),
+                  dict(W=128, N_COMP_TILES=0, D=d, RD=0, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True,
+                       D_SPLIT=split),
                   ("scale_log2",), num_warps=8)
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
                   dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))

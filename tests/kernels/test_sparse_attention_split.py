@@ -120,9 +120,12 @@ def test_split_choice(monkeypatch, interpreter, flat_batch):
     case = _case(flat_batch, DECODE_3)
     with pytest.raises(ValueError, match="k_split"):
         _run(case, 0)
-    calls = []
-    split_k = sa._split_k
-    monkeypatch.setattr(sa, "_split_k", lambda *a: calls.append(a[-1]) or split_k(*a))
+    calls, combine = [], sa._combine_kernel
+
+    class Spy:  # records the pieces of each combine launched
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(kw["N_PIECES"]) or combine[grid](*a, **kw)
+    monkeypatch.setattr(sa, "_combine_kernel", Spy())
     _run(case, None, prefill_lists=False)
     assert calls == []
     _run(case, None)  # 3 rows x 1 head tile x 2 halves: split in as many pieces as the lists' 4 blocks
