@@ -124,18 +124,24 @@ def test_prefix_cache_hit_then_speculation_equals_plain_decode(plain):
 
 def test_seeded_sampling_penalties_and_stops_equal_plain_decode(kernels_deterministic):
     """Seeded draws, a repetition penalty, a logit bias and min_tokens' hold are applied to every verify row with
-    the drafts before it in the history; a stop token inside an accepted run ends the output there."""
+    the drafts before it in the history; a stop token or a stop string inside an accepted run ends the output
+    there (text and tokens as plain decode's)."""
     params = [SamplingParams(temperature=0.9, seed=7, max_tokens=12, logprobs=1, repetition_penalty=1.3,
                              logit_bias={17: 3.0}, min_tokens=4),
               SamplingParams(temperature=0.7, seed=3, max_tokens=12, presence_penalty=0.5, frequency_penalty=0.4)]
     ref, _ = _generate(PROMPTS[:2], params)
     stop_at = ref[1].token_ids[6]
     params[1].stop_token_ids = [stop_at]
+    text = ref[0].text
+    assert len(text) >= 10, text
+    params[0].stop = [text[6:9]]  # a stop string: where it first occurs, maybe across tokens
     ref, _ = _generate(PROMPTS[:2], params)
     assert ref[1].finish_reason == "stop" and len(ref[1].token_ids) <= 7
+    assert ref[0].finish_reason == "stop" and ref[0].stop_reason == text[6:9]
     drafter = OracleDrafter({tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}, [5, 5, 2, 5], 512)
     outs, engine = _generate(PROMPTS[:2], params, drafter)
     _same(outs, ref)
+    assert [o.text for o in outs] == [o.text for o in ref]
     assert engine.stats.spec.accepted_tokens > 0
 
 
