@@ -46,11 +46,12 @@ phase_rank4_modes() {  # issue 13 items 2-3 (<= 4 min): rank4 with --routing uni
 }
 
 phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at real V4.1-Flash shape, CUDA graphs,
-    # B in {64, 256} x contexts {4K, 32K} (random cache contents), one build (~35 s) for the four. Look at:
+    # B in {64, 256} x contexts {4K, 32K} (random cache contents; RANK4_DECODE_BATCH / RANK4_DECODE_CONTEXT pick
+    # others), one build (~35 s) for the four. Look at:
     # rank4_decode.json metrics b256_c32768.{ms_per_step, tok_per_s_per_gpu, floor_ms, vs_floor} (target vs_floor
     # <= 1.5; the floor is ~21-23 ms at B = 256), stage_ms.* (eager steps), peak_mem_gb, touched_local_experts.
-    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 tools/rank4_decode_floor.py --batch 64,256 \
-        --context 4096,32768 --steps 10 --warmup 3 --profile-steps 2 --json "$PHASE_DIR/rank4_decode.json" \
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 tools/rank4_decode_floor.py --batch "${RANK4_DECODE_BATCH:-64,256}" \
+        --context "${RANK4_DECODE_CONTEXT:-4096,32768}" --steps 10 --warmup 3 --profile-steps 2 --json "$PHASE_DIR/rank4_decode.json" \
         >"$PHASE_DIR/rank4_decode.log" 2>&1
     local rc=$?
     grep -E "Error|error:|^tools/rank4_decode_floor.py:" "$PHASE_DIR/rank4_decode.log" | tail -5
