@@ -503,8 +503,14 @@ def serve(args) -> int:
     policy = policy_from_args(args)
     opts = engine_opts(args)
     warmup = args.warmup if args.warmup is not None else str(opts["device"]).startswith("cuda")
-    app = build_app(args.model, args.served_model_name, policy, warmup, responses_db=args.responses_db,
-                    responses_max=args.responses_max, images=ImageLimits(allow_urls=args.allow_image_urls), **opts)
+    try:
+        app = build_app(args.model, args.served_model_name, policy, warmup, responses_db=args.responses_db,
+                        responses_max=args.responses_max, images=ImageLimits(allow_urls=args.allow_image_urls),
+                        **opts)
+    except ValueError as e:  # an option the model cannot take (--speculative dspark without mtp.*)
+        import sys
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from mini.engine.warmup import freeze_heap
     freeze_heap()  # start-up's objects out of the collector's walks: no full-collection pause while serving
     run_http(app, args)

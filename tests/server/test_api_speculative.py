@@ -24,3 +24,10 @@ def test_speculative_server_equals_plain_engine():
     assert got["usage"]["completion_tokens"] == len(want.token_ids)
     drafted = float(metrics.split("\nmini_spec_draft_tokens_total ")[1].split()[0])
     assert drafted > 0
+
+
+def test_serve_refuses_speculation_without_dspark(capsys):
+    from mini.cli import main
+    assert main(["serve", "--model", "tiny-v4.1", "--device", "cpu", "--num-blocks", "8", "--speculative",
+                 "dspark"]) == 2
+    assert "no DSpark draft module (mtp.* weights)" in capsys.readouterr().err
