@@ -1,6 +1,6 @@
 """The split-key decode path of the sparse MLA attention kernel (`k_split`, flash-decoding): each query's key list
 walked in S contiguous runs of whole blocks, merged by log-sum-exp. Parity against the float64 oracle and the
-reference op on fresh random data at odd sizes (1, 3 and 17 rows; windows partly filled and wrapping; top-k lists
+reference op on fresh random data at odd sizes (1, 3, 7 and 17 rows; windows partly filled and wrapping; top-k lists
 with -1 holes; lists that are not whole blocks; S = 1, 2, 3, 5 and more pieces than a list has blocks), every
 allocation of the wrapper NaN-filled first, so that an unwritten output or partial shows. The CPU tests run under
 Triton's interpreter (conftest.py); the gpu ones at V4.1 real shape."""
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("reference_ops")
 DECODE_1 = ([1], [13])
 DECODE_3 = ([1, 1, 1], [2, 9, 40])
 DECODE_17 = ([1] * 17, [0, 1, 3, 5, 6, 7, 8, 11, 16, 23, 31, 40, 57, 64, 77, 90, 121])
+DECODE_7 = ([1] * 7, [0, 3, 6, 11, 23, 57, 121])  # (the slower interpreter tests)
 MIXED = ([5, 1, 1], [0, 30, 3])
 
 
@@ -69,11 +70,11 @@ def test_split_matches_oracle_interpreter(steps, D, rope_dim, d_split, k_split, 
 def test_split_window_only_and_holes_interpreter(interpreter, flat_batch, poisoned):
     """A window-only layer (no compressed entries) and rows whose top-k is all -1 but for a few entries, split in
     more pieces than most lists have blocks."""
-    case = _case(flat_batch, DECODE_17, topk=13, seed=3)
+    case = _case(flat_batch, DECODE_7, topk=13, seed=3)
     b, q, kv_new, window, comp, sink, comp_idx, ratio = case
     comp_idx[::2, 2:] = -1  # holes: every other row keeps at most two groups
     for idx in (None, comp_idx):
-        out = _run((*case[:6], idx, ratio), 7)
+        out = _run((*case[:6], idx, ratio), 5)
         ref = oracle(q, kv_new, window, comp, sink, b, idx, ratio, q.shape[-1] ** -0.5)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
@@ -82,7 +83,7 @@ def test_split_window_only_and_holes_interpreter(interpreter, flat_batch, poison
 def test_one_piece_lists_keep_the_one_program_bits_interpreter(interpreter, flat_batch, poisoned):
     """A list that fits one piece (the others empty) merges with scales exp2(0) = 1 and exp2(-1e30 - M) = 0: the
     one-program path's bits exactly, the RoPE epilogue included. Blocks of 64 hold every list here."""
-    case = _case(flat_batch, DECODE_17, seed=5)
+    case = _case(flat_batch, DECODE_7, seed=5)
     base = _run(case, 1, rope_dim=8, block_n=64)
     for k_split in (2, 3):
         assert torch.equal(_run(case, k_split, rope_dim=8, block_n=64), base)
@@ -90,10 +91,10 @@ def test_one_piece_lists_keep_the_one_program_bits_interpreter(interpreter, flat
 
 @pytest.mark.parametrize("prefill_lists", [True, False])
 def test_fixed_split_row_alone_equals_batched_interpreter(prefill_lists, interpreter, flat_batch):
-    """With a fixed S a row's pieces depend on its own list only: a decode row alone == among 16 others, bitwise
+    """With a fixed S a row's pieces depend on its own list only: a decode row alone == among 6 others, bitwise
     (the property the deterministic mode needs, mini.ops.deterministic)."""
     from mini.kernels.sparse_attention import sparse_mla_attention
-    b, q, kv_new, window, comp, sink, comp_idx, ratio = _case(flat_batch, DECODE_17, topk=11, seed=7)
+    b, q, kv_new, window, comp, sink, comp_idx, ratio = _case(flat_batch, DECODE_7, topk=11, seed=7)
     comp_idx[3, 4:] = -1
 
     def run(rows):
@@ -102,8 +103,8 @@ def test_fixed_split_row_alone_equals_batched_interpreter(prefill_lists, interpr
                                     b.slots[s], b.start_pos[s], q.shape[-1] ** -0.5, comp=comp,
                                     block_table=b.block_table[s], comp_idx=comp_idx[s], ratio=ratio,
                                     prefill_lists=prefill_lists, block_h=8, block_n=4, num_warps=1, k_split=3)
-    both = run(list(range(17)))
-    for r in (0, 3, 8, 16):
+    both = run(list(range(7)))
+    for r in (0, 3, 6):
         assert torch.equal(run([r])[0], both[r]), f"row {r}"
 
 
@@ -136,7 +137,7 @@ def test_split_bf16_distance_to_reference_op_interpreter(interpreter, flat_batch
     """bf16 (P rounded to bf16 before PV, as on the GPU): the split and the one-program walk each within the bound
     the gpu parity test allows the one-program kernel against mini.ops.attention's reference (relative norm 5e-3)."""
     from mini.ops.attention import sparse_attention
-    case = _case(flat_batch, DECODE_17, H=6, D=64, W=16, topk=21, seed=11)
+    case = _case(flat_batch, DECODE_7, H=6, D=64, W=16, topk=21, seed=11)
     b, q, kv_new, window, comp, sink, comp_idx, ratio = case
     bf = torch.bfloat16
     ref = sparse_attention(q.to(bf), kv_new.to(bf), window.to(bf), sink, b.positions, b.seq_of, b.slots, b.start_pos,
