@@ -143,28 +143,26 @@ def align(cells: torch.Tensor, w: VisionWeights) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------- fast: the images of a step
 def vit_batched(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: VisionWeights) -> list[torch.Tensor]:
-    """vit_one over several images in one pass (padded, masked attention)."""
+    """vit_one over several images in one pass: the GEMMs, norms and RoPE over all their rows at once, attention
+    image by image on its own rows. Unmasked SDPA calls, not one padded call with a key mask: a mask rules out
+    the flash kernel on CUDA, and at the largest image (8,649 patches) attention is over half the encoder's FLOPs
+    (H200, tools/vision_speed.py: 99 ms masked, docs/perf/013)."""
     lens = [h * wd for h, wd in grids]
     x = F.linear(torch.cat([p.flatten(1) for p in patches]).to(w.patch.dtype), w.patch, w.patch_bias)
     hd, device = x.shape[-1] // w.n_heads, x.device
     tables = [rope_table(h, wd, hd, w.rope_theta, device) for h, wd in grids]
     cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
-    longest, n_img = max(lens), len(lens)
-    # scatter the concatenated rows into [images, longest] slots; keys past an image's length are masked out
-    lengths = torch.tensor(lens, device=device)
-    slot = torch.arange(longest, device=device)
-    valid = slot < lengths[:, None]  # [images, longest]
-    keep = valid[:, None, None, :]  # [images, 1, 1, longest]: which keys a query may see
+
+    def per_image(q, k, v):  # [rows, heads, hd] each -> [rows, heads * hd]
+        heads_first = [t.split(lens) for t in (q, k, v)]
+        # [1, heads, rows, hd]: the fused kernels take 4-dimensional inputs only
+        outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv))[0].transpose(0, 1)
+                for qkv in zip(*heads_first)]
+        return torch.cat(outs).flatten(1)
+
     for b in w.blocks:
         q, k, v = _qkv(rms_norm(x, b.norm1, VIT_NORM_EPS), b, w.n_heads, cos, sin)
-
-        def padded(t):  # [rows, heads, hd] -> [images, heads, longest, hd]
-            out = t.new_zeros(n_img, longest, *t.shape[1:])
-            out[valid] = t
-            return out.transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep)
-        x = x + F.linear(o.transpose(1, 2)[valid].flatten(1), b.wo, b.wo_bias)
+        x = x + F.linear(per_image(q, k, v), b.wo, b.wo_bias)
         x = x + _mlp(rms_norm(x, b.norm2, VIT_NORM_EPS), b)
     return list(rms_norm(x, w.norm, VIT_NORM_EPS).split(lens))
 

@@ -41,7 +41,7 @@ def f3_tower():
 
 
 def test_batched_encoder_matches_one_image_at_a_time(f3_tower):
-    """The fast path (all images in one pass, padded masked attention) agrees with the reference to bf16 rounding,
+    """The fast path (all images in one pass, attention image by image) agrees with the reference to bf16 rounding,
     and an image's rows do not depend on the other images of the step."""
     w, images = f3_tower
     patches, grids = [im.patches for im in images], [(im.plan.n_vit_h, im.plan.n_vit_w) for im in images]
