@@ -112,7 +112,7 @@ def _clone(v):
         return [_clone(x) for x in v]
     if isinstance(v, dict) and all(isinstance(k, str) for k in v):
         return {k: _clone(x) for k, x in v.items()}
-    return v  # weights, configs, caches, the layer's `shared` dict: the same objects
+    return v  # weights, configs, caches, the forward's StepShared: the same objects
 
 
 def _ulps(ref: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
