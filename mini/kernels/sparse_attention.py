@@ -335,11 +335,12 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`).
     `k_split`: pieces each query's key list is walked in (split-K, `split_pieces`): 1 is the one-program walk; S > 1
     walks contiguous runs of whole blocks in S programs and merges them in `_combine_kernel` (not the one-program
-    bits: each piece's P is rounded against its own running max). None: for decode steps (one token per sequence)
-    with the official lists, chosen by the grid's size (`split_pieces`); otherwise 1: a step with prefill chunks
-    keeps one program (the warm-up compiles its kernels by shape class, not by step size), and so do the
-    deterministic mode's lists (`prefill_lists=False`), whose point is that a row does not depend on the rest of
-    the step (any fixed k_split keeps that: a piece depends on its query's list alone)."""
+    bits: each piece's P is rounded against its own running max). None: 1, because the split has not paid off
+    where it was meant to: inside rank4's decode graphs on the H200 (17d19d8, split by `split_pieces` at B <= 32)
+    B = 1 x 4K took 24.23 ms/step and B = 16 x 4K 31.42, against 23.84 and 29.15 at the code before it (another
+    session, not interleaved; B = 64, unsplit both times, 42.86 vs 43.03); docs/perf/013. (The kernel
+    micro-benchmark's decode rows are host-bound at these sizes and do not settle it.) A fixed k_split keeps a row
+    independent of the rest of the step: a piece depends on its query's list alone."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
@@ -371,10 +372,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h), d_split)
-    if k_split is None:  # decode steps only (one token per sequence: T == B, the CUDA-graph steps), official lists
-        decode = T == start_pos.shape[0]
-        k_split = split_pieces(T * grid[1] * d_split, triton.cdiv(W + comp_idx.shape[1], block_n),
-                               _sm_count(q.device)) if prefill_lists and decode else 1
+    if k_split is None:  # the one-program walk: the split measured no faster in decode steps (see the docstring)
+        k_split = 1
     if not isinstance(k_split, int) or k_split < 1:
         raise ValueError(f"sparse_mla_attention: k_split {k_split!r} (a positive int or None)")
     rd = 0 if rope is None else 2 * rope.shape[1]

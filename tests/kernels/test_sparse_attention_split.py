@@ -129,10 +129,10 @@ def test_split_choice(monkeypatch, interpreter, flat_batch):
             return lambda *a, **kw: calls.append(kw["N_PIECES"]) or combine[grid](*a, **kw)
     monkeypatch.setattr(sa, "_combine_kernel", Spy())
     _run(case, None, prefill_lists=False)
+    _run(case, None)  # None: the one-program walk (the split is asked for explicitly; see the wrapper's doc)
+    _run(_case(flat_batch, MIXED), None)
     assert calls == []
-    _run(case, None)  # 3 rows x 1 head tile x 2 halves: split in as many pieces as the lists' 4 blocks
-    assert calls == [4]
-    _run(_case(flat_batch, MIXED), None)  # a step with a prefill chunk: one program
+    _run(case, 4)
     assert calls == [4]
 
 
