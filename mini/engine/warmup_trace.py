@@ -120,8 +120,8 @@ class WarmupTrace:
             last["plan"] = plan
             return plan
 
-        def added(request_id, prompt, params):
-            seq = add(request_id, prompt, params)
+        def added(request_id, prompt, params, images=None):  # add_request's signature: a wrapper must take it all
+            seq = add(request_id, prompt, params, images)
             self.emit("add", prompt=len(seq.prompt_token_ids), max_tokens=params.max_tokens)
             return seq
 

@@ -49,7 +49,9 @@ def _burst(engine, n: int, tag: str, collect: bool = False) -> tuple[float, floa
     if collect:
         gc.collect()  # a full collection while serving is traced
     for i in range(n):
-        engine.add_request(f"{tag}-{i}", [20 + i, 21, 22, 23, 24, 25], SamplingParams(max_tokens=3, ignore_eos=True))
+        # as mini.engine.async_engine calls it: the images positional (a traced engine must take every argument)
+        engine.add_request(f"{tag}-{i}", [20 + i, 21, 22, 23, 24, 25], SamplingParams(max_tokens=3, ignore_eos=True),
+                           None)
     while engine.has_work():
         engine.step()
     return start, time.time()
