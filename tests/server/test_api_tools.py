@@ -150,9 +150,9 @@ def test_tool_choice_none_and_no_tools_decode_without_a_grammar(server):
     seen, llm = [], app.state.server.llm
     generate = llm.generate
 
-    def spy(ids, params, request_id):
+    def spy(ids, params, request_id, images=None):  # AsyncLLM.generate's signature, images included
         seen.append(params.grammar)
-        return generate(ids, params, request_id)
+        return generate(ids, params, request_id, images)
     llm.generate = spy
     try:
         c = _client(url)
