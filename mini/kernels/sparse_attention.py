@@ -335,11 +335,11 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`).
     `k_split`: pieces each query's key list is walked in (split-K, `split_pieces`): 1 is the one-program walk; S > 1
     walks contiguous runs of whole blocks in S programs and merges them in `_combine_kernel` (not the one-program
-    bits: each piece's P is rounded against its own running max). None: 1, because the split has not paid off
-    where it was meant to: inside rank4's decode graphs on the H200 (17d19d8, split by `split_pieces` at B <= 32)
-    B = 1 x 4K took 24.23 ms/step and B = 16 x 4K 31.42, against 23.84 and 29.15 at the code before it (another
-    session, not interleaved; B = 64, unsplit both times, 42.86 vs 43.03); docs/perf/013. (The kernel
-    micro-benchmark's decode rows are host-bound at these sizes and do not settle it.) A fixed k_split keeps a row
+    bits: each piece's P is rounded against its own running max). None: 1, for now: inside rank4's decode graphs
+    on the H200 the split (chosen by `split_pieces`, 17d19d8) cut the attention kernel's GPU time per step (B = 1:
+    2.63 ms one program at 20098de, below 0.77 split; B = 16: 2.61 vs 1.06), but the steps, in runs on different
+    machines and not interleaved, went B = 1 26.79 -> 24.23 ms and B = 16 28.93 -> 31.42 (docs/perf/013): an
+    interleaved A/B decides the default (issue 28). A fixed k_split keeps a row
     independent of the rest of the step: a piece depends on its query's list alone."""
     T, H, D = q.shape
     W = window.shape[1]
