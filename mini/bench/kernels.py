@@ -90,9 +90,9 @@ def bench_attention(rows: list, sweep=(), dev="cuda"):
 
 def bench_attention_decode(rows: list, sweep=(), dev="cuda"):
     """Decode steps of B = 1..256 rows at 4K and 32K context (RoPE epilogue on, as the model runs it): the
-    one-program walk (k_split=1) against the split-key walk (k_split chosen by the wrapper, then fixed counts: what
-    a fixed count, the deterministic mode's option, costs at every B). The byte floor: q, each row's W + TOPK keys and its indices read once, the output written once."""
-    from mini.kernels.sparse_attention import _sm_count, sparse_mla_attention, split_pieces
+    one-program walk (k_split=1, the default) against the split-key walk (the count `split_pieces` suggests, then
+    fixed counts: what a fixed count, the deterministic mode's option, costs at every B). The byte floor: q, each row's W + TOPK keys and its indices read once, the output written once."""
+    from mini.kernels.sparse_attention import sparse_mla_attention, split_pieces
     from mini.ops.rope import rope_frequencies, rope_table
     for ctx in (4096, 32768):
         for B in (1, 4, 16, 64, 256):
@@ -108,12 +108,15 @@ def bench_attention_decode(rows: list, sweep=(), dev="cuda"):
             kw = dict(comp=comp, block_table=b["block_table"], comp_idx=comp_idx, ratio=RATIO,
                       rope_out=rope_table(b["positions"], rope_frequencies(64, 160000.0, 65536, 16.0)))
             nbytes = B * (2 * H * D * 2 + (W + TOPK) * D * 2 + TOPK * 8)
-            auto = split_pieces(B * 2, -(-(W + TOPK) // 64), _sm_count(q.device))
-            for cfg in ({"k_split": 1}, {}, {"k_split": 2}, {"k_split": 4}, {"k_split": 10}, *sweep):
-                ms = _bench(lambda: sparse_mla_attention(*args, **kw, **cfg))
-                rows.append(dict(kernel=f"sparse_attention/decode B={B} ctx={ctx}",
-                                 config=cfg or f"default (k_split {auto})", ms=ms, gbs=nbytes / ms / 1e6,
-                                 frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS, floor_ms=nbytes / COPY_TBS / 1e9))
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            auto = split_pieces(B * 2, -(-(W + TOPK) // 64), sms)
+            suggested = {"k_split": auto, "note": "split_pieces"}
+            for cfg in (*({"k_split": S} for S in (1, 2, 4, 10) if S != auto), suggested, *sweep):
+                run_kw = {k: v for k, v in cfg.items() if k != "note"}
+                ms = _bench(lambda: sparse_mla_attention(*args, **kw, **run_kw))
+                rows.append(dict(kernel=f"sparse_attention/decode B={B} ctx={ctx}", config=cfg, ms=ms,
+                                 gbs=nbytes / ms / 1e6, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS,
+                                 floor_ms=nbytes / COPY_TBS / 1e9))
             del comp
 
 

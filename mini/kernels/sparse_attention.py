@@ -32,7 +32,6 @@ At decode the grid is small (2 programs per row at V4.1 width against 132 SMs), 
 query's list and store their unnormalised output and (max, sum) in fp32; `_combine_kernel` merges them by log-sum-exp
 and ends as the one-program walk does (`_finish`). `split_pieces` chooses S from the grid (docs/kernels.md).
 """
-import functools
 
 import torch
 import triton
@@ -401,14 +400,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         part, stat, sink, args[5], out, out.stride(0), out.stride(1), H,
         N_PIECES=k_split, D=D, RD=rd, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
-
-
-H200_SMS = 132  # the SM count assumed where there is no CUDA device (the interpreter: the choice is only a test's)
-
-
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
 
 
 def split_pieces(programs: int, max_blocks: int, sms: int) -> int:
