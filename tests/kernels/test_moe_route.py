@@ -121,3 +121,38 @@ def test_triton_plan_equals_torch_plan_gpu(T, experts, k):
     _assert_same_plan(ids, torch.randn(T, k, device="cuda"), experts, 128)
     if T == 16384:
         _assert_same_plan(ids, torch.randn(T, k, device="cuda"), experts, 128, block=256)
+
+
+@pytest.mark.parametrize("N", [1, 3, 6, 17, 96, 1000, 1030])
+@pytest.mark.parametrize("one_program", [True, False])
+def test_one_program_plan_equals_torch_plan_interpreter(interpreter, poisoned, N, one_program):
+    """Decode-sized steps (N pairs = T x 6 where N allows, else T x 1): the one-program plan and the three kernels
+    (forced either way, blocks of 16 pairs for the three, so several blocks even at small N) give the torch
+    plan's rows exactly, with NaN / -7 poisoned outputs; 96 local experts of 384 as at EP4, all local, none."""
+    k = 6 if N % 6 == 0 else 1
+    T = N // k
+    ids = _random_ids(T, k, 384)
+    weights = torch.randn(T, k)
+    for experts in (range(96, 192), range(0, 384), range(384, 384)):
+        for tiles in (True, False):
+            new = plan_routes(ids, weights, experts, 16, tiles, block=1024 if one_program else 16,
+                              one_program=one_program)
+            old = plan_routes_torch(ids, weights, experts, 16, tiles)
+            for f in FIELDS:
+                a, b = getattr(new, f), getattr(old, f)
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (f, tiles, experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 170, 171])
+@pytest.mark.parametrize("one_program", [None, True, False])
+def test_decode_plan_equals_torch_plan_gpu(T, one_program):
+    """Decode steps at V4.1's EP4 shape (k = 6, 96 of 384 experts local): T = 170 is the last one-program step at
+    the default block (1,020 pairs), 171 the first of three kernels; forced either way, the same plan."""
+    ids = _random_ids(T, 6, 384).cuda()
+    weights = torch.randn(T, 6, device="cuda")
+    for tiles in (True, False):
+        new = plan_routes(ids, weights, range(96, 192), 128, tiles, one_program=one_program)
+        old = plan_routes_torch(ids, weights, range(96, 192), 128, tiles)
+        for f in FIELDS:
+            assert torch.equal(getattr(new, f), getattr(old, f)), (f, tiles)
