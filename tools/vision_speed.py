@@ -8,7 +8,8 @@ Encoder: random bf16 weights of the tower (spec §2.8: 32 ViT blocks of 1024, 16
 aligner into V4.1-Flash's 5120) on the fast path (`encode_images`, batched), over one maximum-size image: the size
 plan's largest square, 1302 x 1302 pixels = 93 x 93 patches -> 31 x 31 tokens, a 994-token span. The figure is the
 median of `--repeat` timed calls after `--warmup`, with the achieved TFLOP/s (the GEMMs' and attention's FLOPs,
-counted below). Target (issue 29): <= 50 ms.
+counted below). Target (issue 29): <= 50 ms. On CUDA one more call runs under torch's profiler: its GPU time by
+kernel kind (attention, GEMMs, the encoder's Triton elementwise kernels, everything else) and its launch count.
 
 TTFT (`--ttft`, default on): one prefill of `--text` text tokens around that image (half before, half after) through
 the engine's path: `Model.build_batch` with the chunk's ImageSpan (its encoder call, SpanCache emptied before each
@@ -93,9 +94,47 @@ def time_encoder(cfg, device, args) -> dict:
                       args.repeat)
     ms = statistics.median(times) * 1e3
     flops = encoder_flops(cfg, image.plan)
-    return {"image_px": [image.plan.height, image.plan.width], "patches": image.plan.n_vit_h * image.plan.n_vit_w,
-            "span_tokens": image.plan.n_tokens, "encoder_ms": ms, "encoder_ms_all": [t * 1e3 for t in times],
-            "gflop": flops / 1e9, "tflops": flops / (ms * 1e-3) / 1e12}
+    out = {"image_px": [image.plan.height, image.plan.width], "patches": image.plan.n_vit_h * image.plan.n_vit_w,
+           "span_tokens": image.plan.n_tokens, "encoder_ms": ms, "encoder_ms_all": [t * 1e3 for t in times],
+           "gflop": flops / 1e9, "tflops": flops / (ms * 1e-3) / 1e12}
+    if args.profile and torch.device(device).type == "cuda":
+        try:
+            with torch.inference_mode():
+                out["encoder_gpu_ms"] = profile_split(lambda: encode_images([image.patches], grid, weights,
+                                                                            batched=True))
+        except Exception as e:  # the split is a diagnosis: its failure is reported, the timings above stand
+            out["encoder_gpu_ms"] = {"error": repr(e)}
+    return out
+
+
+def kind_of(kernel: str) -> str:
+    """A GPU kernel's share of the encoder, by its name: attention (SDPA's cuDNN / flash / efficient kernels),
+    gemm (cuBLAS / CUTLASS), vision_triton (mini/kernels/vision_*.py), other (torch's elementwise and copies)."""
+    k = kernel.lower()
+    if any(w in k for w in ("flash", "fmha", "attention", "cudnn", "sdpa", "efficient")):
+        return "attention"
+    if any(w in k for w in ("gemm", "cutlass", "nvjet", "cublas", "matmul", "sm90_xmma")):
+        return "gemm"
+    if any(w in k for w in ("add_rms_norm", "split_rope", "swiglu")):
+        return "vision_triton"
+    return "other"
+
+
+def profile_split(fn) -> dict:
+    """GPU ms of one encoder call by kind (`kind_of`), the launch count, and the eight costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    split = {"attention": 0.0, "gemm": 0.0, "vision_triton": 0.0, "other": 0.0}
+    for e in kernels:
+        split[kind_of(e.key)] += e.device_time_total / 1e3
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:8]
+    return {**split, "total": sum(split.values()), "launches": sum(e.count for e in kernels),
+            "top": [[e.key[:90], e.count, e.device_time_total / 1e3] for e in top]}
 
 
 def time_ttft(cfg, device, args) -> dict:
@@ -148,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="default 3 (1 with --small)")
     p.add_argument("--repeat", type=int, default=None, help="default 10 (2 with --small)")
     p.add_argument("--no-ttft", dest="ttft", action="store_false", help="the encoder only")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="CUDA: no profiled encoder call (by default one, its GPU time split by kernel kind)")
     p.add_argument("--text", type=int, default=1024, help="text tokens of the TTFT prompt")
     p.add_argument("--ep", type=int, default=4, help="EP ranks of the TTFT model (it is rank 0)")
     p.add_argument("--engram-rows", type=int, default=1 << 20)
@@ -168,6 +209,13 @@ def main(argv=None) -> int:
     print(f"encoder: {out['image_px'][0]}x{out['image_px'][1]} px, {out['patches']} patches, {out['span_tokens']}-"
           f"token span: {out['encoder_ms']:.2f} ms (median of {args.repeat}), {out['tflops']:.3g} TFLOP/s "
           f"({out['gflop']:.3g} GFLOP)", flush=True)
+    if "encoder_gpu_ms" in out and "error" in out["encoder_gpu_ms"]:
+        print(f"encoder profile failed: {out['encoder_gpu_ms']['error']}", flush=True)
+    elif "encoder_gpu_ms" in out:
+        g = out["encoder_gpu_ms"]
+        print("encoder GPU time (one profiled call): " + ", ".join(
+            f"{k} {g[k]:.2f} ms" for k in ("attention", "gemm", "vision_triton", "other", "total")) +
+            f", {g['launches']} launches", flush=True)
     if args.ttft:
         out.update(time_ttft(cfg, args.device, args))
         print(f"TTFT: {out['prompt_tokens']} tokens ({out['text_tokens']} text + the image) on one emulated rank of "

@@ -13,9 +13,10 @@ The aligner pads the patch grid to multiples of 3 with zeros and folds each 3x3 
 (F.unfold: c * 9 + row * 3 + col), then a GELU (erf) MLP.
 
 Reference: one image at a time, the official ops (SDPA over [1, heads, n, hd]). Fast path (`use_fast`): the
-images of a step in one pass: every Linear, norm and RoPE over all their patches at once, attention over the images
-padded to the longest with its padding masked out, the aligner over all cells at once. The fast path's attention
-sums in another order than the reference's (a masked, batched SDPA), so it agrees to bf16 rounding, not bitwise.
+images of a step in one pass: every Linear, norm and RoPE over all their patches at once, attention image by image
+(an unmasked SDPA call each), the aligner over all cells at once; each residual add folded into the norm after it
+and, on the fast backend, the elementwise steps as Triton kernels (mini/kernels/vision_{norm,rope,swiglu}.py). Its
+attention and norms sum in another order than the reference's, so it agrees to bf16 rounding, not bitwise.
 """
 from __future__ import annotations
 
@@ -85,7 +86,14 @@ def _rope_table(n_h: int, n_w: int, half: int, theta: float) -> tuple[torch.Tens
 
 
 def rope_table(n_h: int, n_w: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = _rope_table(n_h, n_w, head_dim // 2, theta)
+    return _rope_table_on(n_h, n_w, head_dim // 2, theta, str(torch.device(device)))
+
+
+@lru_cache(maxsize=16)
+def _rope_table_on(n_h: int, n_w: int, half: int, theta: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rope_table` kept on `device` too: an image size seen again costs no host-to-device copy (2 MB at the
+    largest image, a synchronous copy from pageable memory)."""
+    cos, sin = _rope_table(n_h, n_w, half, theta)
     return cos.to(device), sin.to(device)
 
 
@@ -142,14 +150,46 @@ def align(cells: torch.Tensor, w: VisionWeights) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- fast: the images of a step
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fused: bool):
+    """(s, rms_norm(s)) with s = x + delta (x when delta is None): a residual add and the next norm, in one Triton
+    pass when `fused` (mini/kernels/vision_norm.py), else the reference's ops."""
+    if fused:
+        from mini.kernels.vision_norm import add_rms_norm
+        return add_rms_norm(x, delta, weight, VIT_NORM_EPS)
+    s = x if delta is None else x + delta
+    return s, rms_norm(s, weight, VIT_NORM_EPS)
+
+
+def split_rope(qkv: torch.Tensor, n_heads: int, cos, sin, fused: bool):
+    """The qkv GEMM's output [n, 3C] -> q, k, v [n, heads, hd], q and k rotated (`_qkv`'s split and `rotate`); in
+    one Triton pass when `fused` (mini/kernels/vision_rope.py: the same bits)."""
+    if fused:
+        from mini.kernels.vision_rope import split_rope as kernel
+        return kernel(qkv, cos.flatten(1), sin.flatten(1), n_heads).unbind(0)
+    q, k, v = (t.unflatten(-1, (n_heads, -1)) for t in qkv.chunk(3, dim=-1))
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def swiglu(gu: torch.Tensor, fused: bool) -> torch.Tensor:
+    """silu(gate) * up of the w1 GEMM's output [n, 2I] (`_mlp`'s middle); one Triton pass when `fused`."""
+    if fused:
+        from mini.kernels.vision_swiglu import swiglu as kernel
+        return kernel(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def vit_batched(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: VisionWeights) -> list[torch.Tensor]:
     """vit_one over several images in one pass: the GEMMs, norms and RoPE over all their rows at once, attention
     image by image on its own rows. Unmasked SDPA calls, not one padded call with a key mask: a mask rules out
     the flash kernel on CUDA, and at the largest image (8,649 patches) attention is over half the encoder's FLOPs
-    (H200, tools/vision_speed.py: 99 ms masked, docs/perf/013)."""
+    (H200, tools/vision_speed.py: 99 ms masked, docs/perf/013). Each residual add is folded into the norm after
+    it (the last one into the final norm); on the fast backend the elementwise steps are Triton kernels (the add
+    and norm, the qkv split with its RoPE, SwiGLU: ~22 of the 60 ms at the largest image were torch's
+    elementwise kernels, docs/perf/013), elsewhere the reference's own ops."""
     lens = [h * wd for h, wd in grids]
     x = F.linear(torch.cat([p.flatten(1) for p in patches]).to(w.patch.dtype), w.patch, w.patch_bias)
-    hd, device = x.shape[-1] // w.n_heads, x.device
+    hd, device, fused = x.shape[-1] // w.n_heads, x.device, use_fast(x)
     tables = [rope_table(h, wd, hd, w.rope_theta, device) for h, wd in grids]
     cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
 
@@ -158,13 +198,15 @@ def vit_batched(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: Vi
         # [1, heads, rows, hd]: the fused kernels take 4-dimensional inputs only
         outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv))[0].transpose(0, 1)
                 for qkv in zip(*heads_first)]
-        return torch.cat(outs).flatten(1)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(x.shape)
 
+    delta = None  # the last block's MLP output, added to the stream by the next norm
     for b in w.blocks:
-        q, k, v = _qkv(rms_norm(x, b.norm1, VIT_NORM_EPS), b, w.n_heads, cos, sin)
-        x = x + F.linear(per_image(q, k, v), b.wo, b.wo_bias)
-        x = x + _mlp(rms_norm(x, b.norm2, VIT_NORM_EPS), b)
-    return list(rms_norm(x, w.norm, VIT_NORM_EPS).split(lens))
+        x, h = add_norm(x, delta, b.norm1, fused)
+        q, k, v = split_rope(F.linear(h, b.wqkv, b.wqkv_bias), w.n_heads, cos, sin, fused)
+        x, h = add_norm(x, F.linear(per_image(q, k, v), b.wo, b.wo_bias), b.norm2, fused)
+        delta = F.linear(swiglu(F.linear(h, b.w1), fused), b.w2)
+    return list(add_norm(x, delta, w.norm, fused)[1].split(lens))
 
 
 @staged("vision")

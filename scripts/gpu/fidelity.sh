@@ -100,10 +100,26 @@ phase_vision_speed() {  # issue 29 item 6 (expected <= 150 s: the encoder ~15 s;
     # weights, the fast path: the encoder on one maximum-size image (1302 x 1302 px, 8,649 patches, a 994-token
     # span; median of 10 after 3 warm-up; target <= 50 ms) with its TFLOP/s, then the time to first token of 1,024
     # text tokens + that image on one emulated EP4 rank (see the tool's doc for what is emulated). Look at:
-    # vision_speed.json (encoder_ms, tflops, ttft_ms), out.log. VISION_TTFT=0 times the encoder only; VISION_SMALL=1
-    # runs tiny-v4.1-vl on the CPU (the phase's own check, ~20 s).
+    # vision_speed.json (encoder_ms, tflops, encoder_gpu_ms: one profiled call's GPU ms by kernel kind, attention /
+    # gemm / vision_triton / other, ttft_ms), out.log. VISION_TTFT=0 times the encoder only; VISION_PROFILE=0 skips
+    # the profiled call; VISION_SMALL=1 runs tiny-v4.1-vl on the CPU (the phase's own check, ~20 s).
     local flags=""
     [ "${VISION_TTFT:-1}" = 0 ] && flags="--no-ttft"
+    [ "${VISION_PROFILE:-1}" = 0 ] && flags="$flags --no-profile"
     [ "${VISION_SMALL:-0}" = 1 ] && flags="$flags --small"
     timeout 280 python3 tools/vision_speed.py $flags --json "$PHASE_DIR/vision_speed.json"
+}
+
+phase_vision_gpu() {  # issue 29 (<= 90 s): the vision encoder's gpu tests: its Triton elementwise kernels at real
+    # shape against torch's ops on CUDA (add + RMSNorm and SwiGLU within one bf16 step, the qkv split + RoPE bit for
+    # bit; tests/kernels/test_vision_kernels.py), the fast encoder on the f3 images against the CPU reference
+    # (tests/model/test_vision.py) and the f3 fast-backend case (tests/parity/test_official_f3.py). Look at: the
+    # summary line (every test passed), tests.log.
+    timeout 85 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --timeout=80 --junitxml="$PHASE_DIR/junit.xml" \
+        tests/kernels/test_vision_kernels.py tests/model/test_vision.py tests/parity/test_official_f3.py \
+        >"$PHASE_DIR/tests.log" 2>&1
+    local rc=$?
+    grep -E "FAILED|ERROR" "$PHASE_DIR/tests.log" | head -20
+    tail -2 "$PHASE_DIR/tests.log"
+    return $rc
 }

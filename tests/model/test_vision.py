@@ -53,6 +53,40 @@ def test_batched_encoder_matches_one_image_at_a_time(f3_tower):
     assert (alone.float() - together[0].float()).abs().max() <= alone.float().abs().max() / 64
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU machines); test_fast_encoder_on_cuda "
+                                                     "covers the compiled kernels")
+def test_fused_elementwise_encoder_matches_the_reference_interpreter(f3_tower, monkeypatch):
+    """The fast backend's encoder (the residual adds, norms, qkv split + RoPE and SwiGLU as Triton kernels, here
+    under the interpreter) against the one-image reference and the batched path on torch's ops: to bf16 rounding
+    (the norms sum in another order), and every kernel ran once per use."""
+    import mini.kernels.vision_norm as norm_k
+    import mini.kernels.vision_rope as rope_k
+    import mini.kernels.vision_swiglu as swiglu_k
+    from mini import ops
+    w, images = f3_tower
+    patches, grids = [im.patches for im in images], [(im.plan.n_vit_h, im.plan.n_vit_w) for im in images]
+    ref = encode_images(patches, grids, w, batched=False)
+    plain = encode_images(patches, grids, w, batched=True)
+    calls = {"norm": 0, "rope": 0, "swiglu": 0}
+
+    def counted(key, fn):
+        def run(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return run
+    monkeypatch.setattr(norm_k, "add_rms_norm", counted("norm", norm_k.add_rms_norm))
+    monkeypatch.setattr(rope_k, "split_rope", counted("rope", rope_k.split_rope))
+    monkeypatch.setattr(swiglu_k, "swiglu", counted("swiglu", swiglu_k.swiglu))
+    ops.set_backend("fast", interpret_on_cpu=True)  # the conftest gives the backend back
+    fused = encode_images(patches, grids, w)  # use_fast: batched, fused
+    n = len(w.blocks)
+    assert calls == {"norm": 2 * n + 1, "rope": n, "swiglu": n}
+    for r, p, f in zip(ref, plain, fused):
+        assert f.shape == r.shape and not f.isnan().any()
+        assert (r.float() - f.float()).abs().max() <= r.float().abs().max() / 64
+        assert (p.float() - f.float()).abs().max() <= p.float().abs().max() / 64
+
+
 def test_rope_angles_turn_with_row_then_column():
     cos, sin = rope_table(2, 3, head_dim=16, theta=10000.0, device="cpu")  # 8 angles: 4 by row, 4 by column
     angles = torch.atan2(sin, cos)[:, 0]

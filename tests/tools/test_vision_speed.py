@@ -26,3 +26,14 @@ def test_flops_of_the_real_shape():
     n, c, i = 93 * 93, 1024, 2816
     block = 2 * n * c * (3 * c + c + 2 * i + i) + 4 * n * n * c
     assert abs(vision_speed.encoder_flops(cfg, plan) - 32 * block) / (32 * block) < 0.01  # embedding + aligner: <1%
+
+
+def test_kernel_kinds_of_the_profile():
+    """The profile's split names the H200's kernels of each kind (names as the encoder's profile showed them)."""
+    assert vision_speed.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert vision_speed.kind_of("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert vision_speed.kind_of("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNT") == "gemm"
+    assert vision_speed.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert vision_speed.kind_of("_split_rope_kernel") == "vision_triton"
+    assert vision_speed.kind_of("_add_rms_norm_kernel") == "vision_triton"
+    assert vision_speed.kind_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == "other"

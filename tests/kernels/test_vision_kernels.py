@@ -1,0 +1,107 @@
+"""The vision encoder's elementwise kernels (mini/kernels/vision_{norm,rope,swiglu}.py) against the reference's own
+torch ops (mini/ops/vision.py: `x + delta` and rms_norm, `_qkv`'s split and `rotate`, `F.silu(gate) * up`). Fresh
+random bf16 data, odd row counts and widths that are not powers of two, outputs NaN-poisoned. The residual sum and
+the rotation (built without FMA contraction) are the reference's bits; the norm sums its squares in another order
+and SwiGLU's exp is the GPU's own, so there each value is within one bf16 step of the reference's. CPU: Triton's
+interpreter at small sizes; gpu: the compiled kernels at V4.1-Flash's vision shape (8,649 patches of width 1,024,
+16 heads, MLP 2,816)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini.kernels.vision_norm import add_rms_norm
+from mini.kernels.vision_rope import split_rope
+from mini.kernels.vision_swiglu import swiglu
+from mini.ops.norm import rms_norm
+from mini.ops.vision import VIT_NORM_EPS, rope_table, rotate
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty / empty_like comes back filled with NaN, so that an output element the kernel does not
+    write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+def within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert not got.isnan().any()
+    g, w = got.float(), want.float()
+    assert ((g - w).abs() <= w.abs() * 2.0 ** -7 + 1e-30).all(), (g - w).abs().max()
+
+
+def check_norm(R, D, device, add=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, d = (torch.randn(R, D, generator=g) * 3).bfloat16().to(device), torch.randn(R, D, generator=g).bfloat16()
+    w = (torch.rand(D, generator=g) + 0.5).bfloat16().to(device)
+    d = d.to(device) if add else None
+    s, out = add_rms_norm(x, d, w, VIT_NORM_EPS)
+    want_s = x + d if add else x
+    assert torch.equal(s, want_s)
+    within_one_bf16_step(out, rms_norm(want_s, w, VIT_NORM_EPS))
+
+
+def check_rope(n_h, n_w, heads, hd, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n_h * n_w, 3 * heads * hd, generator=g).bfloat16().to(device)
+    cos, sin = rope_table(n_h, n_w, hd, 10000.0, device)
+    got = split_rope(qkv, cos.flatten(1), sin.flatten(1), heads)
+    assert not got.isnan().any()
+    q, k, v = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
+    assert torch.equal(got[0], rotate(q, cos, sin)) and torch.equal(got[1], rotate(k, cos, sin))
+    assert torch.equal(got[2], v)
+
+
+def check_swiglu(R, inter, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(R, 2 * inter, generator=g) * 4).bfloat16().to(device)
+    gate, up = gu.chunk(2, dim=-1)
+    within_one_bf16_step(swiglu(gu), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("R,D,add", [(1, 64, True), (13, 96, True), (7, 72, False), (33, 1024, True)])
+def test_add_rms_norm_interpreter(R, D, add, interpreter, poisoned):
+    check_norm(R, D, "cpu", add)
+
+
+@pytest.mark.parametrize("n_h,n_w,heads,hd", [(1, 1, 1, 4), (3, 5, 3, 20), (6, 6, 2, 32), (2, 7, 16, 64)])
+def test_split_rope_is_the_reference_interpreter(n_h, n_w, heads, hd, interpreter, poisoned):
+    check_rope(n_h, n_w, heads, hd, "cpu")
+
+
+@pytest.mark.parametrize("R,inter", [(1, 64), (11, 72), (5, 2816)])
+def test_swiglu_interpreter(R, inter, interpreter, poisoned):
+    check_swiglu(R, inter, "cpu")
+
+
+def test_bad_shapes_are_named():
+    x = torch.zeros(4, 8).bfloat16()
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        add_rms_norm(x, torch.zeros(4, 6).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="split_rope"):
+        split_rope(torch.zeros(4, 3 * 2 * 8).bfloat16(), torch.zeros(4, 3), torch.zeros(4, 3), heads=2)
+    with pytest.raises(ValueError, match="swiglu"):
+        swiglu(torch.zeros(4, 7).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_gpu(add, poisoned):
+    check_norm(93 * 93, 1024, "cuda", add)
+    check_norm(1001, 64, "cuda", add, seed=1)
+
+
+@pytest.mark.gpu
+def test_split_rope_is_the_reference_gpu(poisoned):
+    check_rope(93, 93, 16, 64, "cuda")
+    check_rope(37, 11, 2, 32, "cuda", seed=1)
+
+
+@pytest.mark.gpu
+def test_swiglu_gpu(poisoned):
+    check_swiglu(93 * 93, 2816, "cuda")
+    check_swiglu(1001, 64, "cuda", seed=1)
