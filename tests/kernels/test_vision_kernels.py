@@ -5,6 +5,11 @@ the rotation (built without FMA contraction) are the reference's bits; the norm 
 and SwiGLU's exp is the GPU's own, so there each value is within one bf16 step of the reference's. CPU: Triton's
 interpreter at small sizes; gpu: the compiled kernels at V4.1-Flash's vision shape (8,649 patches of width 1,024,
 16 heads, MLP 2,816)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,6 +91,51 @@ def test_bad_shapes_are_named():
         split_rope(torch.zeros(4, 3 * 2 * 8).bfloat16(), torch.zeros(4, 3), torch.zeros(4, 3), heads=2)
     with pytest.raises(ValueError, match="swiglu"):
         swiglu(torch.zeros(4, 7).bfloat16())
+
+
+SM90_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mini.kernels.vision_norm import _add_rms_norm_kernel
+from mini.kernels.vision_rope import _split_rope_kernel
+from mini.kernels.vision_swiglu import _swiglu_kernel
+
+def build(kernel, consts, fp32=(), floats=(), **options):
+    names = kernel.arg_names
+    types = {n: "constexpr" if n in consts else ("*fp32" if n in fp32 else "*bf16") if n.endswith("_ptr")
+             else "fp32" if n in floats else "i32" for n in names}
+    src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **options)).asm["ptx"]
+
+for d in (1024, 64):
+    for add in (True, False):
+        build(_add_rms_norm_kernel, dict(D=d, BLOCK_D=d, BLOCK_R=max(1, min(16, 4096 // d)), ADD=add), floats=("eps",))
+for heads, half in ((16, 32), (2, 16)):
+    p = 2 * heads * half
+    ptx = build(_split_rope_kernel, dict(HEADS=heads, HALF=half, BLOCK_P=p, BLOCK_R=max(1, min(16, 2048 // p))),
+                fp32=("cos_ptr", "sin_ptr"), enable_fp_fusion=False)
+    print("rope fma", ptx.count("fma.rn.f32"))
+for i in (2816, 64):
+    c = min(512, 1 << (i - 1).bit_length())
+    build(_swiglu_kernel, dict(I=i, BLOCK_R=2048 // c, BLOCK_C=c))
+print("built")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_build_for_sm90_rope_without_fma():
+    """The three kernels compile for Hopper at V4.1's and the fixtures' vision shapes (no GPU needed; the
+    interpreter accepts more than the compiler), and the RoPE's PTX has no fused multiply-add: its products are
+    rounded as the reference's separate torch ops round them. A subprocess: this session may be on the
+    interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", SM90_BUILD], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["rope", "fma", "0", "rope", "fma", "0", "built"], run.stdout
 
 
 @pytest.mark.gpu
