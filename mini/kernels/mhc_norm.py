@@ -24,6 +24,10 @@ on the H200 against 574 us for the former one-kernel version, docs/kernels.md):
    partial sum of squares;
 2. `_mhc_finish_kernel`, grid (token blocks): sums the partials in split order, then the sigmoids and the Sinkhorn,
    (V4 only: the collapse with its own pre, a second read of h) and the normalisation of y in place.
+The split count follows T (`partial_tiles`): 8 chunks fill the GPU at thousands of tokens, but a decode step has
+one token block, and every token block reads all of fn's pieces (3.9 MB at V4.1, against h's 40 KB per token):
+there D is cut into up to one chunk per block_k step, ~160 programs. The deterministic mode keeps the 8 chunks and
+64-token blocks at every T (`invariant`), so that a row's sums do not depend on the step's size.
 """
 import os
 import weakref
@@ -35,6 +39,7 @@ import triton.language as tl
 from mini.formats.quant import fake_quant_enabled
 from mini.kernels.quant import fake_quant_tile, kind_code
 
+SPLIT_STEP = tl.constexpr(8)  # split-K partials the finishing pass loads per loop step
 PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24), then sum h^2, sum y^2
 # Triton 3.6's interpreter multiplies bf16 tiles wrongly (seen on CPU): there the bf16 pieces are multiplied as fp32
 # tiles holding the same values (still exact products), on the GPU as bf16 MMA operands.
@@ -178,17 +183,21 @@ def _mhc_finish_kernel(
     cols = tl.arange(0, 16)
     pp_ok = cols < NP
 
-    # sum the split-K partials in split order (deterministic)
+    # sum the split-K partials in split order (deterministic), SPLIT_STEP of them per loop step: their loads are
+    # independent and issue together (a decode step has ~100 partials: one load round trip each would add up);
+    # the splits past NSPLIT load as 0 and add nothing
     m_pp = tl.zeros([BLOCK_T, 16], tl.float32)
     m_comb = tl.zeros([BLOCK_T, 16], tl.float32)
     sumsq = tl.zeros([BLOCK_T], tl.float32)
     ysq = tl.zeros([BLOCK_T], tl.float32)
-    for s in range(NSPLIT):
-        row = part_ptr + (s * T + toks.to(tl.int64)) * 32
-        m_pp += tl.load(row[:, None] + cols[None, :], mask=tok_ok[:, None] & pp_ok[None, :], other=0.0)
-        m_comb += tl.load(row[:, None] + NP + cols[None, :], mask=tok_ok[:, None], other=0.0)
-        sumsq += tl.load(row + NP + NC, mask=tok_ok, other=0.0)
-        ysq += tl.load(row + NP + NC + 1, mask=tok_ok, other=0.0)
+    for s0 in range(0, NSPLIT, SPLIT_STEP):
+        for j in tl.static_range(SPLIT_STEP):
+            ok = tok_ok & (s0 + j < NSPLIT)
+            row = part_ptr + ((s0 + j) * T + toks.to(tl.int64)) * 32
+            m_pp += tl.load(row[:, None] + cols[None, :], mask=ok[:, None] & pp_ok[None, :], other=0.0)
+            m_comb += tl.load(row[:, None] + NP + cols[None, :], mask=ok[:, None], other=0.0)
+            sumsq += tl.load(row + NP + NC, mask=ok, other=0.0)
+            ysq += tl.load(row + NP + NC + 1, mask=ok, other=0.0)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     m_comb = m_comb * inv_rms[:, None]
     m_pp = m_pp * inv_rms[:, None]
@@ -276,20 +285,45 @@ def _pieces_of(fn: torch.Tensor) -> torch.Tensor:
     return pieces
 
 
+# The split-K pass's tiles at 4,096 tokens (the fastest of 35 configurations on the H200): 64-token blocks, D in 8
+# chunks, 512 programs, one wave. The deterministic mode keeps them at every T: a row's sums (the chunks, and the
+# MMA shape a token block gets) must not depend on the step's size.
+INVARIANT_TILES = (64, 8)
+# Few tokens: so many chunks that ~this many programs share the fn pieces' 3.9 MB (V4.1), which each token block
+# reads whole; at T = 1 the 8 programs of the 4,096-token tiles walked 40 steps each (30 us per site on the H200).
+SMALL_STEP_PROGRAMS = 160
+
+
+def partial_tiles(T: int, D: int, block_k: int, invariant: bool) -> tuple[int, int]:
+    """(block_t, split) of the split-K pass for T tokens: INVARIANT_TILES where `invariant` or where they already
+    fill the GPU; else 16-token blocks up to 16 tokens (the smallest MMA tile) and split so that the programs
+    number about SMALL_STEP_PROGRAMS (at most one block_k step of D per chunk)."""
+    block_t, split = INVARIANT_TILES
+    if invariant:
+        return block_t, split
+    if T <= 16:
+        block_t = 16
+    blocks = triton.cdiv(max(T, 1), block_t)
+    return block_t, min(triton.cdiv(D, block_k), max(split, triton.cdiv(SMALL_STEP_PROGRAMS, blocks)))
+
+
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
-             block_t: int = 64, block_k: int = 16, split: int = 8, num_warps: int = 4, num_stages: int = 3,
-             finish_block_t: int = 8, block_d: int = 512, finish_warps: int = 4, precision: str = "tf32x3",
-             layout: str = "side_by_side"):
+             block_t: int | None = None, block_k: int = 16, split: int | None = None, invariant: bool = False,
+             num_warps: int = 4, num_stages: int = 3, finish_block_t: int = 8, block_d: int = 512,
+             finish_warps: int = 4, precision: str = "tf32x3", layout: str = "side_by_side"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
     pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks.
     Tiles: the partial kernel takes block_t tokens × one of `split` D chunks (block_k columns of every copy per
-    step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. The defaults were the
-    fastest of 35 configurations on the H200 (block_k 16, 3 stages: 4 programs per SM; split 8: 512 programs, one
-    wave; docs/kernels.md). layout="copies" runs the split-K pass on one tile per copy
-    (`_mhc_partial_copies_kernel`: bf16 streams only; fewer instructions, last bits of the mixes may move)."""
+    step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. block_t / split None:
+    `partial_tiles` picks them (by T unless `invariant`). block_k 16 and 3 stages were the fastest of 35
+    configurations on the H200 at 4,096 tokens (4 programs per SM; docs/kernels.md). layout="copies" runs the
+    split-K pass on one tile per copy (`_mhc_partial_copies_kernel`: bf16 streams only; fewer instructions, last
+    bits of the mixes may move)."""
     T, HC, D = h.shape
+    auto_block_t, auto_split = partial_tiles(T, D, block_k, invariant)
+    block_t, split = block_t or auto_block_t, split or auto_split
     if layout not in ("side_by_side", "copies"):
         raise ValueError(f"mhc_norm: layout {layout!r} is not 'side_by_side' or 'copies'")
     if layout == "copies" and h.dtype != torch.bfloat16:

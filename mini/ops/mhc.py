@@ -8,7 +8,7 @@ whole input step (mixes, collapse, the block's RMSNorm; one fused kernel on the 
 """
 import torch
 
-from mini.ops import use_fast
+from mini.ops import deterministic, use_fast
 from mini.ops.norm import rms_norm
 from mini.ops.stages import staged
 
@@ -39,7 +39,7 @@ def mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Te
     if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
         from mini.kernels.mhc_norm import mhc_norm
         _, pre, post, comb = mhc_norm(h, fn, scale, base, None, pre_in=None, iters=iters, hc_eps=hc_eps,
-                                      norm_eps=norm_eps, collapse=False)
+                                      norm_eps=norm_eps, collapse=False, invariant=deterministic())
         return pre, post, comb
     n = hc_mult
     m = _projected(h, fn, norm_eps)
@@ -78,7 +78,7 @@ def pre_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     if use_fast(h) and h.dtype == torch.bfloat16 and hc_mult == 4:
         from mini.kernels.mhc_norm import mhc_norm
         return mhc_norm(h, fn, scale, base, norm_weight, pre_in=pre_in, iters=iters, hc_eps=hc_eps,
-                        norm_eps=norm_eps)
+                        norm_eps=norm_eps, invariant=deterministic())  # the deterministic mode: tiles not by T
     pre, post, comb = mixes(h, fn, scale, base, hc_mult=hc_mult, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return rms_norm(collapse(h, pre if pre_in is None else pre_in), norm_weight, norm_eps), pre, post, comb
 

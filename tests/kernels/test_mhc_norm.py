@@ -220,3 +220,102 @@ def test_mhc_norm_copies_writes_every_output_interpreter(interpreter, monkeypatc
         assert not got.isnan().any()
     ref = reference(h, fn, scale, base, w, pre_prev, False)
     torch.testing.assert_close(out[1], ref[1], rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 65])
+@pytest.mark.parametrize("delayed", [True, False])
+def test_mhc_norm_small_steps_interpreter(T, delayed, interpreter, monkeypatch):
+    """The tiles chosen by T (`partial_tiles`): up to 16 tokens one 16-token block, D = 150 cut into one chunk per
+    16-column step (10 chunks: more than the finishing pass's 8 partials per loop step, the last step partial);
+    65 tokens two 64-token blocks. NaN-poisoned buffers; the mixes within the GPU tolerances of the reference."""
+    from mini.kernels.mhc_norm import mhc_norm, partial_tiles
+    assert partial_tiles(T, 150, 16, invariant=False) == ((16 if T <= 16 else 64), 10)
+    h, fn, scale, base, w, pre_prev = make(T, 150, "cpu", torch.bfloat16)
+    pre_in = pre_prev if delayed else None
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_in, iters=ITERS, hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, block_d=64)
+    monkeypatch.undo()
+    for got in (y, pre, post, comb):
+        assert not got.isnan().any()
+    ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_in, False)
+    torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(comb, rcomb, rtol=5e-4, atol=2e-5)
+    row = ry.float().square().mean(-1, keepdim=True).sqrt()
+    atol = (2e-3 if pre_in is None else 1e-5) * row
+    assert ((y.float() - ry.float()).abs() <= 2.0 ** -6 * ry.float().abs() + atol).all()
+
+
+def test_partial_tiles_follow_t_only_outside_the_deterministic_mode():
+    """V4.1's D = 5120 in 16-column steps: the 4,096-token tiles (64-token blocks, 8 chunks) at every T when
+    invariant; by T otherwise, ~160 programs at decode sizes and the 4,096-token tiles from ~1,300 tokens."""
+    from mini.kernels.mhc_norm import INVARIANT_TILES, partial_tiles
+    for T in (1, 3, 16, 17, 64, 65, 256, 1000, 4096, 16384):
+        assert partial_tiles(T, 5120, 16, invariant=True) == INVARIANT_TILES == (64, 8)
+    assert partial_tiles(1, 5120, 16, invariant=False) == (16, 160)
+    assert partial_tiles(16, 5120, 16, invariant=False) == (16, 160)
+    assert partial_tiles(64, 5120, 16, invariant=False) == (64, 160)
+    assert partial_tiles(256, 5120, 16, invariant=False) == (64, 40)
+    assert partial_tiles(4096, 5120, 16, invariant=False) == (64, 8)
+    assert partial_tiles(1, 64, 16, invariant=False) == (16, 4)  # never more chunks than steps
+
+
+def test_mhc_norm_invariant_rows_alone_equal_batched_interpreter(interpreter, monkeypatch):
+    """invariant=True (what mini.ops.mhc passes in the deterministic mode): a token's outputs alone (T = 1) and
+    among 129 tokens are the same bits. With ~16 programs as the target (scaled down from 160 so that the choice
+    moves at an interpreter-sized T), the default tiles differ: 16-token blocks in 10 chunks alone, 64-token blocks
+    in 8 chunks among 129, and the mixes' fp32 sums move (checked, so the comparison can fail)."""
+    import mini.kernels.mhc_norm as kernel
+    monkeypatch.setattr(kernel, "SMALL_STEP_PROGRAMS", 16)
+    assert kernel.partial_tiles(1, 150, 16, False) == (16, 10) and kernel.partial_tiles(129, 150, 16, False) == (64, 8)
+    h, fn, scale, base, w, pre_prev = make(129, 150, "cpu", torch.bfloat16)
+    rows = (0, 77, 128)
+
+    def alone_vs_batched(invariant):
+        kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, block_d=64, invariant=invariant)
+        batched = kernel.mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, **kw)
+        alone = [kernel.mhc_norm(h[i:i + 1], fn, scale, base, w, pre_in=pre_prev[i:i + 1], **kw) for i in rows]
+        return [torch.equal(a[j][0], batched[j][i]) for a, i in zip(alone, rows) for j in range(4)]
+    assert all(alone_vs_batched(True))
+    assert not all(alone_vs_batched(False))
+
+
+def test_deterministic_mode_passes_invariant_tiles(monkeypatch):
+    """mini.ops.mhc's fast path asks for the invariant tiles exactly while the deterministic mode is on."""
+    import mini.kernels.mhc_norm as kernel
+    import mini.ops
+    from mini.ops import mhc
+    seen = []
+    monkeypatch.setattr(kernel, "mhc_norm", lambda *a, **kw: seen.append(kw["invariant"]) or (None,) * 4)
+    monkeypatch.setattr(mhc, "use_fast", lambda *t: True)
+    h, fn, scale, base, w, pre_prev = make(3, 64, "cpu", torch.bfloat16)
+    kw = dict(hc_mult=HC, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    for on in (False, True):
+        with mini.ops.deterministic_mode(on):
+            mhc.pre_norm(h, fn, scale, base, w, pre_prev, **kw)
+            mhc.mixes(h, fn, scale, base, **kw)
+    assert seen == [False, False, True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 65])
+@pytest.mark.parametrize("delayed,quant", [(True, False), (True, True), (False, False)])
+def test_mhc_norm_small_steps_gpu(T, delayed, quant):
+    """Decode sizes at V4.1's D with the tiles chosen by T (160 chunks at T <= 64)."""
+    h, fn, scale, base, w, pre_prev = make(T, 5120, "cuda", torch.bfloat16)
+    check(h, fn, scale, base, w, pre_prev if delayed else None, quant)
+
+
+@pytest.mark.gpu
+def test_mhc_norm_invariant_rows_alone_equal_batched_gpu():
+    """The deterministic mode's tiles at V4.1 shape: a token alone == among 1, 16 and 333 tokens, bit for bit."""
+    from mini.kernels.mhc_norm import mhc_norm
+    h, fn, scale, base, w, pre_prev = make(333, 5120, "cuda", torch.bfloat16)
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, invariant=True, quant="fp8")
+    batched = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, **kw)
+    for n in (1, 16):
+        some = mhc_norm(h[:n], fn, scale, base, w, pre_in=pre_prev[:n], **kw)
+        for a, b in zip(some, batched):
+            assert torch.equal(a, b[:n])
