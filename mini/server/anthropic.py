@@ -1,7 +1,7 @@
 """Anthropic's Messages API: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`, so that
 tools built on the Anthropic SDK can use the served model (as DeepSeek's own API offers).
 
-A request is translated into a ChatCompletionRequest (system, messages with text / tool_use / tool_result /
+A request is translated into a ChatCompletionRequest (system, messages with text / image / tool_use / tool_result /
 thinking blocks, tools with input_schema, tool_choice auto / any / tool / none, thinking's budget -> V4.1's
 reasoning effort, stop_sequences) and run by the chat path (OpenAIServer.start_chat): the same prompt, sampling
 and constrained decoding of tool calls as chat completions. Its output is read as blocks (mini.server.blocks) and
@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from mini.server.bodies import ApiError, parse_body, validation_error
 from mini.server.blocks import Block, BlockEvent, BlockStream, final_blocks
+from mini.server.images import MEDIA_TYPES, ImageParts
 from mini.server.protocol import ChatCompletionRequest, _Strict
 
 # thinking.budget_tokens -> V4.1's reasoning effort (mini.chat_format.EFFORT_PRESETS): the effort is V4.1's knob for
@@ -115,9 +116,35 @@ def _text(content, where: str) -> str:
     return "\n\n".join(texts)
 
 
-def to_messages(system, messages: list[dict]) -> list[dict]:
+def _image(block: dict, at: str, images: ImageParts) -> str:
+    """An image block `{"type": "image", "source": {"type": "base64", "media_type", "data"} | {"type": "url",
+    "url"}}` taken into `images` (its media_type is checked against the decoded format); the text holding its
+    place."""
+    extra = set(block) - {"type", "source", "cache_control"}  # cache_control: a hint (prefix caching is automatic)
+    if extra:
+        raise BlockError(f"{at}: unsupported fields {sorted(extra)} (an image block has source and cache_control)")
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and set(source) <= {"type", "media_type", "data"}:
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in MEDIA_TYPES:
+            raise BlockError(f"{at}.source.media_type: {media_type!r} is not one of {', '.join(MEDIA_TYPES)}")
+        if not isinstance(data, str):
+            raise BlockError(f"{at}.source.data must be the image's bytes in base64")
+        return images.add(at, f"data:{media_type};base64,{data}", media_type)
+    if kind == "url" and set(source) == {"type", "url"} and isinstance(source["url"], str):
+        return images.add(at, source["url"])  # http(s), fetched only under --allow-image-urls (mini.server.images)
+    why = ": this server has no Files API" if kind == "file" else ""
+    raise BlockError(f"{at}.source: an image source is {{'type': 'base64', 'media_type', 'data'}} or "
+                     f"{{'type': 'url', 'url'}} (got {kind!r}{why})")
+
+
+def to_messages(system, messages: list[dict], images: ImageParts | None = None) -> list[dict]:
     """Chat messages of Anthropic's: the system prompt, user turns (tool_result blocks become tool messages, before
-    the user's text), assistant turns (thinking -> reasoning_content, text -> content, tool_use -> tool_calls)."""
+    the user's text and images), assistant turns (thinking -> reasoning_content, text -> content, tool_use ->
+    tool_calls). A user turn's image blocks go into `images`, each standing in its text as the images' marker
+    (mini.server.images), in the place of the block."""
+    images = images if images is not None else ImageParts()
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
     for i, msg in enumerate(messages):
         role, content, where = msg.get("role"), msg.get("content"), f"messages[{i}]"
@@ -131,6 +158,8 @@ def to_messages(system, messages: list[dict]) -> list[dict]:
             kind, at = block.get("type") if isinstance(block, dict) else None, f"{where}.content[{k}]"
             if kind == "text":
                 texts.append(block.get("text", ""))
+            elif kind == "image" and role == "user":
+                texts.append(_image(block, at, images))
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
@@ -176,13 +205,15 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
     return out
 
 
-def chat_body(req: MessagesRequest | CountTokensRequest) -> dict:
-    """The ChatCompletionRequest fields of an Anthropic request (BlockError names what cannot be translated)."""
+def chat_body(req: MessagesRequest | CountTokensRequest, images: ImageParts | None = None) -> dict:
+    """The ChatCompletionRequest fields of an Anthropic request, its image blocks into `images` (BlockError names
+    what cannot be translated)."""
     choice, config = req.tool_choice, req.output_config or OutputConfig()
     thinking = req.thinking is not None and req.thinking.type != "disabled"
     budget = req.thinking.budget_tokens if thinking else None
     effort = EFFORTS[config.effort] if config.effort else effort_of_budget(budget) if budget else None
-    body = {"model": req.model, "messages": to_messages(req.system, req.messages), "tools": _chat_tools(req.tools),
+    body = {"model": req.model, "messages": to_messages(req.system, req.messages, images),
+            "tools": _chat_tools(req.tools),
             "tool_choice": None if choice is None else {"auto": "auto", "any": "required", "none": "none"}.get(
                 choice.type, {"type": "function", "function": {"name": choice.name}}),
             "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
@@ -195,13 +226,15 @@ def chat_body(req: MessagesRequest | CountTokensRequest) -> dict:
     return body
 
 
-def chat_request(req) -> ChatCompletionRequest:
+def chat_request(req) -> tuple[ChatCompletionRequest, ImageParts]:
+    """The chat request that runs an Anthropic request, and its images."""
+    images = ImageParts()
     try:
-        body = chat_body(req)
+        body = chat_body(req, images)
     except BlockError as e:
         raise ApiError(str(e)) from None
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(body), images
     except ValidationError as e:
         raise validation_error(e, body) from None
 
@@ -272,7 +305,8 @@ class MessagesAPI:
 
     async def create(self, request: Request):
         req = await parse_body(request, MessagesRequest)
-        run = await self.server.start_chat(chat_request(req), f"msg_{uuid.uuid4().hex}")
+        chat, images = chat_request(req)
+        run = await self.server.start_chat(chat, f"msg_{uuid.uuid4().hex}", images)
         choice, hide = run.choices[0], bool(req.thinking and req.thinking.display == "omitted")
         message = {"id": run.id, "type": "message", "role": "assistant", "model": self.server.model_name}
         if not req.stream:
@@ -306,10 +340,14 @@ class MessagesAPI:
     async def count_tokens(self, request: Request):
         req = await parse_body(request, CountTokensRequest)
         self.server._check_model(req.model)
-        chat = chat_request(req)
+        chat, images = chat_request(req)
+        images.check_count(self.server.images)
         try:
             prompt = chat.prompt()
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
+        if images.parts:  # each image counts its span, as in the request that runs it
+            ids, _ = await self.server.with_images(prompt, images)
+            return JSONResponse({"input_tokens": len(ids)})
         n = len(await asyncio.to_thread(self.server.tokenizer.encode, prompt))
         return JSONResponse({"input_tokens": n})

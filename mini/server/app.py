@@ -238,10 +238,12 @@ class OpenAIServer:
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
 
-    async def start_chat(self, req: ChatCompletionRequest, rid: str) -> ChatRun:
+    async def start_chat(self, req: ChatCompletionRequest, rid: str, image_parts: images.ImageParts | None = None
+                         ) -> ChatRun:
         """A chat request checked, rendered to V4.1's prompt, constrained as its tools / format ask, and submitted:
         the one path from a request to the engine for chat completions, the Responses API and Anthropic's
-        Messages (which translate their requests into a ChatCompletionRequest)."""
+        Messages (which translate their requests into a ChatCompletionRequest, their image parts into
+        `image_parts`: markers in the messages' text, the parts named as their API names them)."""
         self._check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError("top_logprobs must be in [0, 20]", param="top_logprobs")
@@ -252,14 +254,16 @@ class OpenAIServer:
             params = req.sampling_params(None, n_lp)
         except ValueError as e:
             raise ApiError(str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
-        marker, parts = images.take_image_parts(req.messages, self.images)  # before rendering: they become markers
+        if image_parts is None:  # chat completions: its image_url parts become markers before rendering
+            image_parts = images.take_image_parts(req.messages)
+        image_parts.check_count(self.images)
         try:
             prompt = req.prompt()
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
         spans = None
-        if parts:
-            prompt, spans = await self._with_images(prompt, marker, parts)
+        if image_parts.parts:
+            prompt, spans = await self.with_images(prompt, image_parts)
         try:
             params.grammar = req.grammar()
         except ValueError as e:
@@ -270,18 +274,19 @@ class OpenAIServer:
         return ChatRun(req, rid, int(time.time()), stream,
                        [ChatChoice(i, req.thinking_mode, names) for i in range(req.n)])
 
-    async def _with_images(self, prompt: str, marker: str, parts: list[images.ImagePart]) -> tuple[list[int], list]:
+    async def with_images(self, prompt: str, image_parts: images.ImageParts) -> tuple[list[int], list]:
         """The rendered chat's ids with every image's span, and the spans (mini.step.ImageSpan): decoded, planned
         and tokenized in a worker thread, before the engine sees the request."""
-        engine = self.llm.engine
+        engine, parts = self.llm.engine, image_parts.parts
         if not engine.model.reads_images:
-            raise ApiError("this model has no vision tower: it cannot read images", param=parts[0].param)
+            raise ApiError(f"{parts[0].param}: this model has no vision tower: it cannot read images",
+                           param=parts[0].param)
         cfg = engine.config
 
         def work():
             from mini.model.image_input import expand_prompt
             loaded = images.load_images(parts, cfg, self.images)
-            ids = images.prompt_ids(prompt, marker, len(parts), self.tokenizer, cfg.image_token_id)
+            ids = images.prompt_ids(prompt, image_parts.marker, len(parts), self.tokenizer, cfg.image_token_id)
             expanded = expand_prompt(ids, loaded, cfg)
             return expanded.ids, expanded.spans()
         return await asyncio.to_thread(work)

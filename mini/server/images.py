@@ -1,12 +1,18 @@
-"""Images in chat requests (issue 29): `image_url` content parts -> the prompt's ids with each image's span, checked
-and decoded before the request reaches the engine, so a bad image is a 400 naming its part and never a step's error.
+"""Images in requests (issue 29): image parts -> the prompt's ids with each image's span, checked and decoded
+before the request reaches the engine, so a bad image is a 400 naming its part and never a step's error. One path
+for the three APIs; each names its parts in its own words and hands them here as ImageParts:
 
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}
+    chat completions  {"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}
+    Responses         {"type": "input_image", "image_url": "data:image/png;base64,...", "detail": "auto"}
+    Anthropic         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "..."}}
 
-A part takes its place among the message's text parts (joined by blank lines, as text parts are): the chat is
-rendered with a per-request marker there, the text between markers is tokenized piece by piece and each marker
-becomes one `image_token_id`, which `expand_prompt` widens to the image's span (an added token splits the text
-the same way, so the pieces tokenize as the whole would). `detail` is a hint: V4.1's size plan decides the tokens.
+A part takes its place among the message's text parts, joined by blank lines as text parts are: the official V4.1
+encoder (`encoding/encoding.py` of deepseek-ai/DeepSeek-V4.1-Flash, `_process_image_blocks`) turns each image block
+into a text block holding `<｜deepseek_image｜>` and joins the blocks with "\n\n", with no other text around it. Here
+the chat is rendered with a per-request marker in that place, the text between markers is tokenized piece by piece
+and each marker becomes one `image_token_id`, which `expand_prompt` widens to the image's span (an added token
+splits the text the same way, so the pieces tokenize as the whole would). `detail` is a hint: V4.1's size plan
+decides the tokens.
 
 Limits (ImageLimits): encoded bytes per image, images per request, decoded pixels per image (read from the header
 before any pixel is decoded: a decompression bomb is a 400, never an out-of-memory). PNG, JPEG, WebP and GIF only.
@@ -23,7 +29,7 @@ import ipaddress
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from mini.server.bodies import ApiError
@@ -41,16 +47,44 @@ class ImageLimits:
     max_redirects: int = 3
 
 
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
+
+
 @dataclass
 class ImagePart:
-    param: str  # where the request holds it, e.g. messages[1].content[2]
-    url: str
+    param: str  # where the request holds it, as its API names it: messages[1].content[2], input[0].content[1]
+    url: str  # a data: URL, or http(s)
+    media_type: str | None = None  # the type the client declared (Anthropic's source.media_type): checked
 
 
-def take_image_parts(messages, limits: ImageLimits) -> tuple[str, list[ImagePart]]:
-    """Replace every `image_url` part of the chat messages (their `content` lists, changed in place) by a text part
-    holding a marker; returns (the marker, the parts in prompt order). ApiError for a malformed part or too many."""
-    marker, parts = f"<mini-image-{uuid.uuid4().hex}>", []
+@dataclass
+class ImageParts:
+    """A request's images in prompt order; each stands in the rendered chat as `marker` (a fresh uuid per request,
+    so no text a client writes can be taken for an image)."""
+    marker: str = field(default_factory=lambda: f"<mini-image-{uuid.uuid4().hex}>")
+    parts: list[ImagePart] = field(default_factory=list)
+
+    def add(self, param: str, url: str, media_type: str | None = None) -> str:
+        """Take an image; returns the text that holds its place."""
+        self.parts.append(ImagePart(param, url, media_type))
+        return self.marker
+
+    def check_count(self, limits: ImageLimits) -> None:
+        if len(self.parts) > limits.max_images:
+            raise ApiError(f"the request has {len(self.parts)} images; this server takes at most {limits.max_images}",
+                           param=self.parts[limits.max_images].param)
+
+
+def check_detail(detail, param: str, field_name: str = "detail") -> None:
+    """`detail` is a hint (V4.1's size plan decides the tokens), but only OpenAI's values are accepted."""
+    if detail not in ("auto", "low", "high", "original", None):
+        raise ApiError(f"{param}: {field_name} must be auto, low, high or original", param=param)
+
+
+def take_image_parts(messages) -> ImageParts:
+    """Replace every `image_url` part of chat messages (their `content` lists, changed in place) by a text part
+    holding the marker; returns the parts in prompt order. ApiError for a malformed part."""
+    images = ImageParts()
     for i, msg in enumerate(messages):
         if not isinstance(msg.content, list):
             continue
@@ -66,17 +100,13 @@ def take_image_parts(messages, limits: ImageLimits) -> tuple[str, list[ImagePart
             if extra:
                 raise ApiError(f"{param}: unsupported fields {sorted(extra)} (an image part has image_url.url and "
                                "image_url.detail)", param=param)
-            if isinstance(url, dict) and url.get("detail", "auto") not in ("auto", "low", "high", None):
-                raise ApiError(f"{param}: image_url.detail must be auto, low or high", param=param)
+            if isinstance(url, dict):
+                check_detail(url.get("detail"), param, "image_url.detail")
             url = url.get("url") if isinstance(url, dict) else url  # also the bare-string form some clients send
             if not isinstance(url, str):
                 raise ApiError(f"{param}: image_url needs a 'url' (a data: URL or, if allowed, http(s))", param=param)
-            parts.append(ImagePart(param, url))
-            msg.content[k] = {"type": "text", "text": marker}
-    if len(parts) > limits.max_images:
-        raise ApiError(f"the request has {len(parts)} images; this server takes at most {limits.max_images}",
-                       param=parts[limits.max_images].param)
-    return marker, parts
+            msg.content[k] = {"type": "text", "text": images.add(param, url)}
+    return images
 
 
 def load_images(parts: list[ImagePart], cfg, limits: ImageLimits) -> list:
@@ -91,6 +121,9 @@ def load_images(parts: list[ImagePart], cfg, limits: ImageLimits) -> list:
             kind = "WEBP"
         if kind is None:
             raise ApiError(f"{part.param}: not a supported image (PNG, JPEG, WebP, GIF)", param=part.param)
+        if part.media_type is not None and MEDIA_TYPES.get(part.media_type) != kind:
+            raise ApiError(f"{part.param}: the image is {kind}, not {part.media_type} as its media_type says",
+                           param=part.param)
         try:
             out.append(load_image(data, cfg, limits.max_pixels))
         except ValueError as e:
@@ -103,7 +136,11 @@ def prompt_ids(prompt: str, marker: str, n_images: int, tokenizer, image_token_i
     from mini.model.image_input import marked_ids
     if prompt.count(marker) != n_images:  # a marker in the user's own text cannot happen (a fresh uuid), but say so
         raise ApiError("the prompt's image markers do not match its images")
-    return marked_ids(prompt, marker, tokenizer.encode, image_token_id)
+    ids = marked_ids(prompt, marker, tokenizer.encode, image_token_id)
+    if ids.count(image_token_id) != n_images:  # the placeholder token typed as text (the official encoder refuses it)
+        raise ApiError(f"the messages' text holds the image placeholder token (id {image_token_id}) outside an "
+                       "image part; send images as image parts", param="messages")
+    return ids
 
 
 def _bytes_of(part: ImagePart, limits: ImageLimits) -> bytes:

@@ -2,7 +2,8 @@
 `GET /v1/responses/{id}/input_items`, with stored responses and conversations (`previous_response_id`) in
 SQLite (mini.server.store).
 
-A request is translated into a ChatCompletionRequest (input items -> chat messages, function tools, text.format ->
+A request is translated into a ChatCompletionRequest (input items -> chat messages, their input_image parts ->
+mini.server.images' ImageParts, function tools, text.format ->
 response_format, reasoning.effort -> V4.1's thinking mode) and run by the chat path (OpenAIServer.start_chat), so
 prompts, sampling and constrained decoding of tool calls and JSON schemas are the chat endpoint's. Its output is
 read as blocks (mini.server.blocks) and shaped as output items: reasoning, message, function_call; a stream sends
@@ -22,6 +23,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from mini.server.bodies import ApiError, parse_body, validation_error
 from mini.server.blocks import Block, BlockEvent, BlockStream, final_blocks
+from mini.server.images import ImageParts, check_detail
 from mini.server.protocol import SERVICE_TIERS, ChatCompletionRequest, _Strict, check_effort, check_metadata
 from mini.server.store import ChainError, ResponseStore
 
@@ -107,8 +109,9 @@ def normalize_input(value: str | list[dict]) -> list[dict]:
     return items
 
 
-def _text_of(content, param: str) -> str:
-    """A message's content: a string, or text parts (joined by a blank line)."""
+def _text_of(content, param: str, images: ImageParts | None = None) -> str:
+    """A message's content: a string, or text parts (joined by a blank line); with `images` (a user message) also
+    input_image parts, each standing in the text as the images' marker (mini.server.images)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -116,11 +119,31 @@ def _text_of(content, param: str) -> str:
     texts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            texts.append(_image_of(part, f"{param}[{k}]", images))
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ItemError(f"content part type {kind!r} is not supported (supported: input_text, output_text)",
-                            f"{param}[{k}].type")
+            raise ItemError(f"content part type {kind!r} is not supported (supported: input_text, output_text, "
+                            "input_image)", f"{param}[{k}].type")
         texts.append(part["text"])
     return "\n\n".join(texts)
+
+
+def _image_of(part: dict, param: str, images: ImageParts | None) -> str:
+    """An input_image part `{"type": "input_image", "image_url": "data:...", "detail": ...}` taken into `images`."""
+    if images is None:
+        raise ItemError(f"{param}: only user messages carry images", param)
+    extra = set(part) - {"type", "image_url", "detail", "file_id"}
+    if extra:
+        raise ItemError(f"{param}: unsupported fields {sorted(extra)} (an input_image part has image_url and "
+                        "detail)", param)
+    if part.get("file_id") is not None:
+        raise ItemError(f"{param}: file_id is not supported (this server has no Files API); send the image as "
+                        "image_url, a data:image/...;base64 URL", f"{param}.file_id")
+    check_detail(part.get("detail"), param)
+    if not isinstance(part.get("image_url"), str):
+        raise ItemError(f"{param}: input_image needs an image_url (a data: URL or, if allowed, http(s))", param)
+    return images.add(param, part["image_url"])
 
 
 def _reasoning_of(item: dict) -> str:
@@ -134,10 +157,11 @@ def _reasoning_of(item: dict) -> str:
     return "\n\n".join(p.get("text", "") for p in item.get("summary") or [] if isinstance(p, dict))
 
 
-def to_messages(items: list[dict], instructions: str | None) -> list[dict]:
+def to_messages(items: list[dict], instructions: str | None, images: ImageParts | None = None) -> list[dict]:
     """Chat messages of a conversation's items: instructions as the system message, messages by role,
     function_call items as the assistant's tool_calls (joined to the assistant message just before), outputs as
-    tool messages, reasoning as the next assistant turn's reasoning_content."""
+    tool messages, reasoning as the next assistant turn's reasoning_content. User messages' input_image parts go
+    into `images` (None: refused)."""
     msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning = None
 
@@ -157,7 +181,7 @@ def to_messages(items: list[dict], instructions: str | None) -> list[dict]:
                 if role not in ("user", "assistant", "system", "developer"):
                     raise ItemError(f"message role {role!r} is not one of user, assistant, system, developer",
                                     f"{param}.role")
-                text = _text_of(item.get("content"), f"{param}.content")
+                text = _text_of(item.get("content"), f"{param}.content", images if role == "user" else None)
                 assistant(text) if role == "assistant" else msgs.append({"role": role, "content": text})
             elif kind == "function_call":
                 last = msgs[-1] if msgs and msgs[-1]["role"] == "assistant" and reasoning is None else None
@@ -211,11 +235,12 @@ CHAT_PARAMS = (("response_format.json_schema", "text.format"), ("response_format
                ("messages", "input"), ("max_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"))
 
 
-def chat_request(req: ResponsesRequest, items: list[dict]) -> ChatCompletionRequest:
-    """The chat request that runs a Responses request over the conversation `items`. Raises ItemError or
-    ApiError (a chat field's error, named as the Responses API names it)."""
+def chat_request(req: ResponsesRequest, items: list[dict]) -> tuple[ChatCompletionRequest, ImageParts]:
+    """The chat request that runs a Responses request over the conversation `items`, and its images. Raises
+    ItemError or ApiError (a chat field's error, named as the Responses API names it)."""
     effort = req.reasoning.effort if req.reasoning else None
-    body = {"model": req.model, "messages": to_messages(items, req.instructions),
+    images = ImageParts()
+    body = {"model": req.model, "messages": to_messages(items, req.instructions, images),
             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "seed": req.seed, "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
@@ -224,7 +249,7 @@ def chat_request(req: ResponsesRequest, items: list[dict]) -> ChatCompletionRequ
     if not body["messages"]:
         raise ItemError("the input has no messages", "input")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(body), images
     except ValidationError as e:
         error = validation_error(e, body)
         for chat_name, name in CHAT_PARAMS:
@@ -247,13 +272,13 @@ class ResponsesAPI:
             items = normalize_input(req.input)
             history = [] if req.previous_response_id is None else \
                 await asyncio.to_thread(self.store.conversation, req.previous_response_id)
-            chat = chat_request(req, history + items)
+            chat, images = chat_request(req, history + items)
         except ItemError as e:
             raise ApiError(str(e), param=e.param) from None
         except ChainError as e:
             raise ApiError(str(e), param="previous_response_id", status=404, code="not_found") from None
         rid = _new_id("resp")
-        run = await self.server.start_chat(chat, rid)
+        run = await self.server.start_chat(chat, rid, images)
         shape = ResponseShape(req, rid, run.created, self.server.model_name, self.server.tokenizer)
         if not req.stream:
             out = (await self.server._final(run.stream, request))[0]

@@ -118,14 +118,18 @@ def test_a_model_without_a_vision_tower_answers_400():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         _refused(client, [{"type": "text", "text": "hi"}, _image(_png(60, 50))], "messages[0].content[1]",
                  "no vision tower")
-        # the Responses and Anthropic APIs do not take images: a clear 400 naming the part
+        # the Responses and Anthropic APIs: the same 400, in each API's shape, naming the part as it names it
         r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": _url(_png(60, 50))}]}]})
-        assert r.status_code == 400 and "input_image" in r.json()["error"]["message"]
+            {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": _url(_png(60, 50))}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[1]", r.json()
+        assert "no vision tower" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
             {"role": "user", "content": [{"type": "image", "source": {
                 "type": "base64", "media_type": "image/png", "data": base64.b64encode(_png(60, 50)).decode()}}]}]})
-        assert r.status_code == 400 and "'image'" in r.json()["error"]["message"]
+        error = r.json()
+        assert r.status_code == 400 and error["type"] == "error", error
+        assert error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"].startswith("messages[0].content[0]: this model has no vision tower")
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000/a.png", "http://localhost/a.png", "http://10.1.2.3/a.png",

@@ -128,8 +128,10 @@ def test_parse_json_schema_and_reasoning_items(server):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
      "input[0].content[0].type"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),  # tiny-v4.1 has no vision tower (images: test_api_images_responses_anthropic.py)
     ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "previous_response_id": "resp_gone"}, "previous_response_id"),
