@@ -17,6 +17,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("ep-exact", "mini.check.ep_exact", "the check `mini check ep-exact`, kept under its old name"),
     Suite("decode-host", "mini.bench.decode_host", "host vs GPU share of a decode step, eager vs CUDA graphs"),
     Suite("rank4-decode", "mini.bench.rank4_decode", "decode of one EP4 rank at real V4.1-Flash shape vs its floor"),
+    Suite("spec-decode", "mini.bench.spec_decode", "speculation (DSpark) vs plain decode, one EP4 rank, real width"),
     Suite("long-context", "mini.bench.long_context", "a 131,072-token prompt prefilled in chunks on one EP4 rank"),
 )}
 

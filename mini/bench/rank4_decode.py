@@ -41,14 +41,14 @@ def add_args(p) -> None:
     add_emulated_rank_args(p)
 
 
-def _ints(text: str, what: str) -> list[int]:
+def _ints(text: str, what: str, suite: str = SUITE) -> list[int]:
     from mini.testing.suites import SuiteError
     try:
         out = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SuiteError(f"{SUITE}: --{what} takes comma-separated integers, got {text!r}") from None
+        raise SuiteError(f"{suite}: --{what} takes comma-separated integers, got {text!r}") from None
     if not out or min(out) < 1:
-        raise SuiteError(f"{SUITE}: --{what} needs positive integers, got {text!r}")
+        raise SuiteError(f"{suite}: --{what} needs positive integers, got {text!r}")
     return out
 
 
@@ -178,41 +178,54 @@ def definition(args, batches: list[int], contexts: list[int]) -> dict:
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
 
 
-def run(args, study=None) -> dict:
-    """The suite; `study`: see measure_one."""
+def measure_shape(model, cfg: ModelConfig, exchange, args, batch: int, context: int, study=None,
+                  what: str = SUITE) -> tuple[dict[str, float], dict]:
+    """measure_one of a fresh DecodeRun of B = `batch` sequences at `context`, its cache freed after; a cache that
+    cannot fit is refused (SuiteError, naming `what`) before it is allocated. Also spec-decode's (its verify proxy)."""
     from mini.testing.suites import SuiteError
-    from mini.testing.rank_model import emulated_rank
-    batches, contexts = _ints(args.batch, "batch"), _ints(args.context, "context")
     cuda = args.device.startswith("cuda")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cfg, exchange, model, setup_s = emulated_rank(args)
-    metrics: dict[str, float] = {"setup_s": setup_s}
+    extra = args.warmup + args.steps + args.profile_steps + 2  # positions the steps advance past C
+    max_len = -(-(context + extra + 1) // args.block_tokens) * args.block_tokens
+    need = predicted_cache_bytes(cfg, batch, max_len, args.block_tokens, dtype)
     if cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+        if need + (4 << 30) > free:  # 4 GiB for the step's activations and the graph
+            raise SuiteError(f"{what}: B={batch} x C={context} needs a {need / 2**30:.1f} GiB cache; "
+                             f"{free / 2**30:.1f} GiB free after the model")
+        torch.cuda.reset_peak_memory_stats()
+    r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed)
+    m, raw = measure_one(r, args, cuda, study)
+    del r
+    if cuda:
+        m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+    return m, raw
+
+
+def build(args, config: ModelConfig | None = None) -> tuple[ModelConfig, object, object, dict[str, float]]:
+    """emulated_rank's model (of `config`, else of --preset) and the metrics of its build. Also spec-decode's."""
+    from mini.testing.rank_model import emulated_rank
+    cfg, exchange, model, setup_s = emulated_rank(args, config)
+    metrics = {"setup_s": setup_s}
+    if args.device.startswith("cuda"):
         torch.cuda.synchronize()
         metrics["built_mem_gb"] = torch.cuda.memory_allocated() / 2**30
+    return cfg, exchange, model, metrics
+
+
+def run(args, study=None) -> dict:
+    """The suite; `study`: see measure_one."""
+    batches, contexts = _ints(args.batch, "batch"), _ints(args.context, "context")
+    cfg, exchange, model, metrics = build(args)
     raw = {}
-    extra = args.warmup + args.steps + args.profile_steps + 2  # positions the steps advance past C
     # the largest shape first (the issue's target is at B = 256): a run cut by its time limit has measured it
     for B in sorted(batches, reverse=True):
         for C in sorted(contexts, reverse=True):
-            max_len = -(-(C + extra + 1) // args.block_tokens) * args.block_tokens
-            need = predicted_cache_bytes(cfg, B, max_len, args.block_tokens, dtype)
-            if cuda:
-                free, _ = torch.cuda.mem_get_info(device)
-                if need + (4 << 30) > free:  # 4 GiB for the step's activations and the graph
-                    raise SuiteError(f"{SUITE}: B={B} x C={C} needs a {need / 2**30:.1f} GiB cache; "
-                                     f"{free / 2**30:.1f} GiB free after the model")
-                torch.cuda.reset_peak_memory_stats()
-            r = DecodeRun(model, cfg, exchange, B, C, extra, args.block_tokens, device, dtype, args.seed)
-            m, raw[f"b{B}_c{C}"] = measure_one(r, args, cuda, study)
-            if cuda:
-                m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            m, raw[f"b{B}_c{C}"] = measure_shape(model, cfg, exchange, args, B, C, study)
             metrics.update({f"b{B}_c{C}.{k}": v for k, v in m.items()})
             # as each shape finishes, so that a run cut by its time limit still tells what it measured
             floor = f", floor {m['floor_ms']:.2f} ms ({m['vs_floor']:.2f}x)" if "floor_ms" in m else ""
             print(f"{SUITE} B={B} C={C}: {m['ms_per_step']:.2f} ms/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU"
                   + floor, flush=True)
-            del r
-            if cuda:
-                torch.cuda.empty_cache()
     return {"suite": SUITE, "definition": definition(args, batches, contexts), "metrics": metrics, "raw": raw}

@@ -61,6 +61,28 @@ def _vocab_size(model: str) -> int:
     return PRESETS[model].vocab_size if model in PRESETS else ModelConfig.load(model).vocab_size
 
 
+SPEC_COUNTERS = {"mini_spec_draft_tokens_total": "spec_draft_tokens", "mini_spec_accepted_tokens_total":
+                 "spec_accepted_tokens", "mini_spec_acceptance_length_count": "spec_verified_drafts"}
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """A speculating mini server's draft counters from /metrics, over all bursts (none from other servers), and
+    the tokens each verified draft committed on average (its accepted drafts + the target's own token)."""
+    import httpx
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[name]] = float(value)
+    if out.get("spec_verified_drafts"):
+        out["spec_tokens_per_verify"] = 1 + out["spec_accepted_tokens"] / out["spec_verified_drafts"]
+    return out
+
+
 # ---------------------------------------------------------------------- the suite
 FIRST_BURST = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "request_throughput", "goodput_req_s", "failed")
 
@@ -104,6 +126,7 @@ def run(args) -> dict:
         "server": args.url or "mini serve", "num_blocks": args.num_blocks, "block_tokens": args.block_tokens,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefix_caching": args.enable_prefix_caching is not False, "enforce_eager": bool(args.enforce_eager),
+        "speculative": args.speculative, "spec_tokens": args.spec_tokens,
         "num_requests": args.num_requests,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
@@ -114,6 +137,7 @@ def run(args) -> dict:
     }
 
     bursts: list[tuple[float, float]] = []  # wall-clock start and end of each run: tools/goodput_cold_diag.py
+    spec: dict[str, float] = {}
 
     def bench(url: str) -> list[dict[str, float]]:
         runs = []
@@ -127,6 +151,7 @@ def run(args) -> dict:
             if errors:
                 print(f"tiny-goodput: {len(results) - runs[-1]['completed']:.0f} requests failed: "
                       f"{sorted(errors)[:3]}", file=sys.stderr)
+        spec.update(spec_counters(url))
         return runs
 
     if args.url:
@@ -134,6 +159,6 @@ def run(args) -> dict:
     else:
         with StartedServer(args) as url:
             runs = bench(url)
-    metrics = warm_and_first(runs)
+    metrics = warm_and_first(runs) | spec
     print(_table(metrics))
     return {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs, "bursts": bursts}

@@ -145,12 +145,13 @@ def add_emulated_rank_args(p) -> None:
     p.add_argument("--routing", choices=ROUTINGS, default="uniform")
 
 
-def emulated_rank(args) -> tuple[ModelConfig, "EmulatedEP", object, float]:
-    """The model of one emulated EP rank (rank 0 of `args.ep`) at `args.preset`, on the fast backend where CUDA is:
-    (config, exchange, model, build seconds). The suites that decode or prefill through it build their own caches."""
+def emulated_rank(args, config: ModelConfig | None = None) -> tuple[ModelConfig, "EmulatedEP", object, float]:
+    """The model of one emulated EP rank (rank 0 of `args.ep`) at `config` (default: `args.preset`), on the fast
+    backend where CUDA is: (config, exchange, model, build seconds). The suites that decode or prefill through it
+    build their own caches."""
     import mini.ops
     from mini.checkpoint import expert_range
-    cfg = preset(args.preset)
+    cfg = config or preset(args.preset)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda":
         mini.ops.set_backend("fast")

@@ -61,6 +61,25 @@ phase_rank4_decode() {  # issue 13 item 5 (<= 200 s): decode of one EP4 rank at 
     return $rc
 }
 
+phase_spec_decode() {  # issue 27 item 6 (<= 200 s, not yet run): speculation's speed at real V4.1-Flash width, one
+    # emulated EP4 rank, random weights, so acceptance is EMULATED (2.0 / 2.8 / 3.5 tokens per verify step). One
+    # build (~35 s + DSpark's 3 stages), then per B in SPEC_DECODE_BATCH (1,16,64,256) at 4K: the plain decode graph
+    # (B rows), the verify PROXY's graph (B x 6 rows; over-counts attention), DSpark's draft step (propose in a CUDA
+    # graph where capture works: draft_graph 1, else eager and raw.*.draft.draft_graph_refused says why); each a
+    # few s of capture + 3 + 8 replays. Look at: the "spec-decode B=" lines (decode / verify_proxy / draft ms and the
+    # speed-ups per user; targets B = 1 >= 2.0x at 2.8, B = 64 >= 1.3x, B = 256 >= 1x), spec_decode.json metrics
+    # b*_c4096.{verify_proxy_over_decode, draft_ms, draft_graph, verify_proxy.emulated_accept_*.speedup, meets_target}.
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 -m mini.cli bench spec-decode \
+        --batch "${SPEC_DECODE_BATCH:-1,16,64,256}" --context "${SPEC_DECODE_CONTEXT:-4096}" --steps 8 --warmup 3 \
+        --json "$PHASE_DIR/spec_decode.json" >"$PHASE_DIR/spec_decode.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:|^mini bench:" "$PHASE_DIR/spec_decode.log" | tail -5
+    grep -E "^  (setup_s|built_mem_gb|b[0-9]+_c[0-9]+\.(peak_mem_gb|draft_graph)) " "$PHASE_DIR/spec_decode.log" \
+        | tr -s ' ' | paste -sd' '
+    grep "^spec-decode B=" "$PHASE_DIR/spec_decode.log"  # one line per B: the three steps and the speed-ups
+    return $rc
+}
+
 phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 32K decode step's time goes: the
     # shape alone (one build), its graph replays under torch.profiler, kernels grouped into parts (kernel_ms.*:
     # moe_experts, sparse_attention, indexer, gemm, gate_route, mhc_norm, quant_rope, copies, other; they add up to

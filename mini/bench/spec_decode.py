@@ -1,0 +1,204 @@
+"""`spec-decode`: speculative decoding's speed at real V4.1-Flash width, one emulated EP4 rank (issue 27 item 6).
+
+The model is rank4-decode's (mini/bench/rank4_decode.py: random weights, this rank's 96 experts, the exchange
+emulated) with DSpark's three stages added at V4.1-Flash's sizes (spec §2.7: block 5, 128 experts top-3, Markov
+rank 256). For each B in `--batch` at context C, with k = `--spec-tokens` drafts:
+
+- `decode_ms`: the plain decode step of B rows, rank4-decode's measurement (one CUDA graph of exactly B rows);
+- `verify_proxy_ms`: the PROXY of a verify step that issue 27 names: a decode step of B x (1 + k) sequences, each
+  at context C. It over-counts attention and the cache (each row reads a whole context of its own, where a real
+  verify step's 1 + k rows of one sequence read one); the graph verify step (B x (1 + k) rows) is not built yet;
+- `draft_ms`: DSpark's draft step as DSparkDrafter runs it after a decode step: the B committed rows' features into
+  every stage's ring (`write_rings`, eager: it indexes by a mask, which syncs), then one draft of the block's k
+  positions per sequence (`propose`: a CUDA graph where capture works, else eager; `draft_graph` says which). The
+  features are random: the work is the same whatever they are.
+
+Random weights accept almost nothing, so acceptance is EMULATED: for each acceptance length L in `--acceptance`
+(tokens committed per verify step, bonus token included) a speculative step commits L tokens per sequence and takes
+verify + draft, so per user L / (verify + draft) against plain decode's 1 / decode; per GPU, B times that. Every
+such figure is named `emulated_accept_L`; `target_speedup` is issue 27's (B = 1: 2.0x at L = 2.8; B = 64: 1.3x at
+2.8; B = 256: 1.0x at the lowest L).
+
+`--tiny`: tiny-goodput (mini/bench/serve.py, `mini serve` in a subprocess) of tiny-v4.1-dspark, the same fixed
+workload without and with `--speculative dspark`; acceptance there is what the random tiny draft module achieves.
+"""
+from __future__ import annotations
+
+import shlex
+import statistics
+
+import torch
+
+from mini.bench import rank4_decode
+from mini.testing.suites import SuiteError, timed_call
+
+SUITE = "spec-decode"
+TARGETS = {1: (2.8, 2.0), 64: (2.8, 1.3), 256: (None, 1.0)}  # B: (acceptance, speed-up); None: the lowest
+
+
+def add_args(p) -> None:
+    rank4_decode.add_args(p)
+    p.set_defaults(batch="1,16,64,256", context="4096", profile_steps=0)
+    p.add_argument("--spec-tokens", type=int, default=0, help="drafts k per verify step (0: DSpark's block size)")
+    p.add_argument("--acceptance", default="2.0,2.8,3.5", help="emulated tokens committed per verify step")
+    p.add_argument("--tiny", action="store_true", help="tiny-v4.1-dspark goodput without and with speculation")
+    p.add_argument("--tiny-args", default="", help="more tiny-goodput options for --tiny, one string")
+
+
+def dspark_config(name: str):
+    """The preset with its DSpark stages: V4.1-Flash's (spec §2.7; its config.json has block 5) where it has none."""
+    from mini.config import preset
+    cfg = preset(name)
+    if cfg.has_dspark:
+        return cfg
+    if not cfg.is_v41:
+        raise SuiteError(f"{SUITE}: preset {name!r} is not V4.1: it has no DSpark draft module")
+    return cfg.replace(n_mtp_layers=3, dspark_block_size=5)
+
+
+class DraftStep:
+    """The draft step of B sequences at context C, on rings of their own (zeros: the work is the same)."""
+
+    def __init__(self, model, batch: int, context: int, seed: int, dtype):
+        from mini.model.dspark import DSparkRings
+        cfg, dev = model.config, model.embed.device
+        g = torch.Generator().manual_seed(seed)
+        self.model, self.graph = model, None
+        self.rings = DSparkRings(cfg, batch, dev, dtype)
+        self.features = torch.randn(batch, len(cfg.dspark_target_layers) * cfg.dim, generator=g).to(dev, dtype)
+        self.positions = torch.full((batch,), context, dtype=torch.int64, device=dev)
+        self.slots = torch.arange(batch, device=dev)
+        self.anchors = torch.randint(3, cfg.vocab_size, (batch,), generator=g).to(dev)
+
+    def write(self) -> None:
+        from mini.model.dspark import write_rings
+        write_rings(self.model.dspark, self.model.config, self.features, self.positions, self.slots, self.rings)
+
+    def propose(self) -> torch.Tensor:
+        from mini.model.dspark import propose
+        m = self.model
+        if self.graph is not None:
+            self.graph[0].replay()
+            return self.graph[1]
+        return propose(m.dspark, m.config, m.embed, m.head, self.rings, self.anchors, self.positions, self.slots).ids
+
+    def capture(self) -> str:
+        """Capture `propose` in a CUDA graph after an eager run that must not sync with the host; returns why not
+        ('' when captured)."""
+        dev = self.anchors.device
+        try:
+            torch.cuda.set_sync_debug_mode("error")  # a host sync would break the capture: found eagerly first
+            try:
+                self.propose()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ids = self.propose()
+            self.graph = (graph, ids)
+            return ""
+        except Exception as e:  # noqa: BLE001 - the reason goes into the result; the step stays eager
+            torch.cuda.synchronize(dev)
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def measure_draft(model, args, batch: int, context: int, cuda: bool) -> tuple[dict[str, float], dict]:
+    step = DraftStep(model, batch, context, args.seed, getattr(torch, args.dtype))
+    step.write()
+    step.propose()  # the eager warm-up: kernels compiled
+    why = step.capture() if cuda else "not CUDA"
+    for _ in range(args.warmup):
+        step.write()
+        step.propose()
+    write = rank4_decode._time(step.write, args.steps, cuda)
+    prop = rank4_decode._time(step.propose, args.steps, cuda)
+    m = {"draft_write_ms": statistics.median(write), "draft_propose_ms": statistics.median(prop),
+         "draft_graph": float(step.graph is not None)}
+    m["draft_ms"] = m["draft_write_ms"] + m["draft_propose_ms"]
+    return m, {"draft_write_ms": write, "draft_propose_ms": prop, "draft_graph_refused": why}
+
+
+def speedups(B: int, decode_ms: float, verify_ms: float, draft_ms: float, acceptance: list[float],
+             label: str) -> dict[str, float]:
+    """Per user and per GPU tok/s at each emulated acceptance L, and the speed-up over plain decode."""
+    out = {}
+    for L in acceptance:
+        user = L * 1e3 / (verify_ms + draft_ms)
+        p = f"{label}.emulated_accept_{L}."
+        out |= {p + "per_user_tok_s": user, p + "per_gpu_tok_s": B * user, p + "speedup": user * decode_ms / 1e3}
+    return out
+
+
+def run(args) -> dict:
+    if args.tiny:
+        return run_tiny(args)
+    batches = rank4_decode._ints(args.batch, "batch", SUITE)
+    contexts = rank4_decode._ints(args.context, "context", SUITE)
+    acceptance = [float(a) for a in args.acceptance.split(",") if a.strip()]
+    if not acceptance or min(acceptance) < 1:
+        raise SuiteError(f"{SUITE}: --acceptance needs lengths >= 1 (tokens per verify step), got {args.acceptance!r}")
+    cfg0 = dspark_config(args.preset)
+    k = args.spec_tokens or cfg0.dspark_block_size
+    if not 1 <= k <= cfg0.dspark_block_size:
+        raise SuiteError(f"{SUITE}: --spec-tokens must be 1..{cfg0.dspark_block_size} (DSpark's block), got {k}")
+    cuda = args.device.startswith("cuda")
+    cfg, exchange, model, metrics = rank4_decode.build(args, cfg0)
+    raw = {}
+    for B in batches:
+        for C in contexts:
+            p, r = f"b{B}_c{C}.", {}
+            plain, r["decode"] = rank4_decode.measure_shape(model, cfg, exchange, args, B, C, what=SUITE)
+            proxy, r["verify_proxy"] = rank4_decode.measure_shape(model, cfg, exchange, args, B * (1 + k), C,
+                                                                  what=SUITE)
+            draft, r["draft"] = measure_draft(model, args, B, C, cuda)
+            m = {"decode_ms": plain["ms_per_step"], "verify_proxy_ms": proxy["ms_per_step"],
+                 "verify_proxy_over_decode": proxy["ms_per_step"] / plain["ms_per_step"], **draft,
+                 "decode.per_user_tok_s": 1e3 / plain["ms_per_step"],
+                 "decode.per_gpu_tok_s": plain["tok_per_s_per_gpu"]}
+            if cuda:
+                m["peak_mem_gb"] = max(plain["peak_mem_gb"], proxy["peak_mem_gb"])
+            m |= speedups(B, m["decode_ms"], m["verify_proxy_ms"], m["draft_ms"], acceptance, "verify_proxy")
+            if B in TARGETS:
+                at, want = TARGETS[B]
+                at = min(acceptance) if at is None else at
+                m["target_speedup"] = want
+                if at in acceptance:
+                    m[f"verify_proxy.emulated_accept_{at}.meets_target"] = float(
+                        m[f"verify_proxy.emulated_accept_{at}.speedup"] >= want)
+            metrics |= {p + n: v for n, v in m.items()}
+            raw[f"b{B}_c{C}"] = r
+            figures = ", ".join(f"L={L:g} {m[f'verify_proxy.emulated_accept_{L}.speedup']:.2f}x"
+                                for L in acceptance)
+            print(f"{SUITE} B={B} C={C} k={k}: decode {m['decode_ms']:.2f} ms, verify_proxy {m['verify_proxy_ms']:.2f}"
+                  f" ms ({m['verify_proxy_over_decode']:.2f}x), draft {m['draft_ms']:.2f} ms "
+                  f"({'graph' if m['draft_graph'] else 'eager'}); EMULATED acceptance, speed-up per user with the "
+                  f"proxy: {figures}" + (f" (target {TARGETS[B][1]}x)" if B in TARGETS else ""), flush=True)
+    definition = rank4_decode.definition(args, batches, contexts) | {
+        "spec_tokens": k, "dspark_block": cfg.dspark_block_size, "dspark_experts": cfg.dspark_n_routed_experts,
+        "acceptance": acceptance, "acceptance_is": "EMULATED (random weights accept almost nothing): tokens "
+        "committed per verify step, bonus included", "verify": "verify_proxy: a decode step of B x (1 + k) "
+        "sequences at the context (over-counts attention); the graph verify step is not built yet",
+        "targets": {str(B): {"acceptance": a or min(acceptance), "speedup": s} for B, (a, s) in TARGETS.items()}}
+    return {"suite": SUITE, "definition": definition, "metrics": metrics, "raw": raw}
+
+
+def run_tiny(args) -> dict:
+    """tiny-goodput of tiny-v4.1-dspark, the same workload without and with speculation."""
+    import argparse
+
+    from mini.bench import serve
+    p = argparse.ArgumentParser(prog=f"{SUITE} --tiny-args")
+    serve.add_args(p)
+    base = ["--model", "tiny-v4.1-dspark", "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
+    metrics, definition, runs = {}, {}, {}
+    for name, extra in (("plain", []), ("speculative", ["--speculative", "dspark"])):
+        result = serve.run(p.parse_args(base + shlex.split(args.tiny_args) + extra))
+        metrics |= {f"{name}.{n}": v for n, v in result["metrics"].items()}
+        definition, runs[name] = result["definition"], result["runs"]
+    for n in ("output_tok_s", "goodput_req_s", "tpot_p50_ms"):
+        if metrics[f"plain.{n}"] > 0:
+            metrics[f"speculative_over_plain.{n}"] = metrics[f"speculative.{n}"] / metrics[f"plain.{n}"]
+    definition = {**definition, "speculative": ["none", "dspark"], "tiny": True,
+                  "acceptance_is": "the tiny random draft module's own (spec_tokens_per_verify), not emulated"}
+    return {"suite": SUITE, "definition": definition, "metrics": metrics, "runs": runs}
