@@ -296,15 +296,20 @@ SMALL_STEP_PROGRAMS = 160
 
 def partial_tiles(T: int, D: int, block_k: int, invariant: bool) -> tuple[int, int]:
     """(block_t, split) of the split-K pass for T tokens: INVARIANT_TILES where `invariant` or where they already
-    fill the GPU; else 16-token blocks up to 16 tokens (the smallest MMA tile) and split so that the programs
-    number about SMALL_STEP_PROGRAMS (at most one block_k step of D per chunk)."""
+    fill the GPU; else 16-token blocks up to 16 tokens (the smallest MMA tile), and chunks of a power of two of
+    block_k steps, the fewest that make about SMALL_STEP_PROGRAMS programs (where that is more than INVARIANT_TILES'
+    8 chunks; a small D keeps those). Powers of two: a handful of kernel builds serve every T (at V4.1: 2 steps
+    up to 64 tokens, 4 to 128, 8 to 256, 16 to 512, 32 to 1,024), each compiled by the warm-up's power-of-two
+    steps before serving."""
     block_t, split = INVARIANT_TILES
+    steps = triton.cdiv(D, block_k)
     if invariant:
         return block_t, split
     if T <= 16:
         block_t = 16
     blocks = triton.cdiv(max(T, 1), block_t)
-    return block_t, min(triton.cdiv(D, block_k), max(split, triton.cdiv(SMALL_STEP_PROGRAMS, blocks)))
+    chunks = triton.cdiv(steps, triton.next_power_of_2(triton.cdiv(steps * blocks, SMALL_STEP_PROGRAMS)))
+    return (block_t, chunks) if chunks > split else INVARIANT_TILES
 
 
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -250,7 +250,7 @@ def test_mhc_norm_small_steps_interpreter(T, delayed, interpreter, monkeypatch):
 
 def test_partial_tiles_follow_t_only_outside_the_deterministic_mode():
     """V4.1's D = 5120 in 16-column steps: the 4,096-token tiles (64-token blocks, 8 chunks) at every T when
-    invariant; by T otherwise, ~160 programs at decode sizes and the 4,096-token tiles from ~1,300 tokens."""
+    invariant; by T otherwise, ~160 programs at decode sizes and the 4,096-token tiles from 1,025 tokens."""
     from mini.kernels.mhc_norm import INVARIANT_TILES, partial_tiles
     for T in (1, 3, 16, 17, 64, 65, 256, 1000, 4096, 16384):
         assert partial_tiles(T, 5120, 16, invariant=True) == INVARIANT_TILES == (64, 8)
@@ -259,7 +259,10 @@ def test_partial_tiles_follow_t_only_outside_the_deterministic_mode():
     assert partial_tiles(64, 5120, 16, invariant=False) == (64, 160)
     assert partial_tiles(256, 5120, 16, invariant=False) == (64, 40)
     assert partial_tiles(4096, 5120, 16, invariant=False) == (64, 8)
-    assert partial_tiles(1, 64, 16, invariant=False) == (16, 4)  # never more chunks than steps
+    assert partial_tiles(1000, 5120, 16, invariant=False) == (64, 10)
+    assert partial_tiles(1, 64, 16, invariant=False) == (64, 8)  # 4 steps: no more chunks than the 4,096's
+    # few kernel builds (the warm-up compiles each): chunks of 2, 4, 8, 16, 32 steps or the 4,096-token tiles
+    assert len({partial_tiles(T, 5120, 16, invariant=False) for T in range(1, 4097)}) == 7
 
 
 def test_mhc_norm_invariant_rows_alone_equal_batched_interpreter(interpreter, monkeypatch):
