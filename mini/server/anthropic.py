@@ -103,12 +103,16 @@ class BlockError(ValueError):
     pass
 
 
-def _text(content, where: str) -> str:
-    """Text of a string or of text blocks (cache_control and citations are hints: dropped)."""
+def _text(content, where: str, images: ImageParts | None = None) -> str:
+    """Text of a string or of text blocks (cache_control and citations are hints: dropped); with `images` (a
+    tool_result's content) also image blocks, each standing in the text as the images' marker."""
     if isinstance(content, str):
         return content
     texts = []
     for k, block in enumerate(content or []):
+        if images is not None and isinstance(block, dict) and block.get("type") == "image":
+            texts.append(_image(block, f"{where}[{k}]", images))
+            continue
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise BlockError(f"{where}[{k}]: content block type {kind!r} is not supported here (supported: text)")
@@ -142,8 +146,8 @@ def _image(block: dict, at: str, images: ImageParts) -> str:
 def to_messages(system, messages: list[dict], images: ImageParts | None = None) -> list[dict]:
     """Chat messages of Anthropic's: the system prompt, user turns (tool_result blocks become tool messages, before
     the user's text and images), assistant turns (thinking -> reasoning_content, text -> content, tool_use ->
-    tool_calls). A user turn's image blocks go into `images`, each standing in its text as the images' marker
-    (mini.server.images), in the place of the block."""
+    tool_calls). The image blocks of a user turn and of its tool results go into `images`, each standing in its
+    text as the images' marker (mini.server.images), in the place of the block."""
     images = images if images is not None else ImageParts()
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
     for i, msg in enumerate(messages):
@@ -163,7 +167,7 @@ def to_messages(system, messages: list[dict], images: ImageParts | None = None) 
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text(result, f"{at}.content")})
+                            "content": _text(result, f"{at}.content", images)})
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": block.get("id"), "type": "function", "function": {
                     "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})

@@ -92,8 +92,8 @@ def take_image_parts(messages) -> ImageParts:
             if not isinstance(part, dict) or part.get("type") != "image_url":
                 continue
             param = f"messages[{i}].content[{k}]"
-            if msg.role != "user":
-                raise ApiError(f"{param}: only user messages carry images", param=param)
+            if msg.role not in ("user", "tool"):  # a tool's result may be an image, as in the official encoder
+                raise ApiError(f"{param}: only user and tool messages carry images", param=param)
             url = part.get("image_url")
             extra = (set(part) - {"type", "image_url"}) | (set(url) - {"url", "detail"} if isinstance(url, dict)
                                                             else set())

@@ -132,7 +132,7 @@ def _text_of(content, param: str, images: ImageParts | None = None) -> str:
 def _image_of(part: dict, param: str, images: ImageParts | None) -> str:
     """An input_image part `{"type": "input_image", "image_url": "data:...", "detail": ...}` taken into `images`."""
     if images is None:
-        raise ItemError(f"{param}: only user messages carry images", param)
+        raise ItemError(f"{param}: only user messages and function_call_output items carry images", param)
     extra = set(part) - {"type", "image_url", "detail", "file_id"}
     if extra:
         raise ItemError(f"{param}: unsupported fields {sorted(extra)} (an input_image part has image_url and "
@@ -160,8 +160,8 @@ def _reasoning_of(item: dict) -> str:
 def to_messages(items: list[dict], instructions: str | None, images: ImageParts | None = None) -> list[dict]:
     """Chat messages of a conversation's items: instructions as the system message, messages by role,
     function_call items as the assistant's tool_calls (joined to the assistant message just before), outputs as
-    tool messages, reasoning as the next assistant turn's reasoning_content. User messages' input_image parts go
-    into `images` (None: refused)."""
+    tool messages, reasoning as the next assistant turn's reasoning_content. The input_image parts of user
+    messages and function_call_output items go into `images` (None: refused)."""
     msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning = None
 
@@ -191,7 +191,8 @@ def to_messages(items: list[dict], instructions: str | None, images: ImageParts 
             elif kind == "function_call_output":
                 output = item["output"]
                 msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
+                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output",
+                                                                                         images)})
             elif kind == "reasoning":
                 reasoning = _reasoning_of(item)
         except KeyError as e:

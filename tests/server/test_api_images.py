@@ -109,7 +109,7 @@ def test_bad_images_are_400s_naming_the_part(client):
              "detail must be")
     _refused(client, [text, {**ok, "cache_control": {}}], "messages[0].content[1]", "unsupported fields")
     _refused(client, [{"role": "system", "content": [ok]}, {"role": "user", "content": "hi"}],
-             "messages[0].content[0]", "only user messages")
+             "messages[0].content[0]", "only user and tool messages")
     assert _chat(client, [text, ok]).choices[0].finish_reason == "length"  # the server still serves
 
 

@@ -112,6 +112,7 @@ def test_responses_bad_images_are_400s_naming_the_part(oai):
     _responses_refused(oai, [_input_image(A, detail="ultra")], "input[0].content[0]", "detail must be")
     _responses_refused(oai, [{"type": "input_image", "detail": "auto"}], "input[0].content[0]", "needs an image_url")
     _responses_refused(oai, [_input_image(A)], "input[0].content[0]", "only user messages", role="system")
+    _responses_refused(oai, [_input_image(A)], "input[0].content[0]", "only user messages", role="assistant")
     assert _respond(oai, [text, _input_image(A)]).status == "incomplete"  # the server still serves
 
 
@@ -130,6 +131,22 @@ def test_anthropic_one_and_two_images_run_as_chat_does(oai, claude):
     with claude.messages.stream(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": two}]) as stream:
         final = stream.get_final_message()
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total > counted.input_tokens
+
+
+def test_a_tool_result_image_served_by_chat_and_anthropic(oai, claude):
+    chat = oai.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "snap", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "see"},
+                                                           {"type": "image_url", "image_url": {"url": _url(B)}}]}])
+    counted = claude.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "snap", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+            {"type": "text", "text": "see"}, _block(B)]}]}])
+    empty = _chat(oai, "").usage.prompt_tokens
+    assert counted.input_tokens == chat.usage.prompt_tokens > empty + 10
 
 
 def _anthropic_refused(claude, content, match: str):
@@ -194,6 +211,40 @@ def test_image_placement_is_the_official_encoders():
     chat_req, images = anthropic_chat(req)
     assert _official(chat_req.prompt(), images.marker) == readme and images.parts[0].param == "messages[0].content[1]"
     assert images.parts[0].url.startswith("data:image/png;base64,") and images.parts[0].media_type == "image/png"
+
+
+def test_an_image_in_a_tool_result_is_in_the_result():
+    """The official encoder also takes images in a tool's result (`_process_image_blocks` recurses into tool_result
+    content; the result's blocks are joined by a blank line inside <tool_result>). The three APIs' tool results
+    render the same."""
+    call = {"id": "c1", "type": "function", "function": {"name": "snap", "arguments": "{}"}}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "look"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "see"}, image]}]})
+    images = take_image_parts(req.messages)
+    prompt = _official(req.prompt(), images.marker)
+    assert prompt.endswith("<｜User｜><tool_result>see\n\n" + PLACEHOLDER + "</tool_result><｜Assistant｜></think>")
+    assert images.parts[0].param == "messages[2].content[1]"
+
+    msg = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "snap", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+            {"type": "text", "text": "see"}, _block(b"\x89PNG")]}]}]})
+    chat_req, images = anthropic_chat(msg)
+    assert _official(chat_req.prompt(), images.marker) == prompt
+    assert images.parts[0].param == "messages[2].content[0].content[1]"
+
+    resp = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "look"},
+        {"type": "function_call", "call_id": "c1", "name": "snap", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "see"},
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}]}]})
+    chat_req, images = responses_chat(resp, normalize_input(resp.input))
+    assert _official(chat_req.prompt(), images.marker) == prompt
+    assert images.parts[0].param == "input[2].output[1]"
 
 
 def test_placeholder_typed_as_text_is_a_400(oai):
