@@ -44,6 +44,28 @@ def test_suite_runs_on_the_tiny_model_and_reports_every_figure():
     assert result["raw"]["b2_c37"]["draft"]["draft_graph_refused"] == "not CUDA"
 
 
+def test_a_proxy_that_does_not_fit_leaves_the_rest(monkeypatch, capsys):
+    """B x (1 + k) contexts of their own may not fit (B = 256 at 32K): the proxy is reported missing, the decode
+    and draft steps are still measured."""
+    from mini.bench import rank4_decode
+    measure = rank4_decode.measure_shape
+
+    def small_only(model, cfg, exchange, args, batch, context, study=None, what="x"):
+        if batch > 2:
+            raise SuiteError(f"{what}: B={batch} x C={context} needs a 99.0 GiB cache; 1.0 GiB free after the model")
+        return measure(model, cfg, exchange, args, batch, context, study, what)
+
+    monkeypatch.setattr(rank4_decode, "measure_shape", small_only)
+    result = check_result("spec-decode", sd.run(_args(["--batch", "1", "--spec-tokens", "2"])))
+    m = result["metrics"]
+    assert m["b1_c37.decode_ms"] > 0 and m["b1_c37.draft_ms"] > 0 and m["b1_c37.target_speedup"] == 2.0
+    assert not any("verify_proxy" in k for k in m)
+    assert "needs a 99.0 GiB cache" in result["raw"]["b1_c37"]["verify_proxy"]
+    out = capsys.readouterr().out
+    assert "spec-decode B=1 C=37: no verify_proxy: spec-decode: B=3 x C=37 needs" in out
+    assert "no verify step measured" in out
+
+
 def test_speed_ups_from_hand_numbers():
     """decode 10 ms, verify 12 ms, draft 3 ms, 64 sequences: at 3 tokens per verify step 200 tok/s per user, 2x."""
     m = sd.speedups(64, 10.0, 12.0, 3.0, [3.0, 1.5], "v")
