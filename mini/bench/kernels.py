@@ -190,6 +190,52 @@ def bench_mhc(rows: list, sweep=(), dev="cuda"):
     rows.append(dict(kernel="mhc_norm", config="torch reference", ms=ms, tbs=nbytes / ms / 1e9))
 
 
+def _bench_graph(fn) -> float:
+    """ms per call of a small kernel sequence, replayed in a CUDA graph as a decode step runs it (launch gaps but
+    no host time). One eager call first fills the caches a capture must not (mhc_norm's fn pieces)."""
+    import triton
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def bench_decode_small(rows: list, sweep=(), dev="cuda"):
+    """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
+    per site here, where a model step reads each layer's own): the routing plan of B x 6 pairs for 96 of 384
+    experts (Humming's plan, no tiles) in one program (the default up to 1,024 pairs) against the three kernels
+    and the torch sort; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
+    4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
+    issue 28) and a few split counts. `bits`: y elements that differ from the chosen tiles' (the mixes move in
+    their last bits with the chunking; y follows them rarely)."""
+    from mini.kernels.mhc_norm import mhc_norm, partial_tiles
+    from mini.kernels.moe_route import plan_routes, plan_routes_torch
+    experts = range(96, 192)
+    fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
+    scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
+    nw = torch.rand(DIM, device=dev).bfloat16()
+    for B in (1, 16, 64):
+        ids = torch.rand(B, 384, device=dev).argsort(dim=1)[:, :6]
+        weights = torch.rand(B, 6, device=dev)
+        for label, f in (("one program", lambda: plan_routes(ids, weights, experts, 128, False)),
+                         ("three kernels", lambda: plan_routes(ids, weights, experts, 128, False, one_program=False)),
+                         ("torch sort", lambda: plan_routes_torch(ids, weights, experts, 128, False))):
+            ms = _bench_graph(f)
+            rows.append(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
+        h = torch.randn(B, HC, DIM, device=dev).bfloat16()
+        kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
+        nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once
+        chosen = partial_tiles(B, DIM, 16, invariant=False)
+        base_y = mhc_norm(h, fn, scale, base, nw, **kw)[0]
+        configs = [{"note": f"by T {chosen}"}, {"invariant": True, "note": "4,096-token tiles (64 x 8)"},
+                   *({"block_t": bt, "split": s} for bt in (16, 64) for s in (40, 80, 320) if bt >= min(B, 64)),
+                   *sweep]
+        for cfg in configs:
+            run_kw = {k: v for k, v in cfg.items() if k != "note"}
+            ms = _bench_graph(lambda: mhc_norm(h, fn, scale, base, nw, **kw, **run_kw))
+            y = mhc_norm(h, fn, scale, base, nw, **kw, **run_kw)[0]
+            rows.append(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3,
+                             gbs=nbytes / ms / 1e6, bits=int((y != base_y).sum())))
+
+
 def bench_rope(rows: list, sweep=(), dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.rope_quant import rope_quant
@@ -227,7 +273,9 @@ def bench_norm(rows: list, sweep=(), dev="cuda"):
 
 
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
-           "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm}  # the studies beside them: tools/attention_before_after.py, flashmla_core.py
+           "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
+           "decode_small": bench_decode_small}
+# the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 
 def add_args(parser: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
@@ -261,7 +309,7 @@ def main(argv=None, benches: dict = BENCHES, prog: str | None = None) -> None:
         if "error" in r:
             print(f"{r['kernel']:44s} ERROR {r['error']}")
             continue
-        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("tflops", "frac_gemm_peak", "tbs", "gbs", "frac_hbm_peak",
+        rate = " ".join(f"{k}={r[k]:.3g}" for k in ("us", "tflops", "frac_gemm_peak", "tbs", "gbs", "frac_hbm_peak",
                                                      "frac_copy_peak", "floor_ms", "moved_tbs", "gathered_tbs",
                                                      "max_token_rel_err_vs_triton") if k in r)
         rate += f" bits={r['bits']}" if "bits" in r else ""
