@@ -8,10 +8,11 @@ rank 256). For each B in `--batch` at context C, with k = `--spec-tokens` drafts
 - `verify_proxy_ms`: the PROXY of a verify step that issue 27 names: a decode step of B x (1 + k) sequences, each
   at context C. It over-counts attention and the cache (each row reads a whole context of its own, where a real
   verify step's 1 + k rows of one sequence read one); the graph verify step (B x (1 + k) rows) is not built yet;
-- `draft_ms`: DSpark's draft step as DSparkDrafter runs it after a decode step: the B committed rows' features into
-  every stage's ring (`write_rings`, eager: it indexes by a mask, which syncs), then one draft of the block's k
-  positions per sequence (`propose`: a CUDA graph where capture works, else eager; `draft_graph` says which). The
-  features are random: the work is the same whatever they are.
+- `draft_ms`: DSpark's draft step as DSparkDrafter runs it after a verify step that accepted the whole draft
+  (the most it writes): the B x (1 + k) committed rows' features into every stage's ring (`write_rings`, eager: it
+  indexes by a mask, which syncs), then one draft of the block's positions per sequence (`propose`, the whole block
+  whatever k is: a CUDA graph where capture works, else eager; `draft_graph` says which). The features are random:
+  the work is the same whatever they are.
 
 Random weights accept almost nothing, so acceptance is EMULATED: for each acceptance length L in `--acceptance`
 (tokens committed per verify step, bonus token included) a speculative step commits L tokens per sequence and takes
@@ -57,22 +58,25 @@ def dspark_config(name: str):
 
 
 class DraftStep:
-    """The draft step of B sequences at context C, on rings of their own (zeros: the work is the same)."""
+    """The draft step of B sequences that committed `rows` tokens each, up to position C, on rings of their own
+    (zeros: the work is the same)."""
 
-    def __init__(self, model, batch: int, context: int, seed: int, dtype):
+    def __init__(self, model, batch: int, context: int, rows: int, seed: int, dtype):
         from mini.model.dspark import DSparkRings
         cfg, dev = model.config, model.embed.device
         g = torch.Generator().manual_seed(seed)
         self.model, self.graph = model, None
         self.rings = DSparkRings(cfg, batch, dev, dtype)
-        self.features = torch.randn(batch, len(cfg.dspark_target_layers) * cfg.dim, generator=g).to(dev, dtype)
+        self.features = torch.randn(batch * rows, len(cfg.dspark_target_layers) * cfg.dim, generator=g).to(dev, dtype)
+        self.written = (context - rows + 1 + torch.arange(rows)).repeat(batch).to(dev)  # each sequence's rows
+        self.written_slots = torch.arange(batch).repeat_interleave(rows).to(dev)
         self.positions = torch.full((batch,), context, dtype=torch.int64, device=dev)
         self.slots = torch.arange(batch, device=dev)
         self.anchors = torch.randint(3, cfg.vocab_size, (batch,), generator=g).to(dev)
 
     def write(self) -> None:
         from mini.model.dspark import write_rings
-        write_rings(self.model.dspark, self.model.config, self.features, self.positions, self.slots, self.rings)
+        write_rings(self.model.dspark, self.model.config, self.features, self.written, self.written_slots, self.rings)
 
     def propose(self) -> torch.Tensor:
         from mini.model.dspark import propose
@@ -103,8 +107,8 @@ class DraftStep:
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def measure_draft(model, args, batch: int, context: int, cuda: bool) -> tuple[dict[str, float], dict]:
-    step = DraftStep(model, batch, context, args.seed, getattr(torch, args.dtype))
+def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) -> tuple[dict[str, float], dict]:
+    step = DraftStep(model, batch, context, rows, args.seed, getattr(torch, args.dtype))
     step.write()
     step.propose()  # the eager warm-up: kernels compiled
     why = step.capture() if cuda else "not CUDA"
@@ -143,7 +147,7 @@ def measure_batch(model, cfg, exchange, args, B: int, C: int, k: int, acceptance
     plain, raw["decode"] = rank4_decode.measure_shape(model, cfg, exchange, args, B, C, what=SUITE)
     m = {"decode_ms": plain["ms_per_step"], "decode.per_user_tok_s": 1e3 / plain["ms_per_step"],
          "decode.per_gpu_tok_s": plain["tok_per_s_per_gpu"]}
-    m_draft, raw["draft"] = measure_draft(model, args, B, C, cuda)
+    m_draft, raw["draft"] = measure_draft(model, args, B, C, 1 + k, cuda)
     m |= m_draft
     try:
         verify["verify_proxy"], raw["verify_proxy"] = rank4_decode.measure_shape(model, cfg, exchange, args,

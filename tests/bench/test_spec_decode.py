@@ -84,17 +84,17 @@ def test_real_width_draft_module_is_v41_flash_s():
     assert sd.dspark_config("tiny-v4.1-dspark").dspark_n_routed_experts == 8  # a preset's own is kept
 
 
-def test_draft_step_writes_each_sequence_s_ring_slot_and_drafts_the_block():
+def test_draft_step_writes_each_sequence_s_ring_slots_and_drafts_the_block():
     from mini.checkpoint.make import random_state
     from mini.config import preset
     from mini.model import Model
     cfg = preset("tiny-v4.1-dspark")
     model = Model(cfg, random_state(cfg, seed=0), "cpu", torch.float32)
-    step = sd.DraftStep(model, 3, 130, 0, torch.float32)
+    step = sd.DraftStep(model, 3, 130, 2, 0, torch.float32)  # 3 sequences committed positions 129 and 130
     step.write()
-    for ring in step.rings.rings:  # position 130 -> slot 130 % 128 of each sequence's ring, nothing else
+    for ring in step.rings.rings:  # ring slots 129 % 128 and 130 % 128 of each sequence's ring, nothing else
         written = ring.abs().sum(-1) > 0
-        assert written[:, 130 % cfg.window_size].all() and written.sum() == 3
+        assert written[:, 1:3].all() and written.sum() == 3 * 2
     ids = step.propose()
     assert ids.shape == (3, cfg.dspark_block_size) and ids.dtype == torch.int64
 
