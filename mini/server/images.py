@@ -70,9 +70,10 @@ class ImageParts:
         return self.marker
 
     def check_count(self, limits: ImageLimits) -> None:
-        if len(self.parts) > limits.max_images:
-            raise ApiError(f"the request has {len(self.parts)} images; this server takes at most {limits.max_images}",
-                           param=self.parts[limits.max_images].param)
+        if len(self.parts) > limits.max_images:  # named: the first image over the limit
+            param = self.parts[limits.max_images].param
+            raise ApiError(f"{param}: the request has {len(self.parts)} images; this server takes at most "
+                           f"{limits.max_images}", param=param)
 
 
 def check_detail(detail, param: str, field_name: str = "detail") -> None:

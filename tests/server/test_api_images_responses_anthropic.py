@@ -163,7 +163,7 @@ def test_anthropic_bad_images_are_400s_naming_the_part(claude):
     _anthropic_refused(claude, [text, _block(A, "image/jpeg")], "messages[0].content[1]: the image is PNG, not "
                                                                  "image/jpeg")
     _anthropic_refused(claude, [_block(A, "image/bmp")], "messages[0].content[0].source.media_type")
-    _anthropic_refused(claude, [_block(A), _block(A), _block(A)], "at most 2")
+    _anthropic_refused(claude, [_block(A), _block(A), _block(A)], "messages[0].content[2]: the request has 3 images")
     _anthropic_refused(claude, [text, {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
                        "messages[0].content[1]: this server does not fetch image URLs")
     _anthropic_refused(claude, [{"type": "image", "source": {"type": "file", "file_id": "file_1"}}],
@@ -174,6 +174,20 @@ def test_anthropic_bad_images_are_400s_naming_the_part(claude):
                                                                     {"role": "assistant", "content": [_block(A)]}])
     assert "messages[1].content[0]" in e.value.body["error"]["message"]
     assert _message(claude, [text, {**_block(A), "cache_control": {"type": "ephemeral"}}]).stop_reason == "max_tokens"
+
+
+def test_urls_under_allow_image_urls_are_checked_as_for_chat():
+    """With --allow-image-urls, a Responses image_url and an Anthropic url source pass the same address check as a
+    chat URL: a loopback or private address is refused before any connection."""
+    from dataclasses import replace
+    app = build_app("tiny-v4.1-vl", MODEL, device="cpu", dtype=torch.float32, num_blocks=16, block_tokens=16,
+                    max_num_seqs=2, images=replace(LIMITS, allow_urls=True))
+    with BackgroundServer(app) as url:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        _responses_refused(oai, [_input_image("http://127.0.0.1:9/a.png")], "input[0].content[0]", "loopback")
+        claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        _anthropic_refused(claude, [{"type": "image", "source": {"type": "url", "url": "http://10.1.2.3/a.png"}}],
+                           "messages[0].content[0]: '10.1.2.3' is a private")
 
 
 # ---------------------------------------------------------------------------------------------- the chat template
