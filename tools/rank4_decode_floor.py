@@ -103,7 +103,7 @@ KERNEL_CLASSES = (
     ("moe_experts", r"humming|process_input|finalize_group_token_scales|_grouped_|swiglu|marlin"),
     ("sparse_attention", r"mla|sparse_attn|sparse_fwd"),
     ("indexer", r"index_scores|topk|radix|sort|candidate"),
-    ("gate_route", r"gate|_count_kernel|_scan_kernel|_place_kernel|combine"),
+    ("gate_route", r"gate|_count_kernel|_scan_kernel|_place_kernel|_plan_one_kernel|combine"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|_mm_kernel"),
     ("mhc_norm", r"mhc|norm|sinkhorn"),
     ("quant_rope", r"quant|rope"),

@@ -98,6 +98,7 @@ def test_kernel_names_fall_into_their_parts():
     assert c("_index_scores_kernel") == "indexer" and c("void at::native::sbtopk::gatherTopK<...>") == "indexer"
     assert c("_gate_kernel") == "gate_route" and c("_combine_kernel") == "gate_route" and c("_scan_kernel") == \
         "gate_route"
+    assert c("_plan_one_kernel") == "gate_route"  # the routing plan of a decode step
     assert c("nvjet_tst_128x64_64x8_2x1_v_bz_TNT") == "gemm" and c("_mm_kernel") == "gemm"
     assert c("_mhc_partial_kernel") == "mhc_norm" and c("_rms_norm_kernel") == "mhc_norm"
     assert c("_act_quant_kernel") == "quant_rope" and c("_rope_quant_kernel") == "quant_rope"
