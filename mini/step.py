@@ -31,8 +31,9 @@ take the image's embeddings instead of token embeddings (their ids are the model
 as it reads any id). The engine keeps every span inside one prefill chunk, keys the prefix cache's blocks by the
 digests of the spans they intersect, and hands each chunk the spans it needs (`SeqChunk.images`) and each static
 decode row its sequence's spans (`DecodeRows.images`); what an image *is* (`ImageSpan.data`) only the model reads:
-it encodes each image once, inside `build_batch`, and the batch carries the step's image rows to `forward`. A model
-that cannot read images says so (`StepModel.reads_images = False`); the engine then refuses requests with images.
+it encodes each image once, inside `build_batch`, and the batch carries the step's image rows to `forward`; the
+engine says when no live sequence holds an image any more (`StepModel.release_images`). A model that cannot read
+images says so (`StepModel.reads_images = False`); the engine then refuses requests with images.
 """
 from __future__ import annotations
 
@@ -185,6 +186,10 @@ class StepModel(Protocol):
 
     def build_batch(self, chunks: list[SeqChunk], device) -> object:
         """The eager step's batch (whatever `forward` takes) from one chunk per sequence."""
+
+    def release_images(self, digests: list[str]) -> None:
+        """No live sequence holds these images any more (`ImageSpan.digest`; a preempted sequence is live): the model
+        may drop what it keeps of them. Called as the last sequence holding one finishes or is aborted."""
 
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int,
                       device, dtype) -> StaticDecode:

@@ -321,11 +321,17 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._aborted) or self._inflight is not None
 
     def _remove(self, seq: Sequence) -> None:
-        """Out of the scheduler; its cache back now, or once the step in flight that computes it is read back."""
+        """Out of the scheduler; its cache back now, or once the step in flight that computes it is read back; its
+        images released where no other live sequence holds them."""
         later = self._inflight if seq.num_inflight else None
         self.scheduler.remove(seq, release=later is None)
         if later is not None:
             later.release_after.append(seq)
+        if seq.images:  # a step in flight has its image rows already: the model may drop its own copy now
+            held = {s.digest for r in self.requests.values() if r is not seq for s in r.images}
+            gone = sorted({s.digest for s in seq.images} - held)
+            if gone:
+                self.model.release_images(gone)
 
     # ------------------------------------------------------------------ one step
     def step(self, prefill_cap: int | None = None) -> StepOutputs:

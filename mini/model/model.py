@@ -162,6 +162,10 @@ class Model:
         batch.images = self.span_cache.step_rows(chunks, device)
         return batch
 
+    def release_images(self, digests: list[str]) -> None:
+        if self.span_cache is not None:
+            self.span_cache.release(digests)
+
     @property
     def reads_images(self) -> bool:
         return self.vision is not None

@@ -13,7 +13,8 @@ holds its part), although the official code prefills a span in one chunk (the en
 
 `SpanCache` is the engine's side of it (`Model.build_batch`): a step's chunks name their spans (mini.step.ImageSpan);
 the images it has not encoded yet are encoded in one call, their span embeddings kept by digest, so an image is
-encoded once however many chunks, sequences (n > 1, a shared prefix) or recomputations (preemption) read it.
+encoded once however many chunks, sequences (n > 1, a shared prefix) or recomputations (preemption) read it, and
+dropped once no live sequence holds it (`Model.release_images`).
 """
 from __future__ import annotations
 
@@ -88,9 +89,11 @@ SPAN_CACHE_BYTES = 256 << 20  # span embeddings kept (V4.1-Flash: 10 MB for a sp
 
 
 class SpanCache:
-    """Span embeddings by image digest, least recently used dropped past `max_bytes` (never those of the step that
-    reads them). A finished request's images may stay a while: the same image in a later request is not encoded
-    again. `encoded` counts the images the tower has encoded (tests read it)."""
+    """Span embeddings by image digest, kept while a live sequence holds the image: the engine says when none does
+    (`release`, from StepModel.release_images; a preempted sequence is live, so its recomputation reads them here),
+    and past `max_bytes` the least recently used are dropped (never those of the step that reads them; an image
+    dropped so is encoded again when a step reads it). `encoded` counts the images the tower has encoded (tests
+    read it)."""
 
     def __init__(self, tower: VisionTower, max_bytes: int = SPAN_CACHE_BYTES):
         self.tower, self.max_bytes = tower, max_bytes
@@ -120,6 +123,11 @@ class SpanCache:
             self.spans.move_to_end(digest)
         self._trim(keep=used)
         return ImageRows.of([(r, self.spans[span.digest][a:b]) for r, span, a, b in parts], device)
+
+    def release(self, digests: list[str]) -> None:
+        """Drop the span embeddings of these images (those not kept are ignored)."""
+        for digest in digests:
+            self.spans.pop(digest, None)
 
     def _trim(self, keep: set[str]) -> None:
         size = sum(e.numel() * e.element_size() for e in self.spans.values())

@@ -65,6 +65,9 @@ class DPModel:
     def build_batch(self, chunks, device):
         return self.model.build_batch(chunks, device)
 
+    def release_images(self, digests: list[str]) -> None:
+        self.model.release_images(digests)
+
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
                       dtype):
         return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype)

@@ -87,6 +87,9 @@ class FakeStepModel:
     def build_batch(self, chunks, device) -> FakeBatch:
         return FakeBatch(list(chunks))
 
+    def release_images(self, digests) -> None:
+        pass  # the fakes keep nothing of an image
+
     def new_cache(self, n_slots, n_blocks, block_tokens, device, dtype) -> FakeCache:
         return FakeCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
 

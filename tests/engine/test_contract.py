@@ -38,6 +38,6 @@ def test_every_declared_member_is_there(protocol, cls):
 
 
 def test_the_contract_declares_what_the_engine_calls():
-    assert set(declared(StepModel)) == {"config", "capturable", "reads_images", "drafter", "agree_step", "build_batch", "static_decode",
-                                        "new_cache", "cache_bytes", "forward"}
+    assert set(declared(StepModel)) == {"config", "capturable", "reads_images", "drafter", "agree_step", "build_batch",
+                                        "release_images", "static_decode", "new_cache", "cache_bytes", "forward"}
     assert set(declared(StaticDecode)) == {"max_seqs", "device", "batch", "fill"}

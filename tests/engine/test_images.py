@@ -157,9 +157,46 @@ def test_preemption_recomputes_spans_from_the_cache():
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate([p.ids for p in prompts], long, images=[p.spans() for p in prompts])
     assert llm.engine.stats.preemptions > 0
-    assert sum(calls) == 4  # four images, each once
+    assert sum(calls) == 4  # four images, each once: a preempted sequence still holds its images
+    assert not llm.engine.model.span_cache.spans  # released once both finished
     for p, o in zip(prompts, outs):
         assert o.token_ids == _direct(llm.engine.model, p, o.token_ids)[0]
+
+
+def test_span_cache_releases_an_image_when_no_live_sequence_holds_it():
+    """Two requests share an image (seed 1), one has another (seed 2): the shared image stays until the second of
+    its requests finishes, the other goes with its own; an aborted request releases its image too; a later request
+    with a released image encodes it again."""
+    llm = _llm(enable_prefix_caching=False)
+    engine, cache = llm.engine, llm.engine.model.span_cache
+    cfg = engine.config
+    both, shared_only = _prompt(cfg, seeds=(1, 2)), _prompt(cfg, seeds=(1,), sizes=((200, 160),), text=(7, 9))
+    shared, other = (im.digest for im in both.images)
+    released, release = [], engine.model.release_images
+    engine.model.release_images = lambda digests: (released.append(list(digests)), release(digests))[1]
+
+    def run_until_finished(request_id):
+        while engine.has_work():
+            if any(o.finished and o.request_id == request_id for o in engine.step()):
+                return
+        raise AssertionError(f"{request_id} never finished")
+    engine.add_request("a", both.ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), both.spans())
+    engine.add_request("b", shared_only.ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       shared_only.spans())
+    engine.step()  # both prefills: three spans, two images encoded
+    assert set(cache.spans) == {shared, other} and cache.encoded == 2
+    run_until_finished("a")
+    assert set(cache.spans) == {shared} and released == [[other]]  # b still holds the shared image
+    run_until_finished("b")
+    assert not cache.spans and released == [[other], [shared]]
+    engine.add_request("c", both.ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), both.spans())
+    engine.step()
+    assert set(cache.spans) == {shared, other} and cache.encoded == 4  # released: encoded again
+    engine.abort("c")
+    assert not cache.spans and sorted(released[-1]) == sorted([shared, other])
+    while engine.has_work():
+        engine.step()
+    assert len(released) == 3  # nothing released twice
 
 
 @INVARIANT
