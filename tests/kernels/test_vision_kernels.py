@@ -2,7 +2,8 @@
 torch ops (mini/ops/vision.py: `x + delta` and rms_norm, `_qkv`'s split and `rotate`, `F.silu(gate) * up`). Fresh
 random bf16 data, odd row counts and widths that are not powers of two, outputs NaN-poisoned. The residual sum and
 the rotation (built without FMA contraction) are the reference's bits; the norm sums its squares in another order
-and SwiGLU's exp is the GPU's own, so there each value is within one bf16 step of the reference's. CPU: Triton's
+(each value within one bf16 step of the reference's) and SwiGLU's exp is the GPU's own (two steps: see
+check_swiglu), a value off at all is rare (under 1e-3 of them). CPU: Triton's
 interpreter at small sizes; gpu: the compiled kernels at V4.1-Flash's vision shape (8,649 patches of width 1,024,
 16 heads, MLP 2,816)."""
 import os
@@ -33,10 +34,13 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
 
 
-def within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+def within_bf16_steps(got: torch.Tensor, want: torch.Tensor, steps: int = 1) -> None:
+    """Each value within `steps` bf16 steps of the reference's (a step is at most 2^-7 of the value), and at most
+    one in a thousand off at all."""
     assert not got.isnan().any()
     g, w = got.float(), want.float()
-    assert ((g - w).abs() <= w.abs() * 2.0 ** -7 + 1e-30).all(), (g - w).abs().max()
+    assert ((g - w).abs() <= w.abs() * steps * 2.0 ** -7 + 1e-30).all(), (g - w).abs().max()
+    assert (g != w).float().mean() < 1e-3
 
 
 def check_norm(R, D, device, add=True, seed=0):
@@ -47,7 +51,7 @@ def check_norm(R, D, device, add=True, seed=0):
     s, out = add_rms_norm(x, d, w, VIT_NORM_EPS)
     want_s = x + d if add else x
     assert torch.equal(s, want_s)
-    within_one_bf16_step(out, rms_norm(want_s, w, VIT_NORM_EPS))
+    within_bf16_steps(out, rms_norm(want_s, w, VIT_NORM_EPS))
 
 
 def check_rope(n_h, n_w, heads, hd, device, seed=0):
@@ -65,7 +69,8 @@ def check_swiglu(R, inter, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     gu = (torch.randn(R, 2 * inter, generator=g) * 4).bfloat16().to(device)
     gate, up = gu.chunk(2, dim=-1)
-    within_one_bf16_step(swiglu(gu), F.silu(gate) * up)
+    # two steps: an activation one step off (the GPU's exp) moves the rounded product by up to two
+    within_bf16_steps(swiglu(gu), F.silu(gate) * up, steps=2)
 
 
 @pytest.mark.parametrize("R,D,add", [(1, 64, True), (13, 96, True), (7, 72, False), (33, 1024, True)])
