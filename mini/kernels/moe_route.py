@@ -20,6 +20,9 @@ three kernels over blocks of `BLOCK` pairs:
 The one program does the same three steps for its single block (no earlier blocks). The loops over pairs stop at
 the last pair: a 6-pair step walks one SUB-pair step, not a block of masked ones (at 20098de the count and place
 kernels walked all 1,024: 30 and 50 us per layer at B = 1 on the H200).
+The kernels take their sizes (pairs, rows, blocks, tiles) unspecialized: one build per expert layout serves every
+step size (Triton would otherwise build one per size being 1, a multiple of 16 or neither, and a served step of
+more than 1,024 pairs whose class no warm-up step had would compile while serving).
 Integer arithmetic only, so the plan is bit-identical to `plan_routes_torch` (torch sort + searchsorted), the
 reference the tests compare it to.
 """
@@ -172,7 +175,7 @@ def _offsets_and_tiles(total, offset_ptr, tile_expert_ptr, tile_start_ptr, tile_
     return first_row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _count_kernel(ids_ptr, counts_ptr, N, start, E: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
                   EB: tl.constexpr):
     lo = tl.program_id(0) * BLOCK
@@ -180,7 +183,7 @@ def _count_kernel(ids_ptr, counts_ptr, N, start, E: tl.constexpr, BLOCK: tl.cons
     tl.store(counts_ptr + tl.program_id(0) * EB + tl.arange(0, EB), hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "n_tiles"])
 def _scan_kernel(counts_ptr, base_ptr, offset_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, n_blocks, n_tiles,
                  E: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr, TILE_M: tl.constexpr, TB: tl.constexpr):
     buckets = tl.arange(0, EB)
@@ -196,7 +199,7 @@ def _scan_kernel(counts_ptr, base_ptr, offset_ptr, tile_expert_ptr, tile_start_p
     _offsets_and_tiles(total, offset_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, n_tiles, E, EB, TILE_M, TB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "R"])
 def _place_kernel(ids_ptr, weights_ptr, base_ptr, offset_ptr, token_ptr, weight_ptr, slot_row_ptr, N, R, start,
                   E: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, EB: tl.constexpr):
     buckets = tl.arange(0, EB)
@@ -208,7 +211,7 @@ def _place_kernel(ids_ptr, weights_ptr, base_ptr, offset_ptr, token_ptr, weight_
            E, K, SUB, EB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "R", "n_tiles"])
 def _plan_one_kernel(ids_ptr, weights_ptr, offset_ptr, token_ptr, weight_ptr, slot_row_ptr, tile_expert_ptr,
                      tile_start_ptr, tile_end_ptr, N, R, n_tiles, start, E: tl.constexpr, K: tl.constexpr,
                      SUB: tl.constexpr, EB: tl.constexpr, TILE_M: tl.constexpr, TB: tl.constexpr):

@@ -1,14 +1,12 @@
-"""Builds every dispatched attention-side kernel (and the routing plan's decode kernel) for sm_90a (Triton -> PTX
--> cubin, no GPU needed) at the launch configurations the wrappers use for the models' shapes, so that a kernel
-that only fails to compile for Hopper (the interpreter accepts more) is caught on CPU. Run as a script without
-TRITON_INTERPRET; prints one line each."""
+"""Builds every dispatched attention-side kernel for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch
+configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for Hopper
+(the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each."""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel, _rms_norm_kernel
-from mini.kernels.moe_route import _plan_one_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
@@ -75,11 +73,6 @@ def main() -> None:
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
                                              NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"))
-    # the routing plan at a decode step (one program) at V4.1's EP4 shape (96 of 384 experts: 128 buckets)
-    route = {**ptrs, "ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32",
-             **{n: "*i32" for n in ("offset_ptr", "token_ptr", "slot_row_ptr", "tile_expert_ptr", "tile_start_ptr",
-                                    "tile_end_ptr")}}
-    build(_plan_one_kernel, route, dict(E=96, K=6, SUB=64, EB=128, TILE_M=0, TB=32))
     for d in (5120, 1280, 512, 128, 64):
         bd = triton.next_power_of_2(d)
         build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=max(1, min(16, 4096 // bd)), QUANT=1, QBLOCK=32),

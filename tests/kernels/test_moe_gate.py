@@ -207,6 +207,8 @@ def _build_for_sm90() -> None:
         build(moe_route._scan_kernel, route_ptrs, dict(n_blocks=1, n_tiles=1, E=E, EB=EB, NBB=STEP, TILE_M=128,
                                                        TB=STEP))
         build(moe_route._place_kernel, route_ptrs, dict(E=E, K=6, BLOCK=moe_route.BLOCK, SUB=SUB, EB=EB))
+        for tile_m in (0, 128):  # a decode step's plan in one program
+            build(moe_route._plan_one_kernel, route_ptrs, dict(E=E, K=6, SUB=SUB, EB=EB, TILE_M=tile_m, TB=STEP))
 
 
 @pytest.mark.slow
@@ -222,7 +224,7 @@ def test_gate_and_route_kernels_build_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 5 + 5 * 5, run.stdout
+    assert run.stdout.count(" ok") == 5 + 5 * 7, run.stdout
 
 
 if __name__ == "__main__":
