@@ -128,8 +128,17 @@ class OpenAIServer:
             raise ApiError(f"the prompt has {len(prompt):,} characters; this server's context of "
                            f"{self.llm.engine.max_model_len:,} tokens takes at most {limit:,}", param="prompt",
                            code="context_length_exceeded")
+        engine = self.llm.engine
+
+        def checked() -> list[int]:
+            ids = self.llm.validate(prompt, params, images)
+            if not images and engine.model.reads_images and engine.config.image_token_id in ids:
+                # the image placeholder typed as text (the official encoder refuses it): an image with no pixels
+                raise ApiError(f"the prompt holds the image placeholder token (id {engine.config.image_token_id}) "
+                               "and no image; send images as image parts")
+            return ids
         try:
-            ids = await asyncio.to_thread(self.llm.validate, prompt, params, images)
+            ids = await asyncio.to_thread(checked)
         except ValueError as e:
             raise ApiError(str(e)) from None
         except (UnicodeError, TypeError) as e:

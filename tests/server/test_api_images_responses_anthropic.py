@@ -268,3 +268,11 @@ def test_placeholder_typed_as_text_is_a_400(oai):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(oai, [{"type": "text", "text": "oks"}, {"type": "image_url", "image_url": {"url": _url(A)}}])
     assert e.value.body["param"] == "messages" and "image placeholder token" in e.value.body["message"]
+    for content in ("oks", [{"type": "text", "text": "oks"}]):  # and in a request without images
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(oai, content)
+        assert "image placeholder token (id 510) and no image" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # completions' token ids too
+        oai.completions.create(model=MODEL, prompt=[5, 510, 6], max_tokens=1)
+    assert "image placeholder token" in e.value.body["message"]
+    assert _chat(oai, "ok").choices[0].finish_reason == "length"
