@@ -202,13 +202,19 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
     per site here, where a model step reads each layer's own): the routing plan of B x 6 pairs for 96 of 384
     experts (Humming's plan, no tiles) in one program (the default up to 1,024 pairs) against the three kernels
-    and the torch sort; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
+    and the torch sort; the gate (384 experts, top 6) in the few-rows kernels against the unfused gate's torch ops
+    and the fused kernel; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
     issue 28) and a few split counts. `bits`: y elements that differ from the chosen tiles' (the mixes move in
     their last bits with the chunking; y follows them rarely)."""
+    import torch.nn.functional as F
+
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
+    from mini.kernels.moe_gate import gate_topk
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
     experts = range(96, 192)
+    gate_w = (torch.randn(384, DIM, device=dev) / DIM ** 0.5).bfloat16()
+    gate_bias = torch.randn(384, device=dev) * 0.1
     fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
     scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
     nw = torch.rand(DIM, device=dev).bfloat16()
@@ -220,6 +226,18 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                          ("torch sort", lambda: plan_routes_torch(ids, weights, experts, 128, False))):
             ms = _bench_graph(f)
             rows.append(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
+        x = (torch.randn(B, DIM, device=dev) * 3).bfloat16()
+
+        def gate_torch():  # the unfused gate's ops (mini.ops.moe.gate_unfused at V4.1)
+            scores = F.softplus(x.float() @ gate_w.float().t()).sqrt()
+            picked = (scores + gate_bias).topk(6, dim=-1).indices
+            s = scores.gather(1, picked)
+            return s / (s.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, picked
+        for label, f in (("few rows", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20, few_rows=True)),
+                         ("unfused (torch ops)", gate_torch),
+                         ("fused", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20))):
+            ms = _bench_graph(f)
+            rows.append(dict(kernel=f"gate/B={B}", config=label, ms=ms, us=ms * 1e3))
         h = torch.randn(B, HC, DIM, device=dev).bfloat16()
         kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
         nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once

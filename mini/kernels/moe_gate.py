@@ -48,6 +48,9 @@ class GateConfig:
 CONFIGS = (GateConfig(64, 64, 8, 3, steps=8, inner_loop=True), GateConfig(32, 64, 4, 2),
            GateConfig(32, 32, 4, 3), GateConfig(32, 32, 4, 2))
 _CHOSEN: dict[tuple, GateConfig] = {}
+# few_rows (decode): 16 rows x 4 experts per program of the logits (96 programs at 384 experts), K in 128-wide
+# chunks; 4 rows per program of the epilogue
+FEW_ROWS_TILES = (16, 4, 128, 4)
 
 
 @triton.jit
@@ -148,10 +151,19 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids
         is_img = tl.load(img_ptr + rows, mask=row_ok, other=0) != 0
     score_a, sel_a = _block_scores(acc_a, cols_a, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, logits_ptr,
                                    scores_ptr, E, HAS_IMG, DEBUG, LIBDEVICE)
+    score_b, sel_b = score_a, sel_a  # read only when NB > 0
     if NB > 0:
         score_b, sel_b = _block_scores(acc_b, cols_b, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img,
                                        logits_ptr, scores_ptr, E, HAS_IMG, DEBUG, LIBDEVICE)
+    _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, weights_ptr, ids_ptr, route_scale, eps,
+                K, KP, NA, NB, NORMALIZE, BM)
 
+
+@triton.jit
+def _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, weights_ptr, ids_ptr, route_scale,
+                eps, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+                NORMALIZE: tl.constexpr, BM: tl.constexpr):
+    """k rounds of "take the largest sel" over both column blocks (ties: the lowest id), then the weights."""
     slots = tl.arange(0, KP)
     picked_score = tl.zeros([BM, KP], dtype=tl.float32)
     picked_id = tl.zeros([BM, KP], dtype=tl.int32)
@@ -184,6 +196,57 @@ def _gate_kernel(x_ptr, w_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids
     tl.store(ids_ptr + out, picked_id.to(tl.int64), mask=ok)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _gate_logits_kernel(x_ptr, w_ptr, logits_ptr, T, stride_x, D: tl.constexpr, E: tl.constexpr,
+                        BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """Few rows: logits[t, e] = sum_k x[t, k] w[e, k] for BT rows x BE experts per program, on the CUDA cores in
+    fp32 (exact bf16 products; each BK chunk summed as a tree, the chunks in order). The experts split over the
+    programs: the gate weight is read once across the GPU, not once per row block through one SM."""
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+    row_ok = rows < T
+    experts = tl.program_id(0) * BE + tl.arange(0, BE)
+    e_ok = experts < E
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k_ok = k0 + kk < D
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None] * D + (k0 + kk)[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(logits_ptr + rows[:, None].to(tl.int64) * E + experts[None, :], acc,
+             mask=row_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_pick_kernel(logits_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids_ptr, T, temp, route_scale, eps,
+                      E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+                      NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      BM: tl.constexpr):
+    """Few rows, after `_gate_logits_kernel`: `_gate_kernel`'s epilogue on BM rows of the summed logits (DEBUG:
+    the logits / temp and the scores written over the sums, each element by the program that read it)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < T
+    at = logits_ptr + rows[:, None].to(tl.int64) * E
+    cols_a = tl.arange(0, NA)
+    acc_a = tl.load(at + cols_a[None, :], mask=row_ok[:, None] & (cols_a < E)[None, :], other=0.0)
+    is_img = row_ok  # read only when HAS_IMG
+    if HAS_IMG:
+        is_img = tl.load(img_ptr + rows, mask=row_ok, other=0) != 0
+    cols_b = cols_a
+    score_b, sel_b = acc_a, acc_a  # read only when NB > 0
+    if NB > 0:
+        cols_b = NA + tl.arange(0, NB)
+        acc_b = tl.load(at + cols_b[None, :], mask=row_ok[:, None] & (cols_b < E)[None, :], other=0.0)
+        score_b, sel_b = _block_scores(acc_b, cols_b, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img,
+                                       logits_ptr, logits_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
+    score_a, sel_a = _block_scores(acc_a, cols_a, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, logits_ptr,
+                                   logits_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
+    _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, weights_ptr, ids_ptr, route_scale, eps,
+                K, KP, NA, NB, NORMALIZE, BM)
+
+
 def column_blocks(n_experts: int) -> tuple[int, int]:
     """(NA, NB): the largest power of two <= E, and the rest rounded up to a power of two (0 when none)."""
     na = 1 << (n_experts.bit_length() - 1)
@@ -192,10 +255,13 @@ def column_blocks(n_experts: int) -> tuple[int, int]:
 
 def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
               temp: float = 1.0, eps: float = 0.0, normalize: bool = True, bias_img: torch.Tensor | None = None,
-              image_mask: torch.Tensor | None = None, config: GateConfig | None = None, debug: bool = False):
+              image_mask: torch.Tensor | None = None, config: GateConfig | None = None, debug: bool = False,
+              few_rows: bool = False):
     """x [T, D] bf16, weight [E, D] bf16, bias fp32 [E] -> (weights fp32 [T, k], ids int64 [T, k]).
     bias_img [E] with image_mask bool [T]: that bias on image rows. debug=True also returns the fp32 logits and
-    scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here."""
+    scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here. few_rows=True: the
+    decode path, two launches (`_gate_logits_kernel` with the experts split over the programs, then
+    `_gate_pick_kernel`), the same epilogue; its logits sum in another order."""
     T, D = x.shape
     E = weight.shape[0]
     assert weight.shape[1] == D and bias.shape == (E,) and 0 < k <= E
@@ -221,6 +287,17 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                   DEBUG=debug, LIBDEVICE=not interpreted,
                   # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
                   DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16)
+    if few_rows:
+        # the logits' sums, then (debug) the logits / temp and the scores written over them, [2, T, E]
+        sums = torch.empty(2 if debug else 1, T, E, dtype=torch.float32, device=dev)
+        BT, BE, BK, BM = FEW_ROWS_TILES
+        _gate_logits_kernel[(triton.cdiv(E, BE), triton.cdiv(T, BT))](x, weight.contiguous(), sums, T, x.stride(0),
+                                                                      D=D, E=E, BT=BT, BE=BE, BK=BK)
+        _gate_pick_kernel[(triton.cdiv(T, BM),)](sums, bias, bias_img, img, weights, ids, T, float(temp),
+                                                 float(route_scale), float(eps), E=E, K=k, KP=consts["KP"], NA=na,
+                                                 NB=nb, NORMALIZE=normalize, HAS_IMG=has_img, DEBUG=debug,
+                                                 LIBDEVICE=not interpreted, BM=BM)
+        return (weights, ids, sums[0], sums[-1]) if debug else (weights, ids)
     key = (dev.type, dev.index, D, E, k)
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS
     for i, cfg in enumerate(candidates):

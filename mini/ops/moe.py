@@ -13,7 +13,9 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
-GEMM's; scores, top-k and weights in its epilogue), below that the reference's fp32 GEMM; the (token, slot) pairs
+GEMM's; scores, top-k and weights in its epilogue), up to 64 tokens (decode) the same kernels' few-rows path
+(logits on the CUDA cores with the experts split over the programs, then the same epilogue), between them the
+reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
 per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
@@ -198,22 +200,25 @@ def _bytes(data: torch.Tensor, kind: str) -> torch.Tensor:
 def gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
          image_mask: torch.Tensor | None = None, step: StepPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (the normed FFN input) -> routing weights fp32 [T, k] and global expert ids int64 [T, k].
-    Fast path: one kernel for logits, scores, top-k and weights (mini/kernels/moe_gate.py) where `_fused_gate_ok`;
-    ids as torch.topk's except at exact ties of the biased scores, which go to the lowest expert id there.
+    Fast path: the gate kernels (mini/kernels/moe_gate.py: "fused", one kernel for logits, scores, top-k and
+    weights; "few_rows", the decode steps' two launches) where `_layer_gate_kernel`; ids as torch.topk's except at
+    exact ties of the biased scores, which go to the lowest expert id there.
     `step`: the step's plan (mini.ops.step_plan), None: `gate_kernel` for this call."""
-    if _fused_gate_ok(x, w, cfg, plan, step):
-        return fused_gate(x, w, cfg, image_mask)
+    kind = _layer_gate_kernel(x, w, cfg, plan, step)
+    if kind != "unfused":
+        return fused_gate(x, w, cfg, image_mask, few_rows=kind == "few_rows")
     return gate_unfused(x, w, cfg, plan, input_ids, image_mask)
 
 
 def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: torch.Tensor | None = None,
-               config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate kernel with this model's normalisation (`config`: a moe_gate.GateConfig, None = its default)."""
+               config=None, few_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate kernel with this model's normalisation (`config`: a moe_gate.GateConfig, None = its default;
+    `few_rows`: the decode path)."""
     from mini.kernels.moe_gate import gate_topk
     k = cfg.n_activated_experts
     normalize = not cfg.is_v41 or (cfg.norm_topk_prob and k > 1)
     return gate_topk(x, w.gate, w.bias, k, cfg.route_scale, cfg.gate_temp, 1e-20 if cfg.is_v41 else 0.0,
-                     normalize, w.bias_vl, image_mask, config)
+                     normalize, w.bias_vl, image_mask, config, few_rows=few_rows)
 
 
 # Below this many tokens the unfused gate runs: each program of the fused kernel reads the whole gate weight
@@ -222,24 +227,35 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 # 0.55 at 4,096; the fused one 0.21 ms at 4,096 (64 programs, one wave; fewer tokens run fewer programs of the
 # same length, so about as long) and 0.39 at 16,384: about even at this threshold.
 FUSED_GATE_MIN_TOKENS = 1024
+# Up to this many tokens (decode steps) the gate is the few-rows kernels': the logits with the experts split over
+# ~100 programs (the gate weight read once across the GPU, bf16, where the unfused gate first copies it to fp32),
+# then one epilogue kernel; two launches where the unfused gate makes about a dozen (copies, the fp32 GEMM,
+# softplus, sqrt, bias, top-k, gather, sum, divisions). Each row block of 16 rows re-reads the weight (from L2).
+FEW_ROWS_GATE_MAX_TOKENS = 64
 
 
 def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:
     """The gate of a step of `tokens` rows of `dtype` activations, served by the fast path (`fast`) or not:
-    "fused" (mini/kernels/moe_gate.py, where the layer's gate is one it covers: `_fused_gate_ok`) for bf16 steps of
-    FUSED_GATE_MIN_TOKENS tokens or more, or of any size in the deterministic mode (the kernel's tiles are fixed:
-    one program per row block, so the token count must not choose); else "unfused" (`gate_unfused`)."""
-    big = tokens >= FUSED_GATE_MIN_TOKENS or deterministic()
-    return "fused" if fast and dtype == torch.bfloat16 and big else "unfused"
+    "fused" (mini/kernels/moe_gate.py, where the layer's gate is one it covers: `_layer_gate_kernel`) for bf16 steps
+    of FUSED_GATE_MIN_TOKENS tokens or more, or of any size in the deterministic mode (the kernel's tiles are
+    fixed: one program per row block, so the token count must not choose); "few_rows" (the same kernels' decode
+    path) for bf16 steps up to FEW_ROWS_GATE_MAX_TOKENS tokens; else "unfused" (`gate_unfused`)."""
+    if not (fast and dtype == torch.bfloat16):
+        return "unfused"
+    if tokens >= FUSED_GATE_MIN_TOKENS or deterministic():
+        return "fused"
+    return "few_rows" if tokens <= FEW_ROWS_GATE_MAX_TOKENS else "unfused"
 
 
-def _fused_gate_ok(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, step: StepPlan | None) -> bool:
-    """The fused kernel where the step's gate is "fused" and the layer's gate is one it covers: bf16 gate weights,
-    sqrtsoftplus scores and a selection bias (V4.1, and V4's non-hash layers); other layers (softmax / sigmoid,
-    hash layers, no bias) run `gate_unfused`."""
+def _layer_gate_kernel(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,
+                     step: StepPlan | None) -> str:
+    """The step's gate ("fused", "few_rows") where the layer's gate is one the kernels cover: bf16 gate weights,
+    sqrtsoftplus scores and a selection bias (V4.1, and V4's non-hash layers); else "unfused" (other layers:
+    softmax / sigmoid, hash layers, no bias)."""
     kind = step.gate if step is not None else gate_kernel(x.shape[0], x.dtype, use_fast(x, w.gate))
-    return (kind == "fused" and w.gate.dtype == torch.bfloat16 and cfg.score_func == "sqrtsoftplus"
-            and not plan.hash_routed and w.bias is not None)
+    covered = (w.gate.dtype == torch.bfloat16 and cfg.score_func == "sqrtsoftplus" and not plan.hash_routed
+               and w.bias is not None)
+    return kind if covered else "unfused"
 
 
 def gate_unfused(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,

@@ -7,8 +7,8 @@ ops of every layer, which run what it says instead of deciding per call:
     attention   the sparse attention core's kernel (mini.ops.attention.core_kernel, KERNELS says why), asked once
                 per layer kind: whether the layer reads a compressed pool, and that pool's shape (FlashMLA's
                 scratch grows with it)
-    gate        "fused" or "unfused" (mini.ops.moe.gate_kernel; a layer whose gate the kernel does not cover, e.g.
-                a hash-routed one, runs the unfused gate either way)
+    gate        "fused", "few_rows" or "unfused" (mini.ops.moe.gate_kernel; a layer whose gate the kernels do not
+                cover, e.g. a hash-routed one, runs the unfused gate either way)
     experts     the routed experts' GEMMs: "humming", "triton" or "reference" (mini.ops.moe.experts_kernel)
     tie_rule    the indexer's ranking of equal scores: "official" or "newer" (mini.ops.indexer.tie_rule)
 
@@ -70,8 +70,10 @@ class StepPlan:
                  f"{self.backends}; the fast path {'serves' if self.fast else 'does not serve'} it",
                  "attention: " + ("; ".join(f"{k} ({attention.KERNELS[k]})" for k in kernels)
                                   if kernels else "(asked by the first layer of each kind)"),
-                 f"gate: {self.gate} " + ("(the kernel, in the layers whose gate it covers)" if self.gate == "fused"
-                                          else f"(torch ops: the fused kernel takes bf16 steps of the fast path from "
+                 f"gate: {self.gate} " + ("(the kernels, in the layers whose gate they cover)"
+                                          if self.gate != "unfused"
+                                          else f"(torch ops: the gate kernels take bf16 steps of the fast path up to "
+                                               f"{moe.FEW_ROWS_GATE_MAX_TOKENS} and from "
                                                f"{moe.FUSED_GATE_MIN_TOKENS} tokens, or of any size in the "
                                                "deterministic mode)"),
                  f"routed experts: {self.experts} " + ("(the reference's loop over experts)"

@@ -43,9 +43,9 @@ def _expected(scores, sel, k, eps, normalize=True):
     return w * SCALE, ids
 
 
-def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=None, config=None):
+def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=None, config=None, few_rows=False):
     weights, ids, logits, scores = gate_topk(x, w, bias, k, SCALE, 1.0, eps, normalize, bias_img, image_mask,
-                                             config, debug=True)
+                                             config, debug=True, few_rows=few_rows)
     T, E = x.shape[0], w.shape[0]
     assert weights.shape == (T, k) and ids.shape == (T, k) and ids.dtype == torch.int64
     # logits: fp32 sums of exact bf16 products, the tensor cores' partial sums promoted to fp32 every chunk
@@ -62,7 +62,7 @@ def _check(x, w, bias, k, eps=1e-20, normalize=True, bias_img=None, image_mask=N
     assert torch.equal(ids[~tied], top.indices[~tied, :k])
     assert torch.equal(sel.gather(1, ids), top.values[:, :k])
     # without the debug outputs: the same kernel, the same results
-    w2, ids2 = gate_topk(x, w, bias, k, SCALE, 1.0, eps, normalize, bias_img, image_mask, config)
+    w2, ids2 = gate_topk(x, w, bias, k, SCALE, 1.0, eps, normalize, bias_img, image_mask, config, few_rows=few_rows)
     assert torch.equal(ids2, ids) and torch.equal(w2, weights)
     return weights, ids
 
@@ -81,6 +81,20 @@ def test_gate_kernel_matches_torch_interpreter(interpreter, poisoned, T, D, E, k
     _check(x, w, bias, k, config=config)
 
 
+@pytest.mark.parametrize("T,D,E,k", [(1, 320, 384, 6), (3, 200, 384, 6), (17, 320, 100, 6), (6, 96, 16, 4),
+                                     (1, 64, 7, 1)])
+def test_few_rows_gate_matches_torch_interpreter(interpreter, poisoned, T, D, E, k):
+    """The decode path (experts split over the logits' programs, then the epilogue kernel): the same checks as
+    the fused kernel's, at decode sizes (17 rows: two row blocks; D not a multiple of the K chunk; E of one or
+    two column blocks, padded), with the V4 normalisation and the image bias too."""
+    x, w, bias = _inputs(T, D, E, seed=T)
+    _check(x, w, bias, k, few_rows=True)
+    if T > 1:
+        _check(x, w, bias, k, eps=0.0, few_rows=True)
+        image_mask = torch.arange(T) % 2 == 0
+        _check(x, w, bias, k, bias_img=torch.randn(E) * 0.5, image_mask=image_mask, few_rows=True)
+
+
 def test_gate_kernel_v4_normalisation_and_image_bias_interpreter(interpreter, poisoned):
     x, w, bias = _inputs(23, 128, 48, seed=1)
     _check(x, w, bias, 6, eps=0.0)  # V4: no epsilon
@@ -91,29 +105,31 @@ def test_gate_kernel_v4_normalisation_and_image_bias_interpreter(interpreter, po
     _check(x, w, bias, 6, bias_img=bias_img, image_mask=image_mask)
 
 
-def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned):
+@pytest.mark.parametrize("few_rows", [False, True])
+def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned, few_rows):
     """Planted exact ties: zero gate rows (logit 0 in any summation order) with equal biases, in both column
     blocks; the lower expert id goes first, the same on every run."""
     x, w, bias = _inputs(19, 128, 384, seed=2)
     tied = [7, 41, 42, 300, 383]
     w[tied] = 0
     bias[tied] = 10.0  # in every token's top 6
-    weights, ids = _check(x, w, bias, 6)
+    weights, ids = _check(x, w, bias, 6, few_rows=few_rows)
     assert (ids[:, :5] == torch.tensor(tied)).all()
     assert (weights[:, :5] == weights[:, :1]).all()
-    again = gate_topk(x, w, bias, 6, SCALE, eps=1e-20)
+    again = gate_topk(x, w, bias, 6, SCALE, eps=1e-20, few_rows=few_rows)
     assert torch.equal(again[1], ids) and torch.equal(again[0], weights)
 
     flat_bias = torch.zeros(384)
     flat_bias[[5, 100, 260, 261, 300, 301, 302]] = 1.0  # seven equal maxima for six places
-    w_ids = gate_topk(x, torch.zeros_like(w), flat_bias, 6, SCALE, eps=1e-20)[1]
+    w_ids = gate_topk(x, torch.zeros_like(w), flat_bias, 6, SCALE, eps=1e-20, few_rows=few_rows)[1]
     assert (w_ids == torch.tensor([5, 100, 260, 261, 300, 301])).all()
 
 
-def test_gate_kernel_ranks_nan_first_interpreter(interpreter, poisoned):
+@pytest.mark.parametrize("few_rows", [False, True])
+def test_gate_kernel_ranks_nan_first_interpreter(interpreter, poisoned, few_rows):
     x, w, bias = _inputs(9, 64, 16, seed=3)
     x[4] = float("nan")
-    weights, ids = gate_topk(x, w, bias, 4, SCALE, eps=1e-20)
+    weights, ids = gate_topk(x, w, bias, 4, SCALE, eps=1e-20, few_rows=few_rows)
     assert torch.equal(ids[4], torch.arange(4)) and weights[4].isnan().all()
     rest = torch.arange(9) != 4
     assert ((ids[rest] >= 0) & (ids[rest] < 16)).all() and weights[rest].isfinite().all()
@@ -135,12 +151,23 @@ def test_column_blocks():
 def test_gate_kernel_at_v41_flash_shape_gpu(T):
     """16,384 tokens x 384 experts x D 5120, k 6: exact selection on the kernel's scores, scores as torch computes
     them from the same logits, and against the unfused fast gate (cuBLAS logits: summation order differs)."""
+    _check_v41_shape(T, few_rows=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_few_rows_gate_at_v41_flash_shape_gpu(T):
+    """The decode path at decode sizes, the same checks."""
+    _check_v41_shape(T, few_rows=True)
+
+
+def _check_v41_shape(T, few_rows):
     x, w, bias = _inputs(T, 5120, 384, "cuda", seed=T)
     x = x * 3  # logits of a few units: scores across softplus's curved part
-    weights, ids = _check(x, w, bias, 6)
+    weights, ids = _check(x, w, bias, 6, few_rows=few_rows)
     # the logits' error against float64: within a small factor of the IEEE fp32 GEMM's own (without the promotion
     # the tensor cores' truncation made it ~4e-5, some 30x the fp32 GEMM's)
-    logits = gate_topk(x, w, bias, 6, SCALE, debug=True)[2].double()
+    logits = gate_topk(x, w, bias, 6, SCALE, debug=True, few_rows=few_rows)[2].double()
     exact = x.double() @ w.double().t()
     ref_logits = x.float() @ w.float().t()  # the reference gate's logits (the unfused fast gate's too)
     err, err_fp32 = (logits - exact).abs().max().item(), (ref_logits.double() - exact).abs().max().item()
@@ -170,7 +197,7 @@ def _build_for_sm90() -> None:
     from triton.compiler import ASTSource
 
     from mini.kernels import moe_route
-    from mini.kernels.moe_gate import CONFIGS, _gate_kernel
+    from mini.kernels.moe_gate import CONFIGS, FEW_ROWS_TILES, _gate_kernel, _gate_logits_kernel, _gate_pick_kernel
 
     def build(kernel, ptr_types, consts, num_warps=4, num_stages=2):
         names = kernel.arg_names
@@ -197,6 +224,12 @@ def _build_for_sm90() -> None:
                                             DOT_DTYPE=tl.bfloat16, BM=c.BM, BK=c.BK, STEPS=c.steps,
                                             INNER_LOOP=c.inner_loop),
               c.num_warps, c.num_stages)
+        # the decode path (few_rows): the logits with the experts split over the programs, then the epilogue
+        BT, BE, BK, BM = FEW_ROWS_TILES
+        build(_gate_logits_kernel, {**gate_ptrs, "logits_ptr": "*fp32"}, dict(D=D, E=E, BT=BT, BE=BE, BK=BK))
+        build(_gate_pick_kernel, {**gate_ptrs, "logits_ptr": "*fp32"},
+              dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True, HAS_IMG=img, DEBUG=img,
+                   LIBDEVICE=True, BM=BM))
     route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     for E in (0, 1, 7, 96, 384):
         EB, SUB, STEP = moe_route.launch_sizes(E)
@@ -224,7 +257,7 @@ def test_gate_and_route_kernels_build_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 5 + 5 * 7, run.stdout
+    assert run.stdout.count(" ok") == 5 * 3 + 5 * 7, run.stdout
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ def test_gate_v4_hash_layer_routes_by_token_id():
 
 def test_gate_dispatches_to_the_fused_kernel_interpreter(tiny, monkeypatch):
     """gate() on the fast path: the fused kernel (Triton's interpreter here, CUDA pretended) for sqrtsoftplus with
-    a bias from FUSED_GATE_MIN_TOKENS bf16 tokens, with the same ids as the unfused gate (no near-ties in this
-    data) and weights equal up to the logits' summation order; the unfused gate for everything else."""
+    a bias from FUSED_GATE_MIN_TOKENS bf16 tokens and its few-rows path up to FEW_ROWS_GATE_MAX_TOKENS, with the
+    same ids as the unfused gate (no near-ties in this data) and weights equal up to the logits' summation order;
+    the unfused gate for everything else."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: tests/kernels/test_moe_gate.py covers the compiled kernel")
     import mini.ops.moe as moe_mod
@@ -83,6 +84,7 @@ def test_gate_dispatches_to_the_fused_kernel_interpreter(tiny, monkeypatch):
     monkeypatch.setattr(moe_gate, "gate_topk", counted)
     monkeypatch.setattr(moe_mod, "use_fast", lambda *t: True)
     monkeypatch.setattr(moe_mod, "FUSED_GATE_MIN_TOKENS", 16)
+    monkeypatch.setattr(moe_mod, "FEW_ROWS_GATE_MAX_TOKENS", 4)
     w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
     w.bias_vl = torch.randn_like(w.bias)
     x = _x(41, cfg, torch.bfloat16, scale=3.0)
@@ -93,15 +95,23 @@ def test_gate_dispatches_to_the_fused_kernel_interpreter(tiny, monkeypatch):
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=0)
     assert calls == [41, 41]
+    for mask in (None, image_mask[:3]):  # the few-rows path: a decode step
+        weights, ids = gate(x[:3], w, cfg, cfg.layers[LAYER], image_mask=mask)
+        ref_w, ref_ids = gate_unfused(x[:3], w, cfg, cfg.layers[LAYER], image_mask=mask)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=0)
+    assert calls == [41, 41, 3, 3]
+    calls.clear()
 
-    gate(x[:15], w, cfg, cfg.layers[LAYER])  # fewer tokens than the threshold
+    gate(x[:15], w, cfg, cfg.layers[LAYER])  # between the two thresholds
     gate(x.float(), w, cfg, cfg.layers[LAYER])  # fp32 activations
     w.bias = None
     gate(x, w, cfg, cfg.layers[LAYER])
     v4 = preset("tiny-v4")
     w4 = MoEWeights.from_state(random_state(v4, seed=2), "layers.0.ffn", v4, 0)
     gate(_x(20, v4, torch.bfloat16), w4, v4, v4.layers[0], torch.randint(0, v4.vocab_size, (20,)))  # hash layer
-    assert calls == [41, 41]
+    gate(_x(3, v4, torch.bfloat16), w4, v4, v4.layers[0], torch.randint(0, v4.vocab_size, (3,)))  # ... few rows
+    assert calls == []
 
 
 def test_expert_follows_the_swiglu_formula(tiny):

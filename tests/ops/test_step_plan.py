@@ -20,6 +20,8 @@ def test_each_rule_answers_for_the_step():
     assert (ref.fast, ref.gate, ref.experts, ref.tie_rule) == (False, "unfused", "reference", "official")
     assert moe.gate_kernel(4096, torch.bfloat16, fast=True) == "fused"
     assert moe.gate_kernel(moe.FUSED_GATE_MIN_TOKENS - 1, torch.bfloat16, fast=True) == "unfused"
+    assert moe.gate_kernel(moe.FEW_ROWS_GATE_MAX_TOKENS, torch.bfloat16, fast=True) == "few_rows"
+    assert moe.gate_kernel(1, torch.float32, fast=True) == "unfused"
     assert moe.gate_kernel(4096, torch.float32, fast=True) == "unfused"
     with mini.ops.deterministic_mode():
         assert plan_step(4096, CPU, torch.bfloat16).tie_rule == "newer"
