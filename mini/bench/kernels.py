@@ -205,7 +205,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     and the torch sort; the gate (384 experts, top 6) in the few-rows kernels against the unfused gate's torch ops
     and the fused kernel; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
-    issue 28) and a few split counts. `bits`: y elements that differ from the chosen tiles' (the mixes move in
+    issue 28) and other split counts at the chosen block. `bits`: y elements that differ from the chosen tiles' (the mixes move in
     their last bits with the chunking; y follows them rarely)."""
     import torch.nn.functional as F
 
@@ -244,7 +244,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
         chosen = partial_tiles(B, DIM, 16, invariant=False)
         base_y = mhc_norm(h, fn, scale, base, nw, **kw)[0]
         configs = [{"note": f"by T {chosen}"}, {"invariant": True, "note": "4,096-token tiles (64 x 8)"},
-                   *({"block_t": bt, "split": s} for bt in (16, 64) for s in (40, 80, 320) if bt >= min(B, 64)),
+                   *({"block_t": chosen[0], "split": s} for s in (40, 80, 320) if s != chosen[1]),
                    *sweep]
         for cfg in configs:
             run_kw = {k: v for k, v in cfg.items() if k != "note"}
