@@ -158,6 +158,9 @@ ENGINE_FLAGS = (
          "block of 5)", count(1)),
     Flag("--spec-min-confidence", 0.0, "with --speculative: a draft stops at its first token whose confidence "
          "(DSpark's head, a probability) is below this (0: fixed length)", unit_interval),
+    Flag("--spec-max-rows", 384, "with --speculative: a step's verify rows (1 + draft length per decoding sequence) "
+         "at most; drafts shrink, to none, as the batch grows (the default is from proxy cost figures; "
+         "docs/engine.md)", count(1)),
 )
 
 

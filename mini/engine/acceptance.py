@@ -10,15 +10,19 @@ Each purpose has its own stream, a pure function of (seed, purpose, output index
 acceptance test and the residual never share a uniform (shared noise biases the output: the tests' negative
 control).
 
-Status (docs/engine.md): the rule and its statistical test; the engine does not use it yet (its one acceptance
-rule takes a draft only where it equals the target's own draw, `speculative.accept`), because the drafter hands
-over tokens, not the draft distributions q this rule needs.
+The engine (mini.engine.speculative) uses it for unseeded sampling requests, with the drafts as deterministic
+proposals: q_i one-hot on d_i (`verify_proposals`). That is exact whatever chose d_i, as long as the choice does
+not read the acceptance or residual streams at its own index (a drafter's choice reads the committed history
+only): P(out = d) = p(d), P(out = x != d) = (1 - p(d)) · p(x) / (1 - p(d)) = p(x). DSpark's drafts are argmaxes,
+so one-hot is its true q; a sampling drafter would accept more by handing over its q, which the Drafter contract
+(mini.step) does not carry.
 """
 from __future__ import annotations
 
 import torch
 
-from mini.engine.sampler import _i64, splitmix64, uniform_noise
+from mini.engine.sampler import (SamplingBatch, _i64, apply_bias_and_mask, apply_penalties, filtered_probs,
+                                 splitmix64, uniform_noise)
 
 DRAFT, ACCEPT, RESIDUAL = 1, 2, 3  # stream purposes; 0 is the plain sampler's own stream
 
@@ -45,9 +49,34 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: list[int], seed: i
     for i, d in enumerate(draft):
         counters = torch.tensor([counter + i], dtype=torch.int64, device=p.device)
         u = uniform_noise(stream(seeds, accept_purpose), counters, p.shape[-1])[0, d]  # the drafted token's uniform
-        if u * q[i, d] <= p[i, d]:
-            continue
         residual = (p[i] - q[i]).clamp(min=0) if residual_of is None else residual_of(p[i], q[i])
+        if u * q[i, d] <= p[i, d] or residual.sum() <= 0:  # (no residual mass: p_i == q_i but for rounding)
+            continue
         return i, int(race(residual[None], seeds, counters, RESIDUAL)[0])
     counters = torch.tensor([counter + k], dtype=torch.int64, device=p.device)
     return k, int(race(p[k][None], seeds, counters, 0)[0])
+
+
+def target_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The distributions the sampler draws the rows of `logits` from (penalties, bias, grammar mask, temperature,
+    top-k/p, min-p: the functions `sample` applies, in its order), normalized: the p of the rule above."""
+    probs = filtered_probs(apply_bias_and_mask(apply_penalties(logits, b), b), b)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def verify_proposals(p: torch.Tensor, proposals: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                     residual_of=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule above for deterministic drafts (q one-hot on the proposed token), one row per output index, all
+    rows of a step at once: row r drew output index counters[r] of the request seeded seeds[r] with distribution
+    p[r], and `proposals[r]` is the draft token proposed for it. Returns ([n] bool: the proposal is accepted, with
+    probability p[r, d]; [n] the residual's token, drawn from p[r] without d, meaningful where not accepted).
+    Equal to `rejection_sample` with one-hot q row by row (tested). A residual with no mass left (p[r, d] == 1 but
+    for rounding) accepts. `residual_of(p, q)`: the tests' negative control."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_d = p[rows, proposals]
+    u = uniform_noise(stream(seeds, ACCEPT), counters, p.shape[-1])[rows, proposals]
+    q = torch.zeros_like(p)
+    q[rows, proposals] = 1.0
+    residual = (p - q).clamp(min=0) if residual_of is None else residual_of(p, q)
+    accepted = (u <= p_d) | (residual.sum(-1) <= 0)
+    return accepted, race(residual, seeds, counters, RESIDUAL)

@@ -58,6 +58,7 @@ class EngineOptions:
     speculative: str | None = None  # "dspark": the model's own drafter proposes, each step verifies (speculative.py)
     spec_tokens: int | None = None  # the longest draft (None: the drafter's own, DSpark's block size)
     spec_min_confidence: float = 0.0  # drafts stop at the first token the drafter is less sure of (0: never)
+    spec_max_rows: int | None = 384  # a step's verify rows, (1 + k) per decoding sequence, at most (None: no cap)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -199,7 +200,8 @@ class LLMEngine:
         self.overlap = o.overlap if o.overlap is not None else (self.runner.graphs is not None
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
-        self.spec = None if drafter is None else Speculation(self, drafter, o.spec_tokens or drafter.max_draft)
+        self.spec = None if drafter is None else Speculation(self, drafter, o.spec_tokens or drafter.max_draft,
+                                                             o.spec_max_rows)
         if self.spec is not None:
             self.overlap = False  # a verify step's acceptance needs its tokens on the host before the next plan
         self._grammars = None  # see `grammars`

@@ -6,15 +6,20 @@ A decoding sequence with frontier f (tokens ..f cached) has its last sampled tok
 (`Sequence.draft`); its verify chunk is [b, d1..dk] (`ScheduledChunk.drafts` = k), whose 1 + k logit rows are the
 target's distributions at output indices n..n+k. Row i is sampled exactly as plain decode would sample output index
 n + i after d1..di: penalties, logit bias and min_tokens' hold read the history with those drafts appended, a
-seeded draw uses the counter n + i (`_Row`). Acceptance: d(i+1) is taken while it equals row i's token t_i; the
-step commits t_0..t_a (a drafts accepted, t_a the new last token): the very tokens plain decode draws, for greedy
-and for seeded sampling alike (an unseeded request's seed is drawn once by the engine), so speculation never
-changes an output; it only saves steps where the drafter guessed the target's token.
+seeded draw uses the counter n + i (`_Row`). Acceptance, by request:
+* greedy and seeded requests: d(i+1) is taken while it equals row i's token t_i; the step commits t_0..t_a (a
+  drafts accepted, t_a the new last token): the very tokens plain decode draws, so speculation never changes
+  their outputs; it only saves steps where the drafter guessed the target's token.
+* unseeded sampling requests (`rejects`): rejection sampling (mini.engine.acceptance.verify_proposals, the drafts
+  as deterministic proposals, q one-hot): d(i+1) is accepted with probability p_i(d(i+1)), so a draft the target
+  finds likely is taken even where the target's own draw would have differed. The output is a draw from the same
+  distribution as plain decode's, not the same draw. Logprobs stay the target's (of the committed tokens).
 
 Then: the cache keeps the accepted drafts (`StepCache.commit_drafts`), the stop checks run over the committed
 tokens in order (a stop inside them truncates), the drafter takes the committed rows and proposes drafts anchored
-on each sequence's new last token (before prefix-cache snapshots: its state is in the slots they copy), and the
-outputs go out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts before the
+on each sequence's new last token (before prefix-cache snapshots: its state is in the slots they copy), each at
+most as long as the load rule allows (`load_cap`: the next step's verify rows within a budget), and the outputs go
+out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts before the
 row, then rolled back (`_grammar_masks`); the committed tokens advance it for good, as plain decode's do.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mini.engine.acceptance import target_probs, verify_proposals
 from mini.engine.sampler import SamplingBatch, sample
 from mini.engine.scheduler import StepPlan
 from mini.engine.sequence import Sequence, TokenLogprobs
@@ -66,6 +72,13 @@ class _Row:
         return self.seq.num_output_tokens + len(self.drafts)
 
 
+def rejects(c) -> bool:
+    """Whether chunk `c`'s drafts go through rejection sampling: an unseeded sampling request's (its output is a
+    draw from the target's distribution, not one fixed sequence of draws); greedy and seeded requests accept a
+    draft only where it equals the target's own token, which keeps their outputs plain decode's bit for bit."""
+    return c.drafts > 0 and c.seq.params.temperature > 0 and c.seq.params.seed is None
+
+
 def accept(draft: list[int], targets: list[int]) -> int:
     """How many leading drafts equal the target's own tokens (targets[i]: row i's, drawn after draft[:i])."""
     a = 0
@@ -77,10 +90,22 @@ def accept(draft: list[int], targets: list[int]) -> int:
 class Speculation:
     """The speculative step of an LLMEngine (`engine.spec`): eager, never overlapped."""
 
-    def __init__(self, engine, drafter: Drafter, max_draft: int):
+    def __init__(self, engine, drafter: Drafter, max_draft: int, max_rows: int | None = None):
+        """`max_rows`: the load rule's row budget (`load_cap`; None: none)."""
         if not 0 < max_draft <= drafter.max_draft:
             raise ValueError(f"spec tokens must be in [1, {drafter.max_draft}] for this drafter, got {max_draft}")
-        self.engine, self.drafter, self.max_draft = engine, drafter, max_draft
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
+        self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
+
+    def load_cap(self, decoding: int) -> int:
+        """The load rule: the longest draft each of `decoding` sequences may verify in one step, so that the
+        step's verify rows, (1 + k) per sequence, stay within `max_rows` (docs/engine.md: past that budget a verify
+        row costs more than the tokens it is expected to win; the budget comes from the issue's proxy figures until
+        measured). 0 where the sequences alone fill the budget: plain decode."""
+        if self.max_rows is None or decoding == 0:
+            return self.max_draft
+        return max(0, min(self.max_draft, self.max_rows // decoding - 1))
 
     def draft_room(self, seq: Sequence) -> int:
         """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context."""
@@ -120,6 +145,23 @@ class Speculation:
                 full[i] = x[0]
         return full.to(device)
 
+    @staticmethod
+    def _rejection_verdicts(sampling: list, logits: torch.Tensor, batch: SamplingBatch) -> dict:
+        """Rejection sampling (`rejects`) for every row that has a draft token after it, all at once: row ->
+        (accepted, the residual's token). Rows are those of `sample`'s batch: its seeds and counters (n + i)."""
+        at, proposals, row = [], [], 0
+        for c in sampling:
+            if rejects(c):
+                at += range(row, row + c.drafts)
+                proposals += c.seq.draft[:c.drafts]
+            row += 1 + c.drafts
+        if not at:
+            return {}
+        r = torch.tensor(at, device=logits.device)
+        ok, residual = verify_proposals(target_probs(logits, batch)[r], torch.tensor(proposals, device=r.device),
+                                        batch.seeds[r], batch.counters[r])
+        return dict(zip(at, zip(ok.tolist(), residual.tolist())))
+
     def step(self, plan: StepPlan) -> list:
         e = self.engine
         for seq in plan.preempted:  # recomputed as a prompt; a new draft follows its first token
@@ -142,13 +184,21 @@ class Speculation:
         top_lp = out.top_logprobs.tolist() if out is not None and out.top_logprobs is not None else None
 
         # acceptance, then the cache at the committed frontier
-        accepted, new_tokens, row = [], {}, 0
+        verdicts = self._rejection_verdicts(sampling, logits, batch) if rows else {}
+        accepted, new_tokens, relogged, row = [], {}, [], 0
         for c in chunks:
             a = 0
             if id(c) in samples:
-                targets = ids[row:row + 1 + c.drafts]
-                a = accept(c.seq.draft[:c.drafts], targets)
-                new_tokens[id(c)] = (row, targets[:a + 1])
+                draft = c.seq.draft[:c.drafts]
+                if rejects(c):
+                    while a < c.drafts and verdicts[row + a][0]:
+                        a += 1
+                    tokens = draft[:a] + [verdicts[row + a][1] if a < c.drafts else ids[row + a]]
+                    relogged += [(row + i, t) for i, t in enumerate(tokens) if t != ids[row + i]]
+                else:
+                    a = accept(draft, ids[row:row + 1 + c.drafts])
+                    tokens = ids[row:row + a + 1]
+                new_tokens[id(c)] = (row, tokens)
                 row += 1 + c.drafts
                 if c.drafts:
                     e.stats.spec.count(c.drafts, a, self.max_draft)
@@ -157,6 +207,11 @@ class Speculation:
                 e.stats.decode_tokens += 1 + a
             else:
                 e.stats.prefill_tokens += c.length
+        if lp is not None and relogged:  # logprobs are the target's (raw rows, as `sample`'s) of the committed tokens
+            at = torch.tensor(relogged, device=logits.device)
+            fixed = torch.log_softmax(logits[at[:, 0]], dim=-1).gather(1, at[:, 1:])[:, 0].tolist()
+            for (r, _), value in zip(relogged, fixed):
+                lp[r] = value
         e.runner.cache.commit_drafts(accepted)
         for c, a in zip(chunks, accepted):
             c.seq.num_computed = c.end - c.drafts + a
@@ -182,10 +237,15 @@ class Speculation:
                     break
             emitted[id(c)] = kept
 
+        # the load rule over the sequences that decode next (a draft kept from an earlier step is cut to it too)
+        decoding = [s for s in e.scheduler.running if not s.is_finished and not s.in_prefill]
+        cap = self.load_cap(len(decoding))
+        for s in decoding:
+            del s.draft[cap:]
         # the drafter takes the committed rows (its state in the slots) and proposes; then snapshots
         commits = [Commit(rows=c.end - c.drafts + a - c.start, length=c.length, slot=c.seq.slot,
                           end=c.seq.num_computed, anchor=c.seq.output_token_ids[-1] if id(c) in samples else None,
-                          max_draft=self.draft_room(c.seq), history=lambda s=c.seq: s.tokens)
+                          max_draft=min(cap, self.draft_room(c.seq)), history=lambda s=c.seq: s.tokens)
                    for c, a in zip(chunks, accepted)]
         for c, draft in zip(chunks, self.drafter.propose(e.runner.cache, commits)):
             c.seq.draft = list(draft) if id(c) in samples else []

@@ -157,3 +157,27 @@ def scripted_llm(text: str, prompt_len: int, **opts):
     opts = {"num_blocks": 64, "block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
     model = ScriptedModel(cfg, FakeTokenizer().encode(text), prompt_len)
     return LLM(model, config=cfg, tokenizer=FakeTokenizer(), **opts)
+
+
+class MarkovCache(FakeCache):
+    def commit_drafts(self, accepted: list[int]) -> None:
+        """A Markov chain keeps nothing of a row but its token: nothing to roll back."""
+
+
+class MarkovModel(FakeStepModel):
+    """A Markov chain over the vocabulary: the logits after a history are `table[its last token]`, for every row a
+    chunk wants (1 + drafts rows of a verify chunk), so every output's distribution is known exactly and a
+    speculative step's rows are exactly plain decode's. It speculates (its cache takes `commit_drafts`).
+    `steps`: the (start, length, drafts) of each forward's chunks."""
+
+    def __init__(self, config: FakeConfig, table: torch.Tensor):
+        self.config, self.table, self.steps = config, table, []
+
+    def new_cache(self, n_slots, n_blocks, block_tokens, device, dtype) -> MarkovCache:
+        return MarkovCache(self.config, n_slots, n_blocks, block_tokens, device, dtype)
+
+    def forward(self, batch: FakeBatch, cache: FakeCache) -> torch.Tensor:
+        self.steps.append([(c.start, len(c.tokens) - c.start, c.drafts) for c in batch.chunks])
+        rows = [self.table[torch.tensor(c.tokens[len(c.tokens) - 1 - c.drafts:])] for c in batch.chunks
+                if c.want_logits]
+        return torch.cat(rows) if rows else torch.empty(0, self.config.vocab_size)
