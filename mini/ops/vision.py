@@ -103,15 +103,36 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def _mlp(x: torch.Tensor, b: ViTBlockWeights) -> torch.Tensor:
-    gate, up = F.linear(x, b.w1).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, b.w2)
+# ----------------------------------------------------------------------------------- a block's elementwise steps
+# `fused`: one Triton pass each (the fast backend, mini/kernels/vision_*.py); else the reference's torch ops.
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fused: bool):
+    """(s, rms_norm(s)) with s = x + delta (x when delta is None): a residual add and the norm after it (kernel:
+    mini/kernels/vision_norm.py; the sum's bits, the norm to rounding)."""
+    if fused:
+        from mini.kernels.vision_norm import add_rms_norm
+        return add_rms_norm(x, delta, weight, VIT_NORM_EPS)
+    s = x if delta is None else x + delta
+    return s, rms_norm(s, weight, VIT_NORM_EPS)
 
 
-def _qkv(x: torch.Tensor, b: ViTBlockWeights, n_heads: int, cos, sin):
-    """[n, C] -> q, k, v [n, heads, hd], q and k rotated."""
-    q, k, v = (t.unflatten(-1, (n_heads, -1)) for t in F.linear(x, b.wqkv, b.wqkv_bias).chunk(3, dim=-1))
+def split_rope(qkv: torch.Tensor, n_heads: int, cos, sin, fused: bool):
+    """The qkv GEMM's output [n, 3C] -> q, k, v [n, heads, hd], q and k rotated (`rotate`; kernel:
+    mini/kernels/vision_rope.py, the same bits)."""
+    if fused:
+        from mini.kernels.vision_rope import split_rope as kernel
+        return kernel(qkv, cos.flatten(1), sin.flatten(1), n_heads).unbind(0)
+    q, k, v = (t.unflatten(-1, (n_heads, -1)) for t in qkv.chunk(3, dim=-1))
     return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def swiglu(gu: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The MLP's SwiGLU: silu(gate) * up of the w1 GEMM's output [n, 2I] (gate columns, then up; kernel:
+    mini/kernels/vision_swiglu.py, to rounding)."""
+    if fused:
+        from mini.kernels.vision_swiglu import swiglu as kernel
+        return kernel(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------------- reference: one image
@@ -131,9 +152,9 @@ def vit_one(patches: torch.Tensor, n_h: int, n_w: int, w: VisionWeights) -> torc
     x = F.linear(patches.flatten(1).to(w.patch.dtype), w.patch, w.patch_bias)
     cos, sin = rope_table(n_h, n_w, x.shape[-1] // w.n_heads, w.rope_theta, x.device)
     for b in w.blocks:
-        q, k, v = _qkv(rms_norm(x, b.norm1, VIT_NORM_EPS), b, w.n_heads, cos, sin)
-        x = x + F.linear(attend(q, k, v).flatten(1), b.wo, b.wo_bias)
-        x = x + _mlp(rms_norm(x, b.norm2, VIT_NORM_EPS), b)
+        qkv = F.linear(rms_norm(x, b.norm1, VIT_NORM_EPS), b.wqkv, b.wqkv_bias)
+        x = x + F.linear(attend(*split_rope(qkv, w.n_heads, cos, sin, fused=False)).flatten(1), b.wo, b.wo_bias)
+        x = x + F.linear(swiglu(F.linear(rms_norm(x, b.norm2, VIT_NORM_EPS), b.w1), fused=False), b.w2)
     return rms_norm(x, w.norm, VIT_NORM_EPS)
 
 
@@ -150,35 +171,6 @@ def align(cells: torch.Tensor, w: VisionWeights) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- fast: the images of a step
-def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, fused: bool):
-    """(s, rms_norm(s)) with s = x + delta (x when delta is None): a residual add and the next norm, in one Triton
-    pass when `fused` (mini/kernels/vision_norm.py), else the reference's ops."""
-    if fused:
-        from mini.kernels.vision_norm import add_rms_norm
-        return add_rms_norm(x, delta, weight, VIT_NORM_EPS)
-    s = x if delta is None else x + delta
-    return s, rms_norm(s, weight, VIT_NORM_EPS)
-
-
-def split_rope(qkv: torch.Tensor, n_heads: int, cos, sin, fused: bool):
-    """The qkv GEMM's output [n, 3C] -> q, k, v [n, heads, hd], q and k rotated (`_qkv`'s split and `rotate`); in
-    one Triton pass when `fused` (mini/kernels/vision_rope.py: the same bits)."""
-    if fused:
-        from mini.kernels.vision_rope import split_rope as kernel
-        return kernel(qkv, cos.flatten(1), sin.flatten(1), n_heads).unbind(0)
-    q, k, v = (t.unflatten(-1, (n_heads, -1)) for t in qkv.chunk(3, dim=-1))
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
-
-
-def swiglu(gu: torch.Tensor, fused: bool) -> torch.Tensor:
-    """silu(gate) * up of the w1 GEMM's output [n, 2I] (`_mlp`'s middle); one Triton pass when `fused`."""
-    if fused:
-        from mini.kernels.vision_swiglu import swiglu as kernel
-        return kernel(gu)
-    gate, up = gu.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def vit_batched(patches: list[torch.Tensor], grids: list[tuple[int, int]], w: VisionWeights) -> list[torch.Tensor]:
     """vit_one over several images in one pass: the GEMMs, norms and RoPE over all their rows at once, attention
     image by image on its own rows. Unmasked SDPA calls, not one padded call with a key mask: a mask rules out
