@@ -9,22 +9,30 @@ A step, as the engine runs it:
 
 1. eager (any mix of prefill chunks and decodes): one `SeqChunk` per sequence -> `model.build_batch(chunks,
    device)` -> `model.forward(batch, cache)`;
-2. static decode (every sequence one token; CUDA graphs on the GPU): `model.static_decode(...)` once at start-up
-   gives fixed device buffers (`StaticDecode`); the engine captures `model.forward(static.batch(n), cache)` per
-   bucket of n rows, and before each replay fills the buffers from the step's `DecodeRows` and, with overlapped
-   steps, a `TokenFeed` (tokens still on the device);
+2. static decode (every sequence one token, or a verify step: its token and a draft; CUDA graphs on the GPU):
+   `model.static_decode(...)` once at start-up gives fixed device buffers (`StaticDecode`); the engine captures
+   `model.forward(static.batch(n, width), cache)` per bucket of n sequences of `width` rows, and before each
+   replay fills the buffers from the step's `DecodeRows` and, with overlapped steps, a `TokenFeed` (tokens still
+   on the device); after it, `static.replayed(cache)`;
 3. before every forward the engine calls `model.agree_step(n_tokens, bucket)`: a model whose forward meets other
    ranks (EP) agrees there on one bucket for all, or on an eager step; a single-process model returns `bucket`.
 
 Every capability is declared here, with its type, and never probed (`hasattr`): a model that cannot run one kind of
 step says so by a declared value (`capturable = False`), not by lacking a method.
 
-Speculative decoding (issue 27; docs/engine.md). A verify step is eager: a decoding sequence's chunk is its last
-token and a draft (`SeqChunk.drafts` trailing tokens), logits for 1 + drafts rows; the model keeps the drafts'
-cache writes aside until `StepCache.commit_drafts` gets the accepted count of each chunk. Drafts come from a
-`Drafter`: after every forward it takes what each chunk committed (`Commit`) and proposes the next drafts; a model
-offers its own as `StepModel.drafter` (None without a draft module). For CUDA graphs (not built) `DecodeRows`
-would gain the rows per sequence and `static_decode` a bucket per (B, k).
+Speculative decoding (issue 27; docs/engine.md). A verify step: a decoding sequence's chunk is its last token and
+a draft (`SeqChunk.drafts` trailing tokens), logits for 1 + drafts rows; the model keeps the drafts' cache writes
+aside until `StepCache.commit_drafts` gets the accepted count of each chunk. Drafts come from a `Drafter`: after
+every forward it takes what each chunk committed (`Commit`) and proposes the next drafts; a model offers its own as
+`StepModel.drafter` (None without a draft module). Verify steps run static too (CUDA graphs, one per bucket of n
+sequences and width r = 1 + the step's most drafts, r <= `StaticDecode.max_rows`): `static_decode(...,
+max_rows=1 + K)`, `fill(n, DecodeRows(..., drafts=[row b's draft tokens]), width=r)`, a forward over
+`batch(n, r)` (logits for all n·r rows: sequence b's at b·r.., those past its drafts padding), then
+`replayed(cache)` before `commit_drafts`. A benchmark times a verify step of B sequences x (1 + k) rows as:
+`bufs = DecodeBuffers(B, max_len, block_tokens, pad_slot, pad_block, device, max_rows=1 + k)`,
+`bufs.fill(B, tokens, positions, slots, blocks, engram_rows, drafts=[[...k tokens]] * B, width=1 + k)`,
+`graphs = DecodeGraphs(model, cache, StaticDecodeInputs(bufs))`, `graphs.sizes, graphs.widths = [B], [1 + k]`,
+`graphs.capture_all()`, `graphs.replay(B, B, width=1 + k)` (mini.engine.cuda_graphs).
 
 Images (issue 29). A request may carry images: each is an `ImageSpan` of the prompt, positions [start, end) that
 take the image's embeddings instead of token embeddings (their ids are the model's image id; the engine reads them
@@ -92,6 +100,8 @@ class DecodeRows:
     history: Callable[[int, int, int], list[int]]
     # images(b): row b's sequence's image spans (before its position: a decode row is never inside one)
     images: Callable[[int], list[ImageSpan]] = lambda b: []
+    # a verify step (speculative decoding): row b's draft tokens, at positions[b] + 1..; empty: no drafts at all
+    drafts: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -113,18 +123,27 @@ class TokenFeed:
 
 
 class StaticDecode(Protocol):
-    """A model's static device inputs for pure-decode steps of up to `max_seqs` rows (`StepModel.static_decode`).
-    A forward over `batch(n)` reads only these buffers, so it can be captured once and replayed after `fill`."""
+    """A model's static device inputs for decode and verify steps of up to `max_seqs` sequences of up to
+    `max_rows` rows each (`StepModel.static_decode`). A forward over `batch(n, width)` reads only these buffers, so
+    it can be captured once per (n, width) and replayed after `fill`."""
     max_seqs: int
+    max_rows: int  # rows per sequence: 1 + the most drafts a verify step may hold (1: decode only)
     device: torch.device
 
-    def batch(self, n: int) -> object:
-        """A fresh batch over the first n rows (own layout: capture one per bucket)."""
+    def batch(self, n: int, width: int = 1) -> object:
+        """A fresh batch over the first n sequences, `width` rows each (own layout: capture one per bucket). Its
+        forward gives logits for every row, sequence b's at rows b·width..b·width + width - 1."""
 
-    def fill(self, n: int, rows: DecodeRows, feed: TokenFeed | None = None) -> None:
-        """Copy the step's rows (len(rows) <= n) into the buffers, the rows past them padding (all n for
-        `DecodeRows.none()`). `feed`: tokens taken on the device; the model calls `feed.fetch()` only where it
-        needs them on the host, as late as it can."""
+    def fill(self, n: int, rows: DecodeRows, feed: TokenFeed | None = None, width: int = 1) -> None:
+        """Copy the step's rows (len(rows) <= n) into the buffers, the sequences past them padding (all n for
+        `DecodeRows.none()`); with `width` > 1 each sequence's token and its `rows.drafts` (at most width - 1),
+        padded to `width` rows. `feed`: tokens taken on the device (decode steps only); the model calls
+        `feed.fetch()` only where it needs them on the host, as late as it can."""
+
+    def replayed(self, cache: StepCache) -> None:
+        """After each forward of a batch of these buffers (eager or a graph's replay): what that forward leaves on
+        the host besides its logits, for the last fill's rows (a verify step's draft rows in `cache`, for
+        `commit_drafts`; a drafter's inputs in the model). The engine calls it before reading the logits."""
 
 
 class StepCache(Protocol):
@@ -192,9 +211,10 @@ class StepModel(Protocol):
         may drop what it keeps of them. Called as the last sequence holding one finishes or is aborted."""
 
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int,
-                      device, dtype) -> StaticDecode:
-        """Static decode buffers for sequences of up to `max_len` tokens; padding rows write only slot `pad_slot`
-        and block `pad_block` (spares the engine keeps out of the block manager's hands)."""
+                      device, dtype, max_rows: int = 1) -> StaticDecode:
+        """Static decode buffers for sequences of up to `max_len` tokens, `max_rows` rows each at most (1 + the
+        most drafts of a verify step); padding rows write only slot `pad_slot` and block `pad_block` (spares the
+        engine keeps out of the block manager's hands)."""
 
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype) -> StepCache: ...
 

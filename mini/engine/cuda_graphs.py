@@ -1,14 +1,21 @@
-"""CUDA graphs of pure-decode steps: captured once per batch-size bucket, replayed with new inputs.
+"""CUDA graphs of decode and verify steps: captured once per bucket, replayed with new inputs.
 
-A step qualifies when every chunk is one token that samples (decode) and the sequences fit the largest bucket.
-The model's static decode buffers (mini.step.StaticDecode, `StepModel.static_decode`) take the step's rows
-(`DecodeRows`: positions, slots, block tables, the histories), padded to the next bucket, and that bucket's graph is
-replayed; the logits of the real rows are returned. What else a row needs the model makes from the histories, in
-`fill` (mini.model.static_decode).
+A step qualifies when every chunk samples and is its sequence's next token plus, in a speculative verify step, a
+draft (`ScheduledChunk.drafts` trailing tokens), the sequences fit the largest bucket and the longest chunk the
+widest graph. A bucket is (n sequences, width rows each): n from `buckets(max_seqs)`, width from 1 (decode) to the
+model's `StaticDecode.max_rows` (1 + K for `--spec-tokens K`; 1 without speculation). The model's static buffers
+(mini.step.StaticDecode, `StepModel.static_decode`) take the step's rows (`DecodeRows`: positions, slots, block
+tables, the histories, the drafts), padded to the bucket's n sequences and each sequence to its width, and that
+bucket's graph is replayed; the logits of the real rows are returned, in chunk order (1 + drafts per chunk). What
+else a row needs the model makes from the histories, in `fill` (mini.model.static_decode); what the forward leaves
+for after it (a verify step's draft rows, for `commit_drafts`) it hands over in `replayed`.
 
-Capture runs at start-up, largest bucket first, each after one eager warm-up forward of the same static batch
-(which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Padding rows
-write only into the scratch slot and block that the runner adds past the block manager's (see ModelRunner).
+Capture runs at start-up, the largest bucket (rows) first, each after one eager warm-up forward of the same static
+batch (which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Verify
+graphs (width > 1) copy their logits into one output that all of them share ([max_seqs · max_rows, vocab] fp32),
+and the model keeps their draft rows in tensors of its buffers' own, so the graphs of K + 1 widths hold no rows of
+their own beyond the pool (the pool's size is the largest step's working memory). Padding rows write only into the
+scratch slot and block that the runner adds past the block manager's (see ModelRunner).
 """
 from __future__ import annotations
 
@@ -28,62 +35,98 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
     return all(c.length == 1 and c.samples for c in chunks)
 
 
+def is_verify_step(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk its sequence's next token and a draft (none: a decode chunk), sampling."""
+    return all(c.length == 1 + c.drafts and c.samples for c in chunks)
+
+
 class DecodeGraphs:
-    """One captured decode step per bucket over the model's static buffers (`static`) and `cache`."""
+    """One captured decode or verify step per bucket (n, width) over the model's static buffers (`static`) and
+    `cache`. `sizes` and `widths` are the buckets' n and widths (a benchmark may narrow them before capture)."""
 
     def __init__(self, model: StepModel, cache, static: StaticDecode):
         self.model, self.cache, self.static = model, cache, static
         self.sizes = buckets(static.max_seqs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.widths = list(range(1, static.max_rows + 1))
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.verify_logits: torch.Tensor | None = None  # every verify graph's logits (rows of its step first)
+        self.real_rows: torch.Tensor | None = None  # the last prepared verify step's real rows (device)
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) <= self.sizes[-1] and is_decode_step(chunks)
+        return (len(chunks) <= self.sizes[-1] and is_verify_step(chunks)
+                and max((c.length for c in chunks), default=1) <= self.widths[-1])
 
     def bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
+
+    def width(self, chunks: list[ScheduledChunk]) -> int:
+        """The width of the graph a step that `fits` replays: the narrowest that holds its longest chunk."""
+        rows = max((c.length for c in chunks), default=1)
+        return next(w for w in self.widths if w >= rows)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket (CUDA only: on the CPU, replay runs the static step eagerly, which tests use)."""
         if self.static.device.type == "cuda":
-            for n in reversed(self.sizes):
-                self._capture(n)
+            for n, width in sorted(((n, w) for n in self.sizes for w in self.widths),
+                                   key=lambda b: (b[0] * b[1], b[1]), reverse=True):
+                self._capture(n, width)
 
-    def _capture(self, n: int) -> None:
+    def _capture(self, n: int, width: int) -> None:
         device = self.static.device
-        self.static.fill(n, DecodeRows.none())
+        self.static.fill(n, DecodeRows.none(), width=width)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self.model.forward(self.static.batch(n), self.cache)  # warm-up: kernels compiled, one-time copies made
+            # warm-up: kernels compiled, one-time copies made (the model's kept-row tensors among them)
+            warm = self.model.forward(self.static.batch(n, width), self.cache)
+            if width > 1 and self.verify_logits is None:
+                self.verify_logits = torch.empty(self.sizes[-1] * self.widths[-1], warm.shape[-1],
+                                                 dtype=warm.dtype, device=device)
         torch.cuda.current_stream(device).wait_stream(stream)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.forward(self.static.batch(n), self.cache)  # a fresh batch: its layout is captured
+            logits = self.model.forward(self.static.batch(n, width), self.cache)  # a fresh batch: layout captured
+            if width > 1:  # into the output every verify graph shares (its own is pool memory, freed after)
+                logits = self.verify_logits[:n * width].copy_(logits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[n] = (graph, logits)
+        self.graphs[(n, width)] = (graph, logits)
 
     def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None,
-                bucket: int | None = None) -> int:
+                bucket: int | None = None, width: int = 1) -> int:
         """Copy the step's inputs into the buffers; returns the bucket (`bucket`, a larger one than the chunks need
-        that EP ranks agreed on, else the smallest that holds them). `history(seq, start, end)` gives tokens
-        known on the host; `feed` those of rows whose token is still on the device (taken there, on the device;
-        the model fetches them only if it needs them on the host, as late as it can)."""
+        that EP ranks agreed on, else the smallest that holds them). `width`: the rows per sequence
+        (`self.width(chunks)` for a verify step). `history(seq, start, end)` gives tokens known on the host; `feed`
+        those of rows whose token is still on the device (taken there, on the device; the model fetches them only
+        if it needs them on the host, as late as it can)."""
         n = self.bucket(len(chunks)) if bucket is None else bucket
+        drafts = [c.seq.draft[:c.drafts] for c in chunks] if width > 1 else []
         rows = DecodeRows([c.start for c in chunks], [c.seq.slot for c in chunks], [c.seq.blocks for c in chunks],
-                          lambda b, start, end: history(chunks[b].seq, start, end), lambda b: chunks[b].seq.images)
-        self.static.fill(n, rows, feed)
+                          lambda b, start, end: history(chunks[b].seq, start, end), lambda b: chunks[b].seq.images,
+                          drafts)
+        self.static.fill(n, rows, feed, width)
+        if width > 1:
+            real = [b * width + i for b, c in enumerate(chunks) for i in range(1 + c.drafts)]
+            self.real_rows = torch.tensor(real, device=self.static.device)
         return n
 
-    def replay(self, n: int, n_real: int) -> torch.Tensor:
-        """fp32 logits [n_real, vocab], a view of the graph's output: read it before the next replay."""
-        if n not in self.graphs:
-            return self.model.forward(self.static.batch(n), self.cache)[:n_real]
-        graph, logits = self.graphs[n]
-        graph.replay()
-        return logits[:n_real]
+    def replay(self, n: int, n_real: int, width: int = 1) -> torch.Tensor:
+        """fp32 logits of the real rows, a view of the graph's output (width 1: [n_real, vocab]; a verify step:
+        the rows `prepare` marked, 1 + drafts per chunk in chunk order, or every row of the first n_real
+        sequences when it was filled otherwise): read it before the next replay."""
+        if (n, width) not in self.graphs:
+            logits = self.model.forward(self.static.batch(n, width), self.cache)
+        else:
+            graph, logits = self.graphs[(n, width)]
+            graph.replay()
+        self.static.replayed(self.cache)
+        if width == 1:
+            return logits[:n_real]
+        rows, self.real_rows = self.real_rows, None
+        return logits[:n_real * width] if rows is None else logits.index_select(0, rows)
 
     def replay_padding(self, n: int) -> None:
         """Replay bucket n with padding rows only (a data-parallel rank without tokens joins the others' step)."""

@@ -4,8 +4,9 @@ Pool sizing: `num_blocks` if given; else on CUDA from free memory (`gpu_memory_u
 total, minus what is already used), on CPU from a 1 GiB budget. The state pools get `max_num_seqs` slots for
 running sequences plus `num_snapshots` spare slots for prefix-cache snapshots (see block_manager).
 
-With CUDA graphs (`use_cuda_graphs`) pure-decode steps replay CUDA graphs captured per
-batch-size bucket at start-up (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
+With CUDA graphs (`use_cuda_graphs`) pure-decode steps, and speculative verify steps (each sequence's token and a
+draft), replay CUDA graphs captured per bucket (sequences, rows per sequence) at start-up
+(mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
 The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves.
 
@@ -94,7 +95,9 @@ class ForwardTiming:
 
 class ModelRunner:
     def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, enforce_eager: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, max_rows: int = 1):
+        """`max_rows`: the most rows a sequence's chunk of a static step holds (1 + K under speculation: verify
+        steps replay graphs of up to that width; 1: decode steps only)."""
         self.backends = resolve_backends()  # logged once
         cuda_graphs = use_cuda_graphs(model, device, dtype, enforce_eager)
         self.model = model
@@ -109,7 +112,7 @@ class ModelRunner:
         if cuda_graphs:
             static = model.static_decode(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
                                          shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
-                                         device=self.device, dtype=dtype)
+                                         device=self.device, dtype=dtype, max_rows=max_rows)
             self.graphs = DecodeGraphs(model, self.cache, static)
             self.graphs.capture_all()
 
@@ -121,13 +124,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         graph = self.graphs is not None and self.graphs.fits(chunks)
         n = self.graphs.bucket(len(chunks)) if graph else None
+        width = self.graphs.width(chunks) if graph else 1  # 1 + the most drafts: a verify step's graph
         n = self.model.agree_step(sum(c.length for c in chunks), n)  # EP: every rank the same bucket (or eager)
         graph = n is not None
-        if feed is not None and not graph:
+        if feed is not None and (not graph or width > 1):
             feed.fetch()
             feed = None
         if graph:
-            n = self.graphs.prepare(chunks, _history, feed, bucket=n)
+            n = self.graphs.prepare(chunks, _history, feed, bucket=n, width=width)
         else:
             seq_chunks = [SeqChunk(tokens=_history(c.seq, 0, c.end - c.drafts) + c.seq.draft[:c.drafts],
                                    start=c.start, slot=c.seq.slot, blocks=c.seq.blocks, want_logits=c.samples,
@@ -139,7 +143,7 @@ class ModelRunner:
         if self.timing and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        logits = self.graphs.replay(n, len(chunks)) if graph else self.model.forward(batch, self.cache).float()
+        logits = self.graphs.replay(n, len(chunks), width) if graph else self.model.forward(batch, self.cache).float()
         if events is not None:
             events[1].record()
         if self.timing:

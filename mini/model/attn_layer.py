@@ -201,7 +201,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
-        lay.draft_rows.window[plan.layer] = kv
+        lay.draft_rows.keep_window(plan.layer, kv)
     return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
 
 

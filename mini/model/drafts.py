@@ -14,6 +14,8 @@ overwrites it (the compressor runs before attention in every layer).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -22,17 +24,36 @@ class DraftRows:
     `first_row[i]`..+`count[i]`-1 at positions `first_pos[i]`.., in slot `slots[i]` (host lists)."""
 
     def __init__(self, n_seqs: int, seqs: list[int], first_row: list[int], first_pos: list[int], count: list[int],
-                 slots: list[int]):
+                 slots: list[int], store: Callable[[object, torch.Tensor], torch.Tensor] | None = None):
         self.n_seqs, self.seqs = n_seqs, seqs
         self.first_row, self.first_pos, self.count, self.slots = first_row, first_pos, count, slots
         self.window: dict[int, torch.Tensor] = {}  # layer -> [T, head_dim] every row's window KV
         # (pool name, layer) -> (kv, score) [T, width] fp32, ratio, overlap: every row as the state takes it
         self.state: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int, bool]] = {}
+        # static verify steps (mini.model.layout.DecodeLayout): store(key, rows) copies the rows into a tensor of
+        # the static buffers' own (DecodeBuffers.keep), shared by every captured step, and returns it
+        self.store = store
+
+    def placed(self, n_seqs: int, seqs: list[int], first_row: list[int], first_pos: list[int], count: list[int],
+               slots: list[int]) -> "DraftRows":
+        """The same kept rows at another step's places: a static verify step keeps its rows in the buffers' tensors
+        and learns which of them are drafts at each fill."""
+        rows = DraftRows(n_seqs, seqs, first_row, first_pos, count, slots)
+        rows.window, rows.state = self.window, self.state
+        return rows
+
+    def _kept(self, key, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.store is None else self.store(key, rows)
+
+    def keep_window(self, layer: int, kv: torch.Tensor) -> None:
+        """Keep a layer's window KV rows [T, head_dim] (what the ring would take)."""
+        self.window[layer] = self._kept(("window", layer), kv)
 
     def keeper(self, pool: str, layer: int, ratio: int, overlap: bool):
         """A `compress(keep=)` callback storing that compressor's rows."""
         def keep(kv: torch.Tensor, score: torch.Tensor) -> None:
-            self.state[(pool, layer)] = (kv, score, ratio, overlap)
+            self.state[(pool, layer)] = (self._kept((pool, layer, "kv"), kv), self._kept((pool, layer, "score"), score),
+                                         ratio, overlap)
         return keep
 
     def commit(self, window: list[torch.Tensor], states: dict[str, dict], accepted: list[int]) -> None:

@@ -40,6 +40,9 @@ class LayoutInput(Protocol):
     max_len: int | None  # static decode buffers (DecodeLayout): the longest sequence, the scratch slot and block
     pad_slot: int
     pad_block: int
+    width: int  # (DecodeLayout) rows per sequence: 1 + the most drafts of a verify step, 1 for decode
+    keep: object  # (DecodeLayout) Batch.keep, and the verify step's DraftRows that keeps with it
+    kept_drafts: DraftRows | None
 
     @property
     def n_tokens(self) -> int: ...
@@ -167,6 +170,10 @@ class StepLayout:
         return GroupIndex(seq=seq, group=group, pos=group * ratio, pool_row=pool_row, member_row=member_row,
                           member_state=member_state, write_row=write_row, write_state=write_state)
 
+    def keep(self, key, rows: torch.Tensor) -> torch.Tensor:
+        """Rows the forward leaves for after it (DSpark's target features): the step's own tensor."""
+        return rows
+
     def table(self, name: str, make):
         """A per-step value shared by the layers (e.g. RoPE tables), built once by `make()`."""
         if name not in self._tables:
@@ -187,36 +194,65 @@ class StepLayout:
 
 
 class DecodeLayout(StepLayout):
-    """A pure-decode step (row b = sequence b's one token) from static buffers (Batch.max_len set): every index
-    tensor has a shape fixed by B and max_len and comes from device ops only, so the step can be captured once in
-    a CUDA graph and replayed with new buffer contents.
+    """A decode step from static buffers (Batch.max_len set), `batch.width` rows per sequence: row b·width + i is
+    sequence b's row i (width 1: row b = sequence b's one token). Every index tensor has a shape fixed by B, the
+    width and max_len and comes from device ops only, so the step can be captured once in a CUDA graph and replayed
+    with new buffer contents.
 
     * seq_rows spans the groups of max_len positions (N = max_len // ratio), -1 past each sequence's;
-    * groups(): one entry per sequence, the group its token falls in (a decode token completes at most one group
-      per ratio); an entry the token does not complete writes its latent into the scratch block `batch.pad_block`;
-    * every token goes to its ring, and to its compressor state unless it closes its group, else to the scratch
-      slot `batch.pad_slot`;
-    * padding rows (slot pad_slot, every block pad_block) write nothing a real sequence reads."""
+    * groups(): one entry per row, the group its token falls in (a decode token completes at most one group per
+      ratio); an entry the row does not complete writes its latent into the scratch block `batch.pad_block`;
+    * a sequence's first row goes to its ring, and to its compressor state unless it closes its group, else to the
+      scratch slot `batch.pad_slot`;
+    * padding rows (slot pad_slot, every block pad_block) write nothing a real sequence reads.
+
+    A verify step (width > 1: a sequence's token and its drafts, mini.model.drafts) is Batch.build's verify chunk
+    of `lens[b]` rows followed by padding rows at the next positions: the drafts' ring and state writes are kept in
+    `draft_rows` (their places come with each fill: DecodeBuffers.draft_rows), the groups real rows complete are
+    written as an eager verify writes them, those of padding rows (after every real row: none of them reads one)
+    go to the scratch block."""
 
     def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
         self.device, self.block_tokens, self.window = batch.positions.device, block_tokens, window
         self.batch = batch
         self.n_tokens = batch.positions.shape[0]
-        self.row_start = batch.seq_of  # row b is sequence b
-        self.end_pos = self.tok_end = self.write_end = batch.positions + 1
-        self.tok_slot = batch.slots
         self._groups, self._seq_rows, self._tables = {}, {}, {}
-        self.ring_write_row = batch.seq_of
-        self.ring_write_dst = batch.slots * window + batch.positions % window
+        if batch.width == 1:
+            self.row_start = batch.seq_of  # row b is sequence b
+            self.end_pos = self.tok_end = self.write_end = batch.positions + 1
+            self.tok_slot = batch.slots
+            self.ring_write_row = batch.seq_of
+            self.ring_write_dst = batch.slots * window + batch.positions % window
+            return
+        seq = batch.seq_of
+        self.row_start = torch.arange(batch.slots.shape[0], device=self.device) * batch.width
+        self.end_pos = batch.start_pos + batch.lens  # the real rows' end, drafts included (Batch.build's)
+        self.tok_end = self.end_pos[seq]
+        self.write_end = (batch.start_pos + 1)[seq]  # the committed end: drafts are kept, not written
+        self.tok_slot = batch.slots[seq]
+        self.real = batch.positions < self.tok_end  # [T] a sequence's token and drafts, not its padding rows
+        self.ring_write_row = self.row_start
+        self.ring_write_dst = batch.slots * window + batch.start_pos % window
+        self.draft_rows = batch.kept_drafts
 
     def _max_groups(self, ratio: int) -> int:
         return self.batch.max_len // ratio
+
+    def keep(self, key, rows: torch.Tensor) -> torch.Tensor:
+        """Kept in the static buffers' own tensor (Batch.keep): a captured step leaves it there for every bucket."""
+        return rows if self.batch.keep is None else self.batch.keep(key, rows)
 
     def _group_index(self, ratio: int, overlap: bool) -> GroupIndex:
         b, M = self.batch, _members_per_group(ratio, overlap)
         seq, group = b.seq_of, b.positions // ratio
         closes = (b.positions + 1) % ratio == 0
         scratch_row = b.pad_block * (self.block_tokens // ratio)
-        pool_row = torch.where(closes, self._pool_rows(seq, group, ratio), scratch_row)
-        state_slot = torch.where(self._stays_open(ratio, overlap), b.slots, b.pad_slot)
-        return self._members(seq, group, pool_row, ratio, overlap, seq, state_slot * M + b.positions % M)
+        if b.width == 1:
+            pool_row = torch.where(closes, self._pool_rows(seq, group, ratio), scratch_row)
+            write_row = seq
+        else:  # a padding row's group, perhaps past the block table, is never looked up
+            closes = closes & self.real
+            pool_row = torch.where(closes, self._pool_rows(seq, torch.where(closes, group, -1), ratio), scratch_row)
+            write_row = torch.arange(self.n_tokens, device=self.device)
+        state_slot = torch.where(self._stays_open(ratio, overlap), self.tok_slot, b.pad_slot)
+        return self._members(seq, group, pool_row, ratio, overlap, write_row, state_slot * M + b.positions % M)

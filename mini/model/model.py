@@ -196,7 +196,7 @@ class Model:
         return bucket
 
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
-                      dtype) -> StaticDecodeInputs:
+                      dtype, max_rows: int = 1) -> StaticDecodeInputs:
         """Static decode buffers (mini.model.static_decode). Engram: with the tables on the device the graph hashes
         and looks up itself (the buffers carry each token's predecessors); else the buffers take the rows looked up
         on the host."""
@@ -207,8 +207,8 @@ class Model:
             engram_shape = (*self.hasher.primes.shape, self.config.engram_head_dim)
         buffers = DecodeBuffers(max_seqs, max_len, block_tokens, pad_slot=pad_slot, pad_block=pad_block,
                                 device=torch.device(device), engram_shape=engram_shape, engram_dtype=dtype,
-                                engram_lookback=engram_lookback)
-        return StaticDecodeInputs(buffers, self.hasher, self.engram_rows)
+                                engram_lookback=engram_lookback, max_rows=max_rows)
+        return StaticDecodeInputs(buffers, self.hasher, self.engram_rows, self)
 
     @property
     def hasher(self):
@@ -278,7 +278,7 @@ class Model:
             x, f_pre, f_post, f_comb = self._pre_norm(h, blk.hc_ffn, blk.ffn_norm, a_pre if cfg.is_v41 else None)
             h = mhc.expand(self._ffn(x, blk, batch.input_ids, image_mask, shared.step), h, f_post, f_comb)
             pre_mix = f_pre
-        self.target_features = torch.cat(features, -1) if features else None
+        self.target_features = lay.keep("target_features", torch.cat(features, -1)) if features else None
         h = h[batch.logit_rows]
         if cfg.is_v41:
             x = mhc.collapse(h, pre_mix[batch.logit_rows])

@@ -69,8 +69,8 @@ class DPModel:
         self.model.release_images(digests)
 
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
-                      dtype):
-        return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype)
+                      dtype, max_rows: int = 1):
+        return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype, max_rows)
 
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype):
         return self.model.new_cache(n_slots, n_blocks, block_tokens, device, dtype)

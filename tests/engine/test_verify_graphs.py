@@ -1,0 +1,133 @@
+"""Speculative verify steps on the static path (mini/engine/cuda_graphs.py: one graph per bucket of n sequences x
+width 1 + k rows): the engine's output equals plain decode's bit for bit, tokens and logprobs (CPU, fp32, the kernels'
+deterministic mode, where DecodeGraphs.replay runs the static step eagerly: the whole input preparation, the
+padding of short drafts and of sequences, the real rows' logits, the kept draft rows and `commit_drafts` are the
+graph's). The drafters are test_speculative's oracle (every accept length 0..K, the 118-token prompt crosses the
+ring's wrap at 128, blocks of 16 and the ratio-2 groups), cut to draft lengths that differ within a step, and DSpark
+(whose drafts read the target features a static step leaves: they must be the eager step's). gpu-marked: real graph
+replays of verify steps equal the eager engine."""
+import pytest
+import torch
+from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, OracleDrafter, _same
+
+import mini.engine.model_runner as runner_module
+import mini.ops
+from mini.engine import LLM
+
+LENGTHS = [5, 2, 0, 4, 1, 3, 5, 0]  # the oracle's drafts cut to these lengths in turn: a step mixes them
+
+
+class CutDrafter(OracleDrafter):
+    """The oracle, each draft cut to the next of LENGTHS (0: none: that sequence's chunk is a plain decode row)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cuts = 0
+
+    def propose(self, cache, commits):
+        drafts = []
+        for d in super().propose(cache, commits):
+            if d:
+                d = d[:LENGTHS[self.cuts % len(LENGTHS)]]
+                self.cuts += 1
+            drafts.append(d)
+        return drafts
+
+
+class Recorder:
+    """Wraps a drafter and records each draft it proposes (with the cache end it was made at)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.max_draft, self.min_confidence, self.drafts = drafter, drafter.max_draft, 0.0, []
+
+    def propose(self, cache, commits):
+        out = self.drafter.propose(cache, commits)
+        self.drafts += [(c.end, list(d)) for c, d in zip(commits, out)]
+        return out
+
+
+@pytest.fixture(scope="module")
+def kernels_deterministic():
+    with mini.ops.deterministic_mode():
+        yield
+
+
+@pytest.fixture(scope="module")
+def plain(kernels_deterministic):
+    return LLM("tiny-v4.1", **OPTS, num_blocks=64, max_num_seqs=4).generate(PROMPTS, GREEDY)
+
+
+def _static_engine(monkeypatch, model="tiny-v4.1", **opts):
+    """An LLM whose decode and verify steps take the static path (the CUDA-graph buffers; on the CPU no capture)."""
+    monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a: True)
+    llm = LLM(model, **{**OPTS, "num_blocks": 64, "max_num_seqs": 4, **opts})
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    widths = []
+    replay = graphs.replay
+
+    def counted(n, n_real, width=1):
+        widths.append((n, n_real, width))
+        return replay(n, n_real, width)
+
+    graphs.replay = counted
+    return llm, widths
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["full-drafts", "mixed-lengths"])
+def test_static_verify_steps_equal_plain_decode_bitwise(plain, monkeypatch, cut):
+    """Greedy speculation (K = 5) with every verify step on the static path == plain decode, bit for bit, the
+    verify steps' widths up to 1 + K. Full drafts: the three sequences verify together in a bucket of 4 (a padding
+    sequence). Mixed lengths: the 118-token prompt is prefilled in chunks (a budget of 24) beside the others' eager
+    verify chunks, then the sequences verify alone and together with drafts of different lengths (padding rows
+    inside a sequence)."""
+    futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    drafter = (CutDrafter if cut else OracleDrafter)(futures, PLAN, 512)
+    llm, replays = _static_engine(monkeypatch, drafter=drafter, spec_tokens=K,
+                                  **({"max_num_batched_tokens": 24} if cut else {}))
+    assert llm.engine.runner.graphs.widths == list(range(1, K + 2))
+    _same(llm.generate(PROMPTS, GREEDY), plain)
+    verify = [r for r in replays if r[2] > 1]
+    assert verify and max(r[2] for r in verify) == 1 + K, replays
+    if cut:
+        assert drafter.cuts > 10
+    else:
+        lengths = llm.engine.stats.spec.accept_lengths
+        assert len(lengths) == K + 1 and all(n > 0 for n in lengths), lengths  # every accept length 0..K happened
+        assert any(n > n_real for n, n_real, _ in verify), replays  # padding sequences
+
+
+def test_dspark_on_the_static_path_drafts_what_the_eager_path_drafts(kernels_deterministic, monkeypatch):
+    """tiny-v4.1-dspark: DSpark's drafts read the target features of each step's committed rows; on the static
+    path (padded rows, the features kept in the buffers and handed back in row order) they are the eager path's,
+    draft for draft, and the output is plain decode's."""
+    opts = dict(OPTS, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24)
+    plain = LLM("tiny-v4.1-dspark", **opts).generate(PROMPTS, GREEDY)
+    eager = LLM("tiny-v4.1-dspark", **opts, speculative="dspark")
+    eager.engine.spec.drafter = rec_eager = Recorder(eager.engine.spec.drafter)
+    _same(eager.generate(PROMPTS, GREEDY), plain)
+    static, replays = _static_engine(monkeypatch, "tiny-v4.1-dspark", **opts, speculative="dspark")
+    static.engine.spec.drafter = rec_static = Recorder(static.engine.spec.drafter)
+    _same(static.generate(PROMPTS, GREEDY), plain)
+    assert any(w > 1 for _, _, w in replays)
+    assert rec_static.drafts == rec_eager.drafts and any(d for _, d in rec_eager.drafts)
+
+
+@pytest.mark.gpu
+def test_verify_graphs_on_cuda_equal_eager_gpu():
+    """bf16, fast backend: speculation (the oracle, K = 5, mixed draft lengths) with verify steps replaying CUDA
+    graphs gives the tokens of the same engine with enforce_eager, and of plain decode on graphs; the graphs of
+    every (bucket, width) were captured and verify widths were replayed."""
+    from mini.ops import set_backend
+    set_backend("fast")
+    opts = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=4, block_tokens=128, max_model_len=1024)
+    plain = LLM("tiny-v4.1", **opts).generate(PROMPTS, GREEDY)
+    futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    runs = {}
+    for eager in (True, False):
+        llm = LLM("tiny-v4.1", **opts, drafter=CutDrafter(futures, PLAN, 512), spec_tokens=K, enforce_eager=eager)
+        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        graphs = llm.engine.runner.graphs
+        if not eager:
+            assert sorted(graphs.graphs) == [(n, w) for n in (1, 2, 4) for w in range(1, K + 2)]
+    assert runs[False] == runs[True] == [o.token_ids for o in plain]
