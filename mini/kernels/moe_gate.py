@@ -48,9 +48,9 @@ class GateConfig:
 CONFIGS = (GateConfig(64, 64, 8, 3, steps=8, inner_loop=True), GateConfig(32, 64, 4, 2),
            GateConfig(32, 32, 4, 3), GateConfig(32, 32, 4, 2))
 _CHOSEN: dict[tuple, GateConfig] = {}
-# few_rows (decode): 16 rows x 4 experts per program of the logits (96 programs at 384 experts), K in 128-wide
-# chunks; 4 rows per program of the epilogue
-FEW_ROWS_TILES = (16, 4, 128, 4)
+# few_rows (decode): BT 16 rows x BE 8 experts x one K_PIECE of 256 per program of the logits (48 x 20 programs at
+# 384 experts x D 5120), in BK 64-wide chunks; BM 1 row per program of the epilogue
+FEW_ROWS_TILES = (16, 8, 64, 256, 1)
 
 
 @triton.jit
@@ -197,52 +197,63 @@ def _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, we
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gate_logits_kernel(x_ptr, w_ptr, logits_ptr, T, stride_x, D: tl.constexpr, E: tl.constexpr,
-                        BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """Few rows: logits[t, e] = sum_k x[t, k] w[e, k] for BT rows x BE experts per program, on the CUDA cores in
-    fp32 (exact bf16 products; each BK chunk summed as a tree, the chunks in order). The experts split over the
-    programs: the gate weight is read once across the GPU, not once per row block through one SM."""
-    rows = tl.program_id(1) * BT + tl.arange(0, BT)
-    row_ok = rows < T
+def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, T, stride_x, D: tl.constexpr, E: tl.constexpr,
+                        BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K_PIECE: tl.constexpr):
+    """Few rows: the partial logits part[s, t, e] = sum of x[t, k] w[e, k] over K piece s (K_PIECE wide), for BT
+    rows x BE experts per program, on the CUDA cores in fp32 (exact bf16 products; each BK chunk summed as a tree,
+    the chunks in order). Experts and K split over the programs: the gate weight is read once across the GPU, and
+    each program walks only K_PIECE / BK chunks (a few load round trips, not D / BK)."""
     experts = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = experts < E
+    piece = tl.program_id(1)
+    rows = tl.program_id(2) * BT + tl.arange(0, BT)
+    row_ok = rows < T
     kk = tl.arange(0, BK)
     acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        k_ok = k0 + kk < D
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * D + (k0 + kk)[None, :], mask=e_ok[:, None] & k_ok[None, :],
+    for k0 in tl.static_range(0, K_PIECE, BK):
+        k = piece * K_PIECE + k0 + kk
+        k_ok = k < D
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    tl.store(logits_ptr + rows[:, None].to(tl.int64) * E + experts[None, :], acc,
-             mask=row_ok[:, None] & e_ok[None, :])
+    at = (piece * T + rows[:, None].to(tl.int64)) * E + experts[None, :]
+    tl.store(part_ptr + at, acc, mask=row_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _sum_pieces(part_ptr, rows, row_ok, cols, T, E: tl.constexpr, PIECES: tl.constexpr, PP: tl.constexpr):
+    """[BM, width] logits: the K pieces' partial sums added as one tree over the piece axis (fixed for a shape)."""
+    p = tl.arange(0, PP)
+    at = (p[:, None, None] * T + rows[None, :, None].to(tl.int64)) * E + cols[None, None, :]
+    ok = (p < PIECES)[:, None, None] & row_ok[None, :, None] & (cols < E)[None, None, :]
+    return tl.sum(tl.load(part_ptr + at, mask=ok, other=0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gate_pick_kernel(logits_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids_ptr, T, temp, route_scale, eps,
-                      E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
-                      NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr, LIBDEVICE: tl.constexpr,
-                      BM: tl.constexpr):
-    """Few rows, after `_gate_logits_kernel`: `_gate_kernel`'s epilogue on BM rows of the summed logits (DEBUG:
-    the logits / temp and the scores written over the sums, each element by the program that read it)."""
+def _gate_pick_kernel(part_ptr, debug_ptr, bias_ptr, bias_img_ptr, img_ptr, weights_ptr, ids_ptr, T, temp,
+                      route_scale, eps, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NA: tl.constexpr,
+                      NB: tl.constexpr, NORMALIZE: tl.constexpr, HAS_IMG: tl.constexpr, DEBUG: tl.constexpr,
+                      LIBDEVICE: tl.constexpr, BM: tl.constexpr, PIECES: tl.constexpr, PP: tl.constexpr):
+    """Few rows, after `_gate_logits_kernel`: the pieces summed, then `_gate_kernel`'s epilogue on BM rows (DEBUG:
+    the logits and scores to debug_ptr, [2, T, E])."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < T
-    at = logits_ptr + rows[:, None].to(tl.int64) * E
     cols_a = tl.arange(0, NA)
-    acc_a = tl.load(at + cols_a[None, :], mask=row_ok[:, None] & (cols_a < E)[None, :], other=0.0)
     is_img = row_ok  # read only when HAS_IMG
     if HAS_IMG:
         is_img = tl.load(img_ptr + rows, mask=row_ok, other=0) != 0
+    acc_a = _sum_pieces(part_ptr, rows, row_ok, cols_a, T, E, PIECES, PP)
+    score_a, sel_a = _block_scores(acc_a, cols_a, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, debug_ptr,
+                                   debug_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
     cols_b = cols_a
-    score_b, sel_b = acc_a, acc_a  # read only when NB > 0
+    score_b, sel_b = score_a, sel_a  # read only when NB > 0
     if NB > 0:
         cols_b = NA + tl.arange(0, NB)
-        acc_b = tl.load(at + cols_b[None, :], mask=row_ok[:, None] & (cols_b < E)[None, :], other=0.0)
+        acc_b = _sum_pieces(part_ptr, rows, row_ok, cols_b, T, E, PIECES, PP)
         score_b, sel_b = _block_scores(acc_b, cols_b, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img,
-                                       logits_ptr, logits_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
-    score_a, sel_a = _block_scores(acc_a, cols_a, rows, row_ok, temp, bias_ptr, bias_img_ptr, is_img, logits_ptr,
-                                   logits_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
+                                       debug_ptr, debug_ptr + T * E, E, HAS_IMG, DEBUG, LIBDEVICE)
     _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, weights_ptr, ids_ptr, route_scale, eps,
                 K, KP, NA, NB, NORMALIZE, BM)
 
@@ -260,7 +271,7 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     """x [T, D] bf16, weight [E, D] bf16, bias fp32 [E] -> (weights fp32 [T, k], ids int64 [T, k]).
     bias_img [E] with image_mask bool [T]: that bias on image rows. debug=True also returns the fp32 logits and
     scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here. few_rows=True: the
-    decode path, two launches (`_gate_logits_kernel` with the experts split over the programs, then
+    decode path, two launches (`_gate_logits_kernel` with the experts and K split over the programs, then
     `_gate_pick_kernel`), the same epilogue; its logits sum in another order."""
     T, D = x.shape
     E = weight.shape[0]
@@ -288,16 +299,17 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                   # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
                   DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16)
     if few_rows:
-        # the logits' sums, then (debug) the logits / temp and the scores written over them, [2, T, E]
-        sums = torch.empty(2 if debug else 1, T, E, dtype=torch.float32, device=dev)
-        BT, BE, BK, BM = FEW_ROWS_TILES
-        _gate_logits_kernel[(triton.cdiv(E, BE), triton.cdiv(T, BT))](x, weight.contiguous(), sums, T, x.stride(0),
-                                                                      D=D, E=E, BT=BT, BE=BE, BK=BK)
-        _gate_pick_kernel[(triton.cdiv(T, BM),)](sums, bias, bias_img, img, weights, ids, T, float(temp),
-                                                 float(route_scale), float(eps), E=E, K=k, KP=consts["KP"], NA=na,
-                                                 NB=nb, NORMALIZE=normalize, HAS_IMG=has_img, DEBUG=debug,
-                                                 LIBDEVICE=not interpreted, BM=BM)
-        return (weights, ids, sums[0], sums[-1]) if debug else (weights, ids)
+        BT, BE, BK, K_PIECE, BM = FEW_ROWS_TILES
+        pieces = triton.cdiv(D, K_PIECE)
+        part = torch.empty(pieces, T, E, dtype=torch.float32, device=dev)  # the K pieces' partial logits
+        debug_out = torch.empty(2 if debug else 0, T, E, dtype=torch.float32, device=dev)  # logits, scores
+        _gate_logits_kernel[(triton.cdiv(E, BE), pieces, triton.cdiv(T, BT))](
+            x, weight.contiguous(), part, T, x.stride(0), D=D, E=E, BT=BT, BE=BE, BK=BK, K_PIECE=K_PIECE)
+        _gate_pick_kernel[(triton.cdiv(T, BM),)](
+            part, debug_out if debug else part, bias, bias_img, img, weights, ids, T, float(temp), float(route_scale),
+            float(eps), E=E, K=k, KP=consts["KP"], NA=na, NB=nb, NORMALIZE=normalize, HAS_IMG=has_img, DEBUG=debug,
+            LIBDEVICE=not interpreted, BM=BM, PIECES=pieces, PP=triton.next_power_of_2(pieces))
+        return (weights, ids, debug_out[0], debug_out[1]) if debug else (weights, ids)
     key = (dev.type, dev.index, D, E, k)
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS
     for i, cfg in enumerate(candidates):

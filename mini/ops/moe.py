@@ -14,7 +14,7 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
 GEMM's; scores, top-k and weights in its epilogue), up to 64 tokens (decode) the same kernels' few-rows path
-(logits on the CUDA cores with the experts split over the programs, then the same epilogue), between them the
+(logits on the CUDA cores with experts and K split over the programs, then the same epilogue), between them the
 reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
@@ -227,9 +227,9 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 # 0.55 at 4,096; the fused one 0.21 ms at 4,096 (64 programs, one wave; fewer tokens run fewer programs of the
 # same length, so about as long) and 0.39 at 16,384: about even at this threshold.
 FUSED_GATE_MIN_TOKENS = 1024
-# Up to this many tokens (decode steps) the gate is the few-rows kernels': the logits with the experts split over
-# ~100 programs (the gate weight read once across the GPU, bf16, where the unfused gate first copies it to fp32),
-# then one epilogue kernel; two launches where the unfused gate makes about a dozen (copies, the fp32 GEMM,
+# Up to this many tokens (decode steps) the gate is the few-rows kernels': the logits with the experts and K split
+# over the programs (the gate weight read once across the GPU, bf16, where the unfused gate first copies it to
+# fp32), then one epilogue kernel; two launches where the unfused gate makes about a dozen (copies, the fp32 GEMM,
 # softplus, sqrt, bias, top-k, gather, sum, divisions). Each row block of 16 rows re-reads the weight (from L2).
 FEW_ROWS_GATE_MAX_TOKENS = 64
 

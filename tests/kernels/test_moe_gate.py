@@ -225,11 +225,13 @@ def _build_for_sm90() -> None:
                                             INNER_LOOP=c.inner_loop),
               c.num_warps, c.num_stages)
         # the decode path (few_rows): the logits with the experts split over the programs, then the epilogue
-        BT, BE, BK, BM = FEW_ROWS_TILES
-        build(_gate_logits_kernel, {**gate_ptrs, "logits_ptr": "*fp32"}, dict(D=D, E=E, BT=BT, BE=BE, BK=BK))
-        build(_gate_pick_kernel, {**gate_ptrs, "logits_ptr": "*fp32"},
-              dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True, HAS_IMG=img, DEBUG=img,
-                   LIBDEVICE=True, BM=BM))
+        BT, BE, BK, K_PIECE, BM = FEW_ROWS_TILES
+        few = {**gate_ptrs, "part_ptr": "*fp32", "debug_ptr": "*fp32"}
+        build(_gate_logits_kernel, few, dict(D=D, E=E, BT=BT, BE=BE, BK=BK, K_PIECE=K_PIECE))
+        pieces = triton.cdiv(D, K_PIECE)
+        build(_gate_pick_kernel, few, dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True,
+                                           HAS_IMG=img, DEBUG=img, LIBDEVICE=True, BM=BM, PIECES=pieces,
+                                           PP=triton.next_power_of_2(pieces)))
     route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     for E in (0, 1, 7, 96, 384):
         EB, SUB, STEP = moe_route.launch_sizes(E)
