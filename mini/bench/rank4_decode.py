@@ -54,15 +54,17 @@ def _ints(text: str, what: str, suite: str = SUITE) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------- the run
 class DecodeRun:
-    """One (B, C) workload on a built rank model: its cache (random contents), static buffers and graph."""
+    """One (B, C) workload on a built rank model: its cache (random contents), static buffers and graph. `width` > 1:
+    verify steps instead (spec-decode), each sequence its token and width - 1 draft tokens at the next positions."""
 
     def __init__(self, model, cfg: ModelConfig, exchange, batch: int, context: int, extra: int, block_tokens: int,
-                 device, dtype, seed: int):
+                 device, dtype, seed: int, width: int = 1):
         from mini.engine.cuda_graphs import DecodeGraphs
         from mini.model import DecodeBuffers, KVCache
         from mini.model.static_decode import StaticDecodeInputs
         self.model, self.cfg, self.exchange, self.B, self.C = model, cfg, exchange, batch, context
-        max_len = -(-(context + extra + 1) // block_tokens) * block_tokens
+        self.width = width
+        max_len = -(-(context + extra + width) // block_tokens) * block_tokens
         self.blocks_per_seq = max_len // block_tokens
         n_blocks = batch * self.blocks_per_seq + 1  # + the scratch block padding rows write into
         self.cache = KVCache(cfg, batch + 1, n_blocks, block_tokens, device, dtype)  # + the scratch slot
@@ -71,32 +73,35 @@ class DecodeRun:
         if cfg.engram_layer_ids:
             engram_shape = (len(cfg.engram_layer_ids), cfg.n_hash_cols, cfg.engram_head_dim)
         self.buffers = DecodeBuffers(batch, max_len, block_tokens, pad_slot=batch, pad_block=n_blocks - 1,
-                                     device=device, engram_shape=engram_shape, engram_dtype=dtype)
+                                     device=device, engram_shape=engram_shape, engram_dtype=dtype, max_rows=width)
         g = torch.Generator().manual_seed(seed)
         self.engram = None if engram_shape is None else (
-            torch.randn(batch, *engram_shape, generator=g) * 0.05).to(dtype)
+            torch.randn(batch * width, *engram_shape, generator=g) * 0.05).to(dtype)
         self.tokens = torch.randint(3, cfg.vocab_size, (1 << 12,), generator=g).tolist()
         self.blocks = [list(range(b * self.blocks_per_seq, (b + 1) * self.blocks_per_seq)) for b in range(batch)]
         self.step_no = 0
         self.fill()
         self.graphs = DecodeGraphs(model, self.cache, StaticDecodeInputs(self.buffers))
-        self.graphs.sizes = [batch]  # one bucket: exactly this batch (capture_all would take every bucket up to B)
+        # one bucket: exactly this batch and width (capture_all would take every bucket up to B, every width up to it)
+        self.graphs.sizes, self.graphs.widths = [batch], [width]
 
     def fill(self) -> None:
-        """The next step's inputs: every sequence one token further."""
-        s, B = self.step_no, self.B
-        toks = [self.tokens[(s * B + b) % len(self.tokens)] for b in range(B)]
-        self.buffers.fill(B, toks, [self.C + s] * B, list(range(B)), self.blocks, self.engram)
+        """The next step's inputs: every sequence one token further (a verify step's draft: the tokens after it)."""
+        s, B, n = self.step_no, self.B, len(self.tokens)
+        toks = [self.tokens[(s * B + b) % n] for b in range(B)]
+        drafts = [[self.tokens[(s * B + b + i) % n] for i in range(1, self.width)] for b in range(B)]
+        self.buffers.fill(B, toks, [self.C + s] * B, list(range(B)), self.blocks, self.engram, drafts=drafts,
+                          width=self.width)
         self.step_no += 1
 
     def capture(self) -> None:
         self.graphs.capture_all()  # CUDA only; on the CPU replay() runs the static step eagerly
 
     def replay(self) -> torch.Tensor:
-        return self.graphs.replay(self.B, self.B)
+        return self.graphs.replay(self.B, self.B, self.width)
 
     def eager(self) -> torch.Tensor:
-        return self.model.forward(self.buffers.batch(self.B), self.cache)
+        return self.model.forward(self.buffers.batch(self.B, self.width), self.cache)
 
     def touched_experts(self) -> tuple[list[int], dict[int, list[int]]]:
         """One eager step with the emulation recording: local experts with at least one pair, per MoE layer, and
@@ -179,14 +184,15 @@ def definition(args, batches: list[int], contexts: list[int]) -> dict:
 
 
 def measure_shape(model, cfg: ModelConfig, exchange, args, batch: int, context: int, study=None,
-                  what: str = SUITE) -> tuple[dict[str, float], dict]:
-    """measure_one of a fresh DecodeRun of B = `batch` sequences at `context`, its cache freed after; a cache that
-    cannot fit is refused (SuiteError, naming `what`) before it is allocated. Also spec-decode's (its verify proxy)."""
+                  what: str = SUITE, width: int = 1) -> tuple[dict[str, float], dict]:
+    """measure_one of a fresh DecodeRun of B = `batch` sequences at `context` (of `width` rows each: verify steps),
+    its cache freed after; a cache that cannot fit is refused (SuiteError, naming `what`) before it is allocated.
+    Also spec-decode's (its verify step and proxy)."""
     from mini.testing.suites import SuiteError
     cuda = args.device.startswith("cuda")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     extra = args.warmup + args.steps + args.profile_steps + 2  # positions the steps advance past C
-    max_len = -(-(context + extra + 1) // args.block_tokens) * args.block_tokens
+    max_len = -(-(context + extra + width) // args.block_tokens) * args.block_tokens
     need = predicted_cache_bytes(cfg, batch, max_len, args.block_tokens, dtype)
     if cuda:
         free, _ = torch.cuda.mem_get_info(device)
@@ -194,7 +200,7 @@ def measure_shape(model, cfg: ModelConfig, exchange, args, batch: int, context: 
             raise SuiteError(f"{what}: B={batch} x C={context} needs a {need / 2**30:.1f} GiB cache; "
                              f"{free / 2**30:.1f} GiB free after the model")
         torch.cuda.reset_peak_memory_stats()
-    r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed)
+    r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed, width)
     m, raw = measure_one(r, args, cuda, study)
     del r
     if cuda:

@@ -5,9 +5,11 @@ emulated) with DSpark's three stages added at V4.1-Flash's sizes (spec §2.7: bl
 rank 256). For each B in `--batch` at context C, with k = `--spec-tokens` drafts:
 
 - `decode_ms`: the plain decode step of B rows, rank4-decode's measurement (one CUDA graph of exactly B rows);
-- `verify_proxy_ms`: the PROXY of a verify step that issue 27 names: a decode step of B x (1 + k) sequences, each
-  at context C. It over-counts attention and the cache (each row reads a whole context of its own, where a real
-  verify step's 1 + k rows of one sequence read one); the graph verify step (B x (1 + k) rows) is not built yet;
+- `verify_ms`: the verify step as the engine replays it (mini.engine.cuda_graphs, one graph of exactly B sequences x
+  (1 + k) rows: each sequence's token and a draft of k tokens at the next positions);
+- `verify_proxy_ms`: the PROXY of a verify step that issue 27 measured before verify graphs existed, kept beside
+  it: a decode step of B x (1 + k) sequences, each at context C (it over-counts attention and the cache: each row
+  reads a context of its own, where a verify step's 1 + k rows of one sequence read one);
 - `draft_ms`: DSpark's draft step as DSparkDrafter runs it after a verify step that accepted the whole draft
   (the most it writes): the B x (1 + k) committed rows' features into every stage's ring (`write_rings`, eager: it
   indexes by a mask, which syncs), then one draft of the block's positions per sequence (`propose`, the whole block
@@ -145,6 +147,8 @@ def measure_batch(model, cfg, exchange, args, B: int, C: int, k: int, acceptance
     """One B at context C: the plain step, the draft step, and each verify step measured (label -> its step)."""
     raw, verify = {}, {}
     plain, raw["decode"] = rank4_decode.measure_shape(model, cfg, exchange, args, B, C, what=SUITE)
+    verify["verify"], raw["verify"] = rank4_decode.measure_shape(model, cfg, exchange, args, B, C, what=SUITE,
+                                                                 width=1 + k)
     m = {"decode_ms": plain["ms_per_step"], "decode.per_user_tok_s": 1e3 / plain["ms_per_step"],
          "decode.per_gpu_tok_s": plain["tok_per_s_per_gpu"]}
     m_draft, raw["draft"] = measure_draft(model, args, B, C, 1 + k, cuda)
@@ -193,8 +197,8 @@ def run(args) -> dict:
     definition = rank4_decode.definition(args, batches, contexts) | {
         "spec_tokens": k, "dspark_block": cfg.dspark_block_size, "dspark_experts": cfg.dspark_n_routed_experts,
         "acceptance": acceptance, "acceptance_is": "EMULATED (random weights accept almost nothing): tokens "
-        "committed per verify step, bonus included", "verify": "verify_proxy: a decode step of B x (1 + k) "
-        "sequences at the context (over-counts attention); the graph verify step is not built yet",
+        "committed per verify step, bonus included", "verify": "verify: the verify step's graph, B sequences x "
+        "(1 + k) rows; verify_proxy: a decode step of B x (1 + k) sequences at the context (over-counts attention)",
         "targets": {str(B): {"acceptance": a or min(acceptance), "speedup": s} for B, (a, s) in TARGETS.items()}}
     return {"suite": SUITE, "definition": definition, "metrics": metrics, "raw": raw}
 

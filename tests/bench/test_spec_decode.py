@@ -24,21 +24,26 @@ def test_suite_runs_on_the_tiny_model_and_reports_every_figure():
     assert "proxy" in d["verify"] and d["graphs"] is False
     for B in (1, 2):
         p = f"b{B}_c37."
-        decode, proxy, draft = m[p + "decode_ms"], m[p + "verify_proxy_ms"], m[p + "draft_ms"]
-        assert decode > 0 and proxy > 0 and m[p + "draft_propose_ms"] > 0 and m[p + "draft_write_ms"] > 0
+        decode, draft = m[p + "decode_ms"], m[p + "draft_ms"]
+        assert decode > 0 and m[p + "draft_propose_ms"] > 0 and m[p + "draft_write_ms"] > 0
         assert draft == pytest.approx(m[p + "draft_write_ms"] + m[p + "draft_propose_ms"])
         assert m[p + "draft_graph"] == 0  # no CUDA: eager, and said so
-        assert m[p + "verify_proxy_over_decode"] == pytest.approx(proxy / decode)
         assert m[p + "decode.per_gpu_tok_s"] == pytest.approx(B * m[p + "decode.per_user_tok_s"])
-        for L in (2.0, 2.8, 3.5):
-            q = p + f"verify_proxy.emulated_accept_{L}."
-            assert m[q + "per_user_tok_s"] == pytest.approx(L * 1e3 / (proxy + draft))
-            assert m[q + "per_gpu_tok_s"] == pytest.approx(B * m[q + "per_user_tok_s"])
-            assert m[q + "speedup"] == pytest.approx(L * decode / (proxy + draft))
+        for label in ("verify", "verify_proxy"):
+            verify = m[p + label + "_ms"]
+            assert verify > 0 and m[p + label + "_over_decode"] == pytest.approx(verify / decode)
+            for L in (2.0, 2.8, 3.5):
+                q = p + f"{label}.emulated_accept_{L}."
+                assert m[q + "per_user_tok_s"] == pytest.approx(L * 1e3 / (verify + draft))
+                assert m[q + "per_gpu_tok_s"] == pytest.approx(B * m[q + "per_user_tok_s"])
+                assert m[q + "speedup"] == pytest.approx(L * decode / (verify + draft))
+        # the verify step's graph: B sequences x (1 + k) rows (the proxy: B x (1 + k) sequences of one row)
+        assert result["raw"][f"b{B}_c37"]["verify"]["step_ms"] and result["raw"][f"b{B}_c37"]["verify_proxy"]
     # B = 1 carries issue 27's target (2.0x at acceptance 2.8), B = 2 none
     assert m["b1_c37.target_speedup"] == 2.0
-    assert m["b1_c37.verify_proxy.emulated_accept_2.8.meets_target"] == float(
-        m["b1_c37.verify_proxy.emulated_accept_2.8.speedup"] >= 2.0)
+    for label in ("verify", "verify_proxy"):
+        assert m[f"b1_c37.{label}.emulated_accept_2.8.meets_target"] == float(
+            m[f"b1_c37.{label}.emulated_accept_2.8.speedup"] >= 2.0)
     assert not any(k.startswith("b2_c37.") and "target" in k for k in m)
     # the proxy's cache holds B x (1 + k) sequences; the draft step's work does not depend on k
     assert result["raw"]["b2_c37"]["draft"]["draft_graph_refused"] == "not CUDA"
@@ -50,20 +55,40 @@ def test_a_proxy_that_does_not_fit_leaves_the_rest(monkeypatch, capsys):
     from mini.bench import rank4_decode
     measure = rank4_decode.measure_shape
 
-    def small_only(model, cfg, exchange, args, batch, context, study=None, what="x"):
+    def small_only(model, cfg, exchange, args, batch, context, study=None, what="x", width=1):
         if batch > 2:
             raise SuiteError(f"{what}: B={batch} x C={context} needs a 99.0 GiB cache; 1.0 GiB free after the model")
-        return measure(model, cfg, exchange, args, batch, context, study, what)
+        return measure(model, cfg, exchange, args, batch, context, study, what, width)
 
     monkeypatch.setattr(rank4_decode, "measure_shape", small_only)
     result = check_result("spec-decode", sd.run(_args(["--batch", "1", "--spec-tokens", "2"])))
     m = result["metrics"]
     assert m["b1_c37.decode_ms"] > 0 and m["b1_c37.draft_ms"] > 0 and m["b1_c37.target_speedup"] == 2.0
+    assert m["b1_c37.verify_ms"] > 0 and "b1_c37.verify.emulated_accept_2.8.speedup" in m
     assert not any("verify_proxy" in k for k in m)
     assert "needs a 99.0 GiB cache" in result["raw"]["b1_c37"]["verify_proxy"]
-    out = capsys.readouterr().out
-    assert "spec-decode B=1 C=37: no verify_proxy: spec-decode: B=3 x C=37 needs" in out
-    assert "no verify step measured" in out
+    assert "spec-decode B=1 C=37: no verify_proxy: spec-decode: B=3 x C=37 needs" in capsys.readouterr().out
+
+
+def test_verify_run_gives_each_sequence_its_token_and_draft_at_the_next_positions():
+    import mini.ops
+    from mini.bench import rank4_decode as rd
+    from mini.checkpoint import expert_range
+    from mini.config import preset
+    from mini.testing.emulated_ep import EmulatedEP
+    from mini.testing.rank_model import rank_model
+    cfg = preset("tiny-v4.1-dspark")
+    ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
+    with mini.ops.using_backend("reference"):
+        model = rank_model(cfg, torch.device("cpu"), torch.float32, 0, expert_range(cfg, 0, 4), None, ex)
+        r = rd.DecodeRun(model, cfg, ex, 2, 40, 5, 16, torch.device("cpu"), torch.float32, 0, width=3)
+        ids = r.buffers.ids
+        assert ids[1, :6].tolist() == [40, 41, 42, 40, 41, 42]  # row b * 3 + i: sequence b at 40 + i
+        assert ids[0, :6].tolist() == r.tokens[0:3] + r.tokens[1:4]  # its token, then the draft
+        r.fill()
+        assert ids[1, :6].tolist() == [41, 42, 43, 41, 42, 43]
+        out = r.replay()
+        assert out.shape == (2 * 3, cfg.vocab_size) and torch.isfinite(out).all()
 
 
 def test_speed_ups_from_hand_numbers():
