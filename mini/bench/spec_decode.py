@@ -27,6 +27,7 @@ workload without and with `--speculative dspark`; acceptance there is what the r
 """
 from __future__ import annotations
 
+import argparse
 import shlex
 import statistics
 
@@ -44,6 +45,8 @@ def add_args(p) -> None:
     p.set_defaults(batch="1,16,64,256", context="4096", profile_steps=0)
     p.add_argument("--spec-tokens", type=int, default=0, help="drafts k per verify step (0: DSpark's block size)")
     p.add_argument("--acceptance", default="2.0,2.8,3.5", help="emulated tokens committed per verify step")
+    p.add_argument("--proxy", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the verify proxy (a decode step of B x (1 + k) sequences)")
     p.add_argument("--tiny", action="store_true", help="tiny-v4.1-dspark goodput without and with speculation")
     p.add_argument("--tiny-args", default="", help="more tiny-goodput options for --tiny, one string")
 
@@ -154,8 +157,9 @@ def measure_batch(model, cfg, exchange, args, B: int, C: int, k: int, acceptance
     m_draft, raw["draft"] = measure_draft(model, args, B, C, 1 + k, cuda)
     m |= m_draft
     try:
-        verify["verify_proxy"], raw["verify_proxy"] = rank4_decode.measure_shape(model, cfg, exchange, args,
-                                                                                 B * (1 + k), C, what=SUITE)
+        if args.proxy:
+            verify["verify_proxy"], raw["verify_proxy"] = rank4_decode.measure_shape(model, cfg, exchange, args,
+                                                                                     B * (1 + k), C, what=SUITE)
     except SuiteError as e:  # B x (1 + k) contexts of their own may not fit (B = 256 at 32K: ~200 GB)
         raw["verify_proxy"] = str(e)
         print(f"{SUITE} B={B} C={C}: no verify_proxy: {e}", flush=True)
@@ -205,8 +209,6 @@ def run(args) -> dict:
 
 def run_tiny(args) -> dict:
     """tiny-goodput of tiny-v4.1-dspark, the same workload without and with speculation."""
-    import argparse
-
     from mini.bench import serve
     p = argparse.ArgumentParser(prog=f"{SUITE} --tiny-args")
     serve.add_args(p)

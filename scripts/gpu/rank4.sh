@@ -69,18 +69,19 @@ phase_spec_decode() {  # issue 27 item 6 (<= 200 s, not yet run): speculation's 
     # DSpark's draft step (propose in a CUDA graph where capture works: draft_graph 1, else eager and
     # raw.*.draft.draft_graph_refused says why); each graph an eager warm-up, a capture, 2 + 6 replays (~10-20 s a
     # shape, guessed from rank4_decode's 86 s for B = 1, 16 with its build: the four B may not all fit; then run
-    # SPEC_DECODE_BATCH=1,64 and 16,256 apart). Look at: the "spec-decode B=" lines (decode / draft / verify /
-    # verify_proxy ms and the speed-ups per user; targets B = 1 >= 2.0x at 2.8, B = 64 >= 1.3x, B = 256 >= 1x),
+    # SPEC_DECODE_BATCH=1,64 and 16,256 apart, or SPEC_DECODE_ARGS=--no-proxy). Look at: the "spec-decode B=" lines
+    # (decode / draft / verify / verify_proxy ms and the speed-ups per user; targets B = 1 >= 2.0x at 2.8, B = 64
+    # >= 1.3x, B = 256 >= 1x),
     # spec_decode.json metrics b*_c4096.{verify_over_decode, draft_ms, draft_graph, verify.emulated_accept_*.speedup,
     # meets_target} and the same for verify_proxy.
     MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 190 python3 -m mini.cli bench spec-decode \
         --batch "${SPEC_DECODE_BATCH:-1,64,16,256}" --context "${SPEC_DECODE_CONTEXT:-4096}" --steps 6 --warmup 2 \
-        --json "$PHASE_DIR/spec_decode.json" >"$PHASE_DIR/spec_decode.log" 2>&1
+        ${SPEC_DECODE_ARGS:-} --json "$PHASE_DIR/spec_decode.json" >"$PHASE_DIR/spec_decode.log" 2>&1
     local rc=$?
     grep -E "Error|error:|^mini bench:" "$PHASE_DIR/spec_decode.log" | tail -5
     grep -E "^  (setup_s|built_mem_gb|b[0-9]+_c[0-9]+\.(peak_mem_gb|draft_graph)) " "$PHASE_DIR/spec_decode.log" \
         | tr -s ' ' | paste -sd' '
-    grep "^spec-decode B=" "$PHASE_DIR/spec_decode.log"  # one line per B: the three steps and the speed-ups
+    grep "^spec-decode B=" "$PHASE_DIR/spec_decode.log"  # one line per B: its steps and the speed-ups
     return $rc
 }
 

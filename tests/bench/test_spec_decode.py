@@ -91,6 +91,13 @@ def test_verify_run_gives_each_sequence_its_token_and_draft_at_the_next_position
         assert out.shape == (2 * 3, cfg.vocab_size) and torch.isfinite(out).all()
 
 
+def test_no_proxy_measures_the_verify_step_alone(capsys):
+    result = check_result("spec-decode", sd.run(_args(["--batch", "1", "--spec-tokens", "1", "--no-proxy"])))
+    m = result["metrics"]
+    assert m["b1_c37.verify_ms"] > 0 and not any("verify_proxy" in k for k in m)
+    assert "verify_proxy" not in result["raw"]["b1_c37"] and "no verify_proxy" not in capsys.readouterr().out
+
+
 def test_speed_ups_from_hand_numbers():
     """decode 10 ms, verify 12 ms, draft 3 ms, 64 sequences: at 3 tokens per verify step 200 tok/s per user, 2x."""
     m = sd.speedups(64, 10.0, 12.0, 3.0, [3.0, 1.5], "v")
