@@ -22,12 +22,14 @@ on the H200 against 574 us for the former one-kernel version, docs/kernels.md):
    the matching [hc·block_k, 32] tiles of fn's three pieces: three MMAs per step) for its partial sum of squares
    and partial projection, and (V4.1, delayed pre) the collapsed, rounded row chunk, written to y with its
    partial sum of squares;
-2. `_mhc_finish_kernel`, grid (token blocks): sums the partials in split order, then the sigmoids and the Sinkhorn,
-   (V4 only: the collapse with its own pre, a second read of h) and the normalisation of y in place.
+2. `_mhc_finish_kernel`, grid (token blocks): sums the partials (one tile, a tree over the splits), then the
+   sigmoids and the Sinkhorn, (V4 only: the collapse with its own pre, a second read of h) and the normalisation
+   of y in place.
 The split count follows T (`partial_tiles`): 8 chunks fill the GPU at thousands of tokens, but a decode step has
 one token block, and every token block reads all of fn's pieces (3.9 MB at V4.1, against h's 40 KB per token):
-there D is cut into up to one chunk per block_k step, ~160 programs. The deterministic mode keeps the 8 chunks and
-64-token blocks at every T (`invariant`), so that a row's sums do not depend on the step's size.
+there D is cut into up to one chunk per block_k step, ~160 programs, and the finishing pass takes fewer tokens per
+program (`finish_tiles`). The deterministic mode keeps the 8 chunks, 64-token blocks and the finishing pass's
+8 x 512 tiles at every T (`invariant`), so that a row's sums do not depend on the step's size.
 """
 import os
 import weakref
@@ -39,7 +41,6 @@ import triton.language as tl
 from mini.formats.quant import fake_quant_enabled
 from mini.kernels.quant import fake_quant_tile, kind_code
 
-SPLIT_STEP = tl.constexpr(8)  # split-K partials the finishing pass loads per loop step
 PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24), then sum h^2, sum y^2
 # Triton 3.6's interpreter multiplies bf16 tiles wrongly (seen on CPU): there the bf16 pieces are multiplied as fp32
 # tiles holding the same values (still exact products), on the GPU as bf16 MMA operands.
@@ -171,9 +172,9 @@ def _mhc_finish_kernel(
     h_ptr, part_ptr, scale_ptr, base_ptr, norm_w_ptr, pre_in_ptr,
     pre_ptr, post_ptr, comb_ptr, y_ptr,
     T, norm_eps, hc_eps,
-    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, DELAYED: tl.constexpr, COLLAPSE: tl.constexpr, QUANT: tl.constexpr,
-    QBLOCK: tl.constexpr,
+    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, SP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DELAYED: tl.constexpr, COLLAPSE: tl.constexpr,
+    QUANT: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     NC: tl.constexpr = HC * HC  # comb entries
     NP: tl.constexpr = 2 * HC  # pre + post entries
@@ -183,21 +184,17 @@ def _mhc_finish_kernel(
     cols = tl.arange(0, 16)
     pp_ok = cols < NP
 
-    # sum the split-K partials in split order (deterministic), SPLIT_STEP of them per loop step: their loads are
-    # independent and issue together (a decode step has ~100 partials: one load round trip each would add up);
-    # the splits past NSPLIT load as 0 and add nothing
-    m_pp = tl.zeros([BLOCK_T, 16], tl.float32)
-    m_comb = tl.zeros([BLOCK_T, 16], tl.float32)
-    sumsq = tl.zeros([BLOCK_T], tl.float32)
-    ysq = tl.zeros([BLOCK_T], tl.float32)
-    for s0 in range(0, NSPLIT, SPLIT_STEP):
-        for j in tl.static_range(SPLIT_STEP):
-            ok = tok_ok & (s0 + j < NSPLIT)
-            row = part_ptr + ((s0 + j) * T + toks.to(tl.int64)) * 32
-            m_pp += tl.load(row[:, None] + cols[None, :], mask=ok[:, None] & pp_ok[None, :], other=0.0)
-            m_comb += tl.load(row[:, None] + NP + cols[None, :], mask=ok[:, None], other=0.0)
-            sumsq += tl.load(row + NP + NC, mask=ok, other=0.0)
-            ysq += tl.load(row + NP + NC + 1, mask=ok, other=0.0)
+    # sum the split-K partials: all NSPLIT of a token block loaded as one tile (independent loads, one round trip;
+    # a decode step has up to 160), added as one tree over the split axis (fixed for a given NSPLIT: deterministic)
+    sp = tl.arange(0, SP)
+    part_rows = part_ptr + (sp[None, :] * T + toks.to(tl.int64)[:, None]) * 32  # [BLOCK_T, SP]
+    part_ok = tok_ok[:, None] & (sp < NSPLIT)[None, :]
+    m_pp = tl.sum(tl.load(part_rows[:, :, None] + cols[None, None, :],
+                          mask=part_ok[:, :, None] & pp_ok[None, None, :], other=0.0), axis=1)
+    m_comb = tl.sum(tl.load(part_rows[:, :, None] + NP + cols[None, None, :], mask=part_ok[:, :, None], other=0.0),
+                    axis=1)
+    sumsq = tl.sum(tl.load(part_rows + NP + NC, mask=part_ok, other=0.0), axis=1)
+    ysq = tl.sum(tl.load(part_rows + NP + NC + 1, mask=part_ok, other=0.0), axis=1)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     m_comb = m_comb * inv_rms[:, None]
     m_pp = m_pp * inv_rms[:, None]
@@ -312,23 +309,37 @@ def partial_tiles(T: int, D: int, block_k: int, invariant: bool) -> tuple[int, i
     return (block_t, chunks) if chunks > split else INVARIANT_TILES
 
 
+def finish_tiles(nsplit: int, invariant: bool) -> tuple[int, int]:
+    """(finish_block_t, block_d) of the finishing pass: 8 tokens x 512 columns (the 4,096-token tiles, and the
+    deterministic mode's at every T), or where many partials come (decode), fewer tokens per program so that their
+    [tokens, splits, 16] tile stays ~4K values, and wider column steps (fewer round trips over D)."""
+    if invariant:
+        return 8, 512
+    block_t = max(1, min(8, 256 // triton.next_power_of_2(nsplit)))
+    return block_t, min(2048, 4096 // block_t)
+
+
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
              block_t: int | None = None, block_k: int = 16, split: int | None = None, invariant: bool = False,
-             num_warps: int = 4, num_stages: int = 3, finish_block_t: int = 8, block_d: int = 512,
+             num_warps: int = 4, num_stages: int = 3, finish_block_t: int | None = None, block_d: int | None = None,
              finish_warps: int = 4, precision: str = "tf32x3", layout: str = "side_by_side"):
     """h [T, hc, D] -> (y [T, D] = rms_norm(collapse(h, pre_in or pre)) in h.dtype (None when collapse=False),
     pre [T, hc], post [T, hc], comb [T, hc, hc] fp32). quant='fp8' fake-quantizes y in 1×quant_block blocks.
     Tiles: the partial kernel takes block_t tokens × one of `split` D chunks (block_k columns of every copy per
-    step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. block_t / split None:
-    `partial_tiles` picks them (by T unless `invariant`). block_k 16 and 3 stages were the fastest of 35
+    step); the finishing kernel takes finish_block_t tokens and walks D in block_d columns. None: `partial_tiles`
+    and `finish_tiles` pick them (by T unless `invariant`). block_k 16 and 3 stages were the fastest of 35
     configurations on the H200 at 4,096 tokens (4 programs per SM; docs/kernels.md). layout="copies" runs the
     split-K pass on one tile per copy (`_mhc_partial_copies_kernel`: bf16 streams only; fewer instructions, last
     bits of the mixes may move)."""
     T, HC, D = h.shape
     auto_block_t, auto_split = partial_tiles(T, D, block_k, invariant)
     block_t, split = block_t or auto_block_t, split or auto_split
+    chunk = triton.cdiv(triton.cdiv(D, block_k), split) * block_k  # D columns per split, whole block_k steps
+    nsplit = triton.cdiv(D, chunk)
+    auto_finish_t, auto_block_d = finish_tiles(nsplit, invariant)
+    finish_block_t, block_d = finish_block_t or auto_finish_t, block_d or auto_block_d
     if layout not in ("side_by_side", "copies"):
         raise ValueError(f"mhc_norm: layout {layout!r} is not 'side_by_side' or 'copies'")
     if layout == "copies" and h.dtype != torch.bfloat16:
@@ -350,8 +361,6 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
         assert D % quant_block == 0 and block_d % quant_block == 0
     if not T:
         return y, pre, post, comb
-    chunk = triton.cdiv(triton.cdiv(D, block_k), split) * block_k  # D columns per split, whole block_k steps
-    nsplit = triton.cdiv(D, chunk)
     part = torch.empty(nsplit, T, PART_COLS, dtype=torch.float32, device=dev)
     delayed = pre_in is not None
     pre_in_t = pre_in.float().contiguous() if delayed else pre
@@ -371,7 +380,8 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     _mhc_finish_kernel[(triton.cdiv(T, finish_block_t),)](
         h, part, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
         T, norm_eps, hc_eps,
-        D=D, HC=HC, ITERS=iters, NSPLIT=nsplit, BLOCK_T=finish_block_t, BLOCK_D=block_d, DELAYED=delayed,
+        D=D, HC=HC, ITERS=iters, NSPLIT=nsplit, SP=triton.next_power_of_2(nsplit), BLOCK_T=finish_block_t,
+        BLOCK_D=block_d, DELAYED=delayed,
         COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=finish_warps)
     return y, pre, post, comb
 

@@ -248,6 +248,42 @@ def test_mhc_norm_small_steps_interpreter(T, delayed, interpreter, monkeypatch):
     assert ((y.float() - ry.float()).abs() <= 2.0 ** -6 * ry.float().abs() + atol).all()
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_mhc_norm_many_partials_interpreter(T, interpreter, monkeypatch):
+    """D = 2,560: 160 chunks of one 16-column step at decode sizes, so the finishing pass takes one token per
+    program and 160 partials (of a 256-wide tile) in one load, and walks D in 2,048-column steps (the second
+    partial). NaN-poisoned buffers; the mixes within the GPU tolerances of the reference, y within the
+    interpreter's truncations."""
+    from mini.kernels.mhc_norm import finish_tiles, mhc_norm, partial_tiles
+    assert partial_tiles(T, 2560, 16, False) == (16, 160) and finish_tiles(160, False) == (1, 2048)
+    h, fn, scale, base, w, pre_prev = make(T, 2560, "cpu", torch.bfloat16)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    y, pre, post, comb = mhc_norm(h, fn, scale, base, w, pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, quant="fp8")
+    monkeypatch.undo()
+    for got in (y, pre, post, comb):
+        assert not got.isnan().any()
+    ry, rpre, rpost, rcomb = reference(h, fn, scale, base, w, pre_prev, False)
+    torch.testing.assert_close(pre, rpre, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(post, rpost, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(comb, rcomb, rtol=5e-4, atol=2e-5)
+    ry = fake_quant_fp8(ry, 32)
+    amax = ry.float().unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
+    atol = (4 * 2 * amax / 448 * 2.0 ** -9).expand(*amax.shape[:-1], 32).flatten(-2)
+    assert ((y.float() - ry.float()).abs() <= 0.13 * ry.float().abs() + atol).all()
+
+
+def test_finish_tiles():
+    """The finishing pass: 8 x 512 in the deterministic mode and at few partials; fewer tokens per program and
+    wider column steps as the partials grow (tokens x splits stays <= 256)."""
+    from mini.kernels.mhc_norm import finish_tiles
+    for n in (1, 8, 10, 160):
+        assert finish_tiles(n, invariant=True) == (8, 512)
+    assert [finish_tiles(n, invariant=False) for n in (8, 10, 20, 40, 80, 160)] == [
+        (8, 512), (8, 512), (8, 512), (4, 1024), (2, 2048), (1, 2048)]
+
+
 def test_partial_tiles_follow_t_only_outside_the_deterministic_mode():
     """V4.1's D = 5120 in 16-column steps: the 4,096-token tiles (64-token blocks, 8 chunks) at every T when
     invariant; by T otherwise, ~160 programs at decode sizes and the 4,096-token tiles from 1,025 tokens."""
