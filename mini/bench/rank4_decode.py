@@ -41,7 +41,8 @@ def add_args(p) -> None:
     add_emulated_rank_args(p)
 
 
-def _ints(text: str, what: str, suite: str = SUITE) -> list[int]:
+def int_list(text: str, what: str, suite: str = SUITE) -> list[int]:
+    """The positive integers of option --`what` (comma-separated), else a SuiteError naming `suite`."""
     from mini.testing.suites import SuiteError
     try:
         out = [int(v) for v in text.split(",") if v.strip()]
@@ -135,7 +136,7 @@ def predicted_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, block_toke
             + (batch + 1) * KVCache.bytes_per_slot(cfg, dtype))
 
 
-def _time(fn, steps: int, cuda: bool, before=None) -> list[float]:
+def time_calls(fn, steps: int, cuda: bool, before=None) -> list[float]:
     """ms of each of `steps` calls of fn (CUDA events around it, or the wall clock); `before()` runs untimed."""
     out = []
     for _ in range(steps):
@@ -154,7 +155,7 @@ def measure_one(run: DecodeRun, args, cuda: bool, study=None) -> tuple[dict[str,
     for _ in range(args.warmup):
         run.fill()
         run.replay()
-    steps = _time(run.replay, args.steps, cuda, before=run.fill)
+    steps = time_calls(run.replay, args.steps, cuda, before=run.fill)
     med = statistics.median(steps)
     m = {"ms_per_step": med, "mean_ms_per_step": statistics.mean(steps), "min_ms_per_step": min(steps),
          "max_ms_per_step": max(steps), "tok_per_s_per_gpu": run.B / (med / 1e3),
@@ -168,7 +169,7 @@ def measure_one(run: DecodeRun, args, cuda: bool, study=None) -> tuple[dict[str,
         raw.update(more_raw)
     if args.profile_steps > 0:
         with staged(cuda) as timer:
-            eager = _time(run.eager, args.profile_steps, cuda, before=run.fill)
+            eager = time_calls(run.eager, args.profile_steps, cuda, before=run.fill)
             totals = timer.totals()
         eager_ms = statistics.mean(eager)
         m["eager_ms_per_step"] = eager_ms
@@ -222,7 +223,7 @@ def build(args, config: ModelConfig | None = None) -> tuple[ModelConfig, object,
 
 def run(args, study=None) -> dict:
     """The suite; `study`: see measure_one."""
-    batches, contexts = _ints(args.batch, "batch"), _ints(args.context, "context")
+    batches, contexts = int_list(args.batch, "batch"), int_list(args.context, "context")
     cfg, exchange, model, metrics = build(args)
     raw = {}
     # the largest shape first (the issue's target is at B = 256): a run cut by its time limit has measured it

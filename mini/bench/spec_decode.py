@@ -34,7 +34,7 @@ import statistics
 import torch
 
 from mini.bench import rank4_decode
-from mini.testing.suites import SuiteError, timed_call
+from mini.testing.suites import SuiteError
 
 SUITE = "spec-decode"
 TARGETS = {1: (2.8, 2.0), 64: (2.8, 1.3), 256: (None, 1.0)}  # B: (acceptance, speed-up); None: the lowest
@@ -120,8 +120,8 @@ def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) 
     for _ in range(args.warmup):
         step.write()
         step.propose()
-    write = rank4_decode._time(step.write, args.steps, cuda)
-    prop = rank4_decode._time(step.propose, args.steps, cuda)
+    write = rank4_decode.time_calls(step.write, args.steps, cuda)
+    prop = rank4_decode.time_calls(step.propose, args.steps, cuda)
     m = {"draft_write_ms": statistics.median(write), "draft_propose_ms": statistics.median(prop),
          "draft_graph": float(step.graph is not None)}
     m["draft_ms"] = m["draft_write_ms"] + m["draft_propose_ms"]
@@ -182,8 +182,8 @@ def measure_batch(model, cfg, exchange, args, B: int, C: int, k: int, acceptance
 def run(args) -> dict:
     if args.tiny:
         return run_tiny(args)
-    batches = rank4_decode._ints(args.batch, "batch", SUITE)
-    contexts = rank4_decode._ints(args.context, "context", SUITE)
+    batches = rank4_decode.int_list(args.batch, "batch", SUITE)
+    contexts = rank4_decode.int_list(args.context, "context", SUITE)
     acceptance = [float(a) for a in args.acceptance.split(",") if a.strip()]
     if not acceptance or min(acceptance) < 1:
         raise SuiteError(f"{SUITE}: --acceptance needs lengths >= 1 (tokens per verify step), got {args.acceptance!r}")
