@@ -12,10 +12,13 @@ for after it (a verify step's draft rows, for `commit_drafts`) it hands over in 
 
 Capture runs at start-up, the largest bucket (rows) first, each after one eager warm-up forward of the same static
 batch (which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Verify
-graphs (width > 1) copy their logits into one output that all of them share ([max_seqs · max_rows, vocab] fp32),
-and the model keeps their draft rows in tensors of its buffers' own, so the graphs of K + 1 widths hold no rows of
-their own beyond the pool (the pool's size is the largest step's working memory). Padding rows write only into the
-scratch slot and block that the runner adds past the block manager's (see ModelRunner).
+widths per bucket stop where the engine's verify-row budget (`spec_max_rows`, speculative.py's draft-length rule)
+leaves the fewest sequences of the bucket no longer draft (`bucket_widths`: with 384 rows and K = 5, 55 verify
+graphs at 256 sequences instead of 100, the widest 80 x 5); a step outside them runs eagerly. Verify graphs copy
+their logits into one output that all of them share (the largest verify bucket's rows x vocab, fp32), and the
+model keeps their draft rows in tensors of its buffers' own, so K + 1 widths add no rows per graph beyond the pool
+(the largest step's working memory). Padding rows write only into the scratch slot and block that the runner adds
+past the block manager's (see ModelRunner).
 """
 from __future__ import annotations
 
@@ -44,32 +47,42 @@ class DecodeGraphs:
     """One captured decode or verify step per bucket (n, width) over the model's static buffers (`static`) and
     `cache`. `sizes` and `widths` are the buckets' n and widths (a benchmark may narrow them before capture)."""
 
-    def __init__(self, model: StepModel, cache, static: StaticDecode):
-        self.model, self.cache, self.static = model, cache, static
+    def __init__(self, model: StepModel, cache, static: StaticDecode, verify_rows: int | None = None):
+        """`verify_rows`: the most rows a verify step holds (the engine's `spec_max_rows`, its draft-length rule's
+        budget; None: any): bucket n gets only the widths a step of the fewest sequences it takes can reach."""
+        self.model, self.cache, self.static, self.verify_rows = model, cache, static, verify_rows
         self.sizes = buckets(static.max_seqs)
         self.widths = list(range(1, static.max_rows + 1))
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode steps (width 1), by n
+        self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (n, width)
         self.pool = None
         self.verify_logits: torch.Tensor | None = None  # every verify graph's logits (rows of its step first)
         self.real_rows: torch.Tensor | None = None  # the last prepared verify step's real rows (device)
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        return (len(chunks) <= self.sizes[-1] and is_verify_step(chunks)
-                and max((c.length for c in chunks), default=1) <= self.widths[-1])
+        return len(chunks) <= self.sizes[-1] and is_verify_step(chunks) and self.width(chunks) is not None
 
     def bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def width(self, chunks: list[ScheduledChunk]) -> int:
-        """The width of the graph a step that `fits` replays: the narrowest that holds its longest chunk."""
+    def bucket_widths(self, n: int) -> list[int]:
+        """The widths bucket n is captured at: 1 (decode), and the verify widths up to what `verify_rows` leaves
+        each of the fewest sequences the bucket takes (one more than the bucket below)."""
+        fewest = max((s for s in self.sizes if s < n), default=0) + 1
+        top = self.widths[-1] if self.verify_rows is None else max(1, self.verify_rows // fewest)
+        return [w for w in self.widths if w <= top or w == 1]
+
+    def width(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The width of the graph a verify step replays: the narrowest of its bucket's that holds its longest
+        chunk (None: none does; the step runs eagerly)."""
         rows = max((c.length for c in chunks), default=1)
-        return next(w for w in self.widths if w >= rows)
+        return next((w for w in self.bucket_widths(self.bucket(max(len(chunks), 1))) if w >= rows), None)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket (CUDA only: on the CPU, replay runs the static step eagerly, which tests use)."""
         if self.static.device.type == "cuda":
-            for n, width in sorted(((n, w) for n in self.sizes for w in self.widths),
+            for n, width in sorted(((n, w) for n in self.sizes for w in self.bucket_widths(n)),
                                    key=lambda b: (b[0] * b[1], b[1]), reverse=True):
                 self._capture(n, width)
 
@@ -81,9 +94,8 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             # warm-up: kernels compiled, one-time copies made (the model's kept-row tensors among them)
             warm = self.model.forward(self.static.batch(n, width), self.cache)
-            if width > 1 and self.verify_logits is None:
-                self.verify_logits = torch.empty(self.sizes[-1] * self.widths[-1], warm.shape[-1],
-                                                 dtype=warm.dtype, device=device)
+            if width > 1 and self.verify_logits is None:  # (the first verify bucket captured is the largest)
+                self.verify_logits = torch.empty(n * width, warm.shape[-1], dtype=warm.dtype, device=device)
         torch.cuda.current_stream(device).wait_stream(stream)
         del warm
         graph = torch.cuda.CUDAGraph()
@@ -93,7 +105,10 @@ class DecodeGraphs:
                 logits = self.verify_logits[:n * width].copy_(logits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(n, width)] = (graph, logits)
+        if width == 1:
+            self.graphs[n] = (graph, logits)
+        else:
+            self.verify_graphs[(n, width)] = (graph, logits)
 
     def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None,
                 bucket: int | None = None, width: int = 1) -> int:
@@ -117,10 +132,11 @@ class DecodeGraphs:
         """fp32 logits of the real rows, a view of the graph's output (width 1: [n_real, vocab]; a verify step:
         the rows `prepare` marked, 1 + drafts per chunk in chunk order, or every row of the first n_real
         sequences when it was filled otherwise): read it before the next replay."""
-        if (n, width) not in self.graphs:
+        captured = self.graphs.get(n) if width == 1 else self.verify_graphs.get((n, width))
+        if captured is None:
             logits = self.model.forward(self.static.batch(n, width), self.cache)
         else:
-            graph, logits = self.graphs[(n, width)]
+            graph, logits = captured
             graph.replay()
         self.static.replayed(self.cache)
         if width == 1:

@@ -95,9 +95,10 @@ class ForwardTiming:
 
 class ModelRunner:
     def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, enforce_eager: bool = False,
-                 max_model_len: int | None = None, max_rows: int = 1):
+                 max_model_len: int | None = None, max_rows: int = 1, verify_rows: int | None = None):
         """`max_rows`: the most rows a sequence's chunk of a static step holds (1 + K under speculation: verify
-        steps replay graphs of up to that width; 1: decode steps only)."""
+        steps replay graphs of up to that width; 1: decode steps only); `verify_rows`: the most rows a verify step
+        holds (the draft-length rule's budget; None: any), which bounds the verify graphs captured."""
         self.backends = resolve_backends()  # logged once
         cuda_graphs = use_cuda_graphs(model, device, dtype, enforce_eager)
         self.model = model
@@ -113,7 +114,7 @@ class ModelRunner:
             static = model.static_decode(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
                                          shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
                                          device=self.device, dtype=dtype, max_rows=max_rows)
-            self.graphs = DecodeGraphs(model, self.cache, static)
+            self.graphs = DecodeGraphs(model, self.cache, static, verify_rows)
             self.graphs.capture_all()
 
     @torch.inference_mode()

@@ -69,7 +69,7 @@ phase_spec_gpu() {  # issue 27 (<= 3 min, not yet run): the eager speculative pa
 phase_verify_graphs() {  # issue 27 item 4 (<= 4 min, not yet run): speculative verify steps replaying CUDA graphs, one
     # per (bucket, 1 + k). gpu tests: test_verify_graphs (the oracle drafter, draft lengths that differ within a step:
     # verify graphs == enforce_eager == plain decode's tokens; every (bucket, width) captured), test_decode_graphs
-    # (decode graphs, keyed (n, 1) now), test_speculative's (oracle and DSpark on graphs == plain decode; its engines
+    # (decode graphs unchanged), test_speculative's (oracle and DSpark on graphs == plain decode; its engines
     # now replay verify graphs); expect 3 passed. Then `mini generate --speculative dspark` (graphs) for its tok/s.
     local rc=0
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_verify_graphs.py \

@@ -129,5 +129,37 @@ def test_verify_graphs_on_cuda_equal_eager_gpu():
         runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         graphs = llm.engine.runner.graphs
         if not eager:
-            assert sorted(graphs.graphs) == [(n, w) for n in (1, 2, 4) for w in range(1, K + 2)]
+            assert sorted(graphs.graphs) == [1, 2, 4]  # decode steps, as without speculation
+            assert sorted(graphs.verify_graphs) == [(n, w) for n in (1, 2, 4) for w in range(2, K + 2)]
     assert runs[False] == runs[True] == [o.token_ids for o in plain]
+
+
+class _Static:
+    """Just the sizes DecodeGraphs reads of a model's static buffers."""
+    max_seqs, max_rows, device = 256, 1 + K, torch.device("cpu")
+
+
+def test_verify_buckets_follow_the_row_budget():
+    """With a verify-row budget R, bucket n is captured at the widths the fewest sequences it takes can reach
+    (R // (the bucket below + 1), at most 1 + K), so graphs and the shared logits stay bounded; a step wider than
+    its bucket's graphs does not fit (it runs eagerly)."""
+    from mini.engine.cuda_graphs import DecodeGraphs
+    graphs = DecodeGraphs(None, None, _Static(), verify_rows=384)
+    top = {n: max(graphs.bucket_widths(n)) for n in graphs.sizes}
+    assert top[1] == top[64] == 1 + K and top[80] == 5 and top[96] == 4 and top[128] == 3 and top[192] == 2
+    assert top[208] == top[256] == 1
+    verify = [(n, w) for n in graphs.sizes for w in graphs.bucket_widths(n) if w > 1]
+    assert len(verify) == 55 and max(n * w for n, w in verify) == 400
+    assert len([w for n in graphs.sizes for w in DecodeGraphs(None, None, _Static()).bucket_widths(n) if w > 1]) == 100
+
+    class Chunk:  # a ScheduledChunk as fits reads it
+        def __init__(self, drafts):
+            self.length, self.drafts, self.samples = 1 + drafts, drafts, True
+
+    assert graphs.fits([Chunk(5)] * 64) and graphs.width([Chunk(5)] + [Chunk(0)] * 63) == 1 + K
+    assert graphs.width([Chunk(2)] * 3) == 3 and graphs.width([Chunk(0)] * 3) == 1
+    assert graphs.fits([Chunk(4)] * 70) and not graphs.fits([Chunk(5)] * 70)  # bucket 80: widths up to 5
+    assert graphs.fits([Chunk(0)] * 256) and not graphs.fits([Chunk(1)] * 200)
+    prefill = Chunk(0)
+    prefill.length = 7  # a chunk of 7 prompt tokens: not a verify chunk
+    assert not graphs.fits([Chunk(1), prefill])
