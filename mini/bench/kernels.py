@@ -205,8 +205,8 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     and the torch sort; the gate (384 experts, top 6) in the few-rows kernels against the unfused gate's torch ops
     and the fused kernel; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
-    issue 28) and other split counts at the chosen block. `bits`: y elements that differ from the chosen tiles' (the mixes move in
-    their last bits with the chunking; y follows them rarely)."""
+    issue 28) and, at B = 1, other split counts at the chosen block. `bits`: y elements that differ from the
+    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely)."""
     import torch.nn.functional as F
 
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
@@ -215,6 +215,11 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     experts = range(96, 192)
     gate_w = (torch.randn(384, DIM, device=dev) / DIM ** 0.5).bfloat16()
     gate_bias = torch.randn(384, device=dev) * 0.1
+
+    def add(row):  # printed as it comes: a phase cut short by its time cap keeps the rows so far
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+
     fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
     scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
     nw = torch.rand(DIM, device=dev).bfloat16()
@@ -225,7 +230,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                          ("three kernels", lambda: plan_routes(ids, weights, experts, 128, False, one_program=False)),
                          ("torch sort", lambda: plan_routes_torch(ids, weights, experts, 128, False))):
             ms = _bench_graph(f)
-            rows.append(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
+            add(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
         x = (torch.randn(B, DIM, device=dev) * 3).bfloat16()
 
         def gate_torch():  # the unfused gate's ops (mini.ops.moe.gate_unfused at V4.1)
@@ -237,21 +242,20 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                          ("unfused (torch ops)", gate_torch),
                          ("fused", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20))):
             ms = _bench_graph(f)
-            rows.append(dict(kernel=f"gate/B={B}", config=label, ms=ms, us=ms * 1e3))
+            add(dict(kernel=f"gate/B={B}", config=label, ms=ms, us=ms * 1e3))
         h = torch.randn(B, HC, DIM, device=dev).bfloat16()
         kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
         nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once
         chosen = partial_tiles(B, DIM, 16, invariant=False)
         base_y = mhc_norm(h, fn, scale, base, nw, **kw)[0]
         configs = [{"note": f"by T {chosen}"}, {"invariant": True, "note": "4,096-token tiles (64 x 8)"},
-                   *({"block_t": chosen[0], "split": s} for s in (40, 80, 320) if s != chosen[1]),
-                   *sweep]
+                   *({"block_t": chosen[0], "split": s} for s in (40, 80, 320) if B == 1), *sweep]
         for cfg in configs:
             run_kw = {k: v for k, v in cfg.items() if k != "note"}
             ms = _bench_graph(lambda: mhc_norm(h, fn, scale, base, nw, **kw, **run_kw))
             y = mhc_norm(h, fn, scale, base, nw, **kw, **run_kw)[0]
-            rows.append(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3,
-                             gbs=nbytes / ms / 1e6, bits=int((y != base_y).sum())))
+            add(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3, gbs=nbytes / ms / 1e6,
+                     bits=int((y != base_y).sum())))
 
 
 def bench_rope(rows: list, sweep=(), dev="cuda"):
