@@ -206,7 +206,8 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     and the fused kernel; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
     issue 28) and, at B = 1, other split counts at the chosen block. `bits`: y elements that differ from the
-    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely)."""
+    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
+    V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated)."""
     import torch.nn.functional as F
 
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
@@ -256,6 +257,25 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
             y = mhc_norm(h, fn, scale, base, nw, **kw, **run_kw)[0]
             add(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3, gbs=nbytes / ms / 1e6,
                      bits=int((y != base_y).sum())))
+    # item 3's measurement first: cuBLAS on the dense projections' dequantized bf16 weights at decode row counts,
+    # against the weight bytes' floor; copies of each weight in turn (>= 128 MB in all), so L2 does not hold it
+    for n_out, n_in, name in ((1280, 5120, "wq_a"), (32768, 1280, "wq_b"), (512, 5120, "wkv"),
+                              (5120, 8192, "wo_b"), (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"),
+                              (4096, 1280, "indexer wq_b"), (1024, 5120, "compressor wkv|wgate")):
+        weight = torch.randn(n_out, n_in, device=dev).bfloat16()
+        copies = [weight] + [weight.clone() for _ in range((128 << 20) // weight.nbytes)]
+        floor_ms = weight.nbytes / COPY_TBS / 1e9
+        for B in (1, 16, 64):
+            x = torch.randn(B, n_in, device=dev).bfloat16()
+            turn = [0]
+
+            def linear():
+                turn[0] = (turn[0] + 1) % len(copies)
+                return F.linear(x, copies[turn[0]])
+            ms = _bench_graph(linear)
+            add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config="cuBLAS bf16", ms=ms, us=ms * 1e3,
+                     floor_ms=floor_ms, frac_copy_peak=floor_ms / ms))
+        del copies, weight
 
 
 def bench_rope(rows: list, sweep=(), dev="cuda"):

@@ -117,11 +117,12 @@ phase_decode_small() {  # issue 28, decode latency's small kernels (not yet meas
     # 1, 16, 333) and of the few-rows gate (T = 1, 3, 16, 64 at V4.1 shape) (tests.log), after `mini bench kernels
     # --only decode_small` (bench.log, kernels_decode_small.json): us per call in a CUDA graph at B = 1, 16, 64,
     # the route plan in one program vs three kernels vs torch sort, the gate's few-rows kernels vs the unfused
-    # gate's torch ops vs the fused kernel, mhc_norm by T vs the 4,096-token tiles vs other splits
+    # gate's torch ops vs the fused kernel, mhc_norm by T vs the 4,096-token tiles vs other splits, then cuBLAS on
+    # the dense projections' shapes against their weight bytes' floor (item 3: which small GEMMs are far from it)
     local rc=0
     timeout 55 python3 -m mini.bench.kernels --only decode_small --json "$PHASE_DIR/kernels_decode_small.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
-    grep -E "^(route_plan|gate|mhc_norm)|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    grep -E "^(route_plan|gate|mhc_norm|dense_gemm)|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
     timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_route.py \
         tests/kernels/test_mhc_norm.py tests/kernels/test_moe_gate.py \
         -k "decode_plan or small_steps or invariant or few_rows" \
