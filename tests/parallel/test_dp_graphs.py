@@ -63,9 +63,9 @@ def _run_static(ctx, overlap: bool):
     runner_module.use_cuda_graphs = lambda *a: True
     replays, replay = [], DecodeGraphs.replay
 
-    def recorded(self, n, n_real):
+    def recorded(self, n, n_real, width=1):
         replays.append((n, n_real))
-        return replay(self, n, n_real)
+        return replay(self, n, n_real, width)
     DecodeGraphs.replay = recorded
     model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
     llm = LLM(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE)
