@@ -114,24 +114,33 @@ def test_dspark_on_the_static_path_drafts_what_the_eager_path_drafts(kernels_det
 
 
 @pytest.mark.gpu
-def test_verify_graphs_on_cuda_equal_eager_gpu():
-    """bf16, fast backend: speculation (the oracle, K = 5, mixed draft lengths) with verify steps replaying CUDA
-    graphs gives the tokens of the same engine with enforce_eager, and of plain decode on graphs; the graphs of
-    every (bucket, width) were captured and verify widths were replayed."""
+def test_verify_graphs_on_cuda_equal_eager_gpu(kernels_deterministic):
+    """bf16, fast backend, the kernels' deterministic mode (a row's result does not depend on its step's rows):
+    speculation (the oracle, K = 5, draft lengths that differ within a step) with verify steps replaying CUDA graphs
+    gives plain decode's tokens and logprobs (plain decode on graphs), and so does the same engine with
+    enforce_eager; every (bucket, width) was captured and verify graphs were replayed."""
     from mini.ops import set_backend
     set_backend("fast")
     opts = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=4, block_tokens=128, max_model_len=1024)
     plain = LLM("tiny-v4.1", **opts).generate(PROMPTS, GREEDY)
     futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
-    runs = {}
-    for eager in (True, False):
-        llm = LLM("tiny-v4.1", **opts, drafter=CutDrafter(futures, PLAN, 512), spec_tokens=K, enforce_eager=eager)
-        runs[eager] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        graphs = llm.engine.runner.graphs
-        if not eager:
-            assert sorted(graphs.graphs) == [1, 2, 4]  # decode steps, as without speculation
-            assert sorted(graphs.verify_graphs) == [(n, w) for n in (1, 2, 4) for w in range(2, K + 2)]
-    assert runs[False] == runs[True] == [o.token_ids for o in plain]
+    graphs_llm = LLM("tiny-v4.1", **opts, drafter=CutDrafter(futures, PLAN, 512), spec_tokens=K)
+    graphs = graphs_llm.engine.runner.graphs
+    assert sorted(graphs.graphs) == [1, 2, 4]  # decode steps, as without speculation
+    assert sorted(graphs.verify_graphs) == [(n, w) for n in (1, 2, 4) for w in range(2, K + 2)]
+    replays = []
+    replay = graphs.replay
+
+    def counted(n, n_real, width=1):
+        replays.append(width)
+        return replay(n, n_real, width)
+
+    graphs.replay = counted
+    _same(graphs_llm.generate(PROMPTS, GREEDY), plain)
+    assert any(w > 1 for w in replays)
+    eager = LLM("tiny-v4.1", **opts, drafter=CutDrafter(futures, PLAN, 512), spec_tokens=K, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    _same(eager.generate(PROMPTS, GREEDY), plain)
 
 
 class _Static:
