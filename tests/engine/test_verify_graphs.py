@@ -97,6 +97,25 @@ def test_static_verify_steps_equal_plain_decode_bitwise(plain, monkeypatch, cut)
         assert any(n > n_real for n, n_real, _ in verify), replays  # padding sequences
 
 
+def test_static_verify_under_preemption_and_after_a_prefix_hit(plain, monkeypatch):
+    """On the static path: two sequences in 2 blocks of 16 (the second is preempted as its verify chunks grow it
+    and recomputed), and a prompt that restores a prefix-cache snapshot (rings, compressor state) before verifying,
+    both == plain decode bit for bit."""
+    futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    llm, replays = _static_engine(monkeypatch, drafter=OracleDrafter(futures, PLAN, 512), spec_tokens=K,
+                                  num_blocks=2, enable_prefix_caching=False)
+    _same(llm.generate(PROMPTS[:2], GREEDY), plain[:2])
+    assert llm.engine.stats.preemptions > 0 and any(w > 1 for _, _, w in replays)
+    prompts = [PROMPTS[2][:16] + PROMPTS[0], PROMPTS[2][:16] + PROMPTS[1][:2]]
+    ref = LLM("tiny-v4.1", **OPTS, num_blocks=64, enable_prefix_caching=False).generate(prompts, GREEDY)
+    drafter = OracleDrafter({tuple(p): o.token_ids for p, o in zip(prompts, ref)}, PLAN, 512)
+    llm, replays = _static_engine(monkeypatch, drafter=drafter, spec_tokens=K, max_num_seqs=1,
+                                  snapshot_prompt_end=True)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 16] and any(w > 1 for _, _, w in replays)
+    _same(outs, ref)
+
+
 def test_dspark_on_the_static_path_drafts_what_the_eager_path_drafts(kernels_deterministic, monkeypatch):
     """tiny-v4.1-dspark: DSpark's drafts read the target features of each step's committed rows; on the static
     path (padded rows, the features kept in the buffers and handed back in row order) they are the eager path's,
