@@ -52,11 +52,13 @@ phase_grammar() {  # issue 14 (<= 2 min): batch-64 decode TPOT of tiny-v4.1 (gra
 
 phase_spec_gpu() {  # issue 27 (<= 3 min, not yet run): the eager speculative path on CUDA. The gpu test: tiny-v4.1-dspark
     # in bf16 under the deterministic kernels, speculation with an oracle drafter (every accept length 0..5) and with
-    # DSpark == plain decode (graphs + overlap, and eager), tokens and logprobs; expect 1 passed. Then `mini generate`
+    # DSpark == plain decode (graphs + overlap, and eager), tokens and logprobs; rejection sampling's verdicts on CUDA
+    # == the CPU's (test_speculative_sampling); expect 2 passed. Then `mini generate`
     # with and without --speculative dspark (random weights accept almost nothing: the tok/s lines show the eager
     # verify's overhead, not a speed-up).
     local rc=0
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_speculative.py 2>&1 | tee "$PHASE_DIR/pytest.txt"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_speculative.py \
+        tests/engine/test_speculative_sampling.py 2>&1 | tee "$PHASE_DIR/pytest.txt"
     rc=${PIPESTATUS[0]}
     for spec in "" "--speculative dspark"; do
         # shellcheck disable=SC2086
