@@ -13,9 +13,8 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
-GEMM's; scores, top-k and weights in its epilogue), up to 64 tokens (decode) the same kernels' few-rows path
-(logits on the CUDA cores with experts and K split over the programs, then the same epilogue), between them the
-reference's fp32 GEMM; the (token, slot) pairs
+GEMM's; scores, top-k and weights in its epilogue), below it the reference's fp32 GEMM (the kernels' few-rows
+decode path is off, FEW_ROWS_GATE_MAX_TOKENS = 0, until measured faster); the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
 per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
@@ -227,11 +226,12 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 # 0.55 at 4,096; the fused one 0.21 ms at 4,096 (64 programs, one wave; fewer tokens run fewer programs of the
 # same length, so about as long) and 0.39 at 16,384: about even at this threshold.
 FUSED_GATE_MIN_TOKENS = 1024
-# Up to this many tokens (decode steps) the gate is the few-rows kernels': the logits with the experts and K split
-# over the programs (the gate weight read once across the GPU, bf16, where the unfused gate first copies it to
-# fp32), then one epilogue kernel; two launches where the unfused gate makes about a dozen (copies, the fp32 GEMM,
-# softplus, sqrt, bias, top-k, gather, sum, divisions). Each row block of 16 rows re-reads the weight (from L2).
-FEW_ROWS_GATE_MAX_TOKENS = 64
+# Up to this many tokens (decode steps) the gate is the few-rows kernels' (the logits with the experts and K split
+# over the programs, then one epilogue kernel): 0, off, until a tiling of them is measured faster than the unfused
+# gate. On the H200 (CUDA graphs, 384 x 5120, k = 6; us per call, few rows / unfused / fused) the first tiling took
+# 44.4 / 34.3 / 109.8 at B = 1, 44.7 / 50.5 / 105.3 at B = 16 and 147.1 / 54.6 / 95.0 at B = 64, and its logits
+# kernel alone ~37 us per layer inside rank4 decode's graphs at B = 1: slower where decode runs most.
+FEW_ROWS_GATE_MAX_TOKENS = 0
 
 
 def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:
@@ -239,12 +239,13 @@ def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:
     "fused" (mini/kernels/moe_gate.py, where the layer's gate is one it covers: `_layer_gate_kernel`) for bf16 steps
     of FUSED_GATE_MIN_TOKENS tokens or more, or of any size in the deterministic mode (the kernel's tiles are
     fixed: one program per row block, so the token count must not choose); "few_rows" (the same kernels' decode
-    path) for bf16 steps up to FEW_ROWS_GATE_MAX_TOKENS tokens; else "unfused" (`gate_unfused`)."""
+    path) for bf16 steps of 1 to FEW_ROWS_GATE_MAX_TOKENS tokens (none while it is 0); else "unfused"
+    (`gate_unfused`)."""
     if not (fast and dtype == torch.bfloat16):
         return "unfused"
     if tokens >= FUSED_GATE_MIN_TOKENS or deterministic():
         return "fused"
-    return "few_rows" if tokens <= FEW_ROWS_GATE_MAX_TOKENS else "unfused"
+    return "few_rows" if 0 < tokens <= FEW_ROWS_GATE_MAX_TOKENS else "unfused"
 
 
 def _layer_gate_kernel(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan,

@@ -8,7 +8,8 @@ ops of every layer, which run what it says instead of deciding per call:
                 per layer kind: whether the layer reads a compressed pool, and that pool's shape (FlashMLA's
                 scratch grows with it)
     gate        "fused", "few_rows" or "unfused" (mini.ops.moe.gate_kernel; a layer whose gate the kernels do not
-                cover, e.g. a hash-routed one, runs the unfused gate either way)
+                cover, e.g. a hash-routed one, runs the unfused gate either way; "few_rows" never while
+                moe.FEW_ROWS_GATE_MAX_TOKENS is 0, off until a tiling of it is measured faster than "unfused")
     experts     the routed experts' GEMMs: "humming", "triton" or "reference" (mini.ops.moe.experts_kernel)
     tie_rule    the indexer's ranking of equal scores: "official" or "newer" (mini.ops.indexer.tie_rule)
 
@@ -72,9 +73,10 @@ class StepPlan:
                                   if kernels else "(asked by the first layer of each kind)"),
                  f"gate: {self.gate} " + ("(the kernels, in the layers whose gate they cover)"
                                           if self.gate != "unfused"
-                                          else f"(torch ops: the gate kernels take bf16 steps of the fast path up to "
-                                               f"{moe.FEW_ROWS_GATE_MAX_TOKENS} and from "
-                                               f"{moe.FUSED_GATE_MIN_TOKENS} tokens, or of any size in the "
+                                          else f"(torch ops: the gate kernels take bf16 steps of the fast path "
+                                               + (f"up to {moe.FEW_ROWS_GATE_MAX_TOKENS} and "
+                                                  if moe.FEW_ROWS_GATE_MAX_TOKENS > 0 else "")
+                                               + f"from {moe.FUSED_GATE_MIN_TOKENS} tokens, or of any size in the "
                                                "deterministic mode)"),
                  f"routed experts: {self.experts} " + ("(the reference's loop over experts)"
                                                        if self.experts == "reference"
