@@ -207,9 +207,14 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
     issue 28) and, at B = 1, other split counts at the chosen block. `bits`: y elements that differ from the
     chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
-    V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated)."""
+    V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16
+    the decode GEMV (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies
+    (`same_as_cublas`: the fraction of outputs equal to cuBLAS's bits)."""
     import torch.nn.functional as F
 
+    from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+    from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+    from mini.kernels.gemv import gemv, split_k
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
     from mini.kernels.moe_gate import gate_topk
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
@@ -275,6 +280,18 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
             ms = _bench_graph(linear)
             add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config="cuBLAS bf16", ms=ms, us=ms * 1e3,
                      floor_ms=floor_ms, frac_copy_peak=floor_ms / ms))
+            if B > GEMV_MAX_ROWS:
+                continue
+            cublas = F.linear(x, weight)
+            for label, cfg in GEMV_CANDIDATES.items():  # the decode GEMV's tilings on the same copies
+                def gemv_call(cfg=cfg):
+                    turn[0] = (turn[0] + 1) % len(copies)
+                    return gemv(x, copies[turn[0]], config=cfg)
+                ms = _bench_graph(gemv_call)
+                pieces = split_k(n_out, n_in, cfg, torch.cuda.get_device_properties(dev).multi_processor_count)[0]
+                add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=f"gemv {label} split {pieces}",
+                         ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
+                         same_as_cublas=float((gemv(x, weight, config=cfg) == cublas).float().mean())))
         del copies, weight
 
 

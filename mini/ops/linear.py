@@ -16,9 +16,12 @@ import torch.nn.functional as F
 
 from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
 from mini.formats.quant import fake_quant_enabled, quant_fp8
-from mini.ops import use_fast
+from mini.ops import deterministic, use_fast
 
 _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 pairs
+# fast-path GEMMs of at most this many rows (decode) run mini/kernels/gemv.py's split-K GEMV instead of cuBLAS
+# (issue 28; at most gemv.MAX_ROWS = 16). 0: off, until an H200 measurement shows it faster at V4.1's shapes.
+GEMV_MAX_TOKENS = 0
 
 
 @dataclass(eq=False)
@@ -93,13 +96,26 @@ class QWeight:
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """y = x @ W^T in x's dtype. FP8/MXFP4 weights: FP8 1 x block activation fake quant, fp32-accumulated GEMM."""
     if w.kind == "bf16":
+        if use_fast(x) and x.dtype == torch.bfloat16:
+            return dense_bf16(x, w.prepare(x.dtype))
         return F.linear(x, w.prepare(x.dtype))
     if x.shape[-1] % w.block:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
-        # fake-quantized activations and dequantized weights are exact in bf16; cuBLAS accumulates in fp32
-        return F.linear(_fast_act_quant(x, w.block), w.prepare(torch.bfloat16))
+        # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
+        return dense_bf16(_fast_act_quant(x, w.block), w.prepare(torch.bfloat16))
     return blockwise_gemm(x, w).to(x.dtype)
+
+
+def dense_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The fast path's F.linear(x, w) on bf16 operands: up to GEMV_MAX_TOKENS rows the decode GEMV (fp32 sums in its
+    own fixed order, one rounding to bf16, as cuBLAS's output), else cuBLAS. The deterministic mode keeps F.linear,
+    which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
+        from mini.kernels.gemv import gemv
+        return gemv(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+from mini.kernels.gemv import _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel, _rms_norm_kernel
 from mini.kernels.rope_quant import _rope_quant_kernel
@@ -74,6 +76,13 @@ def main() -> None:
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
                                              NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"))
+    # the decode GEMV: each candidate tiling split over K (and the default unsplit, as wq_b runs), the pieces' sum
+    for cfg in GEMV_CANDIDATES.values():
+        for split in (True, False) if cfg == next(iter(GEMV_CANDIDATES.values())) else (True,):
+            build(_gemv_kernel, ptrs, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, EVEN_K=True,
+                                           DOT_DTYPE=triton.language.bfloat16),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     for d in (5120, 1280, 512, 128, 64):
         bd = triton.next_power_of_2(d)
         build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=max(1, min(16, 4096 // bd)), QUANT=1, QBLOCK=32),

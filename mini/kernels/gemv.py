@@ -1,0 +1,150 @@
+"""Dense projections at decode row counts (T <= 16): y[T, N] = x[T, K] @ W[N, K]^T, bf16 in, fp32 sums, bf16 out.
+
+At 1-16 rows a projection is one read of its weight: 2·N·K bytes against 2·T·N·K FLOP. cuBLAS ran V4.1's decode
+projections at 28-43% of the copy rate on the H200 (issue 28; docs/kernels.md, "Dense projections at decode"), so
+this kernel is built around the read of W alone:
+- each program owns BLOCK_N rows of W and one piece of K (split-K when N / BLOCK_N programs would not fill the
+  GPU; `split_k`), and walks its piece in BLOCK_K steps of contiguous [BLOCK_N, BLOCK_K] tiles (W is row-major),
+  software-pipelined over `num_stages`;
+- the product runs "swapped" on the tensor cores: acc[BLOCK_N, 16] = W_tile @ x_tile^T, so the weight is the MMA's
+  wide operand (M = BLOCK_N >= 64 takes Hopper's wgmma) and the T <= 16 rows of x, padded to 16, the narrow one,
+  re-read from L1/L2 by every program;
+- the pieces' fp32 partials go to a scratch [S, T, N] and a second small pass (`_sum_pieces_kernel`) adds them in
+  piece order and rounds once to bf16; one piece (S = 1) rounds in the first pass. No atomics: the sums' order is
+  fixed by the shape and the config, so a result is the same run to run.
+Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
+the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
+split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T (<= 16).
+The deterministic mode never reaches this kernel (mini.ops.linear keeps its batch-invariant GEMMs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
+SMS_H200 = 132
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One build: BLOCK_N weight rows x BLOCK_K columns per step, warps, pipeline stages, and how many programs per
+    SM the split aims for (`split_k`)."""
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 2
+
+
+DEFAULT = GemvConfig()
+# the tilings the decode_small benchmark times beside DEFAULT (mini bench kernels --only decode_small)
+CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3)}
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
+    part[piece, t, n], else bf16 to y[t, n]."""
+    pid_n, piece = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    t = tl.arange(0, TP)
+    t_ok = t < T
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = piece * K_PIECE
+    k_hi = tl.minimum(k_lo + K_PIECE, K)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
+    acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
+        # whole BLOCK_K steps
+        k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
+    ok = n_ok[:, None] & t_ok[None, :]
+    if SPLIT:
+        at = (piece * T + t[None, :].to(tl.int64)) * N + n[:, None]
+        tl.store(part_ptr + at, acc, mask=ok)
+    else:
+        tl.store(y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None], acc.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """y[t, n] = bf16(sum over the pieces of part[p, t, n]), the pieces added as one tree fixed by PIECES."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index over [T, N]
+    ok = i < T * N
+    p = tl.arange(0, PP)
+    parts = tl.load(part_ptr + p[:, None].to(tl.int64) * T * N + i[None, :],
+                    mask=(p < PIECES)[:, None] & ok[None, :], other=0.0)
+    y = tl.sum(parts, axis=0)
+    tl.store(y_ptr + (i // N).to(tl.int64) * stride_y + i % N, y.to(tl.bfloat16), mask=ok)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SMS_H200  # the interpreter: split as the H200 would
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = SMS_H200) -> tuple[int, int]:
+    """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
+    per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T."""
+    n_blocks = triton.cdiv(N, config.block_n)
+    steps = triton.cdiv(K, config.block_k)
+    want = max(1, min(steps, triton.cdiv(config.programs_per_sm * sms, n_blocks)))
+    per_piece = triton.cdiv(steps, want)
+    return triton.cdiv(steps, per_piece), per_piece * config.block_k
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+         config: GemvConfig = DEFAULT) -> torch.Tensor:
+    """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> bf16 [T, N] (into `out` when given): F.linear(x, w) with
+    fp32 sums in this kernel's order."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"gemv: bf16 operands expected, got {x.dtype} and {w.dtype}")
+    T, K = x.shape
+    N = w.shape[0]
+    if T > MAX_ROWS:
+        raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (T, N) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be a bf16 [{T}, {N}] tensor with unit column stride")
+    if T == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    pieces, k_piece = split_k(N, K, config, _sm_count(x.device))
+    interpreted = x.device.type == "cpu"
+    part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, config.block_n), pieces)](
+        x, w, out, part, T, N, K, x.stride(0), w.stride(0), out.stride(0), k_piece,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        EVEN_K=K % config.block_k == 0,
+        # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
+        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if pieces > 1:
+        block = 256
+        _sum_pieces_kernel[(triton.cdiv(T * N, block),)](part, out, T, N, out.stride(0), PIECES=pieces,
+                                                         PP=triton.next_power_of_2(pieces), BLOCK=block)
+    return out

@@ -1,0 +1,159 @@
+"""The decode GEMV (mini/kernels/gemv.py) against an fp32 GEMM of the same bf16 values: on CPU under the
+interpreter with small tiles (splits, N and K tails), on the GPU at V4.1's projection shapes with the default."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini.kernels.gemv import DEFAULT, MAX_ROWS, GemvConfig, gemv, split_k
+
+SMALL = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, programs_per_sm=1)
+# V4.1's decode projections [N, K] (mini bench kernels --only decode_small)
+V41_SHAPES = ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304), (4096, 1280),
+              (1024, 5120))
+
+
+def _operands(T, N, K, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, K, generator=g) * 2).bfloat16()
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+    return x.to(device), w.to(device)
+
+
+def _check(y, x, w):
+    """Each output is one bf16 rounding of an fp32 sum of the exact products: within half a bf16 ulp of the fp32
+    GEMM, plus what another summation order (and Hopper's truncated fp32 sums) moves: 1e-5 of the sum of |products|."""
+    ref = x.double() @ w.double().T
+    spread = x.double().abs() @ w.double().abs().T
+    err = (y.double() - ref).abs()
+    assert not torch.isnan(y).any()
+    assert (err <= ref.abs() * 2.0 ** -8 + spread * 1e-5).all(), f"max error {err.max().item():.3g}"
+    # and really rounded once: almost every element is the fp32 GEMM's bf16
+    same = (y == (x.float() @ w.float().T).bfloat16()).float().mean().item()
+    assert same > 0.97, same
+
+
+def test_split_k_covers_k_in_whole_steps():
+    for N, K in V41_SHAPES + ((100, 96), (2200, 320), (7, 32)):
+        for cfg in (DEFAULT, SMALL):
+            pieces, k_piece = split_k(N, K, cfg)
+            assert k_piece % cfg.block_k == 0 and pieces * k_piece >= K > (pieces - 1) * k_piece
+    # V4.1: the wide wq_b fills the GPU without a split; the narrow compressor splits K
+    assert split_k(32768, 1280)[0] == 1 and split_k(1024, 5120)[0] > 1
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("N,K", [(100, 96), (37, 320), (2200, 64)])
+def test_gemv_matches_fp32_gemm_interpreted(interpreter, T, N, K):
+    # (100, 96): K not a multiple of BLOCK_K, 3 pieces; (37, 320): 10 pieces, an N tail; (2200, 64): one piece
+    x, w = _operands(T, N, K, "cpu")
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+    y = gemv(x, w, out=out, config=SMALL)
+    assert y is out
+    _check(y, x, w)
+    assert torch.equal(gemv(x, w, config=SMALL), y)  # run to run
+
+
+def test_a_row_alone_equals_the_row_among_sixteen_interpreted(interpreter):
+    x, w = _operands(16, 50, 160, "cpu")
+    y = gemv(x, w, config=SMALL)
+    assert torch.equal(gemv(x[5:6], w, config=SMALL), y[5:6])
+
+
+def test_gemv_takes_strided_operands_interpreted(interpreter):
+    x, w = _operands(4, 40, 128, "cpu")
+    wide = torch.zeros(4, 256, dtype=torch.bfloat16)
+    wide[:, :128] = x
+    _check(gemv(wide[:, :128], w, config=SMALL), x, w)
+
+
+def test_bad_input_is_refused():
+    x, w = _operands(MAX_ROWS + 1, 8, 32, "cpu")
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="bf16"):
+        gemv(x[:2].float(), w.float())
+    with pytest.raises(ValueError, match="w \\[N, K\\]"):
+        gemv(x[:2], w[:, :16])
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x[:2], w, out=torch.empty(2, 9, dtype=torch.bfloat16))
+    assert gemv(x[:0], w).shape == (0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", V41_SHAPES)
+def test_gemv_at_v41_shapes_gpu(N, K):
+    for T in (1, 3, 16):
+        x, w = _operands(T, N, K, "cuda", seed=T)
+        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = gemv(x, w, out=out)
+        _check(y.cpu(), x.cpu(), w.cpu())
+        assert torch.equal(gemv(x, w), y)  # run to run: no atomics
+        # within a bf16 ulp of cuBLAS's own bf16 output
+        ref = F.linear(x, w).double()
+        assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all()
+    x, w = _operands(16, N, K, "cuda", seed=1)
+    assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_gemv_candidates_and_tails_gpu(T):
+    from mini.kernels.gemv import CANDIDATES
+    for N, K in ((1000, 96), (37, 4128), (4100, 2336)):
+        x, w = _operands(T, N, K, "cuda")
+        for cfg in CANDIDATES.values():
+            out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            _check(gemv(x, w, out=out, config=cfg).cpu(), x.cpu(), w.cpu())
+
+
+@pytest.fixture
+def fast_interpreted():
+    import mini.ops
+    prev = mini.ops.backend()
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    yield
+    mini.ops.set_backend(prev)
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Counts the linear layers that reach the GEMV (the wrapper still computes)."""
+    import mini.kernels.gemv as module
+    calls = []
+    real = module.gemv
+
+    def counted(x, w, **kw):
+        calls.append(tuple(x.shape))
+        return real(x, w, config=SMALL)
+    monkeypatch.setattr(module, "gemv", counted)
+    return calls
+
+
+def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast_interpreted, gemv_calls,
+                                                                 monkeypatch):
+    import mini.ops
+    from mini.formats import quantize_fp8
+    from mini.ops import linear as linear_module
+    from mini.ops.linear import QWeight, linear
+    q, s = quantize_fp8(torch.randn(72, 160) * 0.05, 32)
+    w = QWeight("fp8", q, s.view(torch.float8_e8m0fnu), 32)
+    x = (torch.randn(2, 3, 160) * 2).bfloat16()
+    assert linear_module.GEMV_MAX_TOKENS == 0  # off until measured on the H200
+    cublas_path = linear(x, w)
+    assert gemv_calls == []
+    monkeypatch.setattr(linear_module, "GEMV_MAX_TOKENS", 6)
+    y = linear(x, w)
+    assert gemv_calls == [(6, 160)] and y.shape == (2, 3, 72)
+    mini.ops.set_backend("reference")
+    ref = linear(x, w).double()
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    # test_linear.py's fast-path tolerance, and the same activation quantization as the F.linear fast path
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3).all()
+    assert ((y.double() - cublas_path.double()).abs() <= cublas_path.double().abs() * 2.0 ** -7 + 1e-6).all()
+    linear(torch.randn(7, 160).bfloat16(), w)  # more rows than the limit: F.linear
+    bf16_w = QWeight("bf16", torch.randn(24, 160).bfloat16(), None, 32)
+    _check(linear(x[0], bf16_w), x[0], bf16_w.data)  # bf16 weights too
+    assert gemv_calls == [(6, 160), (3, 160)]
+    with mini.ops.deterministic_mode():  # keeps its batch-invariant GEMMs
+        linear(x, w)
+    assert gemv_calls == [(6, 160), (3, 160)]
