@@ -111,21 +111,23 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     return $rc
 }
 
-phase_decode_small() {  # issue 28, decode latency's small kernels (not yet measured; cap it at 120): the gpu
-    # tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC site input at
-    # decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone == among
-    # 1, 16, 333) and of the few-rows gate (T = 1, 3, 16, 64 at V4.1 shape) (tests.log), after `mini bench kernels
+phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
+    # at 240): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
+    # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone
+    # == among 1, 16, 333), of the few-rows gate (T = 1, 3, 16, 64 at V4.1 shape) and of the decode GEMV (V4.1's
+    # projection shapes at T = 1, 3, 16, every candidate tiling) (tests.log), after `mini bench kernels
     # --only decode_small` (bench.log, kernels_decode_small.json): us per call in a CUDA graph at B = 1, 16, 64,
     # the route plan in one program vs three kernels vs torch sort, the gate's few-rows kernels vs the unfused
     # gate's torch ops vs the fused kernel, mhc_norm by T vs the 4,096-token tiles vs other splits, then cuBLAS on
     # the dense projections' shapes against their weight bytes' floor (item 3: which small GEMMs are far from it)
+    # beside the decode GEMV's candidate tilings at B = 1, 16 (mini/kernels/gemv.py)
     local rc=0
-    timeout 55 python3 -m mini.bench.kernels --only decode_small --json "$PHASE_DIR/kernels_decode_small.json" \
+    timeout 130 python3 -m mini.bench.kernels --only decode_small --json "$PHASE_DIR/kernels_decode_small.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^(route_plan|gate|mhc_norm|dense_gemm)|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
-    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_route.py \
-        tests/kernels/test_mhc_norm.py tests/kernels/test_moe_gate.py \
-        -k "decode_plan or small_steps or invariant or few_rows" \
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_route.py \
+        tests/kernels/test_mhc_norm.py tests/kernels/test_moe_gate.py tests/kernels/test_gemv.py \
+        -k "decode_plan or small_steps or invariant or few_rows or gemv" \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
     return $rc
