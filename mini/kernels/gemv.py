@@ -9,9 +9,12 @@ this kernel is built around the read of W alone:
 - the product runs "swapped" on the tensor cores: acc[BLOCK_N, 16] = W_tile @ x_tile^T, so the weight is the MMA's
   wide operand (M = BLOCK_N >= 64 takes Hopper's wgmma) and the T <= 16 rows of x, padded to 16, the narrow one,
   re-read from L1/L2 by every program;
-- the pieces' fp32 partials go to a scratch [S, T, N] and a second small pass (`_sum_pieces_kernel`) adds them in
-  piece order and rounds once to bf16; one piece (S = 1) rounds in the first pass. No atomics: the sums' order is
-  fixed by the shape and the config, so a result is the same run to run.
+- the pieces' fp32 partials go to a scratch [S, T, N] and a second small pass (`_sum_pieces_kernel`) adds them as
+  a tree fixed by S and rounds once to bf16; one piece (S = 1) rounds in the first pass. `one_launch` (a
+  candidate, not the default) saves that launch: each program counts itself in on its N block's counter after
+  storing its partial (an acq_rel atomic), and the one that arrives last adds the S partials in piece order, rounds,
+  and resets the counter for the next call. No atomic ever adds a value: the sums' order is fixed by the shape and
+  the config, so a result is the same run to run.
 Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
 the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
 split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T (<= 16).
@@ -38,19 +41,21 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 2
+    one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
 
 
 DEFAULT = GemvConfig()
 # the tilings the decode_small benchmark times beside DEFAULT (mini bench kernels --only decode_small)
-CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3)}
+CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3),
+              "64x128 s4 one launch": GemvConfig(one_launch=True)}
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
-    part[piece, t, n], else bf16 to y[t, n]."""
+    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else bf16 to y[t, n]."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -70,11 +75,23 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, str
         x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
     ok = n_ok[:, None] & t_ok[None, :]
+    y_at = y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None]
     if SPLIT:
-        at = (piece * T + t[None, :].to(tl.int64)) * N + n[:, None]
-        tl.store(part_ptr + at, acc, mask=ok)
+        at = t[None, :].to(tl.int64) * N + n[:, None]
+        tl.store(part_ptr + piece.to(tl.int64) * T * N + at, acc, mask=ok)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partial is stored before the program counts itself in (release)
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:  # the last: every piece is in L2 (.cg reads past L1)
+                total = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+                piece_ptrs = part_ptr + at
+                for _ in range(0, tl.num_programs(1)):
+                    total += tl.load(piece_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                    piece_ptrs += T * N
+                tl.store(y_at, total.to(tl.bfloat16), mask=ok)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
     else:
-        tl.store(y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None], acc.to(tl.bfloat16), mask=ok)
+        tl.store(y_at, acc.to(tl.bfloat16), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -91,6 +108,20 @@ def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP
 
 
 _SMS: dict = {}
+_COUNTERS: dict = {}  # device -> int32 arrival counters of the one-launch build, zero between calls
+
+
+def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
+    """The one-launch build's counters (one per N block), allocated zeroed outside graph capture (None while
+    capturing without them: the caller then takes the two-pass sum). Calls on one stream at a time only: two
+    concurrent calls would count on the same counters."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n_blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n_blocks, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _sm_count(device: torch.device) -> int:
@@ -135,15 +166,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     w = w if w.stride(1) == 1 else w.contiguous()
     pieces, k_piece = split_k(N, K, config, _sm_count(x.device))
     interpreted = x.device.type == "cpu"
+    n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, config.block_n), pieces)](
-        x, w, out, part, T, N, K, x.stride(0), w.stride(0), out.stride(0), k_piece,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
-        EVEN_K=K % config.block_k == 0,
+    counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
+    _gemv_kernel[(n_blocks, pieces)](
+        x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    if pieces > 1:
+    if pieces > 1 and counters is None:
         block = 256
         _sum_pieces_kernel[(triton.cdiv(T * N, block),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                          PP=triton.next_power_of_2(pieces), BLOCK=block)

@@ -79,8 +79,9 @@ def main() -> None:
     # the decode GEMV: each candidate tiling split over K (and the default unsplit, as wq_b runs), the pieces' sum
     for cfg in GEMV_CANDIDATES.values():
         for split in (True, False) if cfg == next(iter(GEMV_CANDIDATES.values())) else (True,):
-            build(_gemv_kernel, ptrs, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, EVEN_K=True,
-                                           DOT_DTYPE=triton.language.bfloat16),
+            build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
+                  dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
+                       EVEN_K=True, DOT_DTYPE=triton.language.bfloat16),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     for d in (5120, 1280, 512, 128, 64):

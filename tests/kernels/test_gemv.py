@@ -1,5 +1,7 @@
 """The decode GEMV (mini/kernels/gemv.py) against an fp32 GEMM of the same bf16 values: on CPU under the
 interpreter with small tiles (splits, N and K tails), on the GPU at V4.1's projection shapes with the default."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from mini.kernels.gemv import DEFAULT, MAX_ROWS, GemvConfig, gemv, split_k
 
 SMALL = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, programs_per_sm=1)
+SMALL_ONE_LAUNCH = replace(SMALL, one_launch=True)
 # V4.1's decode projections [N, K] (mini bench kernels --only decode_small)
 V41_SHAPES = ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304), (4096, 1280),
               (1024, 5120))
@@ -43,14 +46,24 @@ def test_split_k_covers_k_in_whole_steps():
 
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(100, 96), (37, 320), (2200, 64)])
-def test_gemv_matches_fp32_gemm_interpreted(interpreter, T, N, K):
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
+def test_gemv_matches_fp32_gemm_interpreted(interpreter, T, N, K, config):
     # (100, 96): K not a multiple of BLOCK_K, 3 pieces; (37, 320): 10 pieces, an N tail; (2200, 64): one piece
     x, w = _operands(T, N, K, "cpu")
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
-    y = gemv(x, w, out=out, config=SMALL)
+    y = gemv(x, w, out=out, config=config)
     assert y is out
     _check(y, x, w)
-    assert torch.equal(gemv(x, w, config=SMALL), y)  # run to run
+    assert torch.equal(gemv(x, w, config=config), y)  # run to run (one launch: its counters were reset)
+
+
+def test_one_launch_leaves_its_counters_at_zero_interpreted(interpreter):
+    from mini.kernels.gemv import _COUNTERS
+    x, w = _operands(2, 37, 320, "cpu")
+    gemv(x, w, config=SMALL_ONE_LAUNCH)
+    assert not _COUNTERS[x.device].any()
+    # its sum is in piece order, the two-pass sum a tree: the same values up to that order
+    _check(gemv(x, w, config=SMALL), x, w)
 
 
 def test_a_row_alone_equals_the_row_among_sixteen_interpreted(interpreter):
@@ -93,6 +106,25 @@ def test_gemv_at_v41_shapes_gpu(N, K):
         assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all()
     x, w = _operands(16, N, K, "cuda", seed=1)
     assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
+
+
+@pytest.mark.gpu
+def test_gemv_replayed_in_a_cuda_graph_gpu():
+    """A decode step replays its GEMVs from a CUDA graph: the replay == the eager call, every replay (the one-launch
+    build's counters reset inside the graph)."""
+    from mini.kernels.gemv import CANDIDATES
+    x, w = _operands(4, 1024, 5120, "cuda")
+    for cfg in CANDIDATES.values():
+        eager = gemv(x, w, config=cfg)
+        out = torch.full_like(eager, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemv(x, w, out=out, config=cfg)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), cfg
 
 
 @pytest.mark.gpu
