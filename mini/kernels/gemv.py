@@ -88,23 +88,23 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, st
                 for _ in range(0, tl.num_programs(1)):
                     total += tl.load(piece_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
                     piece_ptrs += T * N
-                tl.store(y_at, total.to(tl.bfloat16), mask=ok)
+                tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
     else:
-        tl.store(y_at, acc.to(tl.bfloat16), mask=ok)
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """y[t, n] = bf16(sum over the pieces of part[p, t, n]), the pieces added as one tree fixed by PIECES."""
+    """y[t, n] = sum over the pieces of part[p, t, n] in y's dtype, the pieces added as one tree fixed by PIECES."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index over [T, N]
     ok = i < T * N
     p = tl.arange(0, PP)
     parts = tl.load(part_ptr + p[:, None].to(tl.int64) * T * N + i[None, :],
                     mask=(p < PIECES)[:, None] & ok[None, :], other=0.0)
     y = tl.sum(parts, axis=0)
-    tl.store(y_ptr + (i // N).to(tl.int64) * stride_y + i % N, y.to(tl.bfloat16), mask=ok)
+    tl.store(y_ptr + (i // N).to(tl.int64) * stride_y + i % N, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 _SMS: dict = {}
@@ -142,10 +142,11 @@ def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = SMS_H200) -
     return triton.cdiv(steps, per_piece), per_piece * config.block_k
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-         config: GemvConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> bf16 [T, N] (into `out` when given): F.linear(x, w) with
-    fp32 sums in this kernel's order."""
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig = DEFAULT,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
+    F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
+    torch.mm(..., out_dtype=torch.float32), the compressor's GEMM)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -155,9 +156,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if T > MAX_ROWS:
         raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
     if out is None:
-        out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
-    elif out.shape != (T, N) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"gemv: out must be a bf16 [{T}, {N}] tensor with unit column stride")
+        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    if out.shape != (T, N) or out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be a bf16 or fp32 [{T}, {N}] tensor with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if T == 0 or N == 0:
         return out
     if K == 0:

@@ -83,6 +83,9 @@ def main() -> None:
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
                        EVEN_K=True, DOT_DTYPE=triton.language.bfloat16),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
+          dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True,
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     for d in (5120, 1280, 512, 128, 64):
         bd = triton.next_power_of_2(d)

@@ -57,6 +57,17 @@ def test_gemv_matches_fp32_gemm_interpreted(interpreter, T, N, K, config):
     assert torch.equal(gemv(x, w, config=config), y)  # run to run (one launch: its counters were reset)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
+def test_fp32_output_keeps_the_sums_unrounded_interpreted(interpreter, config):
+    for N, K in ((37, 320), (2200, 64)):  # split and not
+        x, w = _operands(3, N, K, "cpu")
+        y = gemv(x, w, out=torch.full((3, N), float("nan")), config=config)
+        ref = x.double() @ w.double().T
+        assert y.dtype == torch.float32
+        assert ((y.double() - ref).abs() <= (x.double().abs() @ w.double().abs().T) * 1e-6).all()
+        assert torch.equal(gemv(x, w, config=config), y.bfloat16())  # the bf16 output: the same sums, rounded
+
+
 def test_one_launch_leaves_its_counters_at_zero_interpreted(interpreter):
     from mini.kernels.gemv import _COUNTERS
     x, w = _operands(2, 37, 320, "cpu")
@@ -89,6 +100,8 @@ def test_bad_input_is_refused():
         gemv(x[:2], w[:, :16])
     with pytest.raises(ValueError, match="out must be"):
         gemv(x[:2], w, out=torch.empty(2, 9, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x[:2], w, out_dtype=torch.float16)
     assert gemv(x[:0], w).shape == (0, 8)
 
 
@@ -106,6 +119,10 @@ def test_gemv_at_v41_shapes_gpu(N, K):
         assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all()
     x, w = _operands(16, N, K, "cuda", seed=1)
     assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
+    y32 = gemv(x, w, out_dtype=torch.float32)  # unrounded: the same sums as the bf16 output
+    assert torch.equal(y32.bfloat16(), gemv(x, w))
+    spread = x.double().abs() @ w.double().abs().T
+    assert ((y32.double() - x.double() @ w.double().T).abs() <= spread * 1e-5).all()
 
 
 @pytest.mark.gpu
