@@ -90,7 +90,7 @@ def bench_attention(rows: list, sweep=(), dev="cuda"):
 
 def bench_attention_decode(rows: list, sweep=(), dev="cuda"):
     """Decode steps of B = 1..256 rows at 4K and 32K context (RoPE epilogue on, as the model runs it): the
-    one-program walk (k_split=1, the default) against the split-key walk (the count `split_pieces` suggests, then
+    one-program walk (k_split=1) against the split-key walk (the count `split_pieces` suggests, the default, then
     fixed counts: what a fixed count, the deterministic mode's option, costs at every B). The byte floor: q, each row's W + TOPK keys and its indices read once, the output written once."""
     from mini.kernels.sparse_attention import sparse_mla_attention, split_pieces
     from mini.ops.rope import rope_frequencies, rope_table

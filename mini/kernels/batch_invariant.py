@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.aten_override import AtenOverride, check_out
+from mini.kernels.device_info import sm_count
 
 
 @dataclass(frozen=True)
@@ -309,16 +310,6 @@ def _mm_fma_rows_kernel(a_ptr, b_ptr, c_ptr, add_ptr, M, N, K,
               HAS_ADD, SCALE)
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
-
-
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     """The TMA kernel's views of a [Bt, M, K] and b [Bt, K, N]: (a's descriptor, b's, a_cols, a's batch stride,
     b_nk), or None where descriptors cannot take them. a: [Bt * M, K] (its batches one after another), or [M,
@@ -401,7 +392,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, out_d
         tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN) * Bt
         # persistent: one program per SM whatever the call's size (one build per GPU; programs past the last
         # tile have nothing to do)
-        programs = 0 if cfg.kernel == "tma" else (_sm_count(a.device) if a.is_cuda else 3)
+        programs = 0 if cfg.kernel == "tma" else (sm_count(a.device) if a.is_cuda else 3)
         _mm_tma_kernel[(programs or tiles,)](
             ad, bd, out, add_t, M, N, *((tl.constexpr(K), tl.constexpr(tiles)) if _INTERPRET else (K, tiles)),
             a_bstride, *out.stride(), *add_t.stride(), float(alpha), float(beta), A_COLS=a_cols, B_NK=b_nk,

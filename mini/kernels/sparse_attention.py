@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.device_info import sm_count
+
 _LOG2E = 1.4426950408889634
 # The interpreter needs constant loop bounds; compiled kernels take the compressed key count at run time, so a
 # growing top-k (early groups, V4's all-visible ratio-128 layers) does not recompile the kernel.
@@ -334,12 +336,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     output's D columns: 2 (None: 2 where D >= 32, else 1) or 1; the same sums either way (`_online_update_half`).
     `k_split`: pieces each query's key list is walked in (split-K, `split_pieces`): 1 is the one-program walk; S > 1
     walks contiguous runs of whole blocks in S programs and merges them in `_combine_kernel` (not the one-program
-    bits: each piece's P is rounded against its own running max). None: 1, for now: inside rank4's decode graphs
-    on the H200 the split (chosen by `split_pieces`, 17d19d8) cut the attention kernel's GPU time per step (B = 1:
-    2.63 ms one program at 20098de, below 0.77 split; B = 16: 2.61 vs 1.06), but the steps, in runs on different
-    machines and not interleaved, went B = 1 26.79 -> 24.23 ms and B = 16 28.93 -> 31.42 (docs/perf/013): an
-    interleaved A/B decides the default (issue 28). A fixed k_split keeps a row
-    independent of the rest of the step: a piece depends on its query's list alone."""
+    bits: each piece's P is rounded against its own running max). None: for decode steps (one token per sequence)
+    with the official lists, chosen by the grid's size (`split_pieces`: 10 pieces at B = 1, 4 at B = 16, 1 from
+    B = 33 on the H200); otherwise 1: a step with prefill chunks or a verify step keeps one program (the warm-up
+    compiles its kernels by shape class, not by step size), and so do the deterministic mode's lists
+    (`prefill_lists=False`), whose point is that a row does not depend on the rest of the step (any fixed k_split
+    keeps that: a piece depends on its query's list alone). Measured in rank4's decode graphs on the H200, A/B
+    interleaved (docs/perf/014): B = 1 x 4K 18.31 -> 16.64 ms/step, B = 16 24.66 -> 23.74."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
@@ -371,8 +374,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h), d_split)
-    if k_split is None:  # the one-program walk: the split measured no faster in decode steps (see the docstring)
-        k_split = 1
+    if k_split is None:  # decode steps (one token per sequence: the CUDA-graph steps) with the official lists
+        decode = T == start_pos.shape[0]
+        k_split = split_pieces(T * grid[1] * d_split, triton.cdiv(W + comp_idx.shape[1], block_n),
+                               sm_count(q.device)) if prefill_lists and decode else 1
     if not isinstance(k_split, int) or k_split < 1:
         raise ValueError(f"sparse_mla_attention: k_split {k_split!r} (a positive int or None)")
     rd = 0 if rope is None else 2 * rope.shape[1]

@@ -110,8 +110,8 @@ def test_fixed_split_row_alone_equals_batched_interpreter(prefill_lists, interpr
 
 def test_split_choice(monkeypatch, interpreter, flat_batch):
     """split_pieces: one wave of programs, no more pieces than blocks, pieces of balanced whole blocks, none where
-    the grid half fills the GPU; only decode steps are split unasked, and not the deterministic mode's lists
-    (prefill_lists=False)."""
+    the grid half fills the GPU; only decode steps are split unasked (k_split=None), and not the deterministic
+    mode's lists (prefill_lists=False)."""
     from mini.kernels import sparse_attention as sa
     assert [sa.split_pieces(p, 10, 132) for p in (2, 8, 32, 64, 66, 67, 128, 512)] == [10, 10, 4, 2, 2, 1, 1, 1]
     assert sa.split_pieces(2, 3, 132) == 3 and sa.split_pieces(40, 10, 132) == 3  # 10 blocks: 4, 4, 2
@@ -129,9 +129,11 @@ def test_split_choice(monkeypatch, interpreter, flat_batch):
             return lambda *a, **kw: calls.append(kw["N_PIECES"]) or combine[grid](*a, **kw)
     monkeypatch.setattr(sa, "_combine_kernel", Spy())
     _run(case, None, prefill_lists=False)
-    _run(case, None)  # None: the one-program walk (the split is asked for explicitly; see the wrapper's doc)
     _run(_case(flat_batch, MIXED), None)
     assert calls == []
+    _run(case, None)  # 3 rows x 1 head tile x 2 halves: split in as many pieces as the lists' 4 blocks (W 8 + 7)
+    assert calls == [4]
+    calls.clear()
     _run(case, 4)
     assert calls == [4]
 
