@@ -116,9 +116,10 @@ def test_gemv_at_v41_shapes_gpu(N, K):
         y = gemv(x, w, out=out)
         _check(y.cpu(), x.cpu(), w.cpu())
         assert torch.equal(gemv(x, w), y)  # run to run: no atomics
-        # within a bf16 ulp of cuBLAS's own bf16 output
+        # within a bf16 ulp of cuBLAS's own bf16 output (+ the two fp32 sums' difference, near cancellations)
         ref = F.linear(x, w).double()
-        assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all()
+        spread = x.double().abs() @ w.double().abs().T
+        assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + spread * 2e-5).all()
     x, w = _operands(16, N, K, "cuda", seed=1)
     assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
     y32 = gemv(x, w, out_dtype=torch.float32)  # unrounded: the same sums as the bf16 output
@@ -186,6 +187,7 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast
     from mini.formats import quantize_fp8
     from mini.ops import linear as linear_module
     from mini.ops.linear import QWeight, linear
+    torch.manual_seed(0)
     q, s = quantize_fp8(torch.randn(72, 160) * 0.05, 32)
     w = QWeight("fp8", q, s.view(torch.float8_e8m0fnu), 32)
     x = (torch.randn(2, 3, 160) * 2).bfloat16()
