@@ -212,6 +212,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     (`same_as_cublas`: the fraction of outputs equal to cuBLAS's bits)."""
     import torch.nn.functional as F
 
+    from mini.kernels.device_info import sm_count
     from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
     from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
     from mini.kernels.gemv import gemv, split_k
@@ -288,7 +289,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                     turn[0] = (turn[0] + 1) % len(copies)
                     return gemv(x, copies[turn[0]], config=cfg)
                 ms = _bench_graph(gemv_call)
-                pieces = split_k(n_out, n_in, cfg, torch.cuda.get_device_properties(dev).multi_processor_count)[0]
+                pieces = split_k(n_out, n_in, cfg, sm_count(x.device))[0]
                 add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=f"gemv {label} split {pieces}",
                          ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
                          same_as_cublas=float((gemv(x, weight, config=cfg) == cublas).float().mean())))

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.device_info import H200_SMS, sm_count
+
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
-SMS_H200 = 132
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,6 @@ def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP
     tl.store(y_ptr + (i // N).to(tl.int64) * stride_y + i % N, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-_SMS: dict = {}
 _COUNTERS: dict = {}  # device -> int32 arrival counters of the one-launch build, zero between calls
 
 
@@ -124,15 +124,7 @@ def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
     return buf
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return SMS_H200  # the interpreter: split as the H200 would
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device.index]
-
-
-def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = SMS_H200) -> tuple[int, int]:
+def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
     """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
     per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T."""
     n_blocks = triton.cdiv(N, config.block_n)
@@ -166,7 +158,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    pieces, k_piece = split_k(N, K, config, _sm_count(x.device))
+    pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
