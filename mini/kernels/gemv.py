@@ -109,6 +109,7 @@ def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP
 
 
 _COUNTERS: dict = {}  # device -> int32 arrival counters of the one-launch build, zero between calls
+_OUTGROWN: list = []  # counters replaced by larger ones: kept, since captured graphs may still point at them
 
 
 def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
@@ -119,6 +120,8 @@ def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
     if buf is None or buf.numel() < n_blocks:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = torch.zeros(max(n_blocks, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf

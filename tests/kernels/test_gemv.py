@@ -79,6 +79,15 @@ def test_one_launch_leaves_its_counters_at_zero_interpreted(interpreter):
     _check(gemv(x, w, config=SMALL), x, w)
 
 
+def test_outgrown_counters_stay_allocated():
+    """A graph captured with the old counters still points at them: they are never freed."""
+    from mini.kernels.gemv import _OUTGROWN, _counters
+    small = _counters(torch.device("cpu"), 8)
+    big = _counters(torch.device("cpu"), small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    assert any(old is small for old in _OUTGROWN) and _counters(torch.device("cpu"), 8) is big
+
+
 def test_a_row_alone_equals_the_row_among_sixteen_interpreted(interpreter):
     x, w = _operands(16, 50, 160, "cpu")
     y = gemv(x, w, config=SMALL)
