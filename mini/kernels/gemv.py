@@ -47,7 +47,9 @@ class GemvConfig:
 
 DEFAULT = GemvConfig()
 # the tilings the decode_small benchmark times beside DEFAULT (mini bench kernels --only decode_small)
+# (64 x 128 with 2 stages: 40 KB of shared memory, so ~5 programs fit an SM and the split aims at 4)
 CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3),
+              "64x128 s2 4/SM": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
               "64x128 s4 one launch": GemvConfig(one_launch=True)}
 
 
