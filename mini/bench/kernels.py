@@ -198,13 +198,50 @@ def _bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
+def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
+    """The gate at decode sizes, V4.1's shape (384 experts x D 5120, top 6; us per call in a CUDA graph, hot L2):
+    the few-rows kernels in each candidate tiling (mini/kernels/moe_gate.py FEW_ROWS_CANDIDATES, "few rows <name>")
+    against the unfused gate's torch ops (mini.ops.moe.gate_unfused: what decode runs while the few-rows path is
+    off) and, at B = 1, 16, 64, the fused kernel. `ids_same`: the fraction of ids equal to the unfused gate's,
+    `max_dw`: the largest weight difference (summation order only; a broken tiling shows here)."""
+    import torch.nn.functional as F
+
+    from mini.kernels.moe_gate import FEW_ROWS_CANDIDATES, few_rows_tiles, gate_topk
+    gate_w = (torch.randn(384, DIM, device=dev) / DIM ** 0.5).bfloat16()
+    gate_bias = torch.randn(384, device=dev) * 0.1
+    for B in (1, 2, 4, 8, 16, 32, 64):
+        x = (torch.randn(B, DIM, device=dev) * 3).bfloat16()
+
+        def gate_torch():  # the unfused gate's ops (mini.ops.moe.gate_unfused at V4.1)
+            scores = F.softplus(x.float() @ gate_w.float().t()).sqrt()
+            picked = (scores + gate_bias).topk(6, dim=-1).indices
+            s = scores.gather(1, picked)
+            return s / (s.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, picked
+        ref_w, ref_ids = gate_torch()
+        runs = [("unfused (torch ops)", gate_torch)]
+        if B in (1, 16, 64):
+            runs.append(("fused", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20)))
+        for name, tiles in FEW_ROWS_CANDIDATES.items():
+            runs.append((f"few rows {name}" + (" (by T)" if tiles == few_rows_tiles(B) else ""),
+                         lambda t=tiles: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20, few_rows=t)))
+        for label, f in runs:
+            try:
+                w, ids = f()
+                ms = _bench_graph(f)
+                row = dict(ms=ms, us=ms * 1e3, ids_same=(ids == ref_ids).float().mean().item(),
+                           max_dw=(w - ref_w).abs().max().item())
+            except Exception as e:  # a tiling that does not build here: its row says so, the others still run
+                row = dict(error=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row := dict(kernel=f"gate/B={B}", config=label, **row))
+            print(json.dumps(row), flush=True)  # as it comes: a phase cut short by its cap keeps the rows so far
+
+
 def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
-    per site here, where a model step reads each layer's own): the routing plan of B x 6 pairs for 96 of 384
-    experts (Humming's plan, no tiles) in one program (the default up to 1,024 pairs) against the three kernels
-    and the torch sort; the gate (384 experts, top 6) in the few-rows kernels against the unfused gate's torch ops
-    and the fused kernel; the mHC site input (V4.1, delayed pre, FP8 quant) with the tiles chosen by T against the
-    4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
+    per site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1
+    to 64); the routing plan of B x 6 pairs for 96 of 384 experts (Humming's plan, no tiles) in one program (the
+    default up to 1,024 pairs) against the three kernels and the torch sort; the mHC site input (V4.1, delayed
+    pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
     issue 28) and, at B = 1, other split counts at the chosen block. `bits`: y elements that differ from the
     chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
     V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16
@@ -217,15 +254,14 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
     from mini.kernels.gemv import gemv, split_k
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
-    from mini.kernels.moe_gate import gate_topk
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
     experts = range(96, 192)
-    gate_w = (torch.randn(384, DIM, device=dev) / DIM ** 0.5).bfloat16()
-    gate_bias = torch.randn(384, device=dev) * 0.1
 
     def add(row):  # printed as it comes: a phase cut short by its time cap keeps the rows so far
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
+
+    bench_decode_gate(rows, dev=dev)  # first: the gate's candidate tilings (`--only decode_gate` runs them alone)
 
     fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
     scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
@@ -238,18 +274,6 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                          ("torch sort", lambda: plan_routes_torch(ids, weights, experts, 128, False))):
             ms = _bench_graph(f)
             add(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
-        x = (torch.randn(B, DIM, device=dev) * 3).bfloat16()
-
-        def gate_torch():  # the unfused gate's ops (mini.ops.moe.gate_unfused at V4.1)
-            scores = F.softplus(x.float() @ gate_w.float().t()).sqrt()
-            picked = (scores + gate_bias).topk(6, dim=-1).indices
-            s = scores.gather(1, picked)
-            return s / (s.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, picked
-        for label, f in (("few rows", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20, few_rows=True)),
-                         ("unfused (torch ops)", gate_torch),
-                         ("fused", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20))):
-            ms = _bench_graph(f)
-            add(dict(kernel=f"gate/B={B}", config=label, ms=ms, us=ms * 1e3))
         h = torch.randn(B, HC, DIM, device=dev).bfloat16()
         kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
         nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once
@@ -334,7 +358,7 @@ def bench_norm(rows: list, sweep=(), dev="cuda"):
 
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
-           "decode_small": bench_decode_small}
+           "decode_small": bench_decode_small, "decode_gate": bench_decode_gate}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 

@@ -48,9 +48,47 @@ class GateConfig:
 CONFIGS = (GateConfig(64, 64, 8, 3, steps=8, inner_loop=True), GateConfig(32, 64, 4, 2),
            GateConfig(32, 32, 4, 3), GateConfig(32, 32, 4, 2))
 _CHOSEN: dict[tuple, GateConfig] = {}
-# few_rows (decode): BT 16 rows x BE 8 experts x one K_PIECE of 256 per program of the logits (48 x 20 programs at
-# 384 experts x D 5120), in BK 64-wide chunks; BM 1 row per program of the epilogue
-FEW_ROWS_TILES = (16, 8, 64, 256, 1)
+
+
+@dataclass(frozen=True)
+class FewRowsTiles:
+    """The decode path's tiling (`_gate_logits_kernel`): a program reads one [BE experts x K_PIECE] slab of the gate
+    weight in BK-wide steps (each expert's row contiguous: wide loads) for BT rows, BT = the next power of two >= T
+    up to BT_MAX (more rows: row blocks, each re-reading the slab from L2). CUDA cores: fp32 FMAs into a
+    [BT, BE, BK] accumulator, reduced over BK once at the end (a reduction per step cost the first tiling ~6
+    shuffles per FMA). tensor_cores: [BE, BT] = W x^T as one chain of MMAs per piece, added in fp32 by the
+    epilogue (the fused kernel's promotion, every K_PIECE); BT at least 16 there. BM: rows per epilogue program."""
+    BE: int
+    BK: int
+    K_PIECE: int
+    BT_MAX: int
+    tensor_cores: bool = False
+    num_warps: int = 4
+    BM: int = 1
+
+    def rows_per_program(self, T: int) -> int:
+        bt = min(triton.next_power_of_2(max(T, 1)), self.BT_MAX)
+        return max(bt, 16) if self.tensor_cores else bt
+
+
+# The tilings `mini bench kernels --only decode_gate` times (rows gate/B=..., config "few rows <name>"). At V4.1
+# (384 experts x D 5120, T <= BT_MAX) "fma 8x512" runs 48 x 10 programs of 8 KB each, "mma 64x256" 6 x 20 of 32 KB.
+FEW_ROWS_CANDIDATES = {
+    "fma 8x512": FewRowsTiles(BE=8, BK=128, K_PIECE=512, BT_MAX=4),
+    "fma 4x1024": FewRowsTiles(BE=4, BK=256, K_PIECE=1024, BT_MAX=4),
+    "fma 8x1024 w8": FewRowsTiles(BE=8, BK=256, K_PIECE=1024, BT_MAX=4, num_warps=8),
+    "fma 4x2560": FewRowsTiles(BE=4, BK=512, K_PIECE=2560, BT_MAX=2),
+    "mma 64x256": FewRowsTiles(BE=64, BK=64, K_PIECE=256, BT_MAX=64, tensor_cores=True),
+    "mma 32x512": FewRowsTiles(BE=32, BK=128, K_PIECE=512, BT_MAX=32, tensor_cores=True),
+}
+# The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond). Not yet measured;
+# mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS keeps the path off until a tiling beats the unfused gate.
+FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (64, FEW_ROWS_CANDIDATES["mma 64x256"]))
+
+
+def few_rows_tiles(T: int) -> FewRowsTiles:
+    """The decode path's tiling for a step of T rows (FEW_ROWS_BY_TOKENS)."""
+    return next((tiles for bound, tiles in FEW_ROWS_BY_TOKENS if T <= bound), FEW_ROWS_BY_TOKENS[-1][1])
 
 
 @triton.jit
@@ -198,26 +236,38 @@ def _pick_top_k(score_a, sel_a, score_b, sel_b, cols_a, cols_b, rows, row_ok, we
 
 @triton.jit(do_not_specialize=["T"])
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, T, stride_x, D: tl.constexpr, E: tl.constexpr,
-                        BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K_PIECE: tl.constexpr):
+                        BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K_PIECE: tl.constexpr,
+                        TENSOR_CORES: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Few rows: the partial logits part[s, t, e] = sum of x[t, k] w[e, k] over K piece s (K_PIECE wide), for BT
-    rows x BE experts per program, on the CUDA cores in fp32 (exact bf16 products; each BK chunk summed as a tree,
-    the chunks in order). Experts and K split over the programs: the gate weight is read once across the GPU, and
-    each program walks only K_PIECE / BK chunks (a few load round trips, not D / BK)."""
+    rows x BE experts per program (`FewRowsTiles`). Experts and K split over the programs: the gate weight is
+    read once across the GPU per row block, each program's slab in K_PIECE / BK wide steps, all unrolled."""
     experts = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = experts < E
     piece = tl.program_id(1)
     rows = tl.program_id(2) * BT + tl.arange(0, BT)
     row_ok = rows < T
     kk = tl.arange(0, BK)
-    acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for k0 in tl.static_range(0, K_PIECE, BK):
-        k = piece * K_PIECE + k0 + kk
-        k_ok = k < D
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    w_ptrs = w_ptr + experts[:, None] * D + kk[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]
+    if not TENSOR_CORES:
+        acc3 = tl.zeros([BT, BE, BK], dtype=tl.float32)  # elementwise sums, reduced over BK once at the end
+    for j in tl.static_range(K_PIECE // BK):
+        k0 = piece * K_PIECE + j * BK
+        # K masked only when D is not a multiple of K_PIECE (a mask that varies along K stops wide loads)
+        k_ok = (kk < BK) if D % K_PIECE == 0 else (k0 + kk < D)
+        w = tl.load(w_ptrs + k0, mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TENSOR_CORES:  # [BE, BT]: the weight as the MMA's wide operand, one chain over the piece
+            if j == 0:
+                acc_t = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)))
+            else:
+                acc_t = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc_t)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if TENSOR_CORES:
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.sum(acc3, axis=2)
     at = (piece * T + rows[:, None].to(tl.int64)) * E + experts[None, :]
     tl.store(part_ptr + at, acc, mask=row_ok[:, None] & e_ok[None, :])
 
@@ -267,12 +317,13 @@ def column_blocks(n_experts: int) -> tuple[int, int]:
 def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
               temp: float = 1.0, eps: float = 0.0, normalize: bool = True, bias_img: torch.Tensor | None = None,
               image_mask: torch.Tensor | None = None, config: GateConfig | None = None, debug: bool = False,
-              few_rows: bool = False):
+              few_rows: bool | FewRowsTiles = False):
     """x [T, D] bf16, weight [E, D] bf16, bias fp32 [E] -> (weights fp32 [T, k], ids int64 [T, k]).
     bias_img [E] with image_mask bool [T]: that bias on image rows. debug=True also returns the fp32 logits and
-    scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here. few_rows=True: the
-    decode path, two launches (`_gate_logits_kernel` with the experts and K split over the programs, then
-    `_gate_pick_kernel`), the same epilogue; its logits sum in another order."""
+    scores [T, E] (only for tests). `config` None: the first of CONFIGS that builds here. few_rows=True (or a
+    FewRowsTiles: that tiling, else `few_rows_tiles(T)`): the decode path, two launches (`_gate_logits_kernel` with
+    the experts and K split over the programs, then `_gate_pick_kernel`), the same epilogue; its logits sum in
+    another order."""
     T, D = x.shape
     E = weight.shape[0]
     assert weight.shape[1] == D and bias.shape == (E,) and 0 < k <= E
@@ -299,16 +350,18 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                   # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
                   DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16)
     if few_rows:
-        BT, BE, BK, K_PIECE, BM = FEW_ROWS_TILES
-        pieces = triton.cdiv(D, K_PIECE)
+        tiles = few_rows_tiles(T) if few_rows is True else few_rows
+        BT, pieces = tiles.rows_per_program(T), triton.cdiv(D, tiles.K_PIECE)
         part = torch.empty(pieces, T, E, dtype=torch.float32, device=dev)  # the K pieces' partial logits
         debug_out = torch.empty(2 if debug else 0, T, E, dtype=torch.float32, device=dev)  # logits, scores
-        _gate_logits_kernel[(triton.cdiv(E, BE), pieces, triton.cdiv(T, BT))](
-            x, weight.contiguous(), part, T, x.stride(0), D=D, E=E, BT=BT, BE=BE, BK=BK, K_PIECE=K_PIECE)
-        _gate_pick_kernel[(triton.cdiv(T, BM),)](
+        _gate_logits_kernel[(triton.cdiv(E, tiles.BE), pieces, triton.cdiv(T, BT))](
+            x, weight.contiguous(), part, T, x.stride(0), D=D, E=E, BT=BT, BE=tiles.BE, BK=tiles.BK,
+            K_PIECE=tiles.K_PIECE, TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=consts["DOT_DTYPE"],
+            num_warps=tiles.num_warps)
+        _gate_pick_kernel[(triton.cdiv(T, tiles.BM),)](
             part, debug_out if debug else part, bias, bias_img, img, weights, ids, T, float(temp), float(route_scale),
             float(eps), E=E, K=k, KP=consts["KP"], NA=na, NB=nb, NORMALIZE=normalize, HAS_IMG=has_img, DEBUG=debug,
-            LIBDEVICE=not interpreted, BM=BM, PIECES=pieces, PP=triton.next_power_of_2(pieces))
+            LIBDEVICE=not interpreted, BM=tiles.BM, PIECES=pieces, PP=triton.next_power_of_2(pieces))
         return (weights, ids, debug_out[0], debug_out[1]) if debug else (weights, ids)
     key = (dev.type, dev.index, D, E, k)
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS

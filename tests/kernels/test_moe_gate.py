@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini.kernels.moe_gate import GateConfig, column_blocks, gate_topk
+from mini.kernels.moe_gate import FEW_ROWS_CANDIDATES, GateConfig, column_blocks, few_rows_tiles, gate_topk
 
 SCALE = 2.5  # route_scale of V4.1
 
@@ -84,15 +84,42 @@ def test_gate_kernel_matches_torch_interpreter(interpreter, poisoned, T, D, E, k
 @pytest.mark.parametrize("T,D,E,k", [(1, 320, 384, 6), (3, 200, 384, 6), (17, 320, 100, 6), (6, 96, 16, 4),
                                      (1, 64, 7, 1)])
 def test_few_rows_gate_matches_torch_interpreter(interpreter, poisoned, T, D, E, k):
-    """The decode path (experts split over the logits' programs, then the epilogue kernel): the same checks as
-    the fused kernel's, at decode sizes (17 rows: two row blocks; D not a multiple of the K chunk; E of one or
-    two column blocks, padded), with the V4 normalisation and the image bias too."""
+    """The decode path (experts and K split over the logits' programs, then the epilogue kernel) in the tiling
+    chosen by T: the same checks as the fused kernel's, at decode sizes (17 rows: several row blocks; D not a
+    multiple of the K piece; E of one or two column blocks, padded), with the V4 normalisation and the image bias
+    too."""
     x, w, bias = _inputs(T, D, E, seed=T)
     _check(x, w, bias, k, few_rows=True)
     if T > 1:
         _check(x, w, bias, k, eps=0.0, few_rows=True)
         image_mask = torch.arange(T) % 2 == 0
         _check(x, w, bias, k, bias_img=torch.randn(E) * 0.5, image_mask=image_mask, few_rows=True)
+
+
+@pytest.mark.parametrize("name", list(FEW_ROWS_CANDIDATES))
+@pytest.mark.parametrize("T,D,E,k", [(1, 320, 384, 6), (5, 1088, 100, 6), (17, 200, 100, 6)])
+def test_every_few_rows_tiling_matches_torch_interpreter(interpreter, poisoned, name, T, D, E, k):
+    """Each candidate tiling the benchmark times, whichever T would choose it: one row; odd T of one and of several
+    row blocks; D a multiple of 64 but not of the K piece (1,088: a partial piece); E padded in both column blocks;
+    the image bias on odd rows."""
+    tiles = FEW_ROWS_CANDIDATES[name]
+    x, w, bias = _inputs(T, D, E, seed=T + 100)
+    _check(x, w, bias, k, few_rows=tiles)
+    if T > 1:
+        image_mask = torch.arange(T) % 2 == 1
+        _check(x, w, bias, k, bias_img=torch.randn(E) * 0.5, image_mask=image_mask, few_rows=tiles)
+
+
+def test_few_rows_tiling_by_token_count():
+    """Every decode size has a tiling; BT is a power of two covering T up to the tiling's BT_MAX (16 at least on
+    the tensor cores)."""
+    for T in range(1, 129):
+        tiles = few_rows_tiles(T)
+        bt = tiles.rows_per_program(T)
+        assert bt & (bt - 1) == 0 and (bt >= T or bt == tiles.BT_MAX or (tiles.tensor_cores and bt == 16))
+        assert bt >= 16 or not tiles.tensor_cores
+    for tiles in FEW_ROWS_CANDIDATES.values():
+        assert tiles.K_PIECE % tiles.BK == 0 and tiles.rows_per_program(1) == (16 if tiles.tensor_cores else 1)
 
 
 def test_gate_kernel_v4_normalisation_and_image_bias_interpreter(interpreter, poisoned):
@@ -105,11 +132,15 @@ def test_gate_kernel_v4_normalisation_and_image_bias_interpreter(interpreter, po
     _check(x, w, bias, 6, bias_img=bias_img, image_mask=image_mask)
 
 
-@pytest.mark.parametrize("few_rows", [False, True])
+FEW_ROWS_ALL = [False, True, *FEW_ROWS_CANDIDATES.values()]  # the fused kernel, few rows by T, each tiling
+FEW_ROWS_IDS = ["fused", "few rows by T", *FEW_ROWS_CANDIDATES]
+
+
+@pytest.mark.parametrize("few_rows", FEW_ROWS_ALL, ids=FEW_ROWS_IDS)
 def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned, few_rows):
     """Planted exact ties: zero gate rows (logit 0 in any summation order) with equal biases, in both column
     blocks; the lower expert id goes first, the same on every run."""
-    x, w, bias = _inputs(19, 128, 384, seed=2)
+    x, w, bias = _inputs(5, 128, 384, seed=2)
     tied = [7, 41, 42, 300, 383]
     w[tied] = 0
     bias[tied] = 10.0  # in every token's top 6
@@ -125,7 +156,7 @@ def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned,
     assert (w_ids == torch.tensor([5, 100, 260, 261, 300, 301])).all()
 
 
-@pytest.mark.parametrize("few_rows", [False, True])
+@pytest.mark.parametrize("few_rows", FEW_ROWS_ALL, ids=FEW_ROWS_IDS)
 def test_gate_kernel_ranks_nan_first_interpreter(interpreter, poisoned, few_rows):
     x, w, bias = _inputs(9, 64, 16, seed=3)
     x[4] = float("nan")
@@ -157,8 +188,16 @@ def test_gate_kernel_at_v41_flash_shape_gpu(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 3, 16, 64])
 def test_few_rows_gate_at_v41_flash_shape_gpu(T):
-    """The decode path at decode sizes, the same checks."""
+    """The decode path at decode sizes (the tiling chosen by T), the same checks."""
     _check_v41_shape(T, few_rows=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FEW_ROWS_CANDIDATES))
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_every_few_rows_tiling_at_v41_flash_shape_gpu(T, name):
+    """Each candidate tiling the benchmark times, compiled, the same checks (the logit error bound included)."""
+    _check_v41_shape(T, few_rows=FEW_ROWS_CANDIDATES[name])
 
 
 def _check_v41_shape(T, few_rows):
@@ -197,7 +236,7 @@ def _build_for_sm90() -> None:
     from triton.compiler import ASTSource
 
     from mini.kernels import moe_route
-    from mini.kernels.moe_gate import CONFIGS, FEW_ROWS_TILES, _gate_kernel, _gate_logits_kernel, _gate_pick_kernel
+    from mini.kernels.moe_gate import CONFIGS, _gate_kernel, _gate_logits_kernel, _gate_pick_kernel
 
     def build(kernel, ptr_types, consts, num_warps=4, num_stages=2):
         names = kernel.arg_names
@@ -224,14 +263,17 @@ def _build_for_sm90() -> None:
                                             DOT_DTYPE=tl.bfloat16, BM=c.BM, BK=c.BK, STEPS=c.steps,
                                             INNER_LOOP=c.inner_loop),
               c.num_warps, c.num_stages)
-        # the decode path (few_rows): the logits with the experts split over the programs, then the epilogue
-        BT, BE, BK, K_PIECE, BM = FEW_ROWS_TILES
+        # the decode path (few_rows): each candidate tiling's logits kernel at the row tiles T = 1..64 take, then
+        # the epilogue for each piece count
         few = {**gate_ptrs, "part_ptr": "*fp32", "debug_ptr": "*fp32"}
-        build(_gate_logits_kernel, few, dict(D=D, E=E, BT=BT, BE=BE, BK=BK, K_PIECE=K_PIECE))
-        pieces = triton.cdiv(D, K_PIECE)
-        build(_gate_pick_kernel, few, dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True,
-                                           HAS_IMG=img, DEBUG=img, LIBDEVICE=True, BM=BM, PIECES=pieces,
-                                           PP=triton.next_power_of_2(pieces)))
+        for tiles, bt in _few_rows_builds():
+            build(_gate_logits_kernel, few, dict(D=D, E=E, BT=bt, BE=tiles.BE, BK=tiles.BK, K_PIECE=tiles.K_PIECE,
+                                                 TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=tl.bfloat16),
+                  tiles.num_warps)
+        for pieces, bm in sorted({(triton.cdiv(D, t.K_PIECE), t.BM) for t in FEW_ROWS_CANDIDATES.values()}):
+            build(_gate_pick_kernel, few, dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True,
+                                               HAS_IMG=img, DEBUG=img, LIBDEVICE=True, BM=bm, PIECES=pieces,
+                                               PP=triton.next_power_of_2(pieces)))
     route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     for E in (0, 1, 7, 96, 384):
         EB, SUB, STEP = moe_route.launch_sizes(E)
@@ -244,6 +286,20 @@ def _build_for_sm90() -> None:
         build(moe_route._place_kernel, route_ptrs, dict(E=E, K=6, BLOCK=moe_route.BLOCK, SUB=SUB, EB=EB))
         for tile_m in (0, 128):  # a decode step's plan in one program
             build(moe_route._plan_one_kernel, route_ptrs, dict(E=E, K=6, SUB=SUB, EB=EB, TILE_M=tile_m, TB=STEP))
+
+
+def _few_rows_builds():
+    """(tiling, rows per program) of every candidate tiling at the row tiles decode steps of 1..64 tokens take."""
+    return sorted({(t, t.rows_per_program(T)) for t in FEW_ROWS_CANDIDATES.values() for T in (1, 64)},
+                  key=lambda tb: (list(FEW_ROWS_CANDIDATES.values()).index(tb[0]), tb[1]))
+
+
+def _sm90_builds() -> int:
+    """How many kernels `_build_for_sm90` builds."""
+    import triton
+    shapes = ((5120, 384), (5120, 384), (4096, 256), (64, 16), (64, 7))
+    pick = sum(len({(triton.cdiv(D, t.K_PIECE), t.BM) for t in FEW_ROWS_CANDIDATES.values()}) for D, _ in shapes)
+    return len(shapes) * (1 + len(_few_rows_builds())) + pick + 5 * 7
 
 
 @pytest.mark.slow
@@ -259,7 +315,7 @@ def test_gate_and_route_kernels_build_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 5 * 3 + 5 * 7, run.stdout
+    assert run.stdout.count(" ok") == _sm90_builds(), run.stdout
 
 
 if __name__ == "__main__":
