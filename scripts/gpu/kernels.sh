@@ -132,3 +132,18 @@ phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before 
     tail -6 "$PHASE_DIR/tests.log"
     return $rc
 }
+
+phase_decode_gate() {  # issue 28, the gate at decode alone (not yet measured; guess ~60 s on a cold kernel cache,
+    # cap it at 150): `mini bench kernels --only decode_gate` (bench.log, kernels_decode_gate.json: us per call in a
+    # CUDA graph at B = 1, 2, 4, 8, 16, 32, 64, the unfused gate's torch ops vs the fused kernel vs each few-rows
+    # candidate tiling, with ids_same / max_dw against the unfused gate), then the gpu tests of every tiling at
+    # V4.1 shape (T = 1, 3, 16, 64) (tests.log). FEW_ROWS_GATE_MAX_TOKENS follows from the bench rows.
+    local rc=0
+    timeout 90 python3 -m mini.bench.kernels --only decode_gate --json "$PHASE_DIR/kernels_decode_gate.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^\{\"kernel\": \"gate|ERROR|Error" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py -k few_rows \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -6 "$PHASE_DIR/tests.log"
+    return $rc
+}
