@@ -18,6 +18,9 @@ this kernel is built around the read of W alone:
 Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
 the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
 split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T (<= 16).
+With `act_block` the kernel also applies the FP8 1 x act_block activation fake quant of mini.ops.linear to each x
+tile it loads (mini/kernels/quant.py's formulas, as fp8_act_quant's pass: the same bits, and the quantized values
+are exact in bf16), so a decode projection is one launch (two with a split) instead of a quant pass before it.
 The deterministic mode never reaches this kernel (mini.ops.linear keeps its batch-invariant GEMMs).
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
+from mini.kernels.quant import fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
 
@@ -56,9 +60,10 @@ CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
-    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else bf16 to y[t, n]."""
+    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
+    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -76,6 +81,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, st
         k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
+            x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
     ok = n_ok[:, None] & t_ok[None, :]
     y_at = y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None]
@@ -139,11 +146,18 @@ def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -
     return triton.cdiv(steps, per_piece), per_piece * config.block_k
 
 
+def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
+    """Whether the kernel quantizes x in its loads: each BLOCK_K step must hold whole groups."""
+    return config.block_k % act_block == 0
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig = DEFAULT,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
-    torch.mm(..., out_dtype=torch.float32), the compressor's GEMM)."""
+    torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
+    FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
+    does it in its loads; otherwise the quant pass runs first)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -161,6 +175,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         return out
     if K == 0:
         return out.zero_()
+    if act_block and K % act_block:
+        raise ValueError(f"gemv: K {K} is not a multiple of the activation quant block {act_block}")
+    if act_block and not fuses_act_quant(act_block, config):
+        from mini.kernels.fp8_act_quant import fp8_act_quant
+        x, act_block = fp8_act_quant(x, act_block), 0
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
@@ -171,7 +190,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
         k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
-        ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0,
+        ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages)

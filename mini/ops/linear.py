@@ -103,19 +103,20 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
-        return dense_bf16(_fast_act_quant(x, w.block), w.prepare(torch.bfloat16))
+        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0)
     return blockwise_gemm(x, w).to(x.dtype)
 
 
-def dense_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The fast path's F.linear(x, w) on bf16 operands: up to GEMV_MAX_TOKENS rows the decode GEMV (fp32 sums in its
-    own fixed order, one rounding to bf16, as cuBLAS's output), else cuBLAS. The deterministic mode keeps F.linear,
-    which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Tensor:
+    """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
+    act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
+    order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. The deterministic mode
+    keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv
-        return gemv(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
+        return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
+    return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

@@ -76,15 +76,19 @@ def main() -> None:
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
                                              NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"))
-    # the decode GEMV: each candidate tiling split over K (and the default unsplit, as wq_b runs), the pieces' sum
+    # the decode GEMV: each candidate tiling split over K with V4.1's activation quant in its loads (and the default
+    # unsplit without it), then fp32 output, V4's quant blocks, the pieces' sum
     for cfg in GEMV_CANDIDATES.values():
         for split in (True, False) if cfg == next(iter(GEMV_CANDIDATES.values())) else (True,):
             build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
-                       EVEN_K=True, DOT_DTYPE=triton.language.bfloat16),
+                       EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
-          dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True,
+          dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
+    build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},  # V4's 128-wide activation quant blocks
+          dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     for d in (5120, 1280, 512, 128, 64):

@@ -70,6 +70,21 @@ def test_fp32_output_keeps_the_sums_unrounded_interpreted(interpreter, config):
         assert torch.equal(gemv(x, w, config=config), y.bfloat16())  # the bf16 output: the same sums, rounded
 
 
+@pytest.mark.parametrize("config", [SMALL, replace(SMALL, block_k=64), replace(SMALL, block_k=16)],
+                         ids=["one group per step", "two groups per step", "quant pass first"])
+def test_fused_act_quant_is_the_quant_pass_then_the_gemv_interpreted(interpreter, config):
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import fuses_act_quant
+    x, w = _operands(3, 40, 320, "cpu")
+    x[1, 40:72] *= 1000  # groups of very different scales
+    y = gemv(x, w, config=config, act_block=32)
+    assert torch.equal(y, gemv(fp8_act_quant(x, 32), w, config=config))
+    assert fuses_act_quant(32, config) == (config.block_k >= 32)
+    assert not torch.equal(y, gemv(x, w, config=config))  # the quant really applied
+    with pytest.raises(ValueError, match="multiple of the activation quant block"):
+        gemv(x[:, :48], w[:, :48], act_block=32)
+
+
 def test_one_launch_leaves_its_counters_at_zero_interpreted(interpreter):
     from mini.kernels.gemv import _COUNTERS
     x, w = _operands(2, 37, 320, "cpu")
@@ -131,6 +146,8 @@ def test_gemv_at_v41_shapes_gpu(N, K):
         assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + spread * 2e-5).all()
     x, w = _operands(16, N, K, "cuda", seed=1)
     assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    assert torch.equal(gemv(x, w, act_block=32), gemv(fp8_act_quant(x, 32), w))  # the quant in the loads
     y32 = gemv(x, w, out_dtype=torch.float32)  # unrounded: the same sums as the bf16 output
     assert torch.equal(y32.bfloat16(), gemv(x, w))
     spread = x.double().abs() @ w.double().abs().T
@@ -185,7 +202,7 @@ def gemv_calls(monkeypatch):
 
     def counted(x, w, **kw):
         calls.append(tuple(x.shape))
-        return real(x, w, config=SMALL)
+        return real(x, w, config=SMALL, **kw)
     monkeypatch.setattr(module, "gemv", counted)
     return calls
 
@@ -193,7 +210,7 @@ def gemv_calls(monkeypatch):
 def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast_interpreted, gemv_calls,
                                                                  monkeypatch):
     import mini.ops
-    from mini.formats import quantize_fp8
+    from mini.formats import no_fake_quant, quantize_fp8
     from mini.ops import linear as linear_module
     from mini.ops.linear import QWeight, linear
     torch.manual_seed(0)
@@ -212,10 +229,12 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast
     # test_linear.py's fast-path tolerance, and the same activation quantization as the F.linear fast path
     assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3).all()
     assert ((y.double() - cublas_path.double()).abs() <= cublas_path.double().abs() * 2.0 ** -7 + 1e-6).all()
+    with no_fake_quant():  # the GEMV without its quant
+        assert torch.equal(linear(x[0], w), gemv(x[0], w.prepare(torch.bfloat16), config=SMALL))
     linear(torch.randn(7, 160).bfloat16(), w)  # more rows than the limit: F.linear
     bf16_w = QWeight("bf16", torch.randn(24, 160).bfloat16(), None, 32)
     _check(linear(x[0], bf16_w), x[0], bf16_w.data)  # bf16 weights too
-    assert gemv_calls == [(6, 160), (3, 160)]
+    assert gemv_calls == [(6, 160), (3, 160), (3, 160)]
     with mini.ops.deterministic_mode():  # keeps its batch-invariant GEMMs
         linear(x, w)
-    assert gemv_calls == [(6, 160), (3, 160)]
+    assert gemv_calls == [(6, 160), (3, 160), (3, 160)]
