@@ -246,10 +246,12 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
     V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16
     the decode GEMV (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies
-    (`same_as_cublas`: the fraction of outputs equal to cuBLAS's bits)."""
+    (`same_as_cublas`: the fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs:
+    the activation quant pass + cuBLAS against the GEMV with the quant in its loads."""
     import torch.nn.functional as F
 
     from mini.kernels.device_info import sm_count
+    from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
     from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
     from mini.kernels.gemv import gemv, split_k
@@ -317,6 +319,19 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
                 add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=f"gemv {label} split {pieces}",
                          ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
                          same_as_cublas=float((gemv(x, weight, config=cfg) == cublas).float().mean())))
+
+            # what linear runs for an FP8 weight: the act quant pass + cuBLAS against the GEMV with it in its loads
+            def quant_cublas():
+                turn[0] = (turn[0] + 1) % len(copies)
+                return F.linear(fp8_act_quant(x, 32), copies[turn[0]])
+
+            def quant_gemv():
+                turn[0] = (turn[0] + 1) % len(copies)
+                return gemv(x, copies[turn[0]], act_block=32)
+            for label, f in (("fp8 act quant + cuBLAS", quant_cublas), ("gemv default, act quant fused", quant_gemv)):
+                ms = _bench_graph(f)
+                add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms, us=ms * 1e3,
+                         floor_ms=floor_ms, frac_copy_peak=floor_ms / ms))
         del copies, weight
 
 

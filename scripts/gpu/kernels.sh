@@ -112,7 +112,7 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
 }
 
 phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
-    # at 240): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
+    # at 300): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
     # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone
     # == among 1, 16, 333), of the few-rows gate (T = 1, 3, 16, 64 at V4.1 shape) and of the decode GEMV (V4.1's
     # projection shapes at T = 1, 3, 16, every candidate tiling) (tests.log), after `mini bench kernels
@@ -120,9 +120,10 @@ phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before 
     # the route plan in one program vs three kernels vs torch sort, the gate's few-rows kernels vs the unfused
     # gate's torch ops vs the fused kernel, mhc_norm by T vs the 4,096-token tiles vs other splits, then cuBLAS on
     # the dense projections' shapes against their weight bytes' floor (item 3: which small GEMMs are far from it)
-    # beside the decode GEMV's candidate tilings at B = 1, 16 (mini/kernels/gemv.py)
+    # beside the decode GEMV's candidate tilings at B = 1, 16 (mini/kernels/gemv.py), and an FP8 linear's quant pass
+    # + cuBLAS against the GEMV with the quant fused
     local rc=0
-    timeout 130 python3 -m mini.bench.kernels --only decode_small --json "$PHASE_DIR/kernels_decode_small.json" \
+    timeout 180 python3 -m mini.bench.kernels --only decode_small --json "$PHASE_DIR/kernels_decode_small.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^(route_plan|gate|mhc_norm|dense_gemm)|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
     timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_route.py \
