@@ -57,7 +57,8 @@ class FewRowsTiles:
     up to BT_MAX (more rows: row blocks, each re-reading the slab from L2). CUDA cores: fp32 FMAs into a
     [BT, BE, BK] accumulator, reduced over BK once at the end (a reduction per step cost the first tiling ~6
     shuffles per FMA). tensor_cores: [BE, BT] = W x^T as one chain of MMAs per piece, added in fp32 by the
-    epilogue (the fused kernel's promotion, every K_PIECE); BT at least 16 there. BM: rows per epilogue program."""
+    epilogue (the fused kernel's promotion, every K_PIECE); BT at least 16 there. BM, pick_warps: rows and warps
+    per epilogue program (one warp keeps its reductions over the experts in shuffles, without barriers)."""
     BE: int
     BK: int
     K_PIECE: int
@@ -65,6 +66,7 @@ class FewRowsTiles:
     tensor_cores: bool = False
     num_warps: int = 4
     BM: int = 1
+    pick_warps: int = 4
 
     def rows_per_program(self, T: int) -> int:
         bt = min(triton.next_power_of_2(max(T, 1)), self.BT_MAX)
@@ -75,6 +77,8 @@ class FewRowsTiles:
 # (384 experts x D 5120, T <= BT_MAX) "fma 8x512" runs 48 x 10 programs of 8 KB each, "mma 64x256" 6 x 20 of 32 KB.
 FEW_ROWS_CANDIDATES = {
     "fma 8x512": FewRowsTiles(BE=8, BK=128, K_PIECE=512, BT_MAX=4),
+    "fma 8x512 pick 1w": FewRowsTiles(BE=8, BK=128, K_PIECE=512, BT_MAX=4, pick_warps=1),
+    "fma 8x512 pick 2w": FewRowsTiles(BE=8, BK=128, K_PIECE=512, BT_MAX=4, pick_warps=2),
     "fma 4x1024": FewRowsTiles(BE=4, BK=256, K_PIECE=1024, BT_MAX=4),
     "fma 8x1024 w8": FewRowsTiles(BE=8, BK=256, K_PIECE=1024, BT_MAX=4, num_warps=8),
     "fma 4x2560": FewRowsTiles(BE=4, BK=512, K_PIECE=2560, BT_MAX=2),
@@ -361,7 +365,8 @@ def gate_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
         _gate_pick_kernel[(triton.cdiv(T, tiles.BM),)](
             part, debug_out if debug else part, bias, bias_img, img, weights, ids, T, float(temp), float(route_scale),
             float(eps), E=E, K=k, KP=consts["KP"], NA=na, NB=nb, NORMALIZE=normalize, HAS_IMG=has_img, DEBUG=debug,
-            LIBDEVICE=not interpreted, BM=tiles.BM, PIECES=pieces, PP=triton.next_power_of_2(pieces))
+            LIBDEVICE=not interpreted, BM=tiles.BM, PIECES=pieces, PP=triton.next_power_of_2(pieces),
+            num_warps=tiles.pick_warps)
         return (weights, ids, debug_out[0], debug_out[1]) if debug else (weights, ids)
     key = (dev.type, dev.index, D, E, k)
     candidates = (config,) if config is not None else (_CHOSEN[key],) if key in _CHOSEN else CONFIGS

@@ -270,10 +270,10 @@ def _build_for_sm90() -> None:
             build(_gate_logits_kernel, few, dict(D=D, E=E, BT=bt, BE=tiles.BE, BK=tiles.BK, K_PIECE=tiles.K_PIECE,
                                                  TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=tl.bfloat16),
                   tiles.num_warps)
-        for pieces, bm in sorted({(triton.cdiv(D, t.K_PIECE), t.BM) for t in FEW_ROWS_CANDIDATES.values()}):
+        for pieces, bm, warps in _pick_builds(D):
             build(_gate_pick_kernel, few, dict(E=E, K=K, KP=triton.next_power_of_2(K), NA=na, NB=nb, NORMALIZE=True,
                                                HAS_IMG=img, DEBUG=img, LIBDEVICE=True, BM=bm, PIECES=pieces,
-                                               PP=triton.next_power_of_2(pieces)))
+                                               PP=triton.next_power_of_2(pieces)), warps)
     route_ptrs = {"ids_ptr": "*i64", "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     for E in (0, 1, 7, 96, 384):
         EB, SUB, STEP = moe_route.launch_sizes(E)
@@ -290,16 +290,24 @@ def _build_for_sm90() -> None:
 
 def _few_rows_builds():
     """(tiling, rows per program) of every candidate tiling at the row tiles decode steps of 1..64 tokens take."""
-    return sorted({(t, t.rows_per_program(T)) for t in FEW_ROWS_CANDIDATES.values() for T in (1, 64)},
-                  key=lambda tb: (list(FEW_ROWS_CANDIDATES.values()).index(tb[0]), tb[1]))
+    builds = {}  # one per logits kernel (tilings that differ only in the epilogue share it)
+    for t in FEW_ROWS_CANDIDATES.values():
+        for T in (1, 64):
+            bt = t.rows_per_program(T)
+            builds.setdefault((t.BE, t.BK, t.K_PIECE, t.tensor_cores, t.num_warps, bt), (t, bt))
+    return list(builds.values())
+
+
+def _pick_builds(D):
+    """(pieces, rows, warps) of the epilogue kernels the candidate tilings launch at width D."""
+    import triton
+    return sorted({(triton.cdiv(D, t.K_PIECE), t.BM, t.pick_warps) for t in FEW_ROWS_CANDIDATES.values()})
 
 
 def _sm90_builds() -> int:
     """How many kernels `_build_for_sm90` builds."""
-    import triton
-    shapes = ((5120, 384), (5120, 384), (4096, 256), (64, 16), (64, 7))
-    pick = sum(len({(triton.cdiv(D, t.K_PIECE), t.BM) for t in FEW_ROWS_CANDIDATES.values()}) for D, _ in shapes)
-    return len(shapes) * (1 + len(_few_rows_builds())) + pick + 5 * 7
+    widths = (5120, 5120, 4096, 64, 64)
+    return sum(1 + len(_few_rows_builds()) + len(_pick_builds(D)) for D in widths) + 5 * 7
 
 
 @pytest.mark.slow
