@@ -34,7 +34,7 @@ from mini.engine.cuda_graphs import is_decode_step
 from mini.engine.sampler import SampleOutput, SamplingBatch, sample
 from mini.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from mini.engine.sequence import SamplingParams, Sequence, TokenLogprobs
-from mini.engine.speculative import Speculation, SpecStats
+from mini.engine.speculative import FORCED_DRAFT, Speculation, SpecStats
 from mini.step import Drafter, ImageSpan, StepModel, TokenFeed
 
 
@@ -59,6 +59,7 @@ class EngineOptions:
     spec_tokens: int | None = None  # the longest draft (None: the drafter's own, DSpark's block size)
     spec_min_confidence: float = 0.0  # drafts stop at the first token the drafter is less sure of (0: never)
     spec_max_rows: int | None = 384  # a step's verify rows, (1 + k) per decoding sequence, at most (None: no cap)
+    forced_drafts: bool = True  # tokens a grammar forces are drafts, verified in one step (speculative.py)
 
     @classmethod
     def pick(cls, opts: dict) -> tuple["EngineOptions", dict]:
@@ -202,7 +203,10 @@ class LLMEngine:
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
         self.spec = None if drafter is None else Speculation(self, drafter, o.spec_tokens or drafter.max_draft,
-                                                             o.spec_max_rows)
+                                                             o.spec_max_rows, forced=o.forced_drafts)
+        # the verify step: speculation's, or without it one for the drafts of forced tokens alone
+        self.verify = self.spec or (Speculation(self, None, FORCED_DRAFT, o.spec_max_rows) if o.forced_drafts
+                                    else None)
         if self.spec is not None:
             self.overlap = False  # a verify step's acceptance needs its tokens on the host before the next plan
         self._grammars = None  # see `grammars`
@@ -343,6 +347,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
+        if self.verify is not None and self.verify.forced:  # tokens grammars force become drafts before the plan
+            if self._inflight is not None and self.verify.forcing(self._inflight.seqs):
+                prev, self._inflight = self._inflight, None  # the tokens to draft after are those in flight
+                outputs += self._resolve(prev)
+            self.verify.force([s for s in self.scheduler.running if not s.in_prefill])
         plan = self.scheduler.schedule(self._budget(prefill_cap))
         self.stats.preemptions += len(plan.preempted)
         prev, self._inflight = self._inflight, None
@@ -355,8 +364,8 @@ class LLMEngine:
             return StepOutputs(outputs, forward=False)
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
-        if self.spec is not None:  # speculative decoding: its own eager step (mini.engine.speculative)
-            return StepOutputs(outputs + self.spec.step(plan), forward=True)
+        if self.spec is not None or any(c.drafts for c in plan.chunks):  # verify drafts (mini.engine.speculative)
+            return StepOutputs(outputs + self.verify.step(plan), forward=True)
         t1 = time.perf_counter()
         step = self._launch(plan.chunks, prev)
         t2 = time.perf_counter()

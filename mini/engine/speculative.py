@@ -21,6 +21,14 @@ on each sequence's new last token (before prefix-cache snapshots: its state is i
 most as long as the load rule allows (`load_cap`: the next step's verify rows within a budget), and the outputs go
 out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts before the
 row, then rolled back (`_grammar_masks`); the committed tokens advance it for good, as plain decode's do.
+
+Forced drafts. Where a sequence's grammar forces its next tokens (DSML tool-call markup, a JSON key: `force`,
+llguidance's fast-forward tokens), those tokens are its draft, certain ones: the drafter's draft, if any, is
+dropped for them (it guessed the same positions). They are verified as any draft, so the grammar's mask, which at
+their rows allows only them, makes the target's own token equal them (greedy, seeded; p(d) = 1 for rejection
+sampling): a forced run costs one step instead of one per token, and outputs and logprobs stay plain decode's.
+Without speculation the engine keeps a `Speculation` with no drafter for them (`LLMEngine.verify`): a step whose
+chunks carry forced drafts verifies them (eagerly: the decode graphs have width 1), every other step is plain.
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ from mini.engine.scheduler import StepPlan
 from mini.engine.sequence import Sequence, TokenLogprobs
 from mini.step import Commit, Drafter
 
+# without speculation, the longest forced run verified in one step (16 rows a sequence)
+FORCED_DRAFT = 15
 
 @dataclass
 class SpecStats:
@@ -88,15 +98,18 @@ def accept(draft: list[int], targets: list[int]) -> int:
 
 
 class Speculation:
-    """The speculative step of an LLMEngine (`engine.spec`): eager, never overlapped."""
+    """The verify step of an LLMEngine: speculation's (`engine.spec`), or forced drafts' alone (`drafter` None)."""
 
-    def __init__(self, engine, drafter: Drafter, max_draft: int, max_rows: int | None = None):
-        """`max_rows`: the load rule's row budget (`load_cap`; None: none)."""
-        if not 0 < max_draft <= drafter.max_draft:
+    def __init__(self, engine, drafter: Drafter | None, max_draft: int, max_rows: int | None = None,
+                 forced: bool = True):
+        """`max_rows`: the load rule's row budget (`load_cap`; None: none); `forced`: grammars' forced tokens are
+        drafts (`force`)."""
+        if not 0 < max_draft <= (drafter.max_draft if drafter is not None else max_draft):
             raise ValueError(f"spec tokens must be in [1, {drafter.max_draft}] for this drafter, got {max_draft}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
+        self.forced = forced
 
     def load_cap(self, decoding: int) -> int:
         """The load rule: the longest draft each of `decoding` sequences may verify in one step, so that the
@@ -115,6 +128,26 @@ class Speculation:
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.max_draft, room))
+
+    def force(self, seqs: list[Sequence]) -> None:
+        """Before a step is planned: each of the decoding `seqs` whose grammar forces its next tokens drafts them
+        (at most what the load rule and `draft_room` allow); without a drafter every other one drafts nothing. A
+        sequence whose token is still in flight (overlapped steps) has no tokens to draft after yet."""
+        if not self.forced:
+            return
+        cap = self.load_cap(len(seqs))
+        for s in seqs:
+            if s.matcher is None:
+                continue
+            forced = [] if s.num_inflight else self.engine.grammars.forced(s.matcher, min(cap, self.draft_room(s)))
+            if forced or self.drafter is None:
+                s.draft = forced
+
+    def forcing(self, seqs: list[Sequence]) -> bool:
+        """Whether the step in flight holding `seqs` must be read back before the next plan: a grammar forces at
+        least two tokens after a sequence's last one read back, the one in flight and a draft after it."""
+        return self.forced and any(s.matcher is not None and not s.is_finished
+                                   and len(self.engine.grammars.forced(s.matcher, 2)) == 2 for s in seqs)
 
     def _grammar_masks(self, sampling: list, device):
         """The bitmask of every verify row (None: no sequence has a grammar): row i of a sequence with a matcher
@@ -247,7 +280,8 @@ class Speculation:
                           end=c.seq.num_computed, anchor=c.seq.output_token_ids[-1] if id(c) in samples else None,
                           max_draft=min(cap, self.draft_room(c.seq)), history=lambda s=c.seq: s.tokens)
                    for c, a in zip(chunks, accepted)]
-        for c, draft in zip(chunks, self.drafter.propose(e.runner.cache, commits)):
+        drafts = self.drafter.propose(e.runner.cache, commits) if self.drafter is not None else [[]] * len(chunks)
+        for c, draft in zip(chunks, drafts):  # (a grammar's forced tokens replace them: `force`, next plan)
             c.seq.draft = list(draft) if id(c) in samples else []
         live = [c for c in chunks if not c.seq.is_finished]
         e.runner.copy_slots([s for s in (e.blocks.commit(c.seq) for c in live) if s is not None])

@@ -98,6 +98,19 @@ class GrammarBackend:
                 matcher.consume_token(token)
         self._consume_s += time.perf_counter() - t
 
+    def forced(self, matcher, limit: int) -> list[int]:
+        """The next tokens the grammar forces after what `matcher` consumed (llguidance's fast-forward tokens: the
+        tokenization of the bytes no other output could continue with, e.g. DSML markup or a JSON key), at most
+        `limit`; none once the matcher stopped or failed. They become certain drafts (mini.engine.speculative):
+        verified, never taken on trust, so a forced token the mask does not make the only choice (the forced text
+        split another way is allowed too) is accepted only where the target draws it."""
+        if limit <= 0 or matcher.is_stopped() or matcher.is_error():
+            return []
+        t = time.perf_counter()
+        tokens = matcher.compute_ff_tokens()[:limit]
+        self._consume_s += time.perf_counter() - t
+        return tokens
+
     def start(self, matchers: list, device, background: bool = False) -> "MaskJob | None":
         """Start filling the bitmask of a batch's rows (`matchers[i]`: row i's, or None); None when no row has one.
         `background`: fill on the worker thread (the matchers must not be touched until `result`)."""

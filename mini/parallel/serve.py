@@ -310,7 +310,8 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
     from mini.parallel.dp import load_ep_model
     from mini.engine import build_engine
     from mini.args import engine_opts
-    opts = {**engine_opts(args), "device": str(ctx.device)}
+    # forced drafts off: their verify steps are not the pure decode steps `foreseen_bucket` promises every rank
+    opts = {**engine_opts(args), "device": str(ctx.device), "forced_drafts": False}
     model, cfg, tok = load_ep_model(args.model, ctx, opts["dtype"])
     engine = build_engine(model, config=cfg, tokenizer=tok, **opts)
     if ctx.multi:  # pools sized from free memory may differ: rank 0 admits prompts that fit on every rank

@@ -48,6 +48,8 @@ class FakeCache:
         self.ring = torch.full((n_slots, config.window_size), -1, dtype=torch.int64)
         self.pages = torch.full((n_blocks, block_tokens), -1, dtype=torch.int64)
         self.state = torch.zeros(n_slots, dtype=torch.int64)  # hash of the history so far
+        # the last forward's draft rows, per chunk: (slot, [(position, token, state after it)]), for commit_drafts
+        self.drafts: list[tuple[int, list[tuple[int, int, int]]]] = []
 
     @staticmethod
     def bytes_per_block(config, block_tokens, dtype):
@@ -63,8 +65,13 @@ class FakeCache:
             self.state[d] = self.state[s]
 
     def commit_drafts(self, accepted: list[int]) -> None:
-        if any(accepted):  # the fakes have no drafter, so no step of theirs verifies a draft
-            raise NotImplementedError("the fake models do not speculate")
+        """The ring and state take the accepted draft rows only (a rejected row must not overwrite a ring slot the
+        next step still reads); pages are written for every row (read only below the window, once committed)."""
+        for (slot, rows), a in zip(self.drafts, accepted):
+            for q, token, state in rows[:a]:
+                self.ring[slot, q % self.config.window_size] = token
+                self.state[slot] = state
+        self.drafts = []
 
 
 def _mix(h: int, token: int, pos: int) -> int:
@@ -106,22 +113,28 @@ class FakeModel(FakeStepModel):
         W, bt = self.config.window_size, cache.block_tokens
         rows = []
         self.calls.append([(c.start, len(c.tokens) - c.start) for c in batch.chunks])
+        cache.drafts = []
         for c in batch.chunks:
             # the history before the chunk, read back from the cache: pages for old positions, ring for recent
             old = [int(cache.pages[c.blocks[q // bt], q % bt]) for q in range(max(0, c.start - W))]
             recent = [int(cache.ring[c.slot, q % W]) for q in range(max(0, c.start - W), c.start)]
             h = 0
-            for q, t in enumerate(old + recent + c.tokens[c.start:]):
+            for q, t in enumerate(old + recent):
                 h = _mix(h, t, q)
             state = int(cache.state[c.slot]) if c.start else 0
+            committed, draft_rows = len(c.tokens) - c.drafts, []  # a verify chunk: a logit row per position
             for q in range(c.start, len(c.tokens)):
-                state = _mix(state, c.tokens[q], q)
+                h, state = _mix(h, c.tokens[q], q), _mix(state, c.tokens[q], q)
                 cache.pages[c.blocks[q // bt], q % bt] = c.tokens[q]
-                cache.ring[c.slot, q % W] = c.tokens[q]
-            cache.state[c.slot] = state
-            if c.want_logits:
-                g = torch.Generator().manual_seed((h ^ (state >> 3)) % (1 << 62))
-                rows.append(torch.randn(self.config.vocab_size, generator=g) * 3)
+                if q < committed:
+                    cache.ring[c.slot, q % W] = c.tokens[q]
+                    cache.state[c.slot] = state
+                else:
+                    draft_rows.append((q, c.tokens[q], state))
+                if c.want_logits and q >= committed - 1:
+                    g = torch.Generator().manual_seed((h ^ (state >> 3)) % (1 << 62))
+                    rows.append(torch.randn(self.config.vocab_size, generator=g) * 3)
+            cache.drafts.append((c.slot, draft_rows))
         return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
 
 
@@ -143,9 +156,9 @@ class ScriptedModel(FakeStepModel):
     def forward(self, batch: FakeBatch, cache: FakeCache) -> torch.Tensor:
         rows = []
         for c in batch.chunks:
-            if c.want_logits:
+            for n in range(len(c.tokens) - c.drafts, len(c.tokens) + 1) if c.want_logits else ():  # verify rows too
                 row = torch.zeros(self.config.vocab_size)
-                row[self.script[(len(c.tokens) - self.prompt_len) % len(self.script)]] = 10.0
+                row[self.script[(n - self.prompt_len) % len(self.script)]] = 10.0
                 rows.append(row)
         return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
 
