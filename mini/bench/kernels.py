@@ -234,6 +234,13 @@ def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
                 row = dict(error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row := dict(kernel=f"gate/B={B}", config=label, **row))
             print(json.dumps(row), flush=True)  # as it comes: a phase cut short by its cap keeps the rows so far
+        # the verdict FEW_ROWS_GATE_MAX_TOKENS / FEW_ROWS_BY_TOKENS follow: the fastest tiling vs the unfused gate
+        timed = [r for r in rows if r["kernel"] == f"gate/B={B}" and "us" in r]
+        few = [r for r in timed if r["config"].startswith("few rows") and r["ids_same"] > 0.99]  # near-ties may differ
+        if few and timed[0]["config"].startswith("unfused"):
+            best = min(few, key=lambda r: r["us"])
+            print(f"gate/B={B}: fastest {best['config']} {best['us']:.1f} us vs unfused "
+                  f"{timed[0]['us']:.1f} us: {'faster' if best['us'] < timed[0]['us'] else 'slower'}", flush=True)
 
 
 def bench_decode_small(rows: list, sweep=(), dev="cuda"):
@@ -241,8 +248,9 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     per site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1
     to 64); the routing plan of B x 6 pairs for 96 of 384 experts (Humming's plan, no tiles) in one program (the
     default up to 1,024 pairs) against the three kernels and the torch sort; the mHC site input (V4.1, delayed
-    pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before
-    issue 28) and, at B = 1, other split counts at the chosen block. `bits`: y elements that differ from the
+    pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the
+    deterministic mode's at every T, the default's before issue 28) and, at B = 1, other split counts at the
+    chosen block. `bits`: y elements that differ from the
     chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
     V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16
     the decode GEMV (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies

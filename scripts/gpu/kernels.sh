@@ -142,7 +142,7 @@ phase_decode_gate() {  # issue 28, the gate at decode alone (not yet measured; g
     local rc=0
     timeout 90 python3 -m mini.bench.kernels --only decode_gate --json "$PHASE_DIR/kernels_decode_gate.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
-    grep -E "^\{\"kernel\": \"gate|ERROR|Error" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    grep -E "^(\{\"kernel\": \"gate|gate/)|ERROR|Error" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
     timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_moe_gate.py -k few_rows \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
