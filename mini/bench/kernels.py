@@ -252,17 +252,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     deterministic mode's at every T, the default's before issue 28) and, at B = 1, other split counts at the
     chosen block. `bits`: y elements that differ from the
     chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
-    V4.1's dense projection shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16
-    the decode GEMV (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies
-    (`same_as_cublas`: the fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs:
-    the activation quant pass + cuBLAS against the GEMV with the quant in its loads."""
-    import torch.nn.functional as F
-
-    from mini.kernels.device_info import sm_count
-    from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
-    from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-    from mini.kernels.gemv import gemv, split_k
+    V4.1's dense projection shapes against the decode GEMV (`bench_decode_gemv`)."""
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
     experts = range(96, 192)
@@ -297,7 +287,28 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
             y = mhc_norm(h, fn, scale, base, nw, **kw, **run_kw)[0]
             add(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3, gbs=nbytes / ms / 1e6,
                      bits=int((y != base_y).sum())))
-    # item 3's measurement first: cuBLAS on the dense projections' dequantized bf16 weights at decode row counts,
+    bench_decode_gemv(rows, dev=dev)  # last: the dense projections (`--only decode_gemv` runs them alone)
+
+
+def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
+    """The dense projections at decode (issue 28 item 3; us per call in a CUDA graph): cuBLAS on V4.1's projection
+    shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16 the decode GEMV
+    (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies (`same_as_cublas`: the
+    fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs: the activation quant pass +
+    cuBLAS against the GEMV with the quant in its loads."""
+    import torch.nn.functional as F
+
+    from mini.kernels.device_info import sm_count
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+    from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+    from mini.kernels.gemv import gemv, split_k
+
+    def add(row):  # printed as it comes: a phase cut short by its time cap keeps the rows so far
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+
+    # item 3's measurement: cuBLAS on the dense projections' dequantized bf16 weights at decode row counts,
     # against the weight bytes' floor; copies of each weight in turn (>= 128 MB in all), so L2 does not hold it
     for n_out, n_in, name in ((1280, 5120, "wq_a"), (32768, 1280, "wq_b"), (512, 5120, "wkv"),
                               (5120, 8192, "wo_b"), (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"),
@@ -381,7 +392,7 @@ def bench_norm(rows: list, sweep=(), dev="cuda"):
 
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
-           "decode_small": bench_decode_small, "decode_gate": bench_decode_gate}
+           "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 

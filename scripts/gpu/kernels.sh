@@ -111,6 +111,21 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     return $rc
 }
 
+phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; cap it at 200): `mini bench kernels
+    # --only decode_gemv` (bench.log, kernels_decode_gemv.json): us per call in a CUDA graph, cuBLAS at B = 1, 16, 64
+    # on V4.1's projection shapes against the decode GEMV's candidate tilings at B = 1, 16 (frac_copy_peak,
+    # same_as_cublas), and an FP8 linear's quant pass + cuBLAS against the GEMV with the quant fused; then the GEMV's
+    # gpu tests (tests.log: V4.1 shapes at T = 1, 3, 16, every candidate, CUDA-graph replays)
+    local rc=0
+    timeout 130 python3 -m mini.bench.kernels --only decode_gemv --json "$PHASE_DIR/kernels_decode_gemv.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^dense_gemm|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -6 "$PHASE_DIR/tests.log"
+    return $rc
+}
+
 phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
     # at 300): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
     # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone
