@@ -81,3 +81,12 @@ phase_verify_graphs() {  # issue 27 item 4 (<= 4 min, not yet run): speculative 
         --speculative dspark >>"$PHASE_DIR/generate.txt" 2>&1 || rc=$?
     return $rc
 }
+
+phase_forced_drafts() {  # issue 27 item 4 (<= 2 min, not yet run): tokens a grammar forces verified as drafts on
+    # CUDA, speculation off: decode graphs + overlap with eager verify steps between them == the engine without
+    # forced drafts (tiny-v4.1 bf16, deterministic kernels, five forced tool calls: tokens and logprobs, <= 4 steps
+    # instead of 40); test_grammar's gpu test (graphs vs overlap, forced drafts off); expect 2 passed.
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_forced_drafts.py \
+        tests/engine/test_grammar.py 2>&1 | tee "$PHASE_DIR/pytest.txt"
+    return "${PIPESTATUS[0]}"
+}

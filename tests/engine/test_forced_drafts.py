@@ -124,3 +124,20 @@ def test_a_grammar_forcing_nothing_changes_nothing(kernels_deterministic):
     outs, engine = _generate(params)
     _same(outs, ref)
     assert engine.stats.spec.drafted_tokens == 0 and engine.stats.steps == plain.stats.steps
+
+
+@pytest.mark.gpu
+def test_forced_drafts_on_cuda_equal_plain_decode_gpu(kernels_deterministic):
+    """bf16, fast backend, the kernels' deterministic mode (a row's result does not depend on its step's rows):
+    decode steps replay CUDA graphs, overlapped, and the forced drafts' verify steps run eagerly between them
+    (speculation off: graphs of width 1); tokens and logprobs equal the engine's without forced drafts."""
+    from mini.ops import set_backend
+    set_backend("fast")
+    opts = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=8, block_tokens=128, max_model_len=1024)
+    runs = {}
+    for forced in (False, True):
+        llm = LLM("tiny-v4.1", **opts, forced_drafts=forced)
+        assert llm.engine.runner.graphs is not None and llm.engine.overlap
+        runs[forced] = llm.generate(PROMPTS, TOOL_PARAMS), llm.engine
+    _same(runs[True][0], runs[False][0])
+    assert runs[False][1].stats.steps == 40 and runs[True][1].stats.steps <= 4, runs[True][1].stats
