@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     need = args.input_len + args.output_len + 1
     engine = build_engine(model, config=config, tokenizer=tokenizer, device=device, dtype=dtype,
                           max_num_seqs=args.batch, enable_prefix_caching=False, max_model_len=need + 128,
-                          num_blocks=args.batch * -(-need // 128) + 8, overlap=True if args.overlap else None)
+                          num_blocks=args.batch * -(-need // 128) + 8, overlap=True if args.overlap else None,
+                          forced_drafts=False)  # the masks' cost per decode step: keys not verified as drafts
     grammar = json_grammar(SCHEMA)
     engine.check_prompt([5], SamplingParams(grammar=grammar))  # compiles against the vocabulary, or says why not
     rounds = {kind: [] for kind in KINDS}
