@@ -17,6 +17,11 @@ then k rounds of "take the largest sel": ties go to the lowest expert id, so the
 descending, id ascending), which is torch.topk's result wherever no two of the compared values are equal; NaN
 counts as the largest value, as in torch.topk. weight = score / (sum of the k scores + eps) * route_scale, the sum
 taken in pick order.
+
+Decode steps (`few_rows`, off by default: mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS) take two launches instead, so
+that the weight is read by the whole GPU rather than one SM per row block: `_gate_logits_kernel` splits the experts
+and K over its programs (a `FewRowsTiles`) and writes each K piece's partial logits, `_gate_pick_kernel` adds the
+pieces as a tree and runs the same epilogue.
 """
 from __future__ import annotations
 
@@ -55,8 +60,8 @@ class FewRowsTiles:
     """The decode path's tiling (`_gate_logits_kernel`): a program reads one [BE experts x K_PIECE] slab of the gate
     weight in BK-wide steps (each expert's row contiguous: wide loads) for BT rows, BT = the next power of two >= T
     up to BT_MAX (more rows: row blocks, each re-reading the slab from L2). CUDA cores: fp32 FMAs into a
-    [BT, BE, BK] accumulator, reduced over BK once at the end (a reduction per step cost the first tiling ~6
-    shuffles per FMA). tensor_cores: [BE, BT] = W x^T as one chain of MMAs per piece, added in fp32 by the
+    [BT, BE, BK] accumulator, reduced over BK once at the end (the first tiling reduced at every step: ~6
+    shuffles per FMA in its PTX). tensor_cores: [BE, BT] = W x^T as one chain of MMAs per piece, added in fp32 by the
     epilogue (the fused kernel's promotion, every K_PIECE); BT at least 16 there. BM, pick_warps: rows and warps
     per epilogue program (one warp keeps its reductions over the experts in shuffles, without barriers)."""
     BE: int
