@@ -18,7 +18,8 @@ def test_registered_suites_point_at_their_modules():
         "tiny-goodput": "mini.bench.serve", "ep-exchange": "mini.bench.ep_exchange", "kernels": "mini.bench.kernels",
         "ep-prefill": "mini.bench.ep_prefill",
         "ep-exact": "mini.check.ep_exact", "decode-host": "mini.bench.decode_host",
-        "rank4-decode": "mini.bench.rank4_decode", "long-context": "mini.bench.long_context"}
+        "rank4-decode": "mini.bench.rank4_decode", "long-context": "mini.bench.long_context",
+        "spec-decode": "mini.bench.spec_decode"}
     assert {n: s.module for n, s in check.CHECKS.items()} == {
         "fastpath": "mini.check.fastpath", "ep-exact": "mini.check.ep_exact"}
     for registry in (bench.SUITES, check.CHECKS):
