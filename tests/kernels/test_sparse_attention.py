@@ -181,9 +181,11 @@ def test_sparse_attention_d_split_same_bits_gpu(H, D, W, ratio, rpb, topk, lens,
     args = (q, kv_new, window, sink, b.positions, b.seq_of, b.slots, b.start_pos, D ** -0.5)
     kw = dict(comp=comp, block_table=b.block_table, comp_idx=comp_idx, ratio=ratio,
               rope_out=rope_for(b.positions, rope_dim) if rope_dim else None)
+    # k_split=1 both times: a decode step's default split-K count follows the grid, which d_split changes
     base = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h,
-                                                       d_split=1))
-    split = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h))
+                                                       d_split=1, k_split=1))
+    split = _poisoned_call(lambda: sparse_mla_attention(*args, **kw, prefill_lists=prefill_lists, block_h=block_h,
+                                                        k_split=1))
     assert torch.isfinite(base).all() and torch.isfinite(split).all()
     differ = (split.view(torch.int16) != base.view(torch.int16)).sum().item()
     assert differ == 0, f"{differ} of {base.numel()} elements differ from the d_split=1 build"
