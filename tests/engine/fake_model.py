@@ -177,6 +177,25 @@ class MarkovCache(FakeCache):
         """A Markov chain keeps nothing of a row but its token: nothing to roll back."""
 
 
+class ChainDrafter:
+    """mini.step.Drafter proposing a Markov table's greedy continuation of the anchor (a deterministic proposal:
+    right for greedy requests over MarkovModel(table), often for sampled ones)."""
+    min_confidence = 0.0
+
+    def __init__(self, table: torch.Tensor, max_draft: int):
+        self.table, self.max_draft = table, max_draft
+
+    def propose(self, cache, commits):
+        out = []
+        for c in commits:
+            draft, t = [], c.anchor
+            while t is not None and len(draft) < c.max_draft:
+                t = int(self.table[t].argmax())
+                draft.append(t)
+            out.append(draft)
+        return out
+
+
 class MarkovModel(FakeStepModel):
     """A Markov chain over the vocabulary: the logits after a history are `table[its last token]`, for every row a
     chunk wants (1 + drafts rows of a verify chunk), so every output's distribution is known exactly and a

@@ -18,6 +18,7 @@ from mini.engine import LLM, SamplingParams
 from mini.engine.acceptance import ACCEPT, rejection_sample, stream, target_probs, verify_proposals
 from mini.engine.sampler import SamplingBatch, uniform_noise
 
+import fake_model
 from fake_model import FakeConfig, FakeTokenizer, MarkovModel
 
 V, PROMPT, N = 8, [3, 5], 3000
@@ -25,22 +26,8 @@ TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(4)) * 1.2
 PARAMS = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, logprobs=0)
 
 
-class ChainDrafter:
-    """mini.step.Drafter proposing the chain's greedy continuation of the anchor (a deterministic proposal)."""
-    min_confidence = 0.0
-
-    def __init__(self, max_draft: int = 2):
-        self.max_draft = max_draft
-
-    def propose(self, cache, commits):
-        out = []
-        for c in commits:
-            draft, t = [], c.anchor
-            while t is not None and len(draft) < c.max_draft:
-                t = int(TABLE[t].argmax())
-                draft.append(t)
-            out.append(draft)
-        return out
+def ChainDrafter(max_draft: int = 2):  # noqa: N802 (the drafter of fake_model, over this file's table)
+    return fake_model.ChainDrafter(TABLE, max_draft)
 
 
 def _run(params=PARAMS, drafter=None, seed=1, n=N):
