@@ -196,10 +196,14 @@ def measure_shape(model, cfg: ModelConfig, exchange, args, batch: int, context: 
     max_len = -(-(context + extra + width) // args.block_tokens) * args.block_tokens
     need = predicted_cache_bytes(cfg, batch, max_len, args.block_tokens, dtype)
     if cuda:
+        # free on the device plus what torch's allocator holds unused (without expandable segments the build's
+        # freed temporaries stay reserved, and the cache can be carved from them)
         free, _ = torch.cuda.mem_get_info(device)
-        if need + (4 << 30) > free:  # 4 GiB for the step's activations and the graph
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        if need + (4 << 30) > free + reserved - allocated:  # 4 GiB for the step's activations and the graph
             raise SuiteError(f"{what}: B={batch} x C={context} needs a {need / 2**30:.1f} GiB cache; "
-                             f"{free / 2**30:.1f} GiB free after the model")
+                             f"{free / 2**30:.1f} GiB free after the model, {(reserved - allocated) / 2**30:.1f} "
+                             f"GiB reserved unused, {allocated / 2**30:.1f} GiB allocated")
         torch.cuda.reset_peak_memory_stats()
     r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed, width)
     m, raw = measure_one(r, args, cuda, study)
