@@ -34,6 +34,10 @@ def add_args(p) -> None:
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--batch", default="64,256", help="comma-separated batch sizes B (sequences per step)")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts C (tokens in the cache)")
+    p.add_argument("--shapes", default="", help="comma-separated BxC pairs, e.g. 1x4096,256x32768: these shapes "
+                   "instead of every (--batch, --context) pair")
+    p.add_argument("--width", type=int, default=1, help="rows per sequence: 1 a decode step, 1 + k a verify step of "
+                   "k drafts (spec-decode sets its own widths)")
     p.add_argument("--ep", type=int, default=4, help="EP ranks emulated (this is rank 0)")
     p.add_argument("--steps", type=int, default=10, help="timed graph replays per (B, C)")
     p.add_argument("--warmup", type=int, default=3, help="replays before the timed ones")
@@ -227,16 +231,37 @@ def build(args, config: ModelConfig | None = None) -> tuple[ModelConfig, object,
 
 def run(args, study=None) -> dict:
     """The suite; `study`: see measure_one."""
-    batches, contexts = int_list(args.batch, "batch"), int_list(args.context, "context")
+    shapes = shape_list(args)
+    batches, contexts = sorted({b for b, _ in shapes}), sorted({c for _, c in shapes})
     cfg, exchange, model, metrics = build(args)
     raw = {}
     # the largest shape first (the issue's target is at B = 256): a run cut by its time limit has measured it
-    for B in sorted(batches, reverse=True):
-        for C in sorted(contexts, reverse=True):
-            m, raw[f"b{B}_c{C}"] = measure_shape(model, cfg, exchange, args, B, C, study)
-            metrics.update({f"b{B}_c{C}.{k}": v for k, v in m.items()})
-            # as each shape finishes, so that a run cut by its time limit still tells what it measured
-            floor = f", floor {m['floor_ms']:.2f} ms ({m['vs_floor']:.2f}x)" if "floor_ms" in m else ""
-            print(f"{SUITE} B={B} C={C}: {m['ms_per_step']:.2f} ms/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU"
-                  + floor, flush=True)
-    return {"suite": SUITE, "definition": definition(args, batches, contexts), "metrics": metrics, "raw": raw}
+    for B, C in sorted(shapes, reverse=True):
+        m, raw[f"b{B}_c{C}"] = measure_shape(model, cfg, exchange, args, B, C, study, width=args.width)
+        metrics.update({f"b{B}_c{C}.{k}": v for k, v in m.items()})
+        # as each shape finishes, so that a run cut by its time limit still tells what it measured
+        floor = f", floor {m['floor_ms']:.2f} ms ({m['vs_floor']:.2f}x)" if "floor_ms" in m else ""
+        print(f"{SUITE} B={B} C={C}: {m['ms_per_step']:.2f} ms/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU"
+              + floor, flush=True)
+    definition_ = definition(args, batches, contexts)
+    if args.shapes:
+        definition_["shapes"] = [f"{b}x{c}" for b, c in shapes]
+    if args.width != 1:
+        definition_["width"] = args.width  # tok_per_s_per_gpu then counts sequences, not tokens
+    return {"suite": SUITE, "definition": definition_, "metrics": metrics, "raw": raw}
+
+
+def shape_list(args) -> list[tuple[int, int]]:
+    """The (B, C) shapes to measure: --shapes' pairs, else every (--batch, --context) pair."""
+    from mini.testing.suites import SuiteError
+    if args.width < 1:
+        raise SuiteError(f"{SUITE}: --width takes 1 (decode) or more (verify), got {args.width}")
+    if not args.shapes:
+        return [(b, c) for b in int_list(args.batch, "batch") for c in int_list(args.context, "context")]
+    try:
+        shapes = [tuple(int(v) for v in pair.lower().split("x")) for pair in args.shapes.split(",") if pair.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise SuiteError(f"{SUITE}: --shapes takes comma-separated BxC pairs of positive integers, got {args.shapes!r}")
+    return shapes

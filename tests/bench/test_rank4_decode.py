@@ -60,3 +60,19 @@ def test_bad_lists_are_refused():
         rd.run(_args(["--batch", "a,b"]))
     with pytest.raises(SuiteError, match="--context needs positive integers"):
         rd.run(_args(["--context", "0"]))
+
+
+def test_shapes_pick_pairs_instead_of_the_product():
+    """--shapes measures exactly its BxC pairs (the targets' shapes in one build), not every batch x context pair;
+    --width > 1 measures verify steps of that many rows per sequence."""
+    result = check_result("rank4-decode", rd.run(_args(["--shapes", "5x20,3x70", "--profile-steps", "0"])))
+    measured = {k.split(".")[0] for k in result["metrics"] if k.startswith("b")}
+    assert measured == {"b5_c20", "b3_c70"}
+    assert result["definition"]["shapes"] == ["5x20", "3x70"]
+    verify = check_result("rank4-decode", rd.run(_args(["--shapes", "3x20", "--width", "3", "--profile-steps", "0"])))
+    assert verify["definition"]["width"] == 3 and verify["metrics"]["b3_c20.ms_per_step"] > 0
+    with pytest.raises(SuiteError, match="--width takes 1"):
+        rd.run(_args(["--width", "0"]))
+    for bad in ("5", "5x", "0x20", "ax20"):
+        with pytest.raises(SuiteError, match="--shapes takes comma-separated BxC pairs"):
+            rd.run(_args(["--shapes", bad]))
