@@ -118,8 +118,8 @@ def kernel_class(name: str) -> str:
 
 def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """GPU ms per step of every kernel `fn` (one graph replay) runs, from torch.profiler (CUPTI sees the kernels of
-    a graph replay): (ms by KERNEL_CLASSES part, with "total"; the 15 longest kernels). Empty when the profiler saw
-    no kernel."""
+    a graph replay): (ms by KERNEL_CLASSES part, with "total", and kernels per step by part as "launches.PART"; the
+    15 longest kernels). Empty when the profiler saw no kernel."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -130,6 +130,7 @@ def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, floa
             fn()
         torch.cuda.synchronize()
     by_kernel: dict[str, float] = defaultdict(float)
+    launches: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.device_type != DeviceType.CUDA:
             continue
@@ -137,12 +138,17 @@ def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, floa
         if us is None:
             us = getattr(e, "self_cuda_time_total", 0.0)
         by_kernel[e.key] += us / 1e3 / steps
+        launches[kernel_class(e.key)] += e.count / steps
     if not by_kernel:
         return {}, []
     parts: dict[str, float] = defaultdict(float)
     for name, ms in by_kernel.items():
         parts[kernel_class(name)] += ms
     parts["total"] = sum(by_kernel.values())
+    # kernels per step: a graph replay still pays a few us between dependent kernels, so at small B the step less
+    # the kernels' sum grows with their count (fusion's target), not with their bytes
+    parts.update({f"launches.{k}": n for k, n in launches.items()})
+    parts["launches.total"] = sum(launches.values())
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
     return dict(parts), [(name[:120], ms) for name, ms in top]
 
@@ -172,7 +178,8 @@ class FloorAndSplit:
             if not parts and "kernel_split_error" not in raw:
                 raw["kernel_split_error"] = "the profiler saw no kernel in the graph replay"
                 print(f"{SUITE}: {raw['kernel_split_error']}", flush=True)
-            m.update({f"kernel_ms.{k}": v for k, v in parts.items()})
+            m.update({(f"kernels_per_step.{k[len('launches.'):]}" if k.startswith("launches.") else f"kernel_ms.{k}"): v
+                      for k, v in parts.items()})
             raw["top_kernels_ms"] = top
             for name, ms in top[:8]:
                 print(f"{SUITE} B={run.B} C={run.C} kernel {ms:7.3f} ms  {kernel_class(name):16s} {name[:70]}",

@@ -189,7 +189,7 @@ phase_decode_parts() {  # issue 28 item 4 (<= 240 s, one build ~35 s): issue 28'
         --kernel-split-steps 2 --json "$PHASE_DIR/decode_parts.json" >"$PHASE_DIR/decode_parts.log" 2>&1 || rc=1
     grep -E "Error|error:|^tools/rank4_decode_floor.py:" "$PHASE_DIR/decode_parts.log" | tail -5
     grep "^rank4-decode B=" "$PHASE_DIR/decode_parts.log"
-    grep -E "^  b[0-9]+_c[0-9]+\.kernel_ms\." "$PHASE_DIR/decode_parts.log" | tr -s ' ' | paste -sd' '
+    grep -E "^  b[0-9]+_c[0-9]+\.(kernel_ms|kernels_per_step)\." "$PHASE_DIR/decode_parts.log" | tr -s ' ' | paste -sd' '
     if [ "${DECODE_PARTS_VERIFY:-1}" = 1 ]; then
         MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 100 python3 tools/rank4_decode_floor.py --shapes 64x4096 \
             --width 6 --steps 10 --warmup 3 --profile-steps 0 --kernel-split-steps 2 \
