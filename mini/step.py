@@ -24,9 +24,11 @@ Speculative decoding (issue 27; docs/engine.md). A verify step: a decoding seque
 a draft (`SeqChunk.drafts` trailing tokens), logits for 1 + drafts rows; the model keeps the drafts' cache writes
 aside until `StepCache.commit_drafts` gets the accepted count of each chunk. Drafts come from a `Drafter`: after
 every forward it takes what each chunk committed (`Commit`) and proposes the next drafts; a model offers its own as
-`StepModel.drafter` (None without a draft module). Verify steps run static too (CUDA graphs, one per bucket of n
-sequences and width r = 1 + the step's most drafts, r <= `StaticDecode.max_rows`): `static_decode(...,
-max_rows=1 + K)`, `fill(n, DecodeRows(..., drafts=[row b's draft tokens]), width=r)`, a forward over
+`StepModel.drafter` (None without a draft module), and a drafter may offer its draft step over fixed buffers for
+the static steps (`Drafter.static_draft`, a `StaticDraft`: CUDA graphs of it follow each graph's step). Verify
+steps run static too (CUDA graphs, one per bucket of n sequences and width r = 1 + the step's most drafts, r <=
+`StaticDecode.max_rows`): `static_decode(..., max_rows=1 + K)`, `fill(n, DecodeRows(..., drafts=[row b's draft
+tokens]), width=r)`, a forward over
 `batch(n, r)` (logits for all n·r rows: sequence b's at b·r.., those past its drafts padding), then
 `replayed(cache)` before `commit_drafts`. A benchmark times a verify step of B sequences x (1 + k) rows as:
 `bufs = DecodeBuffers(B, max_len, block_tokens, pad_slot, pad_block, device, max_rows=1 + k)`,
@@ -185,6 +187,28 @@ class Drafter(Protocol):
         """Called after every forward of a speculating engine, before prefix-cache snapshots are taken: take in
         what the step committed (its state for the drafter lives in `cache`'s slots) and return one draft per
         commit (empty without an anchor or `max_draft` 0)."""
+
+    def static_draft(self, static: StaticDecode, cache: StepCache) -> StaticDraft | None:
+        """The same draft step over fixed device buffers, for the steps that run over `static` (CUDA graphs), or
+        None: this drafter drafts through `propose` after every step."""
+
+
+class StaticDraft(Protocol):
+    """A drafter's draft step after a static decode or verify step of n sequences x `width` rows
+    (`Drafter.static_draft`), split so that CUDA graphs can hold its device work: `fill(n, commits)` copies what
+    the host knows of the step's chunks (in the step's sequence order; sequences past them padding), `write(n,
+    width)` takes in the step's committed rows (what the step's forward left in the static buffers) and
+    `propose(n)` drafts for all n sequences, both with device ops only and no host sync (captured once per
+    bucket, replayed after each `fill`); `drafts(commits)` reads the last `propose` back (one draft per commit,
+    as `Drafter.propose` returns them). Equal to `Drafter.propose` bit for bit under the deterministic mode."""
+
+    def fill(self, n: int, commits: list[Commit]) -> None: ...
+
+    def write(self, n: int, width: int) -> None: ...
+
+    def propose(self, n: int) -> None: ...
+
+    def drafts(self, commits: list[Commit]) -> list[list[int]]: ...
 
 
 class StepModel(Protocol):

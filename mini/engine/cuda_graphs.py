@@ -19,13 +19,19 @@ their logits into one output that all of them share (the largest verify bucket's
 model keeps their draft rows in tensors of its buffers' own, so K + 1 widths add no rows per graph beyond the pool
 (the largest step's working memory). Padding rows write only into the scratch slot and block that the runner adds
 past the block manager's (see ModelRunner).
+
+A drafter with a draft step over fixed buffers (mini.step.StaticDraft, `Drafter.static_draft`: DSpark's) gets
+graphs of it in the same pool, captured after the steps' graphs: its write of a step's committed rows per bucket
+(n, width) the step graphs have, its draft per n whose bucket has a verify width (the load rule's bound: past it
+no sequence drafts); `draft` replays them after a step's acceptance (eagerly where a graph is missing, and on the
+CPU). The draft is skipped where no sequence wants one.
 """
 from __future__ import annotations
 
 import torch
 
 from mini.engine.scheduler import ScheduledChunk
-from mini.step import DecodeRows, StaticDecode, StepModel, TokenFeed
+from mini.step import Commit, DecodeRows, Drafter, StaticDecode, StepModel, TokenFeed
 
 
 def buckets(max_seqs: int) -> list[int]:
@@ -47,10 +53,18 @@ class DecodeGraphs:
     """One captured decode or verify step per bucket (n, width) over the model's static buffers (`static`) and
     `cache`. `sizes` and `widths` are the buckets' n and widths (a benchmark may narrow them before capture)."""
 
-    def __init__(self, model: StepModel, cache, static: StaticDecode, verify_rows: int | None = None):
+    def __init__(self, model: StepModel, cache, static: StaticDecode, verify_rows: int | None = None,
+                 drafter: Drafter | None = None):
         """`verify_rows`: the most rows a verify step holds (the engine's `spec_max_rows`, its draft-length rule's
-        budget; None: any): bucket n gets only the widths a step of the fewest sequences it takes can reach."""
+        budget; None: any): bucket n gets only the widths a step of the fewest sequences it takes can reach.
+        `drafter`: the engine's (None: none), whose static draft step, if it has one, gets graphs too."""
         self.model, self.cache, self.static, self.verify_rows = model, cache, static, verify_rows
+        self.drafter = drafter
+        self.draft_step = drafter.static_draft(static, cache) if drafter is not None else None
+        self.write_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # the draft step's write, (n, width)
+        self.propose_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # its draft, by n
+        self.draft_steps = 0  # static draft steps run (replayed, or eagerly: the CPU, a bucket without a graph)
+        self.draft_replays = 0  # replays of the draft step's graphs (write and draft each count)
         self.sizes = buckets(static.max_seqs)
         self.widths = list(range(1, static.max_rows + 1))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode steps (width 1), by n
@@ -82,9 +96,15 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket (CUDA only: on the CPU, replay runs the static step eagerly, which tests use)."""
         if self.static.device.type == "cuda":
-            for n, width in sorted(((n, w) for n in self.sizes for w in self.bucket_widths(n)),
-                                   key=lambda b: (b[0] * b[1], b[1]), reverse=True):
+            steps = sorted(((n, w) for n in self.sizes for w in self.bucket_widths(n)),
+                           key=lambda b: (b[0] * b[1], b[1]), reverse=True)
+            for n, width in steps:
                 self._capture(n, width)
+            if self.draft_step is not None:  # after the steps' graphs: it reads the features their forwards keep
+                for n, width in steps:
+                    self.write_graphs[(n, width)] = self._capture_draft(n, lambda: self.draft_step.write(n, width))
+                for n in sorted((n for n in self.sizes if self.bucket_widths(n)[-1] > 1), reverse=True):
+                    self.propose_graphs[n] = self._capture_draft(n, lambda: self.draft_step.propose(n))
 
     def _capture(self, n: int, width: int) -> None:
         device = self.static.device
@@ -109,6 +129,40 @@ class DecodeGraphs:
             self.graphs[n] = (graph, logits)
         else:
             self.verify_graphs[(n, width)] = (graph, logits)
+
+    def _capture_draft(self, n: int, run) -> torch.cuda.CUDAGraph:
+        """A graph of the draft step's `run` over n padding sequences (they write only the scratch slot), after an
+        eager warm-up; into the steps' pool."""
+        device = self.static.device
+        self.draft_step.fill(n, [])
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        return graph
+
+    def draft(self, n: int, width: int, commits: list[Commit]) -> list[list[int]]:
+        """The drafter's drafts after a static step of bucket (n, width) whose chunks committed `commits` (in its
+        sequence order): the draft step's graphs replayed (run eagerly where none was captured)."""
+        step = self.draft_step
+        self.draft_steps += 1
+        step.fill(n, commits)
+        self._replay_draft(self.write_graphs.get((n, width)), lambda: step.write(n, width))
+        if not any(c.anchor is not None and c.max_draft > 0 for c in commits):
+            return [[] for _ in commits]  # (past the load rule's budget: the rings written, no draft run)
+        self._replay_draft(self.propose_graphs.get(n), lambda: step.propose(n))
+        return step.drafts(commits)
+
+    def _replay_draft(self, graph: torch.cuda.CUDAGraph | None, run) -> None:
+        if graph is None:
+            run()
+        else:
+            graph.replay()
+            self.draft_replays += 1
 
     def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None,
                 bucket: int | None = None, width: int = 1) -> int:

@@ -186,7 +186,7 @@ class LLMEngine:
         spec_tokens = (o.spec_tokens or drafter.max_draft) if drafter is not None else 0
         self.runner = ModelRunner(model, config, shape, device, o.dtype, enforce_eager=o.enforce_eager,
                                   max_model_len=self.max_model_len, max_rows=1 + spec_tokens,
-                                  verify_rows=o.spec_max_rows)
+                                  verify_rows=o.spec_max_rows, drafter=drafter)
         self.blocks = BlockManager(shape.n_blocks, o.block_tokens, o.max_num_seqs, shape.n_snapshots,
                                    o.enable_prefix_caching)
         chunk = SchedulerConfig.deterministic_chunk(o.max_num_seqs, o.max_num_batched_tokens) if o.deterministic else 0

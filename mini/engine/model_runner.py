@@ -8,7 +8,8 @@ With CUDA graphs (`use_cuda_graphs`) pure-decode steps, and speculative verify s
 draft), replay CUDA graphs captured per bucket (sequences, rows per sequence) at start-up
 (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
-The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves.
+The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves. A speculating
+engine's drafter follows a static step with its own draft step on graphs where it has one (`draft`).
 
 The model and its cache are reached only through the contract in mini.step (`StepModel`, `StepCache`,
 `StaticDecode`): mini.model's Model, mini.parallel.dp.DPModel and the tests' fake models all fit it. The runner also
@@ -29,7 +30,7 @@ from mini.engine.cuda_graphs import DecodeGraphs
 from mini.engine.sampler import to_device
 from mini.engine.scheduler import ScheduledChunk
 from mini.ops.backends import resolve as resolve_backends
-from mini.step import SeqChunk, StepCache, StepModel, TokenFeed
+from mini.step import Commit, Drafter, SeqChunk, StepCache, StepModel, TokenFeed
 
 
 def use_cuda_graphs(model: StepModel, device, dtype: torch.dtype, enforce_eager: bool) -> bool:
@@ -95,10 +96,12 @@ class ForwardTiming:
 
 class ModelRunner:
     def __init__(self, model: StepModel, config, shape: CacheShape, device, dtype, enforce_eager: bool = False,
-                 max_model_len: int | None = None, max_rows: int = 1, verify_rows: int | None = None):
+                 max_model_len: int | None = None, max_rows: int = 1, verify_rows: int | None = None,
+                 drafter: Drafter | None = None):
         """`max_rows`: the most rows a sequence's chunk of a static step holds (1 + K under speculation: verify
         steps replay graphs of up to that width; 1: decode steps only); `verify_rows`: the most rows a verify step
-        holds (the draft-length rule's budget; None: any), which bounds the verify graphs captured."""
+        holds (the draft-length rule's budget; None: any), which bounds the verify graphs captured; `drafter`: the
+        speculating engine's, whose static draft step (if any) gets graphs beside the steps'."""
         self.backends = resolve_backends()  # logged once
         cuda_graphs = use_cuda_graphs(model, device, dtype, enforce_eager)
         self.model = model
@@ -110,11 +113,12 @@ class ModelRunner:
                                                 device, dtype)
         self.timing, self.last_timing = False, None
         self.graphs = None
+        self.last_static: tuple[int, int] | None = None  # the last step's graph bucket (n, width); None: eager
         if cuda_graphs:
             static = model.static_decode(shape.n_seq_slots, max_model_len or config.max_position_embeddings,
                                          shape.block_tokens, pad_slot=shape.n_slots, pad_block=shape.n_blocks,
                                          device=self.device, dtype=dtype, max_rows=max_rows)
-            self.graphs = DecodeGraphs(model, self.cache, static, verify_rows)
+            self.graphs = DecodeGraphs(model, self.cache, static, verify_rows, drafter)
             self.graphs.capture_all()
 
     @torch.inference_mode()
@@ -128,6 +132,7 @@ class ModelRunner:
         width = self.graphs.width(chunks) if graph else 1  # 1 + the most drafts: a verify step's graph
         n = self.model.agree_step(sum(c.length for c in chunks), n)  # EP: every rank the same bucket (or eager)
         graph = n is not None
+        self.last_static = (n, width) if graph else None
         if feed is not None and (not graph or width > 1):
             feed.fetch()
             feed = None
@@ -150,6 +155,15 @@ class ModelRunner:
         if self.timing:
             self.last_timing = ForwardTiming(t1 - t0, time.perf_counter() - t1, graph, events)
         return logits
+
+    @torch.inference_mode()
+    def draft(self, drafter: Drafter, commits: list[Commit]) -> list[list[int]]:
+        """`drafter`'s drafts after the last step, which committed `commits`: its static draft step on the graphs
+        when that step was static and the graphs were built with this drafter's one, else `drafter.propose`."""
+        g = self.graphs
+        if self.last_static is not None and g.draft_step is not None and g.drafter is drafter:
+            return g.draft(*self.last_static, commits)
+        return drafter.propose(self.cache, commits)
 
     @torch.inference_mode()
     def copy_slots(self, copies: list[SlotCopy]) -> None:

@@ -280,7 +280,7 @@ class Speculation:
                           end=c.seq.num_computed, anchor=c.seq.output_token_ids[-1] if id(c) in samples else None,
                           max_draft=min(cap, self.draft_room(c.seq)), history=lambda s=c.seq: s.tokens)
                    for c, a in zip(chunks, accepted)]
-        drafts = self.drafter.propose(e.runner.cache, commits) if self.drafter is not None else [[]] * len(chunks)
+        drafts = e.runner.draft(self.drafter, commits) if self.drafter is not None else [[]] * len(chunks)
         for c, draft in zip(chunks, drafts):  # (a grammar's forced tokens replace them: `force`, next plan)
             c.seq.draft = list(draft) if id(c) in samples else []
         live = [c for c in chunks if not c.seq.is_finished]

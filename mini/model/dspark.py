@@ -116,10 +116,25 @@ def write_rings(w: DSparkWeights, cfg: ModelConfig, features: torch.Tensor, posi
     last = torch.full((rings.rings[0].shape[0],), -1, dtype=positions.dtype, device=positions.device)
     last = last.scatter_reduce(0, slots, positions, "amax")
     keep = positions > last[slots] - W
+    for keys, ring in zip(_ring_keys(w, cfg, features, positions), rings.rings):
+        ring[slots[keep], positions[keep] % W] = keys[keep].to(ring.dtype)
+
+
+def write_ring_rows(w: DSparkWeights, cfg: ModelConfig, features: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor, rings: DSparkRings) -> None:
+    """`write_rings` without its mask (a mask's index list syncs with the host): every row's keys go to slot
+    pos % W of `slots`' ring, with device ops only, so a CUDA graph can hold it (mini.model.dspark_drafter's static
+    draft step). The caller sends rows that must not land in a sequence's ring to a scratch slot, and no two other
+    rows may share a ring entry (a static step's rows of one sequence are fewer than W)."""
+    for keys, ring in zip(_ring_keys(w, cfg, features, positions), rings.rings):
+        ring[slots, positions % cfg.window_size] = keys.to(ring.dtype)
+
+
+def _ring_keys(w: DSparkWeights, cfg: ModelConfig, features: torch.Tensor, positions: torch.Tensor):
+    """Each stage's ring keys of every row (one stage at a time)."""
     mx = main_x(w, cfg, features)
     table = rope_table(positions, layer_frequencies(cfg, cfg.dspark_layers[0]))
-    for st, ring in zip(w.stages, rings.rings):
-        ring[slots[keep], positions[keep] % W] = _stage_keys(mx, st.attn, table, cfg)[keep].to(ring.dtype)
+    return (_stage_keys(mx, st.attn, table, cfg) for st in w.stages)
 
 
 def _attention(x, st: StageWeights, cfg: ModelConfig, table, ring, slots, n_ring) -> torch.Tensor:

@@ -195,6 +195,9 @@ class ChainDrafter:
             out.append(draft)
         return out
 
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
+
 
 class MarkovModel(FakeStepModel):
     """A Markov chain over the vocabulary: the logits after a history are `table[its last token]`, for every row a

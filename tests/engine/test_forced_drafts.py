@@ -45,6 +45,9 @@ class JunkDrafter:
         self.proposed += sum(map(len, drafts))
         return drafts
 
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
+
 
 def _generate(params, prompts=PROMPTS, **opts):
     llm = LLM("tiny-v4.1", **{**OPTS, **opts})

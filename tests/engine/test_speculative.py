@@ -48,6 +48,9 @@ class OracleDrafter:
             drafts.append(draft)
         return drafts
 
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
+
 
 @pytest.fixture(scope="module")
 def kernels_deterministic():
@@ -156,6 +159,9 @@ class Recording:
         out = self.drafter.propose(cache, commits)
         self.drafts += [(c.end, d) for c, d in zip(commits, out) if d]
         return out
+
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
 
 
 def test_dspark_drafts_are_mini_logits_dspark_drafts(kernels_deterministic, tmp_path):

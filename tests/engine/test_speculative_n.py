@@ -32,6 +32,9 @@ class Recording:
                 self.drafts.setdefault(tuple(c.history()), []).append(d)
         return out
 
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
+
 
 @pytest.fixture(scope="module")
 def kernels_deterministic():

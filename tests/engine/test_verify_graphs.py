@@ -35,15 +35,49 @@ class CutDrafter(OracleDrafter):
 
 
 class Recorder:
-    """Wraps a drafter and records each draft it proposes (with the cache end it was made at)."""
+    """Wraps a drafter and records each draft it proposes (with the cache end it was made at): on the host
+    (`propose`) and on its static draft step (the drafts it reads back; a step where no sequence wants one reads
+    none, so only those that want one are recorded)."""
 
     def __init__(self, drafter):
         self.drafter, self.max_draft, self.min_confidence, self.drafts = drafter, drafter.max_draft, 0.0, []
 
-    def propose(self, cache, commits):
-        out = self.drafter.propose(cache, commits)
-        self.drafts += [(c.end, list(d)) for c, d in zip(commits, out)]
+    def record(self, commits, out):
+        self.drafts += [(c.end, list(d)) for c, d in zip(commits, out) if c.anchor is not None and c.max_draft]
         return out
+
+    def propose(self, cache, commits):
+        return self.record(commits, self.drafter.propose(cache, commits))
+
+    def static_draft(self, static, cache):
+        step = self.drafter.static_draft(static, cache)
+        if step is not None:
+            drafts = step.drafts
+            step.drafts = lambda commits: self.record(commits, drafts(commits))
+        return step
+
+
+def _draft_buckets(graphs) -> list[tuple[int, int]]:
+    """The buckets (n, width) of each static draft step the graphs run from now on."""
+    buckets, draft = [], graphs.draft
+
+    def counted(n, width, commits):
+        buckets.append((n, width))
+        return draft(n, width, commits)
+
+    graphs.draft = counted
+    return buckets
+
+
+def _dspark_llm(monkeypatch=None, **opts):
+    """An LLM of tiny-v4.1-dspark speculating with its DSpark drafter wrapped in a Recorder (the static path when
+    `monkeypatch` is given); returns it and the recorder."""
+    from mini.model.load import load_model
+    if monkeypatch is not None:
+        monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a: True)
+    model, config, tokenizer = load_model("tiny-v4.1-dspark", device=opts["device"], dtype=opts["dtype"])
+    recorder = Recorder(model.drafter)
+    return LLM(model, config=config, tokenizer=tokenizer, drafter=recorder, **opts), recorder
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +156,12 @@ def test_dspark_on_the_static_path_drafts_what_the_eager_path_drafts(kernels_det
     draft for draft, and the output is plain decode's."""
     opts = dict(OPTS, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24)
     plain = LLM("tiny-v4.1-dspark", **opts).generate(PROMPTS, GREEDY)
-    eager = LLM("tiny-v4.1-dspark", **opts, speculative="dspark")
-    eager.engine.spec.drafter = rec_eager = Recorder(eager.engine.spec.drafter)
+    eager, rec_eager = _dspark_llm(**opts)
     _same(eager.generate(PROMPTS, GREEDY), plain)
-    static, replays = _static_engine(monkeypatch, "tiny-v4.1-dspark", **opts, speculative="dspark")
-    static.engine.spec.drafter = rec_static = Recorder(static.engine.spec.drafter)
+    static, rec_static = _dspark_llm(monkeypatch, **opts)
+    buckets = _draft_buckets(static.engine.runner.graphs)
     _same(static.generate(PROMPTS, GREEDY), plain)
-    assert any(w > 1 for _, _, w in replays)
+    assert any(w > 1 for _, w in buckets)  # drafts after verify steps came from the static draft step
     assert rec_static.drafts == rec_eager.drafts and any(d for _, d in rec_eager.drafts)
 
 
