@@ -10,7 +10,8 @@ n + k entries per draft, the same for its k queries. The rings hold keys only of
 K = V (one latent), a per-head sink in the denominator, scale 1/sqrt(D): the arithmetic is the official
 sparse-attention kernel's, as in `mini.ops.attention` (an online softmax over blocks of 64 list entries, so where the
 block keys sit in the list fixes the rounding: right after the n ring entries, as the official list puts them).
-There is no fast path yet: the engine's graph-captured draft step is the place for one (issue 27).
+There is no fast path yet: the engine captures the draft step in CUDA graphs (mini.model.dspark_drafter), the
+place for one.
 """
 from __future__ import annotations
 

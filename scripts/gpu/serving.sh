@@ -68,13 +68,16 @@ phase_spec_gpu() {  # issue 27 (<= 3 min, not yet run): the eager speculative pa
     return $rc
 }
 
-phase_verify_graphs() {  # issue 27 item 4 (<= 4 min, not yet run): speculative verify steps replaying CUDA graphs, one
-    # per (bucket, 1 + k). gpu tests: test_verify_graphs (the oracle drafter, draft lengths that differ within a step:
-    # verify graphs == enforce_eager == plain decode's tokens; every (bucket, width) captured), test_decode_graphs
-    # (decode graphs unchanged), test_speculative's (oracle and DSpark on graphs == plain decode; its engines
-    # now replay verify graphs); expect 3 passed. Then `mini generate --speculative dspark` (graphs) for its tok/s.
+phase_verify_graphs() {  # issue 27 item 4 (<= 5 min, not yet run): speculative verify steps replaying CUDA graphs, one
+    # per (bucket, 1 + k), and DSpark's draft step after them (a write graph per (bucket, width), a draft graph per
+    # bucket). gpu tests: test_verify_graphs (the oracle drafter, draft lengths that differ within a step: verify
+    # graphs == enforce_eager == plain decode's tokens; every (bucket, width) captured), test_draft_graphs (DSpark
+    # drafting on graphs == enforce_eager == plain decode, draft graphs replayed, the same drafts; under the oracle
+    # its rings equal enforce_eager's after every step), test_decode_graphs (decode graphs unchanged),
+    # test_speculative's (oracle and DSpark on graphs == plain decode; its engines now replay verify and draft
+    # graphs); expect 4 passed. Then `mini generate --speculative dspark` (graphs) for its tok/s.
     local rc=0
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_verify_graphs.py \
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_verify_graphs.py tests/engine/test_draft_graphs.py \
         tests/engine/test_decode_graphs.py tests/engine/test_speculative.py 2>&1 | tee "$PHASE_DIR/pytest.txt"
     rc=${PIPESTATUS[0]}
     python3 -m mini.cli generate --model tiny-v4.1-dspark --prompt "Hello, mini" --max-tokens 128 --ignore-eos \
