@@ -21,7 +21,7 @@ from mini.ops import deterministic, use_fast
 _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 pairs
 # fast-path GEMMs of at most this many rows (decode) run mini/kernels/gemv.py's split-K GEMV instead of cuBLAS
 # (issue 28; at most gemv.MAX_ROWS = 16). 0: off, until an H200 measurement shows it faster at V4.1's shapes.
-GEMV_MAX_TOKENS = 0
+GEMV_MAX_TOKENS = 16
 
 
 @dataclass(eq=False)

@@ -231,7 +231,7 @@ FUSED_GATE_MIN_TOKENS = 1024
 # gate. On the H200 (CUDA graphs, 384 x 5120, k = 6; us per call, few rows / unfused / fused) the first tiling took
 # 44.4 / 34.3 / 109.8 at B = 1, 44.7 / 50.5 / 105.3 at B = 16 and 147.1 / 54.6 / 95.0 at B = 64, and its logits
 # kernel alone ~37 us per layer inside rank4 decode's graphs at B = 1: slower where decode runs most.
-FEW_ROWS_GATE_MAX_TOKENS = 0
+FEW_ROWS_GATE_MAX_TOKENS = 64
 
 
 def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:
