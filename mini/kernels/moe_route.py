@@ -10,8 +10,9 @@ Everything is computed on the device without reading a count back to the host: t
 case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be captured in a CUDA graph.
 
 `plan_routes` is a counting sort in Triton kernels (on CUDA, or on CPU tensors under Triton's interpreter). Up to
-`BLOCK` pairs (decode steps up to 170 tokens at k = 6) it is one program, one launch (`_plan_one_kernel`); beyond,
-three kernels over blocks of `BLOCK` pairs:
+`ONE_PROGRAM_MAX_PAIRS` pairs (decode steps up to 42 tokens at k = 6) it is one program, one launch
+(`_plan_one_kernel`); beyond, three kernels over blocks of pairs (`pick_block`: about one block per SM, 64 to
+`BLOCK` pairs):
 1. count: per block, a histogram over the buckets 0..E-1 (local experts) and E (elsewhere);
 2. scan (one program): per bucket, the exclusive prefix over the blocks; the buckets' starts (`expert_offset`);
    the row tiles;
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from mini.kernels.device_info import sm_count
 
 
 @dataclass
@@ -95,7 +98,13 @@ def plan_routes_torch(ids: torch.Tensor, weights: torch.Tensor, experts: range, 
     return plan
 
 
-BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kernels (default; a power of two)
+BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kernels, at most (a power of two)
+# Up to this many pairs the plan is one program (`_plan_one_kernel`): its loops walk the pairs SUB at a time, so
+# past a few steps the three kernels over small blocks (many programs, one or two steps each) take less time.
+# On the H200 in rank4 decode (one emulated EP4 rank: 4 x B tokens reach this rank's plan) one program took
+# 22 us per layer at 384 pairs (B = 16), and the three kernels over 1,024-pair blocks 112 us at 1,536 (B = 64):
+# 2 programs of 16 serial steps each.
+ONE_PROGRAM_MAX_PAIRS = 256
 
 
 @triton.jit
@@ -234,12 +243,20 @@ def launch_sizes(n_local: int, interpreted: bool = False) -> tuple[int, int, int
     return EB, SUB, max(1, 4096 // EB)
 
 
+def pick_block(n_pairs: int, sub: int, n_sms: int) -> int:
+    """Pairs per program of the count and place kernels: about one program per SM (each walking few SUB-pair
+    steps), within SUB..BLOCK: decode steps get many short programs, prefill's ~100K pairs BLOCK-pair ones."""
+    per_sm = triton.next_power_of_2(max(1, -(-n_pairs // n_sms)))
+    return max(sub, min(BLOCK, per_sm))
+
+
 def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
-                tiles: bool = True, block: int = BLOCK, one_program: bool | None = None) -> RoutePlan:
+                tiles: bool = True, block: int | None = None, one_program: bool | None = None) -> RoutePlan:
     """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
     tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them.
-    `block`: pairs per program of the count and place kernels; `one_program`: the whole plan in one program
-    (`_plan_one_kernel`), None = where the pairs fit one block. The plan is the same for any of them."""
+    `block`: pairs per program of the count and place kernels (None: `pick_block`); `one_program`: the whole plan
+    in one program (`_plan_one_kernel`), None = up to ONE_PROGRAM_MAX_PAIRS pairs. The plan is the same for any of
+    them."""
     if not (ids.is_cuda or triton.knobs.runtime.interpret):
         return plan_routes_torch(ids, weights, experts, block_m, tiles)
     T, k = ids.shape
@@ -247,6 +264,8 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     n_rows = max_rows(T, k, E)
     n_tiles = -(-n_rows // block_m) + E if tiles else 0
     EB, SUB, STEP = launch_sizes(E, interpreted=not ids.is_cuda)
+    if block is None:
+        block = pick_block(N, SUB, sm_count(dev))
     SUB = min(SUB, block)
     i32 = dict(dtype=torch.int32, device=dev)
     expert_offset = torch.empty(E + 1, **i32)
@@ -256,7 +275,7 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     ids, weights = ids.contiguous(), weights.float().contiguous()
     tile_m = block_m if tiles else 0
     if one_program is None:
-        one_program = N <= block  # every decode step up to block / k tokens: one launch instead of three
+        one_program = N <= ONE_PROGRAM_MAX_PAIRS  # the smallest decode steps: one launch instead of three
     if one_program:
         _plan_one_kernel[(1,)](ids, weights, expert_offset, token, weight, slot_row, tile_expert, tile_start,
                                tile_end, N, n_rows, n_tiles, experts.start, E=E, K=k, SUB=SUB, EB=EB, TILE_M=tile_m,

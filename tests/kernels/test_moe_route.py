@@ -100,7 +100,8 @@ def test_triton_plan_equals_torch_plan_interpreter(interpreter, poisoned, T, exp
     (777, 6, 40, range(8, 20), False)])  # repeated experts within a token, several blocks of pairs
 def test_triton_plan_edge_cases_interpreter(interpreter, poisoned, T, k, n_experts, experts, distinct):
     ids = _random_ids(T, k, n_experts, distinct)
-    for block in (1024, 256, 16):  # pairs per program: one to many blocks, one to several steps per block
+    for block in (1024, 256, 16, None):  # pairs per program: one to many blocks, one to several steps per block;
+        # None: pick_block's (about one block per SM)
         _assert_same_plan(ids.to(torch.int32), torch.rand(T, k, dtype=torch.float64), experts, 16, block)
     _check_plan(ids, torch.rand(T, k), experts, 16)
 
@@ -144,11 +145,12 @@ def test_one_program_plan_equals_torch_plan_interpreter(interpreter, poisoned, N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 16, 64, 170, 171])
+@pytest.mark.parametrize("T", [1, 3, 16, 42, 43, 64, 170, 171, 256, 1024])
 @pytest.mark.parametrize("one_program", [None, True, False])
 def test_decode_plan_equals_torch_plan_gpu(T, one_program):
-    """Decode steps at V4.1's EP4 shape (k = 6, 96 of 384 experts local): T = 170 is the last one-program step at
-    the default block (1,020 pairs), 171 the first of three kernels; forced either way, the same plan."""
+    """Decode steps at V4.1's EP4 shape (k = 6, 96 of 384 experts local): T = 42 is the last one-program step by
+    default (252 pairs), 43 the first of three kernels over pick_block's blocks (64 pairs: 5 programs), 1,024 tokens
+    (rank4 decode's B = 256: 6,144 pairs) 96 programs; forced either way, the same plan."""
     ids = _random_ids(T, 6, 384).cuda()
     weights = torch.randn(T, 6, device="cuda")
     for tiles in (True, False):
@@ -156,3 +158,13 @@ def test_decode_plan_equals_torch_plan_gpu(T, one_program):
         old = plan_routes_torch(ids, weights, range(96, 192), 128, tiles)
         for f in FIELDS:
             assert torch.equal(getattr(new, f), getattr(old, f)), (f, tiles)
+
+
+def test_pick_block_gives_about_one_block_per_sm():
+    """Decode-sized steps: many short programs (never below one SUB step); prefill-sized: BLOCK-pair programs."""
+    from mini.kernels.moe_route import BLOCK, pick_block
+    assert pick_block(1536, 64, 132) == 64  # rank4 decode B = 64: 24 programs of one step each
+    assert pick_block(6144, 64, 132) == 64  # B = 256: 96 programs
+    assert pick_block(20000, 64, 132) == 256
+    assert pick_block(4096 * 4 * 6, 64, 132) == BLOCK  # rank4 prefill: 96 programs, as before
+    assert pick_block(1, 16, 132) == 16
