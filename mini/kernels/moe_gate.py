@@ -18,7 +18,7 @@ descending, id ascending), which is torch.topk's result wherever no two of the c
 counts as the largest value, as in torch.topk. weight = score / (sum of the k scores + eps) * route_scale, the sum
 taken in pick order.
 
-Decode steps (`few_rows`, off by default: mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS) take two launches instead, so
+Decode steps (`few_rows`, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS tokens) take two launches instead, so
 that the weight is read by the whole GPU rather than one SM per row block: `_gate_logits_kernel` splits the experts
 and K over its programs (a `FewRowsTiles`) and writes each K piece's partial logits, `_gate_pick_kernel` adds the
 pieces as a tree and runs the same epilogue.
@@ -90,8 +90,9 @@ FEW_ROWS_CANDIDATES = {
     "mma 64x256": FewRowsTiles(BE=64, BK=64, K_PIECE=256, BT_MAX=64, tensor_cores=True),
     "mma 32x512": FewRowsTiles(BE=32, BK=128, K_PIECE=512, BT_MAX=32, tensor_cores=True),
 }
-# The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond). Not yet measured;
-# mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS keeps the path off until a tiling beats the unfused gate.
+# The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond), the fastest whose
+# ids match the unfused gate's in `mini bench kernels --only decode_gate` on the H200 (docs/perf/014: fma 8x512 at
+# B = 1, 8.0 us; mma 64x256 at 2-64, 8.2-9.5 us).
 FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (64, FEW_ROWS_CANDIDATES["mma 64x256"]))
 
 

@@ -13,8 +13,8 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
-GEMM's; scores, top-k and weights in its epilogue), below it the reference's fp32 GEMM (the kernels' few-rows
-decode path is off, FEW_ROWS_GATE_MAX_TOKENS = 0, until measured faster); the (token, slot) pairs
+GEMM's; scores, top-k and weights in its epilogue), up to FEW_ROWS_GATE_MAX_TOKENS tokens (decode) the same
+kernels' few-rows path, in between the reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
 per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
@@ -227,10 +227,11 @@ def fused_gate(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, image_mask: tor
 # same length, so about as long) and 0.39 at 16,384: about even at this threshold.
 FUSED_GATE_MIN_TOKENS = 1024
 # Up to this many tokens (decode steps) the gate is the few-rows kernels' (the logits with the experts and K split
-# over the programs, then one epilogue kernel): 0, off, until a tiling of them is measured faster than the unfused
-# gate. On the H200 (CUDA graphs, 384 x 5120, k = 6; us per call, few rows / unfused / fused) the first tiling took
-# 44.4 / 34.3 / 109.8 at B = 1, 44.7 / 50.5 / 105.3 at B = 16 and 147.1 / 54.6 / 95.0 at B = 64, and its logits
-# kernel alone ~37 us per layer inside rank4 decode's graphs at B = 1: slower where decode runs most.
+# over the programs, then one epilogue kernel; 0 turns them off). On the H200 (CUDA graphs, 384 x 5120, k = 6) the
+# reshaped tilings take 8.0 us per call at B = 1 and 8.2-9.5 at B = 2-64 against the unfused torch ops' 33.7-55.0
+# (docs/perf/014), and rank4 decode's step with them and the decode GEMV went 16.49 -> 15.41 ms at B = 1, 24.06 ->
+# 22.38 at B = 16, 42.31 -> 40.32 at B = 64 (interleaved A/B, docs/perf/015). Their first tiling had been slower
+# than the unfused gate (44.4 / 34.3 us at B = 1).
 FEW_ROWS_GATE_MAX_TOKENS = 64
 
 

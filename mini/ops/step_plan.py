@@ -8,8 +8,8 @@ ops of every layer, which run what it says instead of deciding per call:
                 per layer kind: whether the layer reads a compressed pool, and that pool's shape (FlashMLA's
                 scratch grows with it)
     gate        "fused", "few_rows" or "unfused" (mini.ops.moe.gate_kernel; a layer whose gate the kernels do not
-                cover, e.g. a hash-routed one, runs the unfused gate either way; "few_rows" never while
-                moe.FEW_ROWS_GATE_MAX_TOKENS is 0, off until a tiling of it is measured faster than "unfused")
+                cover, e.g. a hash-routed one, runs the unfused gate either way; "few_rows" for decode steps up to
+                moe.FEW_ROWS_GATE_MAX_TOKENS tokens)
     experts     the routed experts' GEMMs: "humming", "triton" or "reference" (mini.ops.moe.experts_kernel)
     tie_rule    the indexer's ranking of equal scores: "official" or "newer" (mini.ops.indexer.tie_rule)
 
