@@ -4,7 +4,7 @@ each costs ~1.4 us plus a gap in a graph replay). Runs one static decode step of
 preset on the CPU with the fast backend under Triton's interpreter and counts the aten ops it dispatches (views and
 allocations left out; each other op is a kernel on CUDA), outside the interpreter's own bookkeeping:
 
-    TRITON_INTERPRET=1 python tools/decode_op_census.py [--preset tiny-v4.1] [--batch 1]
+    TRITON_INTERPRET=1 python tools/decode_op_census.py [--preset tiny-v4.1] [--batch 1] [--where]
 """
 from __future__ import annotations
 
@@ -30,21 +30,38 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "select", "slice", "as_strided",
 class Census(TorchDispatchMode):
     """Counts the aten ops dispatched outside Triton's interpreter (which uses torch for its own bookkeeping)."""
 
-    def __init__(self):
+    def __init__(self, where: bool = False):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.sites: collections.Counter[tuple[str, str]] = collections.Counter()  # (op, innermost mini/ line)
+        self.where = where
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in NO_KERNEL and not any("triton" in f.filename for f in traceback.extract_stack(limit=40)):
+        out = func(*args, **(kwargs or {}))
+        if name in NO_KERNEL or _returns_input(name, args, out):
+            return out
+        stack = traceback.extract_stack(limit=40)
+        if not any("triton" in f.filename for f in stack):
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+            if self.where:
+                site = next((f for f in reversed(stack) if "/mini/" in f.filename), None)
+                self.sites[name, "?" if site is None else
+                           f"{site.filename.split('/mini/')[-1]}:{site.lineno} {site.line}"] += 1
+        return out
+
+
+def _returns_input(name: str, args: tuple, out) -> bool:
+    """A .to / .contiguous that was already so returns its input and launches nothing."""
+    return (name in ("to", "contiguous") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
+            and out.data_ptr() == args[0].data_ptr())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny-v4.1")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--where", action="store_true", help="also print each op's call sites (innermost mini/ line)")
     args = p.parse_args(argv)
     import mini.ops
     from mini.bench import rank4_decode as rd
@@ -61,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     run.fill()
     run.replay()  # warm-up: first-call work (lazy buffers) is not a step's
     run.fill()
-    census = Census()
+    census = Census(args.where)
     with census:
         run.replay()
     n = len(cfg.layers)
@@ -70,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{total / n:.1f} per layer ({n} layers)")
     for name, count in census.ops.most_common():
         print(f"{count:6d} {count / n:6.1f}/layer  {name}")
+    if args.where:
+        print("\ncall sites, most ops first:")
+        for (name, site), count in census.sites.most_common():
+            print(f"{count:6d} {count / n:6.1f}/layer  {name:22s} {site}")
     return 0
 
 
