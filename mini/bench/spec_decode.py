@@ -10,11 +10,11 @@ rank 256). For each B in `--batch` at context C, with k = `--spec-tokens` drafts
 - `verify_proxy_ms`: the PROXY of a verify step that issue 27 measured before verify graphs existed, kept beside
   it: a decode step of B x (1 + k) sequences, each at context C (it over-counts attention and the cache: each row
   reads a context of its own, where a verify step's 1 + k rows of one sequence read one);
-- `draft_ms`: DSpark's draft step as DSparkDrafter runs it after a verify step that accepted the whole draft
-  (the most it writes): the B x (1 + k) committed rows' features into every stage's ring (`write_rings`, eager: it
-  indexes by a mask, which syncs), then one draft of the block's positions per sequence (`propose`, the whole block
-  whatever k is: a CUDA graph where capture works, else eager; `draft_graph` says which). The features are random:
-  the work is the same whatever they are.
+- `draft_ms`: DSpark's draft step as the engine's static draft step runs it after a verify step that accepted the
+  whole draft (the most it writes): the B x (1 + k) committed rows' features into every stage's ring
+  (`write_ring_rows`, device ops only), then one draft of the block's positions per sequence (`propose`, the whole
+  block whatever k is), each in a CUDA graph of its own as mini.engine.cuda_graphs holds them where capture works,
+  else eager (`draft_graph` says which). The features are random: the work is the same whatever they are.
 
 Random weights accept almost nothing, so acceptance is EMULATED: for each acceptance length L in `--acceptance`
 (tokens committed per verify step, bonus token included) a speculative step commits L tokens per sequence and takes
@@ -70,7 +70,7 @@ class DraftStep:
         from mini.model.dspark import DSparkRings
         cfg, dev = model.config, model.embed.device
         g = torch.Generator().manual_seed(seed)
-        self.model, self.graph = model, None
+        self.model, self.graphs = model, None
         self.rings = DSparkRings(cfg, batch, dev, dtype)
         self.features = torch.randn(batch * rows, len(cfg.dspark_target_layers) * cfg.dim, generator=g).to(dev, dtype)
         self.written = (context - rows + 1 + torch.arange(rows)).repeat(batch).to(dev)  # each sequence's rows
@@ -80,32 +80,40 @@ class DraftStep:
         self.anchors = torch.randint(3, cfg.vocab_size, (batch,), generator=g).to(dev)
 
     def write(self) -> None:
-        from mini.model.dspark import write_rings
-        write_rings(self.model.dspark, self.model.config, self.features, self.written, self.written_slots, self.rings)
+        from mini.model.dspark import write_ring_rows
+        if self.graphs is not None:
+            self.graphs["write"].replay()
+            return
+        # every row of the step is committed here, each at a ring entry of its own (rows < W per sequence)
+        write_ring_rows(self.model.dspark, self.model.config, self.features, self.written, self.written_slots,
+                        self.rings)
 
     def propose(self) -> torch.Tensor:
         from mini.model.dspark import propose
         m = self.model
-        if self.graph is not None:
-            self.graph[0].replay()
-            return self.graph[1]
+        if self.graphs is not None:
+            self.graphs["propose"].replay()
+            return self.ids
         return propose(m.dspark, m.config, m.embed, m.head, self.rings, self.anchors, self.positions, self.slots).ids
 
     def capture(self) -> str:
-        """Capture `propose` in a CUDA graph after an eager run that must not sync with the host; returns why not
-        ('' when captured)."""
+        """Capture `write` and `propose` in a CUDA graph each (the engine's write and draft graphs) after an eager
+        run of both that must not sync with the host; returns why not ('' when captured)."""
         dev = self.anchors.device
         try:
             torch.cuda.set_sync_debug_mode("error")  # a host sync would break the capture: found eagerly first
             try:
+                self.write()
                 self.propose()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ids = self.propose()
-            self.graph = (graph, ids)
+            graphs = {"write": torch.cuda.CUDAGraph(), "propose": torch.cuda.CUDAGraph()}
+            with torch.cuda.graph(graphs["write"]):
+                self.write()
+            with torch.cuda.graph(graphs["propose"]):
+                self.ids = self.propose()
+            self.graphs = graphs
             return ""
         except Exception as e:  # noqa: BLE001 - the reason goes into the result; the step stays eager
             torch.cuda.synchronize(dev)
@@ -123,7 +131,7 @@ def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) 
     write = rank4_decode.time_calls(step.write, args.steps, cuda)
     prop = rank4_decode.time_calls(step.propose, args.steps, cuda)
     m = {"draft_write_ms": statistics.median(write), "draft_propose_ms": statistics.median(prop),
-         "draft_graph": float(step.graph is not None)}
+         "draft_graph": float(step.graphs is not None)}
     m["draft_ms"] = m["draft_write_ms"] + m["draft_propose_ms"]
     return m, {"draft_write_ms": write, "draft_propose_ms": prop, "draft_graph_refused": why}
 
