@@ -246,8 +246,10 @@ def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
 def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
     per site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1
-    to 64); the routing plan of B x 6 pairs for 96 of 384 experts (Humming's plan, no tiles) in one program (the
-    default up to 1,024 pairs) against the three kernels and the torch sort; the mHC site input (V4.1, delayed
+    to 64); the routing plan of T x 6 pairs for 96 of 384 experts (Humming's plan, no tiles; T up to 1,024: rank4
+    decode's B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs), the three
+    kernels over pick_block's blocks (the default beyond) and over 1,024-pair blocks, and the torch sort; the mHC
+    site input (V4.1, delayed
     pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the
     deterministic mode's at every T, the default's before issue 28) and, at B = 1, other split counts at the
     chosen block. `bits`: y elements that differ from the
@@ -266,14 +268,18 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
     scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
     nw = torch.rand(DIM, device=dev).bfloat16()
+    for T in (1, 16, 64, 256, 1024):
+        ids = torch.rand(T, 384, device=dev).argsort(dim=1)[:, :6]
+        weights = torch.rand(T, 6, device=dev)
+        plans = {"one program": dict(one_program=True),
+                 "three kernels, pick_block": dict(one_program=False),
+                 "three kernels, 1,024-pair blocks": dict(one_program=False, block=1024)}
+        for label, kw in plans.items():
+            ms = _bench_graph(lambda: plan_routes(ids, weights, experts, 128, False, **kw))
+            add(dict(kernel=f"route_plan/T={T} pairs={T * 6}", config=label, ms=ms, us=ms * 1e3))
+        ms = _bench_graph(lambda: plan_routes_torch(ids, weights, experts, 128, False))
+        add(dict(kernel=f"route_plan/T={T} pairs={T * 6}", config="torch sort", ms=ms, us=ms * 1e3))
     for B in (1, 16, 64):
-        ids = torch.rand(B, 384, device=dev).argsort(dim=1)[:, :6]
-        weights = torch.rand(B, 6, device=dev)
-        for label, f in (("one program", lambda: plan_routes(ids, weights, experts, 128, False)),
-                         ("three kernels", lambda: plan_routes(ids, weights, experts, 128, False, one_program=False)),
-                         ("torch sort", lambda: plan_routes_torch(ids, weights, experts, 128, False))):
-            ms = _bench_graph(f)
-            add(dict(kernel=f"route_plan/B={B} pairs={B * 6}", config=label, ms=ms, us=ms * 1e3))
         h = torch.randn(B, HC, DIM, device=dev).bfloat16()
         kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
         nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once
