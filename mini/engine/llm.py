@@ -59,6 +59,7 @@ class EngineOptions:
     spec_tokens: int | None = None  # the longest draft (None: the drafter's own, DSpark's block size)
     spec_min_confidence: float = 0.0  # drafts stop at the first token the drafter is less sure of (0: never)
     spec_max_rows: int | None = 384  # a step's verify rows, (1 + k) per decoding sequence, at most (None: no cap)
+    spec_adaptive: bool = True  # each sequence drafts as long as its past acceptance pays (speculative.py)
     forced_drafts: bool = True  # tokens a grammar forces are drafts, verified in one step (speculative.py)
 
     @classmethod
@@ -203,7 +204,8 @@ class LLMEngine:
                                                                 and self.runner.device.type == "cuda")
         self._inflight: _Launched | None = None  # an overlapped step not read back yet
         self.spec = None if drafter is None else Speculation(self, drafter, o.spec_tokens or drafter.max_draft,
-                                                             o.spec_max_rows, forced=o.forced_drafts)
+                                                             o.spec_max_rows, forced=o.forced_drafts,
+                                                             adaptive=o.spec_adaptive)
         # the verify step: speculation's, or without it one for the drafts of forced tokens alone
         self.verify = self.spec or (Speculation(self, None, FORCED_DRAFT, o.spec_max_rows) if o.forced_drafts
                                     else None)

@@ -14,8 +14,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mini.step import ImageSpan
+
+if TYPE_CHECKING:
+    from mini.engine.speculative import DraftRecord
 
 
 @dataclass
@@ -125,6 +129,8 @@ class Sequence:
     num_inflight: int = 0  # sampled tokens not yet read back from the device (overlapped steps)
     matcher: object | None = None  # grammar state (llguidance matcher) when params.grammar is set
     draft: list[int] = field(default_factory=list)  # speculative decoding: tokens proposed after the last one
+    draft_forced: bool = False  # the draft is a grammar's forced tokens, not the drafter's (speculative.force)
+    draft_record: DraftRecord | None = None  # how often the drafter's drafts were accepted (made at its first)
     images: list[ImageSpan] = field(default_factory=list)  # the prompt's image spans, in order (mini.step)
 
     @property

@@ -18,9 +18,10 @@ seeded draw uses the counter n + i (`_Row`). Acceptance, by request:
 Then: the cache keeps the accepted drafts (`StepCache.commit_drafts`), the stop checks run over the committed
 tokens in order (a stop inside them truncates), the drafter takes the committed rows and proposes drafts anchored
 on each sequence's new last token (before prefix-cache snapshots: its state is in the slots they copy), each at
-most as long as the load rule allows (`load_cap`: the next step's verify rows within a budget), and the outputs go
-out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts before the
-row, then rolled back (`_grammar_masks`); the committed tokens advance it for good, as plain decode's do.
+most as long as the load rule allows (`load_cap`: the next step's verify rows within a budget) and as the
+sequence's past acceptance pays (`acceptance_cap`: none where its drafts keep failing, but a probe now and then),
+and the outputs go out. A sequence with a grammar gets each row's mask from its matcher advanced over the drafts
+before the row, then rolled back (`_grammar_masks`); the committed tokens advance it for good, as plain decode's do.
 
 Forced drafts. Where a sequence's grammar forces its next tokens (DSML tool-call markup, a JSON key: `force`,
 llguidance's fast-forward tokens), those tokens are its draft, certain ones: the drafter's draft, if any, is
@@ -46,6 +47,22 @@ from mini.step import Commit, Drafter
 # without speculation, the longest forced run verified in one step (16 rows a sequence)
 FORCED_DRAFT = 15
 
+# The acceptance rule's cost model (docs/engine.md, "The draft length"), in units of the plain decode step it
+# replaces: a step in which every one of B sequences drafts k tokens costs 1 + DRAFT_STEP_COST + row(B) * k and
+# commits, per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted
+# after the ones before it). MEASURED on the H200 at V4.1-Flash width, 4K context (docs/perf 014 and issue 27):
+# the draft step 3.99 ms against a 18.12 ms decode step at B = 1 and 10.73 against 45.61 at B = 64 (0.22, 0.24:
+# rounded up to 0.25); a verify step of B x 6 rows 1.17x a decode step at B = 1, 1.94x at B = 16, 1.73-1.83x at
+# B = 64, so a verify row costs 0.034 of a step at B = 1 and at most 0.19 from B = 16 on. ASSUMED: linear in B
+# between 1 and 16, flat after (the load rule keeps steps within the 384 rows measured); linear in k; the same for
+# every sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as much
+# for one sequence as for all).
+DRAFT_STEP_COST = 0.25
+VERIFY_ROW_COST = ((1, 0.034), (16, 0.19))  # (B, a verify row's cost): measured; linear between, flat after
+PRIOR_HITS = 2.0  # a sequence starts as if its drafter had been right twice: full drafts at first
+DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
+PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32 steps, all of them in the same step
+
 @dataclass
 class SpecStats:
     """Speculation's counters (LLMEngine.stats.spec): drafted and accepted tokens, and how many verify chunks
@@ -60,6 +77,53 @@ class SpecStats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.accept_lengths[accepted] += 1
+
+
+def verify_row_cost(decoding: int) -> float:
+    """A verify row's cost in decode steps when `decoding` sequences decode (VERIFY_ROW_COST)."""
+    (b0, c0), (b1, c1) = VERIFY_ROW_COST
+    return c0 + (c1 - c0) * (min(max(decoding, b0), b1) - b0) / (b1 - b0)
+
+
+def paying_draft(alpha: float, longest: int, decoding: int) -> int:
+    """The draft length, 0..`longest`, that commits the most tokens per unit of step time under the cost model above
+    at acceptance `alpha` among `decoding` sequences; 0 where no draft beats plain decode (one token per step).
+    Among 16 or more sequences: none below α = 0.44, then 2, 3 from 0.62, 4 from 0.73, 5 from 0.80 (a step of full
+    drafts costs 2.2 decode steps); alone: none below 0.26, 5 from 0.56 (1.42). Never 1: the draft step's fixed cost
+    makes 2 pay wherever 1 does."""
+    row, gain, best, best_k = verify_row_cost(decoding), 0.0, 1.0, 0
+    for k in range(1, longest + 1):
+        gain += alpha ** k
+        speed = (1 + gain) / (1 + DRAFT_STEP_COST + row * k)
+        if speed > best:
+            best, best_k = speed, k
+    return best_k
+
+
+@dataclass
+class DraftRecord:
+    """How often a sequence's drafter has been right (`Sequence.draft_record`): accepted draft tokens (`hits`) and
+    verify steps that rejected one (`misses`: the step's accept length stopped short of its draft), each decayed by
+    DECAY per verify step; hits / (hits + misses) estimates α (the maximum-likelihood estimate for accept lengths that
+    stop at the first rejected token, whatever the draft lengths). Forced drafts are not recorded (they say nothing of
+    the drafter). `probing`: the draft in flight is a probe (`Speculation.acceptance_cap`)."""
+    hits: float = PRIOR_HITS
+    misses: float = 0.0
+    probing: bool = False
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify step accepted `accepted` of `drafted` draft tokens. A probe accepted whole starts the record
+        afresh (the drafter may have turned good: full drafts again, cut within a few steps if it was luck)."""
+        if self.probing and accepted == drafted:
+            self.hits, self.misses = PRIOR_HITS, 0.0
+        else:
+            self.hits = DECAY * self.hits + accepted
+            self.misses = DECAY * self.misses + (accepted < drafted)
+        self.probing = False
 
 
 class _Row:
@@ -101,15 +165,16 @@ class Speculation:
     """The verify step of an LLMEngine: speculation's (`engine.spec`), or forced drafts' alone (`drafter` None)."""
 
     def __init__(self, engine, drafter: Drafter | None, max_draft: int, max_rows: int | None = None,
-                 forced: bool = True):
+                 forced: bool = True, adaptive: bool = True):
         """`max_rows`: the load rule's row budget (`load_cap`; None: none); `forced`: grammars' forced tokens are
-        drafts (`force`)."""
+        drafts (`force`); `adaptive`: each sequence's drafts are as long as its acceptance pays (`acceptance_cap`)."""
         if not 0 < max_draft <= (drafter.max_draft if drafter is not None else max_draft):
             raise ValueError(f"spec tokens must be in [1, {drafter.max_draft}] for this drafter, got {max_draft}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
-        self.forced = forced
+        self.forced, self.adaptive = forced, adaptive
+        self.steps = 0  # verify steps run (the probes' clock)
 
     def load_cap(self, decoding: int) -> int:
         """The load rule: the longest draft each of `decoding` sequences may verify in one step, so that the
@@ -119,6 +184,22 @@ class Speculation:
         if self.max_rows is None or decoding == 0:
             return self.max_draft
         return max(0, min(self.max_draft, self.max_rows // decoding - 1))
+
+    def acceptance_cap(self, seq: Sequence, decoding: int) -> int:
+        """The acceptance rule: the longest draft the drafter may propose for `seq` next, from its past verify
+        steps alone (`DraftRecord`; never this step's random streams, so rejection sampling stays exact): the
+        length that pays at its estimated α among `decoding` sequences (`paying_draft`), or where none pays, one
+        token every PROBE_EVERY steps (the same steps for every sequence: one draft step and one 2-row verify per
+        PROBE_EVERY steps, at most 1.4% of plain decode's time by the cost model) so that a drafter that turns
+        good is seen. Forced drafts are not cut by it (`force`)."""
+        if not self.adaptive:
+            return self.max_draft
+        if seq.draft_record is None:
+            seq.draft_record = DraftRecord()
+        r = seq.draft_record
+        k = paying_draft(r.alpha, self.max_draft, decoding)
+        r.probing = k == 0 and self.steps % PROBE_EVERY == 0
+        return 1 if r.probing else k
 
     def draft_room(self, seq: Sequence) -> int:
         """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context."""
@@ -141,13 +222,21 @@ class Speculation:
                 continue
             forced = [] if s.num_inflight else self.engine.grammars.forced(s.matcher, min(cap, self.draft_room(s)))
             if forced or self.drafter is None:
-                s.draft = forced
+                s.draft, s.draft_forced = forced, bool(forced)
 
     def forcing(self, seqs: list[Sequence]) -> bool:
         """Whether the step in flight holding `seqs` must be read back before the next plan: a grammar forces at
         least two tokens after a sequence's last one read back, the one in flight and a draft after it."""
         return self.forced and any(s.matcher is not None and not s.is_finished
                                    and len(self.engine.grammars.forced(s.matcher, 2)) == 2 for s in seqs)
+
+    def _next_draft(self, seq: Sequence, cap: int, decoding: int, anchored: bool) -> int:
+        """The longest draft `seq` may take next: the load rule's `cap`, its room and, where the drafter drafts
+        for it (`anchored`: it sampled), its acceptance rule."""
+        k = min(cap, self.draft_room(seq))
+        if k and anchored and self.drafter is not None:
+            k = min(k, self.acceptance_cap(seq, decoding))
+        return k
 
     def _grammar_masks(self, sampling: list, device):
         """The bitmask of every verify row (None: no sequence has a grammar): row i of a sequence with a matcher
@@ -197,8 +286,9 @@ class Speculation:
 
     def step(self, plan: StepPlan) -> list:
         e = self.engine
+        self.steps += 1
         for seq in plan.preempted:  # recomputed as a prompt; a new draft follows its first token
-            seq.draft = []
+            seq.draft, seq.draft_forced = [], False
         chunks = plan.chunks
         logits = e.runner.run(chunks)
         sampling = [c for c in chunks if c.samples]  # (read before the histories grow below)
@@ -235,6 +325,8 @@ class Speculation:
                 row += 1 + c.drafts
                 if c.drafts:
                     e.stats.spec.count(c.drafts, a, self.max_draft)
+                    if c.seq.draft_record is not None and not c.seq.draft_forced:
+                        c.seq.draft_record.record(c.drafts, a)
             accepted.append(a)
             if c.is_decode:
                 e.stats.decode_tokens += 1 + a
@@ -275,14 +367,16 @@ class Speculation:
         cap = self.load_cap(len(decoding))
         for s in decoding:
             del s.draft[cap:]
-        # the drafter takes the committed rows (its state in the slots) and proposes; then snapshots
+        # the drafter takes the committed rows (its state in the slots) and proposes, each draft within the load
+        # rule and its sequence's acceptance rule; then snapshots
         commits = [Commit(rows=c.end - c.drafts + a - c.start, length=c.length, slot=c.seq.slot,
                           end=c.seq.num_computed, anchor=c.seq.output_token_ids[-1] if id(c) in samples else None,
-                          max_draft=min(cap, self.draft_room(c.seq)), history=lambda s=c.seq: s.tokens)
+                          max_draft=self._next_draft(c.seq, cap, len(decoding), id(c) in samples),
+                          history=lambda s=c.seq: s.tokens)
                    for c, a in zip(chunks, accepted)]
         drafts = e.runner.draft(self.drafter, commits) if self.drafter is not None else [[]] * len(chunks)
         for c, draft in zip(chunks, drafts):  # (a grammar's forced tokens replace them: `force`, next plan)
-            c.seq.draft = list(draft) if id(c) in samples else []
+            c.seq.draft, c.seq.draft_forced = (list(draft) if id(c) in samples else []), False
         live = [c for c in chunks if not c.seq.is_finished]
         e.runner.copy_slots([s for s in (e.blocks.commit(c.seq) for c in live) if s is not None])
 

@@ -1,0 +1,217 @@
+"""Speculation's acceptance rule (Speculation.acceptance_cap, `--spec-adaptive`; docs/engine.md "The draft length"):
+each sequence drafts as long as its past acceptance pays, none where its drafts keep failing (with a one-token probe
+every PROBE_EVERY steps), and outputs never change. On the fake model's Markov chain (tests/engine/fake_model.py),
+whose verify rows are exactly plain decode's, and on tiny-v4.1 for grammar-forced drafts."""
+import pytest
+import torch
+
+import fake_model
+import mini.ops
+from fake_model import FakeConfig, FakeTokenizer, MarkovModel
+from mini.engine import LLM, SamplingParams
+from mini.engine.speculative import PROBE_EVERY, DraftRecord, paying_draft
+
+V, K = 16, 5
+TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(7)) * 2
+
+
+def _target(t: int) -> int:
+    """The chain's greedy successor of token t (what a greedy request draws after it)."""
+    return int(TABLE[t].argmax())
+
+
+class SwitchDrafter:
+    """mini.step.Drafter: wrong for its first `bad` calls, one after each step (each draft token one past the
+    chain's greedy one: never a greedy request's token), the chain's greedy continuation after (always right for
+    greedy requests). `asked`: the draft lengths it was asked for, per call (after step 1, 2, ...)."""
+    min_confidence = 0.0
+
+    def __init__(self, bad: int = 1 << 30, max_draft: int = K):
+        self.bad, self.max_draft, self.asked = bad, max_draft, []
+
+    def propose(self, cache, commits):
+        out, wrong = [], len(self.asked) < self.bad
+        self.asked.append([c.max_draft for c in commits if c.anchor is not None])
+        for c in commits:
+            draft, t = [], c.anchor
+            while t is not None and len(draft) < c.max_draft:
+                t = _target(t)
+                draft.append((t + 1) % V if wrong else t)
+            out.append(draft)
+        return out
+
+    def static_draft(self, static, cache):
+        return None  # drafts on the host only (`propose`)
+
+
+def _run(params, drafter=None, adaptive=True, n_seqs=4):
+    """Outputs, the model's forwards ((start, length, drafts) per chunk) and the engine, one prompt per params."""
+    cfg = FakeConfig(vocab_size=V)
+    model = MarkovModel(cfg, TABLE)
+    llm = LLM(model, config=cfg, tokenizer=FakeTokenizer(), device="cpu", dtype=torch.float32, block_tokens=4,
+              num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K if drafter else None,
+              spec_adaptive=adaptive)
+    prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(len(params))]
+    return llm.generate(prompts, params), model.steps, llm.engine
+
+
+def _same(got, want):
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[(lp.logprob, lp.top) for lp in o.logprobs] for o in got] == \
+        [[(lp.logprob, lp.top) for lp in o.logprobs] for o in want]
+
+
+def _rows(steps) -> int:
+    """Decode and verify rows over all forwards (1 + drafts per decoding chunk)."""
+    return sum(length for chunks in steps for _, length, d in chunks if length == 1 + d)
+
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (120, 100, 90, 130)]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(GREEDY)
+
+
+def test_paying_draft_follows_the_cost_model():
+    # none where drafts are never taken, full where they nearly always are, in between shorter
+    assert [paying_draft(a, K, 16) for a in (0.0, 0.3, 0.43, 0.5, 0.7, 0.8, 1.0)] == [0, 0, 0, 2, 3, 5, 5]
+    # a verify row is nearly free among few sequences: longer drafts pay at the same acceptance
+    assert paying_draft(0.6, K, 1) == 5 and paying_draft(0.6, K, 64) == 2
+    for b in (1, 16, 64, 256):  # monotone in alpha
+        ks = [paying_draft(i / 100, K, b) for i in range(101)]
+        assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == K
+    assert paying_draft(1.0, 3, 16) == 3  # never past the longest allowed
+
+
+def test_draft_record_estimates_acceptance():
+    r = DraftRecord()
+    assert r.alpha == 1.0  # a new sequence drafts in full
+    for _ in range(3):
+        assert paying_draft(r.alpha, K, 16) > 0
+        r.record(5, 0)
+    assert paying_draft(r.alpha, K, 16) == 0  # three rejected drafts in a row: no more
+    hits, misses = r.hits, r.misses
+    r.record(2, 2)  # a whole draft accepted: no miss
+    assert r.misses < misses and r.hits > hits
+    r.probing = True
+    r.record(1, 1)  # a probe accepted whole: afresh
+    assert (r.hits, r.misses, r.probing) == (DraftRecord().hits, 0.0, False)
+    r.probing = True
+    r.record(1, 0)  # a probe rejected: one more miss
+    assert r.alpha < 1 and not r.probing
+
+
+def test_failing_drafts_fall_to_probes_and_outputs_equal_plain_decode(plain):
+    """An always-wrong drafter: after a few verify steps a sequence drafts nothing but a one-token probe every
+    PROBE_EVERY steps; the rows of all forwards come within 20% of plain decode's (what the first steps' drafts
+    and the probes cost; without the rule 1 + K times as many), the step count equals plain decode's (a wrong
+    draft saves no step), outputs are plain decode's."""
+    want, plain_steps, _ = plain
+    junk = SwitchDrafter()
+    outs, steps, engine = _run(GREEDY, junk)
+    _same(outs, want)
+    assert len(steps) == len(plain_steps)
+    drafted = [sum(a) for a in junk.asked]  # tokens the drafter was asked for after each step (step i + 1)
+    off = drafted.index(0)
+    assert drafted[0] == 4 * K and off <= 6, drafted[:10]
+    assert all(d == 0 for i, d in enumerate(drafted[off:], off) if (i + 1) % PROBE_EVERY)
+    assert all(d == 4 for i, d in enumerate(drafted[off:80], off) if (i + 1) % PROBE_EVERY == 0)  # the probes
+    assert engine.stats.spec.accepted_tokens == 0
+    assert engine.stats.spec.drafted_tokens == sum(drafted[:-1])  # every draft asked for was verified
+    assert _rows(steps) <= 1.2 * _rows(plain_steps), (_rows(steps), _rows(plain_steps))
+    off, off_steps, off_engine = _run(GREEDY, SwitchDrafter(), adaptive=False)  # today's rule: every step K
+    _same(off, want)
+    assert _rows(off_steps) > 5 * _rows(plain_steps)
+    assert off_engine.stats.spec.drafted_tokens > 20 * engine.stats.spec.drafted_tokens
+
+
+def test_good_drafts_stay_full(plain):
+    """An oracle (the chain's greedy continuation, always right for greedy requests): every draft is as long as
+    the other rules allow, the steps those of the rule off, a fraction of plain decode's."""
+    want, plain_steps, _ = plain
+    oracle, oracle_off = SwitchDrafter(bad=0), SwitchDrafter(bad=0)
+    outs, steps, engine = _run(GREEDY, oracle)
+    _same(outs, want)
+    _, off_steps, _ = _run(GREEDY, oracle_off, adaptive=False)
+    assert steps == off_steps and oracle.asked == oracle_off.asked  # full drafts (max_tokens' room allowing)
+    assert len(steps) <= len(plain_steps) / 5
+    spec = engine.stats.spec
+    assert spec.accepted_tokens == spec.drafted_tokens
+
+
+def test_a_drafter_that_turns_good_recovers_full_drafts(plain):
+    """Wrong for its first 40 steps (drafts off after a few, the probe after step 32 rejected), right after: the
+    probe after step 64 is accepted, which restarts each sequence's record, and full drafts follow; outputs are
+    plain decode's throughout."""
+    want, plain_steps, _ = plain
+    drafter = SwitchDrafter(bad=40)
+    outs, steps, _ = _run(GREEDY, drafter)
+    _same(outs, want)
+    asked = drafter.asked
+    off = next(i for i, ks in enumerate(asked) if not any(ks))
+    assert off <= 6
+    probes = [i + 1 for i in range(off, len(asked)) if any(asked[i])][:3]
+    assert probes[:2] == [PROBE_EVERY, 2 * PROBE_EVERY], probes  # one-token probes, every sequence's at once
+    assert all(asked[p - 1] == [1] * 4 for p in probes[:2])
+    assert probes[2] == 2 * PROBE_EVERY + 1 and asked[probes[2] - 1] == [K] * 4  # then full drafts
+    assert len(steps) < 0.75 * len(plain_steps)
+
+
+def test_sampled_requests_adapt_and_keep_their_outputs():
+    """Seeded sampling (a draft is taken where it equals the seeded draw) with drafts that are seldom right:
+    outputs equal plain decode's with the rule on and off, and the rule drafts far fewer tokens."""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=80, ignore_eos=True, logprobs=1) for i in range(3)]
+    want, _, _ = _run(params)
+    on, _, on_engine = _run(params, SwitchDrafter())
+    off, _, off_engine = _run(params, SwitchDrafter(), adaptive=False)
+    _same(on, want)
+    _same(off, want)
+    assert on_engine.stats.spec.drafted_tokens < off_engine.stats.spec.drafted_tokens / 5
+
+
+def test_the_flag_reaches_the_engine():
+    from mini.args import ENGINE_FLAGS
+    flag = next(f for f in ENGINE_FLAGS if f.name == "--spec-adaptive")
+    assert flag.default is True and flag.type is None  # --spec-adaptive / --no-spec-adaptive
+    _, _, engine = _run(GREEDY[:1], SwitchDrafter(), adaptive=False)
+    assert engine.spec.adaptive is False
+
+
+# ------------------------------------------------------------------------------------------- forced drafts
+class JunkDrafter:
+    """The anchor repeated: wrong almost always on tiny-v4.1 (as tests/engine/test_forced_drafts.py's)."""
+    min_confidence = 0.0
+    max_draft = 4
+
+    def propose(self, cache, commits):
+        return [[c.anchor] * c.max_draft if c.anchor is not None else [] for c in commits]
+
+    def static_draft(self, static, cache):
+        return None
+
+
+def test_forced_drafts_are_not_cut_by_the_rule():
+    """A regex whose free part lets junk drafts fail (the rule turns them off), then a forced literal: the forced
+    run is still verified in runs of --spec-tokens, not recorded as the drafter's hits, and outputs, text and
+    logprobs are the engine's without forced drafts or speculation."""
+    from mini.server.grammars import regex_grammar
+
+    literal = "the_forced_literal_of_many_tokens"
+    params = SamplingParams(temperature=0, max_tokens=60, grammar=regex_grammar(f"[a-z]{{12}}{literal}"),
+                            logprobs=1)
+    opts = dict(device="cpu", dtype=torch.float32, block_tokens=16, num_blocks=64)
+    with mini.ops.deterministic_mode():
+        want = LLM("tiny-v4.1", **opts, forced_drafts=False).generate([[5, 6, 7]], params)
+        llm = LLM("tiny-v4.1", **opts, drafter=JunkDrafter(), spec_tokens=4)
+        llm.engine.add_request("r", [5, 6, 7], params)
+        seq = llm.engine.requests["r"]
+        outs = []
+        while llm.engine.has_work():
+            outs += [o for o in llm.engine.step() if o.finished]
+    assert outs[0].text.endswith(literal), outs[0].text
+    _same(outs, want)
+    lengths = llm.engine.stats.spec.accept_lengths
+    assert lengths[4] >= 5, lengths  # the literal's run, 4 a step, after the rule turned junk drafts off
+    assert seq.draft_record.hits < DraftRecord().hits  # forced tokens are not the drafter's hits (the prior decays)
