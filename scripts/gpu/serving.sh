@@ -97,7 +97,7 @@ phase_forced_drafts() {  # issue 27 item 4 (<= 2 min, not yet run): tokens a gra
 phase_spec_tiny() {  # issue 27 item 6 (<= 150 s, not yet run): tiny-v4.1-dspark behind `mini serve`, goodput's workload
     # (64 requests x 128 in / 64 out, burst) without and with --speculative dspark, one server each (`mini bench
     # spec-decode --tiny`). Its random draft module accepts what it accepts (spec_tokens_per_verify in the JSON):
-    # this measures speculation's overhead where drafts fail, not a speed-up. At 3053419 (no acceptance rule):
+    # this measures speculation's overhead where drafts fail, not a speed-up. At cf296d6 (no acceptance rule):
     # 0.35x plain's output tok/s, 17,717 drafted / 313 accepted. With the acceptance rule (default on since
     # 3318458) drafts should fall to ~10-12 per request; SPEC_TINY_ARGS=--no-spec-adaptive runs without it.
     # Look at: spec_tiny.json metrics speculative_over_plain.{output_tok_s, goodput_req_s, tpot_p50_ms},
