@@ -45,10 +45,19 @@ class Census(TorchDispatchMode):
         if not any("triton" in f.filename for f in stack):
             self.ops[name] += 1
             if self.where:
-                site = next((f for f in reversed(stack) if "/mini/" in f.filename), None)
-                self.sites[name, "?" if site is None else
-                           f"{site.filename.split('/mini/')[-1]}:{site.lineno} {site.line}"] += 1
+                self.sites[name, _site(stack)] += 1
         return out
+
+
+def _site(stack) -> str:
+    """The innermost line in mini/, and the innermost in mini/model or mini/ops above it when that is another."""
+    mine = [f for f in reversed(stack) if "/mini/" in f.filename]
+    if not mine:
+        return "?"
+    inner = mine[0]
+    caller = next((f for f in mine if "/mini/model/" in f.filename or "/mini/ops/" in f.filename), inner)
+    where = f"{inner.filename.split('/mini/')[-1]}:{inner.lineno} {inner.line}"
+    return where if caller is inner else f"{where}  <- {caller.filename.split('/mini/')[-1]}:{caller.lineno}"
 
 
 def _returns_input(name: str, args: tuple, out) -> bool:
@@ -61,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny-v4.1")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="the preset with this RoPE tail (tiny-v4.1's 16 with 1x32 quant blocks sends the fused "
+                        "norm/RoPE/quant kernel to its torch fallback; V4.1-Flash's shapes take the kernel: try 32)")
     p.add_argument("--where", action="store_true", help="also print each op's call sites (innermost mini/ line)")
     args = p.parse_args(argv)
     import mini.ops
@@ -70,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from mini.testing.emulated_ep import EmulatedEP
     from mini.testing.rank_model import rank_model
     cfg = preset(args.preset)
+    if args.rope_dim is not None:
+        cfg = cfg.replace(rope_head_dim=args.rope_dim, index_head_dim=max(cfg.index_head_dim, 2 * args.rope_dim))
     mini.ops.set_backend("fast", interpret_on_cpu=True)  # needs TRITON_INTERPRET=1 (it says so)
     ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
     cpu, dtype = torch.device("cpu"), torch.bfloat16

@@ -61,6 +61,14 @@ def supported(heads: int, head_dim: int) -> bool:
     return heads & (heads - 1) == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
 
 
+def programs(seq_of: torch.Tensor, n_seqs: int, heads: int, block_t: int = 2) -> tuple:
+    """The grid plan of `index_scores` for a step's tokens and its index head count: (block_t, each program's
+    sequence, its first token, each sequence's end row). It depends on the step alone, so the step's indexer
+    layers can share it (issue 28: ~17 small kernels each otherwise)."""
+    block_t = max(block_t, 16 // heads)  # a dot needs at least 16 rows
+    return (block_t, *_programs(seq_of, n_seqs, block_t))
+
+
 def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
     """Per program: its sequence (-1 = idle) and first token, so that a program never mixes sequences. Built on
     the device without a sync; the grid is the upper bound cdiv(T, block_t) + n_seqs."""
@@ -80,7 +88,8 @@ def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
                  seq_of: torch.Tensor, n_visible: torch.Tensor, candidates: torch.Tensor | None = None,
-                 block_t: int = 2, block_n: int = 128, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 block_t: int = 2, block_n: int = 128, num_warps: int = 4, num_stages: int = 2,
+                 plan: tuple | None = None) -> torch.Tensor:
     """q [T, H, di], weights [T, H], keys [P, di] (flat pool), seq_rows [B, N] (-1 = not complete), seq_of [T],
     n_visible [T], optional candidates bool [T, N] -> [T, N] in q.dtype (-inf: not visible / not a candidate)."""
     T, H, DI = q.shape
@@ -93,8 +102,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     keys, seq_rows = keys.to(q.dtype).contiguous(), seq_rows.contiguous()
     if not supported(H, DI):
         raise ValueError(f"index_scores kernel: {H} heads x {DI} need powers of two (head dim >= 16)")
-    block_t = max(block_t, 16 // H)  # a dot needs at least 16 rows
-    prog_seq, prog_t0, seq_end = _programs(seq_of, B, block_t)
+    # `plan`: the step's `programs(seq_of, B, H, block_t)`, shared by its indexer layers (None: built here)
+    block_t, prog_seq, prog_t0, seq_end = programs(seq_of, B, H, block_t) if plan is None else plan
     cand = candidates.view(torch.uint8) if candidates is not None else out
     assert cand.stride(-1) == 1
     grid = (prog_seq.shape[0], triton.cdiv(N, block_n))

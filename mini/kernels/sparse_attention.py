@@ -325,7 +325,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          comp_idx: torch.Tensor | None = None, ratio: int = 1,
                          rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
                          block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                         d_split: int | None = None, k_split: int | None = None) -> torch.Tensor:
+                         d_split: int | None = None, k_split: int | None = None,
+                         width: torch.Tensor | None = None, comp_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
@@ -362,12 +363,18 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         rows_per_block = 1
     else:
         assert comp.shape[-1] == D and comp.is_contiguous()
-        # the reference lists a query's groups valid first, ascending (top-k ids come ascending with -1 first)
-        comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
+        # the reference lists a query's groups valid first, ascending (top-k ids come ascending with -1 first);
+        # `comp_valid` given: comp_idx is in that order already and holds this many valid ids per query (an index
+        # source's top-k, ordered once for the layers that read it: mini.ops.attention.ordered_ids)
+        if comp_valid is None:
+            comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
         rows_per_block = comp.shape[1]
     # window entries of each sequence's key lists (mini.ops.attention.window_widths): per sequence, no sync
-    width = window_widths(seq_of, start_pos, W) if prefill_lists else start_pos.new_full(start_pos.shape, W,
-                                                                                          dtype=torch.int32)
+    # (`width`: the step's window_widths, which its layers share: built once per step, issue 28)
+    if not prefill_lists:
+        width = start_pos.new_full(start_pos.shape, W, dtype=torch.int32)
+    elif width is None:
+        width = window_widths(seq_of, start_pos, W)
     rope = None
     if rope_out is not None:
         assert rope_out.shape[0] == T and 2 * rope_out.shape[1] <= D
@@ -395,7 +402,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     # the split walk: pieces of each query's list (its window width + its valid groups, which come first), partials
     # in fp32 scratch, then the combine (merge, sink, division, RoPE epilogue, store) over 64-column chunks, so that
     # even B = 1 reads the partials with several programs
-    n_valid = (comp_idx >= 0).sum(-1, dtype=torch.int32)  # [T] on the device, no sync
+    n_valid = (comp_idx >= 0).sum(-1, dtype=torch.int32) if comp_valid is None else comp_valid  # [T], no sync
     part = torch.empty((k_split, T, H, D), dtype=torch.float32, device=q.device)
     stat = torch.empty((k_split, T, H, 2), dtype=torch.float32, device=q.device)
     _sparse_mla_split_kernel[(T, grid[1], k_split * d_split)](*args, n_valid, part, stat, k_split,

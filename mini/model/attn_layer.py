@@ -2,7 +2,8 @@
 attention over window ring + fresh chunk + compressed pool, and the grouped output projection.
 
 `StepShared` carries what one forward's layers share (never across steps): the step's plan of what runs, the top-k
-group ids each index source publishes and V4.1's candidate mask.
+group ids each index source publishes (ordered for the attention kernel once, not in every layer reading them) and
+V4.1's candidate mask.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
-from mini.ops.attention import sparse_attention
+from mini.ops.attention import ordered_ids, sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
 from mini.ops.linear import QWeight, linear
@@ -31,7 +32,8 @@ class StepShared:
     """What the layers of one forward share: the step's plan (mini.ops.step_plan: which kernels run), and what index
     sources publish to the layers after them."""
     step: StepPlan
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source layer -> [T, k] group ids, -1 = none
+    # index source layer -> ([T, k] group ids, -1 = none, valid ones first; [T] int32 their count): ordered_ids
+    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None  # V4.1's candidate source: [T, N] bool, the groups later sources score
 
 
@@ -151,7 +153,7 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
     weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
-    scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis)
+    scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis, lay.table)
     widths = indexer_op.tie_widths(scores, lay.tok_end, plan.ratio, shared.step)  # the step's tie rule
     if plan.candidate_source:
         shared.candidates = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
@@ -162,11 +164,14 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
 
 
 @staged("attention.key_gathering")
-def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: StepShared) -> torch.Tensor:
-    """[T, K] absolute group ids each query reads (-1 = none)."""
-    if plan.index_layer < 0:  # V4 ratio 128: every visible group
-        j = torch.arange(lay.seq_rows(plan.ratio).shape[1], device=lay.device)
-        return torch.where(j < lay.n_visible(plan.ratio)[:, None], j, -1)
+def _compressed_ids(plan: LayerPlan, lay: StepLayout, shared: StepShared) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, K] absolute group ids each query reads, -1 = none, the valid ones first; [T] int32 their count)."""
+    if plan.index_layer < 0:  # V4 ratio 128: every visible group (valid first already), the same in every layer
+        def all_visible():
+            j = torch.arange(lay.seq_rows(plan.ratio).shape[1], device=lay.device)
+            ids = torch.where(j < lay.n_visible(plan.ratio)[:, None], j, -1)
+            return ids, (ids >= 0).sum(-1, dtype=torch.int32)
+        return lay.table(("all_visible", plan.ratio), all_visible)
     return shared.topk[plan.index_layer]
 
 
@@ -185,21 +190,22 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     q = apply_rope(q, table)
     kv = _window_kv(linear(x, w.wkv), table, w.kv_norm, cfg)
 
-    comp = comp_ids = None
+    comp = comp_ids = comp_valid = None
     if plan.ratio:
         if plan.owns_kv:
             _compress_into_pools(x, w, plan, cfg, lay, cache)
         if plan.runs_indexer:
-            shared.topk[plan.layer] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
-        comp, comp_ids = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
+            shared.topk[plan.layer] = ordered_ids(_index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared))
+        comp, (comp_ids, comp_valid) = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
 
     b, ring = lay.batch, cache.window[plan.layer]
     # rope_out: the keys' rotation carried through V = K is removed from the output
     o = sparse_attention(q, kv, ring, w.sink, b.positions, b.seq_of, b.slots, b.start_pos, d ** -0.5,
                          comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows,
-                         step=shared.step)
+                         step=shared.step, window_width=lay.window_widths, comp_valid=comp_valid)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
-    ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
+    written = kv if lay.ring_write_row is None else kv[lay.ring_write_row]
+    ring.view(-1, d)[lay.ring_write_dst] = written.to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
         lay.draft_rows.keep_window(plan.layer, kv)
     return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)

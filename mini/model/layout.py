@@ -123,8 +123,9 @@ class StepLayout:
         return self._seq_rows[ratio]
 
     def n_visible(self, ratio: int) -> torch.Tensor:
-        """[T] groups a query may see: a group is visible once its last token is at or before the query."""
-        return (self.batch.positions + 1) // ratio
+        """[T] groups a query may see: a group is visible once its last token is at or before the query (built once
+        per step and ratio: the indexer layers of a ratio share it)."""
+        return self.table(("n_visible", ratio), lambda: (self.batch.positions + 1) // ratio)
 
     def groups(self, ratio: int, overlap: bool) -> GroupIndex:
         """Groups completed in this step. Without overlap group j pools its own `ratio` tokens; with overlap (V4
@@ -186,6 +187,14 @@ class StepLayout:
         return self.table(("plan", dtype, choices(self.device)), lambda: plan_step(self.n_tokens, self.device, dtype))
 
     @property
+    def window_widths(self) -> torch.Tensor:
+        """[B] int32: each sequence's window entries in the official key lists (mini.kernels.sparse_attention.
+        window_widths), the same for every layer: built once per step instead of in each layer's attention."""
+        from mini.kernels.sparse_attention import window_widths  # triton is optional on CPU: import on use
+        b = self.batch
+        return self.table("window_widths", lambda: window_widths(b.seq_of, b.start_pos, self.window))
+
+    @property
     def key_rows(self):
         """The step's row lists for the FlashMLA path (mini.ops.attention.step_rows): held here, so the step's
         layers share them and they go with the step; built lazily by the calls that read them."""
@@ -221,7 +230,7 @@ class DecodeLayout(StepLayout):
             self.row_start = batch.seq_of  # row b is sequence b
             self.end_pos = self.tok_end = self.write_end = batch.positions + 1
             self.tok_slot = batch.slots
-            self.ring_write_row = batch.seq_of
+            self.ring_write_row = None  # every row in order (row b is sequence b's token): no gather
             self.ring_write_dst = batch.slots * window + batch.positions % window
             return
         seq = batch.seq_of

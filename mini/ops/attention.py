@@ -107,6 +107,15 @@ def _valid_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, torch.sort((rows < 0).to(torch.int8), dim=-1, stable=True).indices)
 
 
+def ordered_ids(comp_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(comp_idx [T, K] with each query's valid group ids first, in their order, then the -1s; [T] int32: how many
+    are valid). Every attention path reads a query's groups in this order (and the same set in any order), so an
+    index source's top-k is ordered once and the layers reading it pass the count as `sparse_attention`'s
+    `comp_valid`: our kernel then skips ordering and counting them in every layer (issue 28)."""
+    ids = _valid_first(comp_idx)
+    return ids, (ids >= 0).sum(-1, dtype=torch.int32)
+
+
 def _attend(q, keys, valid, sink, scale):
     """The official sparse-attention kernel's arithmetic: an online softmax over blocks of SOFTMAX_BLOCK keys whose
     running maximum is over the logits alone (from -1e30, so a query with no key gets 0), the probabilities
@@ -133,18 +142,22 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
                      scale: float, comp: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                      comp_idx: torch.Tensor | None = None, ratio: int = 1,
                      rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None,
-                     step: StepPlan | None = None) -> torch.Tensor:
+                     step: StepPlan | None = None, window_width: torch.Tensor | None = None,
+                     comp_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
     the step's `step_rows` (what the FlashMLA path's layers share; only it reads them); optional `step`, the step's
-    plan (mini.ops.step_plan: `core_kernel` asked once per step and layer kind; None: asked for this call).
+    plan (mini.ops.step_plan: `core_kernel` asked once per step and layer kind; None: asked for this call);
+    optional `window_width`, the step's `window_widths(seq_of, start_pos, W)` for our Triton kernel (the same for
+    all its layers: the layout builds it once per step; None: built for this call); optional `comp_valid` [T]
+    int32 when comp_idx is already `ordered_ids`' order: its count of valid ids.
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                          comp_idx, ratio, rope_out)
     kernel = step.attention(inp) if step is not None else core_kernel(inp)
     if kernel != "reference":
-        return _run(kernel, inp, key_rows)
+        return _run(kernel, inp, key_rows, window_width, comp_valid)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     lists = layout_invariant_window_rows if deterministic() else reference_window_rows
     new_rows, ring_rows, width = lists(positions, seq_of, slots, start_pos, W)
@@ -288,11 +301,13 @@ def _deterministic_kernel(inp: AttentionInput) -> str:
     return "flashmla-by-chunk"
 
 
-def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None) -> torch.Tensor:
-    """Run the fast kernel `core_kernel` chose."""
+def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None, window_width: torch.Tensor | None = None,
+         comp_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the fast kernel `core_kernel` chose (`window_width`, `comp_valid`: what the step's layers share, or
+    None: `sparse_attention` says what they are)."""
     if kernel == "triton":
         from mini.kernels.sparse_attention import sparse_mla_attention
-        return sparse_mla_attention(*inp.args())
+        return sparse_mla_attention(*inp.args(), width=window_width, comp_valid=comp_valid)
     if kernel == "triton-invariant":
         return _triton_invariant(inp)
     if kernel == "flashmla":

@@ -67,14 +67,18 @@ def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
-                 seq_of: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+                 seq_of: torch.Tensor, n_visible: torch.Tensor, step_table=None) -> torch.Tensor:
     """q [T, H, di], weights [T, H] (scale folded in), keys [P, di] (flat pool), seq_rows [B, N] pool row of each
     sequence's group j, n_visible [T] -> [T, N] scores in q.dtype (the reference rounds the head sum to it), -inf
-    where the group is not visible."""
+    where the group is not visible. `step_table`: the step's `StepLayout.table` (what its layers share, built once:
+    the kernel's grid plan); None: built for this call."""
     if use_fast(q) and q.dtype == torch.bfloat16:
-        from mini.kernels.indexer_scores import index_scores as index_scores_kernel, supported
+        from mini.kernels.indexer_scores import index_scores as index_scores_kernel, programs, supported
         if supported(q.shape[1], q.shape[2]):
-            return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible)
+            B, H = seq_rows.shape[0], q.shape[1]
+            plan = None if step_table is None else step_table(("index_programs", B, H),
+                                                              lambda: programs(seq_of, B, H))
+            return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible, plan=plan)
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=q.dtype, device=q.device)
     j = torch.arange(N, device=q.device)

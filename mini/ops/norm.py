@@ -3,7 +3,11 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim; eps is 1e-20 for V4.1 and 1e-6 for V4."""
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim; eps is 1e-20 for V4.1 and 1e-6 for V4.
+
+    The reference's `(weight.float() * y).to(x.dtype)` in one mul: type promotion widens a bf16 weight to fp32
+    exactly inside the mul, and `out=` rounds the fp32 product to x.dtype as `.to` does. The same bits, two kernels
+    fewer per call (issue 28; tests/ops/test_op_hoist.py compares against the three-op form)."""
     xf = x.float()
     inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight.float() * (xf * inv_rms)).to(x.dtype)
+    return torch.mul(weight, xf * inv_rms, out=torch.empty_like(x))
