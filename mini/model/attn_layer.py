@@ -119,8 +119,9 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
     indexer's own compressor), then rotate at j·ratio, quantize and write both paged pools."""
     l, eps, pos = plan.layer, cfg.norm_eps, lay.batch.positions
     groups = lay.groups(plan.ratio, w.compressor.overlap)
-    freqs = layer_frequencies(cfg, plan)
-    table = rope_table(groups.pos, freqs)
+    freqs = layer_frequencies(cfg, plan)  # the groups' table: the same for the step's sources of one ratio
+    table = lay.table(("group_rope", plan.ratio, w.compressor.overlap, plan.rope_base, plan.yarn),
+                      lambda: rope_table(groups.pos, freqs))
     drafts = lay.draft_rows  # a verify step keeps its draft rows' state writes (mini.model.drafts)
 
     def keep(pool: str, comp):

@@ -77,3 +77,48 @@ def test_decode_step_builds_shared_index_tensors_once(monkeypatch):
         assert torch.equal(ids >= 0, j < n_valid[:, None].long())
         assert bool((ids[:, 1:] > ids[:, :-1])[(j[1:] < n_valid[:, None].long())].all())
     assert run.buffers.batch(2).layout(16, cfg.window_size).ring_write_row is None
+
+
+def _decode_logits(device: torch.device, shared: bool) -> list[torch.Tensor]:
+    """Two decode steps (B = 2) of one emulated EP4 rank of tiny-v4.1 with V4.1-Flash's kernel choices (a 32-wide
+    RoPE tail: the fused norm/RoPE/quant kernel takes its shapes) on the fast path. `shared=False` builds what the
+    step's layers share in every layer again, as before issue 28: per layer window widths, top-k ordering and
+    counting (in the kernel), index grid plans, n_visible, group RoPE tables."""
+    import mini.model.attn_layer as attn_layer
+    from mini.bench import rank4_decode as rd
+    from mini.checkpoint import expert_range
+    from mini.config import preset
+    from mini.model.layout import StepLayout
+    from mini.testing.emulated_ep import EmulatedEP
+    from mini.testing.rank_model import rank_model
+    with pytest.MonkeyPatch.context() as mp:
+        if not shared:
+            mp.setattr(StepLayout, "window_widths", property(lambda self: None))
+            mp.setattr(StepLayout, "table", lambda self, name, make: make())
+            mp.setattr(attn_layer, "ordered_ids", lambda ids: (ids, None))
+        cfg = preset("tiny-v4.1").replace(rope_head_dim=32, index_head_dim=64)
+        ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
+        model = rank_model(cfg, device, torch.bfloat16, 0, expert_range(cfg, 0, 4), None, ex)
+        run = rd.DecodeRun(model, cfg, ex, 2, 40, 5, 16, device, torch.bfloat16, 0)
+        logits = []
+        for _ in range(2):
+            run.fill()
+            logits.append(run.eager().clone())
+        return logits
+
+
+def _check_shared_equals_per_layer(device: torch.device):
+    got, want = _decode_logits(device, True), _decode_logits(device, False)
+    assert all(torch.isfinite(g).all() for g in got)
+    assert all(torch.equal(g.view(torch.int32), w.view(torch.int32)) for g, w in zip(got, want))
+
+
+def test_shared_step_values_give_the_per_layer_bits_cpu():
+    mini.ops.set_backend("fast", interpret_on_cpu=True)  # the conftest gives the backend back
+    _check_shared_equals_per_layer(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_shared_step_values_give_the_per_layer_bits_gpu():
+    mini.ops.set_backend("fast")
+    _check_shared_equals_per_layer(torch.device("cuda"))
