@@ -258,10 +258,10 @@ class DecodeLayout(StepLayout):
         scratch_row = b.pad_block * (self.block_tokens // ratio)
         if b.width == 1:
             pool_row = torch.where(closes, self._pool_rows(seq, group, ratio), scratch_row)
-            write_row = seq
         else:  # a padding row's group, perhaps past the block table, is never looked up
             closes = closes & self.real
             pool_row = torch.where(closes, self._pool_rows(seq, torch.where(closes, group, -1), ratio), scratch_row)
-            write_row = torch.arange(self.n_tokens, device=self.device)
         state_slot = torch.where(self._stays_open(ratio, overlap), self.tok_slot, b.pad_slot)
-        return self._members(seq, group, pool_row, ratio, overlap, write_row, state_slot * M + b.positions % M)
+        # every row writes its state row (write_row None: all, in order, no gather); those that do not stay open
+        # write the scratch slot's
+        return self._members(seq, group, pool_row, ratio, overlap, None, state_slot * M + b.positions % M)

@@ -11,6 +11,7 @@ The result is pre-RoPE: the caller makes index keys from it, then rotates it at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -29,8 +30,16 @@ class GroupIndex:
     pool_row: torch.Tensor  # [G] flat row of the paged pools
     member_row: torch.Tensor  # [G, M] chunk row of each pooled token, -1 when it is not in the chunk
     member_state: torch.Tensor  # [G, M] flat state row of each pooled token from an earlier step, -1 when not
-    write_row: torch.Tensor  # [n] chunk rows that belong to groups still open after the step ...
+    write_row: torch.Tensor | None  # [n] chunk rows that belong to groups still open after the step (None: all) ...
     write_state: torch.Tensor  # [n] ... and the flat state rows they are kept in
+
+    @cached_property
+    def member_reads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How `compress` gathers the members: (chunk rows and state rows to read, -1 -> 0; [G, M, 1] from the chunk;
+        [G, M, 1] from neither). The same for every compressor of the step's kind: built once (the layout keeps
+        the GroupIndex), not twice per compressing layer (issue 28)."""
+        return (self.member_row.clamp_min(0), self.member_state.clamp_min(0), (self.member_row >= 0)[..., None],
+                ((self.member_row < 0) & (self.member_state < 0))[..., None])
 
 
 @dataclass
@@ -85,11 +94,10 @@ def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, gro
     width = kv.shape[-1]
     flat_kv, flat_score = state_kv.view(-1, width), state_score.view(-1, width)
 
+    chunk_row, state_row, in_chunk, in_neither = groups.member_reads
+
     def members(fresh: torch.Tensor, kept: torch.Tensor, fill: float) -> torch.Tensor:
-        from_chunk = fresh[groups.member_row.clamp_min(0)]
-        from_state = kept[groups.member_state.clamp_min(0)]
-        out = torch.where((groups.member_row >= 0)[..., None], from_chunk, from_state)
-        return out.masked_fill(((groups.member_row < 0) & (groups.member_state < 0))[..., None], fill)
+        return torch.where(in_chunk, fresh[chunk_row], kept[state_row]).masked_fill(in_neither, fill)
 
     m_kv, m_score = members(kv, flat_kv, 0.0), members(score, flat_score, float("-inf"))
     if w.overlap:  # previous group on the first channel half, this group on the second
@@ -98,6 +106,7 @@ def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, gro
         m_score = torch.cat([m_score[:, :r, :d], m_score[:, r:, d:]], dim=1)
     latent = (m_kv * m_score.softmax(dim=1)).sum(dim=1)
     # the open tokens are written after the gather: their state rows may still hold members read above
-    flat_kv[groups.write_state] = kv[groups.write_row]
-    flat_score[groups.write_state] = score[groups.write_row]
+    open_rows = slice(None) if groups.write_row is None else groups.write_row
+    flat_kv[groups.write_state] = kv[open_rows]
+    flat_score[groups.write_state] = score[open_rows]
     return rms_norm(latent.to(x.dtype), w.norm, eps)
