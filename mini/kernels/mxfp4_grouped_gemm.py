@@ -102,9 +102,13 @@ def swiglu_epilogue(g, u, route_w, limit, ROUND_BF16: tl.constexpr, QUANT_BLOCK:
 
 
 @triton.jit
-def _swiglu_rows_kernel(g_ptr, u_ptr, route_w_ptr, out_ptr, n_valid_ptr, N, stride_g, stride_u, stride_out, limit,
-                        ROUND_BF16: tl.constexpr, QUANT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    n_rows = tl.load(n_valid_ptr)
+def _swiglu_rows_kernel(g_ptr, u_ptr, route_w_ptr, out_ptr, n_valid_ptr, R, N, stride_g, stride_u, stride_out,
+                        limit, HAS_ROUTE_W: tl.constexpr, HAS_N_VALID: tl.constexpr, ROUND_BF16: tl.constexpr,
+                        QUANT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    if HAS_N_VALID:
+        n_rows = tl.load(n_valid_ptr)
+    else:
+        n_rows = R
     if tl.program_id(0) * BM >= n_rows:  # rows past the local ones: nothing to do (no host sync for the count)
         return
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -114,16 +118,21 @@ def _swiglu_rows_kernel(g_ptr, u_ptr, route_w_ptr, out_ptr, n_valid_ptr, N, stri
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_ROUTE_W:
+        route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        route_w = tl.full([BM], 1.0, tl.float32)  # x 1.0 is exact: the bits of a weight tensor of ones
     h = swiglu_epilogue(g, u, route_w, limit, ROUND_BF16, QUANT_BLOCK, BM, BN)
     tl.store(out_ptr + r64 * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, n_valid: torch.Tensor, limit: float,
-                quant_block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor | None, n_valid: torch.Tensor | None,
+                limit: float, quant_block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The SwiGLU epilogue as its own pass, for GEMMs that cannot fuse it: g, u [R, N] (w1 and w3 outputs by
     sorted row, already in the activation dtype), route_w fp32 [R] -> h [R, N] for the rows below n_valid (a
-    one-element int tensor on the device); later rows are left unwritten. quant_block 0 skips the FP8 quant."""
+    one-element int tensor on the device); later rows are left unwritten. quant_block 0 skips the FP8 quant.
+    route_w None: every weight 1.0; n_valid None: all R rows (the shared expert: no tensors of constants to fill in
+    every layer, issue 28)."""
     if g.shape != u.shape or g.stride(1) != 1 or u.stride(1) != 1:  # may be two halves of one [R, 2N] tensor
         raise ValueError("swiglu_rows: g and u must be row-major tensors of one shape")
     R, N = g.shape
@@ -134,9 +143,10 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, n_valid
         return out
     BM, BN = 16, max(128, quant_block)
     _swiglu_rows_kernel[(triton.cdiv(R, BM), triton.cdiv(N, BN))](
-        g, u, route_w, out, n_valid, N, g.stride(0), u.stride(0), out.stride(0),
-        float(limit) if limit > 0 else float("inf"),
-        ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block, BM=BM, BN=BN, num_warps=4)
+        g, u, g if route_w is None else route_w, out, g if n_valid is None else n_valid, R, N, g.stride(0),
+        u.stride(0), out.stride(0), float(limit) if limit > 0 else float("inf"), HAS_ROUTE_W=route_w is not None,
+        HAS_N_VALID=n_valid is not None, ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block, BM=BM,
+        BN=BN, num_warps=4)
     return out
 
 

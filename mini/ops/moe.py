@@ -351,12 +351,10 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
-    T, inter = x.shape[0], w1.out_features
+    inter = w1.out_features
     gu = F.linear(_fast_act_quant(x, w1.block), w._shared_w13)
-    route_w = torch.ones(T, dtype=torch.float32, device=x.device)  # x 1.0: exact
-    n_valid = torch.full((1,), T, dtype=torch.int32, device=x.device)
-    h = swiglu_rows(gu[:, :inter], gu[:, inter:], route_w, n_valid, w.swiglu_limit,
-                    w2.block if fake_quant_enabled() else 0)
+    # every row, weight 1.0 (exact): no weight or count tensor
+    h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
     return F.linear(h, w2.prepare(torch.bfloat16))
 
 

@@ -42,6 +42,29 @@ def test_rms_norm_one_mul_equals_three_op_form_gpu():
     _check_rms_norm(torch.device("cuda"))
 
 
+def _check_swiglu_rows_constants(device):
+    """The shared expert's SwiGLU pass without weight and count tensors equals it with ones and the row count."""
+    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
+    g = torch.Generator().manual_seed(1)
+    for R, quant_block in ((1, 128), (5, 0), (37, 128)):
+        gu = (torch.randn(R, 512, generator=g) * 4).to(device, torch.bfloat16)
+        gu[0, :3] = torch.tensor([float("inf"), -float("inf"), -0.0])
+        ones = torch.ones(R, dtype=torch.float32, device=device)
+        n = torch.full((1,), R, dtype=torch.int32, device=device)
+        want = swiglu_rows(gu[:, :256], gu[:, 256:], ones, n, 7.0, quant_block)
+        got = swiglu_rows(gu[:, :256], gu[:, 256:], None, None, 7.0, quant_block)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_swiglu_rows_without_constant_tensors_cpu():
+    _check_swiglu_rows_constants(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_swiglu_rows_without_constant_tensors_gpu():
+    _check_swiglu_rows_constants(torch.device("cuda"))
+
+
 def test_decode_step_builds_shared_index_tensors_once(monkeypatch):
     """One static decode step of tiny-v4.1 (one emulated EP4 rank) on the fast path: the window widths of the
     sparse attention kernel and the index scores kernel's grid plan are built once for the step, not once per layer;
