@@ -19,7 +19,7 @@ from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
 from mini.ops.attention import ordered_ids, sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
-from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups
+from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups, top_groups_valid_first
 from mini.ops.linear import QWeight, linear
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
@@ -144,12 +144,13 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
 
 @staged("attention.indexer_topk")
 def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
-           table: torch.Tensor, shared: StepShared) -> torch.Tensor:
-    """This index source's top-k group ids [T, k] (-1 = none); V4.1's candidate source also publishes its blocks."""
+           table: torch.Tensor, shared: StepShared) -> tuple[torch.Tensor, torch.Tensor]:
+    """This index source's top-k group ids [T, k] (-1 = none) in the order attention reads them (`ordered_ids`:
+    the valid ones first) and [T] int32 their count; V4.1's candidate source also publishes its blocks."""
     T, H, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     rows = lay.seq_rows(plan.ratio)
     if rows.shape[1] == 0:
-        return torch.empty(T, 0, dtype=torch.int64, device=x.device)
+        return ordered_ids(torch.empty(T, 0, dtype=torch.int64, device=x.device))
     q = _rope_index(linear(qr, w.wq_b).view(T, H, di), table, cfg)
     weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
     keys = cache.index_k[plan.index_key_layer]
@@ -161,7 +162,9 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
                                                  widths)
     elif plan.uses_candidates:
         scores = scores.masked_fill(~shared.candidates, float("-inf"))
-    return top_groups(scores, cfg.index_topk, n_vis, widths)
+    if widths is None:  # ties to the newer group: ordered by the top-k's own sort
+        return top_groups_valid_first(scores, cfg.index_topk)
+    return ordered_ids(top_groups(scores, cfg.index_topk, n_vis, widths))  # the official rule's ids: -1s anywhere
 
 
 @staged("attention.key_gathering")
@@ -196,7 +199,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
         if plan.owns_kv:
             _compress_into_pools(x, w, plan, cfg, lay, cache)
         if plan.runs_indexer:
-            shared.topk[plan.layer] = ordered_ids(_index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared))
+            shared.topk[plan.layer] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
         comp, (comp_ids, comp_valid) = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
 
     b, ring = lay.batch, cache.window[plan.layer]

@@ -96,10 +96,11 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
     """Integer keys ordered as x's values, then by index: order-preserving bits of the value above the index.
     bf16 rows of at most 2^16 entries fit int32 (16 + 16 bits: half the bytes and radix passes), others int64."""
     x = x + 0.0  # turns -0.0 into 0.0: they tie
-    index = torch.arange(x.shape[-1], device=x.device)
     if x.dtype == torch.bfloat16 and x.shape[-1] <= 1 << 16:
+        index = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)
         bits = x.view(torch.int16).int()
-        return ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | index.int()  # negative: larger magnitude, smaller key
+        return ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | index  # negative: larger magnitude, smaller key
+    index = torch.arange(x.shape[-1], device=x.device)
     bits = x.float().contiguous().view(torch.int32).long()
     return (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | index
 
@@ -172,3 +173,14 @@ def top_groups(scores: torch.Tensor, k: int, n_visible: torch.Tensor | None = No
     values, indices = topk_recent(scores, min(k, scores.shape[-1]), sorted=False)
     ids = torch.where(values > float("-inf"), indices, -1)
     return ids.sort(dim=-1).values
+
+
+def top_groups_valid_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_groups` without `widths` (ties to the newer group) in the order attention reads a query's groups: its
+    ids ascending, then the -1s, with [T] int32 their count: mini.ops.attention.ordered_ids(top_groups(scores, k))
+    from the top-k's own sort (three small kernels fewer per index source, issue 28)."""
+    N = scores.shape[-1]
+    values, indices = topk_recent(scores, min(k, N), sorted=False)
+    valid = values > float("-inf")
+    ids = torch.where(valid, indices, N).sort(dim=-1).values  # N: after every group id
+    return torch.where(ids < N, ids, -1), valid.sum(-1, dtype=torch.int32)

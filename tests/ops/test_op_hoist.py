@@ -65,6 +65,20 @@ def test_swiglu_rows_without_constant_tensors_gpu():
     _check_swiglu_rows_constants(torch.device("cuda"))
 
 
+def test_top_groups_valid_first_is_ordered_top_groups():
+    """The index sources' top-k in attention's order from the top-k's own sort: ordered_ids(top_groups(...))."""
+    from mini.ops.attention import ordered_ids
+    from mini.ops.indexer import top_groups, top_groups_valid_first
+    g = torch.Generator().manual_seed(2)
+    for T, N, k in ((1, 24, 24), (5, 40, 24), (6, 7, 24), (3, 300, 64)):
+        scores = torch.randint(-3, 4, (T, N), generator=g).to(torch.bfloat16)  # many ties
+        scores[torch.rand(T, N, generator=g) < 0.4] = float("-inf")
+        scores[0] = float("-inf")  # a query that sees nothing
+        want_ids, want_n = ordered_ids(top_groups(scores, k))
+        got_ids, got_n = top_groups_valid_first(scores, k)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_n, want_n)
+
+
 def test_decode_step_builds_shared_index_tensors_once(monkeypatch):
     """One static decode step of tiny-v4.1 (one emulated EP4 rank) on the fast path: the window widths of the
     sparse attention kernel and the index scores kernel's grid plan are built once for the step, not once per layer;
@@ -115,10 +129,11 @@ def _decode_logits(device: torch.device, shared: bool) -> list[torch.Tensor]:
     from mini.testing.emulated_ep import EmulatedEP
     from mini.testing.rank_model import rank_model
     with pytest.MonkeyPatch.context() as mp:
-        if not shared:
-            mp.setattr(StepLayout, "window_widths", property(lambda self: None))
+        if not shared:  # the kernel orders and counts the ids and builds the window widths itself, in every layer
+            core = attn_layer.sparse_attention
+            mp.setattr(attn_layer, "sparse_attention",
+                       lambda *a, **k: core(*a, **dict(k, window_width=None, comp_valid=None)))
             mp.setattr(StepLayout, "table", lambda self, name, make: make())
-            mp.setattr(attn_layer, "ordered_ids", lambda ids: (ids, None))
         cfg = preset("tiny-v4.1").replace(rope_head_dim=32, index_head_dim=64)
         ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
         model = rank_model(cfg, device, torch.bfloat16, 0, expert_range(cfg, 0, 4), None, ex)
