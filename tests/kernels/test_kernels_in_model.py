@@ -42,12 +42,18 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
             return ref  # the model goes on with the reference result
         return call
 
-    def kernel_attention(*args, key_rows=None, step=None, **kw):  # the FlashMLA path's rows, the step's plan
-        return sparse_mla_attention(*args, **kw)
+    def kernel_attention(*args, key_rows=None, step=None, window_width=None, comp_valid=None, **kw):
+        # the FlashMLA path's rows and the step's plan are not our kernel's; what the step's layers share is
+        # (mini.ops.attention._run's mapping)
+        return sparse_mla_attention(*args, width=window_width, comp_valid=comp_valid, **kw)
 
     monkeypatch.setattr(attn_layer, "sparse_attention", compared("attention", attn_layer.sparse_attention,
                                                                  kernel_attention))
-    monkeypatch.setattr(attn_layer, "index_scores", compared("indexer", attn_layer.index_scores, index_scores))
+    def kernel_index_scores(q, weights, keys, seq_rows, seq_of, n_visible, step_table=None):
+        return index_scores(q, weights, keys, seq_rows, seq_of, n_visible)  # its grid plan: the kernel's own
+
+    monkeypatch.setattr(attn_layer, "index_scores", compared("indexer", attn_layer.index_scores,
+                                                             kernel_index_scores))
     monkeypatch.setattr(attn_layer, "apply_rope", compared("rope", attn_layer.apply_rope, rope_quant))
     chain = attn_layer.norm_rope_quant
 
