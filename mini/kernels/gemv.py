@@ -35,6 +35,15 @@ from mini.kernels.device_info import H200_SMS, sm_count
 from mini.kernels.quant import fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
+# Triton 3.6's interpreter fails on the kernel's scalar loads ("only 0-dimensional arrays can be converted to
+# Python scalars"); 3.7's runs it. Compiled (CUDA) it runs on both.
+_INTERPRETER_RUNS_IT = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the GEMV can take x here: on CUDA, or on CPU tensors under Triton's interpreter from Triton 3.7 on
+    (callers fall back to the GEMM otherwise)."""
+    return x.is_cuda or _INTERPRETER_RUNS_IT
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,9 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Te
     keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
-        from mini.kernels.gemv import gemv
-        return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
+        from mini.kernels.gemv import gemv, runs_on
+        if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
+            return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
