@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "parity"))
 
 # (module, function name) of the ops recorded; each is looked up through its module at call time
 _ATTN = ["linear", "rms_norm", "apply_rope", "_window_kv", "compress", "_index", "index_scores", "select_candidates",
-         "top_groups", "norm_rope_quant", "sparse_attention", "_grouped_out_proj"]
+         "top_groups_ordered", "norm_rope_quant", "sparse_attention", "_grouped_out_proj"]
 _MODEL = ["attention", "engram", "moe"]
 _MHC = ["pre_norm", "expand", "collapse"]
 _MOE = ["gate", "routed", "shared", "_shared", "_routed_fast"]
@@ -482,9 +482,12 @@ def decode_search(args) -> int:
     index, gate = al._index, mo.gate_unfused
 
     def index_hook(x, qr, w, plan, cfg_, lay, cache, table, shared):
-        ids_ = index(x, qr, w, plan, cfg_, lay, cache, table, shared)
+        ids_, n_valid = index(x, qr, w, plan, cfg_, lay, cache, table, shared)  # valid ids first, their count
         seen[("topk", plan.layer)] = ids_[-1].tolist()
-        return override.get(("topk", plan.layer), ids_)
+        if ("topk", plan.layer) not in override:
+            return ids_, n_valid
+        chosen = override[("topk", plan.layer)]  # valid ids first, as _index orders them
+        return chosen, (chosen >= 0).sum(-1, dtype=torch.int32)
 
     def gate_hook(x, w, cfg_, plan, input_ids=None, image_mask=None):
         weights, experts = gate(x, w, cfg_, plan, input_ids, image_mask)

@@ -365,7 +365,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         assert comp.shape[-1] == D and comp.is_contiguous()
         # the reference lists a query's groups valid first, ascending (top-k ids come ascending with -1 first);
         # `comp_valid` given: comp_idx is in that order already and holds this many valid ids per query (an index
-        # source's top-k, ordered once for the layers that read it: mini.ops.attention.ordered_ids)
+        # source's top-k, ordered once for the layers that read it: mini.ops.indexer.ordered_ids)
         if comp_valid is None:
             comp_idx = comp_idx.gather(-1, torch.sort((comp_idx < 0).to(torch.int8), dim=-1, stable=True).indices)
         rows_per_block = comp.shape[1]

@@ -17,9 +17,9 @@ from mini.formats import dequant_fp8, fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
-from mini.ops.attention import ordered_ids, sparse_attention
+from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
-from mini.ops.indexer import index_scores, quantize_index, select_candidates, top_groups, top_groups_valid_first
+from mini.ops.indexer import index_scores, ordered_ids, quantize_index, select_candidates, top_groups_ordered
 from mini.ops.linear import QWeight, linear
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
@@ -162,9 +162,7 @@ def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: Ste
                                                  widths)
     elif plan.uses_candidates:
         scores = scores.masked_fill(~shared.candidates, float("-inf"))
-    if widths is None:  # ties to the newer group: ordered by the top-k's own sort
-        return top_groups_valid_first(scores, cfg.index_topk)
-    return ordered_ids(top_groups(scores, cfg.index_topk, n_vis, widths))  # the official rule's ids: -1s anywhere
+    return top_groups_ordered(scores, cfg.index_topk, n_vis, widths)
 
 
 @staged("attention.key_gathering")

@@ -107,15 +107,6 @@ def _valid_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, torch.sort((rows < 0).to(torch.int8), dim=-1, stable=True).indices)
 
 
-def ordered_ids(comp_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(comp_idx [T, K] with each query's valid group ids first, in their order, then the -1s; [T] int32: how many
-    are valid). Every attention path reads a query's groups in this order (and the same set in any order), so an
-    index source's top-k is ordered once and the layers reading it pass the count as `sparse_attention`'s
-    `comp_valid`: our kernel then skips ordering and counting them in every layer (issue 28)."""
-    ids = _valid_first(comp_idx)
-    return ids, (ids >= 0).sum(-1, dtype=torch.int32)
-
-
 def _attend(q, keys, valid, sink, scale):
     """The official sparse-attention kernel's arithmetic: an online softmax over blocks of SOFTMAX_BLOCK keys whose
     running maximum is over the logits alone (from -1e30, so a query with no key gets 0), the probabilities
@@ -151,7 +142,7 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     plan (mini.ops.step_plan: `core_kernel` asked once per step and layer kind; None: asked for this call);
     optional `window_width`, the step's `window_widths(seq_of, start_pos, W)` for our Triton kernel (the same for
     all its layers: the layout builds it once per step; None: built for this call); optional `comp_valid` [T]
-    int32 when comp_idx is already `ordered_ids`' order: its count of valid ids.
+    int32 when comp_idx is already in mini.ops.indexer.ordered_ids' order: its count of valid ids.
     Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                          comp_idx, ratio, rope_out)

@@ -175,10 +175,22 @@ def top_groups(scores: torch.Tensor, k: int, n_visible: torch.Tensor | None = No
     return ids.sort(dim=-1).values
 
 
-def top_groups_valid_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_groups` without `widths` (ties to the newer group) in the order attention reads a query's groups: its
-    ids ascending, then the -1s, with [T] int32 their count: mini.ops.attention.ordered_ids(top_groups(scores, k))
-    from the top-k's own sort (three small kernels fewer per index source, issue 28)."""
+def ordered_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K] with each query's valid group ids first, in their order, then the -1s; [T] int32: how many are
+    valid). Every attention path reads a query's groups in this order (and the same set in any order), so an index
+    source's top-k is ordered once and the layers reading it pass the count as `sparse_attention`'s `comp_valid`:
+    our kernel then skips ordering and counting them in every layer (issue 28)."""
+    ids = ids.gather(-1, torch.sort((ids < 0).to(torch.int8), dim=-1, stable=True).indices)
+    return ids, (ids >= 0).sum(-1, dtype=torch.int32)
+
+
+def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | None = None,
+                       widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ordered_ids(top_groups(scores, k, n_visible, widths)): an index source's top-k in the order attention reads
+    it, with the count. Without `widths` (ties to the newer group, the fast path's rule) from the top-k's own sort:
+    the ids sorted with N in place of -1, then -1 again (three small kernels fewer per index source)."""
+    if widths is not None:  # the official rule's ids: -1s anywhere
+        return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
     values, indices = topk_recent(scores, min(k, N), sorted=False)
     valid = values > float("-inf")

@@ -65,17 +65,16 @@ def test_swiglu_rows_without_constant_tensors_gpu():
     _check_swiglu_rows_constants(torch.device("cuda"))
 
 
-def test_top_groups_valid_first_is_ordered_top_groups():
+def test_top_groups_ordered_from_the_topks_own_sort():
     """The index sources' top-k in attention's order from the top-k's own sort: ordered_ids(top_groups(...))."""
-    from mini.ops.attention import ordered_ids
-    from mini.ops.indexer import top_groups, top_groups_valid_first
+    from mini.ops.indexer import ordered_ids, top_groups, top_groups_ordered
     g = torch.Generator().manual_seed(2)
     for T, N, k in ((1, 24, 24), (5, 40, 24), (6, 7, 24), (3, 300, 64)):
         scores = torch.randint(-3, 4, (T, N), generator=g).to(torch.bfloat16)  # many ties
         scores[torch.rand(T, N, generator=g) < 0.4] = float("-inf")
         scores[0] = float("-inf")  # a query that sees nothing
         want_ids, want_n = ordered_ids(top_groups(scores, k))
-        got_ids, got_n = top_groups_valid_first(scores, k)
+        got_ids, got_n = top_groups_ordered(scores, k)
         assert torch.equal(got_ids, want_ids) and torch.equal(got_n, want_n)
 
 
