@@ -55,10 +55,11 @@ def _rope_quant_kernel(
 def supported(d: int, rope_dim: int, quant: str | None, quant_block: int) -> bool:
     """Whether the kernel can run this shape: the RoPE tail is a tile dimension (a power of two, its pairs too), and
     quant blocks must not straddle the nope/rope boundary (the tiny presets' 64-wide KV with a 16-wide RoPE tail
-    and 1x32 blocks cannot)."""
+    and 1x32 blocks cannot); a vector of RoPE alone (V4's tiny index heads) rotates, but its empty nope tile
+    cannot be quantized."""
     if rope_dim < 2 or rope_dim & (rope_dim - 1):
         return False
-    return quant is None or (rope_dim % quant_block == 0 and (d - rope_dim) % quant_block == 0)
+    return quant is None or (rope_dim % quant_block == 0 and d > rope_dim and (d - rope_dim) % quant_block == 0)
 
 
 def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm_weight: torch.Tensor | None = None,

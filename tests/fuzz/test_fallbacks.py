@@ -44,6 +44,22 @@ def test_rope_with_a_tail_that_is_not_a_power_of_two(fast_on_cpu, monkeypatch):
                        _reference(norm_rope_quant, y, table, torch.ones(96), 1e-6, "fp8", 32))
 
 
+def test_rope_over_the_whole_vector(fast_on_cpu, monkeypatch):
+    """A head of RoPE alone (d == rope_dim, e.g. a 32-wide index head with a 32-wide RoPE tail) with a fake quant:
+    the kernel's empty nope tile cannot be quantized, so it is refused and the torch ops run (it had been taken and
+    failed to build); without a quant the kernel rotates it."""
+    from mini.kernels.rope_quant import rope_quant, supported
+    from mini.ops.rope import norm_rope_quant, rope_frequencies, rope_table
+    y = torch.randn(5, 32).bfloat16()
+    table = rope_table(torch.arange(5), rope_frequencies(32, 10000.0))
+    assert not supported(32, 32, "fp8", 32) and supported(32, 32, None, 32)
+    with pytest.raises(ValueError, match="RoPE 32"):
+        rope_quant(y, table, quant="fp8")
+    # the torch chain (its rotation may still take the kernel, without a quant)
+    assert torch.equal(_fast(norm_rope_quant, y, table, torch.ones(32), 1e-6, "fp8", 32),
+                       _reference(norm_rope_quant, y, table, torch.ones(32), 1e-6, "fp8", 32))
+
+
 def test_attention_with_a_head_dim_that_is_not_a_power_of_two(fast_on_cpu, monkeypatch):
     from mini.kernels.sparse_attention import sparse_mla_attention, supported
     from mini.ops.attention import sparse_attention
