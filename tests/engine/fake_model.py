@@ -216,3 +216,12 @@ class MarkovModel(FakeStepModel):
         rows = [self.table[torch.tensor(c.tokens[len(c.tokens) - 1 - c.drafts:])] for c in batch.chunks
                 if c.want_logits]
         return torch.cat(rows) if rows else torch.empty(0, self.config.vocab_size)
+
+
+def markov_llm(table: torch.Tensor, **opts):
+    """An LLM over MarkovModel(table) (CPU, fp32, blocks of 4 tokens unless `opts` say otherwise); the model, with
+    its `steps`, is `llm.engine.model`."""
+    from mini.engine import LLM
+    cfg = FakeConfig(vocab_size=table.shape[0])
+    opts = {"block_tokens": 4, "device": "cpu", "dtype": torch.float32, **opts}
+    return LLM(MarkovModel(cfg, table), config=cfg, tokenizer=FakeTokenizer(), **opts)

@@ -10,7 +10,6 @@ from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, OracleDrafter, _sam
 from test_verify_graphs import CutDrafter, _draft_buckets, _dspark_llm
 
 import mini.engine.model_runner as runner_module
-import mini.ops
 from mini.engine import LLM
 from mini.model.dspark import propose
 from mini.model.dspark_drafter import wants_draft
@@ -19,12 +18,6 @@ from mini.step import Commit
 
 SLOTS = 6  # sequence slots of the unit test's cache; slot SLOTS is the scratch slot
 W = 128  # tiny-v4.1-dspark's window (the rings' length)
-
-
-@pytest.fixture(scope="module")
-def kernels_deterministic():
-    with mini.ops.deterministic_mode():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ engine's without them (`forced_drafts=False`), in far fewer steps."""
 import pytest
 import torch
 
-import mini.ops
 from mini.engine import LLM, SamplingParams
 from mini.engine.speculative import FORCED_DRAFT
 from mini.server.grammars import json_grammar, regex_grammar, tool_call_grammar
@@ -24,12 +23,6 @@ TOOL_PARAMS = [SamplingParams(temperature=0, max_tokens=40, grammar=CALL, logpro
                SamplingParams(temperature=0, max_tokens=7, grammar=CALL, logprobs=1),  # max_tokens in the run
                SamplingParams(temperature=1.0, max_tokens=40, grammar=CALL, logprobs=1)]  # rejection sampling
 OPTS = dict(device="cpu", dtype=torch.float32, block_tokens=16, num_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def kernels_deterministic():
-    with mini.ops.deterministic_mode():
-        yield
 
 
 class JunkDrafter:

@@ -11,7 +11,6 @@ with prefill chunks in the same steps, under preemption, after a prefix-cache hi
 import pytest
 import torch
 
-import mini.ops
 from mini.engine import LLM, SamplingParams
 from mini.engine.speculative import accept
 
@@ -50,12 +49,6 @@ class OracleDrafter:
 
     def static_draft(self, static, cache):
         return None  # drafts on the host only (`propose`)
-
-
-@pytest.fixture(scope="module")
-def kernels_deterministic():
-    with mini.ops.deterministic_mode():
-        yield
 
 
 def _generate(prompts, params, drafter=None, **opts):

@@ -5,9 +5,8 @@ whose verify rows are exactly plain decode's, and on tiny-v4.1 for grammar-force
 import pytest
 import torch
 
-import fake_model
 import mini.ops
-from fake_model import FakeConfig, FakeTokenizer, MarkovModel
+from fake_model import markov_llm
 from mini.engine import LLM, SamplingParams
 from mini.engine.speculative import PROBE_EVERY, DraftRecord, paying_draft
 
@@ -46,13 +45,10 @@ class SwitchDrafter:
 
 def _run(params, drafter=None, adaptive=True, n_seqs=4):
     """Outputs, the model's forwards ((start, length, drafts) per chunk) and the engine, one prompt per params."""
-    cfg = FakeConfig(vocab_size=V)
-    model = MarkovModel(cfg, TABLE)
-    llm = LLM(model, config=cfg, tokenizer=FakeTokenizer(), device="cpu", dtype=torch.float32, block_tokens=4,
-              num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K if drafter else None,
-              spec_adaptive=adaptive)
+    llm = markov_llm(TABLE, num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter,
+                     spec_tokens=K if drafter else None, spec_adaptive=adaptive)
     prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(len(params))]
-    return llm.generate(prompts, params), model.steps, llm.engine
+    return llm.generate(prompts, params), llm.engine.model.steps, llm.engine
 
 
 def _same(got, want):

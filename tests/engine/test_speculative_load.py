@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fake_model
-from fake_model import FakeConfig, FakeTokenizer, MarkovModel
-from mini.engine import LLM, SamplingParams
+from fake_model import markov_llm
+from mini.engine import SamplingParams
 from mini.engine.speculative import Speculation
 
 V, K = 16, 4
@@ -37,13 +37,10 @@ def test_a_row_budget_below_one_is_refused():
 
 
 def _run(params, drafter=None, max_rows=None):
-    cfg = FakeConfig(vocab_size=V)
-    model = MarkovModel(cfg, TABLE)
-    llm = LLM(model, config=cfg, tokenizer=FakeTokenizer(), device="cpu", dtype=torch.float32, block_tokens=4,
-              num_blocks=128, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K if drafter else None,
-              spec_max_rows=max_rows)
+    llm = markov_llm(TABLE, num_blocks=128, max_num_seqs=16, seed=5, drafter=drafter,
+                     spec_tokens=K if drafter else None, spec_max_rows=max_rows)
     prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(len(params))]
-    return llm.generate(prompts, params), model.steps
+    return llm.generate(prompts, params), llm.engine.model.steps
 
 
 # greedy and seeded, ending at different lengths: the batch of decoding sequences shrinks from 12 to 1

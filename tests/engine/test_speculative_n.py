@@ -6,10 +6,8 @@ choice's tokens and logprobs equal plain decode's under the same fork, and every
 DSpark rings its snapshot restore gave it) equals the draft proposed at the same history without prefix caching."""
 from dataclasses import replace
 
-import pytest
 import torch
 
-import mini.ops
 from mini.engine import LLM, SamplingParams
 
 OPTS = dict(device="cpu", dtype=torch.float32, block_tokens=16, num_blocks=64)
@@ -34,12 +32,6 @@ class Recording:
 
     def static_draft(self, static, cache):
         return None  # drafts on the host only (`propose`)
-
-
-@pytest.fixture(scope="module")
-def kernels_deterministic():
-    with mini.ops.deterministic_mode():
-        yield
 
 
 def _fork(llm, after: int = 2):

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import mini.engine.speculative as speculative
-from mini.engine import LLM, SamplingParams
+from mini.engine import SamplingParams
 from mini.engine.acceptance import ACCEPT, rejection_sample, stream, target_probs, verify_proposals
 from mini.engine.sampler import SamplingBatch, uniform_noise
 
 import fake_model
-from fake_model import FakeConfig, FakeTokenizer, MarkovModel
+from fake_model import markov_llm
 
 V, PROMPT, N = 8, [3, 5], 3000
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(4)) * 1.2
@@ -31,11 +31,9 @@ def ChainDrafter(max_draft: int = 2):  # noqa: N802 (the drafter of fake_model, 
 
 
 def _run(params=PARAMS, drafter=None, seed=1, n=N):
-    cfg = FakeConfig(vocab_size=V)
-    llm = LLM(MarkovModel(cfg, TABLE), config=cfg, tokenizer=FakeTokenizer(), device="cpu", dtype=torch.float32,
-              block_tokens=4, num_blocks=3 * n, max_num_seqs=n, max_num_batched_tokens=4 * n,
-              enable_prefix_caching=False, seed=seed, drafter=drafter, spec_max_rows=None,
-              spec_tokens=drafter.max_draft if drafter else None)
+    llm = markov_llm(TABLE, num_blocks=3 * n, max_num_seqs=n, max_num_batched_tokens=4 * n,
+                     enable_prefix_caching=False, seed=seed, drafter=drafter, spec_max_rows=None,
+                     spec_tokens=drafter.max_draft if drafter else None)
     outs = llm.generate([PROMPT] * n, params)
     assert all(len(o.token_ids) == params.max_tokens for o in outs)
     return outs, llm.engine

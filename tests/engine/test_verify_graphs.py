@@ -11,7 +11,6 @@ import torch
 from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, OracleDrafter, _same
 
 import mini.engine.model_runner as runner_module
-import mini.ops
 from mini.engine import LLM
 
 LENGTHS = [5, 2, 0, 4, 1, 3, 5, 0]  # the oracle's drafts cut to these lengths in turn: a step mixes them
@@ -78,12 +77,6 @@ def _dspark_llm(monkeypatch=None, **opts):
     model, config, tokenizer = load_model("tiny-v4.1-dspark", device=opts["device"], dtype=opts["dtype"])
     recorder = Recorder(model.drafter)
     return LLM(model, config=config, tokenizer=tokenizer, drafter=recorder, **opts), recorder
-
-
-@pytest.fixture(scope="module")
-def kernels_deterministic():
-    with mini.ops.deterministic_mode():
-        yield
 
 
 @pytest.fixture(scope="module")
