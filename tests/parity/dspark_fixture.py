@@ -146,12 +146,9 @@ def measure(model=None) -> list[dict]:
     return rows
 
 
-REFERENCE_BLAS = {"MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "1",  # test_official_v41's: the fixture
-                  "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}  # machine's BLAS paths
-
-
 def measure_in_subprocess(timeout: float = 600) -> list[dict]:
-    """`measure` on the reference's BLAS path (MKL's AVX2 kernels, one thread: set before torch loads)."""
+    """`measure` on the fixture machine's BLAS paths (official_fixture.REFERENCE_BLAS: set before torch loads)."""
+    from official_fixture import REFERENCE_BLAS  # beside this file, as report() imports it
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         proc = subprocess.run([sys.executable, __file__, "--json", str(out)], capture_output=True, text=True,

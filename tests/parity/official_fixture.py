@@ -24,6 +24,11 @@ import torch
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "v41_reference"
 NAMES = ("f0", "f1", "f2")
 DECODE_STEPS = 8
+# The fixture machine's BLAS paths, for the bit-level checks' subprocesses (set before torch loads): MKL's AVX2 path
+# for fp32 GEMMs, oneDNN's AVX-512 one for bf16 matmuls (f3's vision tower; its AVX-512 and AVX-512-BF16 kernels
+# give the fixtures' bits, its AMX tiles and its AVX2 path other sums: on an AMX Xeon without the cap 6 f3 tests
+# failed by a bf16 ulp on the second image's ViT output), one thread.
+REFERENCE_BLAS = {"MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,7 @@ BOUND = 1.5  # x the reference's own noise (issue 12)
 GPU_BOUND = 2.0  # the fast backend on the GPU
 F0_GPU_REL_MAE = 0.1  # f0's own noise is 0: the fast backend gets about 2x the other fixtures' noise
 BITS = 1e-5  # "bit-identical" logits: fp32 rounding of the last operations only
-# The fixture machine's BLAS paths: MKL's AVX2 path for fp32 GEMMs, oneDNN's AVX-512 one for bf16 matmuls (f3's
-# vision tower; its AVX-512 and AVX-512-BF16 kernels give the fixtures' bits, its AMX tiles and its AVX2 path other
-# sums: on an AMX Xeon without the cap 6 f3 tests failed by a bf16 ulp on the second image's ViT output).
-REFERENCE_BLAS = {"MKL_CBWR": "AVX2,STRICT", "OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+REFERENCE_BLAS = of.REFERENCE_BLAS
 # The bit-level checks need the fixture machine's vector kernels: MKL's AVX2 path (pinned by REFERENCE_BLAS) and
 # ATen's AVX2 / AVX-512 ones (exp, sums). ATen's scalar `default` kernels round differently (f2 then sits at the
 # reference's own noise from row 4 on, inside the bounds below), as does a CPU without AVX2.
