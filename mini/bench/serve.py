@@ -62,12 +62,14 @@ def _vocab_size(model: str) -> int:
 
 
 SPEC_COUNTERS = {"mini_spec_draft_tokens_total": "spec_draft_tokens", "mini_spec_accepted_tokens_total":
-                 "spec_accepted_tokens", "mini_spec_acceptance_length_count": "spec_verified_drafts"}
+                 "spec_accepted_tokens", "mini_spec_acceptance_length_count": "spec_verified_drafts",
+                 "mini_spec_plain_steps_total": "spec_plain_steps", "mini_overlapped_steps_total": "overlapped_steps"}
 
 
 def spec_counters(url: str) -> dict[str, float]:
-    """A speculating mini server's draft counters from /metrics, over all bursts (none from other servers), and
-    the tokens each verified draft committed on average (its accepted drafts + the target's own token)."""
+    """A mini server's overlapped steps and, where it speculates, its draft counters from /metrics, over all bursts
+    (none from other servers), and the tokens each verified draft committed on average (its accepted drafts + the
+    target's own token)."""
     import httpx
     try:
         text = httpx.get(url + "/metrics", timeout=10).text

@@ -15,6 +15,9 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
   calls `TokenFeed.fetch` itself, after every other input is copied: step N's ids are read back then (a wait for
   the device); the bookkeeping still overlaps step N+1. The eager forward (CPU, tests) reads them back before
   building its batch.
+* Speculating, a step is a verify step (`Speculation.verifies`: a chunk carries drafts, or a sequence will draft
+  on the step's token) and reads back the step in flight first; every other step is plain decode's, overlapped as
+  above, and the drafter takes its rows into its state after the launch (`Speculation.plain_step`).
 * A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
   history to recompute); its blocks are reused at once, which is safe because every device write (replays,
   eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.
@@ -147,6 +150,7 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    overlapped_steps: int = 0  # steps left in flight (the module doc)
     capped_steps: int = 0  # steps whose token budget a prefill cap cut (`step(prefill_cap=)`)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's drafted / accepted tokens
 
@@ -209,8 +213,6 @@ class LLMEngine:
         # the verify step: speculation's, or without it one for the drafts of forced tokens alone
         self.verify = self.spec or (Speculation(self, None, FORCED_DRAFT, o.spec_max_rows) if o.forced_drafts
                                     else None)
-        if self.spec is not None:
-            self.overlap = False  # a verify step's acceptance needs its tokens on the host before the next plan
         self._grammars = None  # see `grammars`
 
     # ------------------------------------------------------------------ what serving over several engines needs
@@ -356,8 +358,9 @@ class LLMEngine:
             self.verify.force([s for s in self.scheduler.running if not s.in_prefill])
         plan = self.scheduler.schedule(self._budget(prefill_cap))
         self.stats.preemptions += len(plan.preempted)
+        verifying = self.verify is not None and self.verify.verifies(plan)
         prev, self._inflight = self._inflight, None
-        overlap = self.overlap and self._overlappable(plan.chunks)
+        overlap = self.overlap and not verifying and self._overlappable(plan.chunks)
         if prev is not None and not overlap:  # this step runs on known tokens: finish the one in flight first
             outputs += self._resolve(prev)
             prev = None
@@ -366,10 +369,12 @@ class LLMEngine:
             return StepOutputs(outputs, forward=False)
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
-        if self.spec is not None or any(c.drafts for c in plan.chunks):  # verify drafts (mini.engine.speculative)
+        if verifying:  # verify drafts, or take this step's tokens as anchors of drafts (mini.engine.speculative)
             return StepOutputs(outputs + self.verify.step(plan), forward=True)
         t1 = time.perf_counter()
         step = self._launch(plan.chunks, prev)
+        if self.verify is not None:
+            self.verify.plain_step(plan)
         t2 = time.perf_counter()
         if prev is not None:
             self._inflight = step  # where _remove defers the cache of sequences that finish now
@@ -380,6 +385,7 @@ class LLMEngine:
         self.runner.copy_slots(snapshots)
         self._sample(step)  # a step whose grammar masks were filled in the background meanwhile
         self._inflight = step if overlap else None
+        self.stats.overlapped_steps += int(overlap)
         if not overlap:
             outputs += self._resolve(step)
         if self.step_times is not None:

@@ -65,11 +65,12 @@ PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32
 
 @dataclass
 class SpecStats:
-    """Speculation's counters (LLMEngine.stats.spec): drafted and accepted tokens, and how many verify chunks
-    accepted each length 0..max_draft."""
+    """Speculation's counters (LLMEngine.stats.spec): drafted and accepted tokens, how many verify chunks accepted
+    each length 0..max_draft, and the steps that ran as plain decode (`Speculation.plain_step`)."""
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # [a] = verify chunks that accepted a drafts
+    plain_steps: int = 0
 
     def count(self, drafted: int, accepted: int, max_draft: int) -> None:
         if len(self.accept_lengths) <= max_draft:
@@ -174,7 +175,7 @@ class Speculation:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
         self.forced, self.adaptive = forced, adaptive
-        self.steps = 0  # verify steps run (the probes' clock)
+        self.steps = 0  # steps run, verify steps and plain ones (`plain_step`): the probes' clock
 
     def load_cap(self, decoding: int) -> int:
         """The load rule: the longest draft each of `decoding` sequences may verify in one step, so that the
@@ -196,10 +197,15 @@ class Speculation:
             return self.max_draft
         if seq.draft_record is None:
             seq.draft_record = DraftRecord()
-        r = seq.draft_record
-        k = paying_draft(r.alpha, self.max_draft, decoding)
-        r.probing = k == 0 and self.steps % PROBE_EVERY == 0
-        return 1 if r.probing else k
+        k, seq.draft_record.probing = self._paying(seq.draft_record, decoding, self.steps)
+        return k
+
+    def _paying(self, record: DraftRecord | None, decoding: int, step: int) -> tuple[int, bool]:
+        """`acceptance_cap`'s draft length after verify step `step` (the probes' clock) and whether it is a probe,
+        without its effects (a sequence without a record yet: a new one's, full drafts)."""
+        k = paying_draft(record.alpha if record is not None else 1.0, self.max_draft, decoding)
+        probing = k == 0 and step % PROBE_EVERY == 0
+        return (1 if probing else k), probing
 
     def draft_room(self, seq: Sequence) -> int:
         """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context."""
@@ -284,11 +290,46 @@ class Speculation:
                                         batch.seeds[r], batch.counters[r])
         return dict(zip(at, zip(ok.tolist(), residual.tolist())))
 
+    def verifies(self, plan: StepPlan) -> bool:
+        """Whether the planned step is a verify step (`step`): a chunk carries drafts, or a sequence that samples in
+        it will want a draft after it (the draft is anchored on the step's token, which must be on the host before
+        the next plan). Otherwise the step is plain decode's, overlapped where it may be, and `plain_step` follows
+        its launch. The next draft's length is foreseen as `step` will set it (the load rule over the sequences that
+        decode after the step, the acceptance rule at the next step's clock); only the draft room is taken before
+        the step's token (one more than after it: at worst a verify step where none was needed)."""
+        if any(c.drafts for c in plan.chunks):
+            return True
+        if self.drafter is None:
+            return False
+        sampling = [c for c in plan.chunks if c.samples]
+        decoding = (sum(1 for s in self.engine.scheduler.running if not s.in_prefill)
+                    + sum(1 for c in sampling if not c.is_decode))
+        cap = self.load_cap(decoding)
+        return any(min(cap, self.draft_room(c.seq)) > 0
+                   and (not self.adaptive or self._paying(c.seq.draft_record, decoding, self.steps + 1)[0] > 0)
+                   for c in sampling)
+
+    def plain_step(self, plan: StepPlan) -> None:
+        """After the launch of a step that `verifies` left to plain decode (it may still be in flight): the probes'
+        clock moves, and the drafter takes the step's rows into its state (DSpark's rings, before prefix-cache
+        snapshots copy them; on graphs the write replays alone) without drafting."""
+        self.steps += 1
+        self.engine.stats.spec.plain_steps += 1
+        self._forget_drafts(plan.preempted)
+        if self.drafter is not None:
+            self.engine.runner.draft(self.drafter, [
+                Commit(rows=c.end - c.start, length=c.length, slot=c.seq.slot, end=c.end, anchor=None, max_draft=0,
+                       history=lambda s=c.seq: s.tokens) for c in plan.chunks])
+
+    @staticmethod
+    def _forget_drafts(preempted: list[Sequence]) -> None:
+        for seq in preempted:  # recomputed as a prompt; a new draft follows its first token
+            seq.draft, seq.draft_forced = [], False
+
     def step(self, plan: StepPlan) -> list:
         e = self.engine
         self.steps += 1
-        for seq in plan.preempted:  # recomputed as a prompt; a new draft follows its first token
-            seq.draft, seq.draft_forced = [], False
+        self._forget_drafts(plan.preempted)
         chunks = plan.chunks
         logits = e.runner.run(chunks)
         sampling = [c for c in chunks if c.samples]  # (read before the histories grow below)

@@ -91,11 +91,15 @@ class ServerMetrics:
         lines += metric("mini_decode_tokens_total", "counter", "Tokens computed in decode steps.", stats.decode_tokens)
         lines += metric("mini_preemptions_total", "counter", "Requests preempted (recomputed later).",
                         stats.preemptions)
+        lines += metric("mini_overlapped_steps_total", "counter", "Steps launched before the previous one was read "
+                        "back (overlapped scheduling).", stats.overlapped_steps)
         if eng.spec is not None:  # speculative decoding (docs/engine.md)
             spec = stats.spec
             lines += metric("mini_spec_draft_tokens_total", "counter", "Draft tokens verified.", spec.drafted_tokens)
             lines += metric("mini_spec_accepted_tokens_total", "counter", "Draft tokens accepted.",
                             spec.accepted_tokens)
+            lines += metric("mini_spec_plain_steps_total", "counter", "Steps without drafts to verify or to make "
+                            "after them (plain decode, overlapped where it may be).", spec.plain_steps)
             lines += _accept_histogram(spec.accept_lengths, eng.spec.max_draft)
         with self._lock:
             lines += ["# HELP mini_requests_finished_total Finished requests by reason.",

@@ -192,6 +192,42 @@ def test_dspark_drafts_are_mini_logits_dspark_drafts(kernels_deterministic, tmp_
     assert cut_short > 0  # the threshold did cut some drafts
 
 
+def test_dspark_rings_follow_overlapped_plain_steps(kernels_deterministic, tmp_path):
+    """Steps in which nobody drafts are plain decode's, overlapped (as on graphs) and without a draft forward, but
+    DSpark's rings still take each step's rows. Three sequences under a load rule of 5 rows: while all three decode
+    nobody drafts (cap 0), then the last one drafts 4 tokens a step; each of its drafts is the one `mini logits
+    --dspark` records at that step (a ring missing a plain step's row changes them), and every output is plain
+    decode's."""
+    import numpy as np
+
+    from mini.cli import main
+    prompts = [PROMPTS[0], [9, 8, 7, 6, 5], PROMPTS[1]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (16, 18, 30)]
+    opts = dict(OPTS, num_blocks=32)
+    plain = LLM("tiny-v4.1-dspark", **opts).generate(prompts, params)
+    long_prompt, long_out = prompts[2], plain[2].token_ids
+    assert main(["logits", "--model", "tiny-v4.1-dspark", "--device", "cpu", "--dtype", "float32",
+                 "--ids", ",".join(map(str, long_prompt)), "--force-tokens", ",".join(map(str, long_out)),
+                 "--dspark", "--out", str(tmp_path / "l.npz")]) == 0
+    ref = np.load(tmp_path / "l.npz")["dspark_draft_ids"]  # row n: the draft after feeding output n
+    spec = LLM("tiny-v4.1-dspark", **opts, speculative="dspark", overlap=True, spec_max_rows=5,
+               spec_adaptive=False, spec_tokens=4)
+    drafter, drafts = spec.engine.spec.drafter, []
+
+    def propose(cache, commits):
+        out = type(drafter).propose(drafter, cache, commits)
+        drafts.extend((c.end, d) for c, d in zip(commits, out) if d and c.history()[:len(long_prompt)] == long_prompt)
+        return out
+    drafter.propose = propose
+    _same(spec.generate(prompts, params), plain)
+    stats = spec.engine.stats
+    assert stats.spec.plain_steps >= 14 and stats.overlapped_steps >= stats.spec.plain_steps - 1, stats
+    late = [(end, d) for end, d in drafts if end - len(long_prompt) > 16]
+    assert late and all(len(d) == 4 for _, d in late[:-3]), drafts  # full drafts after the plain steps
+    for end, draft in late:
+        assert draft == ref[end - len(long_prompt) - 1][:len(draft)].tolist(), end
+
+
 def test_a_model_without_dspark_refuses_speculation():
     with pytest.raises(ValueError, match="no DSpark draft module"):
         LLM("tiny-v4.1", **OPTS, num_blocks=8, speculative="dspark")

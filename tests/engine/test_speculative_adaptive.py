@@ -43,10 +43,10 @@ class SwitchDrafter:
         return None  # drafts on the host only (`propose`)
 
 
-def _run(params, drafter=None, adaptive=True, n_seqs=4):
+def _run(params, drafter=None, adaptive=True, n_seqs=4, **opts):
     """Outputs, the model's forwards ((start, length, drafts) per chunk) and the engine, one prompt per params."""
     llm = markov_llm(TABLE, num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter,
-                     spec_tokens=K if drafter else None, spec_adaptive=adaptive)
+                     spec_tokens=K if drafter else None, spec_adaptive=adaptive, **opts)
     prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(len(params))]
     return llm.generate(prompts, params), llm.engine.model.steps, llm.engine
 
@@ -153,6 +153,27 @@ def test_a_drafter_that_turns_good_recovers_full_drafts(plain):
     assert all(asked[p - 1] == [1] * 4 for p in probes[:2])
     assert probes[2] == 2 * PROBE_EVERY + 1 and asked[probes[2] - 1] == [K] * 4  # then full drafts
     assert len(steps) < 0.75 * len(plain_steps)
+
+
+@pytest.mark.parametrize("bad", [1 << 30, 40])
+def test_steps_without_drafts_overlap(plain, bad):
+    """Overlapped scheduling under speculation: a step in which no sequence verifies a draft or will draft after it
+    is plain decode's, launched before the step in flight is read back. With a drafter that is never right (or turns
+    good after 40 steps) most steps are such; outputs, logprobs, every draft asked for and the probes' steps are
+    those of the engine without overlap, and only the steps after which someone drafts wait for their tokens."""
+    want, _, _ = plain
+    ref_drafter, drafter = SwitchDrafter(bad), SwitchDrafter(bad)
+    _, ref_steps, ref_engine = _run(GREEDY, ref_drafter)
+    outs, steps, engine = _run(GREEDY, drafter, overlap=True)
+    _same(outs, want)
+    assert [(i, a) for i, a in enumerate(drafter.asked) if any(a)] == \
+        [(i, a) for i, a in enumerate(ref_drafter.asked) if any(a)]
+    assert engine.stats.spec.drafted_tokens == ref_engine.stats.spec.drafted_tokens
+    assert engine.stats.spec.accepted_tokens == ref_engine.stats.spec.accepted_tokens
+    assert ref_engine.stats.overlapped_steps == 0 and len(steps) <= len(ref_steps) + 1
+    # every plain step is pure decode here (the prompts' steps verify: a new sequence drafts), so each overlaps
+    assert engine.stats.overlapped_steps == engine.stats.spec.plain_steps
+    assert engine.stats.spec.plain_steps >= (0.85 if bad > 1000 else 0.6) * len(steps)
 
 
 def test_sampled_requests_adapt_and_keep_their_outputs():
