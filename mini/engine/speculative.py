@@ -59,7 +59,7 @@ FORCED_DRAFT = 15
 # for one sequence as for all).
 DRAFT_STEP_COST = 0.25
 VERIFY_ROW_COST = ((1, 0.034), (16, 0.19))  # (B, a verify row's cost): measured; linear between, flat after
-PRIOR_HITS = 2.0  # a sequence starts as if its drafter had been right twice: full drafts at first
+PRIOR_HITS = 2.0  # a new sequence's evidence: two draft tokens at the engine's recent acceptance (`new_record`)
 DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
 PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32 steps, all of them in the same step
 
@@ -175,6 +175,7 @@ class Speculation:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
         self.forced, self.adaptive = forced, adaptive
+        self.pool = DraftRecord()  # every sequence's verify steps in one record: where a new sequence's starts
         self.steps = 0  # steps run, verify steps and plain ones (`plain_step`): the probes' clock
 
     def load_cap(self, decoding: int) -> int:
@@ -196,14 +197,20 @@ class Speculation:
         if not self.adaptive:
             return self.max_draft
         if seq.draft_record is None:
-            seq.draft_record = DraftRecord()
+            seq.draft_record = self.new_record()
         k, seq.draft_record.probing = self._paying(seq.draft_record, decoding, self.steps)
         return k
 
+    def new_record(self) -> DraftRecord:
+        """A new sequence's record: PRIOR_HITS of evidence at the acceptance the engine's other sequences saw lately
+        (`pool`; full drafts before any was verified), so that where the drafter keeps failing a new request does not
+        pay a few verify steps to learn it again, and where it is right drafts in full at once."""
+        return DraftRecord(hits=PRIOR_HITS * self.pool.alpha, misses=PRIOR_HITS * (1 - self.pool.alpha))
+
     def _paying(self, record: DraftRecord | None, decoding: int, step: int) -> tuple[int, bool]:
-        """`acceptance_cap`'s draft length after verify step `step` (the probes' clock) and whether it is a probe,
-        without its effects (a sequence without a record yet: a new one's, full drafts)."""
-        k = paying_draft(record.alpha if record is not None else 1.0, self.max_draft, decoding)
+        """`acceptance_cap`'s draft length after step `step` (the probes' clock) and whether it is a probe, without
+        its effects (a sequence without a record yet: `new_record`'s)."""
+        k = paying_draft((record or self.new_record()).alpha, self.max_draft, decoding)
         probing = k == 0 and step % PROBE_EVERY == 0
         return (1 if probing else k), probing
 
@@ -368,6 +375,7 @@ class Speculation:
                     e.stats.spec.count(c.drafts, a, self.max_draft)
                     if c.seq.draft_record is not None and not c.seq.draft_forced:
                         c.seq.draft_record.record(c.drafts, a)
+                        self.pool.record(c.drafts, a)
             accepted.append(a)
             if c.is_decode:
                 e.stats.decode_tokens += 1 + a
