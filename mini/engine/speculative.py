@@ -50,15 +50,14 @@ FORCED_DRAFT = 15
 # The acceptance rule's cost model (docs/engine.md, "The draft length"), in units of the plain decode step it
 # replaces: a step in which every one of B sequences drafts k tokens costs 1 + DRAFT_STEP_COST + row(B) * k and
 # commits, per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted
-# after the ones before it). MEASURED on the H200 at V4.1-Flash width, 4K context (docs/perf 014 and issue 27):
-# the draft step 3.99 ms against a 18.12 ms decode step at B = 1 and 10.73 against 45.61 at B = 64 (0.22, 0.24:
-# rounded up to 0.25); a verify step of B x 6 rows 1.17x a decode step at B = 1, 1.94x at B = 16, 1.73-1.83x at
-# B = 64, so a verify row costs 0.034 of a step at B = 1 and at most 0.19 from B = 16 on. ASSUMED: linear in B
-# between 1 and 16, flat after (the load rule keeps steps within the 384 rows measured); linear in k; the same for
-# every sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as much
-# for one sequence as for all).
+# after the ones before it). MEASURED on the H200 at V4.1-Flash width, one emulated EP4 rank, 4K context, graphs
+# (`mini bench spec-decode`, docs/perf 016): the draft step 2.31 / 4.49 / 8.99 ms against decode steps of 13.02 /
+# 19.63 / 33.86 ms at B = 1 / 16 / 64 (0.18, 0.23, 0.27: taken as 0.25); a verify step of B x 6 rows 1.38x / 1.89x /
+# 2.13x a decode step, so a verify row costs 0.076 / 0.178 / 0.226 of one. ASSUMED: linear in B between those B,
+# flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every sequence of a batch (a
+# graph step takes its longest draft's width, and the draft step costs about as much for one sequence as for all).
 DRAFT_STEP_COST = 0.25
-VERIFY_ROW_COST = ((1, 0.034), (16, 0.19))  # (B, a verify row's cost): measured; linear between, flat after
+VERIFY_ROW_COST = ((1, 0.076), (16, 0.178), (64, 0.226))  # (B, a verify row's cost): linear between, flat past
 PRIOR_HITS = 2.0  # a new sequence's evidence: two draft tokens at the engine's recent acceptance (`new_record`)
 DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
 PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32 steps, all of them in the same step
@@ -82,16 +81,19 @@ class SpecStats:
 
 def verify_row_cost(decoding: int) -> float:
     """A verify row's cost in decode steps when `decoding` sequences decode (VERIFY_ROW_COST)."""
-    (b0, c0), (b1, c1) = VERIFY_ROW_COST
-    return c0 + (c1 - c0) * (min(max(decoding, b0), b1) - b0) / (b1 - b0)
+    for (b0, c0), (b1, c1) in zip(VERIFY_ROW_COST, VERIFY_ROW_COST[1:]):
+        if decoding <= b1:
+            return c0 + (c1 - c0) * (max(decoding, b0) - b0) / (b1 - b0)
+    return VERIFY_ROW_COST[-1][1]
 
 
 def paying_draft(alpha: float, longest: int, decoding: int) -> int:
     """The draft length, 0..`longest`, that commits the most tokens per unit of step time under the cost model above
     at acceptance `alpha` among `decoding` sequences; 0 where no draft beats plain decode (one token per step).
-    Among 16 or more sequences: none below α = 0.44, then 2, 3 from 0.62, 4 from 0.73, 5 from 0.80 (a step of full
-    drafts costs 2.2 decode steps); alone: none below 0.26, 5 from 0.56 (1.42). Never 1: the draft step's fixed cost
-    makes 2 pay wherever 1 does."""
+    Among 16 sequences: none below α = 0.43, then 2, 3 from 0.61, 4 from 0.72, 5 from 0.79 (a step of full drafts
+    costs 2.1 decode steps); from 64 on: none below 0.48, 3 from 0.66, 4 from 0.76, 5 from 0.82 (2.4); alone: none
+    below 0.31, 3 from 0.45, 4 from 0.58, 5 from 0.67 (1.6). Never 1: the draft step's fixed cost makes 2 pay
+    wherever 1 does."""
     row, gain, best, best_k = verify_row_cost(decoding), 0.0, 1.0, 0
     for k in range(1, longest + 1):
         gain += alpha ** k
