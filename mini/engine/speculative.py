@@ -33,6 +33,8 @@ chunks carry forced drafts verifies them (eagerly: the decode graphs have width 
 """
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -101,6 +103,19 @@ def paying_draft(alpha: float, longest: int, decoding: int) -> int:
         if speed > best:
             best, best_k = speed, k
     return best_k
+
+
+@functools.lru_cache(maxsize=1024)
+def least_paying_alpha(longest: int, decoding: int) -> float:
+    """The least α at which `paying_draft` drafts among `decoding` sequences (it is monotone in α), bisected to
+    1e-12; inf where none pays even at α = 1. Lets the engine foresee each step's drafts in one compare a sequence."""
+    if paying_draft(1.0, longest, decoding) == 0:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if paying_draft(mid, longest, decoding) > 0 else (mid, hi)
+    return hi
 
 
 @dataclass
@@ -313,10 +328,12 @@ class Speculation:
         sampling = [c for c in plan.chunks if c.samples]
         decoding = (sum(1 for s in self.engine.scheduler.running if not s.in_prefill)
                     + sum(1 for c in sampling if not c.is_decode))
-        cap = self.load_cap(decoding)
-        return any(min(cap, self.draft_room(c.seq)) > 0
-                   and (not self.adaptive or self._paying(c.seq.draft_record, decoding, self.steps + 1)[0] > 0)
-                   for c in sampling)
+        if self.load_cap(decoding) == 0:
+            return False
+        if self.adaptive and (self.steps + 1) % PROBE_EVERY:  # (a probe step: everyone drafts, at least a probe)
+            least, fresh = least_paying_alpha(self.max_draft, decoding), self.pool.alpha  # `_paying`, per sequence
+            sampling = [c for c in sampling if (c.seq.draft_record.alpha if c.seq.draft_record else fresh) >= least]
+        return any(self.draft_room(c.seq) > 0 for c in sampling)
 
     def plain_step(self, plan: StepPlan) -> None:
         """After the launch of a step that `verifies` left to plain decode (it may still be in flight): the probes'

@@ -8,7 +8,7 @@ import torch
 import mini.ops
 from fake_model import markov_llm
 from mini.engine import LLM, SamplingParams
-from mini.engine.speculative import PROBE_EVERY, DraftRecord, paying_draft
+from mini.engine.speculative import PROBE_EVERY, DraftRecord, least_paying_alpha, paying_draft
 
 V, K = 16, 5
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(7)) * 2
@@ -79,6 +79,9 @@ def test_paying_draft_follows_the_cost_model():
         ks = [paying_draft(i / 100, K, b) for i in range(101)]
         assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == K
     assert paying_draft(1.0, 3, 16) == 3  # never past the longest allowed
+    for b in (1, 4, 16, 40, 64, 256):  # the threshold the engine's foresight compares with
+        least = least_paying_alpha(K, b)
+        assert paying_draft(least, K, b) > 0 and paying_draft(least - 1e-9, K, b) == 0
 
 
 def test_draft_record_estimates_acceptance():
