@@ -381,18 +381,22 @@ def bench_rope(rows: list, sweep=(), dev="cuda"):
 
 
 def bench_norm(rows: list, sweep=(), dev="cuda"):
+    """RMSNorm (mini/kernels/rms_norm.py) against the torch op: 4,096 rows (bandwidth) and one decode row, replayed
+    in a CUDA graph as a decode step runs it (launches and gaps: the torch op is ~6 kernels)."""
     from mini.formats import fake_quant_fp8
-    from mini.kernels.mhc_norm import rms_norm
+    from mini.kernels.rms_norm import rms_norm
     from mini.ops.norm import rms_norm as reference
-    for D in (5120, 1280):
-        x = torch.randn(4096, D, device=dev).bfloat16()
+    for T, D in ((4096, 5120), (4096, 1280), (1, 5120), (1, 1280)):
+        x = torch.randn(T, D, device=dev).bfloat16()
         w = torch.rand(D, device=dev).bfloat16()
         nbytes = 2 * x.numel() * 2
+        timer = _bench if T > 1 else _bench_graph
         for label, f in (("triton", lambda: rms_norm(x, w, 1e-20)),
                          ("triton +fp8", lambda: rms_norm(x, w, 1e-20, "fp8")),
+                         ("torch reference", _reference(lambda: reference(x, w, 1e-20))),
                          ("torch reference +fp8", _reference(lambda: fake_quant_fp8(reference(x, w, 1e-20), 32)))):
-            ms = _bench(f)
-            rows.append(dict(kernel=f"rms_norm/[4096,{D}]", config=label, ms=ms, tbs=nbytes / ms / 1e9,
+            ms = timer(f)
+            rows.append(dict(kernel=f"rms_norm/[{T},{D}]", config=label, ms=ms, tbs=nbytes / ms / 1e9,
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 

@@ -1,7 +1,7 @@
 """mHC site input, fused: mixes (one rsqrt over hc·D, the 24-wide projection, sigmoids, 20 Sinkhorn iterations on
 the 4×4 comb in registers), the collapse of the hc copies and the weighted RMSNorm of the collapsed row, with an
-optional FP8 1×block fake quant of the normed output. `mini.ops.mhc.pre_norm` calls it at every mHC site. Also a
-plain RMSNorm kernel with the same optional quant (`rms_norm`, not dispatched yet: its GPU parity test has not run).
+optional FP8 1×block fake quant of the normed output. `mini.ops.mhc.pre_norm` calls it at every mHC site (the
+plain RMSNorm is mini/kernels/rms_norm.py).
 
 Same functions as mini/ops/mhc.py (`mixes`, `collapse`) and mini/ops/norm.py (`rms_norm`):
 * the projection is an fp32 dot. For a bf16 stream every stream value is exact in bf16, and fn splits exactly into
@@ -384,40 +384,3 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
         BLOCK_D=block_d, DELAYED=delayed,
         COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=finish_warps)
     return y, pre, post, comb
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                     QUANT: tl.constexpr, QBLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
-    ok = (rows < R)[:, None] & (d < D)[None, :]
-    ptrs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    y = (w[None, :] * (x * inv[:, None])).to(out_ptr.dtype.element_ty)
-    if QUANT != 0:  # the reference quantizes the rounded norm output
-        y = fake_quant_tile(y.to(tl.float32), BLOCK_R, BLOCK_D, QBLOCK, QUANT).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ptrs, y, mask=ok)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: str | None = None, quant_block: int = 32,
-             num_warps: int = 4) -> torch.Tensor:
-    """mini.ops.norm.rms_norm over the last dim (fp32 statistics, result in x.dtype), optionally followed by the
-    FP8 1×quant_block fake quant of its consumer GEMM (quant='fp8'). One row tile per program, in registers."""
-    D = x.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    R = x.numel() // D
-    if not fake_quant_enabled():
-        quant = None
-    if quant is not None:
-        assert D % quant_block == 0
-    if R:
-        block_d = triton.next_power_of_2(D)
-        block_r = max(1, min(16, 4096 // block_d))
-        _rms_norm_kernel[(triton.cdiv(R, block_r),)](x, weight, out, R, eps, D=D, BLOCK_D=block_d, BLOCK_R=block_r,
-                                                     QUANT=kind_code(quant), QBLOCK=quant_block,
-                                                     num_warps=num_warps)
-    return out

@@ -20,6 +20,18 @@ def interpreter():
         pytest.skip("interpreter test: runs on CPU machines; the gpu tests cover the compiled kernel here")
 
 
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty / empty_like comes back filled with NaN, so that an output element the kernel does not
+    write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
 @dataclass
 class FlatBatch:
     """The index tensors of design.md's flat batch that the attention-side kernels read."""

@@ -8,7 +8,8 @@ from triton.compiler import ASTSource
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
-from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel, _rms_norm_kernel
+from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
+from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
@@ -91,10 +92,11 @@ def main() -> None:
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
-    for d in (5120, 1280, 512, 128, 64):
-        bd = triton.next_power_of_2(d)
-        build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=max(1, min(16, 4096 // bd)), QUANT=1, QBLOCK=32),
-              ("eps",))
+    # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
+    for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):
+        bd, br, warps = norm_tiles(d)
+        build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=br, QUANT=quant, QBLOCK=32), ("eps",),
+              num_warps=warps)
 
 
 if __name__ == "__main__":
