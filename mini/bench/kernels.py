@@ -253,10 +253,13 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the
     deterministic mode's at every T, the default's before issue 28) and, at B = 1, other split counts at the
     chosen block. `bits`: y elements that differ from the
-    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Last, cuBLAS on
-    V4.1's dense projection shapes against the decode GEMV (`bench_decode_gemv`)."""
+    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Then Engram's gate
+    and update (mini/kernels/engram_gate.py) against its torch ops. Last, cuBLAS on V4.1's dense projection shapes
+    against the decode GEMV (`bench_decode_gemv`)."""
+    from mini.kernels.engram_gate import engram_gate
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
+    from mini.ops.engram import GATE_FLOOR, gated_update
     experts = range(96, 192)
 
     def add(row):  # printed as it comes: a phase cut short by its time cap keeps the rows so far
@@ -293,6 +296,13 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
             y = mhc_norm(h, fn, scale, base, nw, **kw, **run_kw)[0]
             add(dict(kernel=f"mhc_norm/decode T={B}", config=cfg, ms=ms, us=ms * 1e3, gbs=nbytes / ms / 1e6,
                      bits=int((y != base_y).sum())))
+    gw = torch.randn(HC, DIM, device=dev)  # Engram's gate + update (mini/kernels/engram_gate.py) against its torch ops
+    for B in (1, 16, 64):
+        h, kv = torch.randn(B, HC, DIM, device=dev).bfloat16(), torch.randn(B, (HC + 1) * DIM, device=dev).bfloat16()
+        for label, f in (("triton", lambda: engram_gate(h, kv, gw, 1e-20, GATE_FLOOR)),
+                         ("torch reference", _reference(lambda: gated_update(h, kv, gw, 1e-20)))):
+            ms = _bench_graph(f)
+            add(dict(kernel=f"engram_gate/decode T={B}", config=label, ms=ms, us=ms * 1e3))
     bench_decode_gemv(rows, dev=dev)  # last: the dense projections (`--only decode_gemv` runs them alone)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from mini.config import ModelConfig
 from mini.formats import e8m0_to_float
+from mini.ops import use_fast
 from mini.ops.linear import QWeight, linear
 from mini.ops.stages import staged
 
@@ -236,16 +237,27 @@ def engram(h: torch.Tensor, hash_ids: torch.Tensor | None, w: EngramWeights, cfg
     key (one per copy) and value (shared) come from wkv(rows); the gate of copy c is
     sigmoid(signed_sqrt(<h_c * w_c, key_c> / (rms(h_c) * rms(key_c) * sqrt(D)))), normalised per (token, copy).
     token_mask [T] False closes the gate (image positions)."""
-    n_tok, hc, dim = h.shape
     if rows is None:
         rows = w.lookup(hash_ids, h.dtype, h.device)
     rows = rows.flatten(-2)  # [T, cols * head_dim]
-    kv = linear(rows, w.wkv)
+    return gated_update(h, linear(rows, w.wkv), w.gate_weight.to(h.device), cfg.norm_eps, token_mask)
+
+
+def gated_update(h: torch.Tensor, kv: torch.Tensor, gate_weight: torch.Tensor, eps: float,
+                 token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`engram`'s gate and update from wkv's output kv [T, (hc + 1) * D] (hc keys, then the value): h [T, hc, D] +
+    gate [T, hc] * value, in h.dtype (fp32 math). One kernel on the fast path (mini/kernels/engram_gate.py) where it
+    takes the tensors, else these ~20 torch ops."""
+    if use_fast(h, kv, gate_weight):
+        from mini.kernels.engram_gate import engram_gate, supported
+        if supported(h, kv, gate_weight, token_mask):
+            return engram_gate(h, kv, gate_weight, eps, GATE_FLOOR, token_mask)
+    _, hc, dim = h.shape
     key = kv[:, :hc * dim].float().unflatten(-1, (hc, dim))
     value = kv[:, hc * dim:].float()
-    hf, eps = h.float(), cfg.norm_eps
+    hf = h.float()
     inv_rms = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-    dot = (hf * w.gate_weight.to(h.device) * key).sum(-1) * inv_rms * dim ** -0.5
+    dot = (hf * gate_weight * key).sum(-1) * inv_rms * dim ** -0.5
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))
     if token_mask is not None:
         gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)

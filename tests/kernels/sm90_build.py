@@ -5,6 +5,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
@@ -97,6 +98,10 @@ def main() -> None:
         bd, br, warps = norm_tiles(d)
         build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=br, QUANT=quant, QBLOCK=32), ("eps",),
               num_warps=warps)
+    # Engram's gate + update at V4.1-Flash's shape (hc 4, D 5,120; the wrapper's 1,024-wide chunks), with a mask
+    for masked in (False, True):
+        build(_engram_gate_kernel, {"w_ptr": "*fp32", "mask_ptr": "*i1"},
+              dict(HC=4, D=5120, BLOCK_D=1024, HAS_MASK=masked), ("eps", "scale", "floor"))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Every call the tiny V4.1 model makes to the dispatched ops (sparse attention, indexer scores, RoPE, the fused
-norm + RoPE + fake quant, mHC mixes), with its real arguments (paged pools, rings, chunked prefill of two
-sequences), gives the same result through the Triton kernel (interpreter, fp32) as through the reference op.
-End-to-end logits are not compared: a 1e-6 relative change of the attention output alone moves the tiny random
-model's logits by up to ~0.5 through FP8 / top-k flips (checked on the reference itself), so per-call parity is the
-meaningful check."""
+norm + RoPE + fake quant, mHC mixes, the attention side's RMSNorms, Engram's gate), with its real arguments (paged
+pools, rings, chunked prefill of two sequences), gives the same result through the Triton kernel (interpreter,
+fp32) as through the reference op. End-to-end logits are not compared: a 1e-6 relative change of the attention
+output alone moves the tiny random model's logits by up to ~0.5 through FP8 / top-k flips (checked on the reference
+itself), so per-call parity is the meaningful check."""
 import pytest
 import torch
 
@@ -20,9 +20,13 @@ pytestmark = pytest.mark.usefixtures("reference_ops")
 @pytest.mark.slow
 def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch):
     import mini.model.attn_layer as attn_layer
+    import mini.ops.compressor as compressor_ops
+    import mini.ops.engram as engram_ops
     import mini.ops.mhc as mhc_ops
+    from mini.kernels.engram_gate import engram_gate
     from mini.kernels.indexer_scores import index_scores
     from mini.kernels.mhc_norm import mhc_norm
+    from mini.kernels.rms_norm import rms_norm
     from mini.kernels.rope_quant import rope_quant, supported
     from mini.kernels.sparse_attention import sparse_mla_attention
 
@@ -66,6 +70,12 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
     kernel_shapes: set = set()
     monkeypatch.setattr(attn_layer, "norm_rope_quant", compared("norm_rope_quant", chain, fused))
     monkeypatch.setattr(mhc_ops, "mixes", compared("mixes", mhc_ops.mixes, kernel_mixes))
+    for module in (attn_layer, compressor_ops):
+        monkeypatch.setattr(module, "rms_norm", compared("rms_norm", module.rms_norm, rms_norm))
+
+    def kernel_gate(h, kv, gate_weight, eps, token_mask=None):
+        return engram_gate(h, kv, gate_weight, eps, engram_ops.GATE_FLOOR, token_mask)
+    monkeypatch.setattr(engram_ops, "gated_update", compared("engram_gate", engram_ops.gated_update, kernel_gate))
 
     cfg = preset("tiny-v4.1")
     hasher = EngramHasher(cfg, compressed_token_map(build_tiny_tokenizer(cfg.vocab_size)))
@@ -76,7 +86,8 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
              [(toks[0], 37, 2, [5, 1, 7]), (toks[1], 20, 0, [3, 9])]]  # a chunk of 8 and a decode
     for step in steps:
         model.forward(Batch.build([SeqChunk(*c) for c in step], cfg, "cpu", hasher), cache)
-    assert set(errors) == {"attention", "indexer", "rope", "norm_rope_quant", "mixes"}, errors.keys()
+    assert set(errors) == {"attention", "indexer", "rope", "norm_rope_quant", "mixes", "rms_norm", "engram_gate"}, \
+        errors.keys()
     assert kernel_shapes, "the fused norm + RoPE + quant kernel never ran"
     for name, errs in errors.items():
         assert max(errs) < 1e-4, (name, max(errs))
