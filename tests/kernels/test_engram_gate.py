@@ -3,7 +3,7 @@ mini.ops.engram.gated_update, and the op's dispatch: the fast backend takes the 
 the torch ops elsewhere, the reference backend never. Fresh random data with copies at different scales (gates
 unsaturated), a zero copy (its dot is 0: the floor's gate), odd token counts and widths, a token mask,
 NaN-poisoned outputs. The kernel sums in another order than torch and takes the GPU's fast exp: fp32 outputs
-within 1e-5, bf16 outputs within one bf16 step (rarely off at all). CPU: Triton's interpreter at small sizes; gpu:
+within 1e-5, bf16 outputs within one bf16 step plus that error of the sum's operands (rarely off at all). CPU: Triton's interpreter at small sizes; gpu:
 the compiled kernel at V4.1-Flash's Engram shape (hc 4, D 5,120)."""
 import pytest
 import torch
@@ -36,9 +36,13 @@ def check(h, kv, w, mask):
         assert torch.equal(got[~mask], h[~mask])
     if h.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:  # one bf16 step (2^-7 of the value) where the gate rounds the other way
+    else:  # the fp32 sum h + gate * value (gate <= 1) within 1e-5 of its operands, as in fp32, then rounded to bf16:
+        # one bf16 step of the result (2^-7 of it) plus that error. Where h and gate * value nearly cancel, the error
+        # is many steps of the small result: a bound relative to the result alone failed there on the H200 (bf16 at
+        # T = 1003, 2 of 3 cases, while fp32 at the same T held 1e-5)
         assert (got != want).float().mean() < 5e-3
-        assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-30).all()
+        scale = h.float().abs() + kv[:, None, h.shape[1] * h.shape[2]:].float().abs()
+        assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 2e-5 * scale).all()
 
 
 @pytest.mark.parametrize("T,hc,D,dtype,masked", [
