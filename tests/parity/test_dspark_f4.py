@@ -23,7 +23,8 @@ import dspark_fixture as dfx
 
 LOGITS = 1e-3  # a draft's largest |diff| of its logits
 # The drafts whose official value sits one fp32 ulp across an exact rounding tie from mini's (above), and the FP8
-# step of w2's input by which that moves them. Exactly these drafts, no others, may exceed LOGITS, and only by this.
+# step of w2's input by which that moves them. These drafts, no others, may exceed LOGITS, and only by this. (On a
+# CPU without AVX-512, an AMD EPYC with AVX2, torch's SiLU lands on the fixture's side of that ulp: none exceeds.)
 ON_THE_TIE = {"reference": [2], "reference_short": []}
 TIE_STEP = 1e-2
 CONFIDENCE = 1e-2  # f4's draft 2: 8.3e-3 (else <= 3.8e-6)
@@ -45,7 +46,7 @@ def test_fixture_is_the_official_one():
 
 def _drafts_match(a: dict, on_the_tie: list[int]) -> None:
     rows = np.array(a["rows"])
-    assert np.flatnonzero(rows > LOGITS).tolist() == on_the_tie and (rows <= TIE_STEP).all(), a
+    assert set(np.flatnonzero(rows > LOGITS).tolist()) <= set(on_the_tie) and (rows <= TIE_STEP).all(), a
     assert a["top1"] == 1.0 and a["rel_mae"] <= 1e-4, a
 
 
