@@ -60,7 +60,7 @@ FORCED_DRAFT = 15
 # graph step takes its longest draft's width, and the draft step costs about as much for one sequence as for all).
 DRAFT_STEP_COST = 0.25
 VERIFY_ROW_COST = ((1, 0.076), (16, 0.178), (64, 0.226))  # (B, a verify row's cost): linear between, flat past
-PRIOR_HITS = 2.0  # a new sequence's evidence: two draft tokens at the engine's recent acceptance (`new_record`)
+PRIOR_HITS = 2.0  # a sequence starts as if its drafter had been right twice: full drafts at first
 DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
 PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32 steps, all of them in the same step
 
@@ -192,7 +192,6 @@ class Speculation:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
         self.forced, self.adaptive = forced, adaptive
-        self.pool = DraftRecord()  # every sequence's verify steps in one record: where a new sequence's starts
         self.steps = 0  # steps run, verify steps and plain ones (`plain_step`): the probes' clock
 
     def load_cap(self, decoding: int) -> int:
@@ -214,20 +213,14 @@ class Speculation:
         if not self.adaptive:
             return self.max_draft
         if seq.draft_record is None:
-            seq.draft_record = self.new_record()
+            seq.draft_record = DraftRecord()
         k, seq.draft_record.probing = self._paying(seq.draft_record, decoding, self.steps)
         return k
 
-    def new_record(self) -> DraftRecord:
-        """A new sequence's record: PRIOR_HITS of evidence at the acceptance the engine's other sequences saw lately
-        (`pool`; full drafts before any was verified), so that where the drafter keeps failing a new request does not
-        pay a few verify steps to learn it again, and where it is right drafts in full at once."""
-        return DraftRecord(hits=PRIOR_HITS * self.pool.alpha, misses=PRIOR_HITS * (1 - self.pool.alpha))
-
     def _paying(self, record: DraftRecord | None, decoding: int, step: int) -> tuple[int, bool]:
         """`acceptance_cap`'s draft length after step `step` (the probes' clock) and whether it is a probe, without
-        its effects (a sequence without a record yet: `new_record`'s)."""
-        k = paying_draft((record or self.new_record()).alpha, self.max_draft, decoding)
+        its effects (a sequence without a record yet: a new one's, full drafts)."""
+        k = paying_draft(record.alpha if record is not None else 1.0, self.max_draft, decoding)
         probing = k == 0 and step % PROBE_EVERY == 0
         return (1 if probing else k), probing
 
@@ -331,7 +324,7 @@ class Speculation:
         if self.load_cap(decoding) == 0:
             return False
         if self.adaptive and (self.steps + 1) % PROBE_EVERY:  # (a probe step: everyone drafts, at least a probe)
-            least, fresh = least_paying_alpha(self.max_draft, decoding), self.pool.alpha  # `_paying`, per sequence
+            least, fresh = least_paying_alpha(self.max_draft, decoding), DraftRecord().alpha  # `_paying`, per sequence
             sampling = [c for c in sampling if (c.seq.draft_record.alpha if c.seq.draft_record else fresh) >= least]
         return any(self.draft_room(c.seq) > 0 for c in sampling)
 
@@ -394,7 +387,6 @@ class Speculation:
                     e.stats.spec.count(c.drafts, a, self.max_draft)
                     if c.seq.draft_record is not None and not c.seq.draft_forced:
                         c.seq.draft_record.record(c.drafts, a)
-                        self.pool.record(c.drafts, a)
             accepted.append(a)
             if c.is_decode:
                 e.stats.decode_tokens += 1 + a

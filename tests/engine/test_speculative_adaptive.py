@@ -179,34 +179,6 @@ def test_steps_without_drafts_overlap(plain, bad):
     assert engine.stats.spec.plain_steps >= (0.85 if bad > 1000 else 0.6) * len(steps)
 
 
-def test_new_sequences_start_from_the_engines_recent_acceptance(plain):
-    """A never-right drafter: once the first requests' drafts were rejected, requests that arrive later draft
-    nothing (but the probes) from their first step on, instead of learning it again in verify steps of their own;
-    with an always-right drafter they draft in full at once. Outputs are plain decode's."""
-    want, _, _ = plain
-    for bad, late_draft in ((1 << 30, False), (0, True)):
-        drafter = SwitchDrafter(bad)
-        llm = markov_llm(TABLE, num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K)
-        engine, outs, late_asked = llm.engine, {}, None
-        prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(4)]
-        for i in (0, 1):
-            engine.add_request(str(i), prompts[i], GREEDY[i])
-        steps = 0
-        while engine.has_work():
-            if steps == 8:
-                for i in (2, 3):
-                    engine.add_request(str(i), prompts[i], GREEDY[i])
-            asked = len(drafter.asked)
-            outs |= {o.request_id: o for o in engine.step() if o.finished}
-            if steps == 8:  # the late requests' prefill step: the drafts asked after it
-                late_asked = drafter.asked[asked]
-            steps += 1
-        _same([outs[str(i)] for i in range(4)], want)
-        # (a plain step asks the drafter for no draft at all)
-        assert late_asked[-2:] == [K, K] if late_draft else not any(late_asked), late_asked
-        assert engine.spec.pool.alpha == (0.0 if bad else 1.0) or bad and engine.spec.pool.alpha < 0.05
-
-
 def test_sampled_requests_adapt_and_keep_their_outputs():
     """Seeded sampling (a draft is taken where it equals the seeded draw) with drafts that are seldom right:
     outputs equal plain decode's with the rule on and off, and the rule drafts far fewer tokens."""
