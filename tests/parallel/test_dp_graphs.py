@@ -10,6 +10,7 @@ import torch
 
 from mini.engine import LLM, SamplingParams
 from mini.model import load_model
+from mini.ops import deterministic_mode
 from mini.parallel.launch import spawn
 from mini.parallel.step_shape import EAGER, IDLE, StepShape, decide
 
@@ -60,7 +61,9 @@ def _run_static(ctx, overlap: bool):
     import mini.engine.model_runner as runner_module
     from mini.engine.cuda_graphs import DecodeGraphs
     from mini.parallel.dp import generate, load_ep_model
+    from mini.ops import set_deterministic
     runner_module.use_cuda_graphs = lambda *a: True
+    set_deterministic(True)  # this spawned process only: see test_static_dp_decode_equals_one_process
     replays, replay = [], DecodeGraphs.replay
 
     def recorded(self, n, n_real, width=1):
@@ -76,8 +79,13 @@ def _run_static(ctx, overlap: bool):
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_static_dp_decode_equals_one_process(overlap):
+    """Both sides take the CPU's batch-invariant GEMMs (the deterministic mode's, mini/ops/cpu_batch_invariant.py):
+    a padded bucket has more rows than the eager step, and MKL rounds a row by the call's row count on some CPUs
+    (this AMD EPYC's AVX2 path: 0.014 on one logprob, an FP8 rounding flipped at layer 2 of a 3-row vs 4-row step),
+    which is not what this test is about: that padding rows and the exchange leave the real rows alone."""
     model, cfg, tok = load_model("tiny-v4.1", device="cpu", dtype=torch.float32)
-    want = _summary(LLM(model, config=cfg, tokenizer=tok, **ENGINE).generate(PROMPTS, _params()))
+    with deterministic_mode():
+        want = _summary(LLM(model, config=cfg, tokenizer=tok, **ENGINE).generate(PROMPTS, _params()))
     results = spawn(2, _run_static, overlap, device="cpu")
     (outs0, replays0, kinds0), (outs1, replays1, kinds1) = results
     assert outs0 == outs1
