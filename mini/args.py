@@ -162,7 +162,8 @@ ENGINE_FLAGS = (
          "at most; drafts shrink, to none, as the batch grows (the default is from proxy cost figures; "
          "docs/engine.md)", count(1)),
     Flag("--spec-adaptive", True, "with --speculative: each sequence's draft is as long as its drafts' past "
-         "acceptance pays by measured step costs, none where they keep failing (one-token probes every 32 steps "
+         "acceptance (beside the engine's) pays by measured step costs, none where they keep failing (two-token "
+         "probes every 32 steps "
          "see a drafter that turns good); --no-spec-adaptive: drafts always as long as the other rules allow "
          "(docs/engine.md)"),
 )

@@ -251,9 +251,12 @@ class LLMEngine:
         self.blocks.stats = PrefixCacheStats()
 
     def warmed_up(self, seconds: float) -> None:
-        """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters."""
+        """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters, and its
+        random prompts' acceptance leaves speculation's engine-wide α."""
         self.warmup_s = seconds
         self.reset_stats()
+        if self.spec is not None:
+            self.spec.reset()
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:

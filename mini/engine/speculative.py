@@ -60,9 +60,12 @@ FORCED_DRAFT = 15
 # graph step takes its longest draft's width, and the draft step costs about as much for one sequence as for all).
 DRAFT_STEP_COST = 0.25
 VERIFY_ROW_COST = ((1, 0.076), (16, 0.178), (64, 0.226))  # (B, a verify row's cost): linear between, flat past
-PRIOR_HITS = 2.0  # a sequence starts as if its drafter had been right twice: full drafts at first
+PRIOR_WEIGHT = 2.0  # a sequence's own evidence is read beside two draft tokens at the engine's acceptance (`alpha`)
+RESTART_HITS = 4.0  # a probe taken whole restarts its sequence's evidence at 4 hits: α >= 2/3, long drafts again
 DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
-PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts one token every 32 steps, all of them in the same step
+PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts a probe every 32 steps, all of them in the same step
+PROBE_DRAFT = 2  # a probe's tokens: two, never one (2 pays wherever 1 does), so a drafter right by chance (p) restarts
+# a sequence only where both are taken (p², not p: at tiny-v4.1-dspark's p = 0.04, 0.2% of sequences a probe)
 
 @dataclass
 class SpecStats:
@@ -120,28 +123,33 @@ def least_paying_alpha(longest: int, decoding: int) -> float:
 
 @dataclass
 class DraftRecord:
-    """How often a sequence's drafter has been right (`Sequence.draft_record`): accepted draft tokens (`hits`) and
-    verify steps that rejected one (`misses`: the step's accept length stopped short of its draft), each decayed by
-    DECAY per verify step; hits / (hits + misses) estimates α (the maximum-likelihood estimate for accept lengths that
-    stop at the first rejected token, whatever the draft lengths). Forced drafts are not recorded (they say nothing of
-    the drafter). `probing`: the draft in flight is a probe (`Speculation.acceptance_cap`)."""
-    hits: float = PRIOR_HITS
+    """How often a drafter has been right: accepted draft tokens (`hits`) and verify chunks that rejected one
+    (`misses`: the accept length stopped short of the draft), each decayed by DECAY per verify step; hits / (hits +
+    misses) estimates α (the maximum-likelihood estimate for accept lengths that stop at the first rejected token,
+    whatever the draft lengths). A sequence's own (`Sequence.draft_record`), read beside the engine's (`alpha`).
+    Forced drafts are not recorded (they say nothing of the drafter). `probing`: the draft in flight is a probe
+    (`Speculation.acceptance_cap`)."""
+    hits: float = 0.0
     misses: float = 0.0
     probing: bool = False
 
-    @property
-    def alpha(self) -> float:
-        return self.hits / (self.hits + self.misses)
+    def alpha(self, prior: float) -> float:
+        """α from this evidence beside PRIOR_WEIGHT draft tokens at `prior` (the engine's α: `Speculation.pool`)."""
+        return (self.hits + PRIOR_WEIGHT * prior) / (self.hits + self.misses + PRIOR_WEIGHT)
 
     def record(self, drafted: int, accepted: int) -> None:
-        """A verify step accepted `accepted` of `drafted` draft tokens. A probe accepted whole starts the record
-        afresh (the drafter may have turned good: full drafts again, cut within a few steps if it was luck)."""
+        """A verify chunk accepted `accepted` of `drafted` draft tokens. A probe accepted whole restarts the record
+        at RESTART_HITS (the drafter may have turned good: long drafts again, cut within a few steps if it was luck)."""
         if self.probing and accepted == drafted:
-            self.hits, self.misses = PRIOR_HITS, 0.0
+            self.hits, self.misses = RESTART_HITS, 0.0
         else:
-            self.hits = DECAY * self.hits + accepted
-            self.misses = DECAY * self.misses + (accepted < drafted)
+            self.add(accepted, int(accepted < drafted))
         self.probing = False
+
+    def add(self, hits: float, misses: float) -> None:
+        """One verify step's outcomes (of one sequence, or summed over the engine's: `Speculation.pool`)."""
+        self.hits = DECAY * self.hits + hits
+        self.misses = DECAY * self.misses + misses
 
 
 class _Row:
@@ -192,6 +200,9 @@ class Speculation:
             raise ValueError(f"spec max rows must be at least 1, got {max_rows}")
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
         self.forced, self.adaptive = forced, adaptive
+        # every sequence's verify outcomes, a step at a time: the engine's α, beside which each sequence's own
+        # evidence is read (none yet: 1, full drafts); `reset` after the warm-up, whose prompts are not the traffic
+        self.pool = DraftRecord()
         self.steps = 0  # steps run, verify steps and plain ones (`plain_step`): the probes' clock
 
     def load_cap(self, decoding: int) -> int:
@@ -203,26 +214,37 @@ class Speculation:
             return self.max_draft
         return max(0, min(self.max_draft, self.max_rows // decoding - 1))
 
+    def reset(self) -> None:
+        """Forget the engine's α (LLMEngine.warmed_up: the warm-up's random prompts say nothing of real traffic)."""
+        self.pool = DraftRecord()
+
+    @property
+    def engine_alpha(self) -> float:
+        """The engine's α from every sequence's recent verify steps (1 before any: full drafts)."""
+        return self.pool.alpha(1.0) if self.pool.hits + self.pool.misses else 1.0
+
+    def alpha(self, seq: Sequence) -> float:
+        """`seq`'s α: its own evidence beside PRIOR_WEIGHT tokens at the engine's α, so that a sequence with little
+        evidence of its own drafts as the others' drafts fare (where the drafter keeps failing a new request drafts
+        nothing from its first step, and the first requests stop after one verify step, not three), and one with
+        much follows its own."""
+        record = seq.draft_record if seq.draft_record is not None else DraftRecord()
+        return record.alpha(self.engine_alpha)
+
     def acceptance_cap(self, seq: Sequence, decoding: int) -> int:
         """The acceptance rule: the longest draft the drafter may propose for `seq` next, from its past verify
         steps alone (`DraftRecord`; never this step's random streams, so rejection sampling stays exact): the
-        length that pays at its estimated α among `decoding` sequences (`paying_draft`), or where none pays, one
-        token every PROBE_EVERY steps (the same steps for every sequence: one draft step and one 2-row verify per
-        PROBE_EVERY steps, at most 1.4% of plain decode's time by the cost model) so that a drafter that turns
-        good is seen. Forced drafts are not cut by it (`force`)."""
+        length that pays at its α (`alpha`) among `decoding` sequences (`paying_draft`), or where none pays, a
+        PROBE_DRAFT-token probe every PROBE_EVERY steps (the same steps for every sequence: one draft step and one
+        3-row verify per PROBE_EVERY steps, about 2% of plain decode's time by the cost model) so that a drafter
+        that turns good is seen. Forced drafts are not cut by it (`force`)."""
         if not self.adaptive:
             return self.max_draft
         if seq.draft_record is None:
             seq.draft_record = DraftRecord()
-        k, seq.draft_record.probing = self._paying(seq.draft_record, decoding, self.steps)
-        return k
-
-    def _paying(self, record: DraftRecord | None, decoding: int, step: int) -> tuple[int, bool]:
-        """`acceptance_cap`'s draft length after step `step` (the probes' clock) and whether it is a probe, without
-        its effects (a sequence without a record yet: a new one's, full drafts)."""
-        k = paying_draft(record.alpha if record is not None else 1.0, self.max_draft, decoding)
-        probing = k == 0 and step % PROBE_EVERY == 0
-        return (1 if probing else k), probing
+        k = paying_draft(self.alpha(seq), self.max_draft, decoding)
+        seq.draft_record.probing = k == 0 and self.steps % PROBE_EVERY == 0
+        return PROBE_DRAFT if seq.draft_record.probing else k
 
     def draft_room(self, seq: Sequence) -> int:
         """The longest draft `seq` may take next: its verify (1 + k tokens) stays within max_tokens and the context."""
@@ -324,8 +346,8 @@ class Speculation:
         if self.load_cap(decoding) == 0:
             return False
         if self.adaptive and (self.steps + 1) % PROBE_EVERY:  # (a probe step: everyone drafts, at least a probe)
-            least, fresh = least_paying_alpha(self.max_draft, decoding), DraftRecord().alpha  # `_paying`, per sequence
-            sampling = [c for c in sampling if (c.seq.draft_record.alpha if c.seq.draft_record else fresh) >= least]
+            least = least_paying_alpha(self.max_draft, decoding)  # `acceptance_cap`, per sequence
+            sampling = [c for c in sampling if self.alpha(c.seq) >= least]
         return any(self.draft_room(c.seq) > 0 for c in sampling)
 
     def plain_step(self, plan: StepPlan) -> None:
@@ -368,7 +390,7 @@ class Speculation:
 
         # acceptance, then the cache at the committed frontier
         verdicts = self._rejection_verdicts(sampling, logits, batch) if rows else {}
-        accepted, new_tokens, relogged, row = [], {}, [], 0
+        accepted, new_tokens, relogged, row, outcomes = [], {}, [], 0, [0, 0]
         for c in chunks:
             a = 0
             if id(c) in samples:
@@ -387,11 +409,15 @@ class Speculation:
                     e.stats.spec.count(c.drafts, a, self.max_draft)
                     if c.seq.draft_record is not None and not c.seq.draft_forced:
                         c.seq.draft_record.record(c.drafts, a)
+                        outcomes[0] += a
+                        outcomes[1] += a < c.drafts
             accepted.append(a)
             if c.is_decode:
                 e.stats.decode_tokens += 1 + a
             else:
                 e.stats.prefill_tokens += c.length
+        if outcomes != [0, 0]:
+            self.pool.add(*outcomes)
         if lp is not None and relogged:  # logprobs are the target's (raw rows, as `sample`'s) of the committed tokens
             at = torch.tensor(relogged, device=logits.device)
             fixed = torch.log_softmax(logits[at[:, 0]], dim=-1).gather(1, at[:, 1:])[:, 0].tolist()

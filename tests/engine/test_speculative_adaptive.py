@@ -1,5 +1,5 @@
 """Speculation's acceptance rule (Speculation.acceptance_cap, `--spec-adaptive`; docs/engine.md "The draft length"):
-each sequence drafts as long as its past acceptance pays, none where its drafts keep failing (with a one-token probe
+each sequence drafts as long as its past acceptance (beside the engine's) pays, none where its drafts keep failing (with a two-token probe
 every PROBE_EVERY steps), and outputs never change. On the fake model's Markov chain (tests/engine/fake_model.py),
 whose verify rows are exactly plain decode's, and on tiny-v4.1 for grammar-forced drafts."""
 import pytest
@@ -8,7 +8,8 @@ import torch
 import mini.ops
 from fake_model import markov_llm
 from mini.engine import LLM, SamplingParams
-from mini.engine.speculative import PROBE_EVERY, DraftRecord, least_paying_alpha, paying_draft
+from mini.engine.speculative import (PROBE_DRAFT, PROBE_EVERY, RESTART_HITS, DraftRecord, least_paying_alpha,
+                                     paying_draft)
 
 V, K = 16, 5
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(7)) * 2
@@ -86,25 +87,28 @@ def test_paying_draft_follows_the_cost_model():
 
 def test_draft_record_estimates_acceptance():
     r = DraftRecord()
-    assert r.alpha == 1.0  # a new sequence drafts in full
+    assert r.alpha(1.0) == 1.0 and r.alpha(0.25) == 0.25  # no evidence of its own: the engine's α
     for _ in range(3):
-        assert paying_draft(r.alpha, K, 16) > 0
+        assert paying_draft(r.alpha(1.0), K, 16) > 0
         r.record(5, 0)
-    assert paying_draft(r.alpha, K, 16) == 0  # three rejected drafts in a row: no more
+    assert paying_draft(r.alpha(1.0), K, 16) == 0  # three rejected drafts in a row: no more, even beside α = 1
+    assert paying_draft(DraftRecord(0.0, 1.0).alpha(0.04), K, 16) == 0  # one, beside failing drafts elsewhere
+    assert paying_draft(DraftRecord(0.0, 1.0).alpha(1.0), K, 16) > 0  # one, beside drafts taken elsewhere
     hits, misses = r.hits, r.misses
     r.record(2, 2)  # a whole draft accepted: no miss
     assert r.misses < misses and r.hits > hits
     r.probing = True
-    r.record(1, 1)  # a probe accepted whole: afresh
-    assert (r.hits, r.misses, r.probing) == (DraftRecord().hits, 0.0, False)
+    r.record(2, 2)  # a probe accepted whole: afresh, long drafts even where the engine's drafts fail
+    assert (r.hits, r.misses, r.probing) == (RESTART_HITS, 0.0, False)
+    assert paying_draft(r.alpha(0.0), K, 1) == K and paying_draft(r.alpha(0.0), K, 64) >= 3
     r.probing = True
-    r.record(1, 0)  # a probe rejected: one more miss
-    assert r.alpha < 1 and not r.probing
+    r.record(2, 1)  # a probe half taken: one more miss
+    assert r.misses == 1 and not r.probing
 
 
 def test_failing_drafts_fall_to_probes_and_outputs_equal_plain_decode(plain):
-    """An always-wrong drafter: after a few verify steps a sequence drafts nothing but a one-token probe every
-    PROBE_EVERY steps; the rows of all forwards come within 20% of plain decode's (what the first steps' drafts
+    """An always-wrong drafter: after one verify step (its own miss beside every sequence's) a sequence drafts
+    nothing but a PROBE_DRAFT-token probe every PROBE_EVERY steps; the rows of all forwards come within 20% of plain decode's (what the first steps' drafts
     and the probes cost; without the rule 1 + K times as many), the step count equals plain decode's (a wrong
     draft saves no step), outputs are plain decode's."""
     want, plain_steps, _ = plain
@@ -114,9 +118,9 @@ def test_failing_drafts_fall_to_probes_and_outputs_equal_plain_decode(plain):
     assert len(steps) == len(plain_steps)
     drafted = [sum(a) for a in junk.asked]  # tokens the drafter was asked for after each step (step i + 1)
     off = drafted.index(0)
-    assert drafted[0] == 4 * K and off <= 6, drafted[:10]
+    assert drafted[0] == 4 * K and off == 1, drafted[:10]
     assert all(d == 0 for i, d in enumerate(drafted[off:], off) if (i + 1) % PROBE_EVERY)
-    assert all(d == 4 for i, d in enumerate(drafted[off:80], off) if (i + 1) % PROBE_EVERY == 0)  # the probes
+    assert all(d == 4 * PROBE_DRAFT for i, d in enumerate(drafted[off:80], off) if (i + 1) % PROBE_EVERY == 0)
     assert engine.stats.spec.accepted_tokens == 0
     assert engine.stats.spec.drafted_tokens == sum(drafted[:-1])  # every draft asked for was verified
     assert _rows(steps) <= 1.2 * _rows(plain_steps), (_rows(steps), _rows(plain_steps))
@@ -141,19 +145,19 @@ def test_good_drafts_stay_full(plain):
 
 
 def test_a_drafter_that_turns_good_recovers_full_drafts(plain):
-    """Wrong for its first 40 steps (drafts off after a few, the probe after step 32 rejected), right after: the
-    probe after step 64 is accepted, which restarts each sequence's record, and full drafts follow; outputs are
-    plain decode's throughout."""
+    """Wrong for its first 40 steps (drafts off after one verify step, the probe after step 32 rejected), right
+    after: the probe after step 64 is accepted, which restarts each sequence's record (and lifts the engine's α),
+    and full drafts follow; outputs are plain decode's throughout."""
     want, plain_steps, _ = plain
     drafter = SwitchDrafter(bad=40)
     outs, steps, _ = _run(GREEDY, drafter)
     _same(outs, want)
     asked = drafter.asked
     off = next(i for i, ks in enumerate(asked) if not any(ks))
-    assert off <= 6
+    assert off == 1
     probes = [i + 1 for i in range(off, len(asked)) if any(asked[i])][:3]
-    assert probes[:2] == [PROBE_EVERY, 2 * PROBE_EVERY], probes  # one-token probes, every sequence's at once
-    assert all(asked[p - 1] == [1] * 4 for p in probes[:2])
+    assert probes[:2] == [PROBE_EVERY, 2 * PROBE_EVERY], probes  # the probes, every sequence's at once
+    assert all(asked[p - 1] == [PROBE_DRAFT] * 4 for p in probes[:2])
     assert probes[2] == 2 * PROBE_EVERY + 1 and asked[probes[2] - 1] == [K] * 4  # then full drafts
     assert len(steps) < 0.75 * len(plain_steps)
 
@@ -177,6 +181,36 @@ def test_steps_without_drafts_overlap(plain, bad):
     # every plain step is pure decode here (the prompts' steps verify: a new sequence drafts), so each overlaps
     assert engine.stats.overlapped_steps == engine.stats.spec.plain_steps
     assert engine.stats.spec.plain_steps >= (0.85 if bad > 1000 else 0.6) * len(steps)
+
+
+def test_new_sequences_start_from_the_engines_recent_acceptance():
+    """A never-right drafter: once the first four requests' drafts were rejected (one verify step), requests that
+    arrive later draft nothing (but the probes) from their first step on, instead of learning it again in verify
+    steps of their own; with an always-right drafter they draft in full at once. Outputs are plain decode's."""
+    params = GREEDY + GREEDY[:2]
+    want, _, _ = _run(params)
+    prompts = [[2 + i % 13, 3 + (5 * i) % 11, 4 + i % 7] for i in range(len(params))]
+    for bad, late_draft in ((1 << 30, False), (0, True)):
+        drafter = SwitchDrafter(bad)
+        llm = markov_llm(TABLE, num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K)
+        engine, outs, late_asked = llm.engine, {}, None
+        for i in range(4):
+            engine.add_request(str(i), prompts[i], params[i])
+        steps = 0
+        while engine.has_work():
+            if steps == 8:
+                for i in (4, 5):
+                    engine.add_request(str(i), prompts[i], params[i])
+            asked = len(drafter.asked)
+            outs |= {o.request_id: o for o in engine.step() if o.finished}
+            if steps == 8:  # the late requests' prefill step: the drafts asked after it
+                late_asked = drafter.asked[asked]
+            steps += 1
+        _same([outs[str(i)] for i in range(len(params))], want)
+        # (a plain step asks the drafter for no draft at all)
+        assert late_asked[-2:] == [K, K] if late_draft else not any(late_asked), late_asked
+        # the engine's α: no draft pays at it even for a lone sequence, or every draft was taken
+        assert engine.spec.engine_alpha < least_paying_alpha(K, 1) if bad else engine.spec.engine_alpha == 1.0
 
 
 def test_sampled_requests_adapt_and_keep_their_outputs():
@@ -234,4 +268,18 @@ def test_forced_drafts_are_not_cut_by_the_rule():
     _same(outs, want)
     lengths = llm.engine.stats.spec.accept_lengths
     assert lengths[4] >= 5, lengths  # the literal's run, 4 a step, after the rule turned junk drafts off
-    assert seq.draft_record.hits < DraftRecord().hits  # forced tokens are not the drafter's hits (the prior decays)
+    assert seq.draft_record.hits == 0  # forced tokens are not the drafter's hits (20 or more were accepted)
+
+
+def test_the_warm_up_leaves_no_acceptance_behind():
+    """The serving warm-up's random prompts are not the traffic: after it (LLMEngine.warmed_up) the engine's α is
+    a fresh engine's, and the next request drafts in full."""
+    drafter = SwitchDrafter()
+    llm = markov_llm(TABLE, num_blocks=256, max_num_seqs=16, seed=5, drafter=drafter, spec_tokens=K)
+    llm.generate([[2, 3, 4]] * 4, GREEDY)
+    assert llm.engine.spec.engine_alpha < least_paying_alpha(K, 1)
+    llm.engine.warmed_up(0.0)
+    assert llm.engine.spec.engine_alpha == 1.0
+    drafter.bad, asked = 0, len(drafter.asked)
+    llm.generate([[5, 6, 7]], GREEDY[:1])
+    assert drafter.asked[asked] == [K]

@@ -65,7 +65,8 @@ def _same(got, want):
 
 def test_n_choices_forked_mid_speculation_equal_plain_decode(kernels_deterministic):
     plain, _ = _fork(LLM("tiny-v4.1-dspark", **OPTS))
-    spec = LLM("tiny-v4.1-dspark", **OPTS, speculative="dspark")
+    # full drafts (no acceptance rule): which histories draft must not depend on the other requests' outcomes
+    spec = LLM("tiny-v4.1-dspark", **OPTS, speculative="dspark", spec_adaptive=False)
     spec.engine.spec.drafter = forked = Recording(spec.engine.spec.drafter)
     outs, pending = _fork(spec)
     assert pending  # choice 0 was speculating when the others came
@@ -75,7 +76,7 @@ def test_n_choices_forked_mid_speculation_equal_plain_decode(kernels_determinist
     assert outs[0][0].token_ids == outs[0][1].token_ids  # greedy: the seed changes nothing
     assert len({tuple(o.token_ids) for o in outs[1]}) > 1  # seeded: the choices differ
     # the children's drafts: those made at the same histories with every choice prefilled from scratch
-    alone = LLM("tiny-v4.1-dspark", **OPTS, enable_prefix_caching=False, speculative="dspark")
+    alone = LLM("tiny-v4.1-dspark", **OPTS, enable_prefix_caching=False, speculative="dspark", spec_adaptive=False)
     alone.engine.spec.drafter = ref = Recording(alone.engine.spec.drafter)
     alone.generate([p for p, _, n in GROUPS for _ in range(n)],
                    [replace(s, seed=s.seed + i) for _, s, n in GROUPS for i in range(n)])
