@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A/B benchmark of two revisions of mini, interleaved in one job on one machine.
 
-    python tools/bench_rev.py run REV_A REV_B --suite NAME [--repeat N] [--out DIR] [-- SUITE ARGS...]
+    python tools/bench_rev.py run REV_A REV_B --suite NAME [--repeat N] [--out DIR] [--env-b VAR=VALUE ...]
+        [-- SUITE ARGS...]
     python tools/bench_rev.py pack REV_A REV_B [--dir .cache/bench_rev]
 
 `run` checks out each revision into a temporary directory (a detached `git worktree` for anything git names a
@@ -12,6 +13,9 @@ prints, per metric, the median of each revision, its min..max spread and the rat
 ratio whose distance from 1 is smaller than either revision's own relative spread as noise. With `--out`, the raw
 result of every run goes to DIR/runs.jsonl (one JSON object per line, in run order) and the table to
 DIR/summary.json: two files, well inside the device tool's limit of 8 files back.
+
+`--env-a` / `--env-b VAR=VALUE` (repeatable) set environment variables for one side's runs only: a switch's A/B at
+one revision (`run HEAD HEAD --env-b MINI_GEMV_WEIGHTS=fp8`), each side in its own checkout as always.
 
 Both revisions must define the same workload: after the first run of each, the suites' `definition` dicts are
 compared and the tool refuses (exit 3) when they differ, naming the keys that differ.
@@ -102,8 +106,9 @@ def checkout(repo: Path, rev: str, tmp: Path):
 
 
 # ---------------------------------------------------------------------------------------------------- one run
-def run_suite(tree: Tree, suite: str, extra: list[str], json_path: Path, python: str) -> dict:
-    env = dict(os.environ)
+def run_suite(tree: Tree, suite: str, extra: list[str], json_path: Path, python: str,
+              side_env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ) | (side_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(tree.path), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [python, "-m", "mini", "bench", suite, "--json", str(json_path), *extra]
     # cwd = the tree: `python -m` puts the working directory first on sys.path
@@ -186,9 +191,11 @@ def format_table(suite: str, trees: dict[str, Tree], order: list[str], table: di
 
 # ---------------------------------------------------------------------------------------------------- commands
 def compare(repo: Path, rev_a: str, rev_b: str, suite: str, repeat: int, extra: list[str], out: Path | None,
-            python: str) -> dict:
+            python: str, env: dict[str, dict[str, str]] | None = None) -> dict:
+    """`env`: per side ("A", "B"), environment variables set for its runs only."""
     if repeat < 1:
         raise CompareError("--repeat must be at least 1", 2)
+    env = {"A": {}, "B": {}} | (env or {})
     with tempfile.TemporaryDirectory(prefix="bench_rev-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         trees = {"A": stack.enter_context(checkout(repo, rev_a, tmp)),
@@ -201,7 +208,7 @@ def compare(repo: Path, rev_a: str, rev_b: str, suite: str, repeat: int, extra: 
             log = stack.enter_context(open(out / "runs.jsonl", "w"))
         for i in range(repeat):
             for side, tree in trees.items():
-                result = run_suite(tree, suite, extra, tmp / f"{side}{i}.json", python)
+                result = run_suite(tree, suite, extra, tmp / f"{side}{i}.json", python, env[side])
                 runs[side].append(result)
                 order.append(side)
                 print(f"[{len(order)}/{2 * repeat}] {side} {tree.label}: " +
@@ -221,7 +228,7 @@ def compare(repo: Path, rev_a: str, rev_b: str, suite: str, repeat: int, extra: 
         print(format_table(suite, trees, order, table))
         print(f"  definition: {json.dumps(runs['A'][0]['definition'], sort_keys=True)}")
         summary = {"suite": suite, "definition": runs["A"][0]["definition"], "order": order, "repeat": repeat,
-                   "revisions": {s: {"label": t.label, "commit": t.commit} for s, t in trees.items()},
+                   "revisions": {s: {"label": t.label, "commit": t.commit, "env": env[s]} for s, t in trees.items()},
                    "env": runs["A"][0].get("env", {}),
                    "metrics": {k: {"A": vars(r["A"]) if r["A"] else None, "B": vars(r["B"]) if r["B"] else None,
                                    "ratio": r["ratio"], "noise": r["noise"]} for k, r in table.items()}}
@@ -243,6 +250,17 @@ def pack(repo: Path, revs: list[str], dest: Path) -> list[Path]:
     return paths
 
 
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    """VAR=VALUE strings -> a dict; a malformed one is refused with its text."""
+    pairs = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise CompareError(f"--env-a / --env-b take VAR=VALUE, got {item!r}", 2)
+        pairs[name] = value
+    return pairs
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_rev.py", description=__doc__.split("\n\n")[0],
                                 epilog="Suite options go after `--`.")
@@ -255,6 +273,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--repeat", type=int, default=3, help="runs per revision (default 3)")
     r.add_argument("--out", type=Path, help="write runs.jsonl and summary.json here")
     r.add_argument("--python", default=sys.executable, help="interpreter for the suite runs")
+    for side in ("a", "b"):
+        r.add_argument(f"--env-{side}", action="append", default=[], metavar="VAR=VALUE",
+                       help=f"an environment variable for {side.upper()}'s runs only (repeatable)")
     k = sub.add_parser("pack", help="git archive revisions into tarballs that `run` accepts")
     k.add_argument("revs", nargs="+")
     k.add_argument("--dir", type=Path, help=f"where to write them (default: REPO/{DEFAULT_PACK_DIR})")
@@ -277,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"device call: carry [{os.path.dirname(rel[0])!r}], command: python tools/bench_rev.py run "
                   f"{' '.join(rel)} --suite NAME --out $OUT/ab")
         else:
-            compare(repo, args.rev_a, args.rev_b, args.suite, args.repeat, extra, args.out, args.python)
+            compare(repo, args.rev_a, args.rev_b, args.suite, args.repeat, extra, args.out, args.python,
+                    {"A": _env_pairs(args.env_a), "B": _env_pairs(args.env_b)})
     except CompareError as e:
         print(f"bench_rev: {e}", file=sys.stderr)
         return e.code

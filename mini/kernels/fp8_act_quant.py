@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.kernels.quant import e4m3_round, fp8_group_codes, fp8_group_quant
+from mini.kernels.quant import e4m3_round, e4m3_value, fp8_group_codes, fp8_group_quant
 
 
 @dataclass(frozen=True)
@@ -120,14 +120,6 @@ def _e4m3_byte(a):
 
 
 @triton.jit
-def _e4m3_value(c):
-    """fp32 value of e4m3fn bytes `c` (uint8): the hardware conversion (2 bytes per instruction on SM90), with 0x7F /
-    0xFF made NaN as torch decodes them (Triton's interpreter reads them as +-480)."""
-    v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
 def _wire_encode_kernel(x_ptr, codes_ptr, scales_ptr, ids_ptr, wts_ptr, ids_out_ptr, wts_out_ptr,
                         n_rows, n_out, n_cols, k, stride_x, stride_codes, stride_scales, stride_ids, stride_wts,
                         stride_ids_out, stride_wts_out, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
@@ -223,7 +215,7 @@ def _wire_decode_kernel(codes_ptr, scales_ptr, out_ptr, src_row_ptr, n_valid_ptr
     e = tl.load(scales_ptr + s64 * stride_scales + groups[None, :],
                 mask=row_ok & (groups[None, :] < n_cols // BLOCK), other=127).to(tl.int32)
     scale = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))  # bytes 1..254: exact
-    v = tl.reshape(tl.reshape(_e4m3_value(c), [ROWS, GROUPS, BLOCK]) * scale[:, :, None], [ROWS, GROUPS * BLOCK])
+    v = tl.reshape(tl.reshape(e4m3_value(c), [ROWS, GROUPS, BLOCK]) * scale[:, :, None], [ROWS, GROUPS * BLOCK])
     r64 = rows.to(tl.int64)[:, None]
     tl.store(out_ptr + r64 * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=ok)
 

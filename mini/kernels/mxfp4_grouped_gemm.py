@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.kernels.quant import fp8_group_quant
+from mini.kernels.quant import e8m0_value, fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/kernels.md); the row tile is the routing plan's block_m
@@ -35,14 +35,6 @@ def _e2m1_unscaled(code):
     """4-bit E2M1 codes (int32) -> fp32 value * 2^-126: the code's magnitude bits land on the fp32 exponent's low
     bits and the mantissa's top bit, so code 1 (0.5) becomes the denormal 2^-127. Five integer ops, no branches."""
     return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e8m0_value(s):
-    """E8M0 bytes (int32 0..255) -> fp32 2^(s-127): bits s << 23 for 1..254, the denormal 2^-127 for 0, NaN for 255
-    (mini/formats/e8m0.py)."""
-    bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ already-quantized values. Every Triton kernel that rounds to FP8 / FP4 takes its
 * `fp8_group_quant`: FP8 e4m3 with power-of-two (ue8m0) scales, 1 x BLOCK groups of a [ROWS, GROUPS·BLOCK] tile
   (`fp8_group_codes`: its scaled values and scale bytes, for a kernel that writes the FP8 form itself);
 * `fake_quant_tile`: a tile [ROWS, BLOCK·n] by `kind` (fp8, fp4 with ue8m0 or e4m3 scales; host codes from
-  `kind_code`), each row's consecutive BLOCK channels sharing one scale.
+  `kind_code`), each row's consecutive BLOCK channels sharing one scale;
+* `e4m3_value`, `e8m0_value`: the stored bytes' fp32 values (FP8 codes, E8M0 scales), as mini/formats decodes them.
 
 Scale rounding reproduces `pow2_ceil_scale` from the fp32 bits (exponent + (mantissa != 0)). Rounding is written
 with bit arithmetic rather than a cast, so that it rounds the same everywhere (Triton's interpreter casts to fp8
@@ -30,6 +31,22 @@ def _pow2_ceil(x):
     bits = x.to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(c):
+    """fp32 value of e4m3fn bytes `c` (uint8): the hardware conversion (2 bytes per instruction on SM90), with 0x7F /
+    0xFF made NaN as torch decodes them (Triton's interpreter reads them as +-480)."""
+    v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e8m0_value(s):
+    """E8M0 bytes (int32 0..255) -> fp32 2^(s-127): bits s << 23 for 1..254, the denormal 2^-127 for 0, NaN for 255
+    (mini/formats/e8m0.py)."""
+    bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

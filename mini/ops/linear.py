@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mini import switches
 from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
 from mini.formats.quant import fake_quant_enabled, quant_fp8
 from mini.ops import deterministic, use_fast
@@ -104,7 +105,12 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
-        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0)
+        act_block = w.block if fake_quant_enabled() else 0
+        if w.kind == "fp8" and switches.current().gemv_weights == "fp8":
+            y = _decode_gemv(x, w.data, act_block, w.scale, w.block)  # the same bits from the FP8 bytes
+            if y is not None:
+                return y
+        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=act_block)
     return blockwise_gemm(x, w).to(x.dtype)
 
 
@@ -113,12 +119,22 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Te
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. The deterministic mode
     keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+    y = _decode_gemv(x, w, act_block)
+    return y if y is not None else F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
+
+
+def _decode_gemv(x: torch.Tensor, w: torch.Tensor, act_block: int, w_scale: torch.Tensor | None = None,
+                 w_block: int = 0) -> torch.Tensor | None:
+    """The decode GEMV's F.linear(x, w) (an FP8 w with its scales: decoded in the kernel) where it takes the call:
+    1 to GEMV_MAX_TOKENS rows, not the deterministic mode, a device it runs on; None elsewhere."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
-        from mini.kernels.gemv import gemv, runs_on
-        if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
-            return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
-    return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
+    if not 0 < rows <= GEMV_MAX_TOKENS or deterministic():
+        return None
+    from mini.kernels.gemv import gemv, runs_on
+    if not runs_on(x):  # Triton 3.6's interpreter
+        return None
+    y = gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block, w_scale=w_scale, w_block=w_block)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

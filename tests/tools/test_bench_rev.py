@@ -15,8 +15,11 @@ _spec = importlib.util.spec_from_file_location("bench_rev", TOOL)
 bench_rev = sys.modules.setdefault("bench_rev", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(bench_rev)
 
-# the stand-in suite: each commit sets TAG, SPEED and SIZE; every run appends TAG to the --log file
+# the stand-in suite: each commit sets TAG, SPEED and SIZE; every run appends TAG to the --log file; TINY_CPU_FACTOR
+# in the environment multiplies its speed (a switch)
 SUITE_SRC = '''
+import os
+
 TAG, SPEED, SIZE = {tag!r}, {speed!r}, {size!r}
 
 
@@ -29,7 +32,7 @@ def run(args):
     with open(args.log, "a") as f:
         f.write(TAG + "\\n")
     return {{"suite": "tiny-cpu", "definition": {{"size": args.size, "model": {{"name": "stub"}}}},
-            "metrics": {{"tok_per_s": SPEED, "step_ms": 1000.0 / SPEED}}}}
+            "metrics": {{"tok_per_s": SPEED * float(os.environ.get("TINY_CPU_FACTOR", "1")), "step_ms": 1000.0 / SPEED}}}}
 '''
 
 
@@ -120,6 +123,23 @@ def test_pack_then_run_tarballs_without_git(repo, tmp_path):
     assert log.read_text().split() == ["A", "B", "A", "B"]
     assert f"A = main_2 ({shas['A'][:12]})" in proc.stdout  # the commit id travels inside the tarball
     assert "2.500" in proc.stdout
+
+
+def test_a_switch_ab_at_one_revision(repo, tmp_path):
+    """--env-b: the same revision on both sides, a variable set for B's runs only."""
+    repo, _ = repo
+    log, out = tmp_path / "order.log", tmp_path / "out"
+    proc = _tool(repo, "run", "fast", "fast", "--suite", "tiny-cpu", "--repeat", "2", "--env-b", "TINY_CPU_FACTOR=2",
+                 "--out", str(out), "--", "--log", str(log))
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().split() == ["B"] * 4  # both sides ran commit B's code
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metrics"]["tok_per_s"]["ratio"] == pytest.approx(2.0)
+    assert summary["metrics"]["step_ms"]["ratio"] == pytest.approx(1.0)
+    assert summary["revisions"]["A"]["env"] == {} and summary["revisions"]["B"]["env"] == {"TINY_CPU_FACTOR": "2"}
+    proc = _tool(repo, "run", "fast", "fast", "--suite", "tiny-cpu", "--env-b", "TINY_CPU_FACTOR", "--", "--log",
+                 str(log))
+    assert proc.returncode == 2 and "VAR=VALUE" in proc.stderr and "'TINY_CPU_FACTOR'" in proc.stderr
 
 
 def test_failing_run_is_reported_with_its_output(repo, tmp_path):
