@@ -34,7 +34,8 @@ class Switches:
     # multi-token chunks, "flashmla" | "triton"
     det_sparse_attn: str = "flashmla"
     # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight, "bf16" (its dequantized copy)
-    # | "fp8" (the checkpoint's bytes and scales, decoded in the kernel: half the bytes, the same bits)
+    # | "fp8" (the checkpoint's bytes and scales, decoded in the kernel: half the bytes, the same bits; the shared
+    # expert's GEMMs at decode rows then take the GEMV too, mini.ops.moe)
     gemv_weights: str = "bf16"
     # MINI_EP_GLUE, mini.parallel.exchange: the EP exchange's glue, "fused" | "eager"
     ep_glue: str = "fused"
