@@ -429,9 +429,25 @@ def bench_norm(rows: list, sweep=(), dev="cuda"):
                              frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
+def bench_order_keys(rows: list, sweep=(), dev="cuda"):
+    """The indexer top-k's integer keys (mini/kernels/order_keys.py) against their torch form (seven kernels),
+    replayed in a CUDA graph: decode rows (launches and gaps) and a prefill-sized step (bandwidth: 2 bytes read, 4
+    written per score)."""
+    from mini.kernels.order_keys import order_keys
+    from mini.ops.indexer import _order_keys as reference
+    for T, N in ((1, 1024), (64, 8192), (4096, 4096)):
+        x = torch.randn(T, N, device=dev).bfloat16()
+        nbytes = x.numel() * (2 + 4)
+        for label, f in (("triton", lambda: order_keys(x)), ("torch reference", _reference(lambda: reference(x)))):
+            ms = _bench_graph(f)
+            rows.append(dict(kernel=f"order_keys/[{T},{N}]", config=label, ms=ms, us=ms * 1e3,
+                             tbs=nbytes / ms / 1e9, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
+
+
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
-           "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv}
+           "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv,
+           "order_keys": bench_order_keys}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 

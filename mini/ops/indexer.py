@@ -94,7 +94,12 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
 
 def _order_keys(x: torch.Tensor) -> torch.Tensor:
     """Integer keys ordered as x's values, then by index: order-preserving bits of the value above the index.
-    bf16 rows of at most 2^16 entries fit int32 (16 + 16 bits: half the bytes and radix passes), others int64."""
+    bf16 rows of at most 2^16 entries fit int32 (16 + 16 bits: half the bytes and radix passes), others int64.
+    The fast path computes the int32 keys in one kernel (mini/kernels/order_keys.py) instead of seven."""
+    if use_fast(x):
+        from mini.kernels.order_keys import order_keys, supported
+        if supported(x):
+            return order_keys(x)
     x = x + 0.0  # turns -0.0 into 0.0: they tie
     if x.dtype == torch.bfloat16 and x.shape[-1] <= 1 << 16:
         index = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)

@@ -10,6 +10,8 @@ from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
+from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
+from mini.kernels.order_keys import _order_keys_kernel
 from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
@@ -112,6 +114,8 @@ def main() -> None:
     for masked in (False, True):
         build(_engram_gate_kernel, {"w_ptr": "*fp32", "mask_ptr": "*i1"},
               dict(HC=4, D=5120, BLOCK_D=1024, HAS_MASK=masked), ("eps", "scale", "floor"))
+    # the indexer top-k's keys (bf16 bits in, int32 keys out)
+    build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
 
 
 if __name__ == "__main__":
