@@ -381,7 +381,6 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
                 q, scale = fp8_copies[turn[0]]
                 return gemv(x, q, act_block=32, w_scale=scale, w_block=32)
             ms = _bench_graph(fp8_gemv)
-            q, scale = fp8_copies[0]
             add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config="gemv default, fp8 weight decoded, "
                      "act quant fused", ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
                      fp8_floor_ms=fp8_floor_ms, fp8_frac_copy_peak=fp8_floor_ms / ms,

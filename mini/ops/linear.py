@@ -124,7 +124,7 @@ def decode_gemv_fp8(x: torch.Tensor, w: QWeight, act_block: int) -> torch.Tensor
     """F.linear(x, w's bf16 copy) by the decode GEMV reading w's FP8 bytes and scales (the same bits from half the
     read), where MINI_GEMV_WEIGHTS=fp8 asks for it, w is FP8 and the GEMV takes the call (`_decode_gemv`); None
     elsewhere. x is fake-quantized in 1 x act_block groups first when act_block > 0."""
-    if w.kind != "fp8" or switches.current().gemv_weights != "fp8":
+    if w.kind != "fp8" or not reads_fp8_weights():
         return None
     return _decode_gemv(x, w.data, act_block, w.scale, w.block)
 
