@@ -8,10 +8,10 @@ phase_env() {  # what machine and software the results come from
     cat "$PHASE_DIR/env.txt"
 }
 
-phase_gpu_tests() {  # every gpu-marked test
+phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files or folders)
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed
     python3 -m pytest -v -m gpu -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -rfE --durations=25 --timeout=200 \
-        tests ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1
+        ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1
     local rc=$?
     grep -E "FAILED|ERROR" "$PHASE_DIR/tests.log" | sort | uniq | head -60
     tail -3 "$PHASE_DIR/tests.log"
