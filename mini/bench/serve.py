@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import re
 import statistics
 import sys
 import time
@@ -66,10 +67,14 @@ SPEC_COUNTERS = {"mini_spec_draft_tokens_total": "spec_draft_tokens", "mini_spec
                  "mini_spec_plain_steps_total": "spec_plain_steps", "mini_overlapped_steps_total": "overlapped_steps"}
 
 
+STEP_SERIES = re.compile(r'mini_(steps|step_seconds)_total\{kind="(\w+)"\}')
+
+
 def spec_counters(url: str) -> dict[str, float]:
-    """A mini server's overlapped steps and, where it speculates, its draft counters from /metrics, over all bursts
-    (none from other servers), and the tokens each verified draft committed on average (its accepted drafts + the
-    target's own token)."""
+    """A mini server's overlapped steps, its steps and their host seconds by kind (steps_KIND, step_seconds_KIND,
+    step_ms_KIND) and, where it speculates, its draft counters from /metrics, over all bursts (none from other
+    servers), and the tokens each verified draft committed on average (its accepted drafts + the target's own
+    token)."""
     import httpx
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
@@ -80,6 +85,12 @@ def spec_counters(url: str) -> dict[str, float]:
         name, _, value = line.partition(" ")
         if name in SPEC_COUNTERS:
             out[SPEC_COUNTERS[name]] = float(value)
+        elif m := STEP_SERIES.fullmatch(name):
+            out[f"{m[1]}_{m[2]}"] = float(value)
+    for key, n in list(out.items()):  # the mean host time of a step of each kind (step_ms_decode: plain decode's)
+        if key.startswith("steps_") and n:
+            kind = key.removeprefix("steps_")
+            out[f"step_ms_{kind}"] = 1000 * out[f"step_seconds_{kind}"] / n
     if out.get("spec_verified_drafts"):
         out["spec_tokens_per_verify"] = 1 + out["spec_accepted_tokens"] / out["spec_verified_drafts"]
     return out

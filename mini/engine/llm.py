@@ -152,7 +152,20 @@ class EngineStats:
     steps: int = 0
     overlapped_steps: int = 0  # steps left in flight (the module doc)
     capped_steps: int = 0  # steps whose token budget a prefill cap cut (`step(prefill_cap=)`)
+    # step() calls that ran a forward and the host seconds they took, by kind (`step_kind`): with overlap a call's
+    # time is about one step's period, so these say where the engine's time went (speculation against plain decode)
+    kind_steps: dict[str, int] = field(default_factory=dict)
+    kind_seconds: dict[str, float] = field(default_factory=dict)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's drafted / accepted tokens
+
+
+STEP_KINDS = ("prefill", "decode", "verify")
+
+
+def step_kind(chunks, verifying: bool) -> str:
+    """A step's kind for EngineStats: "verify" (speculation's verify step, prefill chunks with it or not),
+    "prefill" (a prompt chunk in it), else "decode"."""
+    return "verify" if verifying else "decode" if all(c.is_decode for c in chunks) else "prefill"
 
 
 @dataclass(frozen=True)
@@ -372,8 +385,11 @@ class LLMEngine:
             return StepOutputs(outputs, forward=False)
         self.stats.steps += 1
         self.runner.copy_slots(plan.restores)
+        kind = step_kind(plan.chunks, verifying)
         if verifying:  # verify drafts, or take this step's tokens as anchors of drafts (mini.engine.speculative)
-            return StepOutputs(outputs + self.verify.step(plan), forward=True)
+            outputs += self.verify.step(plan)
+            self._count_step(kind, t0)
+            return StepOutputs(outputs, forward=True)
         t1 = time.perf_counter()
         step = self._launch(plan.chunks, prev)
         if self.verify is not None:
@@ -397,7 +413,13 @@ class LLMEngine:
                                    r.prepare_s, r.forward_s, end - t2, end - t0, None, t0)
             if not overlap:
                 self._record(step)
+        self._count_step(kind, t0)
         return StepOutputs(outputs, forward=True)
+
+    def _count_step(self, kind: str, t0: float) -> None:
+        st = self.stats
+        st.kind_steps[kind] = st.kind_steps.get(kind, 0) + 1
+        st.kind_seconds[kind] = st.kind_seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def _budget(self, prefill_cap: int | None) -> int:
         """The step's token budget: the configured one, or the decodes plus `prefill_cap` when that is less (the

@@ -4,7 +4,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from mini.engine.llm import LLMEngine, RequestOutput
+from mini.engine.llm import STEP_KINDS, LLMEngine, RequestOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -44,6 +44,12 @@ def _accept_histogram(counts: list[int], max_draft: int) -> list[str]:
     lines += [f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_sum {sum(a * n for a, n in enumerate(counts))}",
               f"{name}_count {total}"]
     return lines
+
+
+def _by_kind(name: str, help_text: str, values: dict) -> list[str]:
+    """A counter with one series per step kind (each of STEP_KINDS, 0 until it happens)."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
+            *(f'{name}{{kind="{k}"}} {round(values.get(k, 0), 6)}' for k in STEP_KINDS)]
 
 
 class ServerMetrics:
@@ -93,6 +99,10 @@ class ServerMetrics:
                         stats.preemptions)
         lines += metric("mini_overlapped_steps_total", "counter", "Steps launched before the previous one was read "
                         "back (overlapped scheduling).", stats.overlapped_steps)
+        lines += _by_kind("mini_steps_total", "Steps that ran a forward, by kind (prefill: a prompt chunk in it; "
+                          "verify: speculation's verify step).", stats.kind_steps)
+        lines += _by_kind("mini_step_seconds_total", "Host seconds of those steps' step() calls, by kind (with "
+                          "overlapped scheduling about one step's period each).", stats.kind_seconds)
         if eng.spec is not None:  # speculative decoding (docs/engine.md)
             spec = stats.spec
             lines += metric("mini_spec_draft_tokens_total", "counter", "Draft tokens verified.", spec.drafted_tokens)

@@ -101,12 +101,13 @@ phase_spec_tiny() {  # issue 27 item 6 (<= 150 s, not yet run): tiny-v4.1-dspark
     # 0.35x plain's output tok/s, 17,717 drafted / 313 accepted. With the acceptance rule (default on since
     # 3318458) drafts should fall to ~10-12 per request; SPEC_TINY_ARGS=--no-spec-adaptive runs without it.
     # Look at: spec_tiny.json metrics speculative_over_plain.{output_tok_s, goodput_req_s, tpot_p50_ms},
-    # speculative.spec_*.
+    # speculative.spec_*, and where each server's time went: {plain,speculative}.steps_KIND / step_ms_KIND (KIND
+    # prefill, decode, verify: a step() call's mean host ms, with overlap about one step's period).
     python3 -m mini.cli bench spec-decode --tiny --tiny-args "--backend fast --num-requests 64 --input-len 128 \
         --output-len 64 ${SPEC_TINY_ARGS:-}" --json "$PHASE_DIR/spec_tiny.json" >"$PHASE_DIR/spec_tiny.log" 2>&1
     local rc=$?
     grep -E "Error|error:|^mini bench:" "$PHASE_DIR/spec_tiny.log" | tail -5
-    grep -E "^  (plain|speculative|speculative_over_plain)\.(output_tok_s|goodput_req_s|tpot_p50_ms|spec_)" \
+    grep -E "^  (plain|speculative|speculative_over_plain)\.(output_tok_s|goodput_req_s|tpot_p50_ms|spec_|steps_|step_ms_)" \
         "$PHASE_DIR/spec_tiny.log" | tr -s ' ' | paste -sd' '
     return $rc
 }

@@ -158,3 +158,7 @@ def test_tiny_goodput_without_and_with_speculation():
         1 + m["speculative.spec_accepted_tokens"] / m["speculative.spec_verified_drafts"])
     assert m["speculative_over_plain.output_tok_s"] == pytest.approx(
         m["speculative.output_tok_s"] / m["plain.output_tok_s"])
+    # where each server's time went, by step kind: the plain server ran no verify step, the speculating one did
+    assert m["plain.steps_verify"] == 0 and "plain.step_ms_verify" not in m and m["plain.steps_decode"] > 0
+    assert m["speculative.steps_verify"] > 0 and m["speculative.step_ms_verify"] == pytest.approx(
+        1000 * m["speculative.step_seconds_verify"] / m["speculative.steps_verify"])

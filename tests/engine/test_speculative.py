@@ -242,6 +242,13 @@ def test_metrics_report_drafted_and_accepted_tokens(plain):
     assert f"mini_spec_accepted_tokens_total {spec.accepted_tokens}" in text
     assert f'mini_spec_acceptance_length_bucket{{le="+Inf"}} {sum(spec.accept_lengths)}' in text
     assert f"mini_spec_acceptance_length_sum {spec.accepted_tokens}" in text
+    # every step that ran a forward counted once by kind, with its host time: verify steps from the prompt's on
+    # (its token anchors a draft), a plain one at the end (no room left for a draft), no prefill without a verify
+    steps, seconds = engine.stats.kind_steps, engine.stats.kind_seconds
+    assert steps.get("verify", 0) > 1 and "prefill" not in steps, steps
+    assert sum(steps.values()) == engine.stats.steps and all(seconds[k] > 0 for k in steps), seconds
+    assert f'mini_steps_total{{kind="verify"}} {steps["verify"]}' in text and 'mini_steps_total{kind="prefill"} 0' in text
+    assert f'mini_step_seconds_total{{kind="verify"}} {round(seconds["verify"], 6)}' in text
 
 
 def test_grammar_rows_follow_the_matcher_over_the_drafts(kernels_deterministic):
