@@ -15,7 +15,7 @@ result of every run goes to DIR/runs.jsonl (one JSON object per line, in run ord
 DIR/summary.json: two files, well inside the device tool's limit of 8 files back.
 
 `--env-a` / `--env-b VAR=VALUE` (repeatable) set environment variables for one side's runs only: a switch's A/B at
-one revision (`run HEAD HEAD --env-b MINI_GEMV_WEIGHTS=fp8`), each side in its own checkout as always.
+one revision (`run HEAD HEAD --env-b MINI_MOE_GEMM=triton`), each side in its own checkout as always.
 
 Both revisions must define the same workload: after the first run of each, the suites' `definition` dicts are
 compared and the tool refuses (exit 3) when they differ, naming the keys that differ.

@@ -311,11 +311,9 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
     shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16 the decode GEMV
     (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies (`same_as_cublas`: the
     fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs: the activation quant pass +
-    cuBLAS against the GEMV with the quant in its loads, and the GEMV reading the FP8 bytes themselves
-    (MINI_GEMV_WEIGHTS=fp8; `same_as_bf16_copy`: its bits equal the GEMV's on the dequantized copy)."""
+    cuBLAS against the GEMV with the quant in its loads."""
     import torch.nn.functional as F
 
-    from mini.formats import dequant_fp8, quantize_fp8
     from mini.kernels.device_info import sm_count
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
@@ -334,10 +332,6 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
         weight = torch.randn(n_out, n_in, device=dev).bfloat16()
         copies = [weight] + [weight.clone() for _ in range((128 << 20) // weight.nbytes)]
         floor_ms = weight.nbytes / COPY_TBS / 1e9
-        q, scale = quantize_fp8(weight.float(), 32)  # the FP8 form of the same shape, for the GEMV's FP8 rows
-        fp8_bf16 = dequant_fp8(q, scale, 32, torch.bfloat16)
-        fp8_copies = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range((128 << 20) // q.nbytes)]
-        fp8_floor_ms = (q.nbytes + scale.nbytes) / COPY_TBS / 1e9
         for B in (1, 16, 64):
             x = torch.randn(B, n_in, device=dev).bfloat16()
             turn = [0]
@@ -373,19 +367,7 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
                 ms = _bench_graph(f)
                 add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms, us=ms * 1e3,
                          floor_ms=floor_ms, frac_copy_peak=floor_ms / ms))
-
-            # the same from the checkpoint's FP8 bytes (MINI_GEMV_WEIGHTS=fp8): half the read; `floor_ms` stays
-            # the bf16 copy's (the rows compare), `fp8_floor_ms` is this read's own
-            def fp8_gemv():
-                turn[0] = (turn[0] + 1) % len(fp8_copies)
-                q, scale = fp8_copies[turn[0]]
-                return gemv(x, q, act_block=32, w_scale=scale, w_block=32)
-            ms = _bench_graph(fp8_gemv)
-            add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config="gemv default, fp8 weight decoded, "
-                     "act quant fused", ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
-                     fp8_floor_ms=fp8_floor_ms, fp8_frac_copy_peak=fp8_floor_ms / ms,
-                     same_as_bf16_copy=bool(torch.equal(fp8_gemv(), gemv(x, fp8_bf16, act_block=32)))))
-        del copies, weight, fp8_copies
+        del copies, weight
 
 
 def bench_rope(rows: list, sweep=(), dev="cuda"):

@@ -21,11 +21,6 @@ split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits
 With `act_block` the kernel also applies the FP8 1 x act_block activation fake quant of mini.ops.linear to each x
 tile it loads (mini/kernels/quant.py's formulas, as fp8_act_quant's pass: the same bits, and the quantized values
 are exact in bf16), so a decode projection is one launch (two with a split) instead of a quant pass before it.
-With `w_scale` the weight is the checkpoint's FP8 itself (e4m3 bytes [N, K] and E8M0 scales per w_block x w_block
-tile): each W tile is decoded in registers, code x scale in fp32 and one rounding to bf16, as
-mini.formats.dequant_fp8 computes the bf16 copy (exact: an e4m3 value times a power of two is a bf16 value), so the
-result is the bf16 GEMV's on that copy, bit for bit, while the weight read is half the bytes (at B = 1 the
-projection is that read). Not yet the default (mini.ops.linear: MINI_GEMV_WEIGHTS=fp8): not yet timed on the H200.
 The deterministic mode never reaches this kernel (mini.ops.linear keeps its batch-invariant GEMMs).
 """
 from __future__ import annotations
@@ -37,7 +32,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
-from mini.kernels.quant import e4m3_value, e8m0_value, fp8_group_quant
+from mini.kernels.quant import fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
 # Triton 3.6's interpreter fails on the kernel's scalar loads ("only 0-dimensional arrays can be converted to
@@ -72,15 +67,12 @@ CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
-                 K_PIECE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
-                 W_SUB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
     part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
-    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded. W_BLOCK > 0: W holds e4m3
-    bytes with one E8M0 scale s[n // W_BLOCK, k // W_BLOCK] per tile, decoded to bf16 as loaded (W_SUB = the
-    columns of a tile step under one scale: min(BLOCK_K, W_BLOCK))."""
+    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -96,13 +88,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, strid
         # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
         # whole BLOCK_K steps
         k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0)
-        if W_BLOCK > 0:  # e4m3 x 2^(e - 127) in fp32, one (exact) rounding to bf16: dequant_fp8's bf16 copy
-            sub = k0 + tl.arange(0, BLOCK_K // W_SUB) * W_SUB  # first column of each piece under one scale
-            e = tl.load(s_ptr + (n // W_BLOCK)[:, None].to(tl.int64) * stride_s + (sub // W_BLOCK)[None, :],
-                        mask=n_ok[:, None] & (sub < K)[None, :], other=127).to(tl.int32)
-            v = tl.reshape(e4m3_value(w), [BLOCK_N, BLOCK_K // W_SUB, W_SUB]) * e8m0_value(e)[:, :, None]
-            w = tl.reshape(v, [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
             x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
@@ -175,31 +161,18 @@ def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig = DEFAULT,
-         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0, w_scale: torch.Tensor | None = None,
-         w_block: int = 0) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
-    does it in its loads; otherwise the quant pass runs first). An FP8 weight: w float8_e4m3fn [N, K] with
-    `w_scale` E8M0 [ceil(N / w_block), ceil(K / w_block)] (uint8 or float8_e8m0fnu), w_block a power of two:
-    the result equals gemv on dequant_fp8(w, w_scale, w_block, bf16), bit for bit."""
+    does it in its loads; otherwise the quant pass runs first)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    fp8_weight = w.dtype == torch.float8_e4m3fn
-    if x.dtype != torch.bfloat16 or not (w.dtype == torch.bfloat16 or fp8_weight):
-        raise ValueError(f"gemv: bf16 x and a bf16 or float8_e4m3fn w expected, got {x.dtype} and {w.dtype}")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"gemv: bf16 operands expected, got {x.dtype} and {w.dtype}")
     T, K = x.shape
     N = w.shape[0]
-    if fp8_weight != (w_scale is not None):
-        raise ValueError("gemv: an FP8 weight needs its w_scale and w_block, a bf16 one takes neither")
-    if fp8_weight:
-        if w_block <= 0 or w_block & (w_block - 1):
-            raise ValueError(f"gemv: w_block must be a power of two, got {w_block}")
-        want = (triton.cdiv(N, w_block), triton.cdiv(K, w_block))
-        if tuple(w_scale.shape) != want or w_scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-            raise ValueError(f"gemv: w_scale must be E8M0 bytes {list(want)} for w {list(w.shape)} in "
-                             f"{w_block} x {w_block} tiles, got {w_scale.dtype} {list(w_scale.shape)}")
     if T > MAX_ROWS:
         raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
     if out is None:
@@ -218,19 +191,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         x, act_block = fp8_act_quant(x, act_block), 0
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    if fp8_weight:  # the kernel reads bytes and decodes them (Triton takes no float8_e4m3fn / e8m0 pointers on CPU)
-        w, w_scale = w.view(torch.uint8), w_scale.contiguous().view(torch.uint8)
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
-        x, w, w if w_scale is None else w_scale, out, part, part if counters is None else counters, T, N, K,
-        x.stride(0), w.stride(0), 0 if w_scale is None else w_scale.stride(0), out.stride(0), k_piece,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
         ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
-        W_BLOCK=w_block if fp8_weight else 0, W_SUB=min(config.block_k, w_block) if fp8_weight else 1,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages)

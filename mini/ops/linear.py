@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mini import switches
 from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
 from mini.formats.quant import fake_quant_enabled, quant_fp8
 from mini.ops import deterministic, use_fast
@@ -105,9 +104,7 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
-        act_block = w.block if fake_quant_enabled() else 0
-        y = decode_gemv_fp8(x, w, act_block)
-        return y if y is not None else dense_bf16(x, w.prepare(torch.bfloat16), act_block=act_block)
+        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0)
     return blockwise_gemm(x, w).to(x.dtype)
 
 
@@ -116,37 +113,12 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Te
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. The deterministic mode
     keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
-    y = _decode_gemv(x, w, act_block)
-    return y if y is not None else F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
-
-
-def decode_gemv_fp8(x: torch.Tensor, w: QWeight, act_block: int) -> torch.Tensor | None:
-    """F.linear(x, w's bf16 copy) by the decode GEMV reading w's FP8 bytes and scales (the same bits from half the
-    read), where MINI_GEMV_WEIGHTS=fp8 asks for it, w is FP8 and the GEMV takes the call (`_decode_gemv`); None
-    elsewhere. x is fake-quantized in 1 x act_block groups first when act_block > 0."""
-    if w.kind != "fp8" or not reads_fp8_weights():
-        return None
-    return _decode_gemv(x, w.data, act_block, w.scale, w.block)
-
-
-def reads_fp8_weights() -> bool:
-    """Whether decode GEMVs read FP8 weights as stored (MINI_GEMV_WEIGHTS=fp8): callers that stack weights for one
-    GEMV stack their FP8 form too (`stack_fp8`)."""
-    return switches.current().gemv_weights == "fp8"
-
-
-def _decode_gemv(x: torch.Tensor, w: torch.Tensor, act_block: int, w_scale: torch.Tensor | None = None,
-                 w_block: int = 0) -> torch.Tensor | None:
-    """The decode GEMV's F.linear(x, w) (an FP8 w with its scales: decoded in the kernel) where it takes the call:
-    1 to GEMV_MAX_TOKENS rows, not the deterministic mode, a device it runs on; None elsewhere."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= GEMV_MAX_TOKENS or deterministic():
-        return None
-    from mini.kernels.gemv import gemv, runs_on
-    if not runs_on(x):  # Triton 3.6's interpreter
-        return None
-    y = gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block, w_scale=w_scale, w_block=w_block)
-    return y.view(*x.shape[:-1], w.shape[0])
+    if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
+        from mini.kernels.gemv import gemv, runs_on
+        if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
+            return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
+    return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -186,22 +158,6 @@ def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
         w._dequant[dtype] = stack[row:row + w.out_features]
         row += w.out_features
     return stack
-
-
-def stack_fp8(ws: list[QWeight]) -> QWeight | None:
-    """FP8 weights of one input stacked along the output dimension as one FP8 QWeight (bytes and scales), each
-    weight's bytes and scales becoming views into the stack (held once); None where they are not all FP8 of one
-    block or a weight but the last ends inside a scale tile (its rows would share the next one's scales)."""
-    block = ws[0].block
-    if any(w.kind != "fp8" or w.block != block for w in ws) or any(w.out_features % block for w in ws[:-1]):
-        return None
-    stacked = QWeight("fp8", torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws]), block)
-    row = 0
-    for w in ws:
-        n = w.out_features
-        w.data, w.scale = stacked.data[row:row + n], stacked.scale[row // block:(row + n + block - 1) // block]
-        row += n
-    return stacked
 
 
 def _fast_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:

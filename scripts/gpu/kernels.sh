@@ -114,9 +114,8 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
 phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; cap it at 200): `mini bench kernels
     # --only decode_gemv` (bench.log, kernels_decode_gemv.json): us per call in a CUDA graph, cuBLAS at B = 1, 16, 64
     # on V4.1's projection shapes against the decode GEMV's candidate tilings at B = 1, 16 (frac_copy_peak,
-    # same_as_cublas), an FP8 linear's quant pass + cuBLAS against the GEMV with the quant fused, and the GEMV reading
-    # the FP8 bytes (fp8_frac_copy_peak, same_as_bf16_copy); then the GEMV's gpu tests (tests.log: V4.1 shapes at
-    # T = 1, 3, 16, every candidate, FP8 weights == their bf16 copies, CUDA-graph replays)
+    # same_as_cublas), and an FP8 linear's quant pass + cuBLAS against the GEMV with the quant fused; then the GEMV's
+    # gpu tests (tests.log: V4.1 shapes at T = 1, 3, 16, every candidate, CUDA-graph replays)
     local rc=0
     timeout 130 python3 -m mini.bench.kernels --only decode_gemv --json "$PHASE_DIR/kernels_decode_gemv.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1

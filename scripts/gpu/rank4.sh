@@ -17,20 +17,6 @@ phase_rank4_ab() {  # rank4 A/B of two revisions, interleaved (~100 s a run): fi
         --out "$PHASE_DIR" -- ${AB_ARGS:---steps 5 --warmup 1}
 }
 
-phase_gemv_fp8_ab() {  # issue 28 item 1 (<= 400 s at AB_REPEAT=2, not yet run): the decode GEMV reading FP8 weights
-    # (MINI_GEMV_WEIGHTS=fp8) against their bf16 copies, one revision on both sides (`python3 tools/bench_rev.py pack
-    # HEAD` here, carry .cache/bench_rev), rank4-decode at B = 1, 16 x 4K (the GEMV takes <= 16 rows). Look at:
-    # summary.json metrics b1_c4096.ms_per_step ratio (B/A < 1: the FP8 read is faster), b16_c4096 likewise.
-    local b=.cache/bench_rev/HEAD.tar.gz
-    if [ ! -f "$b" ]; then
-        echo "gemv_fp8_ab: no HEAD tarball; run 'python3 tools/bench_rev.py pack HEAD' and carry .cache/bench_rev"
-        return 2
-    fi
-    # shellcheck disable=SC2086
-    python3 tools/bench_rev.py run "$b" "$b" --suite rank4-decode --repeat "${AB_REPEAT:-2}" --out "$PHASE_DIR" \
-        --env-b MINI_GEMV_WEIGHTS=fp8 -- ${AB_ARGS:---batch 1,16 --context 4096 --steps 10 --warmup 3 --profile-steps 0}
-}
-
 phase_profile() {  # rank4 per stage (~60 s at 5 steps): rank4.json, profile.json (the bundle leaves out trace.json.gz)
     python3 -m mini.cli profile --suite rank4 --steps "${PROFILE_STEPS:-5}" --warmup 1 --out "$PHASE_DIR"
 }

@@ -143,52 +143,6 @@ def test_bad_input_is_refused():
     assert gemv(x[:0], w).shape == (0, 8)
 
 
-def _fp8_weight(N, K, block, device, seed=0):
-    """An FP8 weight as a checkpoint holds it: e4m3 bytes and E8M0 scales per block x block tile (tiles of scales
-    2^-10..2^5 apart, so that a wrong tile's scale shows), and its bf16 copy (dequant_fp8, the fast path's)."""
-    from mini.formats import dequant_fp8, quantize_fp8
-    g = torch.Generator().manual_seed(seed)
-    tiles = torch.exp2(torch.randint(-10, 6, (-(-N // block), -(-K // block)), generator=g).float())
-    w = torch.randn(N, K, generator=g) / K ** 0.5 * tiles.repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
-    q, scale = quantize_fp8(w, block)
-    return q.to(device), scale.to(device), dequant_fp8(q, scale, block, torch.bfloat16).to(device)
-
-
-@pytest.mark.parametrize("block", [16, 32, 128], ids=["2 scales a step", "1 scale a step", "4 steps a scale"])
-@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
-def test_fp8_weight_is_the_gemv_of_its_bf16_copy_interpreted(interpreter, block, config):
-    """The FP8 bytes decoded in the kernel give the bits of the GEMV on the dequantized bf16 copy: every tile's
-    scale found, N and K tails (K = 40: a partial step and a partial scale tile), splits, the fused act quant."""
-    for T, N, K in ((1, 37, 320), (3, 100, 96), (16, 150, 40)):
-        x = _operands(T, N, K, "cpu", seed=N)[0]
-        q, scale, copy = _fp8_weight(N, K, block, "cpu", seed=K)
-        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
-        y = gemv(x, q, out=out, config=config, w_scale=scale, w_block=block)
-        assert y is out and torch.equal(y, gemv(x, copy, config=config)), (T, N, K)
-        assert torch.equal(gemv(x, q, config=config, w_scale=scale.view(torch.float8_e8m0fnu), w_block=block), y)
-        if K % 32 == 0:
-            assert torch.equal(gemv(x, q, config=config, act_block=32, w_scale=scale, w_block=block),
-                               gemv(x, copy, config=config, act_block=32))
-    wrong = scale.clone()
-    wrong[-1, -1] += 1  # one tile's scale doubled: its outputs change
-    assert not torch.equal(gemv(x, q, config=config, w_scale=wrong, w_block=block), y)
-
-
-def test_fp8_weight_bad_input_is_refused():
-    x = _operands(2, 8, 64, "cpu")[0]
-    q, scale, copy = _fp8_weight(8, 64, 32, "cpu")
-    with pytest.raises(ValueError, match="needs its w_scale"):
-        gemv(x, q)
-    with pytest.raises(ValueError, match="takes neither"):
-        gemv(x, copy, w_scale=scale, w_block=32)
-    with pytest.raises(ValueError, match="power of two"):
-        gemv(x, q, w_scale=scale, w_block=24)
-    with pytest.raises(ValueError, match="E8M0 bytes \\[1, 1\\]"):
-        gemv(x, q, w_scale=scale, w_block=64)  # the scales of 32 x 32 tiles are not those of 64 x 64 ones
-    with pytest.raises(ValueError, match="E8M0 bytes"):
-        gemv(x, q, w_scale=scale.float(), w_block=32)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES)
 def test_gemv_at_v41_shapes_gpu(N, K):
@@ -210,27 +164,6 @@ def test_gemv_at_v41_shapes_gpu(N, K):
     assert torch.equal(y32.bfloat16(), gemv(x, w))
     spread = x.double().abs() @ w.double().abs().T
     assert ((y32.double() - x.double() @ w.double().T).abs() <= spread * 1e-5).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", V41_SHAPES)
-def test_fp8_weight_at_v41_shapes_gpu(N, K):
-    """Compiled, at V4.1's projection shapes (32 x 32 scale tiles): the FP8 bytes give the bf16 copy's GEMV bits,
-    with and without the fused act quant, and in a CUDA graph's replay."""
-    q, scale, copy = _fp8_weight(N, K, 32, "cuda")
-    for T in (1, 3, 16):
-        x = _operands(T, N, K, "cuda", seed=T)[0]
-        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        assert torch.equal(gemv(x, q, out=out, w_scale=scale, w_block=32), gemv(x, copy))
-        assert torch.equal(gemv(x, q, act_block=32, w_scale=scale, w_block=32), gemv(x, copy, act_block=32))
-    eager = gemv(x, q, w_scale=scale, w_block=32)
-    out = torch.full_like(eager, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv(x, q, out=out, w_scale=scale, w_block=32)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu
@@ -318,34 +251,3 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast
     with mini.ops.deterministic_mode():  # keeps its batch-invariant GEMMs
         linear(x, w)
     assert gemv_calls == [(6, 160), (3, 160), (3, 160)]
-
-
-def test_linear_reads_the_fp8_bytes_under_the_switch_interpreted(interpreter, fast_interpreted, gemv_calls,
-                                                                 monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8: an FP8 weight's decode GEMV reads the checkpoint's bytes and scales, with the same
-    output bits as from its bf16 copy (the default); bf16 weights and prefill-sized calls are as before."""
-    from mini.formats import quantize_fp8
-    from mini.ops.linear import QWeight, linear
-    torch.manual_seed(0)
-    q, s = quantize_fp8(torch.randn(72, 160) * 0.05, 32)
-    w = QWeight("fp8", q, s.view(torch.float8_e8m0fnu), 32)
-    x = (torch.randn(2, 3, 160) * 2).bfloat16()
-    from_copy = linear(x, w)
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
-    import mini.kernels.gemv as module
-    weights = []
-    real = module.gemv
-
-    def seen(x, w, **kw):
-        weights.append(w.dtype)
-        return real(x, w, **kw)
-    monkeypatch.setattr(module, "gemv", seen)
-    assert torch.equal(linear(x, w), from_copy)
-    assert weights == [torch.float8_e4m3fn]
-    linear(x[0], QWeight("bf16", torch.randn(24, 160).bfloat16(), None, 32))
-    assert weights == [torch.float8_e4m3fn, torch.bfloat16]
-    linear(torch.randn(17, 160).bfloat16(), w)  # more rows than the GEMV takes: F.linear on the bf16 copy
-    assert len(weights) == 2
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp16")
-    with pytest.raises(ValueError, match="MINI_GEMV_WEIGHTS='fp16': choose bf16 or fp8"):
-        linear(x, w)

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
 import mini.ops
 from mini.checkpoint.make import random_state
@@ -393,43 +392,6 @@ def test_shared_expert_fast_path_matches_expert_ffn_interpreter(tiny, monkeypatc
     assert (out == ref).float().mean() > 0.9
 
 
-def test_shared_expert_reads_fp8_bytes_at_decode_rows_under_the_switch_interpreter(tiny, monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8: at decode row counts the shared expert's two GEMMs are the decode GEMV reading the FP8
-    bytes (w1 and w3 stacked, their bytes then views of the stack), bit for bit the GEMV on the bf16 copies; more
-    rows keep cuBLAS on the bf16 copies."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test: the gpu tests cover the compiled kernels")
-    from mini.kernels import gemv as gemv_mod
-    if not gemv_mod.runs_on(torch.empty(0)):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the GEMV (its gpu tests cover 3.6)")
-    import mini.ops.linear as linear_mod
-    import mini.ops.moe as moe_mod
-    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    cfg, state = tiny
-    monkeypatch.setattr(moe_mod, "use_fast", lambda *t: True)
-    monkeypatch.setattr(linear_mod, "use_fast", lambda *t: True)
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
-    w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
-    w1, w2 = w.shared_w1, w.shared_w2
-    assert w1.kind == "fp8" and w1.out_features % w1.block == 0  # the premise: the stack's tiles line up
-    seen, real = [], gemv_mod.gemv
-
-    def spy(x, weight, **kw):
-        seen.append(weight.dtype)
-        return real(x, weight, **kw)
-    monkeypatch.setattr(gemv_mod, "gemv", spy)
-    x = _x(5, cfg, torch.bfloat16, scale=3.0)
-    out = moe_mod._shared(x, w)
-    assert seen == [torch.float8_e4m3fn] * 2
-    assert w1.data.data_ptr() == w._shared_w13_fp8.data.data_ptr()  # a view of the stack, not a copy
-    inter = w1.out_features
-    gu = real(x, w._shared_w13, act_block=w1.block)
-    h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block)
-    assert torch.equal(out, real(h, w2.prepare(torch.bfloat16)))
-    moe_mod._shared(_x(17, cfg, torch.bfloat16), w)  # prefill-sized: cuBLAS on the bf16 copies
-    assert len(seen) == 2
-
-
 def _shared_case(device):
     cfg = preset("v4.1-flash")
     g = torch.Generator(device="cpu").manual_seed(3)
@@ -439,26 +401,6 @@ def _shared_case(device):
         data, scale = quantize_fp8(torch.randn(out, inp, generator=g) / inp ** 0.5, 32)
         return QWeight("fp8", data.to(device), scale.to(device), 32)
     return cfg, fp8(inter, D), fp8(inter, D), fp8(D, inter), (torch.randn(333, D, generator=g) * 2).bfloat16()
-
-
-@pytest.mark.gpu
-def test_shared_expert_reads_fp8_bytes_gpu(monkeypatch):
-    """At V4.1-Flash's width, T = 1 and 16 under MINI_GEMV_WEIGHTS=fp8: the shared expert from the FP8 bytes is the
-    decode GEMV on the bf16 copies, bit for bit (compiled)."""
-    import mini.ops.moe as moe_mod
-    from mini.kernels.gemv import gemv
-    from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
-    cfg, w1, w3, w2, x = _shared_case("cuda")
-    w = MoEWeights(gate=None, bias=None, bias_vl=None, tid2eid=None, experts=range(0), w1=w1, w3=w3, w2=w2,
-                   shared_w1=w1, shared_w3=w3, shared_w2=w2, swiglu_limit=cfg.swiglu_limit)
-    for T in (1, 16):
-        xt = x[:T].cuda()
-        out = moe_mod._shared(xt, w)
-        assert w._shared_w13_fp8
-        gu = gemv(xt, w._shared_w13, act_block=32)
-        h = swiglu_rows(gu[:, :cfg.moe_inter_dim], gu[:, cfg.moe_inter_dim:], None, None, cfg.swiglu_limit, 32)
-        assert torch.equal(out, gemv(h, w2.prepare(torch.bfloat16))), T
 
 
 @pytest.mark.gpu
