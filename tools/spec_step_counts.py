@@ -1,24 +1,115 @@
-"""What the acceptance rule does where drafts fail, counted (not timed): the steps of an offline run of
-tiny-v4.1-dspark (random weights: its DSpark drafts are rarely right) with `--speculative dspark`, by kind.
+"""What speculation does where drafts fail: the steps of an offline run of tiny-v4.1-dspark (random weights: its
+DSpark drafts are rarely right) by kind, counted, and on a GPU timed, with parts of speculation turned off to see
+what each costs.
 
 `--requests` prompts of `--input-len` random tokens (seeded), `--output-len` greedy tokens each (EOS ignored), all
 added at once, then `--late` more added when the first ones are `--late-after` steps into decode (a request that
-arrives after the others' drafts failed). Printed: the engine's steps, the steps that verified drafts (the
-Speculation's `step`) and those that ran as plain decode, the drafted and accepted tokens. A step that verifies costs
-a draft forward and 1 + k rows a sequence where plain decode costs one row; where drafts fail, every verify step is
-time lost (docs/engine.md, "The draft length"). `--src DIR` imports mini from another checkout (an older rule,
-A/B in one job).
+arrives after the others' drafts failed). Printed per variant: the engine's steps, the steps that verified drafts
+(the Speculation's `step`) and those that ran as plain decode, the drafted and accepted tokens; the steps by kind and
+their host seconds (EngineStats.kind_steps / kind_seconds: with overlap a step() call is about one step's period),
+the output tokens/s of each run (`--repeat`). A step that verifies costs a draft forward and 1 + k rows a sequence
+where plain decode costs one row; where drafts fail, every verify step is time lost (docs/engine.md, "The draft
+length"). `--src DIR` imports mini from another checkout (an older rule, A/B in one job; the counts only).
 
-    python3 tools/spec_step_counts.py                    # report 017 (docs/perf/)
+Variants (`--variants`, comma-separated, each its own engine; the last three are diagnostics that change the
+engine in this process only, never in mini):
+  plain           no speculation
+  dspark          --speculative dspark as served
+  no-ring-writes  dspark, but steps after which nobody drafts skip the drafter (DSpark's ring writes): the cost of
+                  keeping the rings current (its drafts then read stale rings: acceptance is not this variant's)
+  no-probes       dspark without the probes every PROBE_EVERY steps
+  cold-start      dspark whose engine-wide acceptance starts as if drafts had failed (no first round of drafts)
+
+On CUDA each engine first runs the serving warm-up (mini.engine.warmup: kernels built, graphs captured, counters
+reset), as `mini serve` does, then the workload `--repeat` times, timed (fresh prompts each time).
+
+    python3 tools/spec_step_counts.py                    # report 017 (docs/perf/): counts on the CPU
     python3 tools/spec_step_counts.py --src /tmp/old     # the same workload on an older revision's rule
+    python3 tools/spec_step_counts.py --device cuda --repeat 3 --variants plain,dspark,no-ring-writes,no-probes,cold-start
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import statistics
 import sys
+import time
 from pathlib import Path
+
+VARIANTS = ("plain", "dspark", "no-ring-writes", "no-probes", "cold-start")
+
+
+def run_variant(variant: str, workloads: list[tuple[list, list]], args) -> dict:
+    """`variant`'s engine runs each (early prompts, late prompts) workload in turn (its counters and the engine's
+    acceptance reset before each, as after the serving warm-up); the counts are the last run's, the speed the
+    median run's."""
+    import torch
+
+    import mini.engine.speculative as speculative
+    from mini.engine.llm import LLM
+    from mini.engine.sequence import SamplingParams
+
+    cuda = args.device == "cuda"
+    opts = dict(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32,
+                block_tokens=128 if cuda else 16, **({"num_blocks": 1024} if cuda else {}))  # (engines one by one)
+    llm = LLM("tiny-v4.1-dspark", **opts, **({} if variant == "plain" else {"speculative": "dspark"}))
+    engine = llm.engine
+    if cuda:
+        from mini.engine.warmup import warm_up
+        warm_up(engine)
+    counts = {"verify": 0, "plain": 0}
+    if engine.spec is not None:
+        for kind, name in (("verify", "step"), ("plain", "plain_step")):
+            wrapped = getattr(engine.spec, name)
+
+            def counted(plan, _wrapped=wrapped, _kind=kind):
+                counts[_kind] += 1
+                return _wrapped(plan)
+            setattr(engine.spec, name, counted)
+    probe_every = speculative.PROBE_EVERY
+    if variant == "no-ring-writes":
+        draft = engine.runner.draft
+        engine.runner.draft = lambda drafter, commits: (
+            [[] for _ in commits] if all(c.max_draft == 0 for c in commits) else draft(drafter, commits))
+    elif variant == "no-probes":
+        speculative.PROBE_EVERY = 1 << 30
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    speeds = []
+    try:
+        for n, (early, late) in enumerate(workloads):
+            if n or cuda:  # (the CPU's first run is the engine's first: nothing to forget)
+                engine.warmed_up(engine.warmup_s or 0.0)
+            counts.update(verify=0, plain=0)
+            if variant == "cold-start":
+                engine.spec.pool = speculative.DraftRecord(hits=0.0, misses=10.0)
+            start, steps, tokens = time.perf_counter(), 0, 0
+            for i, p in enumerate(early):
+                engine.add_request(f"{n}-early-{i}", p, params)
+            while engine.has_work() or late:
+                if late and engine.stats.steps >= args.late_after:
+                    for i, p in enumerate(late):
+                        engine.add_request(f"{n}-late-{i}", p, params)
+                    late = []
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+                steps += 1
+            if cuda:
+                torch.cuda.synchronize()
+            speeds.append(tokens / (time.perf_counter() - start))
+    finally:
+        speculative.PROBE_EVERY = probe_every
+        engine.close()
+    st = engine.stats
+    result = {"variant": variant, "steps": steps, "verify_steps": counts["verify"], "plain_decode_steps":
+              counts["plain"], "drafted_tokens": st.spec.drafted_tokens, "accepted_tokens": st.spec.accepted_tokens}
+    if hasattr(st, "kind_steps"):  # (not in an older checkout's engine)
+        result |= {"steps_by_kind": st.kind_steps, "ms_by_kind": {k: round(1000 * s, 3)
+                                                                 for k, s in st.kind_seconds.items()}}
+    if cuda:
+        result |= {"output_tok_s": round(statistics.median(speeds), 1), "output_tok_s_runs": [round(x, 1)
+                                                                                           for x in speeds]}
+    return result
 
 
 def main(argv=None) -> int:
@@ -29,43 +120,28 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: warmed up as served, and timed")
+    p.add_argument("--repeat", type=int, default=1, help="workloads run in turn by each variant's engine")
+    p.add_argument("--variants", default="dspark", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--src", type=Path, default=Path(__file__).resolve().parents[1], help="the mini checkout")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     sys.path.insert(0, str(args.src))
-    import torch
-
-    from mini.engine.llm import LLM
-    from mini.engine.sequence import SamplingParams
-
     rng = random.Random(args.seed)
-    prompt = lambda: [rng.randrange(5, 500) for _ in range(args.input_len)]  # noqa: E731
-    llm = LLM("tiny-v4.1-dspark", device="cpu", dtype=torch.float32, block_tokens=16, speculative="dspark")
-    engine, counts = llm.engine, {"verify": 0, "plain": 0}
-    for kind, name in (("verify", "step"), ("plain", "plain_step")):
-        wrapped = getattr(engine.spec, name)
-
-        def counted(plan, _wrapped=wrapped, _kind=kind):
-            counts[_kind] += 1
-            return _wrapped(plan)
-        setattr(engine.spec, name, counted)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i in range(args.requests):
-        engine.add_request(f"early-{i}", prompt(), params)
-    late, steps = args.late, 0
-    while engine.has_work() or late:
-        if late and counts["verify"] + counts["plain"] >= args.late_after:
-            for i in range(late):
-                engine.add_request(f"late-{i}", prompt(), params)
-            late = 0
-        engine.step()
-        steps += 1
-    spec = engine.stats.spec
-    result = {"src": str(args.src), "steps": steps, "verify_steps": counts["verify"],
-              "plain_decode_steps": counts["plain"], "drafted_tokens": spec.drafted_tokens,
-              "accepted_tokens": spec.accepted_tokens, "workload": {k: v for k, v in vars(args).items()
-                                                                   if k not in ("src", "json")}}
-    print(json.dumps(result, indent=1))
+    workloads = []  # fresh prompts for each repetition (no prefix-cache hits across them)
+    for _ in range(args.repeat):
+        prompts = [[rng.randrange(5, 500) for _ in range(args.input_len)] for _ in range(args.requests + args.late)]
+        workloads.append((prompts[:args.requests], prompts[args.requests:]))
+    runs = []
+    for v in variants:
+        runs.append(run_variant(v, workloads, args))
+        print(json.dumps(runs[-1]), flush=True)
+        gc.collect()  # the engine's graphs and pools before the next one's
+    workload = {k: v for k, v in vars(args).items() if k not in ("src", "json", "variants")}
+    result = {"src": str(args.src), **runs[0], "runs": runs, "workload": workload}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

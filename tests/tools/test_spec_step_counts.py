@@ -14,3 +14,20 @@ def test_spec_step_counts_counts_every_step(tmp_path):
     assert r["steps"] >= 6 + 12  # the late requests decode their 12 tokens after step 6 at least
     assert r["verify_steps"] >= 1 and r["drafted_tokens"] >= r["accepted_tokens"] >= 0
     assert r["workload"]["late"] == 2 and r["workload"]["requests"] == 3
+
+
+def test_variants_run_the_same_workload_each_on_its_own_engine(tmp_path):
+    """plain speculates nothing; cold-start never drafts (the engine's acceptance starts as if drafts had failed);
+    no-ring-writes drafts as dspark does (only the rings it reads differ); every variant takes the same steps, and
+    its steps by kind add up to them."""
+    out = tmp_path / "variants.json"
+    assert spec_step_counts.main(["--requests", "3", "--input-len", "9", "--output-len", "10", "--variants",
+                                  "plain,dspark,no-ring-writes,cold-start", "--json", str(out)]) == 0
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["plain"]["verify_steps"] == 0 and runs["plain"]["drafted_tokens"] == 0
+    assert runs["cold-start"]["verify_steps"] == 0 and runs["cold-start"]["plain_decode_steps"] > 0
+    assert runs["dspark"]["verify_steps"] >= 1 and runs["dspark"]["drafted_tokens"] > 0
+    assert runs["no-ring-writes"]["verify_steps"] == runs["dspark"]["verify_steps"]
+    for r in runs.values():
+        assert sum(r["steps_by_kind"].values()) == r["steps"], r
+        assert set(r["ms_by_kind"]) == set(r["steps_by_kind"])
