@@ -18,14 +18,15 @@ engine in this process only, never in mini):
   no-ring-writes  dspark, but steps after which nobody drafts skip the drafter (DSpark's ring writes): the cost of
                   keeping the rings current (its drafts then read stale rings: acceptance is not this variant's)
   no-probes       dspark without the probes every PROBE_EVERY steps
-  cold-start      dspark whose engine-wide acceptance starts as if drafts had failed (no first round of drafts)
+  fresh-alpha     dspark whose engine-wide acceptance is forgotten before each run (a fresh engine's: full drafts
+                  at first, as the serving warm-up left it before docs/perf/018)
 
 On CUDA each engine first runs the serving warm-up (mini.engine.warmup: kernels built, graphs captured, counters
 reset), as `mini serve` does, then the workload `--repeat` times, timed (fresh prompts each time).
 
     python3 tools/spec_step_counts.py                    # report 017 (docs/perf/): counts on the CPU
     python3 tools/spec_step_counts.py --src /tmp/old     # the same workload on an older revision's rule
-    python3 tools/spec_step_counts.py --device cuda --repeat 3 --variants plain,dspark,no-ring-writes,no-probes,cold-start
+    python3 tools/spec_step_counts.py --device cuda --repeat 3 --variants plain,dspark,no-ring-writes,no-probes,fresh-alpha
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("plain", "dspark", "no-ring-writes", "no-probes", "cold-start")
+VARIANTS = ("plain", "dspark", "no-ring-writes", "no-probes", "fresh-alpha")
 
 
 def run_variant(variant: str, workloads: list[tuple[list, list]], args) -> dict:
@@ -82,8 +83,8 @@ def run_variant(variant: str, workloads: list[tuple[list, list]], args) -> dict:
             if n or cuda:  # (the CPU's first run is the engine's first: nothing to forget)
                 engine.warmed_up(engine.warmup_s or 0.0)
             counts.update(verify=0, plain=0)
-            if variant == "cold-start":
-                engine.spec.pool = speculative.DraftRecord(hits=0.0, misses=10.0)
+            if variant == "fresh-alpha":
+                engine.spec.pool = speculative.DraftRecord()
             start, steps, tokens = time.perf_counter(), 0, 0
             for i, p in enumerate(early):
                 engine.add_request(f"{n}-early-{i}", p, params)

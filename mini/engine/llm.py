@@ -264,12 +264,13 @@ class LLMEngine:
         self.blocks.stats = PrefixCacheStats()
 
     def warmed_up(self, seconds: float) -> None:
-        """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters, and its
-        random prompts' acceptance leaves speculation's engine-wide α."""
+        """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters. Its drafts'
+        acceptance stays in speculation's engine-wide α (`Speculation.pool`): where they failed, the first
+        requests draft nothing until a probe pays, instead of a round of full drafts beside the burst's prefill
+        steps (tiny-v4.1-dspark on the H200: that round cost more than every other part of speculation,
+        docs/perf/018)."""
         self.warmup_s = seconds
         self.reset_stats()
-        if self.spec is not None:
-            self.spec.reset()
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:

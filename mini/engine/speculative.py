@@ -201,7 +201,7 @@ class Speculation:
         self.engine, self.drafter, self.max_draft, self.max_rows = engine, drafter, max_draft, max_rows
         self.forced, self.adaptive = forced, adaptive
         # every sequence's verify outcomes, a step at a time: the engine's α, beside which each sequence's own
-        # evidence is read (none yet: 1, full drafts); `reset` after the warm-up, whose prompts are not the traffic
+        # evidence is read (none yet: 1, full drafts); the serving warm-up's drafts count as any (docs/engine.md)
         self.pool = DraftRecord()
         self.steps = 0  # steps run, verify steps and plain ones (`plain_step`): the probes' clock
 
@@ -213,10 +213,6 @@ class Speculation:
         if self.max_rows is None or decoding == 0:
             return self.max_draft
         return max(0, min(self.max_draft, self.max_rows // decoding - 1))
-
-    def reset(self) -> None:
-        """Forget the engine's α (LLMEngine.warmed_up: the warm-up's random prompts say nothing of real traffic)."""
-        self.pool = DraftRecord()
 
     @property
     def engine_alpha(self) -> float:

@@ -114,10 +114,10 @@ phase_spec_tiny() {  # issue 27 item 6 (<= 150 s, not yet run): tiny-v4.1-dspark
 
 phase_spec_overhead() {  # issue 27 (<= 200 s, not yet run): where speculation's time goes where drafts fail, offline
     # on tiny-v4.1-dspark (64 x 128 in / 64 out, burst; tools/spec_step_counts.py): plain, dspark as served, and
-    # dspark without its ring writes after draft-free steps / without probes / with a cold start (diagnostics),
+    # dspark without its ring writes after draft-free steps / without probes / with a fresh α each run (diagnostics),
     # each warmed up as served, then 3 timed runs. Look at: spec_overhead.json runs[].output_tok_s, ms_by_kind,
     # steps_by_kind (per kind: step_ms = ms / steps).
     python3 tools/spec_step_counts.py --device cuda --repeat "${SPEC_OVERHEAD_REPEAT:-3}" \
-        --variants "${SPEC_OVERHEAD_VARIANTS:-plain,dspark,no-ring-writes,no-probes,cold-start}" \
+        --variants "${SPEC_OVERHEAD_VARIANTS:-plain,dspark,no-ring-writes,no-probes,fresh-alpha}" \
         --json "$PHASE_DIR/spec_overhead.json"
 }

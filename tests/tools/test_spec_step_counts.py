@@ -17,16 +17,16 @@ def test_spec_step_counts_counts_every_step(tmp_path):
 
 
 def test_variants_run_the_same_workload_each_on_its_own_engine(tmp_path):
-    """plain speculates nothing; cold-start never drafts (the engine's acceptance starts as if drafts had failed);
-    no-ring-writes drafts as dspark does (only the rings it reads differ); every variant takes the same steps, and
-    its steps by kind add up to them."""
+    """plain speculates nothing; no-ring-writes drafts as dspark does (only the rings it reads differ); a second run
+    on dspark's engine starts from the first's acceptance (drafts failed: only probes), fresh-alpha's afresh (full
+    drafts first); every variant's steps by kind add up to its steps."""
     out = tmp_path / "variants.json"
-    assert spec_step_counts.main(["--requests", "3", "--input-len", "9", "--output-len", "10", "--variants",
-                                  "plain,dspark,no-ring-writes,cold-start", "--json", str(out)]) == 0
+    assert spec_step_counts.main(["--requests", "3", "--input-len", "9", "--output-len", "10", "--repeat", "2",
+                                  "--variants", "plain,dspark,no-ring-writes,fresh-alpha", "--json", str(out)]) == 0
     runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs["plain"]["verify_steps"] == 0 and runs["plain"]["drafted_tokens"] == 0
-    assert runs["cold-start"]["verify_steps"] == 0 and runs["cold-start"]["plain_decode_steps"] > 0
-    assert runs["dspark"]["verify_steps"] >= 1 and runs["dspark"]["drafted_tokens"] > 0
+    assert runs["fresh-alpha"]["verify_steps"] >= 1 and runs["fresh-alpha"]["drafted_tokens"] >= 3 * 5
+    assert runs["dspark"]["drafted_tokens"] < runs["fresh-alpha"]["drafted_tokens"]
     assert runs["no-ring-writes"]["verify_steps"] == runs["dspark"]["verify_steps"]
     for r in runs.values():
         assert sum(r["steps_by_kind"].values()) == r["steps"], r
