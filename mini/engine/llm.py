@@ -267,8 +267,7 @@ class LLMEngine:
         """The serving warm-up ran (mini.engine.warmup) in `seconds`: its steps leave the counters. Its drafts'
         acceptance stays in speculation's engine-wide α (`Speculation.pool`): where they failed, the first
         requests draft nothing until a probe pays, instead of a round of full drafts beside the burst's prefill
-        steps (tiny-v4.1-dspark on the H200: that round cost more than every other part of speculation,
-        docs/perf/018)."""
+        steps (docs/engine.md, "The draft length")."""
         self.warmup_s = seconds
         self.reset_stats()
 
