@@ -43,9 +43,9 @@ VARIANTS = ("plain", "dspark", "no-ring-writes", "no-probes", "fresh-alpha")
 
 
 def run_variant(variant: str, workloads: list[tuple[list, list]], args) -> dict:
-    """`variant`'s engine runs each (early prompts, late prompts) workload in turn (its counters and the engine's
-    acceptance reset before each, as after the serving warm-up); the counts are the last run's, the speed the
-    median run's."""
+    """`variant`'s engine runs each (early prompts, late prompts) workload in turn, its counters reset before each
+    as after the serving warm-up (the engine's acceptance carries over from the run before, but fresh-alpha's);
+    the counts are the last run's, the speed the median run's."""
     import torch
 
     import mini.engine.speculative as speculative
