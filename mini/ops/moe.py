@@ -363,9 +363,19 @@ def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input
     """The whole MoE FFN on one device (all experts local, or EP without exchange), in x.dtype; `step`: the step's
     plan (mini.ops.step_plan: its gate and experts' GEMMs), None: decided for this call."""
     weights, ids = gate(x, w, cfg, plan, input_ids, image_mask, step)
+    return experts_and_shared(x, x.shape[0], w, cfg, weights, ids, step)
+
+
+def experts_and_shared(x: torch.Tensor, own: int, w: MoEWeights, cfg: ModelConfig, weights: torch.Tensor,
+                       ids: torch.Tensor, step: StepPlan | None = None) -> torch.Tensor:
+    """`moe` after its gate, [own, D] in x.dtype: the routed experts over every row of x, kept for its first `own`
+    rows, plus the shared expert over those. own < rows: an EP rank's experts also serve rows routed from other
+    ranks (mini.testing.emulated_ep). The fast path sums the shared expert in the combine, last, and rounds once:
+    the same bits as the fp32 sum and cast of the other path."""
+    mine = x[:own]
     if _fast_ok(x, ids, w, step):
-        return _routed_fast(x, w, weights, ids, x.dtype, add=_shared(x, w))
-    return (routed(x, w, cfg, weights, ids, step=step) + shared(x, w)).to(x.dtype)
+        return _routed_fast(x, w, weights, ids, x.dtype, add=shared(mine, w, x.dtype))[:own]
+    return (routed(x, w, cfg, weights, ids, step=step)[:own] + shared(mine, w)).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)

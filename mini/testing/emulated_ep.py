@@ -97,13 +97,14 @@ class EmulatedEP:
             raise SuiteError(f"{suite}: no MoE layer ran through the EP emulation; the step is not an EP rank's")
         return pairs
 
-    def remote_rows(self, n: int, device) -> torch.Tensor:
-        """Row indices of the synthetic remote tokens: (ep - 1) fixed random orders of the own n rows."""
+    def rows_seen(self, n: int, device) -> torch.Tensor:
+        """Row indices of every token the local experts see: the own n rows, then the synthetic remote ones, (ep - 1)
+        fixed random orders of the own rows (one gather per tensor builds them)."""
         key = (n, str(device))
         if key not in self._orders:
             g = torch.Generator().manual_seed(self.seed)
             orders = [torch.randperm(n, generator=g) for _ in range(self.ep - 1)]
-            self._orders[key] = (torch.cat(orders) if orders else torch.zeros(0, dtype=torch.int64)).to(device)
+            self._orders[key] = torch.cat([torch.arange(n), *orders]).to(device)
         return self._orders[key]
 
     def skewed_ids(self, rows: int, w, cfg: ModelConfig, layer: int, device) -> torch.Tensor:
@@ -119,22 +120,20 @@ class EmulatedEP:
               image_mask: torch.Tensor | None = None):
         """(x, weights, ids) of every row the local experts see: own rows first, then the remote ones."""
         from mini.ops.moe import gate
-        rows = self.remote_rows(x.shape[0], x.device)
+        rows = self.rows_seen(x.shape[0], x.device)
         weights, ids = gate(x, w, cfg, plan, input_ids, image_mask)
-        x_all, weights_all = torch.cat([x, x[rows]]), torch.cat([weights, weights[rows]])
         if self.routing == "skewed":
-            ids_all = self.skewed_ids(x_all.shape[0], w, cfg, plan.layer, x.device)
+            ids_all = self.skewed_ids(rows.shape[0], w, cfg, plan.layer, x.device)
         else:
-            ids_all = torch.cat([ids, ids[rows]])
-        return x_all, weights_all, ids_all
+            ids_all = ids[rows]
+        return x[rows], weights[rows], ids_all
 
     def __call__(self, x: torch.Tensor, w, cfg: ModelConfig, plan, input_ids: torch.Tensor,
                  image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The exchange's contract (mini.parallel.exchange.MoEExchange): image rows gate with `bias_vl`."""
-        from mini.ops.moe import routed, shared
+        from mini.ops.moe import experts_and_shared
         x_all, weights, ids = self.route(x, w, cfg, plan, input_ids, image_mask)
         if self.recording:
             counts = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
             self.pairs[plan.layer] = counts[w.experts.start:w.experts.stop]
-        y = routed(x_all, w, cfg, weights, ids)[:x.shape[0]]
-        return (y + shared(x, w)).to(x.dtype)
+        return experts_and_shared(x_all, x.shape[0], w, cfg, weights, ids)

@@ -25,8 +25,10 @@ def test_emulated_ep_of_one_rank_is_the_plain_moe(tiny_moe):
 def test_emulated_ep_routes_synthetic_remote_rows_but_returns_own(tiny_moe):
     cfg, w = tiny_moe
     ep = EmulatedEP(4, 0)
-    rows = ep.remote_rows(9, "cpu")
-    assert rows.shape == (27,) and all(sorted(rows[i * 9:(i + 1) * 9].tolist()) == list(range(9)) for i in range(3))
+    rows = ep.rows_seen(9, "cpu")  # the own rows, then three orders of them
+    assert rows.shape == (36,) and rows[:9].tolist() == list(range(9))
+    assert all(sorted(rows[i * 9:(i + 1) * 9].tolist()) == list(range(9)) for i in range(1, 4))
+    assert not torch.equal(rows[9:18], rows[:9])
     x, ids = torch.randn(9, cfg.dim), torch.randint(0, cfg.vocab_size, (9,))
     # all experts are local here, so the own rows must equal the single-rank result (rows are independent)
     torch.testing.assert_close(ep(x, w, cfg, cfg.layers[3], ids), moe(x, w, cfg, cfg.layers[3], ids),
@@ -63,7 +65,7 @@ def test_uniform_routing_is_the_gate_over_all_rows_as_before(tiny_moe):
     g = torch.Generator().manual_seed(5)
     x, ids = torch.randn(13, cfg.dim, generator=g), torch.randint(0, cfg.vocab_size, (13,), generator=g)
     ep = EmulatedEP(4, 0)
-    rows = ep.remote_rows(13, "cpu")
+    rows = ep.rows_seen(13, "cpu")[13:]  # the remote rows
     x_old, ids_old = torch.cat([x, x[rows]]), torch.cat([ids, ids[rows]])
     weights_before, ids_before = gate(x_old, w, cfg, plan, ids_old)
     x_all, weights_now, ids_now = ep.route(x, w, cfg, plan, ids)
