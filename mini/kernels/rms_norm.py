@@ -22,13 +22,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, stride_x, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                      QUANT: tl.constexpr, QBLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     ok = (rows < R)[:, None] & (d < D)[None, :]
-    ptrs = rows.to(tl.int64)[:, None] * D + d[None, :]
-    x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
+    ptrs = rows.to(tl.int64)[:, None] * D + d[None, :]  # out is contiguous; x's rows may be strided
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + d[None, :], mask=ok, other=0.0).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)
     w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     y = (w[None, :] * (x * inv[:, None])).to(out_ptr.dtype.element_ty)
@@ -55,22 +55,25 @@ def tiles(D: int) -> tuple[int, int, int]:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: str | None = None,
              quant_block: int = 32) -> torch.Tensor:
     """mini.ops.norm.rms_norm over the last dim of x [..., D] (fp32 statistics, result in x.dtype), optionally
-    followed by the FP8 1×quant_block fake quant (quant='fp8'). `supported(x, weight)` must hold."""
+    followed by the FP8 1×quant_block fake quant (quant='fp8'). `supported(x, weight)` must hold. A 2-D x whose
+    rows are strided (a column slice of a stacked projection's output) is read in place; the output is contiguous."""
     if not supported(x, weight):
         raise ValueError(f"rms_norm kernel: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}: want float rows of 1..{MAX_D} "
                          "columns and a weight of one value per column on the same device")
     D = x.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    R = x.numel() // D
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x = x.reshape(-1, D)  # rows: a view where it can be
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R = x.shape[0]
     if not fake_quant_enabled():
         quant = None
     if quant is not None:
         assert D % quant_block == 0
     if R:
         block_d, block_r, num_warps = tiles(D)
-        _rms_norm_kernel[(triton.cdiv(R, block_r),)](x, weight.contiguous(), out, R, eps, D=D, BLOCK_D=block_d,
+        _rms_norm_kernel[(triton.cdiv(R, block_r),)](x, weight.contiguous(), out, R, x.stride(0), eps, D=D, BLOCK_D=block_d,
                                                      BLOCK_R=block_r, QUANT=kind_code(quant), QBLOCK=quant_block,
                                                      num_warps=num_warps)
     return out

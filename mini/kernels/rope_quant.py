@@ -17,19 +17,20 @@ from mini.kernels.quant import fake_quant_tile, kind_code
 
 @triton.jit
 def _rope_quant_kernel(
-    x_ptr, table_ptr, norm_w_ptr, out_ptr, R, heads, eps, sin_sign,
+    x_ptr, table_ptr, norm_w_ptr, out_ptr, R, heads, stride_n, stride_h, eps, sin_sign,
     D: tl.constexpr, RD: tl.constexpr, NOPE_P: tl.constexpr, BLOCK_R: tl.constexpr,
     NORM: tl.constexpr, QUANT: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     NOPE: tl.constexpr = D - RD
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    base = rows.to(tl.int64)[:, None] * D
+    base = rows.to(tl.int64)[:, None] * D  # out is contiguous; x's rows may be a strided view (a stacked GEMM's)
+    at = ((rows // heads).to(tl.int64) * stride_n + (rows % heads).to(tl.int64) * stride_h)[:, None]
     c = tl.arange(0, NOPE_P)
     c_ok = row_ok[:, None] & (c < NOPE)[None, :]
     cr = NOPE + tl.arange(0, RD)
-    nope = tl.load(x_ptr + base + c[None, :], mask=c_ok, other=0.0)
-    tail = tl.load(x_ptr + base + cr[None, :], mask=row_ok[:, None], other=0.0)
+    nope = tl.load(x_ptr + at + c[None, :], mask=c_ok, other=0.0)
+    tail = tl.load(x_ptr + at + cr[None, :], mask=row_ok[:, None], other=0.0)
     if NORM:
         nf = nope.to(tl.float32)
         tf = tail.to(tl.float32)
@@ -66,7 +67,8 @@ def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm
                eps: float = 0.0, quant: str | None = None, quant_block: int = 32, block_r: int = 16,
                num_warps: int = 4) -> torch.Tensor:
     """x [n, d] or [n, heads, d], table complex64 [n, rope_dim // 2] -> fake_quant(apply_rope(rms_norm(x)))
-    in x.dtype; quant in (None, 'fp8', 'fp4_ue8m0', 'fp4_e4m3')."""
+    in x.dtype, contiguous; quant in (None, 'fp8', 'fp4_ue8m0', 'fp4_e4m3'). x is read in place when its last dim
+    is contiguous (a column slice of a stacked projection's output), else copied first."""
     D = x.shape[-1]
     RD = 2 * table.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -76,14 +78,16 @@ def rope_quant(x: torch.Tensor, table: torch.Tensor, inverse: bool = False, norm
     if not supported(D, RD, quant, quant_block):
         raise ValueError(f"rope_quant: width {D} with RoPE {RD} and {quant} blocks of {quant_block} is not a shape "
                          "the kernel takes (supported())")
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     R = x.numel() // D
     if R == 0:
         return out
     tab = torch.view_as_real(table.to(torch.complex64)).contiguous()  # [n, RD/2, 2]: cos, sin
     _rope_quant_kernel[(triton.cdiv(R, block_r),)](
-        x, tab, norm_weight if norm_weight is not None else x, out, R, heads, eps, -1.0 if inverse else 1.0,
+        x, tab, norm_weight if norm_weight is not None else x, out, R, heads, x.stride(0),
+        x.stride(1) if x.dim() == 3 else 0, eps, -1.0 if inverse else 1.0,
         D=D, RD=RD, NOPE_P=triton.next_power_of_2(max(D - RD, 1)), BLOCK_R=block_r, NORM=norm_weight is not None,
         QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=num_warps)
     return out

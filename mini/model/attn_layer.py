@@ -20,7 +20,7 @@ from mini.ops import indexer as indexer_op
 from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, ordered_ids, quantize_index, select_candidates, top_groups_ordered
-from mini.ops.linear import QWeight, linear
+from mini.ops.linear import QWeight, linear, linears
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
 from mini.ops.stages import staged
@@ -143,15 +143,16 @@ def _compress_into_pools(x, w: AttentionWeights, plan: LayerPlan, cfg: ModelConf
 
 
 @staged("attention.indexer_topk")
-def _index(x, qr, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
+def _index(x, index_q, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay: StepLayout, cache: KVCache,
            table: torch.Tensor, shared: StepShared) -> tuple[torch.Tensor, torch.Tensor]:
     """This index source's top-k group ids [T, k] (-1 = none) in the order attention reads them (`ordered_ids`:
-    the valid ones first) and [T] int32 their count; V4.1's candidate source also publishes its blocks."""
+    the valid ones first) and [T] int32 their count; V4.1's candidate source also publishes its blocks. `index_q`:
+    the query latent's projection by the indexer's wq_b (computed beside the attention's own wq_b)."""
     T, H, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     rows = lay.seq_rows(plan.ratio)
     if rows.shape[1] == 0:
         return ordered_ids(torch.empty(T, 0, dtype=torch.int64, device=x.device))
-    q = _rope_index(linear(qr, w.wq_b).view(T, H, di), table, cfg)
+    q = _rope_index(index_q.view(T, H, di), table, cfg)
     weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
@@ -184,20 +185,23 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     T, H, d, eps = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.norm_eps
     freqs = layer_frequencies(cfg, plan)
     table = lay.table(("rope", plan.rope_base, plan.yarn), lambda: rope_table(lay.batch.positions, freqs))
-    qr = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
-    q = linear(qr, w.wq_b).view(T, H, d)
+    # projections of one input run as one GEMM (linears): x -> q latent | window KV, q latent -> heads | index q
+    q_latent, kv = linears(x, (w.wq_a, w.wkv))
+    qr = rms_norm(q_latent, w.q_norm, eps)
+    q, index_q = linears(qr, (w.wq_b, w.indexer.wq_b)) if plan.runs_indexer else (linear(qr, w.wq_b), None)
+    q = q.view(T, H, d)
     if not cfg.is_v41:  # V4: per-head RMS normalisation of the query, no weight
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
     q = apply_rope(q, table)
-    kv = _window_kv(linear(x, w.wkv), table, w.kv_norm, cfg)
+    kv = _window_kv(kv, table, w.kv_norm, cfg)
 
     comp = comp_ids = comp_valid = None
     if plan.ratio:
         if plan.owns_kv:
             _compress_into_pools(x, w, plan, cfg, lay, cache)
         if plan.runs_indexer:
-            shared.topk[plan.layer] = _index(x, qr, w.indexer, plan, cfg, lay, cache, table, shared)
+            shared.topk[plan.layer] = _index(x, index_q, w.indexer, plan, cfg, lay, cache, table, shared)
         comp, (comp_ids, comp_valid) = cache.comp_kv[plan.kv_layer], _compressed_ids(plan, lay, shared)
 
     b, ring = lay.batch, cache.window[plan.layer]

@@ -108,6 +108,25 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return blockwise_gemm(x, w).to(x.dtype)
 
 
+def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...]:
+    """(linear(x, w) for w in ws): projections of one input. The fast path runs them as one GEMM over their
+    dequantized copies side by side (one launch, and at decode one read of x and one act quant instead of one per
+    projection), built at first use; the outputs are column slices of its [..., sum of out] result (strided rows:
+    the norm and RoPE kernels read them in place). Weights of different kinds or blocks run one by one. Each
+    output element is the same exact products summed in fp32; only the GEMM's order of the sum may differ."""
+    same = all(w.block == ws[0].block and (w.kind == "bf16") == (ws[0].kind == "bf16") for w in ws)
+    if not (same and len(ws) > 1 and use_fast(x) and x.dtype == torch.bfloat16):
+        return tuple(linear(x, w) for w in ws)
+    if ws[0].kind != "bf16" and x.shape[-1] % ws[0].block:
+        raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {ws[0].block}")
+    key = ("stack", *(id(w) for w in ws))
+    if key not in ws[0]._dequant:
+        ws[0]._dequant[key] = stack_dequantized(list(ws), torch.bfloat16)
+    quant = ws[0].kind != "bf16" and fake_quant_enabled()
+    y = dense_bf16(x, ws[0]._dequant[key], act_block=ws[0].block if quant else 0)
+    return tuple(y.split([w.out_features for w in ws], dim=-1))
+
+
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Tensor:
     """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed

@@ -251,3 +251,31 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast
     with mini.ops.deterministic_mode():  # keeps its batch-invariant GEMMs
         linear(x, w)
     assert gemv_calls == [(6, 160), (3, 160), (3, 160)]
+
+
+def test_linears_run_projections_of_one_input_as_one_gemv_interpreted(interpreter, fast_interpreted, gemv_calls):
+    """mini.ops.linear.linears: FP8 projections of one input are one GEMV over their stacked copies (one call, x
+    quantized once), each output its projection's within the fast path's tolerance; a different kind runs alone;
+    the reference backend gives linear's bits."""
+    import mini.ops
+    from mini.formats import quantize_fp8
+    from mini.ops.linear import QWeight, linear, linears
+    torch.manual_seed(1)
+    ws = [QWeight("fp8", *(lambda q, s: (q, s.view(torch.float8_e8m0fnu)))(*quantize_fp8(torch.randn(n, 160) * 0.1,
+                                                                                         32)), 32)
+          for n in (40, 24)]
+    x = torch.randn(3, 160).bfloat16()
+    a, b = linears(x, tuple(ws))
+    assert gemv_calls == [(3, 160)] and a.shape == (3, 40) and b.shape == (3, 24)
+    # the copies are views into the one stack: the weight is held once
+    assert ws[1].prepare(torch.bfloat16).data_ptr() == ws[0].prepare(torch.bfloat16).data_ptr() + 40 * 160 * 2
+    for y, w in zip((a, b), ws):
+        alone = linear(x, w)
+        assert ((y.double() - alone.double()).abs() <= alone.double().abs() * 2.0 ** -7 + 1e-3).all()
+    gemv_calls.clear()
+    bf16_w = QWeight("bf16", torch.randn(8, 160).bfloat16(), None, 32)
+    linears(x, (ws[0], bf16_w))
+    assert gemv_calls == [(3, 160), (3, 160)]
+    mini.ops.set_backend("reference")
+    for y, w in zip(linears(x, tuple(ws)), ws):
+        assert torch.equal(y, linear(x, w))

@@ -140,3 +140,13 @@ def test_op_takes_the_kernel_on_cuda_gpu(monkeypatch):
         graph.replay()
     assert len(calls) == 2
     assert torch.equal(eager, real(x, w, EPS)) and torch.equal(out, eager)
+
+
+def test_strided_rows_are_read_in_place_interpreter(interpreter, poisoned):
+    """A column slice of a stacked projection's output (the q latent beside the KV) gives the same bits as its
+    contiguous copy, into a contiguous output."""
+    wide, w = inputs((5, 1280 + 512), torch.bfloat16, torch.bfloat16, "cpu", seed=3)
+    x = wide[:, 512:]
+    got = kernel_module.rms_norm(x, w[512:], EPS)
+    assert got.is_contiguous() and torch.equal(got, kernel_module.rms_norm(x.contiguous(), w[512:], EPS))
+    check(x, w[512:])

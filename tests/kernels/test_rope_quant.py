@@ -74,3 +74,17 @@ def test_rope_quant_gpu(heads, d, inverse, norm, quant):
     xq = tie_values(n, d).cuda().bfloat16()
     zero = rope_table(torch.zeros(n, dtype=torch.long, device="cuda"), rope_frequencies(64, 10000.0))
     assert torch.equal(run(xq, zero, False, None, quant), QUANTS[quant](xq))
+
+
+@pytest.mark.parametrize("heads,norm,quant", [(1, True, "fp8"), (3, False, None), (3, False, "fp4_ue8m0")])
+def test_strided_rows_are_read_in_place_interpreter(heads, norm, quant, interpreter, poisoned):
+    """A column slice of a stacked projection's output (rows strided, last dim contiguous) gives the same bits as
+    its contiguous copy, into a contiguous output."""
+    n, d = 9, 96
+    wide = torch.randn(n, heads * d + 40)
+    x = wide[:, 40:] if heads == 1 else wide[:, 40:].view(n, heads, d)
+    assert not x.is_contiguous()
+    table = rope_table(torch.randint(0, 5000, (n,)), rope_frequencies(32, 160000.0, 256, 4.0))
+    w = torch.rand(d) + 0.5 if norm else None
+    got = run(x, table, False, w, quant, block_r=4)
+    assert got.is_contiguous() and torch.equal(got, run(x.contiguous(), table, False, w, quant, block_r=4))
