@@ -116,10 +116,11 @@ def kernel_class(name: str) -> str:
     return next((c for c, pattern in KERNEL_CLASSES if re.search(pattern, low)), "other")
 
 
-def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
     """GPU ms per step of every kernel `fn` (one graph replay) runs, from torch.profiler (CUPTI sees the kernels of
-    a graph replay): (ms by KERNEL_CLASSES part, with "total", and kernels per step by part as "launches.PART"; the
-    15 longest kernels). Empty when the profiler saw no kernel."""
+    a graph replay): (ms by KERNEL_CLASSES part, with "total", and kernels per step by part as "launches.PART";
+    every kernel as (name, ms per step, launches per step), longest first: the census of what a step launches,
+    fusion's worklist at small B). Empty when the profiler saw no kernel."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -131,6 +132,7 @@ def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, floa
         torch.cuda.synchronize()
     by_kernel: dict[str, float] = defaultdict(float)
     launches: dict[str, float] = defaultdict(float)
+    count: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.device_type != DeviceType.CUDA:
             continue
@@ -139,6 +141,7 @@ def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, floa
             us = getattr(e, "self_cuda_time_total", 0.0)
         by_kernel[e.key] += us / 1e3 / steps
         launches[kernel_class(e.key)] += e.count / steps
+        count[e.key] += e.count / steps
     if not by_kernel:
         return {}, []
     parts: dict[str, float] = defaultdict(float)
@@ -149,8 +152,8 @@ def kernel_split(fn, steps: int) -> tuple[dict[str, float], list[tuple[str, floa
     # the kernels' sum grows with their count (fusion's target), not with their bytes
     parts.update({f"launches.{k}": n for k, n in launches.items()})
     parts["launches.total"] = sum(launches.values())
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
-    return dict(parts), [(name[:120], ms) for name, ms in top]
+    every = sorted(by_kernel.items(), key=lambda kv: -kv[1])
+    return dict(parts), [(name[:160], ms, count[name]) for name, ms in every]
 
 
 class FloorAndSplit:
@@ -180,8 +183,8 @@ class FloorAndSplit:
                 print(f"{SUITE}: {raw['kernel_split_error']}", flush=True)
             m.update({(f"kernels_per_step.{k[len('launches.'):]}" if k.startswith("launches.") else f"kernel_ms.{k}"): v
                       for k, v in parts.items()})
-            raw["top_kernels_ms"] = top
-            for name, ms in top[:8]:
+            raw["kernels_ms_launches"] = top
+            for name, ms, _ in top[:8]:
                 print(f"{SUITE} B={run.B} C={run.C} kernel {ms:7.3f} ms  {kernel_class(name):16s} {name[:70]}",
                       flush=True)
         return m, raw

@@ -355,15 +355,24 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
                          ms=ms, us=ms * 1e3, floor_ms=floor_ms, frac_copy_peak=floor_ms / ms,
                          same_as_cublas=float((gemv(x, weight, config=cfg) == cublas).float().mean())))
 
-            # what linear runs for an FP8 weight: the act quant pass + cuBLAS against the GEMV with it in its loads
+            # what linear runs for an FP8 weight: the act quant pass + cuBLAS against the GEMV with the quant in its
+            # loads, and the act quant pass + the GEMV without it, in each tiling
             def quant_cublas():
                 turn[0] = (turn[0] + 1) % len(copies)
                 return F.linear(fp8_act_quant(x, 32), copies[turn[0]])
 
-            def quant_gemv():
-                turn[0] = (turn[0] + 1) % len(copies)
-                return gemv(x, copies[turn[0]], act_block=32)
-            for label, f in (("fp8 act quant + cuBLAS", quant_cublas), ("gemv default, act quant fused", quant_gemv)):
+            def quant_gemv(cfg, fused):
+                def call():
+                    turn[0] = (turn[0] + 1) % len(copies)
+                    if fused:
+                        return gemv(x, copies[turn[0]], config=cfg, act_block=32)
+                    return gemv(fp8_act_quant(x, 32), copies[turn[0]], config=cfg)
+                return call
+            quant_rows = [("fp8 act quant + cuBLAS", quant_cublas)]
+            for label, cfg in GEMV_CANDIDATES.items():
+                quant_rows += [(f"gemv {label}, act quant fused", quant_gemv(cfg, True)),
+                               (f"fp8 act quant + gemv {label}", quant_gemv(cfg, False))]
+            for label, f in quant_rows:
                 ms = _bench_graph(f)
                 add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms, us=ms * 1e3,
                          floor_ms=floor_ms, frac_copy_peak=floor_ms / ms))

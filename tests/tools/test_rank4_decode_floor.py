@@ -131,3 +131,5 @@ def test_graph_replay_equals_the_eager_step_gpu():
             torch.testing.assert_close(r.replay().float(), eager, rtol=2e-2, atol=2e-2)
             parts, top = fl.kernel_split(r.replay, 1)  # the profiler sees the replay's kernels
             assert parts["total"] > 0 and top and parts.get("sparse_attention", 0) + parts.get("moe_experts", 0) > 0
+            # every kernel with its launches: they add up to the parts' count
+            assert sum(n for _, _, n in top) == pytest.approx(parts["launches.total"])
