@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from mini.formats.quant import fake_quant_enabled
+from mini.kernels.device_info import sm_count
 from mini.kernels.quant import fake_quant_tile, kind_code
 
 PART_COLS = 32  # one partial row: m in cols 0..NM-1 (pre, post, comb: NM = 24), then sum h^2, sum y^2
@@ -174,12 +175,16 @@ def _mhc_finish_kernel(
     T, norm_eps, hc_eps,
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NSPLIT: tl.constexpr, SP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DELAYED: tl.constexpr, COLLAPSE: tl.constexpr,
-    QUANT: tl.constexpr, QBLOCK: tl.constexpr,
+    QUANT: tl.constexpr, QBLOCK: tl.constexpr, D_PIECES: tl.constexpr,
 ):
+    """Program (token block, piece). D_PIECES == 1: the mixes, then the collapse's normalisation over all of D.
+    D_PIECES > 1 (delayed collapse only): piece 0 the mixes, piece p >= 1 the normalisation of D columns
+    [(p - 1) BLOCK_D, p BLOCK_D): the same values, without one program's serial walk over D after its Sinkhorn."""
     NC: tl.constexpr = HC * HC  # comb entries
     NP: tl.constexpr = 2 * HC  # pre + post entries
     K: tl.constexpr = HC * D
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    piece = tl.program_id(1)
     tok_ok = toks < T
     cols = tl.arange(0, 16)
     pp_ok = cols < NP
@@ -189,12 +194,60 @@ def _mhc_finish_kernel(
     sp = tl.arange(0, SP)
     part_rows = part_ptr + (sp[None, :] * T + toks.to(tl.int64)[:, None]) * 32  # [BLOCK_T, SP]
     part_ok = tok_ok[:, None] & (sp < NSPLIT)[None, :]
+    if (piece == 0) | (D_PIECES == 1):
+        _mixes(part_rows, part_ok, tok_ok, toks, cols, pp_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+               norm_eps, hc_eps, K, HC, NP, NC, ITERS, BLOCK_T)
+
+    if COLLAPSE:
+        ysq = tl.sum(tl.load(part_rows + NP + NC + 1, mask=part_ok, other=0.0), axis=1)
+        dd = tl.arange(0, BLOCK_D)
+        y_rows = y_ptr + toks.to(tl.int64)[:, None] * D
+        if not DELAYED:  # V4: collapse with the pre just computed (the delayed case did it in the partial kernel)
+            tl.debug_barrier()  # this program's `pre` stores above must land before they are read back
+            ysq = tl.zeros([BLOCK_T], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + dd
+                ok = tok_ok[:, None] & (d < D)[None, :]
+                y = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+                for ci in tl.static_range(HC):
+                    w = tl.load(pre_ptr + toks * HC + ci, mask=tok_ok, other=0.0)
+                    hv = tl.load(h_ptr + toks[:, None].to(tl.int64) * K + ci * D + d[None, :], mask=ok, other=0.0)
+                    y += w[:, None] * hv.to(tl.float32)
+                y = y.to(y_ptr.dtype.element_ty)
+                yf = y.to(tl.float32)
+                ysq += tl.sum(yf * yf, axis=1)
+                tl.store(y_rows + d[None, :], y, mask=ok)
+            tl.debug_barrier()  # the normalisation reads rows other threads of this program wrote
+        inv = 1.0 / tl.sqrt(ysq / D + norm_eps)
+        if D_PIECES == 1:
+            for d0 in range(0, D, BLOCK_D):
+                _normalise(y_rows, norm_w_ptr, d0 + dd, tok_ok, inv, D, BLOCK_T, BLOCK_D, QBLOCK, QUANT)
+        elif piece > 0:
+            _normalise(y_rows, norm_w_ptr, (piece - 1) * BLOCK_D + dd, tok_ok, inv, D, BLOCK_T, BLOCK_D, QBLOCK,
+                       QUANT)
+
+
+@triton.jit
+def _normalise(y_rows, norm_w_ptr, d, tok_ok, inv, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               QBLOCK: tl.constexpr, QUANT: tl.constexpr):
+    """The collapsed rows' columns d, normalised (and fake-quantized) in place."""
+    ok = tok_ok[:, None] & (d < D)[None, :]
+    yf = tl.load(y_rows + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    wn = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    out = fake_quant_tile(wn[None, :] * (yf * inv[:, None]), BLOCK_T, BLOCK_D, QBLOCK, QUANT)
+    tl.store(y_rows + d[None, :], out.to(y_rows.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _mixes(part_rows, part_ok, tok_ok, toks, cols, pp_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+           norm_eps, hc_eps, K: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, NC: tl.constexpr,
+           ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """pre, post and comb of the token block from its summed partials: sigmoids, then the Sinkhorn."""
     m_pp = tl.sum(tl.load(part_rows[:, :, None] + cols[None, None, :],
                           mask=part_ok[:, :, None] & pp_ok[None, None, :], other=0.0), axis=1)
     m_comb = tl.sum(tl.load(part_rows[:, :, None] + NP + cols[None, None, :], mask=part_ok[:, :, None], other=0.0),
                     axis=1)
     sumsq = tl.sum(tl.load(part_rows + NP + NC, mask=part_ok, other=0.0), axis=1)
-    ysq = tl.sum(tl.load(part_rows + NP + NC + 1, mask=part_ok, other=0.0), axis=1)
     inv_rms = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     m_comb = m_comb * inv_rms[:, None]
     m_pp = m_pp * inv_rms[:, None]
@@ -221,34 +274,6 @@ def _mhc_finish_kernel(
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     tl.store(comb_ptr + toks[:, None] * NC + cols[None, :], tl.reshape(c, [BLOCK_T, NC]), mask=tok_ok[:, None])
-
-    if COLLAPSE:
-        dd = tl.arange(0, BLOCK_D)
-        y_rows = y_ptr + toks.to(tl.int64)[:, None] * D
-        if not DELAYED:  # V4: collapse with the pre just computed (the delayed case did it in the partial kernel)
-            tl.debug_barrier()  # this program's `pre` stores above must land before they are read back
-            ysq = tl.zeros([BLOCK_T], tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + dd
-                ok = tok_ok[:, None] & (d < D)[None, :]
-                y = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-                for ci in tl.static_range(HC):
-                    w = tl.load(pre_ptr + toks * HC + ci, mask=tok_ok, other=0.0)
-                    hv = tl.load(h_ptr + toks[:, None].to(tl.int64) * K + ci * D + d[None, :], mask=ok, other=0.0)
-                    y += w[:, None] * hv.to(tl.float32)
-                y = y.to(y_ptr.dtype.element_ty)
-                yf = y.to(tl.float32)
-                ysq += tl.sum(yf * yf, axis=1)
-                tl.store(y_rows + d[None, :], y, mask=ok)
-            tl.debug_barrier()  # the normalisation reads rows other threads of this program wrote
-        inv = 1.0 / tl.sqrt(ysq / D + norm_eps)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + dd
-            ok = tok_ok[:, None] & (d < D)[None, :]
-            yf = tl.load(y_rows + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            wn = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            out = fake_quant_tile(wn[None, :] * (yf * inv[:, None]), BLOCK_T, BLOCK_D, QBLOCK, QUANT)
-            tl.store(y_rows + d[None, :], out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def fn_pieces(fn: torch.Tensor) -> torch.Tensor:
@@ -319,6 +344,18 @@ def finish_tiles(nsplit: int, invariant: bool) -> tuple[int, int]:
     return block_t, min(2048, 4096 // block_t)
 
 
+def finish_pieces(token_blocks: int, D: int, block_d: int, delayed_collapse: bool, invariant: bool,
+                  sms: int) -> int:
+    """Programs per token block that normalise the collapsed rows beside the one computing the mixes (1: one
+    program does both): where the token blocks alone leave most of the GPU idle (decode), V4.1's delayed collapse
+    (its rows are ready before the mixes) normalises each block_d column step in its own program, so the step
+    waits for the Sinkhorn or one column step, not both in turn. The values do not depend on it; the deterministic
+    mode keeps 1."""
+    if invariant or not delayed_collapse or token_blocks * 2 > sms:
+        return 1
+    return triton.cdiv(D, block_d)
+
+
 def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_weight: torch.Tensor | None, *, pre_in: torch.Tensor | None, iters: int, hc_eps: float,
              norm_eps: float, quant: str | None = None, quant_block: int = 32, collapse: bool = True,
@@ -377,10 +414,12 @@ def mhc_norm(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
             h, fn, pieces, pre_in_t, part, y if collapse else h, T,
             D=D, HC=HC, NM=NM, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, COLLAPSE=collapse and delayed,
             SPLIT_BF16=split_bf16, OP=op, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
-    _mhc_finish_kernel[(triton.cdiv(T, finish_block_t),)](
+    token_blocks = triton.cdiv(T, finish_block_t)
+    d_pieces = finish_pieces(token_blocks, D, block_d, delayed and collapse, invariant, sm_count(dev))
+    _mhc_finish_kernel[(token_blocks, d_pieces + (d_pieces > 1))](
         h, part, scale, base, norm_weight if collapse else h, pre_in_t, pre, post, comb, y if collapse else h,
         T, norm_eps, hc_eps,
         D=D, HC=HC, ITERS=iters, NSPLIT=nsplit, SP=triton.next_power_of_2(nsplit), BLOCK_T=finish_block_t,
         BLOCK_D=block_d, DELAYED=delayed,
-        COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, num_warps=finish_warps)
+        COLLAPSE=collapse, QUANT=kind_code(quant), QBLOCK=quant_block, D_PIECES=d_pieces, num_warps=finish_warps)
     return y, pre, post, comb

@@ -64,14 +64,19 @@ def main() -> None:
                                               OP=triton.language.bfloat16, PRECISION="tf32x3"))
         build(_mhc_finish_kernel, ptrs, dict(D=d, HC=4, ITERS=20, NSPLIT=10 if d == 5120 else 1,
                                              SP=16 if d == 5120 else 1, BLOCK_T=8,
-                                             BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32),
+                                             BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32,
+                                             D_PIECES=1),
               ("norm_eps", "hc_eps"))
     # decode tiles (partial_tiles, finish_tiles at T <= 16): 16-token blocks, 2-step chunks, 160 partials to sum
     build(_mhc_partial_kernel, ptrs, dict(D=5120, HC=4, NM=24, CHUNK=32, BLOCK_T=16, BLOCK_K=16, COLLAPSE=True,
                                           SPLIT_BF16=True, OP=triton.language.bfloat16, PRECISION="tf32x3"),
           num_stages=3)
-    build(_mhc_finish_kernel, ptrs, dict(D=5120, HC=4, ITERS=20, NSPLIT=160, SP=256, BLOCK_T=1, BLOCK_D=2048,
-                                         DELAYED=True, COLLAPSE=True, QUANT=1, QBLOCK=32), ("norm_eps", "hc_eps"))
+    # (the normalisation in its own programs beside the mixes' at decode: finish_pieces; B = 1 and B = 64's tiles)
+    for block_t, block_d, pieces in ((1, 2048, 3), (4, 1024, 5)):
+        build(_mhc_finish_kernel, ptrs, dict(D=5120, HC=4, ITERS=20, NSPLIT=160 if block_t == 1 else 40,
+                                             SP=256 if block_t == 1 else 64, BLOCK_T=block_t, BLOCK_D=block_d,
+                                             DELAYED=True, COLLAPSE=True, QUANT=1, QBLOCK=32, D_PIECES=pieces),
+              ("norm_eps", "hc_eps"))
     for d, delayed in ((5120, True), (64, False)):  # the one-tile-per-copy split-K pass (layout="copies")
         build(_mhc_partial_copies_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=640 if d == 5120 else 64, BLOCK_T=64,
                                                      BLOCK_K=16, COLLAPSE=delayed, OP=triton.language.bfloat16),

@@ -248,6 +248,26 @@ def test_mhc_norm_many_partials_interpreter(T, interpreter, monkeypatch):
     assert ((y.float() - ry.float()).abs() <= 0.13 * ry.float().abs() + atol).all()
 
 
+@pytest.mark.parametrize("T,quant", [(1, "fp8"), (5, None)])
+def test_normalisation_in_its_own_programs_gives_the_same_bits_interpreter(T, quant, interpreter, monkeypatch):
+    """At decode V4.1's delayed collapse normalises each column step in its own program beside the mixes'
+    (`finish_pieces`): every output bit-equal to the one-program walk, every element written (NaN-poisoned)."""
+    from mini.kernels import mhc_norm as module
+    assert module.finish_pieces(1, 160, 64, True, False, 132) == 3  # the last piece partial
+    assert module.finish_pieces(1, 160, 64, False, False, 132) == 1  # V4: the collapse needs this block's pre
+    assert module.finish_pieces(1, 160, 64, True, True, 132) == 1  # the deterministic mode
+    assert module.finish_pieces(67, 160, 64, True, False, 132) == 1  # the token blocks fill the GPU
+    h, fn, scale, base, w, pre_prev = make(T, 160, "cpu", torch.bfloat16)
+    kw = dict(pre_in=pre_prev, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, quant=quant, block_d=64)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    pieces = module.mhc_norm(h, fn, scale, base, w, **kw)
+    monkeypatch.setattr(module, "finish_pieces", lambda *a: 1)
+    one = module.mhc_norm(h, fn, scale, base, w, **kw)
+    for a, b in zip(pieces, one):
+        assert not a.isnan().any() and torch.equal(a, b)
+
+
 def test_finish_tiles():
     """The finishing pass: 8 x 512 in the deterministic mode and at few partials; fewer tokens per program and
     wider column steps as the partials grow (tokens x splits stays <= 256)."""
