@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
 
 # (module, function name) of the ops recorded; each is looked up through its module at call time
-_ATTN = ["linear", "rms_norm", "apply_rope", "_window_kv", "compress", "_index", "index_scores", "select_candidates",
-         "top_groups_ordered", "norm_rope_quant", "sparse_attention", "_grouped_out_proj"]
+_ATTN = ["linear", "linears", "rms_norm", "apply_rope", "_window_kv", "compress", "_index", "index_scores",
+         "select_candidates", "top_groups_ordered", "norm_rope_quant", "sparse_attention", "grouped_out_proj"]
 _MODEL = ["attention", "engram", "moe"]
 _MHC = ["pre_norm", "expand", "collapse"]
 _MOE = ["gate", "routed", "shared", "_shared", "_routed_fast"]
@@ -76,14 +76,16 @@ class Recorder:
             elif fname in ("engram", "pre_norm") and rec.active:  # engram starts a block, then its two sites
                 rec.layer = rec.sites // 2
                 rec.sites += fname == "pre_norm"
-            if fname == "linear" and rec.active:
-                x, w = args[0], args[1]
-                if w.kind != "bf16":
-                    from mini.formats.quant import quant_fp8
-                    rec.add(f"linear[{w.out_features}x{w.in_features}].in_scale",
-                            quant_fp8(x.reshape(-1, x.shape[-1]), w.block)[1])
-                rec.add(f"linear[{w.out_features}x{w.in_features}].in", x)
-            label = fname if fname != "linear" else f"linear[{args[1].out_features}x{args[1].in_features}]"
+            # linear, and linears (projections of one input, one GEMM on the fast path): each weight's own records
+            weights = (args[1],) if fname == "linear" else tuple(args[1]) if fname == "linears" else ()
+            labels = [f"linear[{w.out_features}x{w.in_features}]" for w in weights] or [fname]
+            if weights and rec.active:
+                x = args[0]
+                for w, label in zip(weights, labels):
+                    if w.kind != "bf16":
+                        from mini.formats.quant import quant_fp8
+                        rec.add(f"{label}.in_scale", quant_fp8(x.reshape(-1, x.shape[-1]), w.block)[1])
+                    rec.add(f"{label}.in", x)
             if rec.same is None or not rec.active or rec.in_fast:
                 out = fn(*args, **kwargs)
             else:  # the fast path on the same input first (its cache writes are then overwritten by the reference's)
@@ -96,8 +98,11 @@ class Recorder:
                     rec.in_fast = False
                 out = fn(*args, **kwargs)
                 rec.same._layer = f"L{rec.layer}"
-                rec.same.add(label, out, fast)
-            rec.add(label, out)
+                for label, o, f in zip(labels, out if fname == "linears" else (out,),
+                                       fast if fname == "linears" else (fast,)):
+                    rec.same.add(label, o, f)
+            for label, o in zip(labels, out if fname == "linears" else (out,)):
+                rec.add(label, o)
             return out
 
         setattr(module, fname, run)

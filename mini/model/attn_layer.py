@@ -214,10 +214,10 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     ring.view(-1, d)[lay.ring_write_dst] = written.to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
         lay.draft_rows.keep_window(plan.layer, kv)
-    return linear(_grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
+    return linear(grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
 
 
-def _grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
     """o [T, G, k] times each group's wo_a [G, r, k] -> [T, G·r]. On the GPU the batched GEMM writes straight into
     the [T, G, r] layout wo_b reads; einsum's [G, T, r] result would need a transposing copy (~1.5 TB/s)."""
     T, G, _ = o.shape

@@ -25,10 +25,10 @@ from typing import Callable
 import torch
 
 from mini.config import LayerPlan, ModelConfig
-from mini.model.attn_layer import AttentionWeights
+from mini.model.attn_layer import AttentionWeights, grouped_out_proj
 from mini.ops import mhc
 from mini.ops.dspark_attention import draft_attention
-from mini.ops.linear import QWeight, head_logits, linear
+from mini.ops.linear import QWeight, head_logits, linear, linears
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
@@ -103,7 +103,11 @@ def main_x(w: DSparkWeights, cfg: ModelConfig, features: torch.Tensor) -> torch.
 
 def _stage_keys(x: torch.Tensor, attn: AttentionWeights, table: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """A stage's window keys of its input rows: kv_norm(wkv(x)), RoPE, FP8 1x32 (the backbone's V4.1 window KV)."""
-    return norm_rope_quant(linear(x, attn.wkv), table, attn.kv_norm, cfg.norm_eps, "fp8", WINDOW_KV_QUANT_BLOCK)
+    return _keys_of(linear(x, attn.wkv), attn, table, cfg)
+
+
+def _keys_of(kv: torch.Tensor, attn: AttentionWeights, table: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return norm_rope_quant(kv, table, attn.kv_norm, cfg.norm_eps, "fp8", WINDOW_KV_QUANT_BLOCK)
 
 
 def write_rings(w: DSparkWeights, cfg: ModelConfig, features: torch.Tensor, positions: torch.Tensor,
@@ -142,12 +146,12 @@ def _attention(x, st: StageWeights, cfg: ModelConfig, table, ring, slots, n_ring
     output projection. Writes nothing."""
     a, T, H, d = st.attn, x.shape[0], cfg.n_heads, cfg.head_dim
     B, k = slots.shape[0], T // slots.shape[0]
-    q = apply_rope(linear(rms_norm(linear(x, a.wq_a), a.q_norm, cfg.norm_eps), a.wq_b).view(T, H, d), table)
-    kv = _stage_keys(x, a, table, cfg)
+    q_latent, kv = linears(x, (a.wq_a, a.wkv))  # one GEMM on the fast path
+    q = apply_rope(linear(rms_norm(q_latent, a.q_norm, cfg.norm_eps), a.wq_b).view(T, H, d), table)
+    kv = _keys_of(kv, a, table, cfg)
     o = draft_attention(q.view(B, k, H, d), kv.view(B, k, d), ring, slots, n_ring, a.sink, d ** -0.5)
     o = apply_rope(o.view(T, H, d), table, inverse=True)  # V = K carries the keys' rotation
-    o = torch.einsum("tgd,grd->tgr", o.reshape(T, cfg.o_groups, -1), a.wo_a.to(o.dtype)).flatten(1)
-    return linear(o, a.wo_b)
+    return linear(grouped_out_proj(o.reshape(T, cfg.o_groups, -1), a.wo_a.to(o.dtype)), a.wo_b)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
