@@ -145,6 +145,18 @@ def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
     return buf
 
 
+# Shapes [N, K] whose fastest build is not DEFAULT, measured with the act quant fused (`mini bench kernels --only
+# decode_gemv`, H200, CUDA-graph replays, docs/perf/019): V4.1's wo_b [5120, 8192] 33.8 -> 25.5 us at B = 1
+# (34.7 -> 26.8 at B = 16; act quant + cuBLAS 27.9) and the shared expert's w1|w3 [4608, 5120] 21.3 -> 16.8
+# (act quant + cuBLAS 18.7). Wide K over few N blocks: more, smaller pieces keep more loads in flight.
+TUNED = {(5120, 8192): CANDIDATES["64x128 s2 4/SM"], (4608, 5120): CANDIDATES["64x128 s2 4/SM"]}
+
+
+def config_for(N: int, K: int) -> GemvConfig:
+    """The build `gemv` takes for a [N, K] weight when the caller names none: TUNED's, else DEFAULT."""
+    return TUNED.get((N, K), DEFAULT)
+
+
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
     """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
     per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T."""
@@ -160,19 +172,20 @@ def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
     return config.block_k % act_block == 0
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig = DEFAULT,
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
          out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
-    does it in its loads; otherwise the quant pass runs first)."""
+    does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"gemv: bf16 operands expected, got {x.dtype} and {w.dtype}")
     T, K = x.shape
     N = w.shape[0]
+    config = config or config_for(N, K)
     if T > MAX_ROWS:
         raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
     if out is None:

@@ -279,3 +279,10 @@ def test_linears_run_projections_of_one_input_as_one_gemv_interpreted(interprete
     mini.ops.set_backend("reference")
     for y, w in zip(linears(x, tuple(ws)), ws):
         assert torch.equal(y, linear(x, w))
+
+
+def test_tuned_shapes_take_a_candidate_build():
+    """`config_for`: the measured shapes (TUNED) take one of the benchmarked candidates, every other the default."""
+    from mini.kernels.gemv import CANDIDATES, TUNED, config_for
+    assert TUNED and all(c in CANDIDATES.values() for c in TUNED.values())
+    assert config_for(5120, 8192) is TUNED[(5120, 8192)] and config_for(1280, 5120) is DEFAULT
