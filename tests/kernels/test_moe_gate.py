@@ -136,12 +136,24 @@ FEW_ROWS_ALL = [False, True, *FEW_ROWS_CANDIDATES.values()]  # the fused kernel,
 FEW_ROWS_IDS = ["fused", "few rows by T", *FEW_ROWS_CANDIDATES]
 
 
-@pytest.mark.parametrize("few_rows", FEW_ROWS_ALL, ids=FEW_ROWS_IDS)
-def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned, few_rows):
+# (planted ties, seven equal maxima) per expert count, each list in both column blocks (NA + NB, column_blocks):
+# V4.1's 384 = 256 + 128, and 48 = 32 + 16 for the explicit tilings, whose logits kernel runs E / BE programs per
+# row block under the interpreter (fma 4x2560 at 384: 7 s a call, ~50 s the test; at 48 about a fifth). The pick
+# kernel that breaks the ties is the same for every tiling; "few rows by T" runs it at 384.
+TIES = {384: ([7, 41, 42, 300, 383], [5, 100, 260, 261, 300, 301, 302]),
+        48: ([7, 20, 21, 40, 47], [5, 12, 33, 34, 40, 41, 42])}
+TIES_PARAMS = [pytest.param(few_rows, 384 if few_rows in (False, True) else 48, id=name)
+               for few_rows, name in zip(FEW_ROWS_ALL, FEW_ROWS_IDS)]
+
+
+@pytest.mark.parametrize("few_rows,E", TIES_PARAMS)
+def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned, few_rows, E):
     """Planted exact ties: zero gate rows (logit 0 in any summation order) with equal biases, in both column
     blocks; the lower expert id goes first, the same on every run."""
-    x, w, bias = _inputs(5, 128, 384, seed=2)
-    tied = [7, 41, 42, 300, 383]
+    tied, maxima = TIES[E]
+    na, nb = column_blocks(E)
+    assert nb and min(tied) < na <= max(tied) == E - 1 and min(maxima) < na <= maxima[2]
+    x, w, bias = _inputs(5, 128, E, seed=2)
     w[tied] = 0
     bias[tied] = 10.0  # in every token's top 6
     weights, ids = _check(x, w, bias, 6, few_rows=few_rows)
@@ -150,10 +162,10 @@ def test_gate_kernel_breaks_ties_by_lowest_id_interpreter(interpreter, poisoned,
     again = gate_topk(x, w, bias, 6, SCALE, eps=1e-20, few_rows=few_rows)
     assert torch.equal(again[1], ids) and torch.equal(again[0], weights)
 
-    flat_bias = torch.zeros(384)
-    flat_bias[[5, 100, 260, 261, 300, 301, 302]] = 1.0  # seven equal maxima for six places
+    flat_bias = torch.zeros(E)
+    flat_bias[maxima] = 1.0  # seven equal maxima for six places
     w_ids = gate_topk(x, torch.zeros_like(w), flat_bias, 6, SCALE, eps=1e-20, few_rows=few_rows)[1]
-    assert (w_ids == torch.tensor([5, 100, 260, 261, 300, 301])).all()
+    assert (w_ids == torch.tensor(maxima[:6])).all()
 
 
 @pytest.mark.parametrize("few_rows", FEW_ROWS_ALL, ids=FEW_ROWS_IDS)
