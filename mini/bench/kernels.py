@@ -434,10 +434,24 @@ def bench_order_keys(rows: list, sweep=(), dev="cuda"):
                              tbs=nbytes / ms / 1e9, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS))
 
 
+def bench_top_ids(rows: list, sweep=(), dev="cuda"):
+    """The index top-k's ids in one pass (mini/kernels/top_ids.py) against the torch form of the same rule (order
+    keys, topk, gather, where, sort, where, count), replayed in a CUDA graph: decode rows at 4K and 32K context (k
+    512) and a prefill-sized step."""
+    from mini.kernels.top_ids import top_ids
+    from mini.ops.indexer import top_groups_ordered
+    for T, N in ((1, 1024), (1, 8192), (64, 1024), (64, 8192), (4096, 1024)):
+        x = torch.randn(T, N, device=dev).relu().bfloat16()  # relu: ties at 0, as the index scores have
+        for label, f in (("triton", lambda: top_ids(x, 512)),
+                         ("torch reference", _reference(lambda: top_groups_ordered(x, 512)))):
+            ms = _bench_graph(f)
+            rows.append(dict(kernel=f"top_ids/[{T},{N}] k=512", config=label, ms=ms, us=ms * 1e3))
+
+
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
            "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv,
-           "order_keys": bench_order_keys}
+           "order_keys": bench_order_keys, "top_ids": bench_top_ids}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 

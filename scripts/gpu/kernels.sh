@@ -53,7 +53,7 @@ phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS nam
     # their tile sweeps (tools/kernel_tile_sweep.py); then the finished before/after studies
     # (tools/attention_before_after.py; STUDIES names them)
     local rc=0
-    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc norm order_keys} \
+    python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc norm order_keys top_ids} \
         --json "$PHASE_DIR/kernels.json" || rc=$?
     if [ -n "${KERNELS_SWEEP:-}" ]; then
         python3 tools/kernel_tile_sweep.py --json "$PHASE_DIR/kernels_tile_sweep.json" || rc=$?

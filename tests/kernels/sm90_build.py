@@ -14,6 +14,7 @@ from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
 from mini.kernels.order_keys import _order_keys_kernel
 from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
+from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
@@ -111,6 +112,10 @@ def main() -> None:
               dict(HC=4, D=5120, BLOCK_D=1024, HAS_MASK=masked), ("eps", "scale", "floor"))
     # the indexer top-k's keys (bf16 bits in, int32 keys out)
     build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
+    # the index top-k's ids in one pass: 4K context (1,024 groups), 32K (8,192), the widest row, k 512
+    for block_n, warps in ((1024, 4), (8192, 8), (16384, 16)):
+        build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"},
+              dict(BLOCK_N=block_n, BLOCK_K=512), num_warps=warps)
 
 
 if __name__ == "__main__":

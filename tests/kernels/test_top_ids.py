@@ -1,0 +1,86 @@
+"""The one-pass top-k ids kernel (mini/kernels/top_ids.py) against the torch form of the same rule
+(mini.ops.indexer.top_groups_ordered without `widths`, the reference backend): equal ids and counts, bit for bit,
+on fresh random bf16 rows with ties, ±0, -inf runs (invisible groups), +inf and subnormals, odd widths, k below,
+at and above the valid count, outputs poisoned; NaNs (which the top-k takes as above +inf, then drops as invalid);
+the op's dispatch. CPU: Triton's interpreter; gpu: compiled, at decode and prefill shapes, NaNs included."""
+import pytest
+import torch
+
+import mini.ops
+from mini.kernels import top_ids as kernel_module  # after tests/kernels/conftest.py chose the interpreter or not
+from mini.ops.indexer import top_groups_ordered
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
+
+def scores(T, N, device, seed, nan=False):
+    """bf16 [T, N] index scores: relu-like zeros (ties), ±0, +inf, subnormals, and each row's tail of -inf (groups
+    not yet visible) of a random length; `nan` adds NaNs of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, N, generator=g) * 4).clamp_min(-1).bfloat16()
+    x[torch.rand(T, N, generator=g) < 0.3] = 0.0
+    special = torch.tensor([-0.0, float("inf"), 1e-40, 2.5]).bfloat16()
+    where = torch.rand(T, N, generator=g) < 0.1
+    x = torch.where(where, special[torch.randint(0, 4, (T, N), generator=g)], x)
+    visible = torch.randint(0, N + 1, (T, 1), generator=g)
+    x = x.masked_fill(torch.arange(N) >= visible, float("-inf"))
+    if nan:
+        x[torch.rand(T, N, generator=g) < 0.05] = float("nan")
+        x.view(torch.int16)[torch.rand(T, N, generator=g) < 0.02] = -1  # 0xFFFF: a negative NaN
+    return x.to(device)
+
+
+def poisoned(monkeypatch):
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7)
+                        if kw.get("dtype") in (torch.int64, torch.int32) else empty(*a, **kw))
+
+
+@pytest.mark.parametrize("T,N,k", [(1, 1, 1), (1, 37, 8), (3, 1000, 512), (5, 130, 130), (2, 2049, 64),
+                                   (4, 600, 512)])
+def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k):
+    x = scores(T, N, "cpu", seed=N + k)
+    want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch
+    poisoned(monkeypatch)
+    ids, count = kernel_module.top_ids(x, min(k, N))
+    assert ids.dtype == torch.int64 and count.dtype == torch.int32
+    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+
+
+def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
+    """A NaN takes a top-k place (above +inf, as CUDA's keys order it) but is not a valid group: with k = 2 and
+    two NaNs, nothing valid is left; with k = 4 the two best numbers remain, in column order."""
+    x = torch.tensor([[1.0, float("nan"), 3.0, -2.0, float("nan"), 2.0]]).bfloat16()
+    ids, count = kernel_module.top_ids(x, 2)
+    assert ids.tolist() == [[-1, -1]] and count.tolist() == [0]
+    ids, count = kernel_module.top_ids(x, 4)
+    assert ids.tolist() == [[2, 5, -1, -1]] and count.tolist() == [2]
+
+
+def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, monkeypatch):
+    calls = []
+    real = kernel_module.top_ids
+    monkeypatch.setattr(kernel_module, "top_ids", lambda *a: calls.append(a[1]) or real(*a))
+    x = scores(3, 300, "cpu", seed=3)
+    want = top_groups_ordered(x, 64)
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    try:
+        got = top_groups_ordered(x, 64)
+        top_groups_ordered(x.float(), 64)  # fp32 scores: the torch form
+        top_groups_ordered(x, 500)  # k above N: min(k, N)
+    finally:
+        mini.ops.set_backend("reference")
+    assert calls == [64, 300]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not kernel_module.supported(torch.zeros(1, kernel_module.MAX_COLS + 1, dtype=torch.bfloat16), 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,N,k", [(1, 1024, 512), (64, 1024, 512), (1, 8192, 512), (7, 5000, 512),
+                                   (4096, 1024, 512), (3, 16384, 2048)])
+def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
+    x = scores(T, N, "cuda", seed=N + T, nan=True)
+    want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch on CUDA (NaN keys 0x7FFF)
+    poisoned(monkeypatch)
+    ids, count = kernel_module.top_ids(x, min(k, N))
+    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
