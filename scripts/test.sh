@@ -9,6 +9,8 @@
 #   MINI_TEST_VENV=DIR      the environment (default .venv-test in the checkout); made when missing, reused after
 #   MINI_TEST_FRESH=1       remove it first: a fresh environment (what CI does)
 #   MINI_TEST_TRITON=X.Y.Z  install this Triton instead of the newest the requirements allow (CI's oldest-Triton job)
+#   MINI_TEST_INSTALL_ONLY=1  set up the environment and stop (CI builds its oldest-Triton one while tests run)
+#   MINI_TEST_NO_INSTALL=1  run the tests in the environment as it is, installing nothing (one set up just before)
 #
 # First, the install check: these exact requirements must resolve from plain PyPI alone (`--isolated` ignores this
 # machine's pip config, local wheels and find-links), so that a pin conflicting with torch's own requirements
@@ -42,17 +44,27 @@ check_install() {
     fi
 }
 
-check_install
-if [[ "${MINI_TEST_FRESH:-0}" == 1 ]]; then
-    rm -rf "$VENV"
-fi
-if [[ ! -x "$VENV/bin/python" ]]; then
-    python3 -m venv "$VENV"
-fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --disable-pip-version-check "${REQUIREMENTS[@]}" \
-    ${MINI_TEST_TRITON:+"triton==$MINI_TEST_TRITON"}
+if [[ "${MINI_TEST_NO_INSTALL:-0}" == 1 ]]; then
+    if [[ ! -x "$PY" ]]; then
+        echo "MINI_TEST_NO_INSTALL=1 but there is no environment at $VENV" >&2
+        exit 1
+    fi
+else
+    check_install
+    if [[ "${MINI_TEST_FRESH:-0}" == 1 ]]; then
+        rm -rf "$VENV"
+    fi
+    if [[ ! -x "$PY" ]]; then
+        python3 -m venv "$VENV"
+    fi
+    "$PY" -m pip install -q --disable-pip-version-check "${REQUIREMENTS[@]}" \
+        ${MINI_TEST_TRITON:+"triton==$MINI_TEST_TRITON"}
+fi
 "$PY" -c "import sys, torch, triton; print('test environment', sys.prefix, '- python', sys.version.split()[0],
           '- torch', torch.__version__, '- triton', triton.__version__, '- cpu', torch.backends.cpu.get_cpu_capability())"
+if [[ "${MINI_TEST_INSTALL_ONLY:-0}" == 1 ]]; then
+    exit 0
+fi
 # the environment's own `mini` and tools first on PATH: tests that start `mini` as a command get this one
 PATH="$(cd "$VENV" && pwd)/bin:$PATH" OMP_NUM_THREADS=1 "$PY" -m pytest -q -n 2 "$@"
