@@ -25,10 +25,10 @@ a draft (`SeqChunk.drafts` trailing tokens), logits for 1 + drafts rows; the mod
 aside until `StepCache.commit_drafts` gets the accepted count of each chunk. Drafts come from a `Drafter`: after
 every forward it takes what each chunk committed (`Commit`) and proposes the next drafts; a model offers its own as
 `StepModel.drafter` (None without a draft module), and a drafter may offer its draft step over fixed buffers for
-the static steps (`Drafter.static_draft`, a `StaticDraft`: CUDA graphs of it follow each graph's step). Verify
-steps run static too (CUDA graphs, one per bucket of n sequences and width r = 1 + the step's most drafts, r <=
-`StaticDecode.max_rows`): `static_decode(..., max_rows=1 + K)`, `fill(n, DecodeRows(..., drafts=[row b's draft
-tokens]), width=r)`, a forward over
+the static steps (`Drafter.static_draft`, a `StaticDraft`: CUDA graphs of it follow each verify graph's step, and
+a decode graph holds its write of the step's rows). Verify steps run static too (CUDA graphs, one per bucket of n
+sequences and width r = 1 + the step's most drafts, r <= `StaticDecode.max_rows`): `static_decode(...,
+max_rows=1 + K)`, `fill(n, DecodeRows(..., drafts=[row b's draft tokens]), width=r)`, a forward over
 `batch(n, r)` (logits for all n·r rows: sequence b's at b·r.., those past its drafts padding), then
 `replayed(cache)` before `commit_drafts`. A benchmark times a verify step of B sequences x (1 + k) rows as:
 `bufs = DecodeBuffers(B, max_len, block_tokens, pad_slot, pad_block, device, max_rows=1 + k)`,
@@ -200,11 +200,16 @@ class StaticDraft(Protocol):
     width)` takes in the step's committed rows (what the step's forward left in the static buffers) and
     `propose(n)` drafts for all n sequences, both with device ops only and no host sync (captured once per
     bucket, replayed after each `fill`); `drafts(commits)` reads the last `propose` back (one draft per commit,
-    as `Drafter.propose` returns them). Equal to `Drafter.propose` bit for bit under the deterministic mode."""
+    as `Drafter.propose` returns them). Equal to `Drafter.propose` bit for bit under the deterministic mode.
+    `write_decode(n)`: what `fill` + `write(n, 1)` take in after a decode step (width 1), read from the step's
+    own buffers instead (every row of a decode step is committed; padding rows go to the scratch slot): the
+    engine runs it inside the decode step's own forward (its graph), never `write(n, 1)`."""
 
     def fill(self, n: int, commits: list[Commit]) -> None: ...
 
     def write(self, n: int, width: int) -> None: ...
+
+    def write_decode(self, n: int) -> None: ...
 
     def propose(self, n: int) -> None: ...
 

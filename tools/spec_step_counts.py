@@ -16,7 +16,8 @@ engine in this process only, never in mini):
   plain           no speculation
   dspark          --speculative dspark as served
   no-ring-writes  dspark, but steps after which nobody drafts skip the drafter (DSpark's ring writes): the cost of
-                  keeping the rings current (its drafts then read stale rings: acceptance is not this variant's)
+                  keeping the rings current (its drafts then read stale rings: acceptance is not this variant's);
+                  on CUDA graphs a decode step's graph holds its own ring write, which this leaves in place
   no-probes       dspark without the probes every PROBE_EVERY steps
   fresh-alpha     dspark whose engine-wide acceptance is forgotten before each run (a fresh engine's: full drafts
                   at first, as the serving warm-up left it before docs/perf/018)

@@ -21,10 +21,13 @@ model keeps their draft rows in tensors of its buffers' own, so K + 1 widths add
 past the block manager's (see ModelRunner).
 
 A drafter with a draft step over fixed buffers (mini.step.StaticDraft, `Drafter.static_draft`: DSpark's) gets
-graphs of it in the same pool, captured after the steps' graphs: its write of a step's committed rows per bucket
-(n, width) the step graphs have, its draft per n whose bucket has a verify width (the load rule's bound: past it
-no sequence drafts); `draft` replays them after a step's acceptance (eagerly where a graph is missing, and on the
-CPU). The draft is skipped where no sequence wants one.
+graphs of it in the same pool, captured after the steps' graphs: its write of a verify step's committed rows per
+bucket (n, width > 1) the step graphs have, its draft per n whose bucket has a verify width (the load rule's bound:
+past it no sequence drafts); `draft` replays them after a step's acceptance (eagerly where a graph is missing, and
+on the CPU). The draft is skipped where no sequence wants one. A decode step (width 1) commits every row, so its
+write needs no acceptance: it is part of the decode step's own forward (`_forward`, so its graph), and a step after
+which nobody drafts (speculation's plain step) is one replay with no host fill. Without a drafter the decode graphs
+hold the forward alone.
 """
 from __future__ import annotations
 
@@ -61,9 +64,11 @@ class DecodeGraphs:
         self.model, self.cache, self.static, self.verify_rows = model, cache, static, verify_rows
         self.drafter = drafter
         self.draft_step = drafter.static_draft(static, cache) if drafter is not None else None
-        self.write_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # the draft step's write, (n, width)
+        self.write_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # its write after a verify, (n, width)
         self.propose_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # its draft, by n
-        self.draft_steps = 0  # static draft steps run (replayed, or eagerly: the CPU, a bucket without a graph)
+        # static draft steps run (replayed, or eagerly: the CPU, a bucket without a graph); not a decode step's
+        # write, which its own forward makes
+        self.draft_steps = 0
         self.draft_replays = 0  # replays of the draft step's graphs (write and draft each count)
         self.sizes = buckets(static.max_seqs)
         self.widths = list(range(1, static.max_rows + 1))
@@ -101,7 +106,7 @@ class DecodeGraphs:
             for n, width in steps:
                 self._capture(n, width)
             if self.draft_step is not None:  # after the steps' graphs: it reads the features their forwards keep
-                for n, width in steps:
+                for n, width in ((n, w) for n, w in steps if w > 1):  # (a decode graph writes its own rows)
                     self.write_graphs[(n, width)] = self._capture_draft(n, lambda: self.draft_step.write(n, width))
                 for n in sorted((n for n in self.sizes if self.bucket_widths(n)[-1] > 1), reverse=True):
                     self.propose_graphs[n] = self._capture_draft(n, lambda: self.draft_step.propose(n))
@@ -113,14 +118,14 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             # warm-up: kernels compiled, one-time copies made (the model's kept-row tensors among them)
-            warm = self.model.forward(self.static.batch(n, width), self.cache)
+            warm = self._forward(n, width)
             if width > 1 and self.verify_logits is None:  # (the first verify bucket captured is the largest)
                 self.verify_logits = torch.empty(n * width, warm.shape[-1], dtype=warm.dtype, device=device)
         torch.cuda.current_stream(device).wait_stream(stream)
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.forward(self.static.batch(n, width), self.cache)  # a fresh batch: layout captured
+            logits = self._forward(n, width)  # a fresh batch: layout captured
             if width > 1:  # into the output every verify graph shares (its own is pool memory, freed after)
                 logits = self.verify_logits[:n * width].copy_(logits)
         if self.pool is None:
@@ -129,6 +134,16 @@ class DecodeGraphs:
             self.graphs[n] = (graph, logits)
         else:
             self.verify_graphs[(n, width)] = (graph, logits)
+
+    def _forward(self, n: int, width: int) -> torch.Tensor:
+        """The step of bucket (n, width) over the static buffers, as captured (and run where no graph is). With a
+        drafter's static step, a decode step (width 1) also writes its rows into the drafter's state: every row
+        of a decode step is committed, so that write waits for no acceptance, and a step after which nobody
+        drafts then needs no draft step at all (`draft`)."""
+        logits = self.model.forward(self.static.batch(n, width), self.cache)
+        if width == 1 and self.draft_step is not None:
+            self.draft_step.write_decode(n)
+        return logits
 
     def _capture_draft(self, n: int, run) -> torch.cuda.CUDAGraph:
         """A graph of the draft step's `run` over n padding sequences (they write only the scratch slot), after an
@@ -147,13 +162,18 @@ class DecodeGraphs:
 
     def draft(self, n: int, width: int, commits: list[Commit]) -> list[list[int]]:
         """The drafter's drafts after a static step of bucket (n, width) whose chunks committed `commits` (in its
-        sequence order): the draft step's graphs replayed (run eagerly where none was captured)."""
+        sequence order): the draft step's graphs replayed (run eagerly where none was captured). A decode step's
+        rows are in the drafter's state already (`_forward`)."""
         step = self.draft_step
+        wanted = any(c.anchor is not None and c.max_draft > 0 for c in commits)
+        if width == 1 and not wanted:
+            return [[] for _ in commits]  # (a plain step, or past the load rule's budget: nothing to run)
         self.draft_steps += 1
         step.fill(n, commits)
-        self._replay_draft(self.write_graphs.get((n, width)), lambda: step.write(n, width))
-        if not any(c.anchor is not None and c.max_draft > 0 for c in commits):
-            return [[] for _ in commits]  # (past the load rule's budget: the rings written, no draft run)
+        if width > 1:  # a verify step's accepted rows: known only now
+            self._replay_draft(self.write_graphs.get((n, width)), lambda: step.write(n, width))
+        if not wanted:
+            return [[] for _ in commits]
         self._replay_draft(self.propose_graphs.get(n), lambda: step.propose(n))
         return step.drafts(commits)
 
@@ -188,7 +208,7 @@ class DecodeGraphs:
         sequences when it was filled otherwise): read it before the next replay."""
         captured = self.graphs.get(n) if width == 1 else self.verify_graphs.get((n, width))
         if captured is None:
-            logits = self.model.forward(self.static.batch(n, width), self.cache)
+            logits = self._forward(n, width)
         else:
             graph, logits = captured
             graph.replay()

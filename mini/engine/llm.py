@@ -17,7 +17,8 @@ detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those
   building its batch.
 * Speculating, a step is a verify step (`Speculation.verifies`: a chunk carries drafts, or a sequence will draft
   on the step's token) and reads back the step in flight first; every other step is plain decode's, overlapped as
-  above, and the drafter takes its rows into its state after the launch (`Speculation.plain_step`).
+  above, and the drafter takes its rows into its state after the launch (`Speculation.plain_step`; on CUDA graphs
+  the decode step's own graph has written them).
 * A sequence preempted while its token is in flight gets that token when it is read back (it is part of the
   history to recompute); its blocks are reused at once, which is safe because every device write (replays,
   eager forwards, slot copies, input copies) is ordered on the one stream after the step in flight.

@@ -9,7 +9,8 @@ draft), replay CUDA graphs captured per bucket (sequences, rows per sequence) at
 (mini.engine.cuda_graphs); prefill and mixed steps run eagerly. The cache then gets
 one scratch slot and one scratch block past those the block manager hands out, for the padding rows to write into.
 The graphs' memory pool is taken after the cache is sized, from what gpu_memory_utilization leaves. A speculating
-engine's drafter follows a static step with its own draft step on graphs where it has one (`draft`).
+engine's drafter follows a static step with its own draft step on graphs where it has one (`draft`); a decode
+step's graph writes the step's rows into the drafter's state itself.
 
 The model and its cache are reached only through the contract in mini.step (`StepModel`, `StepCache`,
 `StaticDecode`): mini.model's Model, mini.parallel.dp.DPModel and the tests' fake models all fit it. The runner also
@@ -159,7 +160,8 @@ class ModelRunner:
     @torch.inference_mode()
     def draft(self, drafter: Drafter, commits: list[Commit]) -> list[list[int]]:
         """`drafter`'s drafts after the last step, which committed `commits`: its static draft step on the graphs
-        when that step was static and the graphs were built with this drafter's one, else `drafter.propose`."""
+        when that step was static and the graphs were built with this drafter's one (after a decode step without
+        drafts wanted: nothing, the step's graph took its rows in), else `drafter.propose`."""
         g = self.graphs
         if self.last_static is not None and g.draft_step is not None and g.drafter is drafter:
             return g.draft(*self.last_static, commits)

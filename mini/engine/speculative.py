@@ -349,7 +349,8 @@ class Speculation:
     def plain_step(self, plan: StepPlan) -> None:
         """After the launch of a step that `verifies` left to plain decode (it may still be in flight): the probes'
         clock moves, and the drafter takes the step's rows into its state (DSpark's rings, before prefix-cache
-        snapshots copy them; on graphs the write replays alone) without drafting."""
+        snapshots copy them) without drafting; after a decode step on graphs that write was part of the step's own
+        graph, and nothing runs here."""
         self.steps += 1
         self.engine.stats.spec.plain_steps += 1
         self._forget_drafts(plan.preempted)

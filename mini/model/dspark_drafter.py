@@ -9,9 +9,10 @@ records.
 After a static decode or verify step (CUDA graphs) the same draft step runs over fixed buffers (`StaticDSparkDraft`,
 mini.step.StaticDraft), which the engine captures beside the step's graphs: every row of the step is written, the
 rows not committed (rejected drafts, padding) into the scratch slot's rings, from a device mask i <= a_b over the
-accepted counts copied in, then all the bucket's sequences draft. Its rows equal the eager drafter's under the
-deterministic mode (there a row's result does not depend on its step's rows); the confidence cut and each
-sequence's draft room stay on the host.
+accepted counts copied in, then all the bucket's sequences draft. A decode step (one row a sequence) commits every
+row, so its write needs nothing from the host and runs inside the step's own graph (`write_decode`). Its rows equal
+the eager drafter's under the deterministic mode (there a row's result does not depend on its step's rows); the
+confidence cut and each sequence's draft room stay on the host.
 """
 from __future__ import annotations
 
@@ -111,14 +112,26 @@ class StaticDSparkDraft:
     def write(self, n: int, width: int) -> None:
         """Every row of the step into the rings: sequence b's rows i <= accepted_b into its slot, the others into
         the scratch slot (pad_slot)."""
-        m = self.drafter.model
-        features = self.buffers.kept.get("target_features")
-        if features is None or features.shape[0] < n * width:
-            raise RuntimeError(f"the static buffers keep no target features of a step of {n} x {width} rows")
         slots, first, accepted = self.seqs[0, :n, None], self.seqs[1, :n, None], self.seqs[2, :n, None]
         i = self.row_in_seq[:width]
         row_slots = torch.where(i <= accepted, slots, self.pad_slot).flatten()
-        write_ring_rows(m.dspark, m.config, features[:n * width], (first + i).flatten(), row_slots, self.rings)
+        self._write_rows(n * width, (first + i).flatten(), row_slots)
+
+    def write_decode(self, n: int) -> None:
+        """Every row of a decode step over the buffers (width 1) into the rings, at the position and slot the step's
+        own inputs give it (a padding row: position 0 of the scratch slot, as `fill` pads). A decode step commits
+        every row, so this needs no `fill`: the engine runs it inside the decode step's own forward (its graph),
+        and it writes what `fill` + `write(n, 1)` would."""
+        batch = self.buffers.batch(n)
+        self._write_rows(n, batch.positions, batch.slots)
+
+    def _write_rows(self, rows: int, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The first `rows` rows' target features (kept by the step's forward) into the rings."""
+        m = self.drafter.model
+        features = self.buffers.kept.get("target_features")
+        if features is None or features.shape[0] < rows:
+            raise RuntimeError(f"the static buffers keep no target features of a step of {rows} rows")
+        write_ring_rows(m.dspark, m.config, features[:rows], positions, slots, self.rings)
 
     def propose(self, n: int) -> None:
         """Drafts after each sequence's last committed position (a padding sequence's: -1, an empty ring)."""
