@@ -146,10 +146,12 @@ def _counters(device: torch.device, n_blocks: int) -> torch.Tensor | None:
 
 
 # Shapes [N, K] whose fastest build is not DEFAULT, measured with the act quant fused (`mini bench kernels --only
-# decode_gemv`, H200, CUDA-graph replays, docs/perf/019): V4.1's wo_b [5120, 8192] 33.8 -> 25.5 us at B = 1
-# (34.7 -> 26.8 at B = 16; act quant + cuBLAS 27.9) and the shared expert's w1|w3 [4608, 5120] 21.3 -> 16.8
-# (act quant + cuBLAS 18.7). Wide K over few N blocks: more, smaller pieces keep more loads in flight.
-TUNED = {(5120, 8192): CANDIDATES["64x128 s2 4/SM"], (4608, 5120): CANDIDATES["64x128 s2 4/SM"]}
+# decode_gemv`, H200, CUDA-graph replays, docs/perf/019; us at B = 1, default -> tuned, act quant + cuBLAS):
+# V4.1's wo_b [5120, 8192] 33.8 -> 25.5 (27.9), the shared expert's w1|w3 [4608, 5120] 21.3 -> 16.8 (18.7), the
+# stacked wq_a|wkv [1792, 5120] 11.9 -> 9.3 (10.0) and wq_b|indexer wq_b [36864, 1280] 30.7 -> 25.7 (26.8); at
+# B = 16 the same order. Wide K over few N blocks: more, smaller pieces keep more loads in flight.
+TUNED = {(5120, 8192): CANDIDATES["64x128 s2 4/SM"], (4608, 5120): CANDIDATES["64x128 s2 4/SM"],
+         (1792, 5120): CANDIDATES["128x64 s4"], (36864, 1280): CANDIDATES["64x128 s2 4/SM"]}
 
 
 def config_for(N: int, K: int) -> GemvConfig:
