@@ -51,7 +51,7 @@ for arg in "${@:-env gpu_tests}"; do
         name=${item%%:*}; cap=${item#*:}; [ "$cap" = "$item" ] && cap=300
         left=$((DEADLINE - SECONDS)); [ "$left" -lt "$cap" ] && cap=$left
         if [ "$cap" -le 5 ]; then echo "$name skipped (deadline)" >>"$log"; continue; fi
-        export PHASE_DIR="$OUT/$name"; mkdir -p "$PHASE_DIR"
+        export PHASE_DIR="$OUT/$name" PHASE_CAP="$cap"; mkdir -p "$PHASE_DIR"
         timeout "$cap" bash -c "$(declare -f); phase_$name" >"$PHASE_DIR/out.log" 2>&1
         echo "== $name rc=$? (${SECONDS}s)" >>"$log"; tail -6 "$PHASE_DIR/out.log" >>"$log"; bundle
     done

@@ -4,7 +4,9 @@ order with the -inf and NaN ones dropped, then -1s, and how many are valid. The 
 torch.topk (a radix select, ~21 us a call at decode on the H200), a gather, a where, a sort (~27 us) and three
 small kernels; this kernel is one launch per step.
 
-One program owns one row, held whole in registers (up to MAX_COLS columns):
+One program owns one row and walks it in BLOCK-column chunks, the first held in registers (a decode step at 4K
+context has 1,024 groups: one chunk); no constexpr or specialized integer follows the step's shape, so one build
+serves every step (the warm-up compiles it once: tests/engine/test_warm_start.py):
 1. the int32 order keys of mini/kernels/order_keys.py (value bits above the column: unique, ordered as the values,
    ties to the higher column; -0.0 ties +0.0, every NaN above +inf, as torch's bf16 add on CUDA makes them);
 2. the k-th largest key, bit by bit from the top (32 counts of keys >= a candidate): with unique keys exactly k
@@ -19,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_COLS = 16384  # a row in registers: 32 keys a thread at 16 warps
+MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
+BLOCK = 1024
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -29,31 +32,46 @@ def supported(scores: torch.Tensor, k: int) -> bool:
 
 
 @triton.jit
-def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
+def _unsigned_keys(x_row, cols, N):
+    """(keys, valid) of the columns `cols` of one row: the order keys with the sign bit flipped (unsigned order =
+    the keys' signed order; a column past N gets 0, below every key), and whether the score is a number > -inf."""
     ok = cols < N
-    bits = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
+    bits = tl.load(x_row + cols, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
     is_nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
     valid = ok & (bits != -128) & ~is_nan  # -128: the bits of -inf
     bits = tl.where(bits == -32768, 0, bits)  # -0.0 -> +0.0
     bits = tl.where(is_nan, 0x7FFF, bits)
     key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | cols
-    # unsigned order = signed order with the sign bit flipped; columns past N never count
-    ukey = tl.where(ok, (key ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+    return tl.where(ok, (key ^ -2147483648).to(tl.uint32, bitcast=True), 0), valid
+
+
+@triton.jit(do_not_specialize=["N", "K", "stride_x", "stride_ids"])
+def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    ids_row = ids_ptr + row * stride_ids
+    cols = tl.arange(0, BLOCK)
+    first, first_valid = _unsigned_keys(x_row, cols, N)
     kth = tl.zeros([], dtype=tl.uint32)
     one = tl.full([], 1, tl.uint32)
-    for b in tl.static_range(32):
+    for b in tl.static_range(32):  # the k-th largest key: the largest candidate with >= K keys at or above it
         cand = kth | (one << (31 - b))
-        n_at_least = tl.sum((ok & (ukey >= cand)).to(tl.int32), axis=0)
+        n_at_least = tl.sum((first >= cand).to(tl.int32), axis=0)
+        for c0 in range(BLOCK, N, BLOCK):
+            keys, _ = _unsigned_keys(x_row, c0 + cols, N)
+            n_at_least += tl.sum((keys >= cand).to(tl.int32), axis=0)
         kth = tl.where(n_at_least >= K, cand, kth)
-    keep = ok & (ukey >= kth) & valid
-    at = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # each kept column's place: column order
-    tl.store(ids_ptr + row * stride_ids + at, cols.to(tl.int64), mask=keep)
+    keep = (first >= kth) & first_valid
+    tl.store(ids_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, cols.to(tl.int64), mask=keep)
     n_kept = tl.sum(keep.to(tl.int32), axis=0)
-    j = tl.arange(0, BLOCK_K)
-    tl.store(ids_ptr + row * stride_ids + j, tl.full([BLOCK_K], -1, tl.int64), mask=(j >= n_kept) & (j < K))
+    for c0 in range(BLOCK, N, BLOCK):  # each kept column's place: column order
+        keys, valid = _unsigned_keys(x_row, c0 + cols, N)
+        keep = (keys >= kth) & valid
+        tl.store(ids_row + n_kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1, (c0 + cols).to(tl.int64), mask=keep)
+        n_kept += tl.sum(keep.to(tl.int32), axis=0)
+    for j0 in range(0, K, BLOCK):
+        j = j0 + cols
+        tl.store(ids_row + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= n_kept) & (j < K))
     tl.store(count_ptr + row, n_kept)
 
 
@@ -68,8 +86,6 @@ def top_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
     if T:
-        block_n = triton.next_power_of_2(N)
-        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0),
-                              BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
-                              num_warps=4 if block_n <= 2048 else 8 if block_n <= 8192 else 16)
+        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0), BLOCK=BLOCK,
+                              num_warps=4)
     return ids, count

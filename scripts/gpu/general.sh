@@ -9,7 +9,9 @@ phase_env() {  # what machine and software the results come from
 }
 
 phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files or folders)
-    # -v: each result is printed as it completes, so a phase cut by its cap still says what failed
+    # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
+    # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far
+    timeout -s INT -k 10 $(( ${PHASE_CAP:-600} > 60 ? ${PHASE_CAP:-600} - 20 : ${PHASE_CAP:-600} )) \
     python3 -m pytest -v -m gpu -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -rfE --durations=25 --timeout=200 \
         ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1
     local rc=$?

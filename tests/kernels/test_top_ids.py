@@ -37,7 +37,7 @@ def poisoned(monkeypatch):
 
 
 @pytest.mark.parametrize("T,N,k", [(1, 1, 1), (1, 37, 8), (3, 1000, 512), (5, 130, 130), (2, 2049, 64),
-                                   (4, 600, 512)])
+                                   (4, 600, 512), (2, 3000, 2500)])  # 2049, 3000: three chunks, ids past one
 def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k):
     x = scores(T, N, "cpu", seed=N + k)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch
