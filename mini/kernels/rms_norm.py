@@ -22,8 +22,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, stride_x, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                     QUANT: tl.constexpr, QBLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, stride_x, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_R: tl.constexpr, QUANT: tl.constexpr, QBLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     ok = (rows < R)[:, None] & (d < D)[None, :]
@@ -73,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: str | Non
         assert D % quant_block == 0
     if R:
         block_d, block_r, num_warps = tiles(D)
-        _rms_norm_kernel[(triton.cdiv(R, block_r),)](x, weight.contiguous(), out, R, x.stride(0), eps, D=D, BLOCK_D=block_d,
-                                                     BLOCK_R=block_r, QUANT=kind_code(quant), QBLOCK=quant_block,
-                                                     num_warps=num_warps)
+        _rms_norm_kernel[(triton.cdiv(R, block_r),)](x, weight.contiguous(), out, R, x.stride(0), eps, D=D,
+                                                     BLOCK_D=block_d, BLOCK_R=block_r, QUANT=kind_code(quant),
+                                                     QBLOCK=quant_block, num_warps=num_warps)
     return out
