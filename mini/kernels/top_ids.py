@@ -57,21 +57,27 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK
     for b in tl.static_range(32):  # the k-th largest key: the largest candidate with >= K keys at or above it
         cand = kth | (one << (31 - b))
         n_at_least = tl.sum((first >= cand).to(tl.int32), axis=0)
-        for c0 in range(BLOCK, N, BLOCK):
+        c0 = tl.zeros([], tl.int32) + BLOCK
+        while c0 < N:  # (while, not range(BLOCK, N, BLOCK): Triton 3.6's interpreter cannot take the latter)
             keys, _ = _unsigned_keys(x_row, c0 + cols, N)
             n_at_least += tl.sum((keys >= cand).to(tl.int32), axis=0)
+            c0 += BLOCK
         kth = tl.where(n_at_least >= K, cand, kth)
     keep = (first >= kth) & first_valid
     tl.store(ids_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, cols.to(tl.int64), mask=keep)
     n_kept = tl.sum(keep.to(tl.int32), axis=0)
-    for c0 in range(BLOCK, N, BLOCK):  # each kept column's place: column order
+    c0 = tl.zeros([], tl.int32) + BLOCK
+    while c0 < N:  # each kept column's place: column order
         keys, valid = _unsigned_keys(x_row, c0 + cols, N)
         keep = (keys >= kth) & valid
         tl.store(ids_row + n_kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1, (c0 + cols).to(tl.int64), mask=keep)
         n_kept += tl.sum(keep.to(tl.int32), axis=0)
-    for j0 in range(0, K, BLOCK):
+        c0 += BLOCK
+    j0 = tl.zeros([], tl.int32)
+    while j0 < K:
         j = j0 + cols
         tl.store(ids_row + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= n_kept) & (j < K))
+        j0 += BLOCK
     tl.store(count_ptr + row, n_kept)
 
 
