@@ -27,15 +27,26 @@ def supported(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def is_nan_bits(bits):
+    """Whether bf16 bits (int16, sign-extended to int32) are a NaN's."""
+    return ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
+
+
+@triton.jit
+def order_key(bits, cols):
+    """int32 keys of bf16 bits (int16, sign-extended to int32) at columns `cols` (the module docstring's rule)."""
+    bits = tl.where(bits == -32768, 0, bits)  # -0.0 -> +0.0
+    bits = tl.where(is_nan_bits(bits), 0x7FFF, bits)  # NaN -> CUDA's one NaN
+    return ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | cols
+
+
+@triton.jit
 def _order_keys_kernel(x_ptr, out_ptr, N, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     bits = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
-    bits = tl.where(bits == -32768, 0, bits)  # -0.0 -> +0.0
-    bits = tl.where(((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0), 0x7FFF, bits)  # NaN -> CUDA's one NaN
-    key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | cols
-    tl.store(out_ptr + row * stride_out + cols, key, mask=ok)
+    tl.store(out_ptr + row * stride_out + cols, order_key(bits, cols), mask=ok)
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.order_keys import is_nan_bits, order_key
+
 MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
 BLOCK = 1024
 
@@ -37,11 +39,8 @@ def _unsigned_keys(x_row, cols, N):
     the keys' signed order; a column past N gets 0, below every key), and whether the score is a number > -inf."""
     ok = cols < N
     bits = tl.load(x_row + cols, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
-    is_nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
-    valid = ok & (bits != -128) & ~is_nan  # -128: the bits of -inf
-    bits = tl.where(bits == -32768, 0, bits)  # -0.0 -> +0.0
-    bits = tl.where(is_nan, 0x7FFF, bits)
-    key = ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | cols
+    valid = ok & (bits != -128) & ~is_nan_bits(bits)  # -128: the bits of -inf
+    key = order_key(bits, cols)
     return tl.where(ok, (key ^ -2147483648).to(tl.uint32, bitcast=True), 0), valid
 
 
