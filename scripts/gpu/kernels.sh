@@ -36,6 +36,13 @@ phase_humming() {  # routed experts on Humming (~270 s on a cold kernel cache): 
     return $rc
 }
 
+phase_humming_decode() {  # issue 28 (~60-120 s): Humming's expert GEMMs at decode row counts under its heuristic
+    # config and hand-made variants (tools/humming_decode_study.py; HUMMING_DECODE_ARGS adds flags). Look at: the
+    # us / GB/s lines per case (4x4 ~ B = 1, 96x4 ~ B = 16, 384x4 ~ B = 64 on one emulated EP4 rank) and
+    # max_abs_diff (~0: the same sums in another order). A variant that faults ends the phase: run it last.
+    python3 tools/humming_decode_study.py ${HUMMING_DECODE_ARGS:-} --json "$PHASE_DIR/humming_decode.json"
+}
+
 phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-shape micro-benchmark, then the
     # in-model fast-path check with FlashMLA forced
     local rc=0

@@ -40,6 +40,7 @@ def test_prefix_caching_equals_no_caching(alone):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # its pools are a fraction of the GPU's memory: other workers' memory would not be free
 def test_cuda_pools_sized_from_free_memory():
     free_before, total = torch.cuda.mem_get_info()
     # eager: decode graphs would pad their index tensors to the 1M context (docs/engine.md, Limits)

@@ -160,6 +160,7 @@ def test_dspark_on_the_static_path_drafts_what_the_eager_path_drafts(kernels_det
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # 3 engines, 18 graph captures: beside 7 other workers its capture was invalidated
 def test_verify_graphs_on_cuda_equal_eager_gpu(kernels_deterministic):
     """bf16, fast backend, the kernels' deterministic mode (a row's result does not depend on its step's rows):
     speculation (the oracle, K = 5, draft lengths that differ within a step) with verify steps replaying CUDA graphs

@@ -1,0 +1,151 @@
+"""Humming's routed-expert GEMMs at decode row counts, under its heuristic tile config and hand-made variants.
+
+At decode the adapter (mini/kernels/humming_experts.py) runs Humming's small-M schedule with stream-K off (stream-K
+adds partial tiles into the bf16 output: a second rounding), so a GEMM has one CTA per N tile of each touched
+expert: at B = 1 on one emulated EP4 rank (~1.4 touched experts) ~50 CTAs for 132 SMs. This study asks whether
+other tiles (narrower N, deeper K, more stages, more CTAs per SM) stream an expert's weights faster there.
+
+Setup: one layer's 96 local experts at V4.1-Flash shape (w1|w3: N 4608, K 5120; w2: N 5120, K 2304), random MXFP4
+codes and E8M0 scales, converted to Humming's layout. For each case (pairs routed to local experts per step),
+ROTATE different random routings are replayed in turn inside one CUDA graph, so the touched experts change call
+to call and their weights come from HBM, not L2 (a layer's experts are 1.7 GB). Per config: us per GEMM call
+(median graph replay / ROTATE), the weight bytes the touched experts hold over that time (GB/s), and the outputs
+against the heuristic config's (max |diff|, fraction bit-equal: the same exact products summed in another order).
+A variant the library refuses is reported and skipped; one that faults ends the run (run this last in a call).
+
+    python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--variants NAME=JSON ...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# patches of the heuristic config, applied per GEMM (JSON object merged over the default's keys)
+VARIANTS = {
+    "n64": {"block_shape": [None, 64, None]},
+    "stages6": {"num_stages": 6},
+    "stages8": {"num_stages": 8},
+    "ctas2": {"num_ctas_per_sm": 2},
+    "ctas4": {"num_ctas_per_sm": 4},
+    "n64_ctas2": {"block_shape": [None, 64, None], "num_ctas_per_sm": 2},
+    "n64_stages8_ctas2": {"block_shape": [None, 64, None], "num_stages": 8, "num_ctas_per_sm": 2},
+    # the heuristic picks its tile from the step's total rows; a decode step's experts hold a few rows each
+    "bucket16": {"bucket": 16}, "bucket32": {"bucket": 32}, "bucket64": {"bucket": 64},
+    # for scale only, never served: stream-K's bf16 reduce-add rounds twice (what parallelism over K would give)
+    "streamk": {"use_stream_k": True},
+}
+
+
+def patched(base: str, patch: dict, stack) -> str:
+    """The tuning JSON `base` with `patch`'s keys replaced; list entries None keep the base's value. The warp
+    shape's N follows a narrower block N. {"bucket": R}: the heuristic's config for R rows instead."""
+    from mini.kernels.humming_experts import tuning_for
+    if "bucket" in patch:
+        return tuning_for(stack, patch["bucket"])
+    t = json.loads(base)
+    for key, val in patch.items():
+        if isinstance(val, list):
+            t[key] = [b if v is None else v for v, b in zip(val, t[key])]
+        else:
+            t[key] = val
+    if "block_shape" in patch and t["warp_shape"][1] > t["block_shape"][1]:
+        t["warp_shape"][1] = t["block_shape"][1]
+    return json.dumps(t)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", default="4x4,8x4,6x1,96x4,384x4",
+                   help="cases, comma-separated: PxR = P local rows per step, R rows on each touched expert (one "
+                        "emulated EP4 rank repeats each own token 4 times: B = 1 is ~1.4 experts x 4 rows)")
+    p.add_argument("--experts", type=int, default=96, help="local experts of the layer")
+    p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
+    p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
+                   help="tuning patches (default: the built-in VARIANTS)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import triton
+
+    from mini.config import preset
+    from mini.kernels import humming_experts as hx
+    cfg = preset("v4.1-flash")
+    D, I, E = cfg.dim, cfg.moe_inter_dim, args.experts
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def stack(n, k):
+        codes = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
+        scales = torch.randint(120, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+        return hx.convert(codes, scales)
+    stacks = {"w13": stack(2 * I, D), "w2": stack(D, I)}
+    variants = VARIANTS if args.variants is None else {
+        v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variants}
+    results = {"device": torch.cuda.get_device_name(), "experts": E, "rotate": args.rotate, "cases": {}}
+    specs = args.pairs.split(",")
+    configs_of = {}  # (case, GEMM) -> {tag: tuning JSON}
+    for spec in specs:
+        for name, st in stacks.items():
+            base = hx.tuning_for(st, int(spec.split("x")[0]))
+            configs_of[spec, name] = {"default": base,
+                                      **{v: patched(base, patch, st) for v, patch in variants.items()}}
+    # every build at once, side by side (one at a time they take seconds each)
+    refused = hx.warm_up([(stacks[name], t) for (_, name), cs in configs_of.items() for t in cs.values()])
+    results["refused"] = refused
+    for spec in specs:
+        pairs, per = (int(v) for v in spec.split("x"))
+        routings = []
+        for _ in range(args.rotate):
+            counts = torch.zeros(E, dtype=torch.int64, device=dev)
+            counts[torch.randperm(E, generator=g, device=dev)[:pairs // per]] = per
+            offset = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+            offset[1:] = counts.cumsum(0)
+            routings.append((offset, pairs // per))
+        touched = sum(t for _, t in routings) / len(routings)
+        case = {"touched_experts": touched}
+        for name, st in stacks.items():
+            a = torch.randn(pairs, st.k, generator=g, device=dev).bfloat16()
+            outs = [torch.empty(pairs, st.n, dtype=torch.bfloat16, device=dev) for _ in routings]
+            configs = configs_of[spec, name]
+            case[f"{name}_default_tuning"] = configs["default"]
+            print(f"pairs={spec} {name} default: {configs['default']}", flush=True)
+            expert_bytes = st.n * st.k // 2 + st.n * st.k // 32
+            ref = None
+            for tag, tuning in configs.items():
+                if tuning in refused:
+                    print(f"  {name} {tag}: refused at build ({refused[tuning][:200]})", flush=True)
+                    continue
+                def calls(tuning=tuning):
+                    for (off, _), o in zip(routings, outs):
+                        hx.grouped_gemm(a, st, off, pairs, out=o, tuning=tuning)
+                try:
+                    calls()
+                    torch.cuda.synchronize()
+                    got = torch.stack([o.clone() for o in outs])
+                    us = triton.testing.do_bench_cudagraph(calls, rep=50, return_mode="median") * 1e3 / len(routings)
+                except Exception as e:  # refused or failed to build: report, keep going
+                    print(f"  {name} {tag}: skipped ({type(e).__name__}: {str(e)[:200]})", flush=True)
+                    continue
+                if ref is None:
+                    ref = got
+                diff = float((got.float() - ref.float()).abs().max())
+                same = float((got == ref).float().mean())
+                gbs = touched * expert_bytes / (us * 1e-6) / 1e9
+                case[f"{name}_{tag}"] = {"us": us, "GB_s": gbs, "max_abs_diff": diff, "bit_equal": same}
+                print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
+                      flush=True)
+            ref = None
+        results["cases"][spec] = case
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
