@@ -286,3 +286,49 @@ def test_tuned_shapes_take_a_candidate_build():
     from mini.kernels.gemv import CANDIDATES, TUNED, config_for
     assert TUNED and all(c in CANDIDATES.values() for c in TUNED.values())
     assert config_for(5120, 8192) is TUNED[(5120, 8192)] and config_for(1280, 5120) is DEFAULT
+
+
+def test_compressor_projections_run_as_one_gemv_at_decode_interpreted(interpreter, fast_interpreted, gemv_calls):
+    """A ratio > 1 compressor's wkv and wgate at decode (mini.ops.compressor.kv_and_score): one GEMV with an fp32
+    output over the two side by side, each output the fp32 sum of the same exact products as `_linear_fp32`'s; the
+    weights become views of the one stack (held once); more rows than the limit, the deterministic mode and the
+    reference backend keep the two fp32 GEMMs."""
+    import mini.ops
+    from mini.ops.compressor import CompressorWeights, _linear_fp32, kv_and_score
+    g = torch.Generator().manual_seed(5)
+    wkv, wgate = ((torch.randn(48, 160, generator=g) / 13).bfloat16() for _ in range(2))
+    w = CompressorWeights(2, False, wkv, wgate, None, torch.ones(48))
+    x = (torch.randn(3, 160, generator=g) * 2).bfloat16()
+    kv, score = kv_and_score(x, w)
+    assert gemv_calls == [(3, 160)] and kv.dtype == score.dtype == torch.float32
+    assert w.wgate.data_ptr() == w.wkv.data_ptr() + 48 * 160 * 2 and torch.equal(w.wkv, wkv)
+    for got, weight in ((kv, wkv), (score, wgate)):
+        spread = x.double().abs() @ weight.double().abs().T
+        assert ((got.double() - x.double() @ weight.double().T).abs() <= spread * 1e-6).all()
+    kv_and_score(torch.cat([x] * 6)[:17], w)  # over the limit: the two GEMMs
+    with mini.ops.deterministic_mode():
+        kv_and_score(x, w)
+    assert gemv_calls == [(3, 160)]
+    mini.ops.set_backend("reference")
+    assert all(torch.equal(a, _linear_fp32(x, b)) for a, b in zip(kv_and_score(x, w), (wkv, wgate)))
+
+
+@pytest.mark.gpu
+def test_compressor_projections_at_v41_shape_gpu():
+    """kv_and_score at V4.1's compressor shape ([512, 5120] each) at 1 and 16 rows: the stacked GEMV's fp32 sums
+    against float64, and within the tensor cores' truncation of cuBLAS's fp32-output GEMM."""
+    import mini.ops
+    from mini.ops.compressor import CompressorWeights, _linear_fp32, kv_and_score
+    prev = mini.ops.backend()
+    mini.ops.set_backend("fast")
+    try:
+        for T in (1, 16):
+            x, wkv = _operands(T, 512, 5120, "cuda", seed=T)
+            wgate = _operands(1, 512, 5120, "cuda", seed=T + 10)[1]
+            w = CompressorWeights(2, False, wkv.clone(), wgate.clone(), None, torch.ones(512, device="cuda"))
+            for got, weight in zip(kv_and_score(x, w), (wkv, wgate)):
+                spread = x.double().abs() @ weight.double().abs().T
+                assert ((got.double() - x.double() @ weight.double().T).abs() <= spread * 1e-5).all()
+                assert ((got - _linear_fp32(x, weight)).abs().double() <= spread * 2e-5).all()
+    finally:
+        mini.ops.set_backend(prev)
