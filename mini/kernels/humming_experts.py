@@ -251,8 +251,19 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales.view(stack.n, stack.k // GROUP)
 
 
+# Tile changes measured faster than the heuristic's config at decode (tools/humming_decode_study.py, phase
+# humming_decode, H200, docs/perf/020): (N, K, rows bucket) -> (the heuristic's keys it was measured against, the
+# keys it replaces). w1|w3 [4608, 5120] in 64-column tiles instead of 128: twice the CTAs where few experts are
+# touched, 46.6 -> 33.2 us per call for 6 experts x 1 row (one EP4 rank's pairs at B = 1) and 24.0 -> 23.5 for 1
+# expert x 4 rows; K is split between the same two warps, so the sums are the same (bit-equal in the study).
+# Other variants (more stages, more CTAs per SM, other buckets' configs) were within the noise or slower, and w2's
+# wgmma tiles need all 256 columns.
+DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
+                                       {"block_shape": [8, 64, 64]}) for bucket in (16, 32, 64)}
+
+
 @functools.cache
-def _tuning(config, rows: int, invariant: bool = False) -> str:
+def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> str:
     """Humming's SM90 heuristic tile config for `rows` rows, without stream-K (see the module docstring).
 
     The heuristic's configs differ by row count in more than the row tile: for few rows (buckets up to 64-128 at
@@ -261,12 +272,16 @@ def _tuning(config, rows: int, invariant: bool = False) -> str:
     when the expert has few rows (decode, or a rank's share under EP) than when it has many. `invariant` (the
     deterministic mode) asks the library for its batch-invariant schedule instead: one K partition of a fixed
     width (64 for bf16 activations) and no stream-K at every row count; only the row tile still follows the
-    rows, which changes no row's sums."""
+    rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change where the
+    heuristic's config is the one it was measured against."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
-    tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
-                                        use_batch_invariant=invariant))
+    tuning = json.loads(json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
+                                                         use_batch_invariant=invariant)))  # tuples as lists
     tuning["use_stream_k"] = False
+    measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
+    if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
+        tuning.update(change)
     return json.dumps(tuning)
 
 
@@ -275,9 +290,10 @@ def rows_bucket(expected_rows: int) -> int:
     return 1 << max(4, (max(expected_rows, 1) - 1).bit_length())
 
 
-def tuning_for(stack: HummingStack, expected_rows: int, invariant: bool = False) -> str:
-    """The tile config (JSON) the GEMM takes for about `expected_rows` rows (`invariant`: see `_tuning`)."""
-    return _tuning(stack.config, rows_bucket(expected_rows), invariant)
+def tuning_for(stack: HummingStack, expected_rows: int, invariant: bool = False, tuned: bool = True) -> str:
+    """The tile config (JSON) the GEMM takes for about `expected_rows` rows (`invariant`, `tuned`: see
+    `_tuning`)."""
+    return _tuning(stack.config, rows_bucket(expected_rows), invariant, tuned)
 
 
 def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,

@@ -125,3 +125,54 @@ def test_scales_supported_refuses_bytes_outside():
             bad = ok.clone()
             bad[1, 2, 0] = byte
             assert not hx.scales_supported(ok, bad)
+
+
+def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypatch):
+    """DECODE_TILES: at its (N, K, bucket) the heuristic's config takes the measured change, outside the
+    deterministic mode, with `tuned`, and only where the heuristic gave the config it was measured against (a
+    library update that picks another config keeps its own). Stand-in library modules (the real ones need a GPU)."""
+    import json
+    import sys
+    import types
+    from collections import namedtuple
+
+    from mini.kernels import humming_experts as hx
+    base = {"block_shape": (8, 128, 64), "warp_shape": (8, 64, 32), "mma_type": "mma", "use_stream_k": True,
+            "num_stages": 4}
+    heuristic = {"config": dict(base)}
+    tune = types.SimpleNamespace(get_heuristics_config=lambda config, **kw: dict(heuristic["config"]))
+    config_mod = types.SimpleNamespace(GemmType=types.SimpleNamespace(GROUPED_CONTIGUOUS="grouped_contiguous"))
+    monkeypatch.setitem(sys.modules, "humming", types.ModuleType("humming"))
+    monkeypatch.setitem(sys.modules, "humming.tune", tune)
+    monkeypatch.setitem(sys.modules, "humming.config", config_mod)
+    Layer = namedtuple("Layer", "shape_n shape_k")
+    hx._tuning.cache_clear()
+    try:
+        w13, w2 = Layer(4608, 5120), Layer(5120, 2304)
+        got = json.loads(hx._tuning(w13, 16))
+        assert got["block_shape"] == [8, 64, 64] and got["warp_shape"] == [8, 64, 32] and not got["use_stream_k"]
+        assert json.loads(hx._tuning(w13, 64))["block_shape"] == [8, 64, 64]
+        for config, rows, kw in ((w13, 16, {"invariant": True}), (w13, 16, {"tuned": False}), (w13, 128, {}),
+                                 (w2, 16, {})):
+            assert json.loads(hx._tuning(config, rows, **kw))["block_shape"] == [8, 128, 64]
+        heuristic["config"] = {**base, "num_stages": 6, "block_shape": (16, 128, 64)}  # another config: kept
+        hx._tuning.cache_clear()
+        assert json.loads(hx._tuning(w13, 16))["block_shape"] == [16, 128, 64]
+    finally:
+        hx._tuning.cache_clear()
+
+
+@pytest.mark.gpu
+def test_decode_tiles_give_the_heuristic_configs_bits_gpu(hx):
+    """The decode tile change keeps the heuristic's sums at V4.1's w1|w3 shape: 6 experts x 1 row and 1 expert x
+    4 rows give the same bits under both configs."""
+    E, N, K = 8, 4608, 5120
+    stack = hx.convert(*_experts(E, N, K, 120, 121))
+    for counts in ([1, 1, 1, 0, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0, 0, 0]):
+        counts = torch.tensor(counts, device="cuda")
+        offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+        a = torch.randn(int(counts.sum()), K, device="cuda").bfloat16()
+        tuned, plain = hx.tuning_for(stack, 6), hx.tuning_for(stack, 6, tuned=False)
+        assert tuned != plain
+        assert torch.equal(hx.grouped_gemm(a, stack, offset, 6, tuning=tuned),
+                           hx.grouped_gemm(a, stack, offset, 6, tuning=plain))
