@@ -25,6 +25,11 @@ from mini.kernels.order_keys import is_nan_bits, order_key
 
 MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
 BLOCK = 1024
+# The op (mini.ops.indexer.top_groups_ordered) takes the kernel up to this many columns: one chunk, a 4K context's
+# groups at ratio 4. Wider rows re-read each further chunk once per key bit, which measured slower than the torch
+# form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
+# form until a wide-row build beats it.
+FASTER_MAX_COLS = BLOCK
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:

@@ -197,9 +197,9 @@ def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | N
     if widths is not None:  # the official rule's ids: -1s anywhere
         return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
-    if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py)
-        from mini.kernels.top_ids import supported, top_ids
-        if supported(scores, min(k, N)):
+    if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is the faster
+        from mini.kernels.top_ids import FASTER_MAX_COLS, supported, top_ids
+        if N <= FASTER_MAX_COLS and supported(scores, min(k, N)):
             return top_ids(scores, min(k, N))
     values, indices = topk_recent(scores, min(k, N), sorted=False)
     valid = values > float("-inf")

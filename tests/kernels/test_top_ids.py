@@ -68,6 +68,9 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
         got = top_groups_ordered(x, 64)
         top_groups_ordered(x.float(), 64)  # fp32 scores: the torch form
         top_groups_ordered(x, 500)  # k above N: min(k, N)
+        wide = scores(2, kernel_module.FASTER_MAX_COLS + 1, "cpu", seed=4)
+        assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(wide, 64),
+                                                     real(wide, 64)))  # wider: the torch form (same ids)
     finally:
         mini.ops.set_backend("reference")
     assert calls == [64, 300]
