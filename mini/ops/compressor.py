@@ -10,14 +10,14 @@ The result is pre-RoPE: the caller makes index keys from it, then rotates it at 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from mini.ops import deterministic, use_fast
+from mini.ops import use_fast
 from mini.ops.norm import rms_norm
 
 
@@ -50,8 +50,6 @@ class CompressorWeights:
     wgate: torch.Tensor | None  # [coff·d, D] (ratio > 1), like wkv
     ape: torch.Tensor | None  # [ratio, coff·d] fp32 (V4)
     norm: torch.Tensor  # [d]
-    # wkv and wgate side by side, built at the first decode GEMV (`kv_and_score`); wkv / wgate are then its views
-    _stacked: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_state(cls, state: dict, prefix: str, ratio: int, overlap: bool, dtype) -> "CompressorWeights":
@@ -79,28 +77,6 @@ def _linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA), not in every release
 
 
-def kv_and_score(x: torch.Tensor, w: CompressorWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (wkv(x), wgate(x)) of a ratio > 1 compressor, as `_linear_fp32` gives each. At decode (up to
-    GEMV_MAX_TOKENS rows, bf16 x and weights, fast path, not the deterministic mode) one decode GEMV with an fp32
-    output over wkv and wgate side by side: one launch and one read of x instead of two cuBLAS GEMMs (measured in
-    docs/perf/020). The stack is built at the first such call (a decode warm-up, before any graph capture) and
-    wkv / wgate become its views, so the weights are held once. The same exact products, summed in fp32 in the
-    GEMV's order."""
-    from mini.ops.linear import GEMV_MAX_TOKENS
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (0 < rows <= GEMV_MAX_TOKENS and use_fast(x) and x.dtype == w.wkv.dtype == w.wgate.dtype == torch.bfloat16
-            and not deterministic()):
-        from mini.kernels.gemv import gemv, runs_on
-        if runs_on(x):
-            n = w.wkv.shape[0]
-            if w._stacked is None:
-                w._stacked = torch.cat([w.wkv, w.wgate])
-                w.wkv, w.wgate = w._stacked[:n], w._stacked[n:]
-            y = gemv(x.reshape(rows, x.shape[-1]), w._stacked, out_dtype=torch.float32).view(*x.shape[:-1], -1)
-            return y[..., :n], y[..., n:]
-    return _linear_fp32(x, w.wkv), _linear_fp32(x, w.wgate)
-
-
 def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, groups: GroupIndex,
              state_kv: torch.Tensor | None, state_score: torch.Tensor | None, eps: float,
              keep: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -110,7 +86,7 @@ def compress(x: torch.Tensor, w: CompressorWeights, positions: torch.Tensor, gro
     draft rows' to write the accepted ones later (mini.model.drafts)."""
     if w.ratio == 1:
         return rms_norm(F.linear(x, w.wkv.to(x.dtype)), w.norm, eps)
-    kv, score = kv_and_score(x, w)
+    kv, score = _linear_fp32(x, w.wkv), _linear_fp32(x, w.wgate)
     if w.ape is not None:
         score = score + w.ape[positions % w.ratio]
     if keep is not None:
