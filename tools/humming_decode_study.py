@@ -14,6 +14,8 @@ against the heuristic config's (max |diff|, fraction bit-equal: the same exact p
 A variant the library refuses is reported and skipped; one that faults ends the run (run this last in a call).
 
     python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--variants NAME=JSON ...] [--json out.json]
+
+Each case also times our split-K candidate over the same bytes (mini/kernels/humming_gemv.py, not dispatched).
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
 
     from mini.config import preset
     from mini.kernels import humming_experts as hx
+    from mini.kernels.humming_gemv import humming_gemv
     cfg = preset("v4.1-flash")
     D, I, E = cfg.dim, cfg.moe_inter_dim, args.experts
     dev = torch.device("cuda")
@@ -140,6 +143,23 @@ def main(argv=None) -> int:
                 case[f"{name}_{tag}"] = {"us": us, "GB_s": gbs, "max_abs_diff": diff, "bit_equal": same}
                 print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
                       flush=True)
+            # our split-K candidate on the same bytes (mini/kernels/humming_gemv.py): exact, another summation order
+            def ours():
+                for (off, touched_now), o in zip(routings, outs):
+                    humming_gemv(a, st.weight, st.scale, off, touched_now, out=o)
+            try:
+                ours()
+                torch.cuda.synchronize()
+                got = torch.stack([o.clone() for o in outs])
+                us = triton.testing.do_bench_cudagraph(ours, rep=50, return_mode="median") * 1e3 / len(routings)
+                diff = float((got.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+                same = float((got == ref).float().mean()) if ref is not None else float("nan")
+                case[f"{name}_split_k_candidate"] = {"us": us, "GB_s": touched * expert_bytes / (us * 1e-6) / 1e9,
+                                                     "max_abs_diff": diff, "bit_equal": same}
+                print(f"  {name} {'split-K candidate':20s} {us:8.2f} us  diff {diff:.3g}  equal {same:.4f}",
+                      flush=True)
+            except Exception as e:
+                print(f"  {name} split-K candidate: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
             ref = None
         results["cases"][spec] = case
     if args.json:

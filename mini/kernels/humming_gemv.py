@@ -1,0 +1,182 @@
+"""Routed experts at decode row counts, read in Humming's weight layout and split over K: a candidate for issue 28,
+not yet wired into mini.ops.moe and not yet run on the GPU (its gpu tests check the layout against the library's).
+
+Why: at B = 1 on one emulated EP4 rank Humming's grouped GEMM streams one touched expert's w1|w3 at 0.52 TB/s
+(docs/perf/020). With stream-K off (its bf16 reduce-add rounds twice) a GEMM has one CTA per column tile of each
+touched expert, ~50 for 132 SMs. Here programs also split K: each adds its piece's exact products in fp32, and a
+second pass adds the pieces in a fixed order and rounds once to bf16. Each output is then one fp32 sum of the exact
+products and one rounding, as Humming's and the reference's are; only the order of the sum differs.
+
+The layout (`humming_experts.convert`; derived from the library's repack kernel for 4-bit weights and 16-bit
+activations; `layout_codes` / `layout_scales` write it from the checkpoint's bytes):
+- codes, per expert int32 [K/16, 2N]. Row s holds K slab 16s..16s+15. Its words 128b..128b+127 hold columns
+  64b..64b+63. Word 4t + i3 (t = 4 tn + tk), nibble q = 4 i6 + 2 i4 + i5, is column 16 i3 + 8 i4 + tn at
+  k = 8 i5 + 2 tk + i6 (mma.sync's B fragments, thread t);
+- scales, per expert uint8 [K/32, N]. Within every 64 columns, position 8a + c holds column 8c + a.
+A program owns 64 columns (one block b) of one touched expert and one piece of K. It walks the piece in 64-deep
+steps and loads each step's words as [32, 16]: the column side (tn, i3) by the k side (slab, tk). It decodes
+the two nibble halves i4 = 0 and 1 into two [32, 64] tiles, and multiplies each by the rows' activations gathered
+in the same k order (L1-resident). The tiles are not permuted in registers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mini.kernels.device_info import H200_SMS, sm_count
+from mini.kernels.mxfp4_grouped_gemm import _e2m1_unscaled
+from mini.kernels.quant import e8m0_value
+
+ROWS = 16  # an expert's rows go through the MMA 16 at a time (decode: 1-16 rows per touched expert)
+STEP_K = 64
+
+
+def layout_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Checkpoint MXFP4 codes uint8 [..., N, K/2] (low nibble = even k) -> Humming's int32 [..., K/16, 2N]."""
+    *lead, N, half_k = codes.shape
+    K = 2 * half_k
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*lead, N, K)
+    # n = 64 b + 16 i3 + 8 i4 + tn, k = 16 s + 8 i5 + 2 tk + i6
+    v = nib.reshape(*lead, N // 64, 4, 2, 8, K // 16, 2, 4, 2)
+    d = len(lead)
+    b, i3, i4, tn, s, i5, tk, i6 = (d + j for j in range(8))
+    v = v.permute(*range(d), s, b, tn, tk, i3, i6, i4, i5)  # word (b, tn, tk, i3), nibble q = (i6, i4, i5)
+    v = v.reshape(*lead, K // 16, 2 * N, 4, 2)
+    return (v[..., 0] | (v[..., 1] << 4)).contiguous().view(torch.int32).reshape(*lead, K // 16, 2 * N)
+
+
+def layout_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Checkpoint E8M0 scales uint8 [..., N, K/32] -> Humming's uint8 [..., K/32, N]."""
+    *lead, N, groups = scales.shape
+    t = scales.transpose(-1, -2).reshape(*lead, groups, N // 64, 8, 8)  # column 64 b + 8 c + a
+    return t.transpose(-1, -2).reshape(*lead, groups, N).contiguous()  # at 8 a + c
+
+
+@triton.jit
+def _half(words, scales, x, shift0, I4: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The nibbles of half I4 of a [32, 16] word tile, decoded and scaled ([32, 16] E8M0 bytes), as [32, 64] in
+    the k order (slab, tk, i6, i5), times x^T [64, TP] -> [32, TP] fp32."""
+    q = shift0 + 2 * I4  # q = 4 i6 + 2 I4 + i5 for the 4 (i6, i5) pairs in shift0 = [0, 1, 4, 5]
+    nib = (words[:, :, None] >> (4 * q)[None, None, :]) & 15
+    val = (_e2m1_unscaled(nib) * 8.507059173023462e37) * e8m0_value(scales)[:, :, None]  # 2^126, then the scale
+    w = tl.reshape(val, [32, 64]).to(DOT_DTYPE)
+    return tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["R", "K_PIECE"])
+def _humming_gemv_kernel(a_ptr, off_ptr, w_ptr, s_ptr, y_ptr, part_ptr, R, N, K, stride_a, K_PIECE,
+                         E: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (column block b, slot, K piece): the slot-th expert that has rows, its rows TP at a time, over its
+    piece of K; SPLIT: fp32 partials to part[piece, row, n], else bf16 to y[row, n]."""
+    b, slot, piece = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ex = tl.arange(0, EP)
+    lo = tl.load(off_ptr + ex, mask=ex < E, other=0)
+    hi = tl.load(off_ptr + ex + 1, mask=ex < E, other=0)
+    has = hi > lo
+    pick = has & (tl.cumsum(has.to(tl.int32), 0) == slot + 1)
+    if tl.sum(pick.to(tl.int32), 0) > 0:
+        e = tl.sum(tl.where(pick, ex, 0), 0)
+        r0 = tl.sum(tl.where(pick, lo, 0), 0)
+        r1 = tl.sum(tl.where(pick, hi, 0), 0)
+        ns = tl.arange(0, 32)  # column side of a word tile: tn = ns // 4, i3 = ns % 4
+        ks = tl.arange(0, 16)  # k side: slab = ks // 4, tk = ks % 4
+        w_tile = (ks[None, :] // 4) * (2 * N) + b * 128 + (ns[:, None] // 4) * 16 + (ks[None, :] % 4) * 4 \
+            + ns[:, None] % 4
+        s_tile = (ks[None, :] // 8) * N + b * 64 + 8 * (ns[:, None] // 4) + 2 * (ns[:, None] % 4)
+        kk = tl.arange(0, 64)  # the decoded tiles' k order: (slab, tk, i6, i5) -> k
+        k_of = (kk // 16) * 16 + (kk % 2) * 8 + ((kk // 4) % 4) * 2 + (kk // 2) % 2
+        shift0 = tl.arange(0, 4)
+        shift0 = (shift0 // 2) * 4 + shift0 % 2  # [0, 1, 4, 5]
+        w_e = w_ptr + e.to(tl.int64) * (K // 16) * (2 * N)
+        s_e = s_ptr + e.to(tl.int64) * (K // 32) * N
+        k_lo = piece * K_PIECE
+        k_hi = tl.minimum(k_lo + K_PIECE, K)
+        t = tl.arange(0, TP)
+        n0 = b * 64 + (ns % 4) * 16 + ns // 4  # column of half 0's row ns (half 1: + 8)
+        row0 = r0
+        while row0 < r1:
+            rows = row0 + t
+            r_ok = rows < r1
+            acc0 = tl.zeros([32, TP], dtype=tl.float32)
+            acc1 = tl.zeros([32, TP], dtype=tl.float32)
+            k0 = k_lo
+            while k0 < k_hi:
+                words = tl.load(w_e + (k0 // 16) * (2 * N) + w_tile)
+                sc0 = tl.load(s_e + (k0 // 32) * N + s_tile).to(tl.int32)
+                sc1 = tl.load(s_e + (k0 // 32) * N + s_tile + 1).to(tl.int32)
+                x = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_a + (k0 + k_of)[None, :],
+                            mask=r_ok[:, None], other=0.0).to(DOT_DTYPE)
+                acc0 += _half(words, sc0, x, shift0, 0, DOT_DTYPE, DOT_PRECISION)
+                acc1 += _half(words, sc1, x, shift0, 1, DOT_DTYPE, DOT_PRECISION)
+                k0 += 64
+            ok = r_ok[None, :]
+            if SPLIT:
+                at = piece.to(tl.int64) * R * N + rows[None, :].to(tl.int64) * N
+                tl.store(part_ptr + at + n0[:, None], acc0, mask=ok)
+                tl.store(part_ptr + at + n0[:, None] + 8, acc1, mask=ok)
+            else:
+                at = rows[None, :].to(tl.int64) * N
+                tl.store(y_ptr + at + n0[:, None], acc0.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(y_ptr + at + n0[:, None] + 8, acc1.to(y_ptr.dtype.element_ty), mask=ok)
+            row0 += TP
+
+
+@triton.jit(do_not_specialize=["R"])
+def _sum_pieces_kernel(part_ptr, y_ptr, off_ptr, R, N, E: tl.constexpr, PIECES: tl.constexpr,
+                       PP: tl.constexpr, BLOCK: tl.constexpr):
+    """y[r, n] = the pieces' partials added as one tree fixed by PIECES, in y's dtype, for the local rows
+    r < expert_offset[E] (later rows left unwritten)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat over [R, N]
+    ok = i < tl.load(off_ptr + E) * N
+    p = tl.arange(0, PP)
+    parts = tl.load(part_ptr + p[:, None].to(tl.int64) * R * N + i[None, :],
+                    mask=(p < PIECES)[:, None] & ok[None, :], other=0.0)
+    tl.store(y_ptr + i, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def pieces_for(N: int, K: int, touched: int, sms: int = H200_SMS, programs_per_sm: int = 4) -> int:
+    """How many K pieces (of whole 64-deep steps) give about `programs_per_sm` programs per SM when `touched`
+    experts each run N / 64 column blocks."""
+    steps = K // STEP_K
+    return max(1, min(steps, triton.cdiv(programs_per_sm * sms, (N // 64) * max(touched, 1))))
+
+
+def humming_gemv(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, expert_offset: torch.Tensor,
+                 touched: int, out: torch.Tensor | None = None, pieces: int | None = None) -> torch.Tensor:
+    """a bf16 [R, K] (rows sorted by expert, row-major), weight int32 [E, K/16, 2N] and scale uint8 / E8M0
+    [E, K/32, N] in Humming's layout (`layout_codes` / `layout_scales`, or a `HummingStack`'s), expert_offset int32
+    [E+1] -> out bf16 [R, N] = a W_e^T for the rows of each expert e; rows past expert_offset[E] left unwritten.
+    `touched`: about how many experts have rows (sets the split over K; `pieces` overrides it)."""
+    E, k16, two_n = weight.shape
+    N, K = two_n // 2, 16 * k16
+    R = a.shape[0]
+    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != K or a.stride(1) != 1:
+        raise ValueError(f"humming_gemv: a must be row-major bf16 [R, {K}], got {a.dtype} {tuple(a.shape)}")
+    if weight.dtype != torch.int32 or N % 64 or K % STEP_K:
+        raise ValueError(f"humming_gemv: int32 weights of N and K multiples of 64 expected, got {weight.dtype} "
+                         f"N={N} K={K}")
+    if scale.shape != (E, K // 32, N) or expert_offset.shape != (E + 1,):
+        raise ValueError(f"humming_gemv: scale [{E}, {K // 32}, {N}] and expert_offset [{E + 1}] expected")
+    out = torch.empty(R, N, dtype=torch.bfloat16, device=a.device) if out is None else out
+    if out.shape != (R, N) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"humming_gemv: out must be a contiguous bf16 [{R}, {N}] tensor")
+    if R == 0:
+        return out
+    steps = K // STEP_K
+    pieces = min(pieces or pieces_for(N, K, touched, sm_count(a.device)), steps)
+    per_piece = triton.cdiv(steps, pieces)
+    pieces = triton.cdiv(steps, per_piece)
+    part = torch.empty(pieces, R, N, dtype=torch.float32, device=a.device) if pieces > 1 else out
+    interpreted = a.device.type == "cpu"  # the interpreter's bf16 dot is broken: the same values in fp32
+    grid = (N // 64, min(E, R), pieces)
+    _humming_gemv_kernel[grid](a, expert_offset, weight, scale.view(torch.uint8), out, part, R, N, K, a.stride(0),
+                               per_piece * STEP_K, E=E, EP=triton.next_power_of_2(E), TP=ROWS, SPLIT=pieces > 1,
+                               DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
+                               DOT_PRECISION="ieee" if interpreted else None)
+    if pieces > 1:
+        block = 1024
+        _sum_pieces_kernel[(triton.cdiv(R * N, block),)](part, out, expert_offset, R, N, E=E, PIECES=pieces,
+                                                          PP=triton.next_power_of_2(pieces), BLOCK=block)
+    return out
