@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
-from mini.kernels.mxfp4_grouped_gemm import _e2m1_unscaled
-from mini.kernels.quant import e8m0_value
+from mini.kernels.quant import e2m1_value, e8m0_value
 
 ROWS = 16  # an expert's rows go through the MMA 16 at a time (decode: 1-16 rows per touched expert)
 STEP_K = 64
@@ -59,7 +58,7 @@ def _half(words, scales, x, shift0, I4: tl.constexpr, DOT_DTYPE: tl.constexpr, D
     the k order (slab, tk, i6, i5), times x^T [64, TP] -> [32, TP] fp32."""
     q = shift0 + 2 * I4  # q = 4 i6 + 2 I4 + i5 for the 4 (i6, i5) pairs in shift0 = [0, 1, 4, 5]
     nib = (words[:, :, None] >> (4 * q)[None, None, :]) & 15
-    val = (_e2m1_unscaled(nib) * 8.507059173023462e37) * e8m0_value(scales)[:, :, None]  # 2^126, then the scale
+    val = e2m1_value(nib) * e8m0_value(scales)[:, :, None]  # two exact multiplies: the value, then the scale
     w = tl.reshape(val, [32, 64]).to(DOT_DTYPE)
     return tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
 

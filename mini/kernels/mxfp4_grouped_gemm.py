@@ -21,20 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mini.kernels.quant import e8m0_value, fp8_group_quant
+from mini.kernels.quant import e2m1_value, e8m0_value, fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
 # tile configs for the H200 (see docs/kernels.md); the row tile is the routing plan's block_m
 BLOCK_M = 128
 CONFIG = {"swiglu": dict(BN=64, BK=64, num_warps=4, num_stages=4),
           "down": dict(BN=128, BK=64, num_warps=8, num_stages=4)}
-
-
-@triton.jit
-def _e2m1_unscaled(code):
-    """4-bit E2M1 codes (int32) -> fp32 value * 2^-126: the code's magnitude bits land on the fp32 exponent's low
-    bits and the mantissa's top bit, so code 1 (0.5) becomes the denormal 2^-127. Five integer ops, no branches."""
-    return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -48,9 +41,8 @@ def _decode_tile(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.conste
         packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
         scale = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
     mult = tl.reshape(tl.broadcast_to(e8m0_value(scale)[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
-    # two exact multiplies: the code's value, then the scale (one multiply by 2^(s-1) cannot reach bytes above 128)
-    lo = (_e2m1_unscaled(packed & 15) * 8.507059173023462e37) * mult  # 2^126
-    hi = (_e2m1_unscaled(packed >> 4) * 8.507059173023462e37) * mult
+    lo = e2m1_value(packed & 15) * mult  # two exact multiplies: the code's value, then the scale
+    hi = e2m1_value(packed >> 4) * mult
     return tl.reshape(tl.join(lo, hi), [BN, BK]).to(DOT_DTYPE)
 
 

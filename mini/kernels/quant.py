@@ -6,7 +6,8 @@ already-quantized values. Every Triton kernel that rounds to FP8 / FP4 takes its
   (`fp8_group_codes`: its scaled values and scale bytes, for a kernel that writes the FP8 form itself);
 * `fake_quant_tile`: a tile [ROWS, BLOCK·n] by `kind` (fp8, fp4 with ue8m0 or e4m3 scales; host codes from
   `kind_code`), each row's consecutive BLOCK channels sharing one scale;
-* `e4m3_value`, `e8m0_value`: the stored bytes' fp32 values (FP8 codes, E8M0 scales), as mini/formats decodes them.
+* `e4m3_value`, `e2m1_value`, `e8m0_value`: the stored bytes' fp32 values (FP8 codes, FP4 codes, E8M0 scales), as
+  mini/formats decodes them.
 
 Scale rounding reproduces `pow2_ceil_scale` from the fp32 bits (exponent + (mantissa != 0)). Rounding is written
 with bit arithmetic rather than a cast, so that it rounds the same everywhere (Triton's interpreter casts to fp8
@@ -39,6 +40,15 @@ def e4m3_value(c):
     0xFF made NaN as torch decodes them (Triton's interpreter reads them as +-480)."""
     v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e2m1_value(code):
+    """4-bit E2M1 codes (int32) -> their fp32 values, exact and without branches: the magnitude bits land on the
+    fp32 exponent's low bits and the mantissa's top bit (value * 2^-126; code 1 becomes the denormal 2^-127), then
+    one exact multiply by 2^126. Times e8m0_value(s) it is the MXFP4 weight, exact wherever fp32 holds it (one
+    multiply by 2^(s-1) would overflow above byte 128)."""
+    return (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
