@@ -1,5 +1,6 @@
 """An app served from a thread of this process, for the tests and in-process measurements:
-`with BackgroundServer(app) as url: ...` (`mini serve` runs the same app in the foreground)."""
+`with BackgroundServer(app) as url: ...` (`mini serve` runs the same app in the foreground); `wait_idle(engine)`
+before asserting that a burst left nothing behind."""
 from __future__ import annotations
 
 import threading
@@ -31,3 +32,15 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def wait_idle(engine, seconds: float = 300.0) -> bool:
+    """Poll until the engine holds no request and runs no sequence: the abort of a request whose client went away
+    reaches the engine at its next step, after the client has already moved on. The deadline only stops a hung
+    test; a busy machine never gets near it. Returns whether it became idle."""
+    deadline = time.monotonic() + seconds
+    while engine.requests or engine.scheduler.running:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

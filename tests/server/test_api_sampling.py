@@ -2,6 +2,7 @@
 import openai
 
 from conftest import MODEL
+from mini.testing.background_server import wait_idle
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # several 16-token blocks of the test cache
 
@@ -61,8 +62,6 @@ def test_logit_bias_forces_and_forbids_tokens(server):
 
 
 def test_disconnect_mid_stream_aborts_every_choice(server):
-    import asyncio
-
     import httpx
     url, app = server
     engine = app.state.server.llm.engine
@@ -71,10 +70,7 @@ def test_disconnect_mid_stream_aborts_every_choice(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 12:
                 break
-    for _ in range(300):
-        if not engine.requests and not engine.scheduler.running:
-            break
-        asyncio.run(asyncio.sleep(0.02))
+    wait_idle(engine)
     assert not engine.requests and not engine.scheduler.running and engine.blocks.usage == 0.0
 
 

@@ -1,5 +1,4 @@
 """The OpenAI-compatible server through the official `openai` client and raw HTTP."""
-import time
 
 import httpx
 import openai
@@ -7,6 +6,7 @@ import pytest
 
 from conftest import MODEL
 from mini.chat_format import render_chat
+from mini.testing.background_server import wait_idle
 
 
 def _client(url):
@@ -115,14 +115,6 @@ def test_openai_client_sees_bad_request(server):
         _client(url).completions.create(model=MODEL, prompt="hi", temperature=-3)
 
 
-def _wait_until(done, seconds: float = 300.0) -> None:
-    """Poll until done() (the abort of a request that went away reaches the engine at its next step); the
-    deadline only stops a hung test, a busy machine never gets near it."""
-    deadline = time.monotonic() + seconds
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
 def test_disconnect_mid_stream_aborts_and_frees_cache(server):
     url, app = server
     engine = app.state.server.llm.engine
@@ -131,7 +123,7 @@ def test_disconnect_mid_stream_aborts_and_frees_cache(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
-    _wait_until(lambda: not engine.requests and not engine.scheduler.running)
+    wait_idle(engine)
     assert not engine.requests and not engine.scheduler.running
     assert engine.blocks.usage == 0.0
     assert 'reason="abort"' in httpx.get(url + "/metrics").text
@@ -168,6 +160,6 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server):
     body = {"model": MODEL, "prompt": "a long wait", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=1.0)
-    _wait_until(lambda: not engine.requests and not engine.scheduler.running)
+    wait_idle(engine)
     assert not engine.requests and engine.blocks.usage == 0.0
     assert finished.get("abort", 0) == aborted_before + 1

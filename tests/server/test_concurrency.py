@@ -10,7 +10,7 @@ import openai
 from conftest import MODEL, fake_app
 from fake_model import fake_llm
 from mini.engine import SamplingParams
-from mini.testing.background_server import BackgroundServer
+from mini.testing.background_server import BackgroundServer, wait_idle
 
 N_GOOD = 32
 
@@ -85,6 +85,7 @@ def test_burst_matches_offline_alone():
             httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 2},
                        timeout=None).raise_for_status()
         assert engine.blocks.stats.hits > hits
+        wait_idle(engine)
     assert got == _offline_alone(prompts, max_tokens)
     assert again == got
     assert not engine.requests and engine.blocks.usage == 0.0

@@ -22,7 +22,7 @@ import httpx
 from conftest import MODEL, fake_app
 from fake_model import fake_llm
 from mini.engine import SamplingParams
-from mini.testing.background_server import BackgroundServer
+from mini.testing.background_server import BackgroundServer, wait_idle
 from mini.server.guard import Policy
 
 KEY = "soak-key"
@@ -172,10 +172,7 @@ def test_soak_mixed_traffic_keeps_the_server_healthy(caplog):
         with HealthWatch(url) as health:
             for r in range(ROUNDS):
                 got += asyncio.run(_round(url, prompts[r * GOOD_PER_ROUND:(r + 1) * GOOD_PER_ROUND], r))
-        for _ in range(500):  # aborted requests leave at their next step
-            if not engine.requests:
-                break
-            time.sleep(0.02)
+        wait_idle(engine)
         gc.collect()
         rss_after = _rss()
         metrics = httpx.get(url + "/metrics", headers=AUTH).text
