@@ -425,3 +425,44 @@ def test_shared_expert_fast_path_gpu():
     finally:
         mini.ops.set_backend(before)
     assert ((out.float() - exact.float()).norm() / exact.float().norm()).item() < 2e-2
+
+
+def test_split_k_over_hummings_layout_matches_reference_interpreter(monkeypatch):
+    """With `humming_experts.SPLIT_K_MAX_ROWS` raised, a layer whose experts are in Humming's layout (as
+    `layout_codes` / `layout_scales` write it, the bytes `convert` leaves on the GPU) runs its routed experts through
+    the split-K kernel (w1|w3, the SwiGLU pass, w2) on CPU under the interpreter: the reference's result up to the
+    summation order. At the default (0) the library's GEMM would run."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
+    import dataclasses
+
+    import mini.kernels.humming_gemv as gemv_module
+    from mini.kernels import humming_experts as hx
+    from mini.kernels.humming_gemv import layout_codes, layout_scales
+    from mini.kernels.interpreter import patch_bf16
+    from mini.ops.moe import _routed_fast
+    patch_bf16()
+    assert hx.SPLIT_K_MAX_ROWS == 0  # off until measured on the GPU
+    cfg = preset("tiny-v4.1").replace(dim=128, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
+    w = MoEWeights.from_state(_mid_state(cfg, LAYER, "cpu"), f"layers.{LAYER}.ffn", cfg, LAYER, range(0, 8))
+
+    def stack(codes, scales):
+        return hx.HummingStack(n=codes.shape[1], k=2 * codes.shape[2], weight=layout_codes(codes),
+                               scale=layout_scales(scales).view(torch.float8_e8m0fnu), config=None, locks=None)
+    w13 = stack(torch.cat([w.w1.data, w.w3.data], 1), torch.cat([w.w1.scale, w.w3.scale], 1).view(torch.uint8))
+    converted = dataclasses.replace(w, humming=hx.HummingExperts(w13, stack(w.w2.data, w.w2.scale.view(torch.uint8))),
+                                    _per_expert={})
+    x = _x(5, cfg, torch.bfloat16)
+    weights, ids = gate(x, w, cfg, cfg.layers[LAYER])
+    ref = routed(x, w, cfg, weights, ids)
+    calls = []
+    real = gemv_module.humming_gemv
+    monkeypatch.setattr(gemv_module, "humming_gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(hx, "SPLIT_K_MAX_ROWS", 1 << 20)
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    try:
+        out = _routed_fast(x, converted, weights, ids, torch.float32)
+    finally:
+        mini.ops.set_backend("reference")
+    assert len(calls) == 2  # w1|w3, then w2
+    _assert_close_bf16(out, ref, 1e-2)
