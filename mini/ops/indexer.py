@@ -197,7 +197,7 @@ def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | N
     if widths is not None:  # the official rule's ids: -1s anywhere
         return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
-    if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is the faster
+    if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is faster
         from mini.kernels.top_ids import FASTER_MAX_COLS, supported, top_ids
         if N <= FASTER_MAX_COLS and supported(scores, min(k, N)):
             return top_ids(scores, min(k, N))
