@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
+    p.add_argument("--gemv-pieces", default="auto",
+                   help="K pieces for the split-K candidate, comma-separated (auto: pieces_for's choice)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -144,22 +146,25 @@ def main(argv=None) -> int:
                 print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
                       flush=True)
             # our split-K candidate on the same bytes (mini/kernels/humming_gemv.py): exact, another summation order
-            def ours():
-                for (off, touched_now), o in zip(routings, outs):
-                    humming_gemv(a, st.weight, st.scale, off, touched_now, out=o)
-            try:
-                ours()
-                torch.cuda.synchronize()
-                got = torch.stack([o.clone() for o in outs])
-                us = triton.testing.do_bench_cudagraph(ours, rep=50, return_mode="median") * 1e3 / len(routings)
-                diff = float((got.float() - ref.float()).abs().max()) if ref is not None else float("nan")
-                same = float((got == ref).float().mean()) if ref is not None else float("nan")
-                case[f"{name}_split_k_candidate"] = {"us": us, "GB_s": touched * expert_bytes / (us * 1e-6) / 1e9,
-                                                     "max_abs_diff": diff, "bit_equal": same}
-                print(f"  {name} {'split-K candidate':20s} {us:8.2f} us  diff {diff:.3g}  equal {same:.4f}",
-                      flush=True)
-            except Exception as e:
-                print(f"  {name} split-K candidate: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+            for pieces in args.gemv_pieces.split(","):
+                pieces = None if pieces == "auto" else int(pieces)
+                tag = f"split-K candidate p={pieces or 'auto'}"
+                def ours(pieces=pieces):
+                    for (off, touched_now), o in zip(routings, outs):
+                        humming_gemv(a, st.weight, st.scale, off, touched_now, out=o, pieces=pieces)
+                try:
+                    ours()
+                    torch.cuda.synchronize()
+                    got = torch.stack([o.clone() for o in outs])
+                    us = triton.testing.do_bench_cudagraph(ours, rep=50, return_mode="median") * 1e3 / len(routings)
+                    diff = float((got.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+                    same = float((got == ref).float().mean()) if ref is not None else float("nan")
+                    gbs = touched * expert_bytes / (us * 1e-6) / 1e9
+                    case[f"{name}_{tag}"] = {"us": us, "GB_s": gbs, "max_abs_diff": diff, "bit_equal": same}
+                    print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
+                          flush=True)
+                except Exception as e:
+                    print(f"  {name} {tag}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
             ref = None
         results["cases"][spec] = case
     if args.json:
