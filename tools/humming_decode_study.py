@@ -63,15 +63,18 @@ def patched(base: str, patch: dict, stack) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", default="4x4,8x4,6x1,96x4,384x4",
+    p.add_argument("--pairs", default="4x4,8x4,6x1,36x4,96x4,384x4",
                    help="cases, comma-separated: PxR = P local rows per step, R rows on each touched expert (one "
-                        "emulated EP4 rank repeats each own token 4 times: B = 1 is ~1.4 experts x 4 rows)")
+                        "emulated EP4 rank repeats each own token 4 times: B = 1 is ~1.4 experts x 4 rows, its verify "
+                        "step of 6 rows per sequence ~36x4)")
     p.add_argument("--experts", type=int, default=96, help="local experts of the layer")
     p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
     p.add_argument("--gemv-pieces", default="auto",
                    help="K pieces for the split-K candidate, comma-separated (auto: pieces_for's choice)")
+    p.add_argument("--gemv-builds", default="8/3/4",
+                   help="the candidate's builds, comma-separated SLABS/STAGES/WARPS (8/3/4: the served one)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -146,12 +149,14 @@ def main(argv=None) -> int:
                 print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
                       flush=True)
             # our split-K candidate on the same bytes (mini/kernels/humming_gemv.py): exact, another summation order
-            for pieces in args.gemv_pieces.split(","):
+            for build, pieces in ((b, p) for b in args.gemv_builds.split(",") for p in args.gemv_pieces.split(",")):
                 pieces = None if pieces == "auto" else int(pieces)
-                tag = f"split-K candidate p={pieces or 'auto'}"
-                def ours(pieces=pieces):
+                slabs, stages, warps = (int(v) for v in build.split("/"))
+                tag = f"split-K {build} p={pieces or 'auto'}"
+                def ours(pieces=pieces, slabs=slabs, stages=stages, warps=warps):
                     for (off, touched_now), o in zip(routings, outs):
-                        humming_gemv(a, st.weight, st.scale, off, touched_now, out=o, pieces=pieces)
+                        humming_gemv(a, st.weight, st.scale, off, touched_now, out=o, pieces=pieces, slabs=slabs,
+                                     num_stages=stages, num_warps=warps)
                 try:
                     ours()
                     torch.cuda.synchronize()

