@@ -321,8 +321,8 @@ def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tens
 
 # Up to this many expected local rows (`expert_gemm`) a layer's experts go through our split-K kernel over the same
 # bytes (mini/kernels/humming_gemv.py) instead of the library's GEMM: at B = 1 the library runs one CTA per column
-# tile of each touched expert (docs/perf/020). 0 = never.
-SPLIT_K_MAX_ROWS = 0
+# tile of each touched expert (docs/perf/020). 8: B = 1 on one emulated EP4 rank (6 expected rows).
+SPLIT_K_MAX_ROWS = 8
 
 
 def expert_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,

@@ -444,7 +444,7 @@ def test_split_k_over_hummings_layout_matches_reference_interpreter(monkeypatch)
     from mini.kernels.interpreter import patch_bf16
     from mini.ops.moe import _routed_fast
     patch_bf16()
-    assert hx.SPLIT_K_MAX_ROWS == 0  # off until measured on the GPU
+    assert hx.SPLIT_K_MAX_ROWS == 8  # B = 1 on one emulated EP4 rank (6 expected rows)
     # (the kernel's K steps are 128 deep: w1|w3 K = dim, w2 K = moe_inter_dim)
     cfg = preset("tiny-v4.1").replace(dim=128, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2)
     w = MoEWeights.from_state(_mid_state(cfg, LAYER, "cpu"), f"layers.{LAYER}.ffn", cfg, LAYER, range(0, 8))
