@@ -404,12 +404,14 @@ def _shared_case(device):
 
 
 @pytest.mark.gpu
-def test_shared_expert_fast_path_gpu():
-    """At V4.1-Flash's width (D 5120, inter 2304, FP8 32 x 32 blocks), T = 333: the fused shared expert against
-    expert_ffn's fast linear layers (same roundings; cuBLAS summation order may differ) and the reference."""
+@pytest.mark.parametrize("T", [333, 5])
+def test_shared_expert_fast_path_gpu(T):
+    """At V4.1-Flash's width (D 5120, inter 2304, FP8 32 x 32 blocks), T = 333 (cuBLAS) and 5 (decode: the GEMVs):
+    the fused shared expert against expert_ffn's fast linear layers (same roundings; the GEMMs' summation order may
+    differ) and the reference."""
     import mini.ops.moe as moe_mod
     cfg, w1, w3, w2, x = _shared_case("cuda")
-    x = x.cuda()
+    x = x[:T].cuda()
     w = MoEWeights(gate=None, bias=None, bias_vl=None, tid2eid=None, experts=range(0), w1=w1, w3=w3, w2=w2,
                    shared_w1=w1, shared_w3=w3, shared_w2=w2, swiglu_limit=cfg.swiglu_limit)
     ref = expert_ffn(x, w1, w3, w2, cfg.swiglu_limit)  # the fast linear layers (CUDA, bf16)
@@ -431,7 +433,7 @@ def test_split_k_over_hummings_layout_matches_reference_interpreter(monkeypatch)
     """With `humming_experts.SPLIT_K_MAX_ROWS` raised, a layer whose experts are in Humming's layout (as
     `layout_codes` / `layout_scales` write it, the bytes `convert` leaves on the GPU) runs its routed experts through
     the split-K kernel (w1|w3, the SwiGLU pass, w2) on CPU under the interpreter: the reference's result up to the
-    summation order. At the default (0) the library's GEMM would run."""
+    summation order. Above SPLIT_K_MAX_ROWS expected rows the library's GEMM runs."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
     import dataclasses
