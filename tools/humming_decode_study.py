@@ -15,7 +15,7 @@ A variant the library refuses is reported and skipped; one that faults ends the 
 
     python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--variants NAME=JSON ...] [--json out.json]
 
-Each case also times our split-K candidate over the same bytes (mini/kernels/humming_gemv.py, not dispatched).
+Our split-K kernel over the same layout (measured in docs/perf/021, 2-7x slower at every case) was dropped.
 """
 from __future__ import annotations
 
@@ -71,10 +71,6 @@ def main(argv=None) -> int:
     p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
-    p.add_argument("--gemv-pieces", default="auto",
-                   help="K pieces for the split-K candidate, comma-separated (auto: pieces_for's choice)")
-    p.add_argument("--gemv-builds", default="8/3/4",
-                   help="the candidate's builds, comma-separated SLABS/STAGES/WARPS (8/3/4: the served one)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -82,7 +78,6 @@ def main(argv=None) -> int:
 
     from mini.config import preset
     from mini.kernels import humming_experts as hx
-    from mini.kernels.humming_gemv import humming_gemv
     cfg = preset("v4.1-flash")
     D, I, E = cfg.dim, cfg.moe_inter_dim, args.experts
     dev = torch.device("cuda")
@@ -148,28 +143,6 @@ def main(argv=None) -> int:
                 case[f"{name}_{tag}"] = {"us": us, "GB_s": gbs, "max_abs_diff": diff, "bit_equal": same}
                 print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
                       flush=True)
-            # our split-K candidate on the same bytes (mini/kernels/humming_gemv.py): exact, another summation order
-            for build, pieces in ((b, p) for b in args.gemv_builds.split(",") for p in args.gemv_pieces.split(",")):
-                pieces = None if pieces == "auto" else int(pieces)
-                slabs, stages, warps = (int(v) for v in build.split("/"))
-                tag = f"split-K {build} p={pieces or 'auto'}"
-                def ours(pieces=pieces, slabs=slabs, stages=stages, warps=warps):
-                    for (off, touched_now), o in zip(routings, outs):
-                        humming_gemv(a, st.weight, st.scale, off, touched_now, out=o, pieces=pieces, slabs=slabs,
-                                     num_stages=stages, num_warps=warps)
-                try:
-                    ours()
-                    torch.cuda.synchronize()
-                    got = torch.stack([o.clone() for o in outs])
-                    us = triton.testing.do_bench_cudagraph(ours, rep=50, return_mode="median") * 1e3 / len(routings)
-                    diff = float((got.float() - ref.float()).abs().max()) if ref is not None else float("nan")
-                    same = float((got == ref).float().mean()) if ref is not None else float("nan")
-                    gbs = touched * expert_bytes / (us * 1e-6) / 1e9
-                    case[f"{name}_{tag}"] = {"us": us, "GB_s": gbs, "max_abs_diff": diff, "bit_equal": same}
-                    print(f"  {name} {tag:20s} {us:8.2f} us  {gbs:7.0f} GB/s  diff {diff:.3g}  equal {same:.4f}",
-                          flush=True)
-                except Exception as e:
-                    print(f"  {name} {tag}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
             ref = None
         results["cases"][spec] = case
     if args.json:

@@ -319,24 +319,6 @@ def grouped_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tens
                             locks=stack.locks, valid_shape_m=bucket)
 
 
-# Up to this many expected local rows (`expert_gemm`) a layer's experts go through our split-K kernel over the same
-# bytes (mini/kernels/humming_gemv.py) instead of the library's GEMM: at B = 1 the library runs one CTA per column
-# tile of each touched expert (docs/perf/020). 8: B = 1 on one emulated EP4 rank (6 expected rows).
-SPLIT_K_MAX_ROWS = 8
-
-
-def expert_gemm(a: torch.Tensor, stack: HummingStack, expert_offset: torch.Tensor, expected_rows: int,
-                invariant: bool = False) -> torch.Tensor:
-    """`grouped_gemm`, or up to SPLIT_K_MAX_ROWS expected rows (outside the deterministic mode, at shapes its steps
-    divide) the split-K kernel over the same layout (`humming_gemv`, about min(expected_rows, experts) touched
-    experts): both one fp32 sum of the exact products and one bf16 rounding per output, in different orders."""
-    from mini.kernels import humming_gemv as hg
-    if (not invariant and 0 < expected_rows <= SPLIT_K_MAX_ROWS and stack.k % hg.STEP_K == 0
-            and stack.n % 64 == 0 and hg.runs_on(a)):
-        return hg.humming_gemv(a, stack.weight, stack.scale, expert_offset, min(expected_rows, stack.experts))
-    return grouped_gemm(a, stack, expert_offset, expected_rows, invariant=invariant)
-
-
 def warm_up(jobs: list[tuple[HummingStack, str]]) -> dict[str, str]:
     """Compile the kernels of (stack, tile config) pairs side by side (one at a time at first use otherwise; each
     takes seconds). Returns the error of each config that did not build, by its JSON."""

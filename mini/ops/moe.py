@@ -475,10 +475,9 @@ def _rows_triton(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) ->
 def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -> torch.Tensor:
     """Expert outputs by sorted row through Humming: the rows gathered in expert order and FP8-quantized in one
     pass, one GEMM for w1 and w3 side by side, the SwiGLU epilogue (clamps, routing weight, roundings, FP8 quant of
-    w2's input) as its own pass, the w2 GEMM. `expected_rows` (local pairs on average) picks the tile config, and
-    at few rows `expert_gemm` may take our split-K kernel over the same layout (humming_experts.SPLIT_K_MAX_ROWS)."""
+    w2's input) as its own pass, the w2 GEMM. `expected_rows` (local pairs on average) picks the tile config."""
     from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.humming_experts import expert_gemm
+    from mini.kernels.humming_experts import grouped_gemm
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     w13, w2 = w.humming
     I = w13.n // 2
@@ -487,8 +486,8 @@ def _rows_humming(x, w: MoEWeights, plan, expected_rows: int, act_quant: bool) -
         xs = fp8_act_quant(x, w.w1.block if act_quant else 0, rows=plan.token, n_valid=n_valid)
     invariant = deterministic()  # the library's batch-invariant schedules (humming_experts._tuning)
     with stage("moe.routed.gemm_humming"):
-        gu = expert_gemm(xs, w13, plan.expert_offset, expected_rows, invariant=invariant)
+        gu = grouped_gemm(xs, w13, plan.expert_offset, expected_rows, invariant=invariant)
     with stage("moe.routed.swiglu"):
         h = swiglu_rows(gu[:, :I], gu[:, I:], plan.weight, n_valid, w.swiglu_limit, w.w2.block if act_quant else 0)
     with stage("moe.routed.gemm_humming"):
-        return expert_gemm(h, w2, plan.expert_offset, expected_rows, invariant=invariant)
+        return grouped_gemm(h, w2, plan.expert_offset, expected_rows, invariant=invariant)

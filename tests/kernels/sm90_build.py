@@ -2,7 +2,6 @@
 configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for Hopper
 (the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each."""
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -16,8 +15,6 @@ from mini.kernels.order_keys import _order_keys_kernel
 from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.top_ids import _top_ids_kernel
-from mini.kernels.humming_gemv import _humming_gemv_kernel
-from mini.kernels.humming_gemv import _sum_pieces_kernel as _humming_sum_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
@@ -117,11 +114,6 @@ def main() -> None:
     build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
     # the index top-k's ids in one pass (one build for every row width)
     build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=1024))
-    # the decode candidate over Humming's layout (not dispatched yet): V4.1's 96 local experts, split and not
-    for split in (True, False):
-        build(_humming_gemv_kernel, {"off_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "part_ptr": "*fp32"},
-              dict(E=96, EP=128, TP=16, SS=8, SPLIT=split, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None))
-    build(_humming_sum_kernel, {"part_ptr": "*fp32", "off_ptr": "*i32"}, dict(E=96, PIECES=4, PP=4, BLOCK=1024))
 
 
 if __name__ == "__main__":
