@@ -39,6 +39,11 @@ VARIANTS = {
     "n64_stages8_ctas2": {"block_shape": [None, 64, None], "num_stages": 8, "num_ctas_per_sm": 2},
     # the heuristic picks its tile from the step's total rows; a decode step's experts hold a few rows each
     "bucket16": {"bucket": 16}, "bucket32": {"bucket": 32}, "bucket64": {"bucket": 64},
+    # w2's default at decode is a wgmma tile of all 256 columns (20 CTAs per touched expert): w1|w3's mma.sync
+    # decode tiles instead (64 or 128 columns, K split between two warps)
+    "mma64": {"mma_type": "mma", "block_shape": [8, 64, 64], "warp_shape": [8, 64, 32]},
+    "mma64_stages6": {"mma_type": "mma", "block_shape": [8, 64, 64], "warp_shape": [8, 64, 32], "num_stages": 6},
+    "mma128": {"mma_type": "mma", "block_shape": [8, 128, 64], "warp_shape": [8, 64, 32]},
     # for scale only, never served: stream-K's bf16 reduce-add rounds twice (what parallelism over K would give)
     "streamk": {"use_stream_k": True},
 }

@@ -345,7 +345,7 @@ def _shared(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
 def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`expert_ffn` for the shared expert in four passes instead of a dozen: x's FP8 act quant once, one GEMM for
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
-    bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM (at decode the GEMV). The same roundings; only the
+    bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, stack_dequantized
@@ -356,7 +356,7 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
-    return dense_bf16(h, w2.prepare(torch.bfloat16))  # h holds w2's act quant already; decode rows: the GEMV
+    return F.linear(h, w2.prepare(torch.bfloat16))
 
 
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,

@@ -404,14 +404,12 @@ def _shared_case(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [333, 5])
-def test_shared_expert_fast_path_gpu(T):
-    """At V4.1-Flash's width (D 5120, inter 2304, FP8 32 x 32 blocks), T = 333 (cuBLAS) and 5 (decode: the GEMVs):
-    the fused shared expert against expert_ffn's fast linear layers (same roundings; the GEMMs' summation order may
-    differ) and the reference."""
+def test_shared_expert_fast_path_gpu():
+    """At V4.1-Flash's width (D 5120, inter 2304, FP8 32 x 32 blocks), T = 333: the fused shared expert against
+    expert_ffn's fast linear layers (same roundings; cuBLAS summation order may differ) and the reference."""
     import mini.ops.moe as moe_mod
     cfg, w1, w3, w2, x = _shared_case("cuda")
-    x = x[:T].cuda()
+    x = x.cuda()
     w = MoEWeights(gate=None, bias=None, bias_vl=None, tid2eid=None, experts=range(0), w1=w1, w3=w3, w2=w2,
                    shared_w1=w1, shared_w3=w3, shared_w2=w2, swiglu_limit=cfg.swiglu_limit)
     ref = expert_ffn(x, w1, w3, w2, cfg.swiglu_limit)  # the fast linear layers (CUDA, bf16)
