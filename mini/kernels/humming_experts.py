@@ -260,6 +260,11 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 # wgmma tiles need all 256 columns.
 DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
                                        {"block_shape": [8, 64, 64]}) for bucket in (16, 32, 64)}
+# w2 [5120, 2304]: the heuristic's wgmma tile spans 256 columns (20 CTAs per touched expert); w1|w3's mma.sync
+# decode tile instead (A/B candidate, docs/perf/021)
+DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_type": "wgmma"},
+                                            {"block_shape": [8, 64, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
+                     for bucket in (16, 32, 64)})
 
 
 @functools.cache
