@@ -252,18 +252,19 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Tile changes measured faster than the heuristic's config at decode (tools/humming_decode_study.py, phase
-# humming_decode, H200, docs/perf/020): (N, K, rows bucket) -> (the heuristic's keys it was measured against, the
-# keys it replaces). w1|w3 [4608, 5120] in 64-column tiles instead of 128: twice the CTAs where few experts are
-# touched, 46.6 -> 33.2 us per call for 6 experts x 1 row (one EP4 rank's pairs at B = 1) and 24.0 -> 23.5 for 1
-# expert x 4 rows; K is split between the same two warps, so the sums are the same (bit-equal in the study).
-# Other variants (more stages, more CTAs per SM, other buckets' configs) were within the noise or slower, and w2's
-# wgmma tiles need all 256 columns.
+# humming_decode, H200, docs/perf/020-021): (N, K, rows bucket) -> (the heuristic's keys it was measured against,
+# the keys it replaces). Cases "P x R": P local rows, R rows on each touched expert (1 x 4: one emulated EP4 rank at
+# B = 1; 6 x 1: a real EP4 rank's pairs at B = 1; 36 x 4: the emulated rank's verify step at B = 1).
+# - w1|w3 [4608, 5120]: 64-column tiles instead of 128 (twice the CTAs where few experts are touched: 46.6 -> 33.2 us
+#   at 6 x 1) and 6 pipeline stages instead of 4 (23.5 -> 20.9 us at 1 x 4, 33.2 -> 31.8 at 6 x 1, 55.1 -> 50.6 at
+#   36 x 4). K is split between the same two warps: the same sums (bit-equal in the study).
+# - w2 [5120, 2304]: the heuristic's wgmma tile spans all 256 columns (20 CTAs per touched expert); w1|w3's
+#   mma.sync tile of 128 columns instead: 20.6 -> 12.4 us at 1 x 4 (64 columns: 12.1), 27.2 (64 columns) -> 22.9 at
+#   6 x 1, 31.6 -> 23.5 at 36 x 4. Another summation order than wgmma's (one fp32 sum, one rounding either way).
 DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
-                                       {"block_shape": [8, 64, 64]}) for bucket in (16, 32, 64)}
-# w2 [5120, 2304]: the heuristic's wgmma tile spans 256 columns (20 CTAs per touched expert); w1|w3's mma.sync
-# decode tile instead (A/B candidate, docs/perf/021)
+                                       {"block_shape": [8, 64, 64], "num_stages": 6}) for bucket in (16, 32, 64)}
 DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_type": "wgmma"},
-                                            {"block_shape": [8, 64, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
+                                            {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})
 
 

@@ -151,6 +151,7 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         w13, w2 = Layer(4608, 5120), Layer(5120, 2304)
         got = json.loads(hx._tuning(w13, 16))
         assert got["block_shape"] == [8, 64, 64] and got["warp_shape"] == [8, 64, 32] and not got["use_stream_k"]
+        assert got["num_stages"] == 6
         assert json.loads(hx._tuning(w13, 64))["block_shape"] == [8, 64, 64]
         for config, rows, kw in ((w13, 16, {"invariant": True}), (w13, 16, {"tuned": False}), (w13, 128, {}),
                                  (w2, 16, {})):
@@ -162,7 +163,7 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         heuristic["config"] = {**base, "block_shape": (8, 256, 64), "warp_shape": (8, 64, 64), "mma_type": "wgmma"}
         hx._tuning.cache_clear()
         got = json.loads(hx._tuning(w2, 32))
-        assert (got["block_shape"], got["warp_shape"], got["mma_type"]) == ([8, 64, 64], [8, 64, 32], "mma")
+        assert (got["block_shape"], got["warp_shape"], got["mma_type"]) == ([8, 128, 64], [8, 64, 32], "mma")
         assert json.loads(hx._tuning(w2, 128))["mma_type"] == "wgmma"
     finally:
         hx._tuning.cache_clear()
