@@ -169,20 +169,24 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         hx._tuning.cache_clear()
 
 
-@pytest.mark.gpu
-def test_decode_tiles_give_the_heuristic_configs_bits_gpu(hx):
-    """The decode tile change keeps the heuristic's sums at V4.1's w1|w3 shape: 6 experts x 1 row and 1 expert x
-    4 rows give the same bits under both configs."""
-    E, N, K = 8, 4608, 5120
-    stack = hx.convert(*_experts(E, N, K, 120, 121))
+def _tuned_and_plain(hx, N, K):
+    """At V4.1's [N, K] expert shape, 6 experts x 1 row and 1 expert x 4 rows (8 local experts): each case's
+    outputs under the decode tile change (`tuned`) and under the heuristic's own config, as (tuned, plain)."""
+    stack = hx.convert(*_experts(8, N, K, 120, 121))
+    tuned, plain = hx.tuning_for(stack, 6), hx.tuning_for(stack, 6, tuned=False)
+    assert tuned != plain
     for counts in ([1, 1, 1, 0, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0, 0, 0]):
         counts = torch.tensor(counts, device="cuda")
         offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
         a = torch.randn(int(counts.sum()), K, device="cuda").bfloat16()
-        tuned, plain = hx.tuning_for(stack, 6), hx.tuning_for(stack, 6, tuned=False)
-        assert tuned != plain
-        assert torch.equal(hx.grouped_gemm(a, stack, offset, 6, tuning=tuned),
-                           hx.grouped_gemm(a, stack, offset, 6, tuning=plain))
+        yield (hx.grouped_gemm(a, stack, offset, 6, tuning=tuned), hx.grouped_gemm(a, stack, offset, 6, tuning=plain))
+
+
+@pytest.mark.gpu
+def test_decode_tiles_give_the_heuristic_configs_bits_gpu(hx):
+    """The decode tile change keeps the heuristic's sums at V4.1's w1|w3 shape: the same bits under both configs."""
+    for got, ref in _tuned_and_plain(hx, 4608, 5120):
+        assert torch.equal(got, ref)
 
 
 @pytest.mark.gpu
@@ -190,16 +194,8 @@ def test_w2_decode_tiles_keep_one_rounding_gpu(hx):
     """w2's decode tile (mma.sync, K split between two warps) against the heuristic's wgmma tile at V4.1's w2
     shape: both one fp32 sum of the exact products and one rounding, in different orders, so almost all outputs
     are equal and the rest a bf16 ulp or so apart."""
-    E, N, K = 8, 5120, 2304
-    stack = hx.convert(*_experts(E, N, K, 120, 121))
-    for counts in ([1, 1, 1, 0, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0, 0, 0]):
-        counts = torch.tensor(counts, device="cuda")
-        offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
-        a = torch.randn(int(counts.sum()), K, device="cuda").bfloat16()
-        tuned, plain = hx.tuning_for(stack, 6), hx.tuning_for(stack, 6, tuned=False)
-        assert tuned != plain
-        got = hx.grouped_gemm(a, stack, offset, 6, tuning=tuned).float()
-        ref = hx.grouped_gemm(a, stack, offset, 6, tuning=plain).float()
+    for got, ref in _tuned_and_plain(hx, 5120, 2304):
+        got, ref = got.float(), ref.float()
         assert torch.isfinite(got).all()
         assert ((got - ref).abs() <= ref.abs() * 2.0 ** -6 + 1e-3 * ref.abs().max()).all()
         assert (got == ref).float().mean().item() > 0.9
