@@ -379,45 +379,6 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
         del copies, weight
 
 
-def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
-    """An FP8 projection at decode as linear runs it (issue 28; us per call in a CUDA graph, L2 defeated by copies
-    of the weight taken in turn), at B = 1, 6 (a verify step's rows at B = 1) and 16 on V4.1-Flash's FP8 projections
-    (stacked where linears stacks them): the GEMV on the dequantized bf16 copy, act quant in its loads
-    (MINI_GEMV_WEIGHTS=bf16) against the GEMV on FP8 tensor cores reading the checkpoint's bytes
-    (mini/kernels/gemv_fp8.py, each candidate tiling; MINI_GEMV_WEIGHTS=fp8). `frac_copy_peak` counts each read's
-    own bytes; `max_err_over_spread`: the largest |y - blockwise reference| over that output's sum of |products|."""
-    from mini.formats import dequant_fp8, quantize_fp8
-    from mini.kernels.device_info import sm_count
-    from mini.kernels.gemv import config_for, gemv, split_k
-    from mini.kernels.gemv_fp8 import CANDIDATES, gemv_fp8
-    from mini.ops.linear import QWeight, blockwise_gemm
-    for n_out, n_in, name in ((1792, 5120, "wq_a|wkv"), (36864, 1280, "wq_b|indexer wq_b"), (5120, 8192, "wo_b"),
-                              (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2")):
-        q, scale = quantize_fp8(torch.randn(n_out, n_in, device=dev) / n_in ** 0.5, 32)
-        weights = {"bf16": [dequant_fp8(q, scale, 32, torch.bfloat16)], "fp8": [(q, scale)]}
-        weights["bf16"] += [weights["bf16"][0].clone() for _ in range((128 << 20) // (2 * q.nbytes))]
-        weights["fp8"] += [(q.clone(), scale.clone()) for _ in range((128 << 20) // q.nbytes)]
-        floor = {"bf16": 2 * q.nbytes / COPY_TBS / 1e9, "fp8": (q.nbytes + scale.nbytes) / COPY_TBS / 1e9}
-        for B in (1, 6, 16):
-            x, turn = torch.randn(B, n_in, device=dev).bfloat16(), [0]
-            ref = blockwise_gemm(x, QWeight("fp8", q, scale, 32)).double()
-            spread = blockwise_gemm(x.abs(), QWeight("fp8", q.float().abs().to(q.dtype), scale, 32)).double()
-            calls = {f"bf16 copy, gemv {config_for(n_out, n_in)}": ("bf16", lambda w: gemv(x, w, act_block=32))}
-            calls.update({f"fp8 {label} split {split_k(n_out, n_in, cfg, sm_count(x.device))[0]}":
-                          ("fp8", lambda w, cfg=cfg: gemv_fp8(x, *w, 32, config=cfg)) for label, cfg in CANDIDATES.items()})
-            for label, (kind, f) in calls.items():
-                def call(kind=kind, f=f):
-                    turn[0] = (turn[0] + 1) % len(weights[kind])
-                    return f(weights[kind][turn[0]])
-                ms = _bench_graph(call)
-                err = float(((f(weights[kind][0]).double() - ref).abs() / spread.clamp_min(1e-30)).max())
-                rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms,
-                                 us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms,
-                                 max_err_over_spread=err))
-                print(json.dumps(rows[-1]), flush=True)
-        del weights, q, scale
-
-
 def bench_rope(rows: list, sweep=(), dev="cuda"):
     from mini.formats import fake_quant_fp8
     from mini.kernels.rope_quant import rope_quant
@@ -490,7 +451,6 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
            "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv,
-           "decode_gemv_fp8": bench_decode_gemv_fp8,
            "order_keys": bench_order_keys, "top_ids": bench_top_ids}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 

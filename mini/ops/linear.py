@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mini import switches
 from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
 from mini.formats.quant import fake_quant_enabled, quant_fp8
 from mini.ops import deterministic, use_fast
@@ -104,9 +103,6 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if x.shape[-1] % w.block:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
-        y = decode_gemv_fp8(x, w)
-        if y is not None:
-            return y
         # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
         return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0)
     return blockwise_gemm(x, w).to(x.dtype)
@@ -116,21 +112,13 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     """(linear(x, w) for w in ws): projections of one input. The fast path runs them as one GEMM over their
     dequantized copies side by side (one launch, and at decode one read of x and one act quant instead of one per
     projection), built at first use; the outputs are column slices of its [..., sum of out] result (strided rows:
-    the norm and RoPE kernels read them in place). Where decode GEMVs read FP8 weights (`decode_gemv_fp8`) their
-    bytes and scales are stacked instead (`stack_fp8`). Weights of different kinds or blocks run one by one. Each
+    the norm and RoPE kernels read them in place). Weights of different kinds or blocks run one by one. Each
     output element is the same exact products summed in fp32; only the GEMM's order of the sum may differ."""
     same = all(w.block == ws[0].block and (w.kind == "bf16") == (ws[0].kind == "bf16") for w in ws)
     if not (same and len(ws) > 1 and use_fast(x) and x.dtype == torch.bfloat16):
         return tuple(linear(x, w) for w in ws)
     if ws[0].kind != "bf16" and x.shape[-1] % ws[0].block:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {ws[0].block}")
-    if reads_fp8_weights() and ws[0].kind == "fp8":
-        key = ("stack_fp8", *(id(w) for w in ws))
-        if key not in ws[0]._dequant:
-            ws[0]._dequant[key] = stack_fp8(list(ws))
-        y = decode_gemv_fp8(x, ws[0]._dequant[key]) if ws[0]._dequant[key] is not None else None
-        if y is not None:
-            return tuple(y.split([w.out_features for w in ws], dim=-1))
     key = ("stack", *(id(w) for w in ws))
     if key not in ws[0]._dequant:
         ws[0]._dequant[key] = stack_dequantized(list(ws), torch.bfloat16)
@@ -150,28 +138,6 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Te
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
-
-
-def reads_fp8_weights() -> bool:
-    """Whether decode GEMVs read FP8 weights as stored (MINI_GEMV_WEIGHTS=fp8)."""
-    return switches.current().gemv_weights == "fp8"
-
-
-def decode_gemv_fp8(x: torch.Tensor, w: QWeight) -> torch.Tensor | None:
-    """linear(x, w) for an FP8 w by the GEMV on FP8 tensor cores (mini/kernels/gemv_fp8.py: w's bytes and scales as
-    stored, x fake-quantized in its loads, the official blockwise sums) where it takes the call: MINI_GEMV_WEIGHTS=fp8,
-    1 to GEMV_MAX_TOKENS rows, fake quant on (the kernel multiplies x's FP8 values), not the deterministic mode, a
-    block it takes, a device it runs on; None elsewhere (the caller's GEMM on the bf16 copy)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (w.kind != "fp8" or not reads_fp8_weights() or not 0 < rows <= GEMV_MAX_TOKENS or deterministic()
-            or not fake_quant_enabled() or w.block not in (32, 64, 128)):
-        return None
-    from mini.kernels.gemv import runs_on
-    if not runs_on(x):
-        return None
-    from mini.kernels.gemv_fp8 import gemv_fp8
-    y = gemv_fp8(x.reshape(rows, x.shape[-1]), w.data, w.scale, w.block)
-    return y.view(*x.shape[:-1], w.out_features)
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -211,22 +177,6 @@ def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
         w._dequant[dtype] = stack[row:row + w.out_features]
         row += w.out_features
     return stack
-
-
-def stack_fp8(ws: list[QWeight]) -> QWeight | None:
-    """FP8 weights of one input stacked along the output dimension as one FP8 QWeight (bytes and scales), each
-    weight's bytes and scales becoming views into the stack (held once); None where they are not all FP8 of one
-    block or a weight but the last ends inside a scale tile (its rows would share the next one's scales)."""
-    block = ws[0].block
-    if any(w.kind != "fp8" or w.block != block for w in ws) or any(w.out_features % block for w in ws[:-1]):
-        return None
-    stacked = QWeight("fp8", torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws]), block)
-    row = 0
-    for w in ws:
-        n = w.out_features
-        w.data, w.scale = stacked.data[row:row + n], stacked.scale[row // block:(row + n + block - 1) // block]
-        row += n
-    return stacked
 
 
 def _fast_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:

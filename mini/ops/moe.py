@@ -70,9 +70,6 @@ class MoEWeights:
     _per_expert: dict = field(default_factory=dict, repr=False)
     # the shared w1 and w3 dequantized to bf16 side by side (linear.stack_dequantized), built at first fast use
     _shared_w13: torch.Tensor | None = field(default=None, repr=False)
-    # and their FP8 bytes side by side (linear.stack_fp8) where decode GEMVs read those (MINI_GEMV_WEIGHTS=fp8);
-    # False where they cannot be stacked
-    _shared_w13_fp8: QWeight | bool | None = field(default=None, repr=False)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
@@ -349,24 +346,17 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`expert_ffn` for the shared expert in four passes instead of a dozen: x's FP8 act quant once, one GEMM for
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
-    GEMMs' summation order may differ. Where decode GEMVs read FP8 weights (MINI_GEMV_WEIGHTS=fp8) both GEMMs at
-    decode rows take that GEMV (linear.decode_gemv_fp8; w2's re-quantizes h, whose values are already FP8 in w2's
-    groups: the same values)."""
+    GEMMs' summation order may differ."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    from mini.ops.linear import decode_gemv_fp8, dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
+    from mini.ops.linear import dense_bf16, stack_dequantized
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
-    if w._shared_w13_fp8 is None and reads_fp8_weights():
-        w._shared_w13_fp8 = stack_fp8([w1, w3]) or False
     inter = w1.out_features
-    gu = decode_gemv_fp8(x, w._shared_w13_fp8) if w._shared_w13_fp8 else None
-    if gu is None:
-        gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0)
+    gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
-    y = decode_gemv_fp8(h, w2)
-    return y if y is not None else F.linear(h, w2.prepare(torch.bfloat16))
+    return F.linear(h, w2.prepare(torch.bfloat16))
 
 
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,

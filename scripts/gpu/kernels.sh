@@ -133,31 +133,6 @@ phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; c
     return $rc
 }
 
-phase_gemv_fp8() {  # issue 28, FP8 projections at decode on FP8 tensor cores (not yet measured; cap it at 200):
-    # first the gpu tests of mini/kernels/gemv_fp8.py (tests.log), then `mini bench kernels --only decode_gemv_fp8`
-    # (kernels_decode_gemv_fp8.json): us per call in a CUDA graph at B = 1, 6, 16 on V4.1's FP8 projections, the
-    # bf16 copy's GEMV (as linear runs today) against the FP8 GEMV's candidate tilings (frac_copy_peak in each
-    # read's own bytes, max_err_over_spread against the blockwise reference)
-    local rc=0
-    timeout 70 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv_fp8.py \
-        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
-    grep -E "FAILED|ERROR|max error" "$PHASE_DIR/tests.log" | head -20; tail -3 "$PHASE_DIR/tests.log"
-    timeout $(( ${PHASE_CAP:-200} - SECONDS > 20 ? ${PHASE_CAP:-200} - SECONDS - 5 : 15 )) \
-        python3 -m mini.bench.kernels --only decode_gemv_fp8 --json "$PHASE_DIR/kernels_decode_gemv_fp8.json" \
-        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
-    python3 - "$PHASE_DIR/bench.log" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    if line.startswith('{"kernel": "decode_gemv_fp8'):
-        r = json.loads(line)
-        print(f"{r['kernel']:48s} {r['config']:34s} {r['us']:7.2f} us  copy {r['frac_copy_peak']:.2f}  "
-              f"err/spread {r['max_err_over_spread']:.2e}")
-    elif "rror" in line:
-        print(line.rstrip()[:300])
-PY
-    return $rc
-}
-
 phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
     # at 300): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
     # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone

@@ -8,8 +8,6 @@ from triton.compiler import ASTSource
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import _gemv_kernel, _sum_pieces_kernel
-from mini.kernels.gemv_fp8 import CANDIDATES as GEMV_FP8_CANDIDATES
-from mini.kernels.gemv_fp8 import _gemv_fp8_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
 from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
@@ -103,14 +101,6 @@ def main() -> None:
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
-    # the FP8 GEMV (MINI_GEMV_WEIGHTS=fp8): each candidate split, the default unsplit, V4's 128-wide blocks
-    fp8_ptrs = {**ptrs, "w_ptr": "*u8", "s_ptr": "*u8"}
-    for cfg in GEMV_FP8_CANDIDATES.values():
-        for split, qb in ((True, 32), (False, 32), (True, 128)) if cfg == next(iter(GEMV_FP8_CANDIDATES.values())) \
-                else ((True, 32),):
-            build(_gemv_fp8_kernel, fp8_ptrs, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, QB=qb, TP=16,
-                                                   SPLIT=split, FP8_DOT=True),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):
         bd, br, warps = norm_tiles(d)
