@@ -39,7 +39,6 @@ from mini.config import LayerPlan, ModelConfig
 from mini.formats.quant import fake_quant_enabled
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.linear import QWeight, linear
-from mini.ops.stages import recorded as stages_recorded
 from mini.ops.stages import stage, staged
 
 if TYPE_CHECKING:
@@ -376,34 +375,8 @@ def experts_and_shared(x: torch.Tensor, own: int, w: MoEWeights, cfg: ModelConfi
     the same bits as the fp32 sum and cast of the other path."""
     mine = x[:own]
     if _fast_ok(x, ids, w, step):
-        side = _side_stream(mine)
-        if side is None:
-            return _routed_fast(x, w, weights, ids, x.dtype, add=shared(mine, w, x.dtype))[:own]
-        # the shared expert on a second stream beside the routing and the routed GEMMs, joined before the combine
-        # (each allocation of the side stream comes after its wait on this stream, so no block it frees is reused
-        # while this stream still reads it)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            add = shared(mine, w, x.dtype)
-        return _routed_fast(x, w, weights, ids, x.dtype, add=add, join=side)[:own]
+        return _routed_fast(x, w, weights, ids, x.dtype, add=shared(mine, w, x.dtype))[:own]
     return (routed(x, w, cfg, weights, ids, step=step)[:own] + shared(mine, w)).to(x.dtype)
-
-
-# Steps of at most this many own rows run the shared expert on a second CUDA stream beside the routed experts
-# (issue 28): at decode both leave most of the GPU idle (Humming's GEMMs at B = 1 run ~50 CTAs on 132 SMs), so
-# their kernels overlap; CUDA graphs capture the fork and the join. The same kernels on the same inputs: the same
-# bits. 0 turns it off. Not under a stage profiler, whose per-stage times need one stream.
-SHARED_OVERLAP_MAX_ROWS = 512
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """The shared expert's second stream on x's device where it is taken (SHARED_OVERLAP_MAX_ROWS), else None."""
-    if not x.is_cuda or not 0 < x.shape[0] <= SHARED_OVERLAP_MAX_ROWS or stages_recorded():
-        return None
-    if x.device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
-    return _SIDE_STREAMS[x.device]
 
 
 # ------------------------------------------------------------------------------------------- fast path (CUDA)
@@ -430,21 +403,18 @@ def _fast_ok(x: torch.Tensor, ids: torch.Tensor, w: MoEWeights, step: StepPlan |
 
 
 def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
-                 add: torch.Tensor | None = None, add_at: int = 0, layer_pairs: int | None = None,
-                 join: torch.cuda.Stream | None = None) -> torch.Tensor:
+                 add: torch.Tensor | None = None, add_at: int = 0, layer_pairs: int | None = None) -> torch.Tensor:
     """The routed experts through the GPU kernels: sort the (token, slot) pairs by local expert, the experts'
     GEMMs (Humming's when the experts were converted, else ours), then per token the sum of its local rows in
     slot order (+ `add` on the rows from `add_at`). x: a tensor, or `FP8Rows` (`routed_wire`).
     `layer_pairs` (default ids.numel()): the (token, slot) pairs of the whole layer when `ids` are one micro-batch
     of it (the EP exchange's overlap): Humming picks its tile config, and with it a row's rounding, from the
-    expected row count, so every micro-batch takes the whole layer's config. `join`: the stream `add` is computed
-    on (experts_and_shared), waited for just before the combine reads it."""
+    expected row count, so every micro-batch takes the whole layer's config."""
     from mini.kernels.moe_combine import combine
     from mini.kernels.moe_route import plan_routes
     from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
 
     if x.shape[0] == 0:  # an idle EP rank still joins the exchange
-        _join(join)
         out = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
         return out if add is None else (out.float() + add.float()).to(out_dtype)
     act_quant = fake_quant_enabled()  # mini.formats.no_fake_quant() turns the activation fake quant off
@@ -453,14 +423,7 @@ def _routed_fast(x, w: MoEWeights, weights: torch.Tensor, ids: torch.Tensor, out
     rows = _rows_humming if w.humming is not None else _rows_triton
     y = rows(x, w, plan, (layer_pairs or ids.numel()) * len(w.experts) // w.gate.shape[0], act_quant)
     with stage("moe.routed.combine"):
-        _join(join)
         return combine(y, ids, plan.slot_row, w.experts, out_dtype, add=add, add_at=add_at)
-
-
-def _join(side: torch.cuda.Stream | None) -> None:
-    """This stream waits for `side` (where `add` was computed, experts_and_shared) before reading its result."""
-    if side is not None:
-        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 @staged("moe.routed")

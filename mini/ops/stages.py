@@ -33,11 +33,6 @@ def staged(name: str):
     return mark
 
 
-def recorded() -> bool:
-    """Whether a profiler is recording the stages now."""
-    return _recorder is not None
-
-
 @contextmanager
 def recording(recorder: Callable[[str], ContextManager]):
     """Run the marked stages inside `recorder(name)` while this context is open (one recorder at a time)."""
