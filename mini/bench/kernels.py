@@ -440,7 +440,8 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     512) and a prefill-sized step."""
     from mini.kernels.top_ids import top_ids
     from mini.ops.indexer import top_groups_ordered
-    for T, N in ((1, 1024), (1, 8192), (64, 1024), (64, 8192), (4096, 1024)):
+    # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, which take the torch form today)
+    for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096), (64, 8192), (4096, 1024)):
         x = torch.randn(T, N, device=dev).relu().bfloat16()  # relu: ties at 0, as the index scores have
         for label, f in (("triton", lambda: top_ids(x, 512)),
                          ("torch reference", _reference(lambda: top_groups_ordered(x, 512)))):
