@@ -30,6 +30,12 @@ BLOCK = 1024
 # form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
 # form until a wide-row build beats it.
 FASTER_MAX_COLS = BLOCK
+# A candidate build, not the default (built and tested, not yet timed on the H200): 4,096-column chunks on 8 warps.
+# Report 022 read the chunked build's time as one L2 round trip per further chunk and key bit ([1, 2048] 29 us,
+# [1, 4096] 59, against 8.4 at one chunk); with 4,096 columns in registers a 4K context's ratio-1 and ratio-2
+# sources (V4.1-Flash's) re-read nothing, and a 32K context's 8,192 columns re-read one chunk instead of seven.
+# `mini bench kernels --only top_ids` times it beside BLOCK.
+WIDE_BLOCK = 4096
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -85,17 +91,20 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK
     tl.store(count_ptr + row, n_kept)
 
 
-def top_ids(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [T, k] ids, int32 [T] counts) for bf16 scores [T, N] (`supported`): the k largest of each row (ties
-    to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s."""
+    to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
+    `block`: the chunk of columns a program holds at once (BLOCK, or the WIDE_BLOCK candidate); the same ids."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
+    if block not in (BLOCK, WIDE_BLOCK):
+        raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape
     rows = scores if scores.stride(-1) == 1 else scores.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
     if T:
-        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0), BLOCK=BLOCK,
-                              num_warps=4)
+        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0), BLOCK=block,
+                              num_warps=4 if block == BLOCK else 8)
     return ids, count

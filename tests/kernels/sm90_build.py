@@ -113,7 +113,9 @@ def main() -> None:
     # the indexer top-k's keys (bf16 bits in, int32 keys out)
     build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
     # the index top-k's ids in one pass (one build for every row width)
-    build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=1024))
+    for block, warps in ((1024, 4), (4096, 8)):  # the default and the wide candidate
+        build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
+              num_warps=warps)
 
 
 if __name__ == "__main__":

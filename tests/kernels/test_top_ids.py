@@ -47,6 +47,17 @@ def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k)
     assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
 
 
+@pytest.mark.parametrize("T,N,k", [(2, 37, 8), (3, 4096, 512), (2, 5000, 700)])  # one, one full, two chunks
+def test_the_wide_block_candidate_gives_the_same_ids_interpreter(interpreter, monkeypatch, T, N, k):
+    x = scores(T, N, "cpu", seed=N)
+    want_ids, want_count = top_groups_ordered(x, k)
+    poisoned(monkeypatch)
+    ids, count = kernel_module.top_ids(x, k, block=kernel_module.WIDE_BLOCK)
+    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+    with pytest.raises(ValueError, match="neither BLOCK"):
+        kernel_module.top_ids(x, k, block=2048)
+
+
 def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
     """A NaN takes a top-k place (above +inf, as CUDA's keys order it) but is not a valid group: with k = 2 and
     two NaNs, nothing valid is left; with k = 4 the two best numbers remain, in column order."""
@@ -86,5 +97,6 @@ def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
     x = scores(T, N, "cuda", seed=N + T, nan=True)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch on CUDA (NaN keys 0x7FFF)
     poisoned(monkeypatch)
-    ids, count = kernel_module.top_ids(x, min(k, N))
-    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+    for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):  # the default and the candidate build
+        ids, count = kernel_module.top_ids(x, min(k, N), block=block)
+        assert torch.equal(ids, want_ids) and torch.equal(count, want_count), block
