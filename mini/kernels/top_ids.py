@@ -36,6 +36,7 @@ FASTER_MAX_COLS = BLOCK
 # sources (V4.1-Flash's) re-read nothing, and a 32K context's 8,192 columns re-read one chunk instead of seven.
 # `mini bench kernels --only top_ids` times it beside BLOCK.
 WIDE_BLOCK = 4096
+WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -98,7 +99,7 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Ten
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
-    if block not in (BLOCK, WIDE_BLOCK):
+    if block not in WARPS:
         raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape
     rows = scores if scores.stride(-1) == 1 else scores.contiguous()
@@ -106,5 +107,5 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Ten
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
     if T:
         _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0), BLOCK=block,
-                              num_warps=4 if block == BLOCK else 8)
+                              num_warps=WARPS[block])
     return ids, count

@@ -14,6 +14,7 @@ from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
 from mini.kernels.order_keys import _order_keys_kernel
 from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
+from mini.kernels.top_ids import WARPS as TOP_IDS_WARPS
 from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
@@ -113,7 +114,7 @@ def main() -> None:
     # the indexer top-k's keys (bf16 bits in, int32 keys out)
     build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
     # the index top-k's ids in one pass (one build for every row width)
-    for block, warps in ((1024, 4), (4096, 8)):  # the default and the wide candidate
+    for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate
         build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
               num_warps=warps)
 

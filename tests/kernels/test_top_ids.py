@@ -36,26 +36,22 @@ def poisoned(monkeypatch):
                         if kw.get("dtype") in (torch.int64, torch.int32) else empty(*a, **kw))
 
 
+# 2049, 3000: three chunks of BLOCK, ids past one; 4096, 5000: one full and two chunks of WIDE_BLOCK
 @pytest.mark.parametrize("T,N,k", [(1, 1, 1), (1, 37, 8), (3, 1000, 512), (5, 130, 130), (2, 2049, 64),
-                                   (4, 600, 512), (2, 3000, 2500)])  # 2049, 3000: three chunks, ids past one
-def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k):
+                                   (4, 600, 512), (2, 3000, 2500), (3, 4096, 512), (2, 5000, 700)])
+@pytest.mark.parametrize("block", [kernel_module.BLOCK, kernel_module.WIDE_BLOCK], ids=["default", "wide"])
+def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k, block):
     x = scores(T, N, "cpu", seed=N + k)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch
     poisoned(monkeypatch)
-    ids, count = kernel_module.top_ids(x, min(k, N))
+    ids, count = kernel_module.top_ids(x, min(k, N), block=block)
     assert ids.dtype == torch.int64 and count.dtype == torch.int32
     assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
 
 
-@pytest.mark.parametrize("T,N,k", [(2, 37, 8), (3, 4096, 512), (2, 5000, 700)])  # one, one full, two chunks
-def test_the_wide_block_candidate_gives_the_same_ids_interpreter(interpreter, monkeypatch, T, N, k):
-    x = scores(T, N, "cpu", seed=N)
-    want_ids, want_count = top_groups_ordered(x, k)
-    poisoned(monkeypatch)
-    ids, count = kernel_module.top_ids(x, k, block=kernel_module.WIDE_BLOCK)
-    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+def test_only_the_two_builds_are_taken():
     with pytest.raises(ValueError, match="neither BLOCK"):
-        kernel_module.top_ids(x, k, block=2048)
+        kernel_module.top_ids(scores(1, 64, "cpu", seed=0), 8, block=2048)
 
 
 def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
