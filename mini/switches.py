@@ -33,6 +33,10 @@ class Switches:
     # MINI_DET_SPARSE_ATTN, mini.kernels.flashmla_attention: the deterministic mode's kernel for the queries of
     # multi-token chunks, "flashmla" | "triton"
     det_sparse_attn: str = "flashmla"
+    # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight, "bf16" (its dequantized copy)
+    # | "fp8" (the checkpoint's bytes and scales, dequantized per tile in the kernel: the same bits, half the bytes;
+    # the shared expert's w2 at decode rows takes the GEMV too)
+    gemv_weights: str = "bf16"
     # MINI_EP_GLUE, mini.parallel.exchange: the EP exchange's glue, "fused" | "eager"
     ep_glue: str = "fused"
     # MINI_EP_OVERLAP, mini.parallel.exchange: micro-batches per MoE layer's exchange (1 = not overlapped)
@@ -67,6 +71,7 @@ VARIABLES = {
     "moe_gemm": "MINI_MOE_GEMM",
     "sparse_attn": "MINI_SPARSE_ATTN",
     "det_sparse_attn": "MINI_DET_SPARSE_ATTN",
+    "gemv_weights": "MINI_GEMV_WEIGHTS",
     "ep_glue": "MINI_EP_GLUE",
     "ep_overlap": "MINI_EP_OVERLAP",
     "ep_overlap_min_tokens": "MINI_EP_OVERLAP_MIN_TOKENS",
@@ -116,6 +121,7 @@ def read(env: Mapping[str, str] | None = None) -> Switches:
         moe_gemm=_choice(env, "MINI_MOE_GEMM", ("auto", "humming", "triton"), "auto"),
         sparse_attn=_choice(env, "MINI_SPARSE_ATTN", ("auto", "flashmla", "triton"), "auto"),
         det_sparse_attn=_choice(env, "MINI_DET_SPARSE_ATTN", ("flashmla", "triton"), "flashmla"),
+        gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("bf16", "fp8"), "bf16"),
         ep_glue=_choice(env, "MINI_EP_GLUE", ("fused", "eager"), "fused"),
         ep_overlap=_overlap(env),
         ep_overlap_min_tokens=_min_tokens(env),

@@ -63,16 +63,34 @@ DEFAULT = GemvConfig()
 # (64 x 128 with 2 stages: 40 KB of shared memory, so ~5 programs fit an SM and the split aims at 4)
 CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3),
               "64x128 s2 4/SM": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
-              "64x128 s4 one launch": GemvConfig(one_launch=True)}
+              "64x128 s4 one launch": GemvConfig(one_launch=True),
+              # for the FP8 read (half the bytes a tile): deeper or wider tiles on 8 warps (no spills for sm_90a)
+              "64x256 s4 8w": GemvConfig(64, 256, 8, 4), "128x128 s4 8w": GemvConfig(128, 128, 8, 4)}
+
+
+@triton.jit
+def _dequant_tile(w, s_rows, k0, K, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An e4m3 weight tile [BLOCK_N, BLOCK_K] at column k0 as bf16: fp32(q) * its E8M0 scale, rounded to bf16 (the
+    operations of mini.formats.dequant_fp8: the bits of the bf16 copy). `s_rows` [BLOCK_N, 1]: pointers to each
+    row's scale row; SB = min(W_BLOCK, BLOCK_K) columns share one scale (one divides the other)."""
+    SB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_K else BLOCK_K
+    group = tl.minimum((k0 + tl.arange(0, BLOCK_K // SB) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)  # K's tail: 0s
+    e = tl.load(s_rows + group[None, :]).to(tl.int32)
+    scale = tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+    scale = tl.where(e == 255, float("nan"), scale)
+    w = tl.reshape(w.to(tl.float32), [BLOCK_N, BLOCK_K // SB, SB]) * scale[:, :, None]
+    return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
+                 K_PIECE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 W_BLOCK: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
     part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
-    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
+    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded. W_BLOCK > 0: W is e4m3 with
+    E8M0 scales s[n // W_BLOCK, k // W_BLOCK], dequantized to bf16 as each tile is loaded (`_dequant_tile`)."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -83,12 +101,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, st
     k_hi = tl.minimum(k_lo + K_PIECE, K)
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
     x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
+    if W_BLOCK > 0:  # rows past N read row N - 1's scales (their weights load as 0)
+        s_rows = s_ptr + (tl.minimum(n, N - 1) // W_BLOCK)[:, None].to(tl.int64) * stride_s
     acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
         # whole BLOCK_K steps
         k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_BLOCK > 0:
+            w = _dequant_tile(w, s_rows, k0, K, W_BLOCK, BLOCK_N, BLOCK_K)
         x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
             x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
@@ -175,19 +197,32 @@ def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
-         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0, scale: torch.Tensor | None = None,
+         w_block: int = 0) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
-    does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape."""
+    does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape.
+    With `scale`, w is the checkpoint's FP8 weight (float8_e4m3fn [N, K], E8M0 `scale` [ceil(N / w_block),
+    ceil(K / w_block)]) read as stored and dequantized in the kernel: the same output bits as on
+    dequant_fp8(w, scale, w_block, bf16), half the weight bytes."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"gemv: bf16 operands expected, got {x.dtype} and {w.dtype}")
+    if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
+        raise ValueError(f"gemv: bf16 x and a bf16 w (or an e4m3 w with its scale) expected, got {x.dtype} and "
+                         f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape
     N = w.shape[0]
     config = config or config_for(N, K)
+    if scale is not None:
+        grid = (triton.cdiv(N, max(w_block, 1)), triton.cdiv(K, max(w_block, 1)))
+        if w_block <= 0 or (config.block_k % w_block and w_block % config.block_k):
+            raise ValueError(f"gemv: weight block {w_block} must divide or be a multiple of BLOCK_K {config.block_k}")
+        if scale.dim() != 2 or tuple(scale.shape) != grid or scale.element_size() != 1 or scale.stride(1) != 1:
+            raise ValueError(f"gemv: E8M0 scale [{grid[0]}, {grid[1]}] (bytes, unit column stride) expected for "
+                             f"w {tuple(w.shape)} in {w_block} x {w_block} blocks, got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
     if T > MAX_ROWS:
         raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
     if out is None:
@@ -211,12 +246,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
+    scale_bytes = w if scale is None else scale.view(torch.uint8)  # (unread without a scale)
     _gemv_kernel[(n_blocks, pieces)](
-        x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
-        ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
+        x, w, scale_bytes, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0),
+        scale_bytes.stride(0), out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS,
+        SPLIT=pieces > 1, ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
-        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
+        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, W_BLOCK=0 if scale is None else w_block,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if pieces > 1 and counters is None:
         block = 256

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mini import switches
 from mini.formats import E2M1_VALUES, dequant_fp8, dequant_mxfp4, e8m0_to_float, unpack_fp4_codes
 from mini.formats.quant import fake_quant_enabled, quant_fp8
 from mini.ops import deterministic, use_fast
@@ -104,7 +105,8 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         raise ValueError(f"activation width {x.shape[-1]} is not a multiple of the quant block {w.block}")
     if use_fast(x) and x.dtype == torch.bfloat16:
         # fake-quantized activations and dequantized weights are exact in bf16; the GEMM accumulates in fp32
-        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0)
+        return dense_bf16(x, w.prepare(torch.bfloat16), act_block=w.block if fake_quant_enabled() else 0,
+                          fp8=w if w.kind == "fp8" else None)
     return blockwise_gemm(x, w).to(x.dtype)
 
 
@@ -112,8 +114,9 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     """(linear(x, w) for w in ws): projections of one input. The fast path runs them as one GEMM over their
     dequantized copies side by side (one launch, and at decode one read of x and one act quant instead of one per
     projection), built at first use; the outputs are column slices of its [..., sum of out] result (strided rows:
-    the norm and RoPE kernels read them in place). Weights of different kinds or blocks run one by one. Each
-    output element is the same exact products summed in fp32; only the GEMM's order of the sum may differ."""
+    the norm and RoPE kernels read them in place); FP8 weights' bytes and scales are stacked too (`stack_fp8`) for
+    the decode GEMV's FP8 read. Weights of different kinds or blocks run one by one. Each output element is the
+    same exact products summed in fp32; only the GEMM's order of the sum may differ."""
     same = all(w.block == ws[0].block and (w.kind == "bf16") == (ws[0].kind == "bf16") for w in ws)
     if not (same and len(ws) > 1 and use_fast(x) and x.dtype == torch.bfloat16):
         return tuple(linear(x, w) for w in ws)
@@ -123,20 +126,38 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     if key not in ws[0]._dequant:
         ws[0]._dequant[key] = stack_dequantized(list(ws), torch.bfloat16)
     quant = ws[0].kind != "bf16" and fake_quant_enabled()
-    y = dense_bf16(x, ws[0]._dequant[key], act_block=ws[0].block if quant else 0)
+    fp8 = None
+    if ws[0].kind == "fp8":
+        if ("stack_fp8", *key[1:]) not in ws[0]._dequant:
+            ws[0]._dequant[("stack_fp8", *key[1:])] = stack_fp8(list(ws))
+        fp8 = ws[0]._dequant[("stack_fp8", *key[1:])]
+    y = dense_bf16(x, ws[0]._dequant[key], act_block=ws[0].block if quant else 0, fp8=fp8)
     return tuple(y.split([w.out_features for w in ws], dim=-1))
 
 
-def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0) -> torch.Tensor:
+def reads_fp8_weights() -> bool:
+    """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored (MINI_GEMV_WEIGHTS=fp8) rather
+    than its dequantized bf16 copy: the same output bits (the kernel dequantizes each tile as dequant_fp8 does),
+    half the weight bytes."""
+    return switches.current().gemv_weights == "fp8"
+
+
+def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
     """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
-    order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. The deterministic mode
+    order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
+    (w = its dequantized copy), which the GEMV reads instead where `reads_fp8_weights`. The deterministic mode
     keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv, runs_on
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
-            return gemv(x.reshape(rows, x.shape[-1]), w, act_block=act_block).view(*x.shape[:-1], w.shape[0])
+            x2 = x.reshape(rows, x.shape[-1])
+            if fp8 is not None and reads_fp8_weights():
+                y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
+            else:
+                y = gemv(x2, w, act_block=act_block)
+            return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
@@ -177,6 +198,21 @@ def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
         w._dequant[dtype] = stack[row:row + w.out_features]
         row += w.out_features
     return stack
+
+
+def stack_fp8(ws: list[QWeight]) -> QWeight | None:
+    """FP8 weights of one input stacked along the output dimension as one FP8 QWeight (bytes and scales), each
+    weight's bytes and scales becoming views into the stack (held once); None where they are not all FP8 of one
+    block, or a weight but the last ends inside a scale block (its rows would share the next one's scales)."""
+    block = ws[0].block
+    if any(w.kind != "fp8" or w.block != block for w in ws) or any(w.out_features % block for w in ws[:-1]):
+        return None
+    stacked = QWeight("fp8", torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws]), block)
+    row = 0
+    for w in ws:
+        w.data, w.scale = stacked.data[row:row + w.out_features], stacked.scale[row // block:][:w.scale.shape[0]]
+        row += w.out_features
+    return stacked
 
 
 def _fast_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:

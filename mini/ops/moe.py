@@ -68,8 +68,10 @@ class MoEWeights:
     humming: object | None = field(default=None, repr=False)
     # per-expert views for the reference path, kept so that each keeps its dequantized copy (QWeight.prepare)
     _per_expert: dict = field(default_factory=dict, repr=False)
-    # the shared w1 and w3 dequantized to bf16 side by side (linear.stack_dequantized), built at first fast use
+    # the shared w1 and w3 dequantized to bf16 side by side (linear.stack_dequantized), built at first fast use,
+    # and (FP8) their bytes and scales side by side (linear.stack_fp8; None where they cannot be stacked)
     _shared_w13: torch.Tensor | None = field(default=None, repr=False)
+    _shared_w13_fp8: QWeight | None = field(default=None, repr=False)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, layer: int,
@@ -346,16 +348,20 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`expert_ffn` for the shared expert in four passes instead of a dozen: x's FP8 act quant once, one GEMM for
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
-    GEMMs' summation order may differ."""
+    GEMMs' summation order may differ. Where the decode GEMV reads FP8 weights as stored (MINI_GEMV_WEIGHTS=fp8),
+    w2 takes it too at decode rows (cuBLAS on the bf16 copy was faster than the GEMV on it, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    from mini.ops.linear import dense_bf16, stack_dequantized
+    from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
+        w._shared_w13_fp8 = stack_fp8([w1, w3]) if w1.kind == "fp8" else None
     inter = w1.out_features
-    gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0)
+    gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0, fp8=w._shared_w13_fp8)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
+    if w2.kind == "fp8" and reads_fp8_weights():  # (h's values are already FP8 in w2's groups: no act quant)
+        return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
     return F.linear(h, w2.prepare(torch.bfloat16))
 
 

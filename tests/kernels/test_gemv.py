@@ -143,6 +143,73 @@ def test_bad_input_is_refused():
     assert gemv(x[:0], w).shape == (0, 8)
 
 
+def _fp8_weight(N, K, block, device, seed=0):
+    """(e4m3 [N, K], E8M0 bytes [ceil(N / block), ceil(K / block)]): each scale block its own magnitude (scale
+    bytes from 2^-126 to 2^8, e4m3 values down to its subnormals), so every dequantized value's bits are at stake."""
+    from mini.formats import quantize_fp8
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.exp2(torch.randint(-12, 4, (N, K), generator=g).float())
+    q, scale = quantize_fp8(w, block)
+    scale = (scale.to(torch.int32) + torch.randint(-6, 7, scale.shape, generator=g)).clamp(1, 135).to(torch.uint8)
+    scale.view(-1)[0] = 1  # 2^-126: its products are fp32 subnormals (e4m3 q < 1), rounded to bf16 as the copy
+    return q.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("T,N,K,w_block,config", [
+    (3, 100, 96, 32, SMALL), (1, 37, 320, 32, SMALL), (5, 150, 64, 32, replace(SMALL, block_k=64)),
+    (2, 70, 256, 128, SMALL), (16, 33, 384, 128, replace(SMALL, block_k=256)), (4, 45, 80, 32, SMALL_ONE_LAUNCH)])
+def test_fp8_read_gives_the_bf16_copys_bits_interpreted(interpreter, T, N, K, w_block, config):
+    """The GEMV reading an FP8 weight as stored (e4m3 bytes + E8M0 scales, dequantized per tile) == the GEMV on
+    dequant_fp8's bf16 copy, bit for bit: the same bf16 operands reach the same MMAs. N and K tails (a partial scale
+    block: 80 = 2.5 blocks), scale blocks narrower and wider than BLOCK_K, act quant fused and not."""
+    from mini.formats import dequant_fp8
+    q, scale = _fp8_weight(N, K, w_block, "cpu", seed=T)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(T)) * 2).bfloat16()
+    copy = dequant_fp8(q, scale, w_block, torch.bfloat16)
+    for act in (0, 16):
+        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+        y = gemv(x, q, out=out, config=config, act_block=act, scale=scale.view(torch.float8_e8m0fnu),
+                 w_block=w_block)
+        assert y is out and torch.equal(y, gemv(x, copy, config=config, act_block=act)), act
+    _check(gemv(x, q, config=config, scale=scale, w_block=w_block), x, copy)
+
+
+def test_fp8_read_refuses_what_it_cannot_take():
+    q, scale = _fp8_weight(64, 96, 32, "cpu")
+    x = torch.randn(2, 96).bfloat16()
+    with pytest.raises(ValueError, match="e4m3 w with its scale"):
+        gemv(x, q.view(torch.uint8), scale=scale, w_block=32)
+    with pytest.raises(ValueError, match=r"E8M0 scale \[2, 3\]"):
+        gemv(x, q, scale=scale[:, :2], w_block=32)
+    with pytest.raises(ValueError, match="E8M0 scale"):
+        gemv(x, q, scale=scale.float(), w_block=32)
+    with pytest.raises(ValueError, match="weight block 48"):
+        gemv(x, q, scale=scale, w_block=48, config=SMALL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280)))
+def test_fp8_read_at_v41_shapes_gpu(N, K):
+    """On the H200, every candidate tiling at V4.1's projection shapes (and the stacked ones), T = 1, 6, 16: the FP8
+    read's bits == the bf16 copy's GEMV in the same tiling; replayed from a CUDA graph, the same."""
+    from mini.formats import dequant_fp8
+    from mini.kernels.gemv import CANDIDATES
+    q, scale = _fp8_weight(N, K, 32, "cuda", seed=N)
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16)
+    for T in (1, 6, 16):
+        x = (torch.randn(T, K, device="cuda") * 2).bfloat16()
+        for cfg in CANDIDATES.values():
+            out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            y = gemv(x, q, out=out, config=cfg, act_block=32, scale=scale, w_block=32)
+            assert torch.equal(y, gemv(x, copy, config=cfg, act_block=32)), (T, cfg)
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, q, out=out, act_block=32, scale=scale, w_block=32)
+    graph.replay()
+    assert torch.equal(out, gemv(x, copy, act_block=32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES)
 def test_gemv_at_v41_shapes_gpu(N, K):
@@ -279,6 +346,31 @@ def test_linears_run_projections_of_one_input_as_one_gemv_interpreted(interprete
     mini.ops.set_backend("reference")
     for y, w in zip(linears(x, tuple(ws)), ws):
         assert torch.equal(y, linear(x, w))
+
+
+def test_fp8_weights_switch_reads_the_bytes_with_the_same_bits_interpreted(interpreter, fast_interpreted,
+                                                                            monkeypatch):
+    """MINI_GEMV_WEIGHTS=fp8: linear and linears (their bytes and scales stacked, each weight's its views) reach the
+    GEMV with the FP8 weight and give the bf16 copy's bits; above the row limit and in the deterministic mode
+    nothing changes."""
+    import mini.kernels.gemv as module
+    import mini.ops
+    from mini.ops.linear import QWeight, linear, linears
+    reads, real = [], module.gemv
+    monkeypatch.setattr(module, "gemv", lambda x, w, **kw: reads.append(w.dtype) or real(x, w, config=SMALL, **kw))
+    ws = [QWeight("fp8", *_fp8_weight(n, 160, 32, "cpu", seed=n), 32) for n in (64, 24)]
+    x = (torch.randn(3, 160) * 2).bfloat16()
+    bf16 = [linear(x, w) for w in ws] + list(linears(x, tuple(ws)))
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
+    fp8 = [linear(x, w) for w in ws] + list(linears(x, tuple(ws)))
+    assert reads == [torch.bfloat16] * 3 + [torch.float8_e4m3fn] * 3
+    assert all(torch.equal(a, b) for a, b in zip(bf16, fp8))
+    assert ws[1].data.data_ptr() == ws[0].data.data_ptr() + 64 * 160  # the stack holds the bytes once
+    reads.clear()
+    linear(torch.randn(17, 160).bfloat16(), ws[0])
+    with mini.ops.deterministic_mode():
+        linear(x, ws[0])
+    assert reads == []
 
 
 def test_tuned_shapes_take_a_candidate_build():
