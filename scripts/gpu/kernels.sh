@@ -58,13 +58,14 @@ print('flash_mla', flash_mla.__version__, 'available', available())" || return 2
 
 phase_kernels() {  # attention-side kernel micro-benchmarks (~35 s); KERNELS names them, KERNELS_SWEEP=1 adds
     # their tile sweeps (tools/kernel_tile_sweep.py); then the finished before/after studies
-    # (tools/attention_before_after.py; STUDIES names them)
+    # (tools/attention_before_after.py; STUDIES names them, STUDIES=none runs none)
     local rc=0
     python3 -m mini.bench.kernels --only ${KERNELS:-attention indexer mhc norm order_keys top_ids} \
         --json "$PHASE_DIR/kernels.json" || rc=$?
     if [ -n "${KERNELS_SWEEP:-}" ]; then
         python3 tools/kernel_tile_sweep.py --json "$PHASE_DIR/kernels_tile_sweep.json" || rc=$?
     fi
+    [ "${STUDIES:-}" = none ] && return $rc  # (STUDIES=none: the benches alone)
     python3 tools/attention_before_after.py --only ${STUDIES:-attention_rope indexer_topk rope_chains attn_glue} \
         --json "$PHASE_DIR/kernels_before_after.json" || rc=$?
     return $rc
