@@ -68,29 +68,79 @@ CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3
               "64x256 s4 8w": GemvConfig(64, 256, 8, 4), "128x128 s4 8w": GemvConfig(128, 128, 8, 4)}
 
 
+# The FP8 read (`scale` given): each e4m3 byte's bits are moved into a bf16 read as q * 2^-E4M3_BIAS, exactly
+# (`_e4m3_bits_as_bf16`), and the weight's scale goes to x's side: x * s * 2^(E4M3_BIAS - OUT_SHIFT), exact in bf16 (a
+# power of two), one copy of x per scale row of the tile. Each product is then (q * s * x) * 2^-OUT_SHIFT, the bf16
+# copy's product times a power of two, summed by the same MMAs; the sums are scaled back by 2^OUT_SHIFT: the copy's
+# bits, while every product stays in fp32's normal range (|q * s * x| >= 2^-106, or 0) and s <= 2^39 (MAX_SCALE_BYTE).
+E4M3_BIAS = 120
+OUT_SHIFT = 32
+MAX_SCALE_BYTE = 254 - (E4M3_BIAS - OUT_SHIFT)  # s * 2^88 must be a normal fp32: E8M0 bytes up to 166 (s <= 2^39)
+
+
 @triton.jit
-def _dequant_tile(w, s_rows, k0, K, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """An e4m3 weight tile [BLOCK_N, BLOCK_K] at column k0 as bf16: fp32(q) * its E8M0 scale, rounded to bf16 (the
-    operations of mini.formats.dequant_fp8: the bits of the bf16 copy). `s_rows` [BLOCK_N, 1]: pointers to each
-    row's scale row; SB = min(W_BLOCK, BLOCK_K) columns share one scale (one divides the other)."""
+def _e4m3_bits_as_bf16(w, INTERPRET: tl.constexpr):
+    """e4m3 [..] -> bf16 holding q * 2^-120 exactly, from the bits alone (2 integer operations a value): sign to sign,
+    the 4 exponent and 3 mantissa bits to the bf16's exponent field's low 4 bits and mantissa's top 3 (e4m3's
+    subnormals become bf16 subnormals of the same scaled value; an e4m3 NaN byte reads as 480 * 2^-120)."""
+    if INTERPRET:  # (no inline PTX in the interpreter: the same values by arithmetic)
+        out = (w.to(tl.float32) * 2.0 ** -120).to(tl.bfloat16)
+    else:
+        out = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b, m, sgn, msk;
+            mov.b32 sgn, 0x80008000;
+            mov.b32 msk, 0x07F007F0;
+            prmt.b32 a, $2, 0, 0x1404;
+            prmt.b32 b, $2, 0, 0x3424;
+            shr.b32 m, a, 4;
+            and.b32 m, m, msk;
+            lop3.b32 $0, a, sgn, m, 0xEA;
+            shr.b32 m, b, 4;
+            and.b32 m, m, msk;
+            lop3.b32 $1, b, sgn, m, 0xEA;
+            }""",
+            constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _scaled_x_copies(x, s_ptr, stride_s, pid_n, k0, N, K, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TP: tl.constexpr):
+    """fp32 x [TP, BLOCK_K] -> bf16 [G_N * TP, BLOCK_K]: copy j = x * s[row block j of the tile, k's block] *
+    2^(E4M3_BIAS - OUT_SHIFT), G_N = the tile's scale rows (rows past N take row N - 1's; K's tail its last)."""
+    RB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N
     SB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_K else BLOCK_K
-    group = tl.minimum((k0 + tl.arange(0, BLOCK_K // SB) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)  # K's tail: 0s
-    e = tl.load(s_rows + group[None, :]).to(tl.int32)
-    scale = tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
-    scale = tl.where(e == 255, float("nan"), scale)
-    w = tl.reshape(w.to(tl.float32), [BLOCK_N, BLOCK_K // SB, SB]) * scale[:, :, None]
-    return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.bfloat16)
+    G_N: tl.constexpr = BLOCK_N // RB
+    G_K: tl.constexpr = BLOCK_K // SB
+    srow = tl.minimum(pid_n * BLOCK_N + tl.arange(0, G_N) * RB, N - 1) // W_BLOCK
+    group = tl.minimum((k0 + tl.arange(0, G_K) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)
+    e = tl.load(s_ptr + srow[:, None].to(tl.int64) * stride_s + group[None, :]).to(tl.int32)
+    f = ((e + (120 - 32)) << 23).to(tl.float32, bitcast=True)  # s * 2^(E4M3_BIAS - OUT_SHIFT), E8M0 0 included
+    xs = tl.reshape(x, [1, TP, G_K, SB]) * tl.reshape(f, [G_N, 1, G_K, 1])
+    return tl.reshape(xs, [G_N * TP, BLOCK_K]).to(tl.bfloat16)
+
+
+@triton.jit
+def _own_copy(acc, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TP: tl.constexpr):
+    """acc [BLOCK_N, G_N * TP] -> [BLOCK_N, TP]: each row's columns of its own scale row's x copy, times
+    2^OUT_SHIFT (exact); the other copies' columns add as -0.0 (x + -0.0 == x for every x)."""
+    RB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N
+    G_N: tl.constexpr = BLOCK_N // RB
+    acc3 = tl.reshape(acc, [BLOCK_N, G_N, TP])
+    own = (tl.arange(0, BLOCK_N) // RB)[:, None, None] == tl.arange(0, G_N)[None, :, None]
+    return tl.sum(tl.where(own, acc3, -0.0), axis=1) * 2.0 ** 32
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
                  K_PIECE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 W_BLOCK: tl.constexpr):
+                 W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
     part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
     ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded. W_BLOCK > 0: W is e4m3 with
-    E8M0 scales s[n // W_BLOCK, k // W_BLOCK], dequantized to bf16 as each tile is loaded (`_dequant_tile`)."""
+    E8M0 scales s[n // W_BLOCK, k // W_BLOCK], read as above (`_e4m3_bits_as_bf16`, `_scaled_x_copies`)."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -101,20 +151,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, strid
     k_hi = tl.minimum(k_lo + K_PIECE, K)
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
     x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
-    if W_BLOCK > 0:  # rows past N read row N - 1's scales (their weights load as 0)
-        s_rows = s_ptr + (tl.minimum(n, N - 1) // W_BLOCK)[:, None].to(tl.int64) * stride_s
-    acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+    COPIES: tl.constexpr = 1 if W_BLOCK == 0 else BLOCK_N // (W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N)
+    acc = tl.zeros([BLOCK_N, COPIES * TP], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
         # whole BLOCK_K steps
         k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_BLOCK > 0:
-            w = _dequant_tile(w, s_rows, k0, K, W_BLOCK, BLOCK_N, BLOCK_K)
         x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
             x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
+        if W_BLOCK > 0:
+            w = _e4m3_bits_as_bf16(w, INTERPRET)
+            x = _scaled_x_copies(x.to(tl.float32), s_ptr, stride_s, pid_n, k0, N, K, W_BLOCK, BLOCK_N, BLOCK_K, TP)
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
+    if W_BLOCK > 0:
+        acc = _own_copy(acc, W_BLOCK, BLOCK_N, TP)
     ok = n_ok[:, None] & t_ok[None, :]
     y_at = y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None]
     if SPLIT:
@@ -205,8 +257,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
     does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape.
     With `scale`, w is the checkpoint's FP8 weight (float8_e4m3fn [N, K], E8M0 `scale` [ceil(N / w_block),
-    ceil(K / w_block)]) read as stored and dequantized in the kernel: the same output bits as on
-    dequant_fp8(w, scale, w_block, bf16), half the weight bytes."""
+    ceil(K / w_block)]) read as stored (E4M3_BIAS above): the output bits of the GEMV on dequant_fp8(w, scale,
+    w_block, bf16) in the same tiling, half the weight bytes, for scale bytes up to MAX_SCALE_BYTE (the caller's
+    check: reading them here would cost a sync) and products of magnitude >= 2^-106 or 0."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
@@ -249,10 +302,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     scale_bytes = w if scale is None else scale.view(torch.uint8)  # (unread without a scale)
     _gemv_kernel[(n_blocks, pieces)](
         x, w, scale_bytes, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0),
-        scale_bytes.stride(0), out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS,
+        scale_bytes.stride(0), out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        TP=8 if scale is not None and T <= 8 else MAX_ROWS,  # (the FP8 read's x copies: the MMA's N is COPIES * TP)
         SPLIT=pieces > 1, ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, W_BLOCK=0 if scale is None else w_block,
+        INTERPRET=interpreted,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if pieces > 1 and counters is None:
         block = 256

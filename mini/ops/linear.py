@@ -153,7 +153,7 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
         from mini.kernels.gemv import gemv, runs_on
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
-            if fp8 is not None and reads_fp8_weights():
+            if fp8 is not None and reads_fp8_weights() and _gemv_reads(fp8):
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
             else:
                 y = gemv(x2, w, act_block=act_block)
@@ -198,6 +198,18 @@ def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
         w._dequant[dtype] = stack[row:row + w.out_features]
         row += w.out_features
     return stack
+
+
+def _gemv_reads(w: QWeight) -> bool:
+    """Whether the GEMV's FP8 read takes this weight: its scale bytes up to gemv.MAX_SCALE_BYTE (s <= 2^39; a
+    checkpoint's are far below), checked once per weight outside CUDA-graph capture (a capture before it takes
+    the bf16 copy: the same bits)."""
+    if "gemv_reads" not in w._dequant:
+        if w.scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        from mini.kernels.gemv import MAX_SCALE_BYTE
+        w._dequant["gemv_reads"] = int(w.scale.view(torch.uint8).max()) <= MAX_SCALE_BYTE
+    return w._dequant["gemv_reads"]
 
 
 def stack_fp8(ws: list[QWeight]) -> QWeight | None:

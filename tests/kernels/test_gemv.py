@@ -371,6 +371,10 @@ def test_fp8_weights_switch_reads_the_bytes_with_the_same_bits_interpreted(inter
     with mini.ops.deterministic_mode():
         linear(x, ws[0])
     assert reads == []
+    big = QWeight("fp8", ws[0].data, ws[0].scale.clone(), 32)
+    big.scale[0, 0] = module.MAX_SCALE_BYTE + 1  # s = 2^40: past the FP8 read's range -> the bf16 copy
+    linear(x, big)
+    assert reads == [torch.bfloat16]
 
 
 def test_tuned_shapes_take_a_candidate_build():
