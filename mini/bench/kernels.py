@@ -400,7 +400,7 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
             for kind, label, cfg in runs:
                 def call(kind=kind, cfg=cfg, w=None):
                     turn[0] = (turn[0] + 1) % len(copies[kind])
-                    w = w or copies[kind][turn[0]]
+                    w = copies[kind][turn[0]] if w is None else w
                     if kind == "bf16":
                         return gemv(x, w, config=cfg, act_block=32)
                     return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)

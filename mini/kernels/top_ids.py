@@ -30,11 +30,11 @@ BLOCK = 1024
 # form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
 # form until a wide-row build beats it.
 FASTER_MAX_COLS = BLOCK
-# A candidate build, not the default (built and tested, not yet timed on the H200): 4,096-column chunks on 8 warps.
-# Report 022 read the chunked build's time as one L2 round trip per further chunk and key bit ([1, 2048] 29 us,
-# [1, 4096] 59, against 8.4 at one chunk); with 4,096 columns in registers a 4K context's ratio-1 and ratio-2
-# sources (V4.1-Flash's) re-read nothing, and a 32K context's 8,192 columns re-read one chunk instead of seven.
-# `mini bench kernels --only top_ids` times it beside BLOCK.
+# A candidate build, not the default: 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA
+# graphs, k = 512), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 /
+# 68.4, [1, 4096] 59.2 / 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4; yet the op taking it
+# for 1,025-8,192 columns made the rank4-decode step slower (B = 1 10.79 -> 10.97 ms, B = 64 31.72 -> 31.62; not
+# traced), as the 1,024-column build there did in report 022. `mini bench kernels --only top_ids` times it.
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 
