@@ -56,6 +56,9 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
+    # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`: FMAs, no MMA; block_n divides the weight
+    # block, so a program's rows share one scale row)
+    cuda_cores: bool = False
 
 
 DEFAULT = GemvConfig()
@@ -66,6 +69,12 @@ CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3
               "64x128 s4 one launch": GemvConfig(one_launch=True),
               # for the FP8 read (half the bytes a tile): deeper or wider tiles on 8 warps (no spills for sm_90a)
               "64x256 s4 8w": GemvConfig(64, 256, 8, 4), "128x128 s4 8w": GemvConfig(128, 128, 8, 4)}
+# the FP8 read of one row (T = 1) on the CUDA cores: its candidate tilings (the first is what `gemv` takes for T = 1
+# with a scale and no config)
+ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True),
+                  "row 32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
+                  "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
+                  "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 
 
 # The FP8 read (`scale` given): each e4m3 byte's bits are moved into a bf16 read as q * 2^-E4M3_BIAS, exactly
@@ -102,6 +111,72 @@ def _e4m3_bits_as_bf16(w, INTERPRET: tl.constexpr):
             }""",
             constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
     return out
+
+
+@triton.jit
+def _e4m3_bits_as_fp32(w, INTERPRET: tl.constexpr):
+    """e4m3 [..] -> fp32 holding q * 2^-120 exactly: `_e4m3_bits_as_bf16`'s bits widened (3 integer operations a
+    value)."""
+    if INTERPRET:
+        out = w.to(tl.float32) * 2.0 ** -120
+    else:
+        out = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, m, sgn, msk, hi;
+            mov.b32 sgn, 0x80008000;
+            mov.b32 msk, 0x07F007F0;
+            mov.b32 hi, 0xFFFF0000;
+            prmt.b32 a, $4, 0, 0x1404;
+            shr.b32 m, a, 4;
+            and.b32 m, m, msk;
+            lop3.b32 a, a, sgn, m, 0xEA;
+            shl.b32 $0, a, 16;
+            and.b32 $1, a, hi;
+            prmt.b32 a, $4, 0, 0x3424;
+            shr.b32 m, a, 4;
+            and.b32 m, m, msk;
+            lop3.b32 a, a, sgn, m, 0xEA;
+            shl.b32 $2, a, 16;
+            and.b32 $3, a, hi;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float32, is_pure=True,
+            pack=4)
+    return out
+
+
+@triton.jit
+def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, stride_s, K_PIECE,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                         ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row of x against an FP8 weight on the CUDA cores (decode at B = 1, where the MMA form's register
+    shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) * (x * s * 2^88) over its
+    piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back."""
+    pid_n, piece = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = piece * K_PIECE
+    k_hi = tl.minimum(k_lo + K_PIECE, K)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    s_row = s_ptr + (tl.minimum(pid_n * BLOCK_N, N - 1) // W_BLOCK).to(tl.int64) * stride_s  # the block's scale row
+    SB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_K else BLOCK_K
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if ACT_BLOCK > 0:
+            x = tl.reshape(fp8_group_quant(tl.reshape(x, [1, BLOCK_K]), BLOCK_K // ACT_BLOCK, ACT_BLOCK, 1),
+                           [BLOCK_K])
+        group = tl.minimum((k0 + tl.arange(0, BLOCK_K // SB) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)
+        f = ((tl.load(s_row + group).to(tl.int32) + (120 - 32)) << 23).to(tl.float32, bitcast=True)
+        xs = tl.reshape(tl.reshape(x, [BLOCK_K // SB, SB]) * f[:, None], [BLOCK_K])
+        acc += tl.sum(_e4m3_bits_as_fp32(w, INTERPRET) * xs[None, :], axis=1)
+    acc = acc * 2.0 ** 32
+    if SPLIT:
+        tl.store(part_ptr + piece.to(tl.int64) * N + n, acc, mask=n_ok)
+    else:
+        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -267,7 +342,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape
     N = w.shape[0]
-    config = config or config_for(N, K)
+    config = config or (ROW_CANDIDATES["row 32x256 4w"] if scale is not None and T == 1 else config_for(N, K))
+    if config.cuda_cores and (scale is None or T != 1 or w_block % config.block_n):
+        raise ValueError(f"gemv: the CUDA-core build takes one row of x and an FP8 weight whose block ({w_block}) "
+                         f"BLOCK_N ({config.block_n}) divides, got {T} rows{'' if scale is not None else ', no scale'}")
     if scale is not None:
         grid = (triton.cdiv(N, max(w_block, 1)), triton.cdiv(K, max(w_block, 1)))
         if w_block <= 0 or (config.block_k % w_block and w_block % config.block_k):
@@ -296,6 +374,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     w = w if w.stride(1) == 1 else w.contiguous()
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
+    if config.cuda_cores:
+        part = torch.empty(pieces if pieces > 1 else 0, 1, N, dtype=torch.float32, device=x.device)
+        _gemv_fp8_row_kernel[(triton.cdiv(N, config.block_n), pieces)](
+            x, w, scale.view(torch.uint8), out, part, N, K, w.stride(0), scale.stride(0), k_piece,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0,
+            ACT_BLOCK=act_block, W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        if pieces > 1:
+            _sum_pieces_kernel[(triton.cdiv(N, 256),)](part, out, 1, N, out.stride(0), PIECES=pieces,
+                                                       PP=triton.next_power_of_2(pieces), BLOCK=256)
+        return out
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None

@@ -174,6 +174,32 @@ def test_fp8_read_gives_the_bf16_copys_bits_interpreted(interpreter, T, N, K, w_
     _check(gemv(x, q, config=config, scale=scale, w_block=w_block), x, copy)
 
 
+ROW_SMALL = GemvConfig(block_n=16, block_k=64, num_warps=1, num_stages=1, programs_per_sm=1, cuda_cores=True)
+
+
+@pytest.mark.parametrize("N,K,w_block,config", [
+    (100, 96, 32, ROW_SMALL), (37, 320, 32, ROW_SMALL), (70, 256, 128, replace(ROW_SMALL, block_n=32)),
+    (45, 80, 32, replace(ROW_SMALL, block_k=32)), (150, 64, 32, replace(ROW_SMALL, block_k=128))])
+def test_fp8_row_build_sums_the_exact_products_interpreted(interpreter, N, K, w_block, config):
+    """The one-row FP8 read on the CUDA cores (`cuda_cores`): fp32 sums of the bf16 copy's exact products in its own
+    order (splits over K, N and K tails, a partial scale block, scale blocks narrower and wider than BLOCK_K),
+    act quant fused or not; a config-less call at T = 1 takes it."""
+    from mini.formats import dequant_fp8
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    q, scale = _fp8_weight(N, K, w_block, "cpu", seed=N)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(K)) * 2).bfloat16()
+    copy = dequant_fp8(q, scale, w_block, torch.bfloat16)
+    for act in (0, 16):
+        out = torch.full((1, N), float("nan"), dtype=torch.bfloat16)
+        y = gemv(x, q, out=out, config=config, act_block=act, scale=scale, w_block=w_block)
+        assert y is out
+        _check(y, fp8_act_quant(x, act) if act else x, copy)
+    assert torch.equal(gemv(x, q, scale=scale, w_block=w_block, config=config),
+                       gemv(x, q, scale=scale, w_block=w_block, config=config))
+    with pytest.raises(ValueError, match="CUDA-core build takes one row"):
+        gemv(x.expand(2, K), q, scale=scale, w_block=w_block, config=config)
+
+
 def test_fp8_read_refuses_what_it_cannot_take():
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(2, 96).bfloat16()
@@ -208,6 +234,19 @@ def test_fp8_read_at_v41_shapes_gpu(N, K):
         gemv(x, q, out=out, act_block=32, scale=scale, w_block=32)
     graph.replay()
     assert torch.equal(out, gemv(x, copy, act_block=32))
+    # one row on the CUDA cores, every candidate: the exact products' fp32 sums in its order (and in a graph)
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import ROW_CANDIDATES
+    x1 = x[:1]
+    for cfg in ROW_CANDIDATES.values():
+        y1 = gemv(x1, q, out=torch.full((1, N), float("nan"), dtype=torch.bfloat16, device="cuda"), config=cfg,
+                  act_block=32, scale=scale, w_block=32)
+        _check(y1.cpu(), fp8_act_quant(x1, 32).cpu(), copy.cpu())
+    out1 = torch.full_like(y1, float("nan"))
+    with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
+        gemv(x1, q, out=out1, act_block=32, scale=scale, w_block=32)
+    graph.replay()
+    assert torch.equal(out1, gemv(x1, q, act_block=32, scale=scale, w_block=32))
 
 
 @pytest.mark.gpu
