@@ -56,8 +56,8 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
-    # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`: FMAs, no MMA; block_n divides the weight
-    # block, so a program's rows share one scale row)
+    # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
+    # so a program's rows share one scale row
     cuda_cores: bool = False
 
 
@@ -66,57 +66,83 @@ DEFAULT = GemvConfig()
 # (64 x 128 with 2 stages: 40 KB of shared memory, so ~5 programs fit an SM and the split aims at 4)
 CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3),
               "64x128 s2 4/SM": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
-              "64x128 s4 one launch": GemvConfig(one_launch=True),
-              # for the FP8 read (half the bytes a tile): deeper or wider tiles on 8 warps (no spills for sm_90a)
-              "64x256 s4 8w": GemvConfig(64, 256, 8, 4), "128x128 s4 8w": GemvConfig(128, 128, 8, 4)}
-# the FP8 read of one row (T = 1) on the CUDA cores: its candidate tilings (the first is what `gemv` takes for T = 1
-# with a scale and no config)
+              "64x128 s4 one launch": GemvConfig(one_launch=True)}
+# The FP8 read of one row (T = 1) on the CUDA cores, its candidate tilings; the first is what `gemv` takes for one
+# row with a scale (docs/perf/023: within 5% of the best candidate at each of V4.1's projections).
 ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True),
                   "row 32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 
 
-# The FP8 read (`scale` given): each e4m3 byte's bits are moved into a bf16 read as q * 2^-E4M3_BIAS, exactly
-# (`_e4m3_bits_as_bf16`), and the weight's scale goes to x's side: x * s * 2^(E4M3_BIAS - OUT_SHIFT), exact in bf16 (a
-# power of two), one copy of x per scale row of the tile. Each product is then (q * s * x) * 2^-OUT_SHIFT, the bf16
-# copy's product times a power of two, summed by the same MMAs; the sums are scaled back by 2^OUT_SHIFT: the copy's
-# bits, while every product stays in fp32's normal range (|q * s * x| >= 2^-106, or 0) and s <= 2^39 (MAX_SCALE_BYTE).
+@triton.jit(do_not_specialize=["T"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
+    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
+    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
+    pid_n, piece = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    t = tl.arange(0, TP)
+    t_ok = t < T
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = piece * K_PIECE
+    k_hi = tl.minimum(k_lo + K_PIECE, K)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
+    acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
+        # whole BLOCK_K steps
+        k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
+            x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
+        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
+    ok = n_ok[:, None] & t_ok[None, :]
+    y_at = y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None]
+    if SPLIT:
+        at = t[None, :].to(tl.int64) * N + n[:, None]
+        tl.store(part_ptr + piece.to(tl.int64) * T * N + at, acc, mask=ok)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partial is stored before the program counts itself in (release)
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:  # the last: every piece is in L2 (.cg reads past L1)
+                total = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+                piece_ptrs = part_ptr + at
+                for _ in range(0, tl.num_programs(1)):
+                    total += tl.load(piece_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                    piece_ptrs += T * N
+                tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    else:
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# The FP8 read of one row (`scale` given, T = 1): at B = 1 a projection reads the checkpoint's e4m3 bytes (half the
+# bf16 copy's) and sums on the CUDA cores. Each byte's bits are moved into an fp32 that holds q * 2^-E4M3_BIAS
+# exactly (`_e4m3_bits_as_fp32`: 3 integer operations a value, e4m3's subnormals included), and the weight's scale
+# goes to x's side: x * s * 2^(E4M3_BIAS - OUT_SHIFT), exact (a power of two). Each product is then the bf16 copy's
+# exact product times 2^-OUT_SHIFT, summed in fp32 FMAs and scaled back: the copy's products in this kernel's
+# order, while every product stays in fp32's normal range (|q * s * x| >= 2^-106, or 0) and s <= 2^39
+# (MAX_SCALE_BYTE; the caller checks it once per weight). The tensor-core form of the same read (the MMA on the
+# bits as bf16, one copy of x per scale row) gave the copy's bits but ran at 0.30-0.37 of the copy rate in its
+# bytes, slower than the bf16 copy at every projection and row count (docs/perf/023): the register shuffles that
+# feed the MMA cost more than the bytes saved; the FMA form has none.
 E4M3_BIAS = 120
 OUT_SHIFT = 32
 MAX_SCALE_BYTE = 254 - (E4M3_BIAS - OUT_SHIFT)  # s * 2^88 must be a normal fp32: E8M0 bytes up to 166 (s <= 2^39)
 
 
 @triton.jit
-def _e4m3_bits_as_bf16(w, INTERPRET: tl.constexpr):
-    """e4m3 [..] -> bf16 holding q * 2^-120 exactly, from the bits alone (2 integer operations a value): sign to sign,
-    the 4 exponent and 3 mantissa bits to the bf16's exponent field's low 4 bits and mantissa's top 3 (e4m3's
-    subnormals become bf16 subnormals of the same scaled value; an e4m3 NaN byte reads as 480 * 2^-120)."""
-    if INTERPRET:  # (no inline PTX in the interpreter: the same values by arithmetic)
-        out = (w.to(tl.float32) * 2.0 ** -120).to(tl.bfloat16)
-    else:
-        out = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, m, sgn, msk;
-            mov.b32 sgn, 0x80008000;
-            mov.b32 msk, 0x07F007F0;
-            prmt.b32 a, $2, 0, 0x1404;
-            prmt.b32 b, $2, 0, 0x3424;
-            shr.b32 m, a, 4;
-            and.b32 m, m, msk;
-            lop3.b32 $0, a, sgn, m, 0xEA;
-            shr.b32 m, b, 4;
-            and.b32 m, m, msk;
-            lop3.b32 $1, b, sgn, m, 0xEA;
-            }""",
-            constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
-    return out
-
-
-@triton.jit
 def _e4m3_bits_as_fp32(w, INTERPRET: tl.constexpr):
-    """e4m3 [..] -> fp32 holding q * 2^-120 exactly: `_e4m3_bits_as_bf16`'s bits widened (3 integer operations a
-    value)."""
+    """e4m3 [..] -> fp32 holding q * 2^-120 exactly, from the bits: sign to sign, the 4 exponent and 3 mantissa bits
+    to a bf16's exponent field's low 4 bits and mantissa's top 3 (two values a 32-bit word: prmt, shr, and, lop3),
+    widened to fp32 (shl / and); e4m3's subnormals become subnormals of the same scaled value, an e4m3 NaN byte
+    reads as 480 * 2^-120 (a checkpoint holds none)."""
     if INTERPRET:
         out = w.to(tl.float32) * 2.0 ** -120
     else:
@@ -177,89 +203,6 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
         tl.store(part_ptr + piece.to(tl.int64) * N + n, acc, mask=n_ok)
     else:
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _scaled_x_copies(x, s_ptr, stride_s, pid_n, k0, N, K, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TP: tl.constexpr):
-    """fp32 x [TP, BLOCK_K] -> bf16 [G_N * TP, BLOCK_K]: copy j = x * s[row block j of the tile, k's block] *
-    2^(E4M3_BIAS - OUT_SHIFT), G_N = the tile's scale rows (rows past N take row N - 1's; K's tail its last)."""
-    RB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N
-    SB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_K else BLOCK_K
-    G_N: tl.constexpr = BLOCK_N // RB
-    G_K: tl.constexpr = BLOCK_K // SB
-    srow = tl.minimum(pid_n * BLOCK_N + tl.arange(0, G_N) * RB, N - 1) // W_BLOCK
-    group = tl.minimum((k0 + tl.arange(0, G_K) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)
-    e = tl.load(s_ptr + srow[:, None].to(tl.int64) * stride_s + group[None, :]).to(tl.int32)
-    f = ((e + (120 - 32)) << 23).to(tl.float32, bitcast=True)  # s * 2^(E4M3_BIAS - OUT_SHIFT), E8M0 0 included
-    xs = tl.reshape(x, [1, TP, G_K, SB]) * tl.reshape(f, [G_N, 1, G_K, 1])
-    return tl.reshape(xs, [G_N * TP, BLOCK_K]).to(tl.bfloat16)
-
-
-@triton.jit
-def _own_copy(acc, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TP: tl.constexpr):
-    """acc [BLOCK_N, G_N * TP] -> [BLOCK_N, TP]: each row's columns of its own scale row's x copy, times
-    2^OUT_SHIFT (exact); the other copies' columns add as -0.0 (x + -0.0 == x for every x)."""
-    RB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N
-    G_N: tl.constexpr = BLOCK_N // RB
-    acc3 = tl.reshape(acc, [BLOCK_N, G_N, TP])
-    own = (tl.arange(0, BLOCK_N) // RB)[:, None, None] == tl.arange(0, G_N)[None, :, None]
-    return tl.sum(tl.where(own, acc3, -0.0), axis=1) * 2.0 ** 32
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
-                 K_PIECE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                 ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
-    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
-    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded. W_BLOCK > 0: W is e4m3 with
-    E8M0 scales s[n // W_BLOCK, k // W_BLOCK], read as above (`_e4m3_bits_as_bf16`, `_scaled_x_copies`)."""
-    pid_n, piece = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    t = tl.arange(0, TP)
-    t_ok = t < T
-    kk = tl.arange(0, BLOCK_K)
-    k_lo = piece * K_PIECE
-    k_hi = tl.minimum(k_lo + K_PIECE, K)
-    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
-    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
-    COPIES: tl.constexpr = 1 if W_BLOCK == 0 else BLOCK_N // (W_BLOCK if W_BLOCK < BLOCK_N else BLOCK_N)
-    acc = tl.zeros([BLOCK_N, COPIES * TP], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        # K is masked only when it is not a multiple of BLOCK_K (a mask along K would stop wide loads); pieces are
-        # whole BLOCK_K steps
-        k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        if ACT_BLOCK > 0:  # whole groups: K and BLOCK_K are multiples of ACT_BLOCK (padding is zeros)
-            x = fp8_group_quant(x.to(tl.float32), BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
-        if W_BLOCK > 0:
-            w = _e4m3_bits_as_bf16(w, INTERPRET)
-            x = _scaled_x_copies(x.to(tl.float32), s_ptr, stride_s, pid_n, k0, N, K, W_BLOCK, BLOCK_N, BLOCK_K, TP)
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
-    if W_BLOCK > 0:
-        acc = _own_copy(acc, W_BLOCK, BLOCK_N, TP)
-    ok = n_ok[:, None] & t_ok[None, :]
-    y_at = y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None]
-    if SPLIT:
-        at = t[None, :].to(tl.int64) * N + n[:, None]
-        tl.store(part_ptr + piece.to(tl.int64) * T * N + at, acc, mask=ok)
-        if ONE_LAUNCH:
-            tl.debug_barrier()  # every thread's partial is stored before the program counts itself in (release)
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:  # the last: every piece is in L2 (.cg reads past L1)
-                total = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
-                piece_ptrs = part_ptr + at
-                for _ in range(0, tl.num_programs(1)):
-                    total += tl.load(piece_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-                    piece_ptrs += T * N
-                tl.store(y_at, total.to(y_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
-    else:
-        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -331,10 +274,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
     does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape.
-    With `scale`, w is the checkpoint's FP8 weight (float8_e4m3fn [N, K], E8M0 `scale` [ceil(N / w_block),
-    ceil(K / w_block)]) read as stored (E4M3_BIAS above): the output bits of the GEMV on dequant_fp8(w, scale,
-    w_block, bf16) in the same tiling, half the weight bytes, for scale bytes up to MAX_SCALE_BYTE (the caller's
-    check: reading them here would cost a sync) and products of magnitude >= 2^-106 or 0."""
+    With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
+    [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
+    on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
+    first."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
@@ -342,14 +285,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape
     N = w.shape[0]
-    config = config or (ROW_CANDIDATES["row 32x256 4w"] if scale is not None and T == 1 else config_for(N, K))
-    if config.cuda_cores and (scale is None or T != 1 or w_block % config.block_n):
-        raise ValueError(f"gemv: the CUDA-core build takes one row of x and an FP8 weight whose block ({w_block}) "
-                         f"BLOCK_N ({config.block_n}) divides, got {T} rows{'' if scale is not None else ', no scale'}")
+    config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K))
+    if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
+        raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
+                         f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
+                         f"{'a' if config.cuda_cores else 'no'} CUDA-core build, {'a' if scale is not None else 'no'} "
+                         f"scale")
     if scale is not None:
-        grid = (triton.cdiv(N, max(w_block, 1)), triton.cdiv(K, max(w_block, 1)))
-        if w_block <= 0 or (config.block_k % w_block and w_block % config.block_k):
-            raise ValueError(f"gemv: weight block {w_block} must divide or be a multiple of BLOCK_K {config.block_k}")
+        grid = (triton.cdiv(N, w_block), triton.cdiv(K, w_block))
         if scale.dim() != 2 or tuple(scale.shape) != grid or scale.element_size() != 1 or scale.stride(1) != 1:
             raise ValueError(f"gemv: E8M0 scale [{grid[0]}, {grid[1]}] (bytes, unit column stride) expected for "
                              f"w {tuple(w.shape)} in {w_block} x {w_block} blocks, got {scale.dtype} "
@@ -388,15 +331,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
-    scale_bytes = w if scale is None else scale.view(torch.uint8)  # (unread without a scale)
     _gemv_kernel[(n_blocks, pieces)](
-        x, w, scale_bytes, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0),
-        scale_bytes.stride(0), out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        TP=8 if scale is not None and T <= 8 else MAX_ROWS,  # (the FP8 read's x copies: the MMA's N is COPIES * TP)
-        SPLIT=pieces > 1, ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
+        x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
-        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16, W_BLOCK=0 if scale is None else w_block,
-        INTERPRET=interpreted,
+        DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if pieces > 1 and counters is None:
         block = 256

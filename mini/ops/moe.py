@@ -348,8 +348,9 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """`expert_ffn` for the shared expert in four passes instead of a dozen: x's FP8 act quant once, one GEMM for
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
-    GEMMs' summation order may differ. Where the decode GEMV reads FP8 weights as stored (MINI_GEMV_WEIGHTS=fp8),
-    w2 takes it too at decode rows (cuBLAS on the bf16 copy was faster than the GEMV on it, docs/perf/018)."""
+    GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
+    default: 7.9 us against cuBLAS's 10.1 on the bf16 copy, docs/perf/023); at more, cuBLAS (faster there than the
+    GEMV on the copy, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
@@ -360,7 +361,7 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0, fp8=w._shared_w13_fp8)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
-    if w2.kind == "fp8" and reads_fp8_weights():  # (h's values are already FP8 in w2's groups: no act quant)
+    if w2.kind == "fp8" and h.shape[0] == 1 and reads_fp8_weights():  # (h: already FP8 in w2's groups)
         return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
     return F.linear(h, w2.prepare(torch.bfloat16))
 

@@ -94,26 +94,20 @@ def main() -> None:
         for split in (True, False) if cfg == next(iter(GEMV_CANDIDATES.values())) else (True,):
             build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
-                       EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16,
-                       W_BLOCK=0, INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            # and reading the checkpoint's FP8 weight (V4.1's 32 x 32 scale blocks; up to 8 rows unsplit, else 16)
-            build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
-                  dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=8 if split else 16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
-                       EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16,
-                       W_BLOCK=32, INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
-               DOT_DTYPE=triton.language.bfloat16, W_BLOCK=0, INTERPRET=False), num_stages=4)
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},  # V4's 128-wide activation quant blocks
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
-               DOT_DTYPE=triton.language.bfloat16, W_BLOCK=0, INTERPRET=False), num_stages=4)
-    build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's FP8 weight
-          dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
-               DOT_DTYPE=triton.language.bfloat16, W_BLOCK=128, INTERPRET=False), num_stages=4)
-    for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
+    for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores (V4.1's 32 x 32 blocks)
         build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
               dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
                    INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128, unsplit
+          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):

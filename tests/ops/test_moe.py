@@ -392,9 +392,9 @@ def test_shared_expert_fast_path_matches_expert_ffn_interpreter(tiny, monkeypatc
     assert (out == ref).float().mean() > 0.9
 
 
-def test_shared_expert_reads_fp8_weights_at_decode_rows_interpreter(tiny, monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8: at decode rows the shared expert's w1|w3 and w2 reach the GEMV as FP8 bytes + scales
-    (w1|w3 stacked once, w1's and w3's bytes its views), within the fast path's tolerance of expert_ffn."""
+def test_shared_expert_reads_fp8_weights_at_one_row_interpreter(tiny, monkeypatch):
+    """MINI_GEMV_WEIGHTS=fp8 (the default): at one row the shared expert's w1|w3 and w2 reach the GEMV as FP8 bytes
+    + scales (w1|w3 stacked once, w1's and w3's bytes its views), within the fast path's tolerance of expert_ffn."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: test_shared_expert_fast_path_gpu covers the compiled kernels")
     import mini.kernels.gemv as gemv_mod
@@ -409,7 +409,7 @@ def test_shared_expert_reads_fp8_weights_at_decode_rows_interpreter(tiny, monkey
     reads, real = [], gemv_mod.gemv
     monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, **kw: reads.append(w.dtype) or real(x, w, **kw))
     w = MoEWeights.from_state(state, f"layers.{LAYER}.ffn", cfg, LAYER)
-    x = _x(5, cfg, torch.bfloat16, scale=3.0)
+    x = _x(1, cfg, torch.bfloat16, scale=3.0)
     out = moe_mod._shared(x, w)
     assert reads == [torch.float8_e4m3fn] * 2
     assert w.shared_w1.data.data_ptr() == w._shared_w13_fp8.data.data_ptr()  # views into the stack
