@@ -146,10 +146,10 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
-    (w = its dequantized copy), which the GEMV reads instead at one row where `reads_fp8_weights`. A row's bits
-    then depend on whether it is alone in its step (the FP8 read's order or the MMA's), as cuBLAS's do on the
-    step's size: the deterministic mode is the batch-invariant one. The deterministic mode
-    keeps F.linear, which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+    (w = its dequantized copy), which the GEMV reads instead at one row where `reads_fp8_weights`, so a row's bits
+    depend on whether it is alone in its step (the FP8 read's sum order or the MMA's), as cuBLAS's do on the
+    step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has routed to its
+    batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv, runs_on

@@ -349,8 +349,8 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
-    default: 7.9 us against cuBLAS's 10.1 on the bf16 copy, docs/perf/023); at more, cuBLAS (faster there than the
-    GEMV on the copy, docs/perf/018)."""
+    default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
+    (faster there than the GEMV on the copy, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
