@@ -126,12 +126,11 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     if key not in ws[0]._dequant:
         ws[0]._dequant[key] = stack_dequantized(list(ws), torch.bfloat16)
     quant = ws[0].kind != "bf16" and fake_quant_enabled()
-    fp8 = None
-    if ws[0].kind == "fp8":
-        if ("stack_fp8", *key[1:]) not in ws[0]._dequant:
-            ws[0]._dequant[("stack_fp8", *key[1:])] = stack_fp8(list(ws))
-        fp8 = ws[0]._dequant[("stack_fp8", *key[1:])]
-    y = dense_bf16(x, ws[0]._dequant[key], act_block=ws[0].block if quant else 0, fp8=fp8)
+    fp8_key = ("stack_fp8", *key[1:])
+    if fp8_key not in ws[0]._dequant:
+        ws[0]._dequant[fp8_key] = stack_fp8(list(ws))  # None unless all FP8
+    y = dense_bf16(x, ws[0]._dequant[key], act_block=ws[0].block if quant else 0,
+                   fp8=ws[0]._dequant[fp8_key])
     return tuple(y.split([w.out_features for w in ws], dim=-1))
 
 

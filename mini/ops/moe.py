@@ -356,7 +356,7 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
-        w._shared_w13_fp8 = stack_fp8([w1, w3]) if w1.kind == "fp8" else None
+        w._shared_w13_fp8 = stack_fp8([w1, w3])
     inter = w1.out_features
     gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0, fp8=w._shared_w13_fp8)
     # every row, weight 1.0 (exact): no weight or count tensor
