@@ -326,7 +326,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
                          rope_out: torch.Tensor | None = None, prefill_lists: bool = True,
                          block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
                          d_split: int | None = None, k_split: int | None = None,
-                         width: torch.Tensor | None = None, comp_valid: torch.Tensor | None = None) -> torch.Tensor:
+                         width: torch.Tensor | None = None, comp_valid: torch.Tensor | None = None,
+                         rows_per_seq: int = 1) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D] (this step's window KV), window ring [n_slots, W, D], sink [H] fp32,
     positions/seq_of [T], slots/start_pos [B]; optional paged compressed pool comp [n_blocks, rows_per_block, D]
     with block_table [B, nb] and comp_idx [T, K] absolute group ids (-1 = none); optional RoPE table rope_out
@@ -339,11 +340,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
     walks contiguous runs of whole blocks in S programs and merges them in `_combine_kernel` (not the one-program
     bits: each piece's P is rounded against its own running max). None: for decode steps (one token per sequence)
     with the official lists, chosen by the grid's size (`split_pieces`: 10 pieces at B = 1, 4 at B = 16, 1 from
-    B = 33 on the H200); otherwise 1: a step with prefill chunks or a verify step keeps one program (the warm-up
-    compiles its kernels by shape class, not by step size), and so do the deterministic mode's lists
+    B = 33 on the H200), and so for static verify steps (`rows_per_seq` = 1 + k rows per sequence, T = B ·
+    rows_per_seq: B = 1 x 6 rows takes 10 pieces); otherwise 1: an eager step with prefill chunks or drafts
+    keeps one program (the warm-up compiles its kernels by shape class, not by step size), and so do the
+    deterministic mode's lists
     (`prefill_lists=False`), whose point is that a row does not depend on the rest of the step (any fixed k_split
     keeps that: a piece depends on its query's list alone). Measured in rank4's decode graphs on the H200, A/B
-    interleaved (docs/perf/014): B = 1 x 4K 18.31 -> 16.64 ms/step, B = 16 24.66 -> 23.74."""
+    interleaved (docs/perf/014): B = 1 x 4K 18.31 -> 16.64 ms/step, B = 16 24.66 -> 23.74; the verify step at
+    B = 1 x 6 rows in docs/perf/024."""
     T, H, D = q.shape
     W = window.shape[1]
     if not supported(D):
@@ -381,8 +385,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Te
         rope = torch.view_as_real(rope_out.to(torch.complex64)).contiguous()  # [T, RD/2, 2]: cos, sin
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))  # a dot needs at least 16 rows
     grid = (T, triton.cdiv(H, block_h), d_split)
-    if k_split is None:  # decode steps (one token per sequence: the CUDA-graph steps) with the official lists
-        decode = T == start_pos.shape[0]
+    if k_split is None:  # decode steps (one token per sequence: the CUDA-graph steps) and static verify steps
+        decode = T == start_pos.shape[0] * rows_per_seq  # with the official lists
         k_split = split_pieces(T * grid[1] * d_split, triton.cdiv(W + comp_idx.shape[1], block_n),
                                sm_count(q.device)) if prefill_lists and decode else 1
     if not isinstance(k_split, int) or k_split < 1:

@@ -54,6 +54,7 @@ def _members_per_group(ratio: int, overlap: bool) -> int:
 
 class StepLayout:
     draft_rows: DraftRows | None = None  # a verify step's drafts (SeqChunk.drafts): kept, not written
+    rows_per_seq = 1  # rows every sequence holds when the step is decode-shaped (DecodeLayout: its width)
 
     def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
         dev = batch.positions.device
@@ -225,6 +226,7 @@ class DecodeLayout(StepLayout):
         self.device, self.block_tokens, self.window = batch.positions.device, block_tokens, window
         self.batch = batch
         self.n_tokens = batch.positions.shape[0]
+        self.rows_per_seq = batch.width
         self._groups, self._seq_rows, self._tables = {}, {}, {}
         if batch.width == 1:
             self.row_start = batch.seq_of  # row b is sequence b

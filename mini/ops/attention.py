@@ -134,7 +134,7 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
                      comp_idx: torch.Tensor | None = None, ratio: int = 1,
                      rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None,
                      step: StepPlan | None = None, window_width: torch.Tensor | None = None,
-                     comp_valid: torch.Tensor | None = None) -> torch.Tensor:
+                     comp_valid: torch.Tensor | None = None, rows_per_seq: int = 1) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
@@ -142,13 +142,14 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     plan (mini.ops.step_plan: `core_kernel` asked once per step and layer kind; None: asked for this call);
     optional `window_width`, the step's `window_widths(seq_of, start_pos, W)` for our Triton kernel (the same for
     all its layers: the layout builds it once per step; None: built for this call); optional `comp_valid` [T]
-    int32 when comp_idx is already in mini.ops.indexer.ordered_ids' order: its count of valid ids.
-    Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
+    int32 when comp_idx is already in mini.ops.indexer.ordered_ids' order: its count of valid ids; `rows_per_seq`:
+    the rows each sequence holds in a static step (a verify step's 1 + k: the Triton kernel splits its key lists
+    by the grid's size, as for decode; 1 otherwise). Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                          comp_idx, ratio, rope_out)
     kernel = step.attention(inp) if step is not None else core_kernel(inp)
     if kernel != "reference":
-        return _run(kernel, inp, key_rows, window_width, comp_valid)
+        return _run(kernel, inp, key_rows, window_width, comp_valid, rows_per_seq)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     lists = layout_invariant_window_rows if deterministic() else reference_window_rows
     new_rows, ring_rows, width = lists(positions, seq_of, slots, start_pos, W)
@@ -293,12 +294,13 @@ def _deterministic_kernel(inp: AttentionInput) -> str:
 
 
 def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None, window_width: torch.Tensor | None = None,
-         comp_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the fast kernel `core_kernel` chose (`window_width`, `comp_valid`: what the step's layers share, or
-    None: `sparse_attention` says what they are)."""
+         comp_valid: torch.Tensor | None = None, rows_per_seq: int = 1) -> torch.Tensor:
+    """Run the fast kernel `core_kernel` chose (`window_width`, `comp_valid`, `rows_per_seq`: what the step's
+    layers share, or None / 1: `sparse_attention` says what they are)."""
     if kernel == "triton":
         from mini.kernels.sparse_attention import sparse_mla_attention
-        return sparse_mla_attention(*inp.args(), width=window_width, comp_valid=comp_valid)
+        return sparse_mla_attention(*inp.args(), width=window_width, comp_valid=comp_valid,
+                                    rows_per_seq=rows_per_seq)
     if kernel == "triton-invariant":
         return _triton_invariant(inp)
     if kernel == "flashmla":

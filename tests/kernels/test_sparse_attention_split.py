@@ -18,6 +18,7 @@ DECODE_3 = ([1, 1, 1], [2, 9, 40])
 DECODE_17 = ([1] * 17, [0, 1, 3, 5, 6, 7, 8, 11, 16, 23, 31, 40, 57, 64, 77, 90, 121])
 DECODE_7 = ([1] * 7, [0, 3, 6, 11, 23, 57, 121])  # (the slower interpreter tests)
 MIXED = ([5, 1, 1], [0, 30, 3])
+VERIFY_2x3 = ([3, 3], [13, 40])  # a verify step: each sequence's token and 2 drafts (the window wraps under them)
 
 
 @pytest.fixture
@@ -52,8 +53,9 @@ def _case(flat_batch, steps, H=5, D=32, W=8, ratio=2, rpb=4, topk=7, seed=0):
 
 @pytest.mark.parametrize("k_split", [1, 2, 3, 5])
 @pytest.mark.parametrize("steps,D,rope_dim,d_split", [(DECODE_1, 32, 0, 2), (DECODE_3, 32, 8, 2),
-                                                      (DECODE_17, 32, 0, 1), (MIXED, 128, 80, 2)],
-                         ids=["B1", "B3-rope", "B17-d1", "mixed-D128-rope"])
+                                                      (DECODE_17, 32, 0, 1), (MIXED, 128, 80, 2),
+                                                      (VERIFY_2x3, 32, 8, 2)],
+                         ids=["B1", "B3-rope", "B17-d1", "mixed-D128-rope", "verify-2x3-rope"])
 def test_split_matches_oracle_interpreter(steps, D, rope_dim, d_split, k_split, interpreter, flat_batch, poisoned):
     """fp32 against the float64 oracle within the one-program kernel's bound (test_sparse_attention_interpreter):
     W 8 + top-k 7 in blocks of 4 gives lists of 2 to 4 blocks, some pieces empty at S = 3 and 5; at D 128 the
@@ -110,8 +112,8 @@ def test_fixed_split_row_alone_equals_batched_interpreter(prefill_lists, interpr
 
 def test_split_choice(monkeypatch, interpreter, flat_batch):
     """split_pieces: one wave of programs, no more pieces than blocks, pieces of balanced whole blocks, none where
-    the grid half fills the GPU; only decode steps are split unasked (k_split=None), and not the deterministic
-    mode's lists (prefill_lists=False)."""
+    the grid half fills the GPU; only decode steps and static verify steps (T = B x rows_per_seq) are split unasked
+    (k_split=None), and not the deterministic mode's lists (prefill_lists=False)."""
     from mini.kernels import sparse_attention as sa
     assert [sa.split_pieces(p, 10, 132) for p in (2, 8, 32, 64, 66, 67, 128, 512)] == [10, 10, 4, 2, 2, 1, 1, 1]
     assert sa.split_pieces(2, 3, 132) == 3 and sa.split_pieces(40, 10, 132) == 3  # 10 blocks: 4, 4, 2
@@ -133,6 +135,12 @@ def test_split_choice(monkeypatch, interpreter, flat_batch):
     assert calls == []
     _run(case, None)  # 3 rows x 1 head tile x 2 halves: split in as many pieces as the lists' 4 blocks (W 8 + 7)
     assert calls == [4]
+    verify = _case(flat_batch, VERIFY_2x3)
+    _run(verify, None)  # 6 rows of 2 sequences, not said to be a static verify step: one program
+    _run(verify, None, rows_per_seq=2)  # the wrong width: one program
+    assert calls == [4]
+    _run(verify, None, rows_per_seq=3)
+    assert calls == [4, 4]
     calls.clear()
     _run(case, 4)
     assert calls == [4]
@@ -164,11 +172,14 @@ def test_split_bf16_distance_to_reference_op_interpreter(interpreter, flat_batch
     ([1] * 3, [60, 1000, 32767], 512, 64),  # a window partly filled; groups fewer than the top-k (-1 holes)
     ([1] * 17, [40000 + 997 * i for i in range(17)], 512, 0),
     ([1] * 64, [3 + 517 * i for i in range(64)], 509, 64),  # a list not whole blocks
-], ids=["B1", "B3", "B17", "B64"])
+    ([6], [4090], 512, 64),  # a static verify step: the token and 5 drafts (k_split None: split by rows_per_seq)
+    ([6] * 3, [200, 9000, 32760], 512, 64),
+], ids=["B1", "B3", "B17", "B64", "verify-B1x6", "verify-B3x6"])
 def test_split_real_shape_gpu(lens, starts, topk, rope_dim, k_split, flat_batch, poisoned):
     """V4.1 real shape (64 heads, D 512, W 128, ratio 4): the split walk and the one-program walk each within
     5e-3 (relative norm) of mini.ops.attention's reference, as test_sparse_attention_matches_reference_op asks of
-    the one-program kernel; a fixed S keeps a row alone == batched."""
+    the one-program kernel, decode rows and verify steps' rows (each sequence's token and its drafts); a fixed S
+    keeps a decode row alone == batched."""
     from mini.kernels.sparse_attention import sparse_mla_attention
     from mini.ops.attention import sparse_attention
     H, D, W, ratio, rpb = 64, 512, 128, 4, 64
@@ -180,13 +191,13 @@ def test_split_real_shape_gpu(lens, starts, topk, rope_dim, k_split, flat_batch,
               rope_out=rope_for(b.positions, rope_dim) if rope_dim else None)
     ref = sparse_attention(*args, **kw).float()
     base = sparse_mla_attention(*args, **kw, k_split=1)
-    split = sparse_mla_attention(*args, **kw, k_split=k_split)
+    split = sparse_mla_attention(*args, **kw, k_split=k_split, rows_per_seq=lens[0])
     assert torch.isfinite(base).all() and torch.isfinite(split).all()
     err_base = ((base.float() - ref).norm() / ref.norm()).item()
     err_split = ((split.float() - ref).norm() / ref.norm()).item()
     print(f"B={len(lens)} k_split={k_split}: one-program {err_base:.3e}, split {err_split:.3e}")
     assert err_base < 5e-3 and err_split < 5e-3, (err_base, err_split)
-    if k_split is not None and len(lens) > 1:
+    if k_split is not None and len(lens) > 1 and lens[0] == 1:
         r = len(lens) // 2
         one = (q[r:r + 1], kv_new[r:r + 1], window, sink, b.positions[r:r + 1], b.seq_of[:1] * 0, b.slots[r:r + 1],
                b.start_pos[r:r + 1], D ** -0.5)
