@@ -1,10 +1,28 @@
 """The sparse attention core's arguments as one typed record (`mini.ops.attention.sparse_attention`'s signature),
-shared by the op's dispatch and the kernel adapters that take a whole step (mini/kernels/flashmla_attention.py)."""
+shared by the op's dispatch and the kernel adapters that take a whole step (mini/kernels/flashmla_attention.py),
+and `KeyStore`: the one allocation a cache keeps its attention keys in, so such a kernel can read them in place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True, eq=False)
+class KeyStore:
+    """One tensor holding a cache's attention keys: every layer's window ring and every compressed pool are views
+    of `rows` [N, D] (mini.model.cache.KVCache), and `fresh` [F, D], its last rows, is where a decode or verify
+    step copies its own new keys. A kernel that reads keys by row number from one tensor (FlashMLA's sparse kernel)
+    then reads a step's keys where they are, instead of from a per-call copy of every ring and pool block."""
+    rows: torch.Tensor
+    fresh: torch.Tensor
+
+    def row_of(self, view: torch.Tensor) -> int | None:
+        """The row of `rows` where `view` (rows of width D, contiguous) starts; None if it lies elsewhere."""
+        base, width = self.rows.data_ptr(), self.rows.shape[1] * self.rows.element_size()
+        offset = view.data_ptr() - base
+        inside = 0 <= offset < self.rows.numel() * self.rows.element_size() and view.dtype == self.rows.dtype
+        return offset // width if inside and offset % width == 0 and view.shape[-1] == self.rows.shape[1] else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,6 +41,15 @@ class AttentionInput:
     comp_idx: torch.Tensor | None = None  # [T, K] absolute group ids, -1 = none
     ratio: int = 1
     rope_out: torch.Tensor | None = None  # complex64 [T, rd/2]: the output is rotated back by it
+    # rows each sequence holds when the step is decode-shaped (T = B x rows_per_seq: a decode step's 1, a static
+    # verify step's 1 + k); 1 for any other step
+    rows_per_seq: int = 1
+    store: KeyStore | None = None  # where window and comp live, when the cache keeps them in one KeyStore
+
+    @property
+    def decode_shaped(self) -> bool:
+        """Every sequence of the step holds rows_per_seq rows (a decode or static verify step)."""
+        return self.q.shape[0] == self.slots.shape[0] * self.rows_per_seq
 
     def args(self) -> tuple:
         """The positional arguments of `sparse_attention` and of our Triton kernel (`sparse_mla_attention`)."""

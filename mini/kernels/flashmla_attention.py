@@ -4,6 +4,9 @@ library needs beside the kernel is here: `StepRows` lays a step's keys out as th
 plain definition is mini.ops.attention.scratch_keys), `serves` / `takes_model` say which steps and shapes it takes,
 `attend` runs it over a step (the output's inverse RoPE as its own pass), `checked_first_call` is MINI_SPARSE_ATTN
 =auto's comparison with our kernel, and `attend_by_chunk_kind` is the deterministic mode's split of a step's rows.
+`serves_in_place` / `attend_in_place`: decode-shaped steps (decode and static verify, CUDA graphs included) over the
+cache's KeyStore itself, no scratch: the step's new keys copied to its fresh rows, the row lists from
+mini/kernels/key_rows.py.
 
 The kernel computes, per query token t and head h, over the key rows rows[t, :count[t]] of one bf16 tensor kv
 (rows -1 or >= N skipped): o = Σ_j softmax_j(q·k_j·scale) k_j (K = V, all 512 channels), the denominator also
@@ -11,8 +14,10 @@ holding exp(sink[h]) (unscaled), fp32 logits and statistics, P rounded to bf16 b
 `mini.ops.attention.sparse_attention`'s arithmetic before its output RoPE. The SM90 build ("legacy" half of the
 wheel, `use_legacy=True`) takes heads of width 512 and a row list whose length is a multiple of 128 (it walks it
 two 64-row blocks at a time); `topk_length` (= count) lets a query stop after its valid rows. One CTA per (token,
-64 heads), so it serves prefill-sized steps; decode steps stay on the Triton kernel (its decode path rejects
-V4.1's cache formats anyway). Only 64 heads (V4.1-Flash) are used: 128 is in the kernel's feature list, but the
+64 heads). Over a scratch it serves prefill-sized steps only (the scratch copies every key a step can touch);
+over the cache's KeyStore (`attend_in_place`) decode and verify steps too: at V4.1 width on the H200 the kernel
+alone took 66 us for 256 decode rows at 32K and 76 us for a verify step of 64 x 6 rows, where our Triton kernel took
+448-483 and 411-465 us (docs/perf/024; the library's decode path rejects V4.1's cache formats). Only 64 heads (V4.1-Flash) are used: 128 is in the kernel's feature list, but the
 binary also carries a `params.h_q == 64` assertion of unknown scope and was only run at 64 heads.
 """
 from __future__ import annotations
@@ -54,6 +59,33 @@ def supported(q: torch.Tensor, keys: list[torch.Tensor], scratch_rows: int) -> b
     return (q.is_cuda and q.dtype == torch.bfloat16 and all(k.dtype == torch.bfloat16 for k in keys)
             and H in HEADS and D == HEAD_DIM and T >= MIN_TOKENS and scratch_rows <= SCRATCH_ROWS_PER_TOKEN * T
             and not torch.cuda.is_current_stream_capturing() and available())
+
+
+def serves_in_place(inp: AttentionInput) -> bool:
+    """Whether `attend_in_place` takes this step: the model's shapes (`takes_model`), a decode-shaped step whose new
+    keys fit the store's fresh rows, its ring and pool views of the store, row numbers within int32."""
+    store = inp.store
+    if store is None or not inp.decode_shaped or inp.q.shape[0] > store.fresh.shape[0]:
+        return False
+    views = [inp.window] + ([inp.comp] if inp.with_pool else [])
+    return (store.rows.shape[0] < 2 ** 31 and all(v.is_contiguous() and store.row_of(v) is not None for v in views)
+            and takes_model(inp.q, inp.keys()))
+
+
+def attend_in_place(inp: AttentionInput, unrotate: Unrotate) -> torch.Tensor:
+    """The sparse attention core of a decode-shaped step through the kernel, reading the keys in the cache's
+    KeyStore where they are (`serves_in_place` said yes): the step's new keys go to the store's fresh rows first
+    (rows the next such step overwrites), then each query lists its window and groups (mini/kernels/key_rows.py)."""
+    from mini.kernels.key_rows import key_rows
+    store, T = inp.store, inp.q.shape[0]
+    store.fresh[:T].copy_(inp.kv_new)
+    pool = inp.with_pool
+    rows = key_rows(inp.positions, inp.seq_of, inp.slots, inp.start_pos, inp.window.shape[1],
+                    store.row_of(inp.window), store.row_of(store.fresh), inp.block_table if pool else None,
+                    inp.comp_idx if pool else None, inp.comp.shape[1] if pool else 1,
+                    store.row_of(inp.comp) if pool else 0, TOPK_MULTIPLE)
+    count = torch.full((T,), rows.shape[1], dtype=torch.int32, device=rows.device)
+    return prefill_unrotated(inp.q, store.rows, rows, count, inp.sink, inp.scale, inp.rope_out, unrotate)
 
 
 def scratch_rows(inp: AttentionInput) -> int:

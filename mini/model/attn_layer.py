@@ -209,7 +209,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     o = sparse_attention(q, kv, ring, w.sink, b.positions, b.seq_of, b.slots, b.start_pos, d ** -0.5,
                          comp, b.block_table, comp_ids, plan.ratio, rope_out=table, key_rows=lay.key_rows,
                          step=shared.step, window_width=lay.window_widths, comp_valid=comp_valid,
-                         rows_per_seq=lay.rows_per_seq)
+                         rows_per_seq=lay.rows_per_seq, key_store=cache.keys)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
     written = kv if lay.ring_write_row is None else kv[lay.ring_write_row]
     ring.view(-1, d)[lay.ring_write_dst] = written.to(ring.dtype)

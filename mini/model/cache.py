@@ -6,6 +6,9 @@
 * `comp_state[l]`   (kv, score) fp32 [n_slots, state_rows, width]: the compressor's open groups (ratio > 1).
 * `index_state[l]`  the same for V4's indexer compressor.
 * `draft.rings[s]`  [n_slots, W, head_dim] DSpark's ring per draft stage (mini.model.dspark), models with `mtp.*`.
+* `keys`            the KeyStore (mini.kernels.attention_input) the rings and compressed pools are views of, with
+                    FRESH_ROWS_PER_SLOT rows per slot after them for a decode-shaped step's own new keys: one tensor
+                    FlashMLA's sparse kernel reads a decode or verify step's keys from in place.
 Stored values are fake-quantized (FP8/FP4 grids), so bf16 storage is exact. Nothing needs resetting when a
 slot or block is reused: a step only reads positions its own sequence wrote before.
 """
@@ -16,7 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from mini.config import ModelConfig
+from mini.kernels.attention_input import KeyStore
 from mini.model.drafts import DraftRows
+
+FRESH_ROWS_PER_SLOT = 8  # a decode-shaped step of up to 8 rows per slot (a verify step's 1 + 7 drafts) fits
 
 
 @dataclass
@@ -45,12 +51,21 @@ class KVCache:
         self.config, self.n_slots, self.n_blocks, self.block_tokens = cfg, n_slots, n_blocks, block_tokens
         self.device, self.dtype = device, dtype
         d, di = cfg.head_dim, cfg.index_head_dim
-        self.window = [torch.zeros(n_slots, cfg.window_size, d, dtype=dtype, device=device)
-                       for _ in range(cfg.n_layers)]
+        shapes = [(n_slots, cfg.window_size)] * cfg.n_layers  # the attention keys' views, in the store's order
+        shapes += [(n_blocks, block_tokens // p.ratio) for p in cfg.layers if p.owns_kv]
+        views, start = [], 0
+        for shape in shapes:
+            views.append((start, shape))
+            start += shape[0] * shape[1]
+        rows = torch.zeros(start + n_slots * FRESH_ROWS_PER_SLOT, d, dtype=dtype, device=device)
+        self.keys = KeyStore(rows, rows[start:])
+        keys = [rows[at:at + n * w].view(n, w, d) for at, (n, w) in views]
+        self.window = keys[:cfg.n_layers]
+        pools = iter(keys[cfg.n_layers:])
         self.comp_kv, self.index_k, self.comp_state, self.index_state = {}, {}, {}, {}
         for p in cfg.layers:
             if p.owns_kv:
-                self.comp_kv[p.layer] = torch.zeros(n_blocks, block_tokens // p.ratio, d, dtype=dtype, device=device)
+                self.comp_kv[p.layer] = next(pools)
                 if p.ratio > 1:
                     self.comp_state[p.layer] = self._state(p.ratio, d)
             if p.owns_index_keys:
@@ -102,10 +117,11 @@ class KVCache:
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype=torch.bfloat16) -> int:
-        """Per-sequence memory: a window ring per layer (and per DSpark stage) and the fp32 compressor states."""
+        """Per-sequence memory: a window ring per layer (and per DSpark stage), the key store's fresh rows and the
+        fp32 compressor states."""
         size = torch.tensor([], dtype=dtype).element_size()
         rings = config.n_layers + (config.n_mtp_layers if config.has_dspark else 0)
-        total = rings * config.window_size * config.head_dim * size
+        total = (rings * config.window_size + FRESH_ROWS_PER_SLOT) * config.head_dim * size
         for p in config.layers:
             if p.owns_kv and p.ratio > 1:
                 rows, width = state_shape(config, p.ratio, config.head_dim)

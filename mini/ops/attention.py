@@ -28,7 +28,7 @@ import torch
 
 from mini import switches
 from mini.kernels import flashmla_attention as flashmla
-from mini.kernels.attention_input import AttentionInput
+from mini.kernels.attention_input import AttentionInput, KeyStore
 from mini.kernels.flashmla_attention import StepRows
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.rope import apply_rope
@@ -134,7 +134,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
                      comp_idx: torch.Tensor | None = None, ratio: int = 1,
                      rope_out: torch.Tensor | None = None, key_rows: StepRows | None = None,
                      step: StepPlan | None = None, window_width: torch.Tensor | None = None,
-                     comp_valid: torch.Tensor | None = None, rows_per_seq: int = 1) -> torch.Tensor:
+                     comp_valid: torch.Tensor | None = None, rows_per_seq: int = 1,
+                     key_store: KeyStore | None = None) -> torch.Tensor:
     """q [T, H, D], kv_new [T, D], window [n_slots, W, D], sink [H] fp32, positions/seq_of [T], slots/start_pos
     [B]; optional comp [n_blocks, rows_per_block, D] with block_table [B, nb] and comp_idx [T, K] group ids;
     optional rope_out table complex64 [T, rd/2] (apply_rope(inverse=True) of the output); optional `key_rows`,
@@ -144,12 +145,13 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     all its layers: the layout builds it once per step; None: built for this call); optional `comp_valid` [T]
     int32 when comp_idx is already in mini.ops.indexer.ordered_ids' order: its count of valid ids; `rows_per_seq`:
     the rows each sequence holds in a static step (a verify step's 1 + k: the Triton kernel splits its key lists
-    by the grid's size, as for decode; 1 otherwise). Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
+    by the grid's size, as for decode; 1 otherwise); `key_store`: the cache's KeyStore when window and comp are
+    its views (a decode-shaped step may then read them in place through FlashMLA). Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
-                         comp_idx, ratio, rope_out)
+                         comp_idx, ratio, rope_out, rows_per_seq, key_store)
     kernel = step.attention(inp) if step is not None else core_kernel(inp)
     if kernel != "reference":
-        return _run(kernel, inp, key_rows, window_width, comp_valid, rows_per_seq)
+        return _run(kernel, inp, key_rows, window_width, comp_valid)
     T, W, D = q.shape[0], window.shape[1], q.shape[-1]
     lists = layout_invariant_window_rows if deterministic() else reference_window_rows
     new_rows, ring_rows, width = lists(positions, seq_of, slots, start_pos, W)
@@ -250,9 +252,13 @@ KERNELS = {
     "reference": "plain PyTorch (sparse_attention's own code): the reference backend, a CPU tensor (unless the "
                  "fast path is interpreted there), fp32 activations, or a head width our kernel does not take",
     "triton": "our Triton kernel (mini/kernels/sparse_attention.py): steps FlashMLA does not serve (flashmla.serves: "
-              "head count and width, T >= its MIN_TOKENS, a scratch in proportion, not during CUDA-graph capture), "
-              "or MINI_SPARSE_ATTN=triton / FlashMLA missing",
+              "head count and width, T >= its MIN_TOKENS, a scratch in proportion, not during CUDA-graph capture; "
+              "flashmla.serves_in_place: a decode-shaped step over a KeyStore, captured only once auto's check "
+              "has run), or MINI_SPARSE_ATTN=triton / FlashMLA missing",
     "flashmla": "FlashMLA's sparse prefill over the step's scratch keys, where it serves the step",
+    "flashmla-in-place": "FlashMLA's sparse prefill over the cache's KeyStore itself, no scratch: decode-shaped "
+                         "steps (decode, static verify; CUDA graphs too) whose cache keeps its keys in one store "
+                         "(flashmla.serves_in_place)",
     "flashmla-checked": "the same under MINI_SPARSE_ATTN=auto before its first call was checked against ours "
                         "(once per process)",
     # the deterministic mode: a query's kernel follows its own chunk, never the step's size (_deterministic_kernel)
@@ -271,6 +277,11 @@ def core_kernel(inp: AttentionInput) -> str:
     if deterministic():  # FlashMLA serves only big steps here: a choice by T
         return _deterministic_kernel(inp)
     library = backends.sparse_attn()
+    if library == "flashmla" and flashmla.serves_in_place(inp):
+        return "flashmla-in-place"
+    capturing = inp.q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if library == "auto-flashmla" and not capturing and flashmla.serves_in_place(inp):
+        return "flashmla-checked"  # a decode-shaped step's first call checks the library over a scratch
     if library != "triton" and flashmla.serves(inp):
         return "flashmla" if library == "flashmla" else "flashmla-checked"
     return "triton"
@@ -294,13 +305,15 @@ def _deterministic_kernel(inp: AttentionInput) -> str:
 
 
 def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None, window_width: torch.Tensor | None = None,
-         comp_valid: torch.Tensor | None = None, rows_per_seq: int = 1) -> torch.Tensor:
-    """Run the fast kernel `core_kernel` chose (`window_width`, `comp_valid`, `rows_per_seq`: what the step's
-    layers share, or None / 1: `sparse_attention` says what they are)."""
+         comp_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the fast kernel `core_kernel` chose (`window_width`, `comp_valid`: what the step's layers share, or
+    None: `sparse_attention` says what they are)."""
     if kernel == "triton":
         from mini.kernels.sparse_attention import sparse_mla_attention
         return sparse_mla_attention(*inp.args(), width=window_width, comp_valid=comp_valid,
-                                    rows_per_seq=rows_per_seq)
+                                    rows_per_seq=inp.rows_per_seq)
+    if kernel == "flashmla-in-place":
+        return flashmla.attend_in_place(inp, _unrotate)
     if kernel == "triton-invariant":
         return _triton_invariant(inp)
     if kernel == "flashmla":
@@ -308,7 +321,8 @@ def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None, window_wid
     if kernel == "flashmla-checked":
         settled = backends.sparse_attn()
         if settled != "auto-flashmla":  # an earlier layer of this step's plan made the check: its verdict holds
-            return _run(settled, inp, key_rows)
+            in_place = settled == "flashmla" and flashmla.serves_in_place(inp)
+            return _run("flashmla-in-place" if in_place else settled, inp, key_rows, window_width, comp_valid)
         return _first_flashmla_call(inp, key_rows)
     if kernel != "flashmla-by-chunk":
         raise ValueError(f"sparse attention kernel {kernel!r}")

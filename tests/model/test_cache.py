@@ -21,8 +21,32 @@ def test_pools_and_sizes(name, block_tokens):
         assert pool.shape == (n_blocks, block_tokens // cfg.compress_ratios[layer], cfg.head_dim)
     paged = _bytes(list(c.comp_kv.values()) + list(c.index_k.values()))
     per_slot = _bytes(c.window) + _bytes([t for s in (*c.comp_state.values(), *c.index_state.values()) for t in s])
+    per_slot += _bytes([c.keys.fresh])
     assert KVCache.bytes_per_block(cfg, block_tokens, torch.bfloat16) * n_blocks == paged
     assert KVCache.bytes_per_slot(cfg, torch.bfloat16) * n_slots == per_slot
+
+
+@pytest.mark.parametrize("name", ["tiny-v4.1", "tiny-v4"])
+def test_key_store_holds_rings_and_pools(name):
+    """Every window ring and compressed pool is a view of the one KeyStore, at disjoint rows, the fresh rows last;
+    `row_of` finds each view's first row and refuses a tensor outside the store."""
+    cfg = preset(name)
+    c = KVCache(cfg, 3, 5, 128, "cpu", torch.bfloat16)
+    rows, seen = c.keys.rows, []
+    for view in [*c.window, *c.comp_kv.values()]:
+        at = c.keys.row_of(view)
+        assert at is not None and view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+        n = view.shape[0] * view.shape[1]
+        assert torch.equal(rows[at:at + n], view.reshape(n, -1))
+        seen.append((at, at + n))
+    fresh = c.keys.row_of(c.keys.fresh)
+    seen.sort()
+    assert all(a[1] <= b[0] for a, b in zip(seen, seen[1:])) and seen[-1][1] <= fresh
+    assert fresh + c.keys.fresh.shape[0] == rows.shape[0] and c.keys.fresh.shape[0] == 3 * 8
+    c.window[1][2, 5].fill_(7.0)  # a write through a view lands in the store
+    assert rows[c.keys.row_of(c.window[1]) + 2 * cfg.window_size + 5].eq(7.0).all()
+    assert c.keys.row_of(torch.zeros(4, cfg.head_dim, dtype=torch.bfloat16)) is None
+    assert c.keys.row_of(c.index_k[next(iter(c.index_k))]) is None  # the index keys are not attention keys
 
 
 def test_state_rows():
