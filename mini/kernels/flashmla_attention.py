@@ -62,14 +62,24 @@ def supported(q: torch.Tensor, keys: list[torch.Tensor], scratch_rows: int) -> b
 
 
 def serves_in_place(inp: AttentionInput) -> bool:
-    """Whether `attend_in_place` takes this step: the model's shapes (`takes_model`), a decode-shaped step whose new
-    keys fit the store's fresh rows, its ring and pool views of the store, row numbers within int32."""
-    store = inp.store
-    if store is None or not inp.decode_shaped or inp.q.shape[0] > store.fresh.shape[0]:
+    """Whether `attend_in_place` takes this step: the model's shapes (`takes_model`), a decode-shaped step of more
+    rows than our kernel splits (`few_rows`) whose new keys fit the store's fresh rows, its ring and pool views of
+    the store, row numbers within int32."""
+    store, T = inp.store, inp.q.shape[0]
+    if store is None or not inp.decode_shaped or T > store.fresh.shape[0] or few_rows(T, inp.q.shape[1], inp.q.device):
         return False
     views = [inp.window] + ([inp.comp] if inp.with_pool else [])
     return (store.rows.shape[0] < 2 ** 31 and all(v.is_contiguous() and store.row_of(v) is not None for v in views)
             and takes_model(inp.q, inp.keys()))
+
+
+def few_rows(T: int, heads: int, device: torch.device) -> bool:
+    """A step our Triton kernel splits over its key lists (mini.kernels.sparse_attention.split_pieces: its 2 programs
+    per row and 64 heads fill at most half the SMs): there it is the faster one, since the library runs one CTA per
+    row and 64 heads (at B = 1 x 6 rows on the H200 the library alone took 25 us a call, our split kernel ~22 in the
+    step; at 64 rows 30 against ~65: docs/perf/024)."""
+    from mini.kernels.device_info import sm_count
+    return 2 * (2 * T * -(-heads // 64)) <= sm_count(device)
 
 
 def attend_in_place(inp: AttentionInput, unrotate: Unrotate) -> torch.Tensor:

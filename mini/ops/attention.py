@@ -346,10 +346,16 @@ def _first_flashmla_call(inp: AttentionInput, key_rows: StepRows | None = None) 
     """MINI_SPARSE_ATTN=auto: run both kernels once (`flashmla.checked_first_call`) and keep FlashMLA for the process
     only if it ran and matched ours on every token. Returns the output of the kernel kept, so that this call gives
     what every later one would: returning ours here made a step's result depend on whether it held the process's
-    first FlashMLA-sized call (issue 18: EP2 vs one rank in one process, 0.49 apart at V4.1 width)."""
+    first FlashMLA-sized call (issue 18: EP2 vs one rank in one process, 0.49 apart at V4.1 width). A decode-shaped
+    step is checked on the path it will take (`flashmla.attend_in_place`)."""
     from mini.kernels.sparse_attention import sparse_mla_attention
-    out, problem = flashmla.checked_first_call(lambda: sparse_mla_attention(*inp.args()),
-                                               lambda: flashmla_attention(*inp.args(), key_rows=key_rows))
+    # a decode-shaped step is checked on its own path, with no scratch (a static step's scratch would copy its whole
+    # block table's pool: GBs at B = 256 x 32K)
+    in_place = flashmla.serves_in_place(inp)
+    out, problem = flashmla.checked_first_call(
+        lambda: sparse_mla_attention(*inp.args(), rows_per_seq=inp.rows_per_seq),
+        (lambda: flashmla.attend_in_place(inp, _unrotate)) if in_place
+        else (lambda: flashmla_attention(*inp.args(), key_rows=key_rows)))
     if problem:
         warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
     backends.settle_sparse_attn("triton" if problem else "flashmla")

@@ -78,10 +78,22 @@ def test_serves_in_place_needs_views_of_the_store_and_a_decode_shape(flat_batch)
         assert not flashmla.serves_in_place(inp)
 
 
+def test_few_rows_stay_on_our_split_kernel():
+    """`few_rows` is where our kernel splits its key lists (split_pieces > 1 at 64 heads on 132 SMs: up to 33 rows):
+    those steps never take FlashMLA in place (one CTA per row and 64 heads)."""
+    from mini.kernels.flashmla_attention import few_rows
+    from mini.kernels.sparse_attention import split_pieces
+    cpu = torch.device("cpu")  # answers the H200's 132 SMs
+    for T in (1, 6, 33, 34, 64, 384):
+        assert few_rows(T, 64, cpu) == (split_pieces(2 * T, 10, 132) > 1), T
+    assert few_rows(33, 64, cpu) and not few_rows(34, 64, cpu) and few_rows(16, 128, cpu) and not few_rows(17, 128, cpu)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens,starts", [([1] * 64, [3 + 517 * i for i in range(64)]), ([6], [4090]),
-                                         ([6] * 16, [200 + 911 * i for i in range(16)]), ([1], [5])],
-                         ids=["decode-B64", "verify-B1x6", "verify-B16x6", "decode-early"])
+@pytest.mark.parametrize("lens,starts", [([1] * 64, [3 + 517 * i for i in range(64)]), ([6] * 8, [4090] * 8),
+                                         ([6] * 16, [200 + 911 * i for i in range(16)]),
+                                         ([1] * 40, list(range(0, 400, 10)))],
+                         ids=["decode-B64", "verify-B8x6", "verify-B16x6", "decode-B40-early"])
 @pytest.mark.parametrize("with_pool", [True, False])
 def test_in_place_flashmla_matches_reference_gpu(lens, starts, with_pool, flat_batch):
     """V4.1 shape (64 heads, D 512, W 128, ratio 4, top-512): FlashMLA over the KeyStore within 5e-3 (relative
@@ -102,6 +114,7 @@ def test_in_place_flashmla_matches_reference_gpu(lens, starts, with_pool, flat_b
                          pool if with_pool else None, b.block_table if with_pool else None, idx, ratio, rope,
                          rows_per_seq=lens[0], store=store)
     assert flashmla.serves_in_place(inp)
+    assert flashmla.few_rows(6, H, q.device) and not flashmla.few_rows(q.shape[0], H, q.device)
     ref = sparse_attention(*inp.args()).float()
     out = flashmla.attend_in_place(inp, _unrotate)
     assert torch.isfinite(out).all()

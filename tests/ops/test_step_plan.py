@@ -85,3 +85,30 @@ def test_a_checked_kernel_follows_the_verdict_once_made(monkeypatch):
     assert attention._run("flashmla-checked", inp, None) == "checked" and len(checks) == 1
     monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "flashmla"})  # the check kept FlashMLA
     assert attention._run("flashmla-checked", inp, None) == "flashmla" and len(checks) == 1
+
+
+def test_decode_shaped_steps_take_flashmla_in_place_once_checked(monkeypatch):
+    """A decode-shaped step over a KeyStore (flashmla.serves_in_place) runs FlashMLA in place under
+    MINI_SPARSE_ATTN=flashmla; under auto its first eager call is the check, made on the in-place path itself, and
+    the verdict then holds; MINI_SPARSE_ATTN=triton keeps our kernel."""
+    from mini.kernels import flashmla_attention as flashmla
+    from mini.kernels.attention_input import AttentionInput
+    from mini.ops import backends
+    inp = AttentionInput(*(torch.zeros(1, dtype=torch.bfloat16),) * 8, 0.1)
+    monkeypatch.setattr(attention, "use_fast", lambda q: True)
+    monkeypatch.setattr(attention, "_fast_supported", lambda q: True)
+    monkeypatch.setattr(flashmla, "serves_in_place", lambda i: True)
+    monkeypatch.setattr(flashmla, "serves", lambda i: False)
+    monkeypatch.setattr(flashmla, "attend_in_place", lambda i, unrotate: "in place")
+    checked = []
+    monkeypatch.setattr(flashmla, "checked_first_call", lambda ours, theirs: checked.append(1) or (theirs(), None))
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "flashmla"})
+    assert attention.core_kernel(inp) == "flashmla-in-place" and attention._run("flashmla-in-place", inp, None) == \
+        "in place"
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "triton"})
+    assert attention.core_kernel(inp) == "triton"
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "auto-flashmla"})
+    assert attention.core_kernel(inp) == "flashmla-checked"
+    assert attention._run("flashmla-checked", inp, None) == "in place" and checked == [1]
+    assert backends.sparse_attn() == "flashmla" and attention.core_kernel(inp) == "flashmla-in-place"
+    assert attention._run("flashmla-checked", inp, None) == "in place" and checked == [1]  # a later layer: no check
