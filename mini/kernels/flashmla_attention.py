@@ -15,10 +15,11 @@ holding exp(sink[h]) (unscaled), fp32 logits and statistics, P rounded to bf16 b
 wheel, `use_legacy=True`) takes heads of width 512 and a row list whose length is a multiple of 128 (it walks it
 two 64-row blocks at a time); `topk_length` (= count) lets a query stop after its valid rows. One CTA per (token,
 64 heads). Over a scratch it serves prefill-sized steps only (the scratch copies every key a step can touch);
-over the cache's KeyStore (`attend_in_place`) decode and verify steps too: at V4.1 width on the H200 the kernel
-alone took 66 us for 256 decode rows at 32K and 76 us for a verify step of 64 x 6 rows, where our Triton kernel took
-448-483 and 411-465 us (docs/perf/024; the library's decode path rejects V4.1's cache formats). Only 64 heads (V4.1-Flash) are used: 128 is in the kernel's feature list, but the
-binary also carries a `params.h_q == 64` assertion of unknown scope and was only run at 64 heads.
+over the cache's KeyStore (`attend_in_place`) decode and verify steps of more rows than our kernel splits too: at
+V4.1 width on the H200 the library alone took 66 us a layer for 256 decode rows at 32K and 76 us for a verify step
+of 64 x 6 rows, and the B = 256 x 32K decode step went from 66.7 to 58.6 ms (docs/perf/024; the library's own
+decode path rejects V4.1's cache formats). Only 64 heads (V4.1-Flash) are used: 128 is in the kernel's feature
+list, but the binary also carries a `params.h_q == 64` assertion of unknown scope and was only run at 64 heads.
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def serves_in_place(inp: AttentionInput) -> bool:
 
 def few_rows(T: int, heads: int, device: torch.device) -> bool:
     """A step our Triton kernel splits over its key lists (mini.kernels.sparse_attention.split_pieces: its 2 programs
-    per row and 64 heads fill at most half the SMs): there it is the faster one, since the library runs one CTA per
-    row and 64 heads (at B = 1 x 6 rows on the H200 the library alone took 25 us a call, our split kernel ~22 in the
-    step; at 64 rows 30 against ~65: docs/perf/024)."""
+    per row and 64 heads fill at most half the SMs). It stays there: the library runs one CTA per row and 64 heads,
+    so a few rows leave most SMs idle (B = 1 x 6 rows on the H200: the library alone 25 us a call, eager; our split
+    kernel ~22 us a call in the verify step's graph, docs/perf/024)."""
     from mini.kernels.device_info import sm_count
     return 2 * (2 * T * -(-heads // 64)) <= sm_count(device)
 

@@ -23,6 +23,7 @@ import triton.language as tl
 def _key_rows_kernel(pos_ptr, seq_ptr, slot_ptr, start_ptr, btab_ptr, cidx_ptr, rows_ptr,
                      ring_row, pool_row, fresh_row, n_comp, stride_btab, stride_cidx, n,
                      W: tl.constexpr, RPB: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (query t, BLOCK entries of its list): window entries j < W, then groups, then -1."""
     t = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(pos_ptr + t).to(tl.int64)

@@ -146,7 +146,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
     int32 when comp_idx is already in mini.ops.indexer.ordered_ids' order: its count of valid ids; `rows_per_seq`:
     the rows each sequence holds in a static step (a verify step's 1 + k: the Triton kernel splits its key lists
     by the grid's size, as for decode; 1 otherwise); `key_store`: the cache's KeyStore when window and comp are
-    its views (a decode-shaped step may then read them in place through FlashMLA). Returns [T, H, D] in q.dtype. (`ratio` only matters to kernels that address blocks by token position.)"""
+    its views (a decode-shaped step may then read them in place through FlashMLA). Returns [T, H, D] in q.dtype.
+    (`ratio` only matters to kernels that address blocks by token position.)"""
     inp = AttentionInput(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp, block_table,
                          comp_idx, ratio, rope_out, rows_per_seq, key_store)
     kernel = step.attention(inp) if step is not None else core_kernel(inp)
