@@ -27,8 +27,9 @@ class Switches:
     backend: str | None = None
     # MINI_MOE_GEMM, mini.ops.backends.moe_gemm: the routed experts' grouped GEMM library, "auto" | "humming" | "triton"
     moe_gemm: str = "auto"
-    # MINI_SPARSE_ATTN, mini.ops.backends.sparse_attn: the sparse attention core's library for prefill-sized steps,
-    # "auto" | "flashmla" | "triton"
+    # MINI_SPARSE_ATTN, mini.ops.backends.sparse_attn: the sparse attention core's library for prefill-sized steps
+    # and decode / verify steps of more than a few rows (FlashMLA over the cache's KeyStore), "auto" | "flashmla" |
+    # "triton"
     sparse_attn: str = "auto"
     # MINI_DET_SPARSE_ATTN, mini.kernels.flashmla_attention: the deterministic mode's kernel for the queries of
     # multi-token chunks, "flashmla" | "triton"

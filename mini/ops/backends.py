@@ -69,8 +69,10 @@ def moe_gemm() -> str:
 
 def sparse_attn() -> str:
     """The sparse attention core's kernel for the steps FlashMLA serves: "flashmla", "auto-flashmla" (default where
-    it imports on an SM90 GPU; checked against ours on its first call) or "triton". Steps FlashMLA does not serve
-    (decode-sized, other head counts or widths, CUDA-graph capture) run the Triton kernel either way."""
+    it imports on an SM90 GPU; checked against ours on its first call) or "triton". FlashMLA serves prefill-sized
+    steps over a scratch and decode-shaped steps of more rows than our kernel splits over the cache's KeyStore
+    (mini.ops.attention.core_kernel); other steps (a few decode rows, other head counts or widths, a capture
+    before auto's check) run the Triton kernel either way."""
     if "sparse_attn" not in _libraries:
         from mini.kernels.flashmla_attention import available
         _libraries["sparse_attn"] = library_choice("MINI_SPARSE_ATTN", switches.current().sparse_attn, "flashmla",
