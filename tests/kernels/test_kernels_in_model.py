@@ -46,9 +46,9 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
             return ref  # the model goes on with the reference result
         return call
 
-    def kernel_attention(*args, key_rows=None, step=None, window_width=None, comp_valid=None, **kw):
-        # the FlashMLA path's rows and the step's plan are not our kernel's; what the step's layers share is
-        # (mini.ops.attention._run's mapping)
+    def kernel_attention(*args, key_rows=None, step=None, window_width=None, comp_valid=None, key_store=None, **kw):
+        # the FlashMLA paths' rows and key store and the step's plan are not our kernel's; what the step's layers
+        # share is (mini.ops.attention._run's mapping)
         return sparse_mla_attention(*args, width=window_width, comp_valid=comp_valid, **kw)
 
     monkeypatch.setattr(attn_layer, "sparse_attention", compared("attention", attn_layer.sparse_attention,
