@@ -56,10 +56,9 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
-    # the FP8 read on the CUDA cores (`_gemv_fp8_kernel`): block_n divides the weight's scale block, so a program's
-    # rows share one scale row; late_sum: its products summed across K once at the end, not tile by tile
+    # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
+    # so a program's rows share one scale row
     cuda_cores: bool = False
-    late_sum: bool = False
 
 
 DEFAULT = GemvConfig()
@@ -68,30 +67,12 @@ DEFAULT = GemvConfig()
 CANDIDATES = {"64x128 s4": DEFAULT, "128x64 s4": GemvConfig(128, 64), "64x256 s3": GemvConfig(64, 256, 4, 3),
               "64x128 s2 4/SM": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
               "64x128 s4 one launch": GemvConfig(one_launch=True)}
-# The FP8 read on the CUDA cores, its candidate tilings (`mini bench kernels --only decode_gemv_fp8` times them at
-# 1-16 rows); `fp8_config_for` picks one by the row count.
-FP8_CANDIDATES = {"32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True),
-                  "32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
-                  "32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
-                  "16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True),
-                  "32x256 4w late": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True, late_sum=True),
-                  "32x128 4w late": GemvConfig(32, 128, 4, 3, 4, cuda_cores=True, late_sum=True),
-                  "32x64 4w late": GemvConfig(32, 64, 4, 4, 4, cuda_cores=True, late_sum=True),
-                  "32x64 2w late 8/SM": GemvConfig(32, 64, 2, 4, 8, cuda_cores=True, late_sum=True)}
-# The row counts the FP8 read takes by default (`fp8_reads_rows`) and the build for each (`fp8_config_for`)
-FP8_MAX_ROWS = 8
-FP8_BY_ROWS = {1: FP8_CANDIDATES["32x256 4w"], 2: FP8_CANDIDATES["32x128 4w late"],
-               4: FP8_CANDIDATES["32x64 4w late"], 8: FP8_CANDIDATES["32x64 4w late"]}
-
-
-def fp8_reads_rows(T: int) -> bool:
-    """Whether the FP8 read is the default for T rows of x (more rows: the bf16 copy's tensor-core GEMV)."""
-    return 1 <= T <= FP8_MAX_ROWS
-
-
-def fp8_config_for(T: int) -> GemvConfig:
-    """The FP8 read's build for T rows: FP8_BY_ROWS's at the smallest listed row count >= T (the largest beyond)."""
-    return next((FP8_BY_ROWS[r] for r in sorted(FP8_BY_ROWS) if r >= T), FP8_BY_ROWS[max(FP8_BY_ROWS)])
+# The FP8 read of one row (T = 1) on the CUDA cores, its candidate tilings; the first is what `gemv` takes for one
+# row with a scale (docs/perf/023: within 5% of the best candidate at each of V4.1's projections).
+ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True),
+                  "row 32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
+                  "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
+                  "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -141,8 +122,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, st
         tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# The FP8 read (`scale` given): at a few rows a projection reads the checkpoint's e4m3 bytes (half the bf16 copy's)
-# and sums on the CUDA cores. Each byte's bits are moved into an fp32 that holds q * 2^-E4M3_BIAS
+# The FP8 read of one row (`scale` given, T = 1): at B = 1 a projection reads the checkpoint's e4m3 bytes (half the
+# bf16 copy's) and sums on the CUDA cores. Each byte's bits are moved into an fp32 that holds q * 2^-E4M3_BIAS
 # exactly (`_e4m3_bits_as_fp32`: 3 integer operations a value, e4m3's subnormals included), and the weight's scale
 # goes to x's side: x * s * 2^(E4M3_BIAS - OUT_SHIFT), exact (a power of two). Each product is then the bf16 copy's
 # exact product times 2^-OUT_SHIFT, summed in fp32 FMAs and scaled back: the copy's products in this kernel's
@@ -189,58 +170,39 @@ def _e4m3_bits_as_fp32(w, INTERPRET: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["T"])
-def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y, K_PIECE,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, LATE_SUM: tl.constexpr,
-                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """T <= TP rows of x against an FP8 weight on the CUDA cores (decode and verify at few rows, where the MMA
-    form's register shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) *
-    (x * s * 2^88) over its piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32) and scales the sums
-    back. Each weight tile is loaded as [1, BLOCK_N, BLOCK_K] and its bits converted once for all TP rows (the
-    broadcast keeps the row axis in each thread's registers). LATE_SUM: the products accumulate unreduced over the
-    tiles ([TP, BLOCK_N, BLOCK_K] registers: pure FMAs) and are summed across K once at the end; else each tile's
-    products are summed across K (lanes included) before they are added."""
+@triton.jit
+def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, stride_s, K_PIECE,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                         ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row of x against an FP8 weight on the CUDA cores (decode at B = 1, where the MMA form's register
+    shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) * (x * s * 2^88) over its
+    piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    t = tl.arange(0, TP)
-    t_ok = t < T
     kk = tl.arange(0, BLOCK_K)
     k_lo = piece * K_PIECE
     k_hi = tl.minimum(k_lo + K_PIECE, K)
-    w_ptrs = w_ptr + (n[:, None].to(tl.int64) * stride_w + kk[None, :])[None, :, :]
-    w_ok = n_ok[None, :, None]
-    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
     s_row = s_ptr + (tl.minimum(pid_n * BLOCK_N, N - 1) // W_BLOCK).to(tl.int64) * stride_s  # the block's scale row
     SB: tl.constexpr = W_BLOCK if W_BLOCK < BLOCK_K else BLOCK_K
-    if LATE_SUM:
-        acc = tl.zeros([TP, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([TP, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (kk < BLOCK_K) if EVEN_K else (k0 + kk < K)
-        w = tl.load(w_ptrs + k0, mask=w_ok & k_ok[None, None, :], other=0.0)
-        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
         if ACT_BLOCK > 0:
-            x = fp8_group_quant(x, BLOCK_K // ACT_BLOCK, ACT_BLOCK, TP)
+            x = tl.reshape(fp8_group_quant(tl.reshape(x, [1, BLOCK_K]), BLOCK_K // ACT_BLOCK, ACT_BLOCK, 1),
+                           [BLOCK_K])
         group = tl.minimum((k0 + tl.arange(0, BLOCK_K // SB) * SB) // W_BLOCK, tl.cdiv(K, W_BLOCK) - 1)
         f = ((tl.load(s_row + group).to(tl.int32) + (120 - 32)) << 23).to(tl.float32, bitcast=True)
-        xs = tl.reshape(tl.reshape(x, [TP, BLOCK_K // SB, SB]) * f[None, :, None], [TP, 1, BLOCK_K])
-        products = _e4m3_bits_as_fp32(w, INTERPRET) * xs
-        if LATE_SUM:
-            acc += products
-        else:
-            acc += tl.sum(products, axis=2)
-    if LATE_SUM:
-        sums = tl.sum(acc, axis=2) * 2.0 ** 32
-    else:
-        sums = acc * 2.0 ** 32
-    ok = t_ok[:, None] & n_ok[None, :]
+        xs = tl.reshape(tl.reshape(x, [BLOCK_K // SB, SB]) * f[:, None], [BLOCK_K])
+        acc += tl.sum(_e4m3_bits_as_fp32(w, INTERPRET) * xs[None, :], axis=1)
+    acc = acc * 2.0 ** 32
     if SPLIT:
-        tl.store(part_ptr + piece.to(tl.int64) * T * N + t[:, None].to(tl.int64) * N + n[None, :], sums, mask=ok)
+        tl.store(part_ptr + piece.to(tl.int64) * N + n, acc, mask=n_ok)
     else:
-        tl.store(y_ptr + t[:, None].to(tl.int64) * stride_y + n[None, :], sums.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -312,9 +274,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
     does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape.
-    With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above): float8_e4m3fn [N, K] with
-    E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as on
-    dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: `fp8_config_for(T)`."""
+    With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
+    [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
+    on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
+    first."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
@@ -322,10 +285,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape
     N = w.shape[0]
-    config = config or (fp8_config_for(T) if scale is not None else config_for(N, K))
-    if (scale is not None) != config.cuda_cores or (scale is not None and w_block % config.block_n):
-        raise ValueError(f"gemv: an FP8 weight takes a CUDA-core build whose BLOCK_N divides its block "
-                         f"({w_block}); got BLOCK_N {config.block_n}, "
+    config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K))
+    if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
+        raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
+                         f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
                          f"{'a' if config.cuda_cores else 'no'} CUDA-core build, {'a' if scale is not None else 'no'} "
                          f"scale")
     if scale is not None:
@@ -354,18 +317,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     w = w if w.stride(1) == 1 else w.contiguous()
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
-    part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     if config.cuda_cores:
-        _gemv_fp8_kernel[(triton.cdiv(N, config.block_n), pieces)](
-            x, w, scale.view(torch.uint8), out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0),
-            out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=triton.next_power_of_2(T),
-            LATE_SUM=config.late_sum, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
-            W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps, num_stages=config.num_stages)
+        part = torch.empty(pieces if pieces > 1 else 0, 1, N, dtype=torch.float32, device=x.device)
+        _gemv_fp8_row_kernel[(triton.cdiv(N, config.block_n), pieces)](
+            x, w, scale.view(torch.uint8), out, part, N, K, w.stride(0), scale.stride(0), k_piece,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0,
+            ACT_BLOCK=act_block, W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps,
+            num_stages=config.num_stages)
         if pieces > 1:
-            _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
-                                                           PP=triton.next_power_of_2(pieces), BLOCK=256)
+            _sum_pieces_kernel[(triton.cdiv(N, 256),)](part, out, 1, N, out.stride(0), PIECES=pieces,
+                                                       PP=triton.next_power_of_2(pieces), BLOCK=256)
         return out
     n_blocks = triton.cdiv(N, config.block_n)
+    part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),

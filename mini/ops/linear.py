@@ -151,10 +151,10 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
-        from mini.kernels.gemv import fp8_reads_rows, gemv, runs_on
+        from mini.kernels.gemv import gemv, runs_on
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
-            if fp8 is not None and fp8_reads_rows(rows) and reads_fp8_weights() and _gemv_reads(fp8):
+            if fp8 is not None and rows == 1 and reads_fp8_weights() and _gemv_reads(fp8):
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
             else:
                 y = gemv(x2, w, act_block=act_block)

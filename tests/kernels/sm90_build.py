@@ -7,9 +7,8 @@ from triton.compiler import ASTSource
 
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
-from mini.kernels.gemv import FP8_BY_ROWS as GEMV_FP8_BY_ROWS
-from mini.kernels.gemv import FP8_CANDIDATES as GEMV_FP8_CANDIDATES
-from mini.kernels.gemv import _gemv_fp8_kernel, _gemv_kernel, _sum_pieces_kernel
+from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
+from mini.kernels.gemv import _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
 from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
@@ -103,14 +102,12 @@ def main() -> None:
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},  # V4's 128-wide activation quant blocks
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
-    # the FP8 read on the CUDA cores (V4.1's 32 x 32 blocks): every candidate at one row, each row count's build
-    fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"}
-    for tp, cfg in [(1, c) for c in GEMV_FP8_CANDIDATES.values()] + list(GEMV_FP8_BY_ROWS.items()):
-        build(_gemv_fp8_kernel, fp8, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=tp, LATE_SUM=cfg.late_sum,
-                                          SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32, INTERPRET=False),
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    build(_gemv_fp8_kernel, fp8, dict(BLOCK_N=32, BLOCK_K=256, TP=1, LATE_SUM=False, SPLIT=False, EVEN_K=True,
-                                      ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))  # V4's 128 x 128, unsplit
+    for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores (V4.1's 32 x 32 blocks)
+        build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
+              dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
+                   INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128, unsplit
+          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):

@@ -156,41 +156,27 @@ def _fp8_weight(N, K, block, device, seed=0):
 
 
 ROW_SMALL = GemvConfig(block_n=16, block_k=64, num_warps=1, num_stages=1, programs_per_sm=1, cuda_cores=True)
-ROW_SMALL_LATE = replace(ROW_SMALL, late_sum=True)
 
 
-@pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("N,K,w_block,config", [
-    (100, 96, 32, ROW_SMALL), (37, 320, 32, ROW_SMALL_LATE), (70, 256, 128, replace(ROW_SMALL, block_n=32)),
-    (45, 80, 32, replace(ROW_SMALL_LATE, block_k=32)), (150, 64, 32, replace(ROW_SMALL, block_k=128))])
-def test_fp8_read_sums_the_exact_products_interpreted(interpreter, N, K, w_block, config, T):
-    """The FP8 read on the CUDA cores (`cuda_cores`) at 1, 3 (padded to 4) and 8 rows: fp32 sums of the bf16 copy's
-    exact products in its own order (splits over K, N and K tails, a partial scale block, scale blocks narrower and
-    wider than BLOCK_K, tile-by-tile and late sums), act quant fused or not, strided x; a config-less call takes
-    `fp8_config_for(T)`."""
+    (100, 96, 32, ROW_SMALL), (37, 320, 32, ROW_SMALL), (70, 256, 128, replace(ROW_SMALL, block_n=32)),
+    (45, 80, 32, replace(ROW_SMALL, block_k=32)), (150, 64, 32, replace(ROW_SMALL, block_k=128))])
+def test_fp8_row_build_sums_the_exact_products_interpreted(interpreter, N, K, w_block, config):
+    """The one-row FP8 read on the CUDA cores (`cuda_cores`): fp32 sums of the bf16 copy's exact products in its own
+    order (splits over K, N and K tails, a partial scale block, scale blocks narrower and wider than BLOCK_K),
+    act quant fused or not; a config-less call at T = 1 takes it."""
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
     q, scale = _fp8_weight(N, K, w_block, "cpu", seed=N)
-    x = (torch.randn(T, 2 * K, generator=torch.Generator().manual_seed(K)) * 2).bfloat16()[:, ::2]  # strided rows
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(K)) * 2).bfloat16()
     copy = dequant_fp8(q, scale, w_block, torch.bfloat16)
     for act in (0, 16):
-        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((1, N), float("nan"), dtype=torch.bfloat16)
         y = gemv(x, q, out=out, config=config, act_block=act, scale=scale, w_block=w_block)
         assert y is out
         _check(y, fp8_act_quant(x, act) if act else x, copy)
     assert torch.equal(gemv(x, q, scale=scale, w_block=w_block, config=config),
                        gemv(x, q, scale=scale, w_block=w_block, config=config))
-    if w_block % 32 == 0:
-        _check(gemv(x, q, scale=scale, w_block=w_block), x, copy)
-
-
-def test_fp8_builds_by_row_count():
-    """`fp8_config_for` has a CUDA-core build for every row count the FP8 read takes by default, each one of the
-    benchmarked candidates; `fp8_reads_rows` stops at FP8_MAX_ROWS."""
-    from mini.kernels.gemv import FP8_CANDIDATES, FP8_MAX_ROWS, fp8_config_for, fp8_reads_rows
-    assert [fp8_reads_rows(T) for T in (0, 1, FP8_MAX_ROWS, FP8_MAX_ROWS + 1)] == [False, True, True, False]
-    for T in range(1, MAX_ROWS + 1):
-        assert fp8_config_for(T) in FP8_CANDIDATES.values() and fp8_config_for(T).cuda_cores
 
 
 def test_fp8_read_refuses_what_it_cannot_take():
@@ -202,8 +188,8 @@ def test_fp8_read_refuses_what_it_cannot_take():
         gemv(x, q, scale=scale[:, :2], w_block=32)
     with pytest.raises(ValueError, match="E8M0 scale"):
         gemv(x, q, scale=scale.float(), w_block=32)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        gemv(x.expand(17, 96), q, scale=scale, w_block=32)
+    with pytest.raises(ValueError, match="takes one row of x"):
+        gemv(x.expand(2, 96), q, scale=scale, w_block=32)  # more rows: the bf16 copy's GEMV
     with pytest.raises(ValueError, match="BLOCK_N 16"):
         gemv(x, q, scale=scale, w_block=24, config=ROW_SMALL)  # rows of one program across two scale rows
     with pytest.raises(ValueError, match="no scale"):
@@ -213,27 +199,26 @@ def test_fp8_read_refuses_what_it_cannot_take():
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280)))
 def test_fp8_read_at_v41_shapes_gpu(N, K):
-    """On the H200, the FP8 read at V4.1's projection shapes (and the stacked ones), every candidate at 1, 2, 6, 8
-    and 16 rows: the exact products' fp32 sums (against the bf16 copy's values), run to run the same, and replayed
-    from a CUDA graph the same."""
+    """On the H200, the one-row FP8 read at V4.1's projection shapes (and the stacked ones), every candidate: the
+    exact products' fp32 sums (against the bf16 copy's values), run to run the same, and replayed from a CUDA graph
+    the same."""
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.gemv import FP8_CANDIDATES
+    from mini.kernels.gemv import ROW_CANDIDATES
     q, scale = _fp8_weight(N, K, 32, "cuda", seed=N)
     copy = dequant_fp8(q, scale, 32, torch.bfloat16).cpu()
-    for T in (1, 2, 6, 8, 16):
-        x = (torch.randn(T, K, device="cuda") * 2).bfloat16()
-        for cfg in FP8_CANDIDATES.values():
-            y = gemv(x, q, out=torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda"), config=cfg,
-                     act_block=32, scale=scale, w_block=32)
-            _check(y.cpu(), fp8_act_quant(x, 32).cpu(), copy)
-            assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
-        out = torch.full_like(y, float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gemv(x, q, out=out, act_block=32, scale=scale, w_block=32)
-        graph.replay()
-        assert torch.equal(out, gemv(x, q, act_block=32, scale=scale, w_block=32))
+    x = (torch.randn(1, K, device="cuda") * 2).bfloat16()
+    for cfg in ROW_CANDIDATES.values():
+        y = gemv(x, q, out=torch.full((1, N), float("nan"), dtype=torch.bfloat16, device="cuda"), config=cfg,
+                 act_block=32, scale=scale, w_block=32)
+        _check(y.cpu(), fp8_act_quant(x, 32).cpu(), copy)
+        assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, q, out=out, act_block=32, scale=scale, w_block=32)
+    graph.replay()
+    assert torch.equal(out, gemv(x, q, act_block=32, scale=scale, w_block=32))
 
 
 @pytest.mark.gpu
@@ -307,16 +292,13 @@ def gemv_calls(monkeypatch):
 
     def counted(x, w, **kw):
         calls.append(tuple(x.shape))
-        return real(x, w, config=ROW_SMALL if "scale" in kw else SMALL, **kw)
+        return real(x, w, config=SMALL, **kw)
     monkeypatch.setattr(module, "gemv", counted)
     return calls
 
 
 def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast_interpreted, gemv_calls,
                                                                  monkeypatch):
-    """The GEMV on the bf16 copy (MINI_GEMV_WEIGHTS=bf16; the FP8 read's dispatch: the switch's test below) up to
-    GEMV_MAX_TOKENS rows, F.linear above it and in the deterministic mode."""
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "bf16")
     import mini.ops
     from mini.formats import no_fake_quant, quantize_fp8
     from mini.ops import linear as linear_module
@@ -377,11 +359,10 @@ def test_linears_run_projections_of_one_input_as_one_gemv_interpreted(interprete
         assert torch.equal(y, linear(x, w))
 
 
-def test_fp8_weights_switch_reads_the_bytes_at_few_rows_interpreted(interpreter, fast_interpreted, monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8 (the default): at one row (and up to FP8_MAX_ROWS) linear and linears (their bytes and
-    scales stacked, each weight's its views) reach the GEMV with the FP8 weight, within a bf16 rounding of the bf16
-    copy's GEMV (=bf16); past FP8_MAX_ROWS up to 16 rows the copy; above the row limit and in the deterministic
-    mode, no GEMV."""
+def test_fp8_weights_switch_reads_the_bytes_at_one_row_interpreted(interpreter, fast_interpreted, monkeypatch):
+    """MINI_GEMV_WEIGHTS=fp8 (the default): at one row linear and linears (their bytes and scales stacked, each
+    weight's its views) reach the GEMV with the FP8 weight, within a bf16 rounding of the bf16 copy's GEMV (=bf16);
+    at 2-16 rows, above the row limit and in the deterministic mode, the copy as before."""
     import mini.kernels.gemv as module
     import mini.ops
     from mini.ops.linear import QWeight, linear, linears
@@ -400,16 +381,15 @@ def test_fp8_weights_switch_reads_the_bytes_at_few_rows_interpreted(interpreter,
         assert ((a.double() - b.double()).abs() <= b.double().abs() * 2.0 ** -7 + 1e-6).all()
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
     reads.clear()
-    linear(x.expand(module.FP8_MAX_ROWS, 160), ws[0])
-    linear(x.expand(module.FP8_MAX_ROWS + 1, 160), ws[0])
+    linear(x.expand(3, 160), ws[0])
     linear(torch.randn(17, 160).bfloat16(), ws[0])
     with mini.ops.deterministic_mode():
         linear(x, ws[0])
-    assert reads == [torch.float8_e4m3fn, torch.bfloat16]
+    assert reads == [torch.bfloat16]
     big = QWeight("fp8", ws[0].data, ws[0].scale.clone(), 32)
     big.scale[0, 0] = module.MAX_SCALE_BYTE + 1  # s = 2^40: past the FP8 read's range -> the bf16 copy
     linear(x, big)
-    assert reads == [torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16]
+    assert reads == [torch.bfloat16] * 2
 
 
 def test_tuned_shapes_take_a_candidate_build():
