@@ -39,6 +39,8 @@ VARIANTS = {
     "n64_stages8_ctas2": {"block_shape": [None, 64, None], "num_stages": 8, "num_ctas_per_sm": 2},
     # the heuristic picks its tile from the step's total rows; a decode step's experts hold a few rows each
     "bucket16": {"bucket": 16}, "bucket32": {"bucket": 32}, "bucket64": {"bucket": 64},
+    "bucket128": {"bucket": 128}, "bucket256": {"bucket": 256}, "bucket512": {"bucket": 512},
+    "bucket1024": {"bucket": 1024}, "bucket2048": {"bucket": 2048},
     # w2's default at decode is a wgmma tile of all 256 columns (20 CTAs per touched expert): w1|w3's mma.sync
     # decode tiles instead (64 or 128 columns, K split between two warps)
     "mma64": {"mma_type": "mma", "block_shape": [8, 64, 64], "warp_shape": [8, 64, 32]},
@@ -71,11 +73,13 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", default="4x4,8x4,6x1,36x4,96x4,384x4",
                    help="cases, comma-separated: PxR = P local rows per step, R rows on each touched expert (one "
                         "emulated EP4 rank repeats each own token 4 times: B = 1 is ~1.4 experts x 4 rows, its verify "
-                        "step of 6 rows per sequence ~36x4)")
+                        "step of 6 rows per sequence ~36x4); uDxR = D (token, local expert) pairs drawn uniformly "
+                        "over the experts, each R rows (a step's spread: B = 64 on the emulated rank is u96x4)")
     p.add_argument("--experts", type=int, default=96, help="local experts of the layer")
     p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
+    p.add_argument("--names", nargs="*", default=None, help="only these of the built-in VARIANTS")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -93,28 +97,36 @@ def main(argv=None) -> int:
         scales = torch.randint(120, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
         return hx.convert(codes, scales)
     stacks = {"w13": stack(2 * I, D), "w2": stack(D, I)}
-    variants = VARIANTS if args.variants is None else {
+    variants = {n: VARIANTS[n] for n in args.names} if args.names else VARIANTS if args.variants is None else {
         v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variants}
     results = {"device": torch.cuda.get_device_name(), "experts": E, "rotate": args.rotate, "cases": {}}
     specs = args.pairs.split(",")
     configs_of = {}  # (case, GEMM) -> {tag: tuning JSON}
+    def rows_of(spec):  # (local rows, rows per pair, uniform draw)
+        d, r = spec.lstrip("u").split("x")
+        return int(d) * (int(r) if spec.startswith("u") else 1), int(r), spec.startswith("u")
+
     for spec in specs:
         for name, st in stacks.items():
-            base = hx.tuning_for(st, int(spec.split("x")[0]))
+            base = hx.tuning_for(st, rows_of(spec)[0])
             configs_of[spec, name] = {"default": base,
                                       **{v: patched(base, patch, st) for v, patch in variants.items()}}
     # every build at once, side by side (one at a time they take seconds each)
     refused = hx.warm_up([(stacks[name], t) for (_, name), cs in configs_of.items() for t in cs.values()])
     results["refused"] = refused
     for spec in specs:
-        pairs, per = (int(v) for v in spec.split("x"))
+        pairs, per, uniform = rows_of(spec)
         routings = []
         for _ in range(args.rotate):
-            counts = torch.zeros(E, dtype=torch.int64, device=dev)
-            counts[torch.randperm(E, generator=g, device=dev)[:pairs // per]] = per
+            if uniform:
+                counts = torch.bincount(torch.randint(0, E, (pairs // per,), generator=g, device=dev),
+                                        minlength=E) * per
+            else:
+                counts = torch.zeros(E, dtype=torch.int64, device=dev)
+                counts[torch.randperm(E, generator=g, device=dev)[:pairs // per]] = per
             offset = torch.zeros(E + 1, dtype=torch.int32, device=dev)
             offset[1:] = counts.cumsum(0)
-            routings.append((offset, pairs // per))
+            routings.append((offset, int((counts > 0).sum())))
         touched = sum(t for _, t in routings) / len(routings)
         case = {"touched_experts": touched}
         for name, st in stacks.items():
