@@ -267,18 +267,6 @@ DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_t
                                             {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})
 
-# Row buckets whose heuristic config was measured slower than another bucket's config at the row spread of a step
-# (tools/humming_decode_study.py, H200, docs/perf/025; one emulated EP4 rank, 96 local experts, 4 rows a pair):
-# (N, K, rows bucket) -> (the heuristic's keys it was measured against, the bucket whose config is taken).
-# - bucket 128 (B = 16 decode, ~24 experts x 4 rows), w1|w3: bucket 16's decode tile, 119.2 -> 112.2 us, the same
-#   bits;
-# - bucket 1024 (a verify step of 16 x 6 rows, ~75 experts x 8): the heuristic's wgmma tile of 16 rows x 256
-#   columns against mma.sync 8-row tiles: w1|w3 bucket 32's 384.9 -> 344.9 us, w2 bucket 16's 208.5 -> 181.7 (another
-#   summation order, one rounding either way).
-BUCKET_AS = {(4608, 5120, 128): ({"block_shape": [8, 128, 64], "mma_type": "mma"}, 16),
-             (4608, 5120, 1024): ({"block_shape": [16, 256, 64], "mma_type": "wgmma"}, 32),
-             (5120, 2304, 1024): ({"block_shape": [16, 256, 64], "mma_type": "wgmma"}, 16)}
-
 
 @functools.cache
 def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> str:
@@ -290,16 +278,13 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     when the expert has few rows (decode, or a rank's share under EP) than when it has many. `invariant` (the
     deterministic mode) asks the library for its batch-invariant schedule instead: one K partition of a fixed
     width (64 for bf16 activations) and no stream-K at every row count; only the row tile still follows the
-    rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change, or
-    BUCKET_AS' other bucket's config, where the heuristic's config is the one it was measured against."""
+    rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change where the
+    heuristic's config is the one it was measured against."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
     tuning = json.loads(json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
                                                          use_batch_invariant=invariant)))  # tuples as lists
     tuning["use_stream_k"] = False
-    measured_on, other = BUCKET_AS.get((config.shape_n, config.shape_k, rows), ({}, None))
-    if tuned and not invariant and other and all(tuning.get(k) == v for k, v in measured_on.items()):
-        return _tuning(config, other)
     measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
     if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
         tuning.update(change)
