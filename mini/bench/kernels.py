@@ -308,8 +308,8 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
 
 def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
     """The dense projections at decode (issue 28 item 3; us per call in a CUDA graph): cuBLAS on V4.1's projection
-    shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and the decode GEMV
-    (mini/kernels/gemv.py) in each of its candidate tilings (and WIDE past 16 rows) on the same weight copies (`same_as_cublas`: the
+    shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16 the decode GEMV
+    (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies (`same_as_cublas`: the
     fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs: the activation quant pass +
     cuBLAS against the GEMV with the quant in its loads."""
     import torch.nn.functional as F
@@ -317,7 +317,6 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
     from mini.kernels.device_info import sm_count
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
-    from mini.kernels.gemv import FUSED_QUANT_MAX_ROWS, WIDE
     from mini.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
     from mini.kernels.gemv import gemv, split_k
 
@@ -346,8 +345,7 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
             if B > GEMV_MAX_ROWS:
                 continue
             cublas = F.linear(x, weight)
-            candidates = {**GEMV_CANDIDATES, **({"wide 64x128 s3": WIDE} if B > 16 else {})}
-            for label, cfg in candidates.items():  # the decode GEMV's tilings on the same copies
+            for label, cfg in GEMV_CANDIDATES.items():  # the decode GEMV's tilings on the same copies
                 def gemv_call(cfg=cfg):
                     turn[0] = (turn[0] + 1) % len(copies)
                     return gemv(x, copies[turn[0]], config=cfg)
@@ -371,9 +369,9 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
                     return gemv(fp8_act_quant(x, 32), copies[turn[0]], config=cfg)
                 return call
             quant_rows = [("fp8 act quant + cuBLAS", quant_cublas)]
-            for label, cfg in candidates.items():
-                quant_rows += [(f"gemv {label}, act quant fused", quant_gemv(cfg, True))] * (B <= FUSED_QUANT_MAX_ROWS)
-                quant_rows += [(f"fp8 act quant + gemv {label}", quant_gemv(cfg, False))]
+            for label, cfg in GEMV_CANDIDATES.items():
+                quant_rows += [(f"gemv {label}, act quant fused", quant_gemv(cfg, True)),
+                               (f"fp8 act quant + gemv {label}", quant_gemv(cfg, False))]
             for label, f in quant_rows:
                 ms = _bench_graph(f)
                 add(dict(kernel=f"dense_gemm/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms, us=ms * 1e3,

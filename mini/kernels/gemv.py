@@ -1,14 +1,14 @@
-"""Dense projections at decode row counts (T <= 64): y[T, N] = x[T, K] @ W[N, K]^T, bf16 in, fp32 sums, bf16 out.
+"""Dense projections at decode row counts (T <= 16): y[T, N] = x[T, K] @ W[N, K]^T, bf16 in, fp32 sums, bf16 out.
 
-At 1-64 rows a projection is one read of its weight: 2·N·K bytes against 2·T·N·K FLOP. cuBLAS ran V4.1's decode
+At 1-16 rows a projection is one read of its weight: 2·N·K bytes against 2·T·N·K FLOP. cuBLAS ran V4.1's decode
 projections at 28-43% of the copy rate on the H200 (issue 28; docs/kernels.md, "Dense projections at decode"), so
 this kernel is built around the read of W alone:
 - each program owns BLOCK_N rows of W and one piece of K (split-K when N / BLOCK_N programs would not fill the
   GPU; `split_k`), and walks its piece in BLOCK_K steps of contiguous [BLOCK_N, BLOCK_K] tiles (W is row-major),
   software-pipelined over `num_stages`;
-- the product runs "swapped" on the tensor cores: acc[BLOCK_N, TP] = W_tile @ x_tile^T, so the weight is the MMA's
-  wide operand (M = BLOCK_N >= 64 takes Hopper's wgmma) and the T rows of x, padded to TP = 16, 32 or 64, the
-  narrow one, re-read from L1/L2 by every program;
+- the product runs "swapped" on the tensor cores: acc[BLOCK_N, 16] = W_tile @ x_tile^T, so the weight is the MMA's
+  wide operand (M = BLOCK_N >= 64 takes Hopper's wgmma) and the T <= 16 rows of x, padded to 16, the narrow one,
+  re-read from L1/L2 by every program;
 - the pieces' fp32 partials go to a scratch [S, T, N] and a second small pass (`_sum_pieces_kernel`) adds them as
   a tree fixed by S and rounds once to bf16; one piece (S = 1) rounds in the first pass. `one_launch` (a
   candidate, not the default) saves that launch: each program counts itself in on its N block's counter after
@@ -17,13 +17,10 @@ this kernel is built around the read of W alone:
   the config, so a result is the same run to run.
 Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
 the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
-split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T within one
-padded width (T <= 16; 17-32; 33-64).
+split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T (<= 16).
 With `act_block` the kernel also applies the FP8 1 x act_block activation fake quant of mini.ops.linear to each x
 tile it loads (mini/kernels/quant.py's formulas, as fp8_act_quant's pass: the same bits, and the quantized values
-are exact in bf16), so a decode projection is one launch (two with a split) instead of a quant pass before it. Past
-FUSED_QUANT_MAX_ROWS rows every program would quantize a [TP, BLOCK_K] tile per step (the same x, once per N block),
-so the quant pass runs first there.
+are exact in bf16), so a decode projection is one launch (two with a split) instead of a quant pass before it.
 The deterministic mode never reaches this kernel (mini.ops.linear keeps its batch-invariant GEMMs).
 """
 from __future__ import annotations
@@ -37,8 +34,7 @@ import triton.language as tl
 from mini.kernels.device_info import H200_SMS, sm_count
 from mini.kernels.quant import fp8_group_quant
 
-MAX_ROWS = 64  # x's rows are padded to one MMA operand of 16, 32 or 64 rows
-FUSED_QUANT_MAX_ROWS = 16
+MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
 # Triton 3.6's interpreter fails on the kernel's scalar loads ("only 0-dimensional arrays can be converted to
 # Python scalars"); 3.7's runs it. Compiled (CUDA) it runs on both.
 _INTERPRETER_RUNS_IT = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
@@ -250,19 +246,9 @@ TUNED = {(5120, 8192): CANDIDATES["64x128 s2 4/SM"], (4608, 5120): CANDIDATES["6
          (1792, 5120): CANDIDATES["128x64 s4"], (36864, 1280): CANDIDATES["64x128 s2 4/SM"]}
 
 
-# More than 16 rows (TP 32 or 64): x's tile is up to 16 KB a stage beside the weight's, so three stages
-WIDE = GemvConfig(64, 128, 4, 3)
-
-
-def config_for(N: int, K: int, T: int = 1) -> GemvConfig:
-    """The build `gemv` takes for a [N, K] weight at T rows when the caller names none: WIDE past 16 rows, else
-    TUNED's, else DEFAULT."""
-    return WIDE if T > 16 else TUNED.get((N, K), DEFAULT)
-
-
-def padded_rows(T: int) -> int:
-    """x's rows as the MMA's narrow operand: 16, 32 or 64."""
-    return max(16, triton.next_power_of_2(T))
+def config_for(N: int, K: int) -> GemvConfig:
+    """The build `gemv` takes for a [N, K] weight when the caller names none: TUNED's, else DEFAULT."""
+    return TUNED.get((N, K), DEFAULT)
 
 
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
@@ -275,16 +261,15 @@ def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -
     return triton.cdiv(steps, per_piece), per_piece * config.block_k
 
 
-def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT, T: int = 1) -> bool:
-    """Whether the kernel quantizes x in its loads: each BLOCK_K step must hold whole groups, and at most
-    FUSED_QUANT_MAX_ROWS rows."""
-    return config.block_k % act_block == 0 and T <= FUSED_QUANT_MAX_ROWS
+def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
+    """Whether the kernel quantizes x in its loads: each BLOCK_K step must hold whole groups."""
+    return config.block_k % act_block == 0
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
          out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0, scale: torch.Tensor | None = None,
          w_block: int = 0) -> torch.Tensor:
-    """x [T, K] bf16 (T <= 64), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
+    """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
@@ -300,7 +285,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape
     N = w.shape[0]
-    config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K, T))
+    config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K))
     if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
         raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
                          f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
@@ -325,7 +310,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         return out.zero_()
     if act_block and K % act_block:
         raise ValueError(f"gemv: K {K} is not a multiple of the activation quant block {act_block}")
-    if act_block and not fuses_act_quant(act_block, config, T):
+    if act_block and not fuses_act_quant(act_block, config):
         from mini.kernels.fp8_act_quant import fp8_act_quant
         x, act_block = fp8_act_quant(x, act_block), 0
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -348,7 +333,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=padded_rows(T), SPLIT=pieces > 1,
+        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
         ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,

@@ -21,10 +21,9 @@ from mini.ops import deterministic, use_fast
 
 _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 pairs
 # fast-path GEMMs of at most this many rows (decode) run mini/kernels/gemv.py's split-K GEMV instead of cuBLAS
-# (issue 28; at most gemv.MAX_ROWS = 64; 0 turns it off). On since an interleaved A/B of rank4 decode on the H200
-# (docs/perf/015, with the few-rows gate): B = 1 16.49 -> 15.41 ms/step, B = 16 24.06 -> 22.38; 17-64 rows since
-# docs/perf/025.
-GEMV_MAX_TOKENS = 64
+# (issue 28; at most gemv.MAX_ROWS = 16; 0 turns it off). On since an interleaved A/B of rank4 decode on the H200
+# (docs/perf/015, with the few-rows gate): B = 1 16.49 -> 15.41 ms/step, B = 16 24.06 -> 22.38.
+GEMV_MAX_TOKENS = 16
 
 
 @dataclass(eq=False)

@@ -8,7 +8,6 @@ from triton.compiler import ASTSource
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
-from mini.kernels.gemv import WIDE as GEMV_WIDE
 from mini.kernels.gemv import _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
@@ -97,11 +96,6 @@ def main() -> None:
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
                        EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for tp in (32, 64):  # past 16 rows: WIDE, the quant pass before it
-        build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
-              dict(BLOCK_N=GEMV_WIDE.block_n, BLOCK_K=GEMV_WIDE.block_k, TP=tp, SPLIT=True, ONE_LAUNCH=False,
-                   EVEN_K=True, ACT_BLOCK=0, DOT_DTYPE=triton.language.bfloat16),
-              num_warps=GEMV_WIDE.num_warps, num_stages=GEMV_WIDE.num_stages)
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)

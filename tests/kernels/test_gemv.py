@@ -58,7 +58,7 @@ def test_split_k_covers_k_in_whole_steps():
     assert [split_k(N, K, SMALL)[0] for N, K in ((100, 96), (37, 320), (150, 32))] == [3, 10, 1]
 
 
-@pytest.mark.parametrize("T", [1, 3, 16, 17, 40, 64])
+@pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(100, 96), (37, 320), (150, 32)])
 @pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
 def test_gemv_matches_fp32_gemm_interpreted(interpreter, T, N, K, config):
@@ -93,9 +93,6 @@ def test_fused_act_quant_is_the_quant_pass_then_the_gemv_interpreted(interpreter
     assert torch.equal(y, gemv(fp8_act_quant(x, 32), w, config=config))
     assert fuses_act_quant(32, config) == (config.block_k >= 32)
     assert not torch.equal(y, gemv(x, w, config=config))  # the quant really applied
-    x40, _ = _operands(40, 40, 320, "cpu")  # past FUSED_QUANT_MAX_ROWS: the quant pass first, the same values
-    assert not fuses_act_quant(32, config, 40)
-    assert torch.equal(gemv(x40, w, config=config, act_block=32), gemv(fp8_act_quant(x40, 32), w, config=config))
     with pytest.raises(ValueError, match="multiple of the activation quant block"):
         gemv(x[:, :48], w[:, :48], act_block=32)
 
@@ -133,7 +130,7 @@ def test_gemv_takes_strided_operands_interpreted(interpreter):
 
 def test_bad_input_is_refused():
     x, w = _operands(MAX_ROWS + 1, 8, 32, "cpu")
-    with pytest.raises(ValueError, match="at most 64 rows"):
+    with pytest.raises(ValueError, match="at most 16 rows"):
         gemv(x, w)
     with pytest.raises(ValueError, match="bf16"):
         gemv(x[:2].float(), w.float())
@@ -227,7 +224,7 @@ def test_fp8_read_at_v41_shapes_gpu(N, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES)
 def test_gemv_at_v41_shapes_gpu(N, K):
-    for T in (1, 3, 16, 33, 64):
+    for T in (1, 3, 16):
         x, w = _operands(T, N, K, "cuda", seed=T)
         out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = gemv(x, w, out=out)
@@ -239,8 +236,6 @@ def test_gemv_at_v41_shapes_gpu(N, K):
         assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + spread * 2e-5).all()
     x, w = _operands(16, N, K, "cuda", seed=1)
     assert torch.equal(gemv(x[7:8], w), gemv(x, w)[7:8])  # a row's bits do not depend on T
-    x64, _ = _operands(64, N, K, "cuda", seed=2)
-    assert torch.equal(gemv(x64[:40], w)[7:8], gemv(x64, w)[7:8])  # nor within one padded width (33-64)
     from mini.kernels.fp8_act_quant import fp8_act_quant
     assert torch.equal(gemv(x, w, act_block=32), gemv(fp8_act_quant(x, 32), w))  # the quant in the loads
     y32 = gemv(x, w, out_dtype=torch.float32)  # unrounded: the same sums as the bf16 output
@@ -312,7 +307,7 @@ def test_linear_takes_the_gemv_up_to_its_row_limit_interpreted(interpreter, fast
     q, s = quantize_fp8(torch.randn(72, 160) * 0.05, 32)
     w = QWeight("fp8", q, s.view(torch.float8_e8m0fnu), 32)
     x = (torch.randn(2, 3, 160) * 2).bfloat16()
-    assert linear_module.GEMV_MAX_TOKENS == 64  # on since the H200's A/Bs (docs/perf/015, 025)
+    assert linear_module.GEMV_MAX_TOKENS == 16  # on since the H200's A/B (docs/perf/015)
     monkeypatch.setattr(linear_module, "GEMV_MAX_TOKENS", 0)  # off: F.linear after the quant pass
     cublas_path = linear(x, w)
     assert gemv_calls == []
@@ -387,7 +382,7 @@ def test_fp8_weights_switch_reads_the_bytes_at_one_row_interpreted(interpreter, 
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
     reads.clear()
     linear(x.expand(3, 160), ws[0])
-    linear(torch.randn(65, 160).bfloat16(), ws[0])
+    linear(torch.randn(17, 160).bfloat16(), ws[0])
     with mini.ops.deterministic_mode():
         linear(x, ws[0])
     assert reads == [torch.bfloat16]
