@@ -267,15 +267,6 @@ DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_t
                                             {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})
 
-# Row buckets whose heuristic config was measured slower than another bucket's config (tools/humming_decode_study.py,
-# H200, docs/perf/025; one emulated EP4 rank, 96 local experts): (N, K, rows bucket) -> (the heuristic's keys it
-# was measured against, the bucket whose config is taken). Bucket 4096 (the verify step of 64 x 6 rows): the
-# heuristic's wgmma tile of 56 rows x 256 columns against bucket 2048's 32-row tile, the same bits; at ~96 experts
-# x 24 rows w1|w3 660.2 -> 622.4 us, w2 337.0 -> 326.2. (A prefill chunk in this bucket, ~700 tokens on a real EP4
-# rank, takes it too: not measured there.)
-BUCKET_AS = {(4608, 5120, 4096): ({"block_shape": [56, 256, 64], "mma_type": "wgmma"}, 2048),
-             (5120, 2304, 4096): ({"block_shape": [56, 256, 64], "mma_type": "wgmma"}, 2048)}
-
 
 @functools.cache
 def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> str:
@@ -287,16 +278,13 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     when the expert has few rows (decode, or a rank's share under EP) than when it has many. `invariant` (the
     deterministic mode) asks the library for its batch-invariant schedule instead: one K partition of a fixed
     width (64 for bf16 activations) and no stream-K at every row count; only the row tile still follows the
-    rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change, or
-    BUCKET_AS' other bucket's config, where the heuristic's config is the one it was measured against."""
+    rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change where the
+    heuristic's config is the one it was measured against."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
     tuning = json.loads(json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
                                                          use_batch_invariant=invariant)))  # tuples as lists
     tuning["use_stream_k"] = False
-    measured_on, other = BUCKET_AS.get((config.shape_n, config.shape_k, rows), ({}, None))
-    if tuned and not invariant and other and all(tuning.get(k) == v for k, v in measured_on.items()):
-        return _tuning(config, other)
     measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
     if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
         tuning.update(change)
