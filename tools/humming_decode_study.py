@@ -13,7 +13,13 @@ to call and their weights come from HBM, not L2 (a layer's experts are 1.7 GB). 
 against the heuristic config's (max |diff|, fraction bit-equal: the same exact products summed in another order).
 A variant the library refuses is reported and skipped; one that faults ends the run (run this last in a call).
 
-    python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--variants NAME=JSON ...] [--json out.json]
+Take the cases from the step itself: `--step-routing rank4.json` replays each MoE layer's rows per local expert
+that a rank4-decode run recorded. Tiles chosen on synthetic spreads (PxR, uDxR) were 5-13% slower in the step,
+whose routing concentrates (docs/perf/025: a verify step of 64 x 6 rows put up to 148 rows on one expert where
+the uniform draw gave ~24).
+
+    python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--step-routing rank4.json] [--names ...]
+        [--variants NAME=JSON ...] [--json out.json]
 
 Our split-K kernel over the same layout (measured in docs/perf/021, 2-7x slower at every case) was dropped.
 """
@@ -68,6 +74,42 @@ def patched(base: str, patch: dict, stack) -> str:
     return json.dumps(t)
 
 
+def step_cases(path: str) -> dict[str, list[list[int]]]:
+    """A rank4-decode (or tools/rank4_decode_floor.py) JSON's recorded routings: "step:<shape>" -> each MoE
+    layer's pairs per local expert (raw.<shape>.pairs_per_local_expert), the spread the step's GEMMs really saw;
+    a spec-decode JSON's steps as "step:<shape>.<decode|verify>"."""
+    raw = json.loads(Path(path).read_text())["raw"]
+    found = [(shape, r) for shape, r in raw.items()]
+    found += [(f"{shape}.{step}", sub) for shape, r in raw.items() for step, sub in r.items() if isinstance(sub, dict)]
+    cases = {f"step:{name}": list(r["pairs_per_local_expert"].values())
+             for name, r in found if "pairs_per_local_expert" in r}
+    if not cases:
+        raise SystemExit(f"{path}: no raw.<shape>.pairs_per_local_expert (record it with this tree's rank4-decode)")
+    return cases
+
+
+def case_counts(spec: str, experts: int, rotate: int, g: torch.Generator, recorded: dict) -> list[torch.Tensor]:
+    """`rotate` routings of one case, each the pairs (rows) per local expert [experts]: PxR, P rows on P / R
+    experts drawn without repeats, R each; uDxR, D pairs drawn uniformly, R rows each; step:<shape>, the recorded
+    layers in turn."""
+    if spec in recorded:
+        layers = recorded[spec]
+        if any(len(c) != experts for c in layers):
+            raise SystemExit(f"{spec}: recorded with {len(layers[0])} local experts, the study has {experts} "
+                             f"(--experts)")
+        return [torch.tensor(layers[i % len(layers)]) for i in range(rotate)]
+    d, r = (int(v) for v in spec.lstrip("u").split("x"))
+    out = []
+    for _ in range(rotate):
+        if spec.startswith("u"):
+            out.append(torch.bincount(torch.randint(0, experts, (d,), generator=g), minlength=experts) * r)
+        else:
+            counts = torch.zeros(experts, dtype=torch.int64)
+            counts[torch.randperm(experts, generator=g)[:d // r]] = r
+            out.append(counts)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="4x4,8x4,6x1,36x4,96x4,384x4",
@@ -80,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
     p.add_argument("--names", nargs="*", default=None, help="only these of the built-in VARIANTS")
+    p.add_argument("--step-routing", default=None, metavar="JSON",
+                   help="a rank4-decode JSON: adds a case step:<shape> per shape, its recorded layers' routings")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -100,38 +144,34 @@ def main(argv=None) -> int:
     variants = {n: VARIANTS[n] for n in args.names} if args.names else VARIANTS if args.variants is None else {
         v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variants}
     results = {"device": torch.cuda.get_device_name(), "experts": E, "rotate": args.rotate, "cases": {}}
-    specs = args.pairs.split(",")
+    recorded = step_cases(args.step_routing) if args.step_routing else {}
+    specs = [v for v in args.pairs.split(",") if v] + list(recorded)
+    cpu = torch.Generator().manual_seed(0)
+    counts_of = {spec: case_counts(spec, E, args.rotate, cpu, recorded) for spec in specs}
     configs_of = {}  # (case, GEMM) -> {tag: tuning JSON}
-    def rows_of(spec):  # (local rows, rows per pair, uniform draw)
-        d, r = spec.lstrip("u").split("x")
-        return int(d) * (int(r) if spec.startswith("u") else 1), int(r), spec.startswith("u")
-
     for spec in specs:
+        expected = round(sum(int(c.sum()) for c in counts_of[spec]) / len(counts_of[spec]))  # as the step's
         for name, st in stacks.items():
-            base = hx.tuning_for(st, rows_of(spec)[0])
+            base = hx.tuning_for(st, expected)
             configs_of[spec, name] = {"default": base,
                                       **{v: patched(base, patch, st) for v, patch in variants.items()}}
     # every build at once, side by side (one at a time they take seconds each)
     refused = hx.warm_up([(stacks[name], t) for (_, name), cs in configs_of.items() for t in cs.values()])
     results["refused"] = refused
     for spec in specs:
-        pairs, per, uniform = rows_of(spec)
         routings = []
-        for _ in range(args.rotate):
-            if uniform:
-                counts = torch.bincount(torch.randint(0, E, (pairs // per,), generator=g, device=dev),
-                                        minlength=E) * per
-            else:
-                counts = torch.zeros(E, dtype=torch.int64, device=dev)
-                counts[torch.randperm(E, generator=g, device=dev)[:pairs // per]] = per
+        for counts in counts_of[spec]:
             offset = torch.zeros(E + 1, dtype=torch.int32, device=dev)
-            offset[1:] = counts.cumsum(0)
+            offset[1:] = counts.cumsum(0).to(dev)
             routings.append((offset, int((counts > 0).sum())))
+        pairs = max(int(c.sum()) for c in counts_of[spec])
+        expected = round(sum(int(c.sum()) for c in counts_of[spec]) / len(counts_of[spec]))
         touched = sum(t for _, t in routings) / len(routings)
         case = {"touched_experts": touched}
         for name, st in stacks.items():
             a = torch.randn(pairs, st.k, generator=g, device=dev).bfloat16()
-            outs = [torch.empty(pairs, st.n, dtype=torch.bfloat16, device=dev) for _ in routings]
+            # zeros: rows past a routing's own count are never written, and the configs' outputs are compared whole
+            outs = [torch.zeros(pairs, st.n, dtype=torch.bfloat16, device=dev) for _ in routings]
             configs = configs_of[spec, name]
             case[f"{name}_default_tuning"] = configs["default"]
             print(f"pairs={spec} {name} default: {configs['default']}", flush=True)
@@ -143,7 +183,7 @@ def main(argv=None) -> int:
                     continue
                 def calls(tuning=tuning):
                     for (off, _), o in zip(routings, outs):
-                        hx.grouped_gemm(a, st, off, pairs, out=o, tuning=tuning)
+                        hx.grouped_gemm(a, st, off, expected, out=o, tuning=tuning)
                 try:
                     calls()
                     torch.cuda.synchronize()

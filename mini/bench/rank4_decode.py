@@ -166,7 +166,10 @@ def measure_one(run: DecodeRun, args, cuda: bool, study=None) -> tuple[dict[str,
          "touched_local_experts": sum(touched), "touched_local_experts_per_layer_min": min(touched),
          "cache_gb": run.cache_bytes() / 1e9}
     raw = {"step_ms": steps, "touched_per_layer": touched,
-           "pairs_per_local_expert_max": max(n for layer in pairs.values() for n in layer)}
+           "pairs_per_local_expert_max": max(n for layer in pairs.values() for n in layer),
+           # each MoE layer's rows per local expert: the spread a study of the expert GEMMs should replay
+           # (tools/humming_decode_study.py --step-routing)
+           "pairs_per_local_expert": {str(layer): counts for layer, counts in pairs.items()}}
     if study is not None:
         more, more_raw = study(run, touched, med, cuda)
         m.update(more)
