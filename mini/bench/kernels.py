@@ -480,11 +480,48 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
             rows.append(dict(kernel=f"top_ids/[{T},{N}] k=512", config=label, ms=ms, us=ms * 1e3))
 
 
+def bench_dspark_markov(rows: list, sweep=(), dev="cuda"):
+    """DSpark's Markov bias, the five sequential [B, r] x [V, r]^T products of a draft step at V4.1-Flash's shape
+    (V 129,280, r 256; us for the five in a CUDA graph, the head rotated past L2): the official fp32 form
+    (F.linear on the fp32 head) against head_logits on the bf16 head (the same exact products on the tensor cores,
+    half the bytes; mini/model/dspark.py). `same`: the fraction of logits equal between the two."""
+    import torch.nn.functional as F
+
+    from mini.ops.linear import head_logits
+    V, r = 129280, 256
+    head = (torch.randn(V, r, device=dev) / r ** 0.5).bfloat16()
+    heads = {"fp32 F.linear (official form)": [h.float() for h in [head] * 2 + [head.clone() for _ in range(2)]],
+             "bf16 head_logits": [head] + [head.clone() for _ in range(3)]}
+    for B in (1, 64):
+        e = torch.randn(5, B, r, device=dev).bfloat16()
+        outs = {}
+        for label, hs in heads.items():
+            turn = [0]
+
+            def five(hs=hs, label=label):
+                acc = []
+                for i in range(5):
+                    turn[0] = (turn[0] + 1) % len(hs)
+                    acc.append(F.linear(e[i].float(), hs[turn[0]]) if label.startswith("fp32")
+                               else head_logits(e[i], hs[turn[0]]))
+                return acc
+            outs[label] = torch.stack(five())
+            ms = _bench_graph(five)
+            nbytes = 5 * hs[0].numel() * hs[0].element_size()
+            rows.append(dict(kernel=f"dspark_markov/[{B},{r}]x[{V},{r}] x5", config=label, ms=ms, us=ms * 1e3,
+                             frac_copy_peak=nbytes / COPY_TBS / 1e9 / ms))
+            print(json.dumps(rows[-1]), flush=True)
+        a, b = outs.values()
+        rows[-1]["same"] = float((a == b).float().mean())
+        rows[-1]["max_rel"] = float(((a - b).abs() / a.abs().clamp_min(1e-6)).max())
+        print(json.dumps(rows[-1]), flush=True)
+
+
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
            "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv,
            "decode_gemv_fp8": bench_decode_gemv_fp8,
-           "order_keys": bench_order_keys, "top_ids": bench_top_ids}
+           "order_keys": bench_order_keys, "top_ids": bench_top_ids, "dspark_markov": bench_dspark_markov}
 # the studies beside them: tools/attention_before_after.py, flashmla_core.py
 
 

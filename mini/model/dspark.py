@@ -54,7 +54,8 @@ class DSparkWeights:
     stages: list[StageWeights]
     norm: torch.Tensor  # the last stage's final norm
     markov_embed: torch.Tensor  # [V, r] bf16
-    markov_head: torch.Tensor  # [V, r] fp32 (bf16 values): logits bias = markov_embed[prev] @ markov_head^T
+    markov_head: torch.Tensor  # [V, r]: logits bias = markov_embed[prev] @ markov_head^T (fp32; bf16 on CUDA, as the
+    # model's head: head_logits' exact-product GEMM reads half the bytes, five times a draft step)
     confidence: torch.Tensor  # [1, D + r] fp32 (bf16 values)
 
     @classmethod
@@ -71,9 +72,11 @@ class DSparkWeights:
                 hc(f"{p}.hc_ffn"), AttentionWeights.from_state(state, f"{p}.attn", cfg, plan, dtype),
                 MoEWeights.from_state(state, f"{p}.ffn", cfg.dspark_moe, plan.layer, device=device, consume=True)))
         last = f"mtp.{cfg.n_mtp_layers - 1}"
+        markov_head = state[f"{last}.markov_head.head.weight"]
+        lossless = markov_head.dtype == torch.bfloat16 and markov_head.is_cuda
         return cls(QWeight.from_state(state, "mtp.0.main_proj", cfg.fp8_block), state["mtp.0.main_norm.weight"],
                    stages, state[f"{last}.norm.weight"], state[f"{last}.markov_head.embed.weight"],
-                   state[f"{last}.markov_head.head.weight"].float(),
+                   markov_head if lossless else markov_head.float(),
                    state[f"{last}.confidence_head.proj.weight"].float())
 
 
@@ -186,7 +189,7 @@ def propose(w: DSparkWeights, cfg: ModelConfig, embed: torch.Tensor, head: torch
     logits, ids, embeds, prev = base.clone(), block.new_empty(B, k), [], anchor_ids
     for i in range(k):  # the Markov chain: each position's bias depends on the token picked before it
         e = w.markov_embed[prev]
-        logits[:, i] += torch.nn.functional.linear(e.float(), w.markov_head)
+        logits[:, i] += head_logits(e, w.markov_head)
         ids[:, i] = prev = pick(logits[:, i])
         embeds.append(e)
     markov = torch.stack(embeds, 1)  # [B, k, r]

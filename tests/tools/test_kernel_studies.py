@@ -19,7 +19,8 @@ def test_the_studies_are_the_tools_and_not_the_suites(tool, names):
     assert p.parse_args([]).only == names
     assert not set(names) & set(kernels.BENCHES)
     assert list(kernels.BENCHES) == ["attention", "attention_decode", "indexer", "mhc", "rope", "norm", "decode_small",
-                                    "decode_gate", "decode_gemv", "decode_gemv_fp8", "order_keys", "top_ids"]
+                                    "decode_gate", "decode_gemv", "decode_gemv_fp8", "order_keys", "top_ids",
+                                    "dspark_markov"]
 
 
 def test_the_tile_sweeps_are_a_tool_over_the_suites_benches():
