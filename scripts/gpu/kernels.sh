@@ -43,6 +43,22 @@ phase_humming_decode() {  # issue 28 (~60-120 s): Humming's expert GEMMs at deco
     python3 tools/humming_decode_study.py ${HUMMING_DECODE_ARGS:-} --json "$PHASE_DIR/humming_decode.json"
 }
 
+phase_humming_step() {  # issue 28 (not yet run; guess ~4 min: one spec-decode build ~60 s, the study ~2 min):
+    # Humming's tile variants on the routing a real step records (docs/perf/025: synthetic spreads misled twice).
+    # mini bench spec-decode at B = HUMMING_STEP_BATCH (default 64) records each MoE layer's rows per local expert of
+    # its decode and verify steps; tools/humming_decode_study.py replays them (cases step:b64_c4096.decode /
+    # .verify) under HUMMING_STEP_NAMES' variants. Look at: the study's us per case and variant, bit_equal.
+    local rc=0
+    MINI_MOE_GEMM=humming timeout 150 python3 -m mini.cli bench spec-decode --batch "${HUMMING_STEP_BATCH:-64}" \
+        --context 4096 --steps 2 --warmup 1 --no-proxy --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1
+    grep "^spec-decode B=" "$PHASE_DIR/step.log"
+    # shellcheck disable=SC2086
+    python3 tools/humming_decode_study.py --pairs "" --step-routing "$PHASE_DIR/step.json" \
+        --names ${HUMMING_STEP_NAMES:-stages6 ctas2 bucket16 bucket32 bucket64 bucket512 bucket1024 bucket2048} \
+        --json "$PHASE_DIR/humming_step.json" || rc=1
+    return $rc
+}
+
 phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-shape micro-benchmark, then the
     # in-model fast-path check with FlashMLA forced
     local rc=0
