@@ -14,7 +14,7 @@ against the heuristic config's (max |diff|, fraction bit-equal: the same exact p
 A variant the library refuses is reported and skipped; one that faults ends the run (run this last in a call).
 
 Take the cases from the step itself: `--step-routing rank4.json` replays each MoE layer's rows per local expert
-that a rank4-decode run recorded. Tiles chosen on synthetic spreads (PxR, uDxR) were 5-13% slower in the step,
+that a rank4-decode (or spec-decode) run recorded (phase humming_step does both in one call). Tiles chosen on synthetic spreads (PxR, uDxR) were 5-13% slower in the step,
 whose routing concentrates (docs/perf/025: a verify step of 64 x 6 rows put up to 148 rows on one expert where
 the uniform draw gave ~24).
 
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                    help="tuning patches (default: the built-in VARIANTS)")
     p.add_argument("--names", nargs="*", default=None, help="only these of the built-in VARIANTS")
     p.add_argument("--step-routing", default=None, metavar="JSON",
-                   help="a rank4-decode JSON: adds a case step:<shape> per shape, its recorded layers' routings")
+                   help="a rank4-decode (or spec-decode) JSON: a case per recorded step, step:<shape> (spec-decode: "
+                        "step:<shape>.decode / .verify), its layers' routings in turn")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
