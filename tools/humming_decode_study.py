@@ -79,7 +79,7 @@ def step_cases(path: str) -> dict[str, list[list[int]]]:
     layer's pairs per local expert (raw.<shape>.pairs_per_local_expert), the spread the step's GEMMs really saw;
     a spec-decode JSON's steps as "step:<shape>.<decode|verify>"."""
     raw = json.loads(Path(path).read_text())["raw"]
-    found = [(shape, r) for shape, r in raw.items()]
+    found = list(raw.items())
     found += [(f"{shape}.{step}", sub) for shape, r in raw.items() for step, sub in r.items() if isinstance(sub, dict)]
     cases = {f"step:{name}": list(r["pairs_per_local_expert"].values())
              for name, r in found if "pairs_per_local_expert" in r}
@@ -149,11 +149,12 @@ def main(argv=None) -> int:
     specs = [v for v in args.pairs.split(",") if v] + list(recorded)
     cpu = torch.Generator().manual_seed(0)
     counts_of = {spec: case_counts(spec, E, args.rotate, cpu, recorded) for spec in specs}
+    # the rows a case's tile config is chosen for, as the step's: the mean over its routings
+    expected_of = {spec: round(sum(int(c.sum()) for c in cs) / len(cs)) for spec, cs in counts_of.items()}
     configs_of = {}  # (case, GEMM) -> {tag: tuning JSON}
     for spec in specs:
-        expected = round(sum(int(c.sum()) for c in counts_of[spec]) / len(counts_of[spec]))  # as the step's
         for name, st in stacks.items():
-            base = hx.tuning_for(st, expected)
+            base = hx.tuning_for(st, expected_of[spec])
             configs_of[spec, name] = {"default": base,
                                       **{v: patched(base, patch, st) for v, patch in variants.items()}}
     # every build at once, side by side (one at a time they take seconds each)
@@ -165,8 +166,7 @@ def main(argv=None) -> int:
             offset = torch.zeros(E + 1, dtype=torch.int32, device=dev)
             offset[1:] = counts.cumsum(0).to(dev)
             routings.append((offset, int((counts > 0).sum())))
-        pairs = max(int(c.sum()) for c in counts_of[spec])
-        expected = round(sum(int(c.sum()) for c in counts_of[spec]) / len(counts_of[spec]))
+        pairs, expected = max(int(c.sum()) for c in counts_of[spec]), expected_of[spec]
         touched = sum(t for _, t in routings) / len(routings)
         case = {"touched_experts": touched}
         for name, st in stacks.items():

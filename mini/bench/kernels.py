@@ -490,20 +490,19 @@ def bench_dspark_markov(rows: list, sweep=(), dev="cuda"):
     from mini.ops.linear import head_logits
     V, r = 129280, 256
     head = (torch.randn(V, r, device=dev) / r ** 0.5).bfloat16()
-    heads = {"fp32 F.linear (official form)": [h.float() for h in [head] * 2 + [head.clone() for _ in range(2)]],
-             "bf16 head_logits": [head] + [head.clone() for _ in range(3)]}
+    forms = {"fp32 F.linear (official form)": ([head.float() for _ in range(4)], lambda x, h: F.linear(x.float(), h)),
+             "bf16 head_logits": ([head] + [head.clone() for _ in range(3)], head_logits)}
     for B in (1, 64):
         e = torch.randn(5, B, r, device=dev).bfloat16()
         outs = {}
-        for label, hs in heads.items():
+        for label, (hs, product) in forms.items():
             turn = [0]
 
-            def five(hs=hs, label=label):
+            def five(hs=hs, product=product):
                 acc = []
                 for i in range(5):
                     turn[0] = (turn[0] + 1) % len(hs)
-                    acc.append(F.linear(e[i].float(), hs[turn[0]]) if label.startswith("fp32")
-                               else head_logits(e[i], hs[turn[0]]))
+                    acc.append(product(e[i], hs[turn[0]]))
                 return acc
             outs[label] = torch.stack(five())
             ms = _bench_graph(five)
