@@ -54,17 +54,26 @@ VARIANTS = {
     "mma128": {"mma_type": "mma", "block_shape": [8, 128, 64], "warp_shape": [8, 64, 32]},
     # for scale only, never served: stream-K's bf16 reduce-add rounds twice (what parallelism over K would give)
     "streamk": {"use_stream_k": True},
+    # bucket 512's mma.sync tile (8 rows, K split between two warps) with more rows per tile: an expert's rows in one
+    # or two tiles instead of 3-18 that each re-read its weights (a verify step puts ~24-148 rows on an expert)
+    "mma_m16": {"bucket": 512, "block_shape": [16, None, None], "warp_shape": [16, None, None]},
+    "mma_m32": {"bucket": 512, "block_shape": [32, None, None], "warp_shape": [32, None, None]},
+    "mma_m16_ctas2": {"bucket": 512, "block_shape": [16, None, None], "warp_shape": [16, None, None],
+                      "num_ctas_per_sm": 2},
+    "mma_m32_ctas2": {"bucket": 512, "block_shape": [32, None, None], "warp_shape": [32, None, None],
+                      "num_ctas_per_sm": 2},
 }
 
 
 def patched(base: str, patch: dict, stack) -> str:
     """The tuning JSON `base` with `patch`'s keys replaced; list entries None keep the base's value. The warp
-    shape's N follows a narrower block N. {"bucket": R}: the heuristic's config for R rows instead."""
+    shape's N follows a narrower block N. {"bucket": R}: the heuristic's config for R rows instead, with the
+    patch's other keys over it."""
     from mini.kernels.humming_experts import tuning_for
     if "bucket" in patch:
-        return tuning_for(stack, patch["bucket"])
+        base = tuning_for(stack, patch["bucket"])
     t = json.loads(base)
-    for key, val in patch.items():
+    for key, val in ((k, v) for k, v in patch.items() if k != "bucket"):
         if isinstance(val, list):
             t[key] = [b if v is None else v for v, b in zip(val, t[key])]
         else:

@@ -47,7 +47,8 @@ phase_humming_step() {  # issue 28 (not yet run; guess ~4 min: one spec-decode b
     # Humming's tile variants on the routing a real step records (docs/perf/025: synthetic spreads misled twice).
     # mini bench spec-decode at B = HUMMING_STEP_BATCH (default 64) records each MoE layer's rows per local expert of
     # its decode and verify steps; tools/humming_decode_study.py replays them (cases step:b64_c4096.decode /
-    # .verify) under HUMMING_STEP_NAMES' variants. Look at: the study's us per case and variant, bit_equal.
+    # .verify) under HUMMING_STEP_NAMES' variants, then HUMMING_STEP_MORE's in a second process. Look at: the
+    # study's us per case and variant, bit_equal.
     local rc=0
     MINI_MOE_GEMM=humming timeout 150 python3 -m mini.cli bench spec-decode --batch "${HUMMING_STEP_BATCH:-64}" \
         --context 4096 --steps 2 --warmup 1 --no-proxy --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1
@@ -56,6 +57,9 @@ phase_humming_step() {  # issue 28 (not yet run; guess ~4 min: one spec-decode b
     python3 tools/humming_decode_study.py --pairs "" --step-routing "$PHASE_DIR/step.json" \
         --names ${HUMMING_STEP_NAMES:-stages6 ctas2 bucket16 bucket32 bucket64 bucket512 bucket1024 bucket2048} \
         --json "$PHASE_DIR/humming_step.json" || rc=1
+    # hand-made tiles the heuristic never picks (a fault would end the study above): a process of their own
+    [ -n "${HUMMING_STEP_MORE:-}" ] && { python3 tools/humming_decode_study.py --pairs "" --step-routing \
+        "$PHASE_DIR/step.json" --names $HUMMING_STEP_MORE --json "$PHASE_DIR/humming_step_more.json" || rc=1; }
     return $rc
 }
 
