@@ -62,6 +62,14 @@ VARIANTS = {
                       "num_ctas_per_sm": 2},
     "mma_m32_ctas2": {"bucket": 512, "block_shape": [32, None, None], "warp_shape": [32, None, None],
                       "num_ctas_per_sm": 2},
+    # bucket 4096's wgmma tile (56 rows; a B = 64 verify step) with more rows: fewer tiles re-read a concentrated
+    # expert's weights; and the heuristic's tiles for more rows than the step has
+    "wg_m64": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None]},
+    "wg_m96": {"bucket": 4096, "block_shape": [96, None, None], "warp_shape": [96, None, None]},
+    "wg_m128": {"bucket": 4096, "block_shape": [128, None, None], "warp_shape": [128, None, None]},
+    "wg_m64_ctas1": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None],
+                     "num_ctas_per_sm": 1},
+    "bucket4096": {"bucket": 4096}, "bucket8192": {"bucket": 8192}, "bucket16384": {"bucket": 16384},
 }
 
 

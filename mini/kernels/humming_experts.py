@@ -261,11 +261,18 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 # - w2 [5120, 2304]: the heuristic's wgmma tile spans all 256 columns (20 CTAs per touched expert); w1|w3's
 #   mma.sync tile of 128 columns instead: 20.6 -> 12.4 us at 1 x 4 (64 columns: 12.1), 27.2 (64 columns) -> 22.9 at
 #   6 x 1, 31.6 -> 23.5 at 36 x 4. Another summation order than wgmma's (one fp32 sum, one rounding either way).
+# - Bucket 512 (B = 43-85 on the emulated rank), measured on the routing a B = 64 decode step recorded (phase
+#   humming_step, docs/perf/026; ~60 touched experts, up to 24 rows on one): w1|w3 with 6 stages instead of 4
+#   (296 -> 286 us), w2's wgmma tile with 16 rows instead of 8 (159 -> 150 us). Both the same sums (bit-equal).
 DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
                                        {"block_shape": [8, 64, 64], "num_stages": 6}) for bucket in (16, 32, 64)}
 DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_type": "wgmma"},
                                             {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})
+DECODE_TILES[4608, 5120, 512] = ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma",
+                                  "num_stages": 4}, {"num_stages": 6})
+DECODE_TILES[5120, 2304, 512] = ({"block_shape": [8, 256, 64], "warp_shape": [8, 64, 64], "mma_type": "wgmma"},
+                                 {"block_shape": [16, 256, 64], "warp_shape": [16, 64, 64]})
 
 
 @functools.cache

@@ -165,28 +165,49 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         got = json.loads(hx._tuning(w2, 32))
         assert (got["block_shape"], got["warp_shape"], got["mma_type"]) == ([8, 128, 64], [8, 64, 32], "mma")
         assert json.loads(hx._tuning(w2, 128))["mma_type"] == "wgmma"
+        # bucket 512: w2's wgmma tile takes 16 rows; w1|w3's mma.sync tile 6 stages, only from the heuristic's 4
+        assert json.loads(hx._tuning(w2, 512))["block_shape"] == [16, 256, 64]
+        heuristic["config"] = dict(base)
+        hx._tuning.cache_clear()
+        assert json.loads(hx._tuning(w13, 512))["num_stages"] == 6
+        heuristic["config"] = {**base, "num_stages": 5}
+        hx._tuning.cache_clear()
+        assert json.loads(hx._tuning(w13, 512))["num_stages"] == 5
     finally:
         hx._tuning.cache_clear()
 
 
-def _tuned_and_plain(hx, N, K):
-    """At V4.1's [N, K] expert shape, 6 experts x 1 row and 1 expert x 4 rows (8 local experts): each case's
-    outputs under the decode tile change (`tuned`) and under the heuristic's own config, as (tuned, plain)."""
-    stack = hx.convert(*_experts(8, N, K, 120, 121))
-    tuned, plain = hx.tuning_for(stack, 6), hx.tuning_for(stack, 6, tuned=False)
+def _tuned_and_plain(hx, N, K, experts=8, rows=6):
+    """At V4.1's [N, K] expert shape, each case's outputs under the decode tile change (`tuned`) and under the
+    heuristic's own config, as (tuned, plain). 8 local experts and 6 rows (bucket 16): 6 experts x 1 row and 1
+    expert x 4 rows. 96 and 384 (bucket 512, B = 64's decode on the emulated rank): 60 experts touched with 4-24
+    rows each in multiples of 4, as that step's routing."""
+    stack = hx.convert(*_experts(experts, N, K, 120, 121))
+    tuned, plain = hx.tuning_for(stack, rows), hx.tuning_for(stack, rows, tuned=False)
     assert tuned != plain
-    for counts in ([1, 1, 1, 0, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0, 0, 0]):
+    if rows <= 16:
+        cases = ([1, 1, 1, 0, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0, 0, 0])
+    else:
+        g = torch.Generator().manual_seed(0)
+        touched = torch.randperm(experts, generator=g)[:60]
+        step = torch.zeros(experts, dtype=torch.int64)
+        step[touched] = 4 * torch.randint(1, 7, (60,), generator=g)
+        cases = (step.tolist(),)
+    for counts in cases:
         counts = torch.tensor(counts, device="cuda")
         offset = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
         a = torch.randn(int(counts.sum()), K, device="cuda").bfloat16()
-        yield (hx.grouped_gemm(a, stack, offset, 6, tuning=tuned), hx.grouped_gemm(a, stack, offset, 6, tuning=plain))
+        yield (hx.grouped_gemm(a, stack, offset, rows, tuning=tuned),
+               hx.grouped_gemm(a, stack, offset, rows, tuning=plain))
 
 
 @pytest.mark.gpu
 def test_decode_tiles_give_the_heuristic_configs_bits_gpu(hx):
-    """The decode tile change keeps the heuristic's sums at V4.1's w1|w3 shape: the same bits under both configs."""
-    for got, ref in _tuned_and_plain(hx, 4608, 5120):
-        assert torch.equal(got, ref)
+    """The decode tile changes keep the heuristic's sums at V4.1's w1|w3 shape (buckets 16 and 512) and at w2's in
+    bucket 512 (16 rows per wgmma tile instead of 8): the same bits under both configs."""
+    for args in ((4608, 5120), (4608, 5120, 96, 384), (5120, 2304, 96, 384)):
+        for got, ref in _tuned_and_plain(hx, *args):
+            assert torch.equal(got, ref)
 
 
 @pytest.mark.gpu
