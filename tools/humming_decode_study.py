@@ -5,18 +5,20 @@ adds partial tiles into the bf16 output: a second rounding), so a GEMM has one C
 expert: at B = 1 on one emulated EP4 rank (~1.4 touched experts) ~50 CTAs for 132 SMs. This study asks whether
 other tiles (narrower N, deeper K, more stages, more CTAs per SM) stream an expert's weights faster there.
 
-Setup: one layer's 96 local experts at V4.1-Flash shape (w1|w3: N 4608, K 5120; w2: N 5120, K 2304), random MXFP4
-codes and E8M0 scales, converted to Humming's layout. For each case (pairs routed to local experts per step),
-ROTATE different random routings are replayed in turn inside one CUDA graph, so the touched experts change call
-to call and their weights come from HBM, not L2 (a layer's experts are 1.7 GB). Per config: us per GEMM call
+Setup: one layer's 96 local experts (a recorded case: its own count, DSpark's draft 128) at V4.1-Flash shape
+(w1|w3: N 4608, K 5120; w2: N 5120, K 2304), random MXFP4 codes and E8M0 scales, converted to Humming's layout.
+For each case (pairs routed to local experts per step), ROTATE different random routings are replayed in turn
+inside one CUDA graph, so the touched experts change call to call and their weights come from HBM, not L2 (a
+layer's experts are 1.7 GB). Per config: us per GEMM call
 (median graph replay / ROTATE), the weight bytes the touched experts hold over that time (GB/s), and the outputs
 against the heuristic config's (max |diff|, fraction bit-equal: the same exact products summed in another order).
 A variant the library refuses is reported and skipped; one that faults ends the run (run this last in a call).
 
 Take the cases from the step itself: `--step-routing rank4.json` replays each MoE layer's rows per local expert
-that a rank4-decode (or spec-decode) run recorded (phase humming_step does both in one call). Tiles chosen on synthetic spreads (PxR, uDxR) were 5-13% slower in the step,
-whose routing concentrates (docs/perf/025: a verify step of 64 x 6 rows put up to 148 rows on one expert where
-the uniform draw gave ~24).
+that a rank4-decode (or spec-decode: its decode, verify and draft steps) run recorded (phase humming_step does
+both in one call). Tiles chosen on synthetic spreads (PxR, uDxR) were 5-13% slower in the step, whose routing
+concentrates (docs/perf/025: a verify step of 64 x 6 rows put up to 148 rows on one expert where the uniform draw
+gave ~24); tiles chosen on the step's own routing held in the step (docs/perf/026: bucket 512).
 
     python3 tools/humming_decode_study.py --pairs 4x4,96x4,384x4 [--step-routing rank4.json] [--names ...]
         [--variants NAME=JSON ...] [--json out.json]
@@ -105,6 +107,12 @@ def step_cases(path: str) -> dict[str, list[list[int]]]:
     return cases
 
 
+def case_experts(spec: str, default: int, recorded: dict) -> int:
+    """The experts of a case's layer: a recorded case's own count (DSpark's draft MoE holds 128, a rank's layer 96
+    at V4.1-Flash), the default for a synthetic one."""
+    return len(recorded[spec][0]) if spec in recorded else default
+
+
 def case_counts(spec: str, experts: int, rotate: int, g: torch.Generator, recorded: dict) -> list[torch.Tensor]:
     """`rotate` routings of one case, each the pairs (rows) per local expert [experts]: PxR, P rows on P / R
     experts drawn without repeats, R each; uDxR, D pairs drawn uniformly, R rows each; step:<shape>, the recorded
@@ -134,14 +142,16 @@ def main(argv=None) -> int:
                         "emulated EP4 rank repeats each own token 4 times: B = 1 is ~1.4 experts x 4 rows, its verify "
                         "step of 6 rows per sequence ~36x4); uDxR = D (token, local expert) pairs drawn uniformly "
                         "over the experts, each R rows (a step's spread: B = 64 on the emulated rank is u96x4)")
-    p.add_argument("--experts", type=int, default=96, help="local experts of the layer")
+    p.add_argument("--experts", type=int, default=96,
+                   help="local experts of the layer in the synthetic cases (a recorded case has its own count: "
+                        "DSpark's draft MoE 128)")
     p.add_argument("--rotate", type=int, default=8, help="different routings replayed in turn")
     p.add_argument("--variants", nargs="*", default=None, metavar="NAME=JSON",
                    help="tuning patches (default: the built-in VARIANTS)")
     p.add_argument("--names", nargs="*", default=None, help="only these of the built-in VARIANTS")
     p.add_argument("--step-routing", default=None, metavar="JSON",
                    help="a rank4-decode (or spec-decode) JSON: a case per recorded step, step:<shape> (spec-decode: "
-                        "step:<shape>.decode / .verify), its layers' routings in turn")
+                        "step:<shape>.decode / .verify / .draft), its layers' routings in turn")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -150,43 +160,45 @@ def main(argv=None) -> int:
     from mini.config import preset
     from mini.kernels import humming_experts as hx
     cfg = preset("v4.1-flash")
-    D, I, E = cfg.dim, cfg.moe_inter_dim, args.experts
+    D, I = cfg.dim, cfg.moe_inter_dim
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
 
-    def stack(n, k):
+    def stack(E, n, k):
         codes = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
         scales = torch.randint(120, 122, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
         return hx.convert(codes, scales)
-    stacks = {"w13": stack(2 * I, D), "w2": stack(D, I)}
     variants = {n: VARIANTS[n] for n in args.names} if args.names else VARIANTS if args.variants is None else {
         v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variants}
-    results = {"device": torch.cuda.get_device_name(), "experts": E, "rotate": args.rotate, "cases": {}}
+    results = {"device": torch.cuda.get_device_name(), "experts": args.experts, "rotate": args.rotate, "cases": {}}
     recorded = step_cases(args.step_routing) if args.step_routing else {}
     specs = [v for v in args.pairs.split(",") if v] + list(recorded)
+    experts_of = {spec: case_experts(spec, args.experts, recorded) for spec in specs}
+    stacks_of = {E: {"w13": stack(E, 2 * I, D), "w2": stack(E, D, I)} for E in sorted(set(experts_of.values()))}
     cpu = torch.Generator().manual_seed(0)
-    counts_of = {spec: case_counts(spec, E, args.rotate, cpu, recorded) for spec in specs}
+    counts_of = {spec: case_counts(spec, experts_of[spec], args.rotate, cpu, recorded) for spec in specs}
     # the rows a case's tile config is chosen for, as the step's: the mean over its routings
     expected_of = {spec: round(sum(int(c.sum()) for c in cs) / len(cs)) for spec, cs in counts_of.items()}
     configs_of = {}  # (case, GEMM) -> {tag: tuning JSON}
     for spec in specs:
-        for name, st in stacks.items():
+        for name, st in stacks_of[experts_of[spec]].items():
             base = hx.tuning_for(st, expected_of[spec])
             configs_of[spec, name] = {"default": base,
                                       **{v: patched(base, patch, st) for v, patch in variants.items()}}
     # every build at once, side by side (one at a time they take seconds each)
-    refused = hx.warm_up([(stacks[name], t) for (_, name), cs in configs_of.items() for t in cs.values()])
+    refused = hx.warm_up([(stacks_of[experts_of[spec]][name], t) for (spec, name), cs in configs_of.items()
+                          for t in cs.values()])
     results["refused"] = refused
     for spec in specs:
-        routings = []
+        E, routings = experts_of[spec], []
         for counts in counts_of[spec]:
             offset = torch.zeros(E + 1, dtype=torch.int32, device=dev)
             offset[1:] = counts.cumsum(0).to(dev)
             routings.append((offset, int((counts > 0).sum())))
         pairs, expected = max(int(c.sum()) for c in counts_of[spec]), expected_of[spec]
         touched = sum(t for _, t in routings) / len(routings)
-        case = {"touched_experts": touched}
-        for name, st in stacks.items():
+        case = {"touched_experts": touched, "experts": E}
+        for name, st in stacks_of[E].items():
             a = torch.randn(pairs, st.k, generator=g, device=dev).bfloat16()
             # zeros: rows past a routing's own count are never written, and the configs' outputs are compared whole
             outs = [torch.zeros(pairs, st.n, dtype=torch.bfloat16, device=dev) for _ in routings]

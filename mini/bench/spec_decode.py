@@ -96,6 +96,23 @@ class DraftStep:
             return self.ids
         return propose(m.dspark, m.config, m.embed, m.head, self.rings, self.anchors, self.positions, self.slots).ids
 
+    def routing(self) -> dict[str, list[int]]:
+        """One eager `propose` that keeps each draft MoE call's rows per expert (call index -> counts [experts]):
+        the spread a study of the draft's expert GEMMs should replay (tools/humming_decode_study.py
+        --step-routing, case step:<shape>.draft). Before `capture`: the counts are read back to the host."""
+        from unittest import mock
+
+        from mini.ops import moe as moe_op
+        seen, inner = [], moe_op.experts_and_shared
+
+        def recording(x, own, w, cfg, weights, ids, step=None):
+            local = ids[(ids >= w.experts.start) & (ids < w.experts.stop)] - w.experts.start
+            seen.append(torch.bincount(local.flatten(), minlength=len(w.experts)).tolist())
+            return inner(x, own, w, cfg, weights, ids, step)
+        with mock.patch.object(moe_op, "experts_and_shared", recording):
+            self.propose()
+        return {str(i): counts for i, counts in enumerate(seen)}
+
     def capture(self) -> str:
         """Capture `write` and `propose` in a CUDA graph each (the engine's write and draft graphs) after an eager
         run of both that must not sync with the host; returns why not ('' when captured)."""
@@ -124,6 +141,7 @@ def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) 
     step = DraftStep(model, batch, context, rows, args.seed, getattr(torch, args.dtype))
     step.write()
     step.propose()  # the eager warm-up: kernels compiled
+    routing = step.routing()
     why = step.capture() if cuda else "not CUDA"
     for _ in range(args.warmup):
         step.write()
@@ -133,7 +151,8 @@ def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) 
     m = {"draft_write_ms": statistics.median(write), "draft_propose_ms": statistics.median(prop),
          "draft_graph": float(step.graphs is not None)}
     m["draft_ms"] = m["draft_write_ms"] + m["draft_propose_ms"]
-    return m, {"draft_write_ms": write, "draft_propose_ms": prop, "draft_graph_refused": why}
+    return m, {"draft_write_ms": write, "draft_propose_ms": prop, "draft_graph_refused": why,
+               "pairs_per_local_expert": routing}
 
 
 def speedups(B: int, decode_ms: float, verify_ms: float, draft_ms: float, acceptance: list[float],

@@ -43,12 +43,12 @@ phase_humming_decode() {  # issue 28 (~60-120 s): Humming's expert GEMMs at deco
     python3 tools/humming_decode_study.py ${HUMMING_DECODE_ARGS:-} --json "$PHASE_DIR/humming_decode.json"
 }
 
-phase_humming_step() {  # issue 28 (not yet run; guess ~4 min: one spec-decode build ~60 s, the study ~2 min):
+phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 125 s with 8, docs/perf/026):
     # Humming's tile variants on the routing a real step records (docs/perf/025: synthetic spreads misled twice).
     # mini bench spec-decode at B = HUMMING_STEP_BATCH (default 64) records each MoE layer's rows per local expert of
-    # its decode and verify steps; tools/humming_decode_study.py replays them (cases step:b64_c4096.decode /
-    # .verify) under HUMMING_STEP_NAMES' variants, then HUMMING_STEP_MORE's in a second process. Look at: the
-    # study's us per case and variant, bit_equal.
+    # its decode and verify steps, and DSpark's draft MoE's rows per expert (128); tools/humming_decode_study.py
+    # replays them (cases step:b64_c4096.decode / .verify / .draft) under HUMMING_STEP_NAMES' variants, then
+    # HUMMING_STEP_MORE's in a second process. Look at: the study's us per case and variant, bit_equal.
     local rc=0
     MINI_MOE_GEMM=humming timeout 150 python3 -m mini.cli bench spec-decode --batch "${HUMMING_STEP_BATCH:-64}" \
         --context 4096 --steps 2 --warmup 1 --no-proxy --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1

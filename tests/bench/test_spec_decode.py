@@ -47,6 +47,15 @@ def test_suite_runs_on_the_tiny_model_and_reports_every_figure():
     assert not any(k.startswith("b2_c37.") and "target" in k for k in m)
     # the proxy's cache holds B x (1 + k) sequences; the draft step's work does not depend on k
     assert result["raw"]["b2_c37"]["draft"]["draft_graph_refused"] == "not CUDA"
+    # the draft MoE's routing, one entry per stage's MoE call: every expert's rows, each of the block's positions
+    # routed to the draft's top-k experts (what tools/humming_decode_study.py replays as step:b2_c37.draft)
+    cfg = sd.dspark_config("tiny-v4.1-dspark")
+    for B in (1, 2):
+        calls = result["raw"][f"b{B}_c37"]["draft"]["pairs_per_local_expert"]
+        assert len(calls) == cfg.n_mtp_layers
+        for counts in calls.values():
+            assert len(counts) == cfg.dspark_n_routed_experts
+            assert sum(counts) == B * cfg.dspark_block_size * cfg.dspark_n_activated_experts
 
 
 def test_a_proxy_that_does_not_fit_leaves_the_rest(monkeypatch, capsys):

@@ -39,8 +39,11 @@ def test_recorded_routings_replay_the_step(tmp_path):
     assert [c.tolist() for c in counts] == list(layers.values()) + [list(layers.values())[0]]
     with pytest.raises(SystemExit, match="local experts"):
         study.case_counts("step:b3_c20", experts + 1, 2, torch.Generator(), recorded)
-    path.write_text(json.dumps({"raw": {"b1_c20": {"verify": {"pairs_per_local_expert": {"3": [2, 0]}}}}}))
-    assert study.step_cases(str(path)) == {"step:b1_c20.verify": [[2, 0]]}  # a spec-decode run's steps
+    path.write_text(json.dumps({"raw": {"b1_c20": {"verify": {"pairs_per_local_expert": {"3": [2, 0]}},
+                                                   "draft": {"pairs_per_local_expert": {"0": [1, 0, 3]}}}}}))
+    recorded = study.step_cases(str(path))  # a spec-decode run's steps, DSpark's draft MoE with its own experts
+    assert recorded == {"step:b1_c20.verify": [[2, 0]], "step:b1_c20.draft": [[1, 0, 3]]}
+    assert study.case_experts("step:b1_c20.draft", 96, recorded) == 3 and study.case_experts("u96x4", 96, {}) == 96
     path.write_text(json.dumps({"raw": {"b3_c20": {"step_ms": [1.0]}}}))
     with pytest.raises(SystemExit, match="pairs_per_local_expert"):
         study.step_cases(str(path))
