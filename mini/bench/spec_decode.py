@@ -34,6 +34,7 @@ import statistics
 import torch
 
 from mini.bench import rank4_decode
+from mini.testing.emulated_ep import record_moe_calls
 from mini.testing.suites import SuiteError
 
 SUITE = "spec-decode"
@@ -96,23 +97,6 @@ class DraftStep:
             return self.ids
         return propose(m.dspark, m.config, m.embed, m.head, self.rings, self.anchors, self.positions, self.slots).ids
 
-    def routing(self) -> dict[str, list[int]]:
-        """One eager `propose` that keeps each draft MoE call's rows per expert (call index -> counts [experts]):
-        the spread a study of the draft's expert GEMMs should replay (tools/humming_decode_study.py
-        --step-routing, case step:<shape>.draft). Before `capture`: the counts are read back to the host."""
-        from unittest import mock
-
-        from mini.ops import moe as moe_op
-        seen, inner = [], moe_op.experts_and_shared
-
-        def recording(x, own, w, cfg, weights, ids, step=None):
-            local = ids[(ids >= w.experts.start) & (ids < w.experts.stop)] - w.experts.start
-            seen.append(torch.bincount(local.flatten(), minlength=len(w.experts)).tolist())
-            return inner(x, own, w, cfg, weights, ids, step)
-        with mock.patch.object(moe_op, "experts_and_shared", recording):
-            self.propose()
-        return {str(i): counts for i, counts in enumerate(seen)}
-
     def capture(self) -> str:
         """Capture `write` and `propose` in a CUDA graph each (the engine's write and draft graphs) after an eager
         run of both that must not sync with the host; returns why not ('' when captured)."""
@@ -141,7 +125,7 @@ def measure_draft(model, args, batch: int, context: int, rows: int, cuda: bool) 
     step = DraftStep(model, batch, context, rows, args.seed, getattr(torch, args.dtype))
     step.write()
     step.propose()  # the eager warm-up: kernels compiled
-    routing = step.routing()
+    routing = record_moe_calls(step.propose)  # the draft MoE's rows per expert (humming_decode_study: .draft)
     why = step.capture() if cuda else "not CUDA"
     for _ in range(args.warmup):
         step.write()

@@ -137,3 +137,22 @@ class EmulatedEP:
             counts = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
             self.pairs[plan.layer] = counts[w.experts.start:w.experts.stop]
         return experts_and_shared(x_all, x.shape[0], w, cfg, weights, ids)
+
+
+def record_moe_calls(step) -> dict[str, list[int]]:
+    """Run `step()` (eagerly: the counts are read back to the host), keeping each MoE call's rows per local expert
+    in call order ("0", "1", ... -> counts [experts]): the routing of MoE layers that do not go through
+    `EmulatedEP` (DSpark's draft stages), for the same studies as `EmulatedEP.record`'s
+    (tools/humming_decode_study.py --step-routing)."""
+    from unittest import mock
+
+    from mini.ops import moe as moe_op
+    seen, inner = [], moe_op.experts_and_shared
+
+    def recording(x, own, w, cfg, weights, ids, step=None):
+        local = ids[(ids >= w.experts.start) & (ids < w.experts.stop)] - w.experts.start
+        seen.append(torch.bincount(local.flatten(), minlength=len(w.experts)).tolist())
+        return inner(x, own, w, cfg, weights, ids, step)
+    with mock.patch.object(moe_op, "experts_and_shared", recording):
+        step()
+    return {str(i): counts for i, counts in enumerate(seen)}
