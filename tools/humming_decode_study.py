@@ -96,7 +96,7 @@ def patched(base: str, patch: dict, stack) -> str:
 def step_cases(path: str) -> dict[str, list[list[int]]]:
     """A rank4-decode (or tools/rank4_decode_floor.py) JSON's recorded routings: "step:<shape>" -> each MoE
     layer's pairs per local expert (raw.<shape>.pairs_per_local_expert), the spread the step's GEMMs really saw;
-    a spec-decode JSON's steps as "step:<shape>.<decode|verify>"."""
+    a spec-decode JSON's steps as "step:<shape>.<decode|verify|draft>"."""
     raw = json.loads(Path(path).read_text())["raw"]
     found = list(raw.items())
     found += [(f"{shape}.{step}", sub) for shape, r in raw.items() for step, sub in r.items() if isinstance(sub, dict)]

@@ -134,9 +134,13 @@ class EmulatedEP:
         from mini.ops.moe import experts_and_shared
         x_all, weights, ids = self.route(x, w, cfg, plan, input_ids, image_mask)
         if self.recording:
-            counts = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
-            self.pairs[plan.layer] = counts[w.experts.start:w.experts.stop]
+            self.pairs[plan.layer] = local_pairs(ids, w.experts, cfg.n_routed_experts)
         return experts_and_shared(x_all, x.shape[0], w, cfg, weights, ids)
+
+
+def local_pairs(ids: torch.Tensor, experts: range, n_experts: int) -> torch.Tensor:
+    """int64 [len(experts)]: the (row, slot) pairs of `ids` routed to each of `experts`, the local ones."""
+    return torch.bincount(ids.flatten(), minlength=n_experts)[experts.start:experts.stop]
 
 
 def record_moe_calls(step) -> dict[str, list[int]]:
@@ -150,8 +154,7 @@ def record_moe_calls(step) -> dict[str, list[int]]:
     seen, inner = [], moe_op.experts_and_shared
 
     def recording(x, own, w, cfg, weights, ids, step=None):
-        local = ids[(ids >= w.experts.start) & (ids < w.experts.stop)] - w.experts.start
-        seen.append(torch.bincount(local.flatten(), minlength=len(w.experts)).tolist())
+        seen.append(local_pairs(ids, w.experts, cfg.n_routed_experts).tolist())
         return inner(x, own, w, cfg, weights, ids, step)
     with mock.patch.object(moe_op, "experts_and_shared", recording):
         step()
