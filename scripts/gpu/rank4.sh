@@ -90,6 +90,19 @@ phase_spec_decode() {  # issue 27 item 6 (<= 200 s, not yet run): speculation's 
     return $rc
 }
 
+phase_draft_census() {  # issue 27 (<= 150 s, one build ~35 s + DSpark's stages): DSpark's draft step by kernel
+    # (tools/draft_census.py: spec-decode's DraftStep, the ring write and the proposal in CUDA graphs, the proposal
+    # under torch.profiler) at B in DRAFT_CENSUS_BATCH, 4K. Look at: the "draft-census B=" lines (write / propose ms,
+    # the proposal's 25 longest kernels with launches per step), draft_census.json's b*.propose.kernel_ms.*.
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 140 python3 tools/draft_census.py \
+        --batch "${DRAFT_CENSUS_BATCH:-1,64}" --context 4096 --steps 10 --warmup 3 ${DRAFT_CENSUS_ARGS:-} \
+        --json "$PHASE_DIR/draft_census.json" >"$PHASE_DIR/draft_census.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:" "$PHASE_DIR/draft_census.log" | tail -5
+    grep "^draft-census B=" "$PHASE_DIR/draft_census.log"
+    return $rc
+}
+
 phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 32K decode step's time goes: the
     # shape alone (one build), its graph replays under torch.profiler, kernels grouped into parts (kernel_ms.*:
     # moe_experts, sparse_attention, indexer, gemm, gate_route, mhc_norm, quant_rope, copies, other; they add up to
