@@ -10,14 +10,25 @@ n + k entries per draft, the same for its k queries. The rings hold keys only of
 K = V (one latent), a per-head sink in the denominator, scale 1/sqrt(D): the arithmetic is the official
 sparse-attention kernel's, as in `mini.ops.attention` (an online softmax over blocks of 64 list entries, so where the
 block keys sit in the list fixes the rounding: right after the n ring entries, as the official list puts them).
-There is no fast path yet: the engine captures the draft step in CUDA graphs (mini.model.dspark_drafter), the
-place for one.
+On the fast path (bf16 on CUDA, V4.1-Flash's 64 heads x 512, MINI_SPARSE_ATTN allowing FlashMLA) the op runs
+FlashMLA's sparse prefill kernel over each draft's list (`draft_kernel` says when): the B sequences' ring rows and
+the block keys laid out as one key tensor, each query's list in the official order, built with device ops only so
+that the draft step's CUDA graph holds it. The kernel walks a list in blocks of 64 entries as the official kernel
+does, with P rounded to bf16 before P·V: `mini.ops.attention`'s FlashMLA arithmetic, one CTA per (query, 64 heads),
+so a draft's result does not depend on the batch it runs in. The reference's torch ops (fp32 GEMMs and ~20
+elementwise passes per stage) were the draft step's largest part after its experts (tools/draft_census.py,
+docs/perf/027).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from mini.kernels import flashmla_attention as flashmla
+from mini.ops import backends, deterministic, use_fast
 from mini.ops.attention import _attend as official_online_softmax
+from mini.ops.attention import det_sparse_attn
 from mini.ops.stages import staged
 
 
@@ -38,17 +49,69 @@ def draft_key_lists(block_kv: torch.Tensor, ring: torch.Tensor, slots: torch.Ten
     return keys, from_ring | from_block
 
 
+def draft_kernel(q: torch.Tensor, block_kv: torch.Tensor, ring: torch.Tensor) -> str:
+    """Which kernel computes a draft's attention: "flashmla" where FlashMLA's kernel takes it (the fast path on
+    CUDA, bf16, its head count and width) and MINI_SPARSE_ATTN settled on the library; "flashmla-checked" while
+    auto has not settled it (outside a capture: the first call compares the library with the reference, as the
+    backbone's first FlashMLA call does, and settles the switch); else "reference". In the deterministic mode only
+    where MINI_DET_SPARSE_ATTN keeps FlashMLA (one CTA per query: nothing depends on the batch)."""
+    if not (use_fast(q) and flashmla.takes_model(q.flatten(0, 1), [block_kv, ring])):
+        return "reference"
+    if deterministic() and det_sparse_attn() != "flashmla":
+        return "reference"
+    library = backends.sparse_attn()
+    if library == "auto-flashmla" and not torch.cuda.is_current_stream_capturing():
+        return "flashmla-checked"
+    return "flashmla" if library == "flashmla" else "reference"
+
+
+def draft_key_rows(block_kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, n_ring: torch.Tensor,
+                   width_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draft_key_lists` as rows of one key tensor, the form FlashMLA reads: (keys [B·W + B·k, D], the B
+    sequences' rings then the block keys; rows [B·k, n] int32, the list of each of a draft's k queries, n = W + k
+    rounded up to `width_multiple`, -1 past its end; count [B·k] int32, the list's length n_ring + k). Device ops
+    only: no sync, so a CUDA graph can hold it."""
+    B, k, D = block_kv.shape
+    W = ring.shape[1]
+    keys = torch.cat([ring.index_select(0, slots).reshape(B * W, D), block_kv.reshape(B * k, D)])
+    j = torch.arange(-(-(W + k) // width_multiple) * width_multiple, device=ring.device)
+    b, n = torch.arange(B, device=ring.device)[:, None], n_ring[:, None]
+    rows = torch.where(j < n, b * W + j, torch.where(j < n + k, B * W + b * k + j - n, -1))
+    return keys, rows.repeat_interleave(k, dim=0).int(), (n_ring + k).repeat_interleave(k).int()
+
+
 @staged("attention.sparse_core")
 def draft_attention(q: torch.Tensor, block_kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor,
                     n_ring: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, k, H, D] (the block's queries, RoPE'd at p+1..p+k), block_kv [B, k, D] (the block's keys, RoPE'd and
     fake-quantized), ring [n_slots, W, D] (one stage's ring), slots [B], n_ring [B] (ring slots holding keys:
     min(W, p + 1)), sink [H] fp32 -> o [B, k, H, D] in q.dtype (keys' rotation still on its tail)."""
+    args = (q, block_kv, ring, slots, n_ring, sink, scale)
+    kernel = draft_kernel(q, block_kv, ring)
+    if kernel == "flashmla":
+        return _flashmla(*args)
+    if kernel == "flashmla-checked":
+        out, problem = flashmla.checked_first_call(lambda: _reference(*args), lambda: _flashmla(*args))
+        if problem:
+            warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem} (DSpark's draft attention); "
+                          "the sparse attention stays on our kernels")
+        backends.settle_sparse_attn("triton" if problem else "flashmla")
+        return out
+    return _reference(*args)
+
+
+def _reference(q, block_kv, ring, slots, n_ring, sink, scale) -> torch.Tensor:
     B, k, H, D = q.shape
     keys, valid = draft_key_lists(block_kv, ring, slots, n_ring)
     per_query = keys.repeat_interleave(k, dim=0), valid.repeat_interleave(k, dim=0)  # a draft's k queries share it
     o = official_online_softmax(q.reshape(B * k, H, D), *per_query, sink.float(), scale)
     return o.to(q.dtype).view(B, k, H, D)
+
+
+def _flashmla(q, block_kv, ring, slots, n_ring, sink, scale) -> torch.Tensor:
+    B, k, H, D = q.shape
+    keys, rows, count = draft_key_rows(block_kv, ring, slots, n_ring, flashmla.TOPK_MULTIPLE)
+    return flashmla.sparse_prefill(q.reshape(B * k, H, D), keys, rows, count, sink, scale).view(B, k, H, D)
 
 
 def plain_draft_attention(q: torch.Tensor, block_kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor,

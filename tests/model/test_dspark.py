@@ -12,7 +12,7 @@ import torch
 from mini.checkpoint.inventory import expected_tensors, skip_reason
 from mini.checkpoint.load import load_state
 from mini.config import ModelConfig, preset
-from mini.ops.dspark_attention import draft_attention, plain_draft_attention
+from mini.ops.dspark_attention import draft_attention, draft_key_lists, draft_key_rows, plain_draft_attention
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "v41_reference"
 
@@ -76,6 +76,64 @@ def test_draft_attention_is_its_plain_definition():
     moved = block.clone()
     moved[:, -1] += 1
     assert not torch.equal(draft_attention(q, moved, ring, slots, n_ring, sink, 64 ** -0.5)[:, 0], o[:, 0])
+
+
+def test_draft_key_rows_are_the_key_lists():
+    """The FlashMLA form of a draft's list (one key tensor, a row list per query, its count) holds the same keys in
+    the same order as the reference's lists, -1 past each list's end, for each of the draft's k queries."""
+    q, block, ring, sink = _attention_inputs(B=4, k=3, W=16)
+    slots, n_ring = torch.tensor([2, 0, 4, 1]), torch.tensor([16, 1, 7, 9])
+    keys, valid = draft_key_lists(block, ring, slots, n_ring)
+    kv, rows, count = draft_key_rows(block, ring, slots, n_ring, 8)
+    assert rows.shape == (12, 24) and rows.dtype == count.dtype == torch.int32
+    for t in range(12):
+        b, n = t // 3, int(count[t])
+        assert n == int(n_ring[b]) + 3 and (rows[t, n:] == -1).all() and (rows[t, :n] >= 0).all()
+        assert torch.equal(kv[rows[t, :n].long()].float(), keys[b][valid[b]])
+
+
+def needs_flashmla(test):
+    from mini.kernels.flashmla_attention import available
+    return pytest.mark.gpu(pytest.mark.skipif(
+        not available(), reason="sgl-flash-mla (with its SM90 kernels) does not import on an SM90 GPU here")(test))
+
+
+@needs_flashmla
+@pytest.mark.parametrize("library", ["flashmla", "auto-flashmla"])
+def test_draft_attention_on_flashmla_is_the_reference_gpu(library, monkeypatch):
+    """V4.1-Flash's shape (64 heads x 512, W = 128, k = 5), odd B, rings partly filled (slots past n_ring and the
+    rings of other sequences NaN: never read): FlashMLA's draft attention against the reference op per token
+    (tests/kernels/test_flashmla_attention.py's bound: the same arithmetic, other roundings of P), in a CUDA graph
+    too; under auto the first call checks the library and settles the switch."""
+    import mini.ops.dspark_attention as op
+    from mini.ops import backends
+    from tests.kernels.test_flashmla_attention import assert_close_per_token
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, k, H, D, W = 5, 5, 64, 512, 128
+    q = torch.randn(B, k, H, D, device="cuda", generator=g).bfloat16()
+    block = torch.randn(B, k, D, device="cuda", generator=g).bfloat16()
+    ring = torch.randn(B + 3, W, D, device="cuda", generator=g).bfloat16()
+    slots, n_ring = torch.tensor([6, 0, 3, 1, 5], device="cuda"), torch.tensor([128, 1, 37, 128, 64], device="cuda")
+    for s, n in zip(slots.tolist(), n_ring.tolist()):
+        ring[s, n:] = float("nan")
+    ring[[2, 4, 7]] = float("nan")
+    sink = torch.randn(H, device="cuda", generator=g)
+    args = (q, block, ring, slots, n_ring, sink, D ** -0.5)
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "triton"})
+    assert op.draft_kernel(q, block, ring) == "reference"
+    ref = draft_attention(*args)
+    monkeypatch.setattr(backends, "_libraries", {"sparse_attn": library})
+    assert op.draft_kernel(q, block, ring) == ("flashmla" if library == "flashmla" else "flashmla-checked")
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(draft_attention(*args))
+    assert backends.sparse_attn() == "flashmla"  # auto: settled by the checked first call
+    assert_close_per_token(out.flatten(0, 1), ref.flatten(0, 1))
+    graph, held = torch.cuda.CUDAGraph(), torch.full_like(ref, float("nan"))
+    with torch.cuda.graph(graph):
+        held.copy_(draft_attention(*args))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(held, out)
 
 
 @pytest.fixture(scope="module")
