@@ -28,6 +28,7 @@ from mini.config import LayerPlan, ModelConfig
 from mini.model.attn_layer import AttentionWeights, grouped_out_proj
 from mini.ops import mhc
 from mini.ops.dspark_attention import draft_attention
+from mini.ops.greedy import add_argmax
 from mini.ops.linear import QWeight, head_logits, linear, linears
 from mini.ops.moe import MoEWeights, moe
 from mini.ops.norm import rms_norm
@@ -186,11 +187,14 @@ def propose(w: DSparkWeights, cfg: ModelConfig, embed: torch.Tensor, head: torch
         h = mhc.expand(moe(x, st.moe, cfg.dspark_moe, st.plan), h, f_post, f_comb)
     hidden = mhc.collapse(h, pre)  # [B·k, D]
     base = head_logits(rms_norm(hidden, w.norm, eps), head).view(B, k, -1)
-    logits, ids, embeds, prev = base.clone(), block.new_empty(B, k), [], anchor_ids
+    logits, ids, embeds, prev = torch.empty_like(base), block.new_empty(B, k), [], anchor_ids
     for i in range(k):  # the Markov chain: each position's bias depends on the token picked before it
         e = w.markov_embed[prev]
-        logits[:, i] += head_logits(e, w.markov_head)
-        ids[:, i] = prev = pick(logits[:, i])
+        bias = head_logits(e, w.markov_head)
+        if pick is greedy:  # the add and the pick in one pass on the fast path
+            ids[:, i] = prev = add_argmax(base[:, i], bias, logits[:, i])
+        else:
+            ids[:, i] = prev = pick(torch.add(base[:, i], bias, out=logits[:, i]))
         embeds.append(e)
     markov = torch.stack(embeds, 1)  # [B, k, r]
     hidden = hidden.view(B, k, -1)
