@@ -10,8 +10,8 @@ phase_env() {  # what machine and software the results come from
 
 phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files or folders): GPU_TEST_WORKERS
     # side by side, then the gpu_alone ones (they need the GPU's memory to themselves) one at a time.
-    # GPU_TEST_WORKERS: at most 8 on one H200 (8 ran the whole suite in 446 s, docs/perf/026; 10 ran 11 tests out of
-    # GPU memory, docs/perf/027); the whole suite with tests/fuzz no longer fits one call: split it by GPU_TEST_PATHS.
+    # GPU_TEST_WORKERS: at most 8 on one H200 (10 ran 11 tests out of GPU memory, docs/perf/027). At 8 the whole
+    # suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near 590, or split it by GPU_TEST_PATHS.
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
     # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far
     local end=$(( SECONDS + (${PHASE_CAP:-600} > 60 ? ${PHASE_CAP:-600} - 20 : ${PHASE_CAP:-600}) )) rc=0
