@@ -353,11 +353,18 @@ def _first_flashmla_call(inp: AttentionInput, key_rows: StepRows | None = None) 
     # a decode-shaped step is checked on its own path, with no scratch (a static step's scratch would copy its whole
     # block table's pool: GBs at B = 256 x 32K)
     in_place = flashmla.serves_in_place(inp)
-    out, problem = flashmla.checked_first_call(
+    return settle_by_first_call(
         lambda: sparse_mla_attention(*inp.args(), rows_per_seq=inp.rows_per_seq),
         (lambda: flashmla.attend_in_place(inp, _unrotate)) if in_place
         else (lambda: flashmla_attention(*inp.args(), key_rows=key_rows)))
+
+
+def settle_by_first_call(ours, theirs, where: str = "") -> torch.Tensor:
+    """MINI_SPARSE_ATTN=auto's verdict from one call (`flashmla.checked_first_call`: our output `ours()`, the
+    library's `theirs()`): warn if the library failed or differed (`where`: the call's op, for the message), settle
+    the switch for the process, and return the output of the kernel kept."""
+    out, problem = flashmla.checked_first_call(ours, theirs)
     if problem:
-        warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}; using the Triton kernel")
+        warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem}{where}; using the Triton kernel")
     backends.settle_sparse_attn("triton" if problem else "flashmla")
     return out

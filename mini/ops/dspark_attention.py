@@ -15,20 +15,18 @@ FlashMLA's sparse prefill kernel over each draft's list (`draft_kernel` says whe
 the block keys laid out as one key tensor, each query's list in the official order, built with device ops only so
 that the draft step's CUDA graph holds it. The kernel walks a list in blocks of 64 entries as the official kernel
 does, with P rounded to bf16 before P·V: `mini.ops.attention`'s FlashMLA arithmetic, one CTA per (query, 64 heads),
-so a draft's result does not depend on the batch it runs in. The reference's torch ops (fp32 GEMMs and ~20
-elementwise passes per stage) were the draft step's largest part after its experts (tools/draft_census.py,
+so a draft's result does not depend on the batch it runs in. The reference's torch ops (fp32 GEMMs and ~55
+elementwise kernels per stage) were the draft step's largest part after its experts (tools/draft_census.py,
 docs/perf/027).
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 
 from mini.kernels import flashmla_attention as flashmla
 from mini.ops import backends, deterministic, use_fast
 from mini.ops.attention import _attend as official_online_softmax
-from mini.ops.attention import det_sparse_attn
+from mini.ops.attention import det_sparse_attn, settle_by_first_call
 from mini.ops.stages import staged
 
 
@@ -91,12 +89,7 @@ def draft_attention(q: torch.Tensor, block_kv: torch.Tensor, ring: torch.Tensor,
     if kernel == "flashmla":
         return _flashmla(*args)
     if kernel == "flashmla-checked":
-        out, problem = flashmla.checked_first_call(lambda: _reference(*args), lambda: _flashmla(*args))
-        if problem:
-            warnings.warn(f"MINI_SPARSE_ATTN=auto: FlashMLA's sparse prefill {problem} (DSpark's draft attention); "
-                          "the sparse attention stays on our kernels")
-        backends.settle_sparse_attn("triton" if problem else "flashmla")
-        return out
+        return settle_by_first_call(lambda: _reference(*args), lambda: _flashmla(*args), " (DSpark's draft attention)")
     return _reference(*args)
 
 

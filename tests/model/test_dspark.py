@@ -92,6 +92,29 @@ def test_draft_key_rows_are_the_key_lists():
         assert torch.equal(kv[rows[t, :n].long()].float(), keys[b][valid[b]])
 
 
+def test_draft_attention_under_auto_checks_flashmla_once(monkeypatch):
+    """MINI_SPARSE_ATTN=auto: the draft's first FlashMLA-shaped call runs both kernels, keeps the library's output
+    and settles the switch (the backbone's rule, mini.ops.attention.settle_by_first_call); a library that differs
+    is warned of and the switch settles on our kernels, with the reference's output kept."""
+    import mini.ops.dspark_attention as op
+    from mini.ops import backends
+    q, block, ring, sink = _attention_inputs()
+    args = (q, block, ring, torch.tensor([2, 0, 3]), torch.tensor([16, 1, 7]), sink, 64 ** -0.5)
+    ref = draft_attention(*args)
+    monkeypatch.setattr(op, "draft_kernel", lambda *a: "flashmla-checked")
+    close = (ref.float() * 1.01).to(ref.dtype)  # within the check's 2e-2 per token, yet not the reference's bits
+    for library_out, settled in ((close, "flashmla"), (ref + 1, "triton")):
+        monkeypatch.setattr(op, "_flashmla", lambda *a, o=library_out: o)
+        monkeypatch.setattr(backends, "_libraries", {"sparse_attn": "auto-flashmla"})
+        if settled == "triton":
+            with pytest.warns(UserWarning, match="DSpark's draft attention"):
+                out = draft_attention(*args)
+        else:
+            out = draft_attention(*args)
+        assert torch.equal(out, ref if settled == "triton" else library_out)
+        assert backends.sparse_attn() == settled
+
+
 def needs_flashmla(test):
     from mini.kernels.flashmla_attention import available
     return pytest.mark.gpu(pytest.mark.skipif(
