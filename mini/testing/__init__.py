@@ -8,4 +8,5 @@ rank_step.py          that rank's prefill steps as a server runs them (the next 
 background_server.py  an app served from a thread of this process (`with BackgroundServer(app) as url`)
 stage_times.py        the per-stage timer of a forward step (`mini profile`, ep-prefill's and rank4-decode's stages)
 serving_load.py       a fixed random serving workload, streamed to a server, and its TTFT / TPOT summary
+oracle_drafter.py     a drafter that proposes a plain run's own continuation, wrong where a test plans it
 """

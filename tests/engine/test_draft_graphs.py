@@ -8,7 +8,7 @@ gpu-marked: the engine with the draft step on CUDA graphs == enforce_eager == pl
 the draft graphs replayed; plain steps on CUDA graphs replay no draft graph."""
 import pytest
 import torch
-from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, OracleDrafter, _same
+from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, _same
 from test_verify_graphs import CutDrafter, _draft_buckets, _dspark_llm
 
 import mini.engine.model_runner as runner_module
@@ -18,6 +18,7 @@ from mini.model.dspark import propose
 from mini.model.dspark_drafter import wants_draft
 from mini.model.load import load_model
 from mini.step import Commit, DecodeRows
+from mini.testing.oracle_drafter import OracleDrafter
 
 SLOTS = 6  # sequence slots of the unit test's cache; slot SLOTS is the scratch slot
 W = 128  # tiny-v4.1-dspark's window (the rings' length)

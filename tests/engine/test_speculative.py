@@ -13,42 +13,12 @@ import torch
 
 from mini.engine import LLM, SamplingParams
 from mini.engine.speculative import accept
+from mini.testing.oracle_drafter import OracleDrafter
 
 K = 5
 PLAN = [0, 1, 2, 3, 4, 5, 2, 5, 1]  # accept lengths the oracle aims for, in turn
 PROMPTS = [[5 + (7 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([3, 12, 118])]
 OPTS = dict(device="cpu", dtype=torch.float32, block_tokens=16)
-
-
-class OracleDrafter:
-    """mini.step.Drafter proposing the reference continuation of each prompt (`futures`), wrong at the position
-    `plan` names for each proposal in turn (a position >= the draft's length: the whole draft is right)."""
-
-    min_confidence = 0.0  # (no confidence: ignored)
-
-    def __init__(self, futures: dict[tuple, list[int]], plan: list[int], vocab: int, max_draft: int = K):
-        self.futures, self.plan, self.vocab, self.max_draft = futures, plan, vocab, max_draft
-        self.proposals = 0
-
-    def propose(self, cache, commits):
-        drafts = []
-        for c in commits:
-            if c.anchor is None or c.max_draft == 0:
-                drafts.append([])
-                continue
-            history = c.history()
-            prompt = next(p for p in self.futures if tuple(history[:len(p)]) == p)
-            n = len(history) - len(prompt)  # the next output index
-            draft = (self.futures[prompt][n:] + [0] * c.max_draft)[:c.max_draft]
-            wrong = self.plan[self.proposals % len(self.plan)]
-            self.proposals += 1
-            if wrong < len(draft):
-                draft[wrong] = (draft[wrong] + 1) % self.vocab
-            drafts.append(draft)
-        return drafts
-
-    def static_draft(self, static, cache):
-        return None  # drafts on the host only (`propose`)
 
 
 def _generate(prompts, params, drafter=None, **opts):

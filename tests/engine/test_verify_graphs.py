@@ -2,16 +2,17 @@
 width 1 + k rows): the engine's output equals plain decode's bit for bit, tokens and logprobs (CPU, fp32, the kernels'
 deterministic mode, where DecodeGraphs.replay runs the static step eagerly: the whole input preparation, the
 padding of short drafts and of sequences, the real rows' logits, the kept draft rows and `commit_drafts` are the
-graph's). The drafters are test_speculative's oracle (every accept length 0..K, the 118-token prompt crosses the
-ring's wrap at 128, blocks of 16 and the ratio-2 groups), cut to draft lengths that differ within a step, and DSpark
-(whose drafts read the target features a static step leaves: they must be the eager step's). gpu-marked: real graph
-replays of verify steps equal the eager engine."""
+graph's). The drafters are mini.testing's oracle with test_speculative's plan (every accept length 0..K, the
+118-token prompt crosses the ring's wrap at 128, blocks of 16 and the ratio-2 groups), cut to draft lengths that
+differ within a step, and DSpark (whose drafts read the target features a static step leaves: they must be the
+eager step's). gpu-marked: real graph replays of verify steps equal the eager engine."""
 import pytest
 import torch
-from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, OracleDrafter, _same
+from test_speculative import GREEDY, K, OPTS, PLAN, PROMPTS, _same
 
 import mini.engine.model_runner as runner_module
 from mini.engine import LLM
+from mini.testing.oracle_drafter import OracleDrafter
 
 LENGTHS = [5, 2, 0, 4, 1, 3, 5, 0]  # the oracle's drafts cut to these lengths in turn: a step mixes them
 

@@ -1,0 +1,59 @@
+"""Speculative decoding on configs nobody chose (issue 27). For each seed: a random valid config
+(tests/fuzz/configs.py: V4.1 and V4, windows of 4-64 keys, often shorter than a verify chunk of 1 + K rows,
+compress ratios 2, 4 and 128, Engram, hash layers) with random weights, and a random cache block size, draft
+length K, token budget (prefill chunks in the same steps as verify chunks), cache size (tight ones preempt) and
+prompt lengths (window wraps, ratio groups and blocks crossed at random places). The oracle drafter
+(mini/testing/oracle_drafter.py) proposes the plain run's own continuation, wrong at a random position per proposal,
+so accept lengths 0..K all occur; the speculative run's tokens and logprobs must equal plain decode's bit for bit
+(CPU reference backend, fp32, the kernels' deterministic mode: a row's numbers do not depend on its step's rows).
+Verification keeps only the target's tokens, so every mismatch here is state that speculation left wrong."""
+import random
+
+import pytest
+import torch
+from configs import describe, random_config
+from harness import build
+
+import mini.ops
+from mini.engine import LLM, SamplingParams
+from mini.testing.oracle_drafter import OracleDrafter
+
+SEEDS = [300, 301, 302, 303, 304, 305]
+
+
+def _case(seed: int):
+    """The config, engine options, prompts, sampling and draft length of one seed."""
+    rng = random.Random(seed)
+    cfg = random_config(seed)
+    k = rng.randint(1, 6)
+    block_tokens = max(rng.choice([4, 8, 16, 32]), *cfg.compress_ratios)  # powers of two: every ratio divides it
+    w = cfg.window_size
+    # distinct first tokens: the oracle finds a sequence's prompt by its prefix
+    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(0, 2 * w + 9))]
+               for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 14), ignore_eos=True, logprobs=2)
+    need = [-(-(len(p) + params.max_tokens + k + 1) // block_tokens) for p in prompts]
+    tight = rng.random() < 0.3  # room for the longest sequence and a block: the others wait or are preempted
+    opts = dict(device="cpu", dtype=torch.float32, block_tokens=block_tokens, spec_adaptive=False,
+                num_blocks=max(need) + 1 if tight else sum(need) + 4, enable_prefix_caching=False,
+                max_num_batched_tokens=rng.choice([8, 16, 64, 2048]))
+    return cfg, opts, prompts, params, k
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_speculation_equals_plain_decode_on_random_configs(seed):
+    cfg, opts, prompts, params, k = _case(seed)
+    rng = random.Random(seed + 1)
+    with mini.ops.deterministic_mode():
+        model = build(cfg, "cpu", torch.float32, seed)
+        plain = LLM(model, config=cfg, **opts).generate(prompts, params)
+        futures = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+        drafter = OracleDrafter(futures, [rng.randint(0, k) for _ in range(17)], cfg.vocab_size, k)
+        llm = LLM(model, config=cfg, drafter=drafter, spec_tokens=k, **opts)
+        spec = llm.generate(prompts, params)
+    case = f"seed {seed}: {describe(cfg)}; K {k}, {opts}, prompts of {[len(p) for p in prompts]}"
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain], case
+    assert [[(lp.logprob, lp.top) for lp in o.logprobs] for o in spec] == \
+        [[(lp.logprob, lp.top) for lp in o.logprobs] for o in plain], case
+    lengths = llm.engine.stats.spec.accept_lengths
+    assert sum(n > 0 for n in lengths) >= min(k + 1, 3), (lengths, case)  # several accept lengths ran
