@@ -164,6 +164,13 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, window: torch.Tensor
                    (comp.view(-1, D), torch.cat([torch.full_like(new_rows, -1), comp_rows], 1))]
         sources = [(src, _after_window(rows, width, n)) for src, rows in sources]
     n = sources[0][1].shape[1]
+    if deterministic() and n % SOFTMAX_BLOCK:
+        # Lists padded to whole softmax blocks: their compressed part is min(index_topk, the chunk's groups) wide,
+        # so a chunk's (or a verify chunk's) last block would be narrower than a decode step's, and on the CPU a
+        # block's products and sums round by its width. Blocks of -1 only are no-ops in `_attend`.
+        pad = SOFTMAX_BLOCK - n % SOFTMAX_BLOCK
+        sources = [(src, torch.cat([rows, rows.new_full((T, pad), -1)], 1)) for src, rows in sources]
+        n += pad
     out = torch.empty_like(q)
     step = max(1, GATHER_ELEMENTS // (n * D))
     for lo in range(0, T, step):

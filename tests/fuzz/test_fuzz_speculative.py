@@ -4,9 +4,12 @@ compress ratios 2, 4 and 128, Engram, hash layers) with random weights, and a ra
 length K, token budget (prefill chunks in the same steps as verify chunks), cache size (tight ones preempt) and
 prompt lengths (window wraps, ratio groups and blocks crossed at random places). The oracle drafter
 (mini/testing/oracle_drafter.py) proposes the plain run's own continuation, wrong at a random position per proposal,
-so accept lengths 0..K all occur; the speculative run's tokens and logprobs must equal plain decode's bit for bit
-(CPU reference backend, fp32, the kernels' deterministic mode: a row's numbers do not depend on its step's rows).
-Verification keeps only the target's tokens, so every mismatch here is state that speculation left wrong."""
+so accept lengths 0..K all occur. Greedy or seeded sampling (top-p and a repetition penalty at random): the
+speculative run's tokens and logprobs must equal plain decode's bit for bit (CPU reference backend, fp32, the
+engine's deterministic mode: a row's numbers do not depend on its step's rows, nor a prompt's chunks on the other
+requests). Verification keeps only the target's tokens, so every mismatch here is state that speculation left
+wrong. Its first run found one (mini.ops.attention.sparse_attention: a verify chunk's last softmax block was
+narrower than a decode step's, and rounded otherwise on the CPU)."""
 import random
 
 import pytest
@@ -14,7 +17,6 @@ import torch
 from configs import describe, random_config
 from harness import build
 
-import mini.ops
 from mini.engine import LLM, SamplingParams
 from mini.testing.oracle_drafter import OracleDrafter
 
@@ -31,12 +33,18 @@ def _case(seed: int):
     # distinct first tokens: the oracle finds a sequence's prompt by its prefix
     prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(0, 2 * w + 9))]
                for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 14), ignore_eos=True, logprobs=2)
+    sampled = rng.random() < 0.5  # seeded sampling: a draft is accepted where it is the target's own seeded draw
+    params = SamplingParams(temperature=rng.choice([0.6, 1.0]) if sampled else 0, seed=rng.randrange(1 << 20),
+                            top_p=rng.choice([1.0, 0.9]), repetition_penalty=rng.choice([1.0, 1.2]),
+                            max_tokens=rng.randint(8, 14), ignore_eos=True, logprobs=2)
     need = [-(-(len(p) + params.max_tokens + k + 1) // block_tokens) for p in prompts]
     tight = rng.random() < 0.3  # room for the longest sequence and a block: the others wait or are preempted
+    # The engine's deterministic mode: each prompt's prefill chunks are fixed by the budget alone, so both runs cut
+    # them alike (speculation's verify rows would otherwise move them on configs whose chunked prefill rounds
+    # otherwise than whole prefill).
     opts = dict(device="cpu", dtype=torch.float32, block_tokens=block_tokens, spec_adaptive=False,
-                num_blocks=max(need) + 1 if tight else sum(need) + 4, enable_prefix_caching=False,
-                max_num_batched_tokens=rng.choice([8, 16, 64, 2048]))
+                num_blocks=max(need) + 1 if tight else sum(need) + 4, deterministic=True,
+                enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 64, 2048]))
     return cfg, opts, prompts, params, k
 
 
@@ -44,13 +52,15 @@ def _case(seed: int):
 def test_speculation_equals_plain_decode_on_random_configs(seed):
     cfg, opts, prompts, params, k = _case(seed)
     rng = random.Random(seed + 1)
-    with mini.ops.deterministic_mode():
-        model = build(cfg, "cpu", torch.float32, seed)
-        plain = LLM(model, config=cfg, **opts).generate(prompts, params)
-        futures = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-        drafter = OracleDrafter(futures, [rng.randint(0, k) for _ in range(17)], cfg.vocab_size, k)
-        llm = LLM(model, config=cfg, drafter=drafter, spec_tokens=k, **opts)
-        spec = llm.generate(prompts, params)
+    model = build(cfg, "cpu", torch.float32, seed)
+    llm = LLM(model, config=cfg, **opts)
+    plain = llm.generate(prompts, params)
+    llm.engine.close()  # the engine's deterministic mode ends with it
+    futures = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    drafter = OracleDrafter(futures, [rng.randint(0, k) for _ in range(17)], cfg.vocab_size, k)
+    llm = LLM(model, config=cfg, drafter=drafter, spec_tokens=k, **opts)
+    spec = llm.generate(prompts, params)
+    llm.engine.close()
     case = f"seed {seed}: {describe(cfg)}; K {k}, {opts}, prompts of {[len(p) for p in prompts]}"
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain], case
     assert [[(lp.logprob, lp.top) for lp in o.logprobs] for o in spec] == \

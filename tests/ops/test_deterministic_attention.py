@@ -129,6 +129,27 @@ def test_det_sparse_attn_refuses_an_unknown_value():
         switches.read({"MINI_DET_SPARSE_ATTN": "flashml"})
 
 
+def test_reference_rows_do_not_depend_on_the_top_k_lists_width():
+    """The reference core in the deterministic mode (the CPU's): a query's output does not depend on how wide its
+    step's top-k lists are. A chunk's lists are min(index_topk, its groups) wide, so a verify chunk's or a prefill
+    chunk's differ from a decode step's; unpadded, the last softmax block's width followed them and its products
+    rounded otherwise on the CPU (found by tests/fuzz/test_fuzz_speculative.py)."""
+    g = torch.Generator().manual_seed(3)
+    H, D, pos = 4, 64, 45
+    q = torch.randn(1, H, D, generator=g)
+    kv_new, window = torch.randn(1, D, generator=g), torch.randn(1, W, D, generator=g)
+    comp, table = torch.randn(6, RPB, D, generator=g), torch.tensor([[4, 0, 2, 5, 1]])
+    ids = torch.tensor([0, 3, 4, 7, 9, 10, 12, 13, 15, 17, 18])
+    idx = torch.tensor([0])
+    outs = []
+    with mini.ops.using_backend("reference"), mini.ops.deterministic_mode():
+        for width in (11, 12, 20, 53, 54, 70):
+            comp_idx = torch.cat([ids, ids.new_full((width - len(ids),), -1)])[None]
+            outs.append(attention.sparse_attention(q, kv_new, window, torch.zeros(H), torch.tensor([pos]), idx, idx,
+                                                   torch.tensor([pos]), D ** -0.5, comp, table, comp_idx, 2))
+    assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs)
+
+
 # ------------------------------------------------------------------------------------------------------ gpu
 
 
