@@ -64,15 +64,13 @@ class AttentionInput:
         """The tensors keys are read from: the chunk's KV, the rings, the pool when groups are read."""
         return [self.kv_new, self.window] + ([self.comp] if self.with_pool else [])
 
-    def one_token_rows(self, single: torch.Tensor) -> "AttentionInput":
-        """The input restricted to the rows `single` of one-token chunks: one row per sequence, so they form a
-        decode step of those sequences (T = B, their slots, starts and block-table rows, sequence i = row i), the
-        step they would make without the step's other chunks."""
-        seqs = self.seq_of[single]
-        sub_seq_of = torch.arange(single.shape[0], device=self.seq_of.device, dtype=self.seq_of.dtype)
+    def chunks_of(self, rows: torch.Tensor, seqs: torch.Tensor, sub_seq_of: torch.Tensor) -> "AttentionInput":
+        """The input restricted to `rows`, the whole chunks of the sequences `seqs` (in step order; `sub_seq_of`:
+        each row's index into `seqs`): the step those sequences would make without the step's other chunks (their
+        slots, starts and block-table rows; a chunk's rows keep reading each other's fresh keys)."""
         return AttentionInput(
-            self.q[single], self.kv_new[single], self.window, self.sink, self.positions[single], sub_seq_of,
+            self.q[rows], self.kv_new[rows], self.window, self.sink, self.positions[rows], sub_seq_of,
             self.slots[seqs], self.start_pos[seqs], self.scale, self.comp,
             None if self.block_table is None else self.block_table[seqs],
-            None if self.comp_idx is None else self.comp_idx[single], self.ratio,
-            None if self.rope_out is None else self.rope_out[single])
+            None if self.comp_idx is None else self.comp_idx[rows], self.ratio,
+            None if self.rope_out is None else self.rope_out[rows])

@@ -172,17 +172,22 @@ def checked_first_call(ours: Callable[[], torch.Tensor], theirs: Callable[[], to
 
 def attend_by_chunk_kind(inp: AttentionInput, key_rows: "StepRows",
                          triton: Callable[[AttentionInput], torch.Tensor], unrotate: Unrotate) -> torch.Tensor:
-    """The deterministic mode's split of a step (its `key_rows` in position order): the queries of chunks of more
-    than one token through the kernel, those of one-token chunks through `triton` (our kernel with the mode's
-    lists) as the decode step those sequences would make alone (`AttentionInput.one_token_rows`), scattered back,
-    so that neither kind's numbers depend on the other being in the step. The split is found once per step (one
-    host sync) and kept on `key_rows`."""
+    """The deterministic mode's split of a step (its `key_rows` in position order): the queries of prefill chunks
+    of more than one token through the kernel, those of one-token chunks and of verify chunks (`key_rows.verify`:
+    they stand for decode steps, whose numbers speculation must keep) through `triton` (our kernel with the mode's
+    lists) as the step those sequences would make alone (`AttentionInput.chunks_of`), scattered back, so that
+    neither kind's numbers depend on the other being in the step. The split is found once per step (one host sync)
+    and kept on `key_rows`."""
     q, slots, seq_of = inp.q, inp.slots, inp.seq_of
     if key_rows.multi_token is None:  # once per step (one host sync): the queries of each kind of chunk
-        multi = torch.bincount(seq_of, minlength=slots.shape[0])[seq_of] > 1
+        prefill = torch.bincount(seq_of, minlength=slots.shape[0]) > 1
+        if key_rows.verify is not None:
+            prefill &= ~key_rows.verify
+        multi = prefill[seq_of]
         idx, single = multi.nonzero().squeeze(1), (~multi).nonzero().squeeze(1)
-        key_rows.multi_token = (idx.shape[0], idx, single)
-    n, idx, single = key_rows.multi_token
+        seqs, sub_seq_of = torch.unique_consecutive(seq_of[single], return_inverse=True)  # a chunk's rows adjoin
+        key_rows.multi_token = (idx.shape[0], idx, single, seqs, sub_seq_of.to(seq_of.dtype))
+    n, idx, single, seqs, sub_seq_of = key_rows.multi_token
     if n == 0:
         return triton(inp)
     kv, rows, count = key_rows.scratch_keys(inp.kv_new, inp.window, inp.comp, inp.block_table, inp.comp_idx,
@@ -192,7 +197,7 @@ def attend_by_chunk_kind(inp: AttentionInput, key_rows: "StepRows",
     out = torch.empty_like(q)
     out[idx] = prefill_unrotated(q[idx], kv, rows[idx], count[idx], inp.sink, inp.scale,
                                  None if inp.rope_out is None else inp.rope_out[idx], unrotate)
-    out[single] = triton(inp.one_token_rows(single))
+    out[single] = triton(inp.chunks_of(single, seqs, sub_seq_of))
     return out
 
 
@@ -223,14 +228,16 @@ class StepRows:
     scatter. `window_rows` is mini.ops.attention.window_rows (where a query's window keys live)."""
 
     def __init__(self, positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
-                 window_rows: Callable, position_order: bool = False):
+                 window_rows: Callable, position_order: bool = False, verify: torch.Tensor | None = None):
         self.step = (positions, seq_of, slots, start_pos)
+        self.verify = verify  # [B] bool: the sequences whose chunks are verify chunks (None: none)
         self._window_rows_of = window_rows
         # the deterministic mode's lists: window keys newest first by position, so that where a chunk starts (which
         # keys are fresh, where the ring wraps) moves no key in a query's list
         self.position_order = position_order
-        # the mode's split (`attend_by_chunk_kind`), per step: (n multi-token rows, their rows, the one-token rows)
-        self.multi_token: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        # the mode's split (`attend_by_chunk_kind`), per step: (n prefill rows, their rows, the other rows, the
+        # other rows' sequences, each of those rows' index into them)
+        self.multi_token: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> rows [T, W], count
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (block_table, flat block ids, -1 -> 0)
         self.lists: _RowLists | None = None

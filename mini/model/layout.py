@@ -54,6 +54,7 @@ def _members_per_group(ratio: int, overlap: bool) -> int:
 
 class StepLayout:
     draft_rows: DraftRows | None = None  # a verify step's drafts (SeqChunk.drafts): kept, not written
+    verify_seqs: torch.Tensor | None = None  # [B] bool: the sequences whose chunks hold drafts (verify chunks)
     rows_per_seq = 1  # rows every sequence holds when the step is decode-shaped (DecodeLayout: its width)
 
     def __init__(self, batch: LayoutInput, block_tokens: int, window: int):
@@ -93,6 +94,7 @@ class StepLayout:
             if not 0 < drafts[b] < batch.lens_host[b]:
                 raise ValueError(f"sequence {b}: {drafts[b]} drafts in a chunk of {batch.lens_host[b]} rows (a "
                                  "verify chunk starts with one committed token)")
+        self.verify_seqs = torch.tensor([k > 0 for k in drafts], device=self.device)
         self.draft_rows = DraftRows(len(drafts), has, [row_start[b + 1] - drafts[b] for b in has],
                                     [self.end_host[b] - drafts[b] for b in has], [drafts[b] for b in has],
                                     batch.slots[has].tolist())
@@ -200,7 +202,8 @@ class StepLayout:
         """The step's row lists for the FlashMLA path (mini.ops.attention.step_rows): held here, so the step's
         layers share them and they go with the step; built lazily by the calls that read them."""
         b = self.batch
-        return self.table("key_rows", lambda: step_rows(b.positions, b.seq_of, b.slots, b.start_pos))
+        return self.table("key_rows", lambda: step_rows(b.positions, b.seq_of, b.slots, b.start_pos,
+                                                        self.verify_seqs))
 
 
 class DecodeLayout(StepLayout):
@@ -245,6 +248,7 @@ class DecodeLayout(StepLayout):
         self.ring_write_row = self.row_start
         self.ring_write_dst = batch.slots * window + batch.start_pos % window
         self.draft_rows = batch.kept_drafts
+        self.verify_seqs = torch.ones(batch.slots.shape[0], dtype=torch.bool, device=self.device)
 
     def _max_groups(self, ratio: int) -> int:
         return self.batch.max_len // ratio

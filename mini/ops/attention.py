@@ -213,12 +213,13 @@ def scratch_keys(kv_new: torch.Tensor, window: torch.Tensor, positions: torch.Te
     return torch.cat(parts), rows, (rows >= 0).sum(-1, dtype=torch.int32)
 
 
-def step_rows(positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
-              ) -> StepRows:
+def step_rows(positions: torch.Tensor, seq_of: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+              verify: torch.Tensor | None = None) -> StepRows:
     """The FlashMLA row lists of one step, built on first use and shared by the step's layers (StepLayout.key_rows
     holds one per step): `scratch_keys(..., valid_first=True)` bit for bit; in the deterministic mode with the
-    window keys in position order instead (`_deterministic_core`)."""
-    return StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=deterministic())
+    window keys in position order instead (`_deterministic_core`). `verify`: [B] bool, the sequences whose chunks
+    are verify chunks (the mode computes them as decode steps)."""
+    return StepRows(positions, seq_of, slots, start_pos, window_rows, position_order=deterministic(), verify=verify)
 
 
 def flashmla_attention(q, kv_new, window, sink, positions, seq_of, slots, start_pos, scale, comp=None,
@@ -335,7 +336,8 @@ def _run(kernel: str, inp: AttentionInput, key_rows: StepRows | None, window_wid
     if kernel != "flashmla-by-chunk":
         raise ValueError(f"sparse attention kernel {kernel!r}")
     if key_rows is None or not key_rows.position_order:  # (a step's rows built before the mode was switched on)
-        key_rows = StepRows(inp.positions, inp.seq_of, inp.slots, inp.start_pos, window_rows, position_order=True)
+        key_rows = StepRows(inp.positions, inp.seq_of, inp.slots, inp.start_pos, window_rows, position_order=True,
+                            verify=None if key_rows is None else key_rows.verify)
     return flashmla.attend_by_chunk_kind(inp, key_rows, _triton_invariant, _unrotate)
 
 

@@ -114,3 +114,23 @@ def test_static_verify_fill_checks():
         bufs.fill(3, [5], [30], [2], [[4, 7]], drafts=[[8, 9]], width=3)
     with pytest.raises(ValueError, match="no feed"):
         bufs.fill(3, [5], [17], [2], [[4, 7]], feed=(torch.tensor([1]), [0]), drafts=[[8]], width=3)
+
+
+def test_verify_chunks_are_marked_for_the_step_s_row_lists():
+    """The deterministic mode computes a verify chunk's rows as decode steps (mini.kernels.flashmla_attention.
+    attend_by_chunk_kind): the step's row lists carry which sequences hold verify chunks, eager and static."""
+    from mini.config import preset
+    from mini.testing.rank_model import hasher_of
+    cfg = preset("tiny-v4.1")
+    hasher = hasher_of(cfg)
+    chunks = [SeqChunk(list(range(3, 15)), 4, 0, [0]), SeqChunk(list(range(3, 24)), 18, 1, [1, 2], drafts=2),
+              SeqChunk(list(range(3, 9)), 5, 2, [3])]
+    eager = Batch.build(chunks, cfg, "cpu", hasher=hasher).layout(16, cfg.window_size)
+    assert eager.verify_seqs.tolist() == [False, True, False] and eager.key_rows.verify is eager.verify_seqs
+    assert Batch.build(chunks[:1], cfg, "cpu", hasher=hasher).layout(16, cfg.window_size).key_rows.verify is None
+    bufs = DecodeBuffers(max_seqs=4, max_len=64, block_tokens=16, pad_slot=9, pad_block=30, device="cpu",
+                         max_rows=3)
+    bufs.fill(3, [5, 6], [17, 3], [2, 0], [[4, 7], [1]], drafts=[[8, 9], [10]], width=3)
+    assert bufs.batch(3, 3).layout(16, cfg.window_size).key_rows.verify.tolist() == [True] * 3
+    bufs.fill(2, [5, 6], [17, 3], [2, 0], [[4, 7], [1]])
+    assert bufs.batch(2).layout(16, cfg.window_size).key_rows.verify is None

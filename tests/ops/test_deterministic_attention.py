@@ -267,6 +267,38 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
         torch.testing.assert_close(mixed[name], ours[name], rtol=1e-5, atol=1e-5)
 
 
+def test_verify_chunk_rows_equal_their_decode_steps_interpreter(monkeypatch):
+    """Speculation under the deterministic mode: a verify chunk (a sequence's token and its drafts, several rows)
+    stands for decode steps, so its rows take the decode rows' kernel (ours, interpreted), not FlashMLA's stand-in
+    as a prefill chunk's do, and each equals the decode step of its position alone, bitwise, beside a prefill chunk
+    in the same step. Without the verify mark the rows are a prefill chunk's (the stand-in): they differ."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
+    from mini.kernels.flashmla_attention import StepRows
+    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
+    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
+    D, H, L = 16, 3, 40
+    g = torch.Generator().manual_seed(5)
+    S, V = [(torch.randn(L, D, generator=g), torch.randn(L, H, D, generator=g),
+             torch.randn((L + 1) // 2, D, generator=g)) for _ in range(2)]
+
+    def run(specs, verify=None):
+        args, spans = _step(specs, 8, "cpu", Wv=8, rpb=8, nb=4, picks=6)
+        inp = AttentionInput(*args[:-1], None)
+        rows = StepRows(inp.positions, inp.seq_of, inp.slots, inp.start_pos, window_rows, position_order=True,
+                        verify=None if verify is None else torch.tensor(verify))
+        out = attention._deterministic_core(inp, rows)
+        return {name: out[lo:hi] for name, (lo, hi) in spans.items()}
+
+    step = [("S", *S, 3, 15, 5), ("V", *V, 21, 25, 2)]  # a prefill chunk of 12 rows, a verify chunk of 1 + 3
+    verified = run(step, verify=[False, True])["V"]
+    decodes = torch.cat([run([("V", *V, p, p + 1, 2)])["V"] for p in range(21, 25)])
+    assert not verified.isnan().any() and torch.equal(verified, decodes)
+    assert not torch.equal(run(step)["V"], decodes)  # as a prefill chunk: FlashMLA's stand-in
+
+
 @pytest.mark.gpu
 def test_flashmla_rows_alone_equal_among_load_and_chunks_gpu(monkeypatch):
     from mini.kernels import flashmla_attention as fm
