@@ -210,7 +210,17 @@ def _reference_prefill(q, kv, rows, count, sink, scale):
     return out
 
 
-def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
+@pytest.fixture
+def flashmla_stand_in(monkeypatch):
+    """The deterministic mode's FlashMLA path on CPU: every shape "taken", FlashMLA's sparse prefill replaced by its
+    per-row stand-in."""
+    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
+    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
+    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
+    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
+
+
+def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch, flashmla_stand_in):
     """A step mixing prefill chunks (FlashMLA's stand-in) and decode tokens (the Triton kernel, interpreted): each
     row equals its own kind's run without the other kind, bitwise, and the Triton kernel only sees the decode
     rows (as the decode step of those sequences), with the pool, its block tables and the output RoPE."""
@@ -225,10 +235,6 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
         return real_triton(q, *a, **kw)
 
     monkeypatch.setattr(sa, "sparse_mla_attention", counted)
-    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
-    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
-    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
-    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
     D, H, L = 16, 3, 40
     g = torch.Generator().manual_seed(0)
 
@@ -267,7 +273,7 @@ def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch):
         torch.testing.assert_close(mixed[name], ours[name], rtol=1e-5, atol=1e-5)
 
 
-def test_verify_chunk_rows_equal_their_decode_steps_interpreter(monkeypatch):
+def test_verify_chunk_rows_equal_their_decode_steps_interpreter(flashmla_stand_in):
     """Speculation under the deterministic mode: a verify chunk (a sequence's token and its drafts, several rows)
     stands for decode steps, so its rows take the decode rows' kernel (ours, interpreted), not FlashMLA's stand-in
     as a prefill chunk's do, and each equals the decode step of its position alone, bitwise, beside a prefill chunk
@@ -275,10 +281,6 @@ def test_verify_chunk_rows_equal_their_decode_steps_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
     from mini.kernels.flashmla_attention import StepRows
-    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
-    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
-    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
-    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
     D, H, L = 16, 3, 40
     g = torch.Generator().manual_seed(5)
     S, V = [(torch.randn(L, D, generator=g), torch.randn(L, H, D, generator=g),
