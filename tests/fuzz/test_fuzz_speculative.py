@@ -48,11 +48,9 @@ def _case(seed: int):
     return cfg, opts, prompts, params, k
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_speculation_equals_plain_decode_on_random_configs(seed):
-    cfg, opts, prompts, params, k = _case(seed)
-    rng = random.Random(seed + 1)
-    model = build(cfg, "cpu", torch.float32, seed)
+def _plain_and_speculative(model, cfg, opts, prompts, params, k, plan_seed: int):
+    """(plain decode's outputs, speculation's with the oracle, the speculating engine's stats)."""
+    rng = random.Random(plan_seed)
     llm = LLM(model, config=cfg, **opts)
     plain = llm.generate(prompts, params)
     llm.engine.close()  # the engine's deterministic mode ends with it
@@ -61,9 +59,51 @@ def test_speculation_equals_plain_decode_on_random_configs(seed):
     llm = LLM(model, config=cfg, drafter=drafter, spec_tokens=k, **opts)
     spec = llm.generate(prompts, params)
     llm.engine.close()
-    case = f"seed {seed}: {describe(cfg)}; K {k}, {opts}, prompts of {[len(p) for p in prompts]}"
+    return plain, spec, llm.engine.stats
+
+
+def _assert_same(plain, spec, case: str):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain], case
     assert [[(lp.logprob, lp.top) for lp in o.logprobs] for o in spec] == \
         [[(lp.logprob, lp.top) for lp in o.logprobs] for o in plain], case
-    lengths = llm.engine.stats.spec.accept_lengths
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_speculation_equals_plain_decode_on_random_configs(seed):
+    cfg, opts, prompts, params, k = _case(seed)
+    plain, spec, stats = _plain_and_speculative(build(cfg, "cpu", torch.float32, seed), cfg, opts, prompts, params,
+                                                k, seed + 1)
+    case = f"seed {seed}: {describe(cfg)}; K {k}, {opts}, prompts of {[len(p) for p in prompts]}"
+    _assert_same(plain, spec, case)
+    lengths = stats.spec.accept_lengths
     assert sum(n > 0 for n in lengths) >= min(k + 1, 3), (lengths, case)  # several accept lengths ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [12, 39])  # random_config(seed, big=True) with FlashMLA's 64 heads x 512
+def test_speculation_equals_plain_decode_at_flashmla_shapes_gpu(seed, monkeypatch):
+    """--deterministic on the H200 at FlashMLA's attention shape, bf16, the fast path: prefill chunks take FlashMLA,
+    decode rows our kernel, and verify chunks, in steps beside prefill chunks too (eager), our kernel as the decode
+    steps they stand for (mini.kernels.flashmla_attention.attend_by_chunk_kind): speculation equals plain decode bit
+    for bit."""
+    from mini.kernels import flashmla_attention as fm
+    if not fm.available():
+        pytest.skip("needs FlashMLA's SM90 kernels on an H200")
+    monkeypatch.setenv("MINI_SPARSE_ATTN", "flashmla")
+    splits, split = [], fm.attend_by_chunk_kind
+
+    def spy(inp, key_rows, *args):
+        out = split(inp, key_rows, *args)
+        splits.append((key_rows.multi_token[0], key_rows.verify is not None and bool(key_rows.verify.any())))
+        return out
+    monkeypatch.setattr(fm, "attend_by_chunk_kind", spy)
+    cfg = random_config(seed, big=True)
+    rng = random.Random(seed)
+    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for i, n in enumerate([20, 130, 200])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    opts = dict(device="cuda", dtype=torch.bfloat16, block_tokens=16, spec_adaptive=False, num_blocks=64,
+                deterministic=True, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=64)
+    plain, spec, _ = _plain_and_speculative(build(cfg, "cuda", torch.bfloat16, seed), cfg, opts, prompts, params, 5,
+                                            seed + 1)
+    _assert_same(plain, spec, f"seed {seed}: {describe(cfg)}")
+    assert any(n > 0 and verify for n, verify in splits), splits  # a step held prefill rows and verify chunks
