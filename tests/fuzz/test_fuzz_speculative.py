@@ -17,6 +17,7 @@ import torch
 from configs import describe, random_config
 from harness import build
 
+import mini.ops
 from mini.engine import LLM, SamplingParams
 from mini.testing.oracle_drafter import OracleDrafter
 
@@ -79,9 +80,49 @@ def test_speculation_equals_plain_decode_on_random_configs(seed):
     assert sum(n > 0 for n in lengths) >= min(k + 1, 3), (lengths, case)  # several accept lengths ran
 
 
+@pytest.fixture
+def splits(monkeypatch) -> list[tuple[int, bool]]:
+    """Each call of the deterministic mode's split (attend_by_chunk_kind): (its prefill rows, whether the step held
+    verify chunks)."""
+    from mini.kernels import flashmla_attention as fm
+    seen, split = [], fm.attend_by_chunk_kind
+
+    def spy(inp, key_rows, *args):
+        out = split(inp, key_rows, *args)
+        seen.append((key_rows.multi_token[0], key_rows.verify is not None and bool(key_rows.verify.any())))
+        return out
+    monkeypatch.setattr(fm, "attend_by_chunk_kind", spy)
+    return seen
+
+
+def test_verify_chunks_keep_decode_rows_beside_flashmla_prefill_interpreter(monkeypatch, splits):
+    """The gpu test below on the CPU: the fast path under Triton's interpreter, FlashMLA's per-row stand-in
+    (mini/testing/flashmla_stand_in.py) for prefill chunks, --deterministic, a random config our kernels take
+    (seed 306: V4.1, 3 layers, 6 heads x 128, a ratio-2 layer, Engram). Steps hold prefill chunks beside verify
+    chunks, and speculation equals plain decode bit for bit. With the verify mark dropped (`key_rows.verify =
+    None` in the spy) these very runs' logprobs differ (checked once, docs/perf/028; two more engine runs, ~80 s,
+    are not repeated here)."""
+    from mini.testing import flashmla_stand_in
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: the gpu test below runs FlashMLA itself here")
+    flashmla_stand_in.install(monkeypatch.setattr)
+    mini.ops.set_backend("fast", interpret_on_cpu=True)  # the conftest gives the backend back
+    cfg = random_config(306)
+    rng = random.Random(306)
+    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for i, n in enumerate([6, 30, 45])]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    opts = dict(device="cpu", dtype=torch.bfloat16, block_tokens=16, spec_adaptive=False, num_blocks=64,
+                deterministic=True, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=20,
+                enforce_eager=True)
+    plain, spec, _ = _plain_and_speculative(build(cfg, "cpu", torch.bfloat16, 306), cfg, opts, prompts, params, 3,
+                                            307)
+    _assert_same(plain, spec, describe(cfg))
+    assert any(n > 0 and verify for n, verify in splits), splits  # a step held prefill rows and verify chunks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [12, 39])  # random_config(seed, big=True) with FlashMLA's 64 heads x 512
-def test_speculation_equals_plain_decode_at_flashmla_shapes_gpu(seed, monkeypatch):
+def test_speculation_equals_plain_decode_at_flashmla_shapes_gpu(seed, monkeypatch, splits):
     """--deterministic on the H200 at FlashMLA's attention shape, bf16, the fast path: prefill chunks take FlashMLA,
     decode rows our kernel, and verify chunks, in steps beside prefill chunks too (eager), our kernel as the decode
     steps they stand for (mini.kernels.flashmla_attention.attend_by_chunk_kind): speculation equals plain decode bit
@@ -90,13 +131,6 @@ def test_speculation_equals_plain_decode_at_flashmla_shapes_gpu(seed, monkeypatc
     if not fm.available():
         pytest.skip("needs FlashMLA's SM90 kernels on an H200")
     monkeypatch.setenv("MINI_SPARSE_ATTN", "flashmla")
-    splits, split = [], fm.attend_by_chunk_kind
-
-    def spy(inp, key_rows, *args):
-        out = split(inp, key_rows, *args)
-        splits.append((key_rows.multi_token[0], key_rows.verify is not None and bool(key_rows.verify.any())))
-        return out
-    monkeypatch.setattr(fm, "attend_by_chunk_kind", spy)
     cfg = random_config(seed, big=True)
     rng = random.Random(seed)
     prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for i, n in enumerate([20, 130, 200])]

@@ -198,26 +198,11 @@ def _gpu_step(seqs, k_width: int, dev="cuda"):
     return _step(seqs, k_width, dev)
 
 
-def _reference_prefill(q, kv, rows, count, sink, scale):
-    """A stand-in for FlashMLA's sparse prefill on CPU (mini.kernels.flashmla_attention.sparse_prefill's
-    arithmetic, the reference op's online softmax): each query alone over kv[rows[t, :count[t]]], so a row's
-    output depends on its own inputs only, as measured for FlashMLA on the H200."""
-    out = torch.empty_like(q)
-    for t in range(q.shape[0]):
-        keys = kv[rows[t, :int(count[t])].long()].float()[None]
-        valid = torch.ones(keys.shape[:2], dtype=torch.bool)
-        out[t] = attention._attend(q[t:t + 1], keys, valid, sink.float(), scale)[0].to(q.dtype)
-    return out
-
-
 @pytest.fixture
 def flashmla_stand_in(monkeypatch):
-    """The deterministic mode's FlashMLA path on CPU: every shape "taken", FlashMLA's sparse prefill replaced by its
-    per-row stand-in."""
-    monkeypatch.setattr(fm, "sparse_prefill", _reference_prefill)
-    monkeypatch.setattr(attention, "DET_SPARSE_ATTN", "flashmla")
-    monkeypatch.setattr(fm, "takes_model", lambda q, keys: True)
-    monkeypatch.setattr(attention.backends, "sparse_attn", lambda: "flashmla")
+    """The deterministic mode's FlashMLA path on CPU (mini/testing/flashmla_stand_in.py)."""
+    from mini.testing import flashmla_stand_in
+    flashmla_stand_in.install(monkeypatch.setattr)
 
 
 def test_mixed_step_rows_equal_each_kind_alone_interpreter(monkeypatch, flashmla_stand_in):
