@@ -9,4 +9,5 @@ background_server.py  an app served from a thread of this process (`with Backgro
 stage_times.py        the per-stage timer of a forward step (`mini profile`, ep-prefill's and rank4-decode's stages)
 serving_load.py       a fixed random serving workload, streamed to a server, and its TTFT / TPOT summary
 oracle_drafter.py     a drafter that proposes a plain run's own continuation, wrong where a test plans it
+flashmla_stand_in.py  FlashMLA's sparse prefill as a per-row reference on CPU, for the deterministic mode's split
 """
