@@ -85,7 +85,9 @@ class StepLayout:
 
     def _drafts(self, batch: LayoutInput):
         drafts = batch.drafts_host
-        self.write_end = self.tok_end - torch.tensor(drafts, device=self.device)[batch.seq_of]
+        per_seq = torch.tensor(drafts, device=self.device)
+        self.write_end = self.tok_end - per_seq[batch.seq_of]
+        self.verify_seqs = per_seq > 0
         row_start = [0]
         for n in batch.lens_host:
             row_start.append(row_start[-1] + n)
@@ -94,7 +96,6 @@ class StepLayout:
             if not 0 < drafts[b] < batch.lens_host[b]:
                 raise ValueError(f"sequence {b}: {drafts[b]} drafts in a chunk of {batch.lens_host[b]} rows (a "
                                  "verify chunk starts with one committed token)")
-        self.verify_seqs = torch.tensor([k > 0 for k in drafts], device=self.device)
         self.draft_rows = DraftRows(len(drafts), has, [row_start[b + 1] - drafts[b] for b in has],
                                     [self.end_host[b] - drafts[b] for b in has], [drafts[b] for b in has],
                                     batch.slots[has].tolist())
@@ -248,7 +249,14 @@ class DecodeLayout(StepLayout):
         self.ring_write_row = self.row_start
         self.ring_write_dst = batch.slots * window + batch.start_pos % window
         self.draft_rows = batch.kept_drafts
-        self.verify_seqs = torch.ones(batch.slots.shape[0], dtype=torch.bool, device=self.device)
+
+    @property
+    def verify_seqs(self) -> torch.Tensor | None:
+        """Every sequence of a verify step (width > 1) holds a verify chunk; built only when the step's row lists
+        are (`key_rows`), not in every captured step."""
+        if self.rows_per_seq == 1:
+            return None
+        return torch.ones(self.batch.slots.shape[0], dtype=torch.bool, device=self.device)
 
     def _max_groups(self, ratio: int) -> int:
         return self.batch.max_len // ratio

@@ -11,6 +11,7 @@ requests). Verification keeps only the target's tokens, so every mismatch here i
 wrong. Its first run found one (mini.ops.attention.sparse_attention: a verify chunk's last softmax block was
 narrower than a decode step's, and rounded otherwise on the CPU)."""
 import random
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -24,6 +25,12 @@ from mini.testing.oracle_drafter import OracleDrafter
 SEEDS = [300, 301, 302, 303, 304, 305]
 
 
+def _prompts(rng: random.Random, vocab: int, lengths: Iterable[int]) -> list[list[int]]:
+    """Random prompts of 1 + lengths[i] tokens with distinct first tokens (the oracle finds a sequence's prompt by
+    its prefix); `lengths` is read as the prompts are drawn (a generator may draw them from `rng` in turn)."""
+    return [[3 + i] + [rng.randrange(3, vocab) for _ in range(n)] for i, n in enumerate(lengths)]
+
+
 def _case(seed: int):
     """The config, engine options, prompts, sampling and draft length of one seed."""
     rng = random.Random(seed)
@@ -31,9 +38,7 @@ def _case(seed: int):
     k = rng.randint(1, 6)
     block_tokens = max(rng.choice([4, 8, 16, 32]), *cfg.compress_ratios)  # powers of two: every ratio divides it
     w = cfg.window_size
-    # distinct first tokens: the oracle finds a sequence's prompt by its prefix
-    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(0, 2 * w + 9))]
-               for i in range(3)]
+    prompts = _prompts(rng, cfg.vocab_size, (rng.randint(0, 2 * w + 9) for _ in range(3)))
     sampled = rng.random() < 0.5  # seeded sampling: a draft is accepted where it is the target's own seeded draw
     params = SamplingParams(temperature=rng.choice([0.6, 1.0]) if sampled else 0, seed=rng.randrange(1 << 20),
                             top_p=rng.choice([1.0, 0.9]), repetition_penalty=rng.choice([1.0, 1.2]),
@@ -108,8 +113,7 @@ def test_verify_chunks_keep_decode_rows_beside_flashmla_prefill_interpreter(monk
     flashmla_stand_in.install(monkeypatch.setattr)
     mini.ops.set_backend("fast", interpret_on_cpu=True)  # the conftest gives the backend back
     cfg = random_config(306)
-    rng = random.Random(306)
-    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for i, n in enumerate([6, 30, 45])]
+    prompts = _prompts(random.Random(306), cfg.vocab_size, [6, 30, 45])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     opts = dict(device="cpu", dtype=torch.bfloat16, block_tokens=16, spec_adaptive=False, num_blocks=64,
                 deterministic=True, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=20,
@@ -132,8 +136,7 @@ def test_speculation_equals_plain_decode_at_flashmla_shapes_gpu(seed, monkeypatc
         pytest.skip("needs FlashMLA's SM90 kernels on an H200")
     monkeypatch.setenv("MINI_SPARSE_ATTN", "flashmla")
     cfg = random_config(seed, big=True)
-    rng = random.Random(seed)
-    prompts = [[3 + i] + [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for i, n in enumerate([20, 130, 200])]
+    prompts = _prompts(random.Random(seed), cfg.vocab_size, [20, 130, 200])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     opts = dict(device="cuda", dtype=torch.bfloat16, block_tokens=16, spec_adaptive=False, num_blocks=64,
                 deterministic=True, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=64)

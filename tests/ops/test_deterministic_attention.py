@@ -265,7 +265,6 @@ def test_verify_chunk_rows_equal_their_decode_steps_interpreter(flashmla_stand_i
     in the same step. Without the verify mark the rows are a prefill chunk's (the stand-in): they differ."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: the gpu tests cover the compiled kernels here")
-    from mini.kernels.flashmla_attention import StepRows
     D, H, L = 16, 3, 40
     g = torch.Generator().manual_seed(5)
     S, V = [(torch.randn(L, D, generator=g), torch.randn(L, H, D, generator=g),
