@@ -264,8 +264,12 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 # - Bucket 512 (B = 43-85 on the emulated rank), measured on the routing a B = 64 decode step recorded (phase
 #   humming_step, docs/perf/026; ~60 touched experts, up to 24 rows on one): w1|w3 with 6 stages instead of 4
 #   (296 -> 286 us), w2's wgmma tile with 16 rows instead of 8 (159 -> 150 us). Both the same sums (bit-equal).
+# - Bucket 16 (decode at B <= 2 on the emulated rank), on the routing a B = 1 decode step recorded (docs/perf/026):
+#   w1|w3 with 2 CTAs per SM instead of 4, 18.8 -> 16.2 us, bit-equal (at the B = 1 verify step's bucket it was
+#   slower, 45.3 -> 51.4: not taken there).
 DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
                                        {"block_shape": [8, 64, 64], "num_stages": 6}) for bucket in (16, 32, 64)}
+DECODE_TILES[4608, 5120, 16][1]["num_ctas_per_sm"] = 2
 DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_type": "wgmma"},
                                             {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})

@@ -151,8 +151,9 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         w13, w2 = Layer(4608, 5120), Layer(5120, 2304)
         got = json.loads(hx._tuning(w13, 16))
         assert got["block_shape"] == [8, 64, 64] and got["warp_shape"] == [8, 64, 32] and not got["use_stream_k"]
-        assert got["num_stages"] == 6
+        assert got["num_stages"] == 6 and got["num_ctas_per_sm"] == 2
         assert json.loads(hx._tuning(w13, 64))["block_shape"] == [8, 64, 64]
+        assert "num_ctas_per_sm" not in json.loads(hx._tuning(w13, 64))  # 2 CTAs per SM at bucket 16 only
         for config, rows, kw in ((w13, 16, {"invariant": True}), (w13, 16, {"tuned": False}), (w13, 128, {}),
                                  (w2, 16, {})):
             assert json.loads(hx._tuning(config, rows, **kw))["block_shape"] == [8, 128, 64]
