@@ -58,6 +58,11 @@ FORCED_DRAFT = 15
 # 2.13x a decode step, so a verify row costs 0.076 / 0.178 / 0.226 of one. ASSUMED: linear in B between those B,
 # flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every sequence of a batch (a
 # graph step takes its longest draft's width, and the draft step costs about as much for one sequence as for all).
+# Today's code measures lower costs but for B = 1's row (docs/perf/029: draft 0.153 / 0.175 / 0.198, rows 0.083 /
+# 0.157 / 0.187 at B = 1 / 16 / 64). Kept: with them every threshold falls by 0.05-0.1, and `DraftRecord`'s prior (two tokens at
+# the engine's α, 1.0 at start) then keeps a never-right drafter's sequences drafting 1-2 tokens for several verify
+# steps instead of one (two tests in tests/engine/test_speculative_adaptive.py fail so); the costs and the prior
+# are to be retuned together.
 DRAFT_STEP_COST = 0.25
 VERIFY_ROW_COST = ((1, 0.076), (16, 0.178), (64, 0.226))  # (B, a verify row's cost): linear between, flat past
 PRIOR_WEIGHT = 2.0  # a sequence's own evidence is read beside two draft tokens at the engine's acceptance (`alpha`)
