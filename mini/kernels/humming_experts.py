@@ -277,10 +277,11 @@ DECODE_TILES[4608, 5120, 512] = ({"block_shape": [8, 128, 64], "warp_shape": [8,
                                   "num_stages": 4}, {"num_stages": 6})
 DECODE_TILES[5120, 2304, 512] = ({"block_shape": [8, 256, 64], "warp_shape": [8, 64, 64], "mma_type": "wgmma"},
                                  {"block_shape": [16, 256, 64], "warp_shape": [16, 64, 64]})
-# - Bucket 128 (decode at B = 11-21) and bucket 1024 (the verify step of B x 6 rows at B = 11-21), on the routing a
-#   B = 16 spec-decode step recorded (docs/perf/029; decode ~23 touched experts, verify ~32): w1|w3 at bucket 128
-#   with 6 stages (113.4 -> 109.2 us); at bucket 1024 both GEMMs in bucket 2048's whole config ("rows_bucket":
-#   32-row wgmma tiles instead of 16; w1|w3 258.5 -> 199.3 us, w2 138.9 -> 108.5). All bit-equal in the study.
+# - Bucket 128 (decode at B = 11-21 on the emulated rank) and bucket 1024 (the verify step of B x 6 rows at
+#   B = 15-28; also decode at B = 86-170, not measured), on the routing a B = 16 spec-decode step recorded
+#   (docs/perf/029; decode ~23 touched experts, verify ~32): w1|w3 at bucket 128 with 6 stages (113.4 -> 109.2 us);
+#   at bucket 1024 both GEMMs in bucket 2048's whole config ("rows_bucket": 32-row wgmma tiles instead of 16; w1|w3
+#   258.5 -> 199.3 us, w2 138.9 -> 108.5). All bit-equal in the study.
 DECODE_TILES[4608, 5120, 128] = (DECODE_TILES[4608, 5120, 512][0], {"num_stages": 6})
 DECODE_TILES.update({(n, k, 1024): ({"block_shape": [16, 256, 64], "warp_shape": [16, 32, 64], "mma_type": "wgmma"},
                                     {"rows_bucket": 2048}) for n, k in ((4608, 5120), (5120, 2304))})
