@@ -50,27 +50,23 @@ from mini.step import Commit, Drafter
 FORCED_DRAFT = 15
 
 # The acceptance rule's cost model (docs/engine.md, "The draft length"), in units of the plain decode step it
-# replaces: a step in which every one of B sequences drafts k tokens costs 1 + DRAFT_STEP_COST + row(B) * k and
-# commits, per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted
-# after the ones before it). MEASURED on the H200 at V4.1-Flash width, one emulated EP4 rank, 4K context, graphs
-# (`mini bench spec-decode`, docs/perf 016): the draft step 2.31 / 4.49 / 8.99 ms against decode steps of 13.02 /
-# 19.63 / 33.86 ms at B = 1 / 16 / 64 (0.18, 0.23, 0.27: taken as 0.25); a verify step of B x 6 rows 1.38x / 1.89x /
-# 2.13x a decode step, so a verify row costs 0.076 / 0.178 / 0.226 of one. ASSUMED: linear in B between those B,
-# flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every sequence of a batch (a
-# graph step takes its longest draft's width, and the draft step costs about as much for one sequence as for all).
-# Today's code measures lower costs but for B = 1's row (docs/perf/029: draft 0.153 / 0.175 / 0.198, rows 0.083 /
-# 0.157 / 0.187 at B = 1 / 16 / 64). Kept: with them every threshold falls by 0.05-0.1, and `DraftRecord`'s prior (two tokens at
-# the engine's α, 1.0 at start) then keeps a never-right drafter's sequences drafting 1-2 tokens for several verify
-# steps instead of one (two tests in tests/engine/test_speculative_adaptive.py fail so); the costs and the prior
-# are to be retuned together.
-DRAFT_STEP_COST = 0.25
-VERIFY_ROW_COST = ((1, 0.076), (16, 0.178), (64, 0.226))  # (B, a verify row's cost): linear between, flat past
-PRIOR_WEIGHT = 2.0  # a sequence's own evidence is read beside two draft tokens at the engine's acceptance (`alpha`)
-RESTART_HITS = 4.0  # a probe taken whole restarts its sequence's evidence at 4 hits: α >= 2/3, long drafts again
+# replaces: a step in which every one of B sequences drafts k tokens costs 1 + draft(B) + row(B) * k and commits,
+# per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted after the
+# ones before it). MEASURED on the H200 at V4.1-Flash width, one emulated EP4 rank, 4K context, CUDA graphs (`mini
+# bench spec-decode`, docs/perf/029, the final code's side of its A/Bs): decode steps of 9.47 / 17.13 / 29.24 ms at
+# B = 1 / 16 / 64, the draft step (DSpark's ring write and proposal) 1.47 / 3.03 / 5.81 ms, a verify step of B x 6
+# rows 1.421x / 1.598x / 1.939x a decode step (a verify row 0.084 / 0.120 / 0.188 of one). ASSUMED: linear in B
+# between those B, flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every
+# sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as much for one
+# sequence as for all).
+STEP_COSTS = ((1, 0.155, 0.084), (16, 0.177, 0.120), (64, 0.199, 0.188))  # (B, draft step, verify row)
+PRIOR_WEIGHT = 1.0  # a sequence's own evidence is read beside one draft token at the engine's acceptance (`alpha`)
+# (two, with the costs above, kept a never-right drafter's sequences drafting after three misses: docs/perf/029)
+RESTART_HITS = 4.0  # a probe taken whole restarts its sequence's evidence at 4 hits: α >= 4/5, long drafts again
 DECAY = 0.9  # each verify step keeps 0.9 of the evidence before it (about the last 10 steps count)
 PROBE_EVERY = 32  # a sequence whose drafts do not pay drafts a probe every 32 steps, all of them in the same step
-PROBE_DRAFT = 2  # a probe's tokens: two, never one (2 pays wherever 1 does), so a drafter right by chance (p) restarts
-# a sequence only where both are taken (p², not p: at tiny-v4.1-dspark's p = 0.04, 0.2% of sequences a probe)
+PROBE_DRAFT = 2  # a probe's tokens: two, not one, so a drafter right by chance (p) restarts a sequence only where
+# both are taken (p², not p: at tiny-v4.1-dspark's p = 0.04, 0.2% of sequences a probe)
 
 @dataclass
 class SpecStats:
@@ -89,25 +85,26 @@ class SpecStats:
         self.accept_lengths[accepted] += 1
 
 
-def verify_row_cost(decoding: int) -> float:
-    """A verify row's cost in decode steps when `decoding` sequences decode (VERIFY_ROW_COST)."""
-    for (b0, c0), (b1, c1) in zip(VERIFY_ROW_COST, VERIFY_ROW_COST[1:]):
+def step_costs(decoding: int) -> tuple[float, float]:
+    """(the draft step's, a verify row's) cost in decode steps when `decoding` sequences decode (STEP_COSTS)."""
+    for (b0, *c0), (b1, *c1) in zip(STEP_COSTS, STEP_COSTS[1:]):
         if decoding <= b1:
-            return c0 + (c1 - c0) * (max(decoding, b0) - b0) / (b1 - b0)
-    return VERIFY_ROW_COST[-1][1]
+            at = (max(decoding, b0) - b0) / (b1 - b0)
+            return c0[0] + (c1[0] - c0[0]) * at, c0[1] + (c1[1] - c0[1]) * at
+    return STEP_COSTS[-1][1], STEP_COSTS[-1][2]
 
 
 def paying_draft(alpha: float, longest: int, decoding: int) -> int:
     """The draft length, 0..`longest`, that commits the most tokens per unit of step time under the cost model above
     at acceptance `alpha` among `decoding` sequences; 0 where no draft beats plain decode (one token per step).
-    Among 16 sequences: none below α = 0.43, then 2, 3 from 0.61, 4 from 0.72, 5 from 0.79 (a step of full drafts
-    costs 2.1 decode steps); from 64 on: none below 0.48, 3 from 0.66, 4 from 0.76, 5 from 0.82 (2.4); alone: none
-    below 0.31, 3 from 0.45, 4 from 0.58, 5 from 0.67 (1.6). Never 1: the draft step's fixed cost makes 2 pay
-    wherever 1 does."""
-    row, gain, best, best_k = verify_row_cost(decoding), 0.0, 1.0, 0
+    Alone: none below α = 0.24, then 1 token, 2 from 0.30, 3 from 0.48, 4 from 0.60, 5 from 0.69 (a step of full
+    drafts costs 1.58 decode steps); among 16: none below 0.30, then 1, 2 from 0.35, 3 from 0.54, 4 from 0.66, 5
+    from 0.74 (1.78); from 64 on: none below 0.39, then 1, 2 from 0.44, 3 from 0.62, 4 from 0.73, 5 from 0.80
+    (2.14). One token pays only in a narrow band where drafting starts."""
+    (draft, row), gain, best, best_k = step_costs(decoding), 0.0, 1.0, 0
     for k in range(1, longest + 1):
         gain += alpha ** k
-        speed = (1 + gain) / (1 + DRAFT_STEP_COST + row * k)
+        speed = (1 + gain) / (1 + draft + row * k)
         if speed > best:
             best, best_k = speed, k
     return best_k
