@@ -268,8 +268,9 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 #   w1|w3 with 2 CTAs per SM instead of 4, 18.8 -> 16.2 us, bit-equal (at the B = 1 verify step's bucket it was
 #   slower, 45.3 -> 51.4: not taken there).
 DECODE_TILES = {(4608, 5120, bucket): ({"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"},
-                                       {"block_shape": [8, 64, 64], "num_stages": 6}) for bucket in (16, 32, 64)}
-DECODE_TILES[4608, 5120, 16][1]["num_ctas_per_sm"] = 2
+                                       {"block_shape": [8, 64, 64], "num_stages": 6,
+                                        **({"num_ctas_per_sm": 2} if bucket == 16 else {})})
+                for bucket in (16, 32, 64)}
 DECODE_TILES.update({(5120, 2304, bucket): ({"block_shape": [8, 256, 64], "mma_type": "wgmma"},
                                             {"block_shape": [8, 128, 64], "warp_shape": [8, 64, 32], "mma_type": "mma"})
                      for bucket in (16, 32, 64)})
