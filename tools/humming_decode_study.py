@@ -72,16 +72,20 @@ VARIANTS = {
     "wg_m64_ctas1": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None],
                      "num_ctas_per_sm": 1},
     "bucket4096": {"bucket": 4096}, "bucket8192": {"bucket": 8192}, "bucket16384": {"bucket": 16384},
+    # bucket 2048 (decode at B = 171-341: ~16 rows on each of ~94 touched experts) in a 32-row wgmma tile of 256
+    # columns: narrower columns (more CTAs a touched expert); 16-row tiles are bucket 1024's own config
+    "n128": {"block_shape": [None, 128, None]},
+    "n128_ctas2": {"block_shape": [None, 128, None], "num_ctas_per_sm": 2},
 }
 
 
 def patched(base: str, patch: dict, stack) -> str:
     """The tuning JSON `base` with `patch`'s keys replaced; list entries None keep the base's value. The warp
-    shape's N follows a narrower block N. {"bucket": R}: the heuristic's config for R rows instead, with the
-    patch's other keys over it."""
+    shape's N follows a narrower block N. {"bucket": R}: the heuristic's own config for R rows instead (not
+    DECODE_TILES' change there), with the patch's other keys over it."""
     from mini.kernels.humming_experts import tuning_for
     if "bucket" in patch:
-        base = tuning_for(stack, patch["bucket"])
+        base = tuning_for(stack, patch["bucket"], tuned=False)
     t = json.loads(base)
     for key, val in ((k, v) for k, v in patch.items() if k != "bucket"):
         if isinstance(val, list):

@@ -140,13 +140,45 @@ def bench_indexer(rows: list, sweep=(), dev="cuda"):
     from mini.kernels.indexer_scores import index_scores
     from mini.ops.indexer import index_scores as reference
     args, flops, _ = indexer_case(dev)
-    configs = [dict(block_t=4, block_n=64), *sweep]
+    configs = [{}, dict(tiles=1), dict(block_t=4, block_n=64), *sweep]  # {}: the model's call (tiles_per_program)
     for cfg in configs:
         ms = _bench(lambda: index_scores(*args, **cfg))
         rows.append(dict(kernel="indexer/scores", config=cfg, ms=ms, tflops=flops / ms / 1e9,
                          frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))
     ms = _bench(_reference(lambda: reference(*args)))
     rows.append(dict(kernel="indexer/scores", config="torch reference", ms=ms, tflops=flops / ms / 1e9))
+
+
+def bench_indexer_decode(rows: list, sweep=(), dev="cuda"):
+    """The indexer's scores at decode (issue 28: 8 indexer layers took 5.3 ms of B = 256 x 32K's step, ~2.3 ms of
+    key bytes): one row per sequence against all its groups, keys gathered from a shuffled pool. One key tile a
+    program (the kernel before the tile loop) against the loop's tile counts; `same`: bits against one tile a
+    program. The byte floor: the keys, the row map and the scores once."""
+    from mini.kernels.indexer_scores import index_scores, tiles_per_program
+    for B, ctx, ratio in ((1, 4096, 1), (64, 4096, 1), (64, 32768, 2), (256, 4096, 1), (256, 32768, 2),
+                          (256, 32768, 1)):
+        b = _decode_batch(B, ctx, dev)
+        rpb, N = BLOCK_TOKENS // ratio, (ctx + 1) // ratio
+        j = torch.arange(N, device=dev)
+        seq_rows = b["block_table"][:, j // rpb].long() * rpb + j % rpb
+        keys = torch.randn(b["n_blocks"] * rpb, IDI, device=dev).bfloat16()
+        q = torch.randn(B, IH, IDI, device=dev).bfloat16()
+        w = (torch.randn(B, IH, device=dev) * 0.02).bfloat16()
+        args = (q, w, keys, seq_rows, b["seq_of"], (b["positions"] + 1) // ratio)
+        nbytes = B * N * (IDI * 2 + seq_rows.element_size() + 2)
+        one = index_scores(*args, tiles=1)
+        auto = tiles_per_program(B + -(-B // 2), -(-N // 128))
+        for cfg in ({"tiles": 1}, {"tiles": auto, "note": "tiles_per_program"},
+                    *({"tiles": t} for t in (4, 8, 16, 32) if t != auto), {"tiles": auto, "loop_stages": 2},
+                    {"tiles": auto, "loop_stages": 4}, {"tiles": auto, "num_warps": 8}, *sweep):
+            run_kw = {k: v for k, v in cfg.items() if k != "note"}
+            ms = _bench(lambda: index_scores(*args, **run_kw))
+            same = float((index_scores(*args, **run_kw) == one).float().mean())
+            rows.append(dict(kernel=f"indexer/decode B={B} ctx={ctx} ratio={ratio}", config=cfg, ms=ms,
+                             gbs=nbytes / ms / 1e6, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS,
+                             floor_ms=nbytes / COPY_TBS / 1e9, same=same))
+            print(json.dumps(rows[-1]), flush=True)
+        del keys, one
 
 
 def bench_mhc(rows: list, sweep=(), dev="cuda"):
@@ -508,6 +540,7 @@ def bench_dspark_markov(rows: list, sweep=(), dev="cuda"):
 
 
 BENCHES = {"attention": bench_attention, "attention_decode": bench_attention_decode, "indexer": bench_indexer,
+           "indexer_decode": bench_indexer_decode,
            "mhc": bench_mhc, "rope": bench_rope, "norm": bench_norm,
            "decode_small": bench_decode_small, "decode_gate": bench_decode_gate, "decode_gemv": bench_decode_gemv,
            "decode_gemv_fp8": bench_decode_gemv_fp8,

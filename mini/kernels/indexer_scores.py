@@ -19,7 +19,8 @@ import triton.language as tl
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, prog_seq_ptr, prog_t0_ptr, seq_end_ptr, cand_ptr, out_ptr,
     N, stride_rows, stride_cand,
-    H: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CAND: tl.constexpr,
+    H: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    HAS_CAND: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     seq = tl.load(prog_seq_ptr + tl.program_id(0))
     if seq < 0:
@@ -28,14 +29,12 @@ def _index_scores_kernel(
     t_end = tl.load(seq_end_ptr + seq)
     toks = t0 + tl.arange(0, BLOCK_T)
     tok_ok = toks < t_end
-    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nvis = tl.load(nvis_ptr + toks, mask=tok_ok, other=0)
-    visible = tok_ok[:, None] & (j[None, :] < nvis[:, None]) & (j < N)[None, :]
-    out_ptrs = out_ptr + toks[:, None].to(tl.int64) * N + j[None, :]
-    out_ok = tok_ok[:, None] & (j < N)[None, :]
-    if tl.program_id(1) * BLOCK_N >= tl.max(nvis, axis=0):  # nothing visible in this tile
-        tl.store(out_ptrs, tl.full([BLOCK_T, BLOCK_N], float("-inf"), out_ptr.dtype.element_ty), mask=out_ok)
-        return
+    # this program's TILES consecutive key tiles: those that start below the last visible group are scored, the
+    # rest only written -inf
+    lo = tl.program_id(1) * (BLOCK_N * TILES)
+    hi = tl.minimum(lo + BLOCK_N * TILES, N)
+    scored_hi = tl.minimum(hi, tl.max(nvis, axis=0))
 
     r = tl.arange(0, BLOCK_T * H)  # q row r = token (r // H), head (r % H)
     row_tok = t0 + r // H
@@ -43,16 +42,27 @@ def _index_scores_kernel(
     d = tl.arange(0, DI)
     q = tl.load(q_ptr + (t0 * H + r)[:, None].to(tl.int64) * DI + d[None, :], mask=row_ok[:, None], other=0.0)
     w = tl.load(w_ptr + t0 * H + r, mask=row_ok, other=0.0)
-    krow = tl.load(rows_ptr + seq * stride_rows + j, mask=j < N, other=-1)
-    k = tl.load(k_ptr + tl.maximum(krow, 0)[:, None].to(tl.int64) * DI + d[None, :], mask=(krow >= 0)[:, None],
-                other=0.0)
-    s = tl.dot(q, tl.trans(k)).to(q.dtype)  # [BLOCK_T·H, BLOCK_N], rounded like the reference einsum
-    s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
-    score = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), axis=1).to(q.dtype).to(tl.float32)
-    if HAS_CAND:
-        cand = tl.load(cand_ptr + toks[:, None].to(tl.int64) * stride_cand + j[None, :], mask=out_ok, other=0)
-        visible = visible & (cand != 0)
-    tl.store(out_ptrs, tl.where(visible, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=out_ok)
+    for n0 in tl.range(lo, scored_hi, BLOCK_N, num_stages=LOOP_STAGES):
+        j = n0 + tl.arange(0, BLOCK_N)
+        krow = tl.load(rows_ptr + seq * stride_rows + j, mask=j < N, other=-1)
+        k = tl.load(k_ptr + tl.maximum(krow, 0)[:, None].to(tl.int64) * DI + d[None, :], mask=(krow >= 0)[:, None],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(q.dtype)  # [BLOCK_T·H, BLOCK_N], rounded like the reference einsum
+        s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
+        score = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), axis=1).to(q.dtype).to(tl.float32)
+        out_ok = tok_ok[:, None] & (j < N)[None, :]
+        visible = out_ok & (j[None, :] < nvis[:, None])
+        if HAS_CAND:
+            cand = tl.load(cand_ptr + toks[:, None].to(tl.int64) * stride_cand + j[None, :], mask=out_ok, other=0)
+            visible = visible & (cand != 0)
+        tl.store(out_ptr + toks[:, None].to(tl.int64) * N + j[None, :],
+                 tl.where(visible, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=out_ok)
+    hidden_lo = lo + tl.cdiv(tl.maximum(scored_hi - lo, 0), BLOCK_N) * BLOCK_N
+    for n0 in range(hidden_lo, hi, BLOCK_N):  # nothing visible in these tiles
+        j = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + toks[:, None].to(tl.int64) * N + j[None, :],
+                 tl.full([BLOCK_T, BLOCK_N], float("-inf"), out_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & (j < N)[None, :])
 
 
 def supported(heads: int, head_dim: int) -> bool:
@@ -86,12 +96,28 @@ def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
     return torch.where(live, seq, -1), t0, first_row + lens
 
 
+# A program scores TILES consecutive key tiles of its tokens (q loaded once, the tiles' loads pipelined) where the
+# grid keeps at least MIN_PROGRAMS programs; one tile each below that (B = 1 decode). One tile per program left
+# decode at 256 x 32K latency-bound: 8 indexer layers 5.3 ms for ~2.3 ms of key bytes (docs/perf/025).
+MIN_PROGRAMS = 2048
+MAX_TILES = 32
+
+
+def tiles_per_program(programs: int, n_tiles: int) -> int:
+    """The largest power of two <= MAX_TILES that keeps programs x cdiv(n_tiles, tiles) >= MIN_PROGRAMS (else 1)."""
+    tiles = 1
+    while tiles < MAX_TILES and programs * triton.cdiv(n_tiles, 2 * tiles) >= MIN_PROGRAMS:
+        tiles *= 2
+    return tiles
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
                  seq_of: torch.Tensor, n_visible: torch.Tensor, candidates: torch.Tensor | None = None,
                  block_t: int = 2, block_n: int = 128, num_warps: int = 4, num_stages: int = 2,
-                 plan: tuple | None = None) -> torch.Tensor:
+                 plan: tuple | None = None, tiles: int | None = None, loop_stages: int = 3) -> torch.Tensor:
     """q [T, H, di], weights [T, H], keys [P, di] (flat pool), seq_rows [B, N] (-1 = not complete), seq_of [T],
-    n_visible [T], optional candidates bool [T, N] -> [T, N] in q.dtype (-inf: not visible / not a candidate)."""
+    n_visible [T], optional candidates bool [T, N] -> [T, N] in q.dtype (-inf: not visible / not a candidate).
+    `tiles`: key tiles per program (None: `tiles_per_program`); the scores' bits do not depend on it."""
     T, H, DI = q.shape
     B, N = seq_rows.shape
     out = torch.empty(T, N, dtype=q.dtype, device=q.device)
@@ -106,8 +132,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     block_t, prog_seq, prog_t0, seq_end = programs(seq_of, B, H, block_t) if plan is None else plan
     cand = candidates.view(torch.uint8) if candidates is not None else out
     assert cand.stride(-1) == 1
-    grid = (prog_seq.shape[0], triton.cdiv(N, block_n))
+    n_tiles = triton.cdiv(N, block_n)
+    tiles = tiles_per_program(prog_seq.shape[0], n_tiles) if tiles is None else tiles
+    grid = (prog_seq.shape[0], triton.cdiv(n_tiles, tiles))
     _index_scores_kernel[grid](q, weights, keys, seq_rows, n_visible, prog_seq, prog_t0, seq_end, cand, out,
                                N, seq_rows.stride(0), cand.stride(0), H=H, DI=DI, BLOCK_T=block_t, BLOCK_N=block_n,
-                               HAS_CAND=candidates is not None, num_warps=num_warps, num_stages=num_stages)
+                               TILES=tiles, HAS_CAND=candidates is not None, LOOP_STAGES=loop_stages,
+                               num_warps=num_warps, num_stages=num_stages)
     return out

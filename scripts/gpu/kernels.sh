@@ -49,10 +49,19 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
     # its decode and verify steps, and DSpark's draft MoE's rows per expert (128); tools/humming_decode_study.py
     # replays them (cases step:b64_c4096.decode / .verify / .draft) under HUMMING_STEP_NAMES' variants, then
     # HUMMING_STEP_MORE's in a second process. Look at: the study's us per case and variant, bit_equal.
+    # HUMMING_STEP_SHAPES (e.g. 256x4096,128x4096): rank4-decode's decode steps at those shapes instead (cases
+    # step:b256_c4096, ...), for batch sizes no spec-decode run covers
     local rc=0
-    MINI_MOE_GEMM=humming timeout 150 python3 -m mini.cli bench spec-decode --batch "${HUMMING_STEP_BATCH:-64}" \
-        --context 4096 --steps 2 --warmup 1 --no-proxy --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1
-    grep "^spec-decode B=" "$PHASE_DIR/step.log"
+    if [ -n "${HUMMING_STEP_SHAPES:-}" ]; then
+        MINI_MOE_GEMM=humming timeout 200 python3 -m mini.cli bench rank4-decode --shapes "$HUMMING_STEP_SHAPES" \
+            --steps 2 --warmup 1 --profile-steps 0 --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1
+        grep "ms/step\|^rank4-decode" "$PHASE_DIR/step.log" | tail -5
+    else
+        MINI_MOE_GEMM=humming timeout 150 python3 -m mini.cli bench spec-decode --batch "${HUMMING_STEP_BATCH:-64}" \
+            --context 4096 --steps 2 --warmup 1 --no-proxy --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 \
+            || rc=1
+        grep "^spec-decode B=" "$PHASE_DIR/step.log"
+    fi
     # shellcheck disable=SC2086
     python3 tools/humming_decode_study.py --pairs "" --step-routing "$PHASE_DIR/step.json" \
         --names ${HUMMING_STEP_NAMES:-stages6 ctas2 bucket16 bucket32 bucket64 bucket512 bucket1024 bucket2048} \

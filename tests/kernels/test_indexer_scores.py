@@ -54,6 +54,42 @@ def test_index_scores_interpreter(interpreter, flat_batch):
     check(b, q, w, keys, seq_rows, n_vis, cand, block_t=4, block_n=16)
 
 
+def test_index_scores_tiles_per_program_interpreter(interpreter, flat_batch):
+    """A program scoring several key tiles (a loop, then -inf past its tokens' last visible group) gives the bits
+    of one tile a program, with tile counts that do not divide the key tiles (19 groups in 5 tiles of 4)."""
+    from mini.kernels.indexer_scores import index_scores as kernel_scores
+    b, q, w, keys, seq_rows, n_vis = make(flat_batch, [9, 1, 6], [0, 37, 20], 4, 32, 2, 4, "cpu", torch.float32)
+    cand = select_candidates(index_scores(q, w, keys, seq_rows, b.seq_of, n_vis), n_vis, 2, 4)
+    for c in (None, cand):
+        one = check(b, q, w, keys, seq_rows, n_vis, c, block_t=4, block_n=4, tiles=1)
+        for tiles in (2, 4, 8):
+            out = torch.full_like(one, float("nan"))
+            out.copy_(kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, c, block_t=4, block_n=4, tiles=tiles))
+            assert torch.equal(out, one), tiles
+
+
+def test_tiles_per_program_keeps_the_grid_wide():
+    from mini.kernels.indexer_scores import MAX_TILES, MIN_PROGRAMS, tiles_per_program
+    assert tiles_per_program(2, 32) == 1  # B = 1 decode: every tile its own program
+    for programs, n_tiles in ((1, 1), (3, 7), (384, 128), (384, 256), (2304, 64), (10, 5000)):
+        t = tiles_per_program(programs, n_tiles)
+        assert t & (t - 1) == 0 and 1 <= t <= MAX_TILES
+        assert t == 1 or programs * -(-n_tiles // t) >= MIN_PROGRAMS  # wide enough
+        assert t == MAX_TILES or programs * -(-n_tiles // (2 * t)) < MIN_PROGRAMS  # and the largest such
+
+
+@pytest.mark.gpu
+def test_index_scores_tiles_per_program_gpu(flat_batch):
+    """At V4.1's indexer shape (32 heads x 128), decode rows of long sequences: the looped program's bits equal
+    one tile a program's."""
+    from mini.kernels.indexer_scores import index_scores as kernel_scores
+    b, q, w, keys, seq_rows, n_vis = make(flat_batch, [1] * 7 + [33], [3001, 17, 4095, 900, 2500, 64, 1200, 1999],
+                                          32, 128, 1, 64, "cuda", torch.bfloat16)
+    one = kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, tiles=1)
+    for tiles in (2, 4, 8, 32):
+        assert torch.equal(kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, tiles=tiles), one), tiles
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_index_scores_gpu(ratio, flat_batch):
