@@ -278,14 +278,12 @@ DECODE_TILES[4608, 5120, 512] = ({"block_shape": [8, 128, 64], "warp_shape": [8,
                                   "num_stages": 4}, {"num_stages": 6})
 DECODE_TILES[5120, 2304, 512] = ({"block_shape": [8, 256, 64], "warp_shape": [8, 64, 64], "mma_type": "wgmma"},
                                  {"block_shape": [16, 256, 64], "warp_shape": [16, 64, 64]})
-# - Bucket 128 (decode at B = 11-21 on the emulated rank) and bucket 1024 (the verify step of B x 6 rows at
-#   B = 15-28; also decode at B = 86-170, not measured), on the routing a B = 16 spec-decode step recorded
-#   (docs/perf/029; decode ~23 touched experts, verify ~32): w1|w3 at bucket 128 with 6 stages (113.4 -> 109.2 us);
-#   at bucket 1024 both GEMMs in bucket 2048's whole config ("rows_bucket": 32-row wgmma tiles instead of 16; w1|w3
-#   258.5 -> 199.3 us, w2 138.9 -> 108.5). All bit-equal in the study.
+# - Bucket 128 (decode at B = 11-21 on the emulated rank), on the routing a B = 16 spec-decode step recorded
+#   (docs/perf/029; ~23 touched experts): w1|w3 with 6 stages (113.4 -> 109.2 us, bit-equal).
+# - Bucket 1024 keeps the heuristic's 16-row wgmma tile. Bucket 2048's 32-row tile there was faster only on a
+#   verify step whose rows repeated the next sequences' tokens (32 touched experts at B = 16); decode at B = 128
+#   (84 touched) ran both GEMMs 6% slower in it (docs/perf/030).
 DECODE_TILES[4608, 5120, 128] = (DECODE_TILES[4608, 5120, 512][0], {"num_stages": 6})
-DECODE_TILES.update({(n, k, 1024): ({"block_shape": [16, 256, 64], "warp_shape": [16, 32, 64], "mma_type": "wgmma"},
-                                    {"rows_bucket": 2048}) for n, k in ((4608, 5120), (5120, 2304))})
 
 
 @functools.cache
@@ -299,8 +297,7 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     deterministic mode) asks the library for its batch-invariant schedule instead: one K partition of a fixed
     width (64 for bf16 activations) and no stream-K at every row count; only the row tile still follows the
     rows, which changes no row's sums. `tuned` (outside the deterministic mode): DECODE_TILES' change where the
-    heuristic's config is the one it was measured against (a change {"rows_bucket": R}: the heuristic's whole
-    config for R rows)."""
+    heuristic's config is the one it was measured against."""
     from humming.config import GemmType
     from humming.tune import get_heuristics_config
     tuning = json.loads(json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
@@ -308,8 +305,6 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     tuning["use_stream_k"] = False
     measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
     if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
-        if "rows_bucket" in change:
-            return _tuning(config, change["rows_bucket"], tuned=False)
         tuning.update(change)
     return json.dumps(tuning)
 
