@@ -18,7 +18,8 @@ def test_the_studies_are_the_tools_and_not_the_suites(tool, names):
     kernels.add_args(p, tool.BENCHES)
     assert p.parse_args([]).only == names
     assert not set(names) & set(kernels.BENCHES)
-    assert list(kernels.BENCHES) == ["attention", "attention_decode", "indexer", "mhc", "rope", "norm", "decode_small",
+    assert list(kernels.BENCHES) == ["attention", "attention_decode", "indexer", "indexer_decode", "mhc", "rope", "norm",
+                                    "decode_small",
                                     "decode_gate", "decode_gemv", "decode_gemv_fp8", "order_keys", "top_ids",
                                     "dspark_markov"]
 
