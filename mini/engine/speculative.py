@@ -58,7 +58,8 @@ FORCED_DRAFT = 15
 # rows 1.421x / 1.598x / 1.939x a decode step (a verify row 0.084 / 0.120 / 0.188 of one). ASSUMED: linear in B
 # between those B, flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every
 # sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as much for one
-# sequence as for all).
+# sequence as for all). The B = 16 and 64 verify costs UNDERSTATE: those steps' draft rows repeated the next
+# sequences' tokens, which route alike and touch fewer experts (docs/perf/030); not yet re-measured.
 STEP_COSTS = ((1, 0.155, 0.084), (16, 0.177, 0.120), (64, 0.199, 0.188))  # (B, draft step, verify row)
 PRIOR_WEIGHT = 1.0  # a sequence's own evidence is read beside one draft token at the engine's acceptance (`alpha`)
 # (two, with the costs above, kept a never-right drafter's sequences drafting after three misses: docs/perf/029)
