@@ -9,7 +9,8 @@ operation (arithmetic, comparisons, min/max, clamps, math functions, dot, reduct
 bf16 to nearest even, as the GPU's cvt.rn.bf16.f32 does. Every floating-point dot (bf16 and fp32 operands) sums
 in float64 and rounds once to its accumulator's dtype: numpy's fp32 matmul flushes denormal results to zero,
 which an MMA does not (the MXFP4 decode tests reach 2^-128). Bit-level
-operations (loads, stores, bitcasts, selects, reshapes) are untouched. Applied once per process by
+operations (loads, stores, bitcasts, selects, reshapes) are untouched. It also lets a computed scalar bound a loop
+under Triton 3.6 with numpy 2 (`_patch_scalar_index`). Applied once per process by
 `mini.ops.set_backend(..., interpret_on_cpu=True)` and by the kernel tests; compiled kernels never see it.
 """
 from __future__ import annotations
@@ -154,4 +155,19 @@ def patch_bf16() -> None:
             return total(self, input)
         return back(total(self, as_f32(input)), input)
     R.sum = patched_sum
+    _patch_scalar_index(ti)
     _PATCHED = True
+
+
+def _patch_scalar_index(ti) -> None:
+    """Triton 3.6's interpreter holds a scalar as a [1] array and turns it into a loop bound with int(array), which
+    numpy 2 refuses for a 1-d array: a loop bounded by a computed scalar (indexer_scores' tile loop) stops there.
+    Triton 3.9 squeezes the array first; so does this."""
+    lang_tensor = getattr(ti, "_patch_lang_tensor", None)
+    if lang_tensor is None:
+        return
+
+    def patched_lang_tensor(tensor, scope):
+        lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    ti._patch_lang_tensor = patched_lang_tensor
