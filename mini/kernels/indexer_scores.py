@@ -98,7 +98,8 @@ def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
 
 # A program scores TILES consecutive key tiles of its tokens (q loaded once, the tiles' loads pipelined) where the
 # grid keeps at least MIN_PROGRAMS programs; one tile each below that (B = 1 decode). One tile per program left
-# decode at 256 x 32K latency-bound: 8 indexer layers 5.3 ms for ~2.3 ms of key bytes (docs/perf/025).
+# decode at 256 x 32K latency-bound: 8 indexer layers 5.3 ms for ~2.3 ms of key bytes (docs/perf/025). Per call
+# the loop is 1.6x faster there, but that step measured no faster with it (docs/perf/030: not yet explained).
 MIN_PROGRAMS = 2048
 MAX_TILES = 32
 
