@@ -153,28 +153,46 @@ def bench_indexer_decode(rows: list, sweep=(), dev="cuda"):
     """The indexer's scores at decode (issue 28: 8 indexer layers took 5.3 ms of B = 256 x 32K's step, ~2.3 ms of
     key bytes): one row per sequence against all its groups, keys gathered from a shuffled pool. One key tile a
     program (the kernel before the tile loop) against the loop's tile counts; `same`: bits against one tile a
-    program. The byte floor: the keys, the row map and the scores once."""
+    program. The byte floor: the keys, the row map and the scores once. At 256 x 32K two more layouts:
+    `in order` (each sequence's blocks consecutive, as `mini bench rank4-decode` allocates them: the tile loop
+    sped the shuffled call 1.6x and not that step, docs/perf/030) and `candidates` (V4.1's later index layers:
+    2,048 blocks of 8 groups kept, half of 32K; only their keys are read)."""
     from mini.kernels.indexer_scores import index_scores, tiles_per_program
-    for B, ctx, ratio in ((1, 4096, 1), (64, 4096, 1), (64, 32768, 2), (256, 4096, 1), (256, 32768, 2),
-                          (256, 32768, 1)):
+    cases = [(B, ctx, ratio, "shuffled") for B, ctx, ratio in ((1, 4096, 1), (64, 4096, 1), (64, 32768, 2),
+                                                               (256, 4096, 1), (256, 32768, 2), (256, 32768, 1))]
+    cases += [(256, 32768, 1, "in order"), (256, 32768, 1, "candidates")]
+    for B, ctx, ratio, layout in cases:
         b = _decode_batch(B, ctx, dev)
         rpb, N = BLOCK_TOKENS // ratio, (ctx + 1) // ratio
         j = torch.arange(N, device=dev)
-        seq_rows = b["block_table"][:, j // rpb].long() * rpb + j % rpb
+        table = b["block_table"] if layout == "shuffled" else torch.arange(b["n_blocks"], device=dev).view(B, -1)
+        seq_rows = table[:, j // rpb].long() * rpb + j % rpb
         keys = torch.randn(b["n_blocks"] * rpb, IDI, device=dev).bfloat16()
         q = torch.randn(B, IH, IDI, device=dev).bfloat16()
         w = (torch.randn(B, IH, device=dev) * 0.02).bfloat16()
         args = (q, w, keys, seq_rows, b["seq_of"], (b["positions"] + 1) // ratio)
-        nbytes = B * N * (IDI * 2 + seq_rows.element_size() + 2)
+        read = N
+        if layout == "candidates":  # half the 8-group blocks, drawn per sequence
+            keep = torch.rand(B, -(-N // 8), device=dev).argsort(-1) < -(-N // 16)
+            args += (keep.repeat_interleave(8, -1)[:, :N],)
+            read = int(args[-1].sum()) / B
+        nbytes = B * (read * IDI * 2 + N * (seq_rows.element_size() + 2 + (layout == "candidates")))
         one = index_scores(*args, tiles=1)
         auto = tiles_per_program(B + -(-B // 2), -(-N // 128))
-        for cfg in ({"tiles": 1}, {"tiles": auto, "note": "tiles_per_program"},
-                    *({"tiles": t} for t in (4, 8, 16, 32) if t != auto), {"tiles": auto, "loop_stages": 2},
-                    {"tiles": auto, "loop_stages": 4}, {"tiles": auto, "num_warps": 8}, *sweep):
+        configs = [{"tiles": 1}, {"tiles": auto, "note": "tiles_per_program"}]
+        if layout == "candidates":  # the model's call before: every visible key read, the mask applied after
+            configs.append({"tiles": auto, "note": "all keys, masked after"})
+        if layout == "shuffled":
+            configs += [*({"tiles": t} for t in (4, 8, 16, 32) if t != auto), {"tiles": auto, "loop_stages": 2},
+                        {"tiles": auto, "loop_stages": 4}, {"tiles": auto, "num_warps": 8}, *sweep]
+        for cfg in configs:
             run_kw = {k: v for k, v in cfg.items() if k != "note"}
-            ms = _bench(lambda: index_scores(*args, **run_kw))
-            same = float((index_scores(*args, **run_kw) == one).float().mean())
-            rows.append(dict(kernel=f"indexer/decode B={B} ctx={ctx} ratio={ratio}", config=cfg, ms=ms,
+            call = lambda: index_scores(*args, **run_kw)
+            if cfg.get("note") == "all keys, masked after":
+                call = lambda: index_scores(*args[:-1], **run_kw).masked_fill_(~args[-1], float("-inf"))
+            ms = _bench(call)
+            same = float((call() == one).float().mean())
+            rows.append(dict(kernel=f"indexer/decode B={B} ctx={ctx} ratio={ratio} {layout}", config=cfg, ms=ms,
                              gbs=nbytes / ms / 1e6, frac_copy_peak=nbytes / ms / 1e9 / COPY_TBS,
                              floor_ms=nbytes / COPY_TBS / 1e9, same=same))
             print(json.dumps(rows[-1]), flush=True)

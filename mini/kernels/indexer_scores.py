@@ -4,6 +4,7 @@ score[t, j] = Σ_h relu(q[t,h] · k[j]) · w[t,h] for the groups j < n_visible[t
 outside the V4.1 candidate blocks when a mask is given). A program takes BLOCK_T consecutive tokens of ONE sequence
 and BLOCK_N of its groups: the q rows of its tokens ([BLOCK_T·H, di], contiguous) meet one gathered key tile
 [BLOCK_N, di] in a single dot, so each key tile is read once per BLOCK_T tokens; the head sum happens in registers.
+Keys no token of the program may see (not yet visible, not a candidate) are not read.
 
 Rounding follows the reference, which runs in the activation dtype: each head's dot and its weighted value are
 rounded to that dtype, the head sum is fp32, and the sum is rounded once more and stored in that dtype. Top-k is
@@ -45,16 +46,19 @@ def _index_scores_kernel(
     for n0 in tl.range(lo, scored_hi, BLOCK_N, num_stages=LOOP_STAGES):
         j = n0 + tl.arange(0, BLOCK_N)
         krow = tl.load(rows_ptr + seq * stride_rows + j, mask=j < N, other=-1)
-        k = tl.load(k_ptr + tl.maximum(krow, 0)[:, None].to(tl.int64) * DI + d[None, :], mask=(krow >= 0)[:, None],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(q.dtype)  # [BLOCK_T·H, BLOCK_N], rounded like the reference einsum
-        s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
-        score = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), axis=1).to(q.dtype).to(tl.float32)
         out_ok = tok_ok[:, None] & (j < N)[None, :]
         visible = out_ok & (j[None, :] < nvis[:, None])
         if HAS_CAND:
             cand = tl.load(cand_ptr + toks[:, None].to(tl.int64) * stride_cand + j[None, :], mask=out_ok, other=0)
             visible = visible & (cand != 0)
+        # a key no token of the program may see is not read (its scores are -inf whatever it holds): V4.1's later
+        # index layers read only the candidate blocks' keys, half of them at 32K context
+        krow = tl.where(tl.max(visible.to(tl.int32), axis=0) > 0, krow, -1)
+        k = tl.load(k_ptr + tl.maximum(krow, 0)[:, None].to(tl.int64) * DI + d[None, :], mask=(krow >= 0)[:, None],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(q.dtype)  # [BLOCK_T·H, BLOCK_N], rounded like the reference einsum
+        s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
+        score = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), axis=1).to(q.dtype).to(tl.float32)
         tl.store(out_ptr + toks[:, None].to(tl.int64) * N + j[None, :],
                  tl.where(visible, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=out_ok)
     hidden_lo = lo + tl.cdiv(tl.maximum(scored_hi - lo, 0), BLOCK_N) * BLOCK_N

@@ -156,13 +156,12 @@ def _index(x, index_q, w: IndexerWeights, plan: LayerPlan, cfg: ModelConfig, lay
     weights = F.linear(x, w.weights_proj.to(x.dtype)) * (di ** -0.5 * H ** -0.5)
     keys = cache.index_k[plan.index_key_layer]
     n_vis = lay.n_visible(plan.ratio)
-    scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis, lay.table)
+    scores = index_scores(q, weights, keys.view(-1, di), rows, lay.batch.seq_of, n_vis, lay.table,
+                          shared.candidates if plan.uses_candidates else None)
     widths = indexer_op.tie_widths(scores, lay.tok_end, plan.ratio, shared.step)  # the step's tie rule
     if plan.candidate_source:
         shared.candidates = select_candidates(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                  widths)
-    elif plan.uses_candidates:
-        scores = scores.masked_fill(~shared.candidates, float("-inf"))
     return top_groups_ordered(scores, cfg.index_topk, n_vis, widths)
 
 

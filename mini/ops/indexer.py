@@ -67,18 +67,20 @@ def quantize_index(x: torch.Tensor, rotate: bool) -> torch.Tensor:
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq_rows: torch.Tensor,
-                 seq_of: torch.Tensor, n_visible: torch.Tensor, step_table=None) -> torch.Tensor:
+                 seq_of: torch.Tensor, n_visible: torch.Tensor, step_table=None,
+                 candidates: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, di], weights [T, H] (scale folded in), keys [P, di] (flat pool), seq_rows [B, N] pool row of each
     sequence's group j, n_visible [T] -> [T, N] scores in q.dtype (the reference rounds the head sum to it), -inf
-    where the group is not visible. `step_table`: the step's `StepLayout.table` (what its layers share, built once:
-    the kernel's grid plan); None: built for this call."""
+    where the group is not visible or, given `candidates` (bool [T, N], V4.1's level one), not a candidate.
+    `step_table`: the step's `StepLayout.table` (what its layers share, built once: the kernel's grid plan); None:
+    built for this call. The kernel does not read the keys of groups no query may see."""
     if use_fast(q) and q.dtype == torch.bfloat16:
         from mini.kernels.indexer_scores import index_scores as index_scores_kernel, programs, supported
         if supported(q.shape[1], q.shape[2]):
             B, H = seq_rows.shape[0], q.shape[1]
             plan = None if step_table is None else step_table(("index_programs", B, H),
                                                               lambda: programs(seq_of, B, H))
-            return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible, plan=plan)
+            return index_scores_kernel(q, weights, keys, seq_rows, seq_of, n_visible, candidates, plan=plan)
     T, N = q.shape[0], seq_rows.shape[1]
     out = torch.empty(T, N, dtype=q.dtype, device=q.device)
     j = torch.arange(N, device=q.device)
@@ -89,7 +91,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
         s = torch.einsum("thd,tnd->thn", q[lo:hi], k).relu()
         s = (s * weights[lo:hi, :, None].to(q.dtype)).sum(dim=1)
         out[lo:hi] = s.masked_fill(j >= n_visible[lo:hi, None], float("-inf"))
-    return out
+    return out if candidates is None else out.masked_fill_(~candidates, float("-inf"))
 
 
 def _order_keys(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Parity of the indexer score kernel with mini.ops.indexer.index_scores (+ candidate masking), and of the top-k
 that follows (mini.ops.indexer.top_groups) on its scores. Fresh random data, several sequences of odd lengths
 mid-stream (chunked prefill and decode), shuffled pool blocks, NaN-poisoned output."""
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,39 @@ def test_index_scores_tiles_per_program_interpreter(interpreter, flat_batch):
         for tiles in (2, 4, 8):
             got = kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, c, block_t=4, block_n=4, tiles=tiles)
             assert torch.equal(got, one), tiles
+
+
+def test_only_keys_a_token_may_see_are_read_interpreter(interpreter, flat_batch, monkeypatch):
+    """A program reads only the keys its tokens may see: given candidates (V4.1's later index layers), every key
+    address the interpreter loads lies in a row that some token sees as a candidate; without, in a visible row
+    (and rows outside the candidates, so the check can fail)."""
+    from triton.runtime import interpreter as triton_interpreter
+    from mini.kernels.indexer_scores import index_scores as kernel_scores
+    b, q, w, keys, seq_rows, n_vis = make(flat_batch, [1, 1, 3], [40, 37, 20], 4, 32, 1, 4, "cpu", torch.float32)
+    cand = select_candidates(index_scores(q, w, keys, seq_rows, b.seq_of, n_vis), n_vis, 2, 4)
+    loads = []
+    load = triton_interpreter.InterpreterBuilder.create_masked_load
+
+    def recorded(self, ptrs, mask, *rest):
+        loads.append(ptrs.data[mask.data].astype("int64"))
+        return load(self, ptrs, mask, *rest)
+
+    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, "create_masked_load", recorded)
+    row_bytes = keys.shape[1] * keys.element_size()
+
+    def rows_read(candidates):
+        loads.clear()
+        kernel_scores(q, w, keys, seq_rows, b.seq_of, n_vis, candidates, block_n=8, tiles=2)
+        offsets = torch.from_numpy(np.concatenate(loads)) - keys.data_ptr()
+        return set((offsets[(offsets >= 0) & (offsets < keys.numel() * keys.element_size())] // row_bytes).tolist())
+
+    j = torch.arange(seq_rows.shape[1])
+    visible = j < n_vis[:, None]
+    allowed = set(seq_rows[b.seq_of][visible & cand].tolist())
+    read = rows_read(cand)
+    assert read and read <= allowed, sorted(read - allowed)
+    read = rows_read(None)  # every visible group's key; the candidates are a strict subset here
+    assert read - allowed and read <= set(seq_rows[b.seq_of][visible].tolist())
 
 
 def test_tiles_per_program_keeps_the_grid_wide():

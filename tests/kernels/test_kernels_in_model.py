@@ -53,8 +53,8 @@ def test_kernels_match_reference_ops_inside_tiny_model(interpreter, monkeypatch)
 
     monkeypatch.setattr(attn_layer, "sparse_attention", compared("attention", attn_layer.sparse_attention,
                                                                  kernel_attention))
-    def kernel_index_scores(q, weights, keys, seq_rows, seq_of, n_visible, step_table=None):
-        return index_scores(q, weights, keys, seq_rows, seq_of, n_visible)  # its grid plan: the kernel's own
+    def kernel_index_scores(q, weights, keys, seq_rows, seq_of, n_visible, step_table=None, candidates=None):
+        return index_scores(q, weights, keys, seq_rows, seq_of, n_visible, candidates)  # its grid plan: its own
 
     monkeypatch.setattr(attn_layer, "index_scores", compared("indexer", attn_layer.index_scores,
                                                              kernel_index_scores))
