@@ -150,13 +150,11 @@ def bench_indexer(rows: list, sweep=(), dev="cuda"):
 
 
 def bench_indexer_decode(rows: list, sweep=(), dev="cuda"):
-    """The indexer's scores at decode (issue 28: 8 indexer layers took 5.3 ms of B = 256 x 32K's step, ~2.3 ms of
-    key bytes): one row per sequence against all its groups, keys gathered from a shuffled pool. One key tile a
-    program (the kernel before the tile loop) against the loop's tile counts; `same`: bits against one tile a
-    program. The byte floor: the keys, the row map and the scores once. At 256 x 32K two more layouts:
-    `in order` (each sequence's blocks consecutive, as `mini bench rank4-decode` allocates them: the tile loop
-    sped the shuffled call 1.6x and not that step, docs/perf/030) and `candidates` (V4.1's later index layers:
-    2,048 blocks of 8 groups kept, half of 32K; only their keys are read)."""
+    """The indexer's scores at decode: one row per sequence against all its groups, keys gathered from a shuffled
+    pool; one key tile a program against the tile loop (`same`: bits against one tile). The byte floor: the keys
+    read, the row map and the scores once. At 256 x 32K also `in order` (each sequence's blocks consecutive, as
+    rank4-decode allocates them: the loop sped the shuffled call 1.6x and not that step, docs/perf/030) and
+    `candidates` (V4.1's later index layers: half of the 8-group blocks kept; their keys alone are read)."""
     from mini.kernels.indexer_scores import index_scores, tiles_per_program
     cases = [(B, ctx, ratio, "shuffled") for B, ctx, ratio in ((1, 4096, 1), (64, 4096, 1), (64, 32768, 2),
                                                                (256, 4096, 1), (256, 32768, 2), (256, 32768, 1))]
@@ -182,10 +180,7 @@ def bench_indexer_decode(rows: list, sweep=(), dev="cuda"):
         configs = [{"tiles": 1}, {"tiles": auto, "note": "tiles_per_program"}]
         if layout == "candidates":  # the model's call before: every visible key read, the mask applied after
             configs.append({"tiles": auto, "note": "all keys, masked after"})
-        if layout == "shuffled":
-            configs += [*({"tiles": t} for t in (4, 8, 16, 32) if t != auto), {"tiles": auto, "loop_stages": 2},
-                        {"tiles": auto, "loop_stages": 4}, {"tiles": auto, "num_warps": 8}, *sweep]
-        for cfg in configs:
+        for cfg in configs + list(sweep):  # the tile counts', stages' and warps' study: docs/perf/030
             run_kw = {k: v for k, v in cfg.items() if k != "note"}
             call = lambda: index_scores(*args, **run_kw)
             if cfg.get("note") == "all keys, masked after":

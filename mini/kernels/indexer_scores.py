@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the candidates' row stride is the step's group count rounded to a block or not (mini.ops.indexer.select_candidates
+# pads, its official-tie form does not): one build for both, so a served step never meets a build the warm-up missed
+@triton.jit(do_not_specialize=["stride_cand"])
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, prog_seq_ptr, prog_t0_ptr, seq_end_ptr, cand_ptr, out_ptr,
     N, stride_rows, stride_cand,
