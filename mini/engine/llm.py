@@ -373,7 +373,9 @@ class LLMEngine:
                 prev, self._inflight = self._inflight, None  # the tokens to draft after are those in flight
                 outputs += self._resolve(prev)
             self.verify.force([s for s in self.scheduler.running if not s.in_prefill])
-        plan = self.scheduler.schedule(self._budget(prefill_cap))
+        if self.scheduler.config.chunk_tokens > 0:
+            prefill_cap = None
+        plan = self.scheduler.schedule(self._budget(prefill_cap), prefill_cap)
         self.stats.preemptions += len(plan.preempted)
         verifying = self.verify is not None and self.verify.verifies(plan)
         prev, self._inflight = self._inflight, None
@@ -426,7 +428,7 @@ class LLMEngine:
         """The step's token budget: the configured one, or the decodes plus `prefill_cap` when that is less (the
         scheduler spends its budget on the decodes first)."""
         full = self.scheduler.config.max_num_batched_tokens
-        if prefill_cap is None or self.scheduler.config.chunk_tokens > 0:
+        if prefill_cap is None:
             return full
         decodes = sum(1 for s in self.scheduler.running if not s.in_prefill)
         budget = min(full, decodes + prefill_cap)

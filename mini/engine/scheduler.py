@@ -80,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self._prefilling = False
+        self._span_limit = config.max_num_batched_tokens  # a longer span may go over the budget (_whole_spans)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -99,10 +100,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     # ------------------------------------------------------------------ the step plan
-    def schedule(self, budget: int | None = None) -> StepPlan:
-        """The next step's chunks within `budget` tokens (None: `max_num_batched_tokens`)."""
+    def schedule(self, budget: int | None = None, prefill_cap: int | None = None) -> StepPlan:
+        """The next step's chunks within `budget` tokens (None: `max_num_batched_tokens`). `prefill_cap`: the budget
+        was cut to the decodes plus this many prompt tokens (EP ranks' lock step, mini.parallel.balance), a cut
+        that may last: an image span longer than it is prefilled whole anyway (see _whole_spans)."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
         self._prefilling = False  # a prefill chunk is planned (see _whole_spans)
+        self._span_limit = self.config.max_num_batched_tokens if prefill_cap is None else \
+            min(prefill_cap, self.config.max_num_batched_tokens)
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         # decodes first: they are cheap and every step without them adds to the inter-token latency
@@ -181,8 +186,8 @@ class Scheduler:
         """`n` moved so that the chunk ends outside every image span (the official code prefills a span in one
         forward): back to the start of the span it would cut, or, for a chunk starting at (or, after a prefix hit,
         in) the span, on to its end. A chunk past `budget` waits (0) unless it can never fit (a span longer than
-        the step budget) and is the step's first prefill chunk: then it goes over the budget, beside the decodes
-        only."""
+        the step budget, or than a prefill cap) and is the step's first prefill chunk: then it goes over the
+        budget, beside the decodes only."""
         start = seq.num_computed
         for span in seq.images:
             if span.start < start + n < span.end:
@@ -190,7 +195,7 @@ class Scheduler:
                 break
         if n <= budget:
             return n
-        return n if n > self.config.max_num_batched_tokens and not self._prefilling else 0
+        return n if n > self._span_limit and not self._prefilling else 0
 
     def _make_room(self, seq: Sequence, upto: int, preempted: list[Sequence]) -> bool:
         """Grow `seq` to cover `upto` tokens, preempting the newest running sequences if needed.

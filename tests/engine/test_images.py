@@ -91,8 +91,8 @@ def _chunks(llm):
     """Record every scheduled chunk (seq, start, end)."""
     seen, schedule = [], llm.engine.scheduler.schedule
 
-    def recording(budget=None):
-        plan = schedule(budget)
+    def recording(*args, **kw):
+        plan = schedule(*args, **kw)
         seen.extend((c.seq.request_id, c.start, c.end) for c in plan.chunks)
         return plan
     llm.engine.scheduler.schedule = recording
@@ -288,3 +288,28 @@ def test_spans_stay_whole_beside_decodes_and_in_deterministic_chunks(determinist
             assert prefills == [50], step
     assert (10, 60) in image_chunks  # the long span went whole, alone
     assert any(sum(length for _, length in step) > 40 and len(step) > 1 for step in model.calls)  # beside decodes
+
+
+def test_a_span_longer_than_a_prefill_cap_goes_whole():
+    """EP ranks' lock step caps a rank's prefill tokens while another rank only decodes (`step(prefill_cap=)`), a
+    cut that may last as long as traffic does. A 50-token span under a 16-token cap (the budget 512) goes whole,
+    beside the decodes, rather than waiting for the cap to lift; a 20-token one as well; the text is cut to the cap.
+    Without the cap the same spans fit the budget as they are."""
+    prompt = [7 + i % 50 for i in range(130)]
+    spans = [_span(10, 50, "a"), _span(75, 20, "b")]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = _fake_vl_llm(max_num_batched_tokens=512).generate([prompt], params, images=[spans])[0].token_ids
+    llm = _fake_vl_llm(max_num_batched_tokens=512, max_num_seqs=8, enable_prefix_caching=False)
+    engine, model = llm.engine, llm.engine.model
+    for i in range(3):
+        engine.add_request(f"other-{i}", [3 + i] * 5, params)
+    engine.step()  # the others' prompts: they decode from now on
+    engine.add_request("image", prompt, params, spans)
+    done = {}
+    for _ in range(40):
+        done.update({o.request_id: o for o in engine.step(prefill_cap=16) if o.finished})
+        if not engine.has_work():
+            break
+    assert done["image"].token_ids == alone
+    prefills = [(start, start + length) for step in model.calls[1:] for start, length in step if length > 1]
+    assert prefills[:5] == [(0, 10), (10, 60), (60, 75), (75, 95), (95, 111)], prefills
