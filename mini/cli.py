@@ -28,10 +28,11 @@ def cmd_generate(args) -> int:
     prompt = render_chat([{"role": "user", "content": content}]) if args.chat else \
         marker * len(args.image) + args.prompt
     if under_torchrun():  # DP ranks: the prompt runs on rank 0, the others serve its MoE layers
+        with_images = None
         if args.image:
-            print("error: --image: not under torchrun (EP ranks serve text only)", file=sys.stderr)
-            return 2
-        return generate_torchrun(args, prompt, opts.get("num_blocks"))
+            def with_images(engine):
+                return _prompt_with_images(prompt, marker, args.image, engine)
+        return generate_torchrun(args, prompt, opts.get("num_blocks"), with_images)
     try:
         llm = LLM(args.model, **opts)
     except ValueError as e:  # an option the model cannot take (--speculative dspark without mtp.*)

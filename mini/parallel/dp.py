@@ -188,14 +188,16 @@ class LockStepEngine:
         return outputs
 
 
-def generate(llm, ctx: DistContext, prompts: list, params) -> list:
+def generate(llm, ctx: DistContext, prompts: list, params, images: list | None = None) -> list:
     """Greedy/sampled generation of `prompts` spread over the ranks (prompt i on rank i % world); returns every
-    prompt's final RequestOutput, in prompt order, on every rank. `llm` is an LLM over a DPModel."""
+    prompt's final RequestOutput, in prompt order, on every rank. `llm` is an LLM over a DPModel; `images`: each
+    prompt's image spans (LLM.generate's)."""
     engine = llm.engine
     params = params if isinstance(params, list) else [params] * len(prompts)
+    images = images if images is not None else [[]] * len(prompts)
     mine = range(ctx.rank, len(prompts), ctx.world)
     for i in mine:
-        engine.add_request(f"dp-{i}", prompts[i], params[i])
+        engine.add_request(f"dp-{i}", prompts[i], params[i], images[i])
     final = {}
     while _any_rank(ctx, engine.has_work()):
         ran_forward = False

@@ -122,7 +122,7 @@ def run_local(world: int, fn, *args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
+def _generate_rank(ctx: DistContext, args: argparse.Namespace, with_images=None) -> list[str]:
     from mini.parallel.dp import generate, load_ep_model
     from mini.engine import LLM, SamplingParams
     model, cfg, tok = load_ep_model(args.model, ctx, getattr(torch, args.dtype))
@@ -130,17 +130,28 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> list[str]:
               num_blocks=args.num_blocks)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    return [o.text for o in generate(llm, ctx, args.prompt, params)]
+    prompts, images = args.prompt, None
+    if with_images is not None:  # one prompt: its ids with the images' spans, [the spans] (LLM.generate's)
+        ids, images = with_images(llm.engine)
+        prompts = [ids]
+    return [o.text for o in generate(llm, ctx, prompts, params, images)]
 
 
-def generate_torchrun(args, prompt: str, num_blocks: int | None) -> int:
+def generate_torchrun(args, prompt: str, num_blocks: int | None, with_images=None) -> int:
     """`mini generate` under torchrun: the prompt runs on rank 0 while the other ranks serve its MoE layers;
-    rank 0 prints the text. `args`: the generate command's."""
+    rank 0 prints the text. `args`: the generate command's. `with_images(engine)`: the prompt's ids and [its image
+    spans] (`--image`), made on every rank alike; an error there (a file, a model without a vision tower) is every
+    rank's, printed by rank 0 (exit status 2)."""
     from mini.args import resolve_device
     device, _ = resolve_device(args)
     ctx = init(device)
     try:
-        texts = _generate_rank(ctx, argparse.Namespace(**{**vars(args), "prompt": [prompt], "num_blocks": num_blocks}))
+        texts = _generate_rank(ctx, argparse.Namespace(**{**vars(args), "prompt": [prompt], "num_blocks": num_blocks}),
+                               with_images)
+    except (OSError, ValueError) as e:
+        if ctx.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         shutdown(ctx)
     if ctx.rank == 0:

@@ -20,7 +20,7 @@ that went away) reaches the engine holding the request. From the same loads ever
 prompt tokens it prefills in the step (`balance.prefill_cap`), so that a rank that only decodes does not wait on
 another rank's long prefill chunk every step (not in deterministic mode: its chunks are fixed by the prompt).
 Outputs travel without their prompt ids and without earlier tokens' ids and logprobs (rank 0 keeps those), so a
-step's messages stay small for long contexts.
+step's messages stay small for long contexts. A request's images (its spans' patches) travel with it, to every rank.
 A failed step on any rank breaks the lock step: that rank raises, and rank 0 fails every request from then on.
 
 On CUDA the ranks' decode steps replay CUDA graphs (mini.parallel.dp: the ranks agree on one bucket per step) and,
@@ -268,15 +268,11 @@ class DPDriver:
     def step(self, commands: list[Add | Abort], stop: bool) -> list[RequestOutput | Failed]:
         if self._failed is not None:
             return [Failed(c.request_id, self._failed) for c in commands if isinstance(c, Add)]
-        # images are not sent to the ranks (not built): refused, never run as text
-        refused = [Failed(c.request_id, ValueError("images are not served over EP ranks (mini serve --ep) yet"))
-                   for c in commands if isinstance(c, Add) and c.images]
-        commands = [c for c in commands if not (isinstance(c, Add) and c.images)]
         try:
             routed = self._route(commands)
             messages = self.worker.sync(routed, stop)
             self.router.report([m.load for m in messages], routed)
-            outputs = refused + [out for m in messages for out in self._receive(m.outputs)]
+            outputs = [out for m in messages for out in self._receive(m.outputs)]
             if not stop:
                 self._idle = not self.worker.step(messages)
             return outputs
@@ -291,7 +287,7 @@ class DPDriver:
         for cmd in commands:
             if isinstance(cmd, Add):
                 rank = self.router.place(cmd.request_id, cmd.prompt_ids)
-                routed.append(AddRequest(cmd.request_id, cmd.prompt_ids, cmd.params, rank=rank))
+                routed.append(AddRequest(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.images, rank=rank))
             elif (rank := self.router.owner(cmd.request_id)) is not None:
                 routed.append(AbortRequest(cmd.request_id, rank=rank))
         return routed

@@ -1,5 +1,8 @@
-"""DP serving end to end: `mini serve --ep 2` (two gloo ranks on the CPU, tiny-v4.1 fp32) against the plain
-one-process server, an idle rank, aborted streams; and the router's placement and output bookkeeping."""
+"""DP serving end to end: `mini serve --ep 2` (two gloo ranks on the CPU, tiny-v4.1-vl fp32: tiny-v4.1 with a
+vision tower) against the plain one-process server, text and images, an idle rank, aborted streams; and the
+router's placement and output bookkeeping."""
+import base64
+import io
 import os
 import re
 import signal
@@ -9,8 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mini.parallel.serve import RequestError, Router, slim
 from mini.engine.llm import RequestOutput
@@ -20,6 +25,7 @@ from mini.server.app import build_app
 from mini.testing.background_server import BackgroundServer
 
 MODEL = "tiny"
+PRESET = "tiny-v4.1-vl"
 ENGINE = dict(num_blocks=24, block_tokens=32)  # 768 positions per rank
 # odd prompt lengths and output lengths: requests start and finish at different steps on both ranks
 PROMPTS = [[3 + (11 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate([7, 23, 4, 13, 9])]
@@ -31,7 +37,7 @@ def dp_server():
     """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the terminal's process
     group, which holds the launcher only: it forwards one SIGINT to rank 0)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", "tiny-v4.1", "--served-model-name", MODEL,
+    cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", PRESET, "--served-model-name", MODEL,
            "--device", "cpu", "--dtype", "float32", "--num-blocks", str(ENGINE["num_blocks"]),
            "--block-tokens", str(ENGINE["block_tokens"]), "--port", str(port)]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
@@ -81,7 +87,7 @@ def _dp_status(url: str) -> dict:
 @pytest.fixture(scope="module")
 def one_server():
     """The plain one-process server: what the DP server must answer."""
-    app = build_app("tiny-v4.1", MODEL, device="cpu", dtype=torch.float32, **ENGINE)
+    app = build_app(PRESET, MODEL, device="cpu", dtype=torch.float32, **ENGINE)
     with BackgroundServer(app) as url:
         yield url
 
@@ -95,6 +101,42 @@ def test_two_ranks_answer_like_one(dp_server, one_server):
     assert all(b - a >= 1 for a, b in zip(placed, status["placed"])) and sum(status["placed"]) - sum(placed) == 5
     want = _all(one_server)
     assert [n for _, _, n in want] == MAX_TOKENS
+    assert got == want
+
+
+def _image_url(w: int, h: int, seed: int) -> dict:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+# chats with images (spans of tiny-v4.1-vl's up to 64 tokens), one of them with two
+IMAGE_CHATS = [[{"type": "text", "text": "what is this?"}, _image_url(120, 90, 1)],
+               [_image_url(60, 200, 2), {"type": "text", "text": "and these two"}, _image_url(200, 140, 3)]]
+
+
+def _chat(url: str, content: list) -> tuple[str, int, int]:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+
+
+def test_images_are_served_like_one(dp_server, one_server):
+    """Chats with images beside concurrent text requests: the images travel to their rank with the request (the
+    step messages), and every answer is the one-process server's."""
+    def everything(url):
+        with ThreadPoolExecutor(len(IMAGE_CHATS) + 2) as pool:
+            chats = [pool.submit(_chat, url, c) for c in IMAGE_CHATS]
+            texts = [pool.submit(_complete, url, p, n) for p, n in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+            return [f.result() for f in chats], [f.result() for f in texts]
+    placed = _dp_status(dp_server)["placed"]
+    got = everything(dp_server)
+    assert sum(_dp_status(dp_server)["placed"]) - sum(placed) == len(IMAGE_CHATS) + 2
+    want = everything(one_server)
     assert got == want
 
 
