@@ -47,7 +47,6 @@ class DPModel:
     counts agreed for its step (`agree_step`; without one, it exchanges them first), so its decode steps can be
     captured in CUDA graphs."""
     capturable = True
-    drafter = None  # speculative decoding over EP ranks: not built (issue 27)
 
     def __init__(self, model, ctx: DistContext):
         self.model, self.exchange, self.ctx = model, MoEExchange(ctx), ctx
@@ -62,6 +61,12 @@ class DPModel:
     def reads_images(self) -> bool:
         return self.model.reads_images
 
+    @property
+    def drafter(self):
+        """The model's DSpark draft module: a rank holds the whole draft (its experts too), so drafting needs no
+        other rank; the verify step it leads to is an eager forward on every rank (`static_decode`)."""
+        return self.model.drafter
+
     def build_batch(self, chunks, device):
         return self.model.build_batch(chunks, device)
 
@@ -70,7 +75,10 @@ class DPModel:
 
     def static_decode(self, max_seqs: int, max_len: int, block_tokens: int, pad_slot: int, pad_block: int, device,
                       dtype, max_rows: int = 1):
-        return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype, max_rows)
+        """Decode steps only (one row a sequence, whatever `max_rows`): a graph's exchange sends the same rows from
+        every rank, which ranks verifying drafts of different widths would not, so a verify step runs eagerly (its
+        rank asks for no bucket, and then every rank runs eagerly: `agree_step`)."""
+        return self.model.static_decode(max_seqs, max_len, block_tokens, pad_slot, pad_block, device, dtype, 1)
 
     def new_cache(self, n_slots: int, n_blocks: int, block_tokens: int, device, dtype):
         return self.model.new_cache(n_slots, n_blocks, block_tokens, device, dtype)

@@ -30,7 +30,8 @@ hosts (`step_shape.host_group`; the messages in one collective while they fit, `
 the MoE collectives run over NCCL, inside the graphs or the eager forwards.
 A steady decode step needs no agreement at all: when the step messages show that no rank can prefill and no
 request is added, every rank knows the step's bucket from them (`foreseen_bucket`, `DPModel.foresee`), so such a
-step costs one host round trip (its messages), other steps two. GET /dp reports the step kinds (`foreseen`: steps
+step costs one host round trip (its messages), other steps two (every step of a speculating server: any step may
+verify drafts, docs/engine.md). GET /dp reports the step kinds (`foreseen`: steps
 without an agreement) and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
 """
 from __future__ import annotations
@@ -216,7 +217,10 @@ class DPWorker:
         if not commands and not any(m.has_work for m in messages):
             return False
         engine = self.engine
-        bucket = foreseen_bucket(messages, engine.decode_bucket if engine.decode_graphs else None)
+        # a step that may verify drafts (speculation; forced drafts are off, `_build_worker`) is no pure decode step:
+        # no rank foresees it
+        foresight = engine.decode_graphs and engine.spec is None
+        bucket = foreseen_bucket(messages, engine.decode_bucket if foresight else None)
         if bucket is not None:
             self.dp.foresee(bucket)
         ran_forward = False
@@ -306,7 +310,7 @@ def _build_worker(ctx: DistContext, args) -> DPWorker:
     from mini.parallel.dp import load_ep_model
     from mini.engine import build_engine
     from mini.args import engine_opts
-    # forced drafts off: their verify steps are not the pure decode steps `foreseen_bucket` promises every rank
+    # forced drafts off: a server that may verify foresees no step (DPWorker.step), and speculation is opt-in
     opts = {**engine_opts(args), "device": str(ctx.device), "forced_drafts": False}
     model, cfg, tok = load_ep_model(args.model, ctx, opts["dtype"])
     engine = build_engine(model, config=cfg, tokenizer=tok, **opts)

@@ -102,17 +102,19 @@ def test_static_dp_decode_equals_one_process(overlap):
 
 
 # ---------------------------------------------------------------------------------------------------- serving
-def _serve_rank(ctx, overlap: bool):
+def _serve_rank(ctx, overlap: bool, preset: str = "tiny-v4.1", options: dict | None = None):
     """`mini serve --ep 2`'s lock step (DPDriver on rank 0, DPWorker.follow on the others) with the static decode
-    path and overlapped steps: rank 0 adds every request at once, then steps until all have finished."""
+    path and overlapped steps: rank 0 adds every request at once, then steps until all have finished. `options`:
+    the engine's beyond ENGINE."""
     import mini.engine.model_runner as runner_module
     from mini.engine import build_engine
     from mini.engine.async_engine import Add, Failed
     from mini.parallel.dp import load_ep_model
     from mini.parallel.serve import DPDriver, DPWorker
     runner_module.use_cuda_graphs = lambda *a: True
-    model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
-    worker = DPWorker(build_engine(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE), ctx)
+    model, cfg, tok = load_ep_model(preset, ctx, torch.float32)
+    worker = DPWorker(build_engine(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE, **(options or {})),
+                      ctx)
     if ctx.rank != 0:
         worker.follow()
         return dataclasses.asdict(model.kinds)
@@ -241,3 +243,21 @@ def test_a_step_that_breaks_what_was_foreseen_is_refused():
         dp.foresee(4)
         with pytest.raises(RuntimeError, match="foreseen"):
             dp.agree_step(n, bucket)
+
+
+@pytest.mark.slow
+def test_dp_serving_lock_step_speculating_on_the_static_path():
+    """Speculation over the lock step with the static decode path (tiny-v4.1-dspark, every draft verified,
+    --deterministic): decode steps replay their buckets on both ranks, a verify step runs eagerly on every rank
+    (DPModel builds decode steps only), no step is foreseen (any may verify), and the tokens are those of the same
+    lock step without speculation."""
+    opts = dict(deterministic=True, forced_drafts=False)
+    (plain, _, plain_kinds), _ = spawn(2, _serve_rank, False, "tiny-v4.1-dspark", opts, device="cpu")
+    spec = dict(opts, speculative="dspark", spec_adaptive=False)
+    (tokens, status, kinds0), kinds1 = spawn(2, _serve_rank, False, "tiny-v4.1-dspark", spec, device="cpu")
+    assert tokens == plain and status["unfinished"] == [0, 0]
+    assert plain_kinds["foreseen"] > 0 and kinds0["foreseen"] == kinds1["foreseen"] == 0
+    for kinds in (kinds0, kinds1):  # both ranks: the same steps, some static (decode), more eager (verify)
+        assert kinds["static"] + kinds["idle_static"] == kinds0["static"] + kinds0["idle_static"] > 0
+        assert kinds["eager"] + kinds["idle_eager"] == kinds0["eager"] + kinds0["idle_eager"]
+    assert kinds0["eager"] + kinds0["idle_eager"] > plain_kinds["eager"] + plain_kinds["idle_eager"]

@@ -2,6 +2,7 @@
 vision tower) against the plain one-process server, text and images, an idle rank, aborted streams; and the
 router's placement and output bookkeeping."""
 import base64
+import contextlib
 import io
 import os
 import re
@@ -32,14 +33,14 @@ PROMPTS = [[3 + (11 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate(
 MAX_TOKENS = [6, 2, 5, 3, 4]
 
 
-@pytest.fixture(scope="module")
-def dp_server():
+@contextlib.contextmanager
+def _serve_ep2(preset: str, *flags: str):
     """`mini serve --ep 2` in its own session; stopped like Ctrl-C stops it (SIGINT to the terminal's process
     group, which holds the launcher only: it forwards one SIGINT to rank 0)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", PRESET, "--served-model-name", MODEL,
+    cmd = [sys.executable, "-m", "mini", "serve", "--ep", "2", "--model", preset, "--served-model-name", MODEL,
            "--device", "cpu", "--dtype", "float32", "--num-blocks", str(ENGINE["num_blocks"]),
-           "--block-tokens", str(ENGINE["block_tokens"]), "--port", str(port)]
+           "--block-tokens", str(ENGINE["block_tokens"]), "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -64,6 +65,12 @@ def dp_server():
     log = proc.stdout.read()
     assert rc == 0, log
     assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def dp_server():
+    with _serve_ep2(PRESET) as url:
+        yield url
 
 
 def _complete(url: str, prompt, max_tokens: int) -> tuple[str, list[str], int]:
@@ -236,3 +243,22 @@ def test_router_places_by_load_and_restores_outputs():
     assert router.place("r4", [7]) == 1  # the least-loaded rank now
     err = router.receive(RequestError("r2", "bad"))
     assert isinstance(err, RequestError) and router.load == [2, 1, 0]
+
+
+def test_speculation_is_served_over_ranks():
+    """`mini serve --ep 2 --speculative dspark` (tiny-v4.1-dspark, every draft verified: --no-spec-adaptive): each
+    rank drafts for its own requests and verifies them; the greedy answers are the plain DP server's, under
+    --deterministic both. The first request, alone on a fresh server, goes to rank 0 (ties go to the lowest rank),
+    whose engine's counters /metrics shows: it drafted."""
+    flags = ("--deterministic",)
+
+    def answers(*more):
+        with _serve_ep2("tiny-v4.1-dspark", *flags, *more) as url:
+            first = _complete(url, PROMPTS[1], 8)
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            return first, _all(url), metrics
+    first, plain, _ = answers()
+    *spec, metrics = answers("--speculative", "dspark", "--no-spec-adaptive")
+    assert spec == [first, plain]
+    drafted = re.search(r"^mini_spec_draft_tokens_total (\S+)$", metrics, re.M)
+    assert drafted and float(drafted.group(1)) > 0, metrics[-2000:]
