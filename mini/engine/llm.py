@@ -373,7 +373,7 @@ class LLMEngine:
                 prev, self._inflight = self._inflight, None  # the tokens to draft after are those in flight
                 outputs += self._resolve(prev)
             self.verify.force([s for s in self.scheduler.running if not s.in_prefill])
-        if self.scheduler.config.chunk_tokens > 0:
+        if self.scheduler.config.chunk_tokens > 0:  # the deterministic mode's chunks are the prompt's: no cap
             prefill_cap = None
         plan = self.scheduler.schedule(self._budget(prefill_cap), prefill_cap)
         self.stats.preemptions += len(plan.preempted)

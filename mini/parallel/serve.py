@@ -31,8 +31,8 @@ the MoE collectives run over NCCL, inside the graphs or the eager forwards.
 A steady decode step needs no agreement at all: when the step messages show that no rank can prefill and no
 request is added, every rank knows the step's bucket from them (`foreseen_bucket`, `DPModel.foresee`), so such a
 step costs one host round trip (its messages), other steps two (every step of a speculating server: any step may
-verify drafts, docs/engine.md). GET /dp reports the step kinds (`foreseen`: steps
-without an agreement) and the mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
+verify drafts, docs/engine.md). GET /dp reports the step kinds (`foreseen`: steps without an agreement) and the
+mean host time of both exchanges (`agree_us_mean`, `sync_us_mean`).
 """
 from __future__ import annotations
 
