@@ -293,8 +293,8 @@ def test_spans_stay_whole_beside_decodes_and_in_deterministic_chunks(determinist
 def test_a_span_longer_than_a_prefill_cap_goes_whole():
     """EP ranks' lock step caps a rank's prefill tokens while another rank only decodes (`step(prefill_cap=)`), a
     cut that may last as long as traffic does. A 50-token span under a 16-token cap (the budget 512) goes whole,
-    beside the decodes, rather than waiting for the cap to lift; a 20-token one as well; the text is cut to the cap.
-    Without the cap the same spans fit the budget as they are."""
+    beside the decodes, rather than waiting for the cap to lift; a 20-token one as well; the text is cut to the cap
+    (0..10 stops at the first span, 60..75 at the second)."""
     prompt = [7 + i % 50 for i in range(130)]
     spans = [_span(10, 50, "a"), _span(75, 20, "b")]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
