@@ -5,6 +5,8 @@ reduce-scatter instead of the one-device shortcut), so the collectives are reall
 * one MoE exchange captured in a CUDA graph and replayed == the eager exchange on the same inputs, bit for bit;
 * the DP engine on that group replays decode graphs (buckets 1-8) and generates the plain single-GPU engine's
   greedy tokens with the same log-probabilities, bit for bit, and enforce_eager's tokens.
+* with DSpark speculation, decode steps replay graphs and verify steps run eagerly, and the outputs are plain
+  decode's under --deterministic.
 Two GPUs (skipped unless two are visible): `--ep 2`-style ranks with graphs generate one GPU's greedy tokens."""
 import dataclasses
 import random
@@ -168,3 +170,38 @@ def test_ep2_decode_graphs_greedy_equals_one_gpu():
     for tokens, buckets, kinds in ranks:
         assert tokens == want
         assert buckets == [1, 2, 4, 8] and kinds["static"] + kinds["idle_static"] >= 19, kinds
+
+
+def _speculating_runs(ctx: DistContext):
+    """On the one-rank NCCL group, tiny-v4.1-dspark under --deterministic with decode graphs: plain decode, then
+    DSpark speculation with every draft verified."""
+    import mini.ops
+    from mini.model import load_model
+    from mini.parallel.dp import DPModel
+    mini.ops.set_backend("fast")
+    group = _one_rank_nccl(ctx)
+    prompts, params = _prompts(**PROMPTS), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    model, cfg, tok = load_model("tiny-v4.1-dspark", device=ctx.device, dtype=torch.bfloat16)
+    runs = {}
+    for name, spec in (("plain", {}), ("spec", dict(speculative="dspark", spec_adaptive=False))):
+        dp = DPModel(model, group)
+        llm = LLM(dp, config=cfg, tokenizer=tok, deterministic=True, **ENGINE, **spec)
+        runs[name] = _summary(llm.generate(prompts, params))
+        graphs = llm.engine.runner.graphs
+        runs[name + "_info"] = (sorted(graphs.graphs), sorted(graphs.verify_graphs), dataclasses.asdict(dp.kinds),
+                                llm.engine.stats.spec.drafted_tokens)
+        llm.engine.close()
+        del llm
+    return runs
+
+
+def test_dp_speculation_one_rank_nccl_verifies_eagerly_and_equals_plain_decode():
+    """Speculation over EP ranks on CUDA (one-rank NCCL group): decode steps replay their graphs, verify steps run
+    eagerly (DPModel captures no verify graph), and the tokens and log-probabilities are plain decode's, bit for bit
+    under --deterministic."""
+    runs = spawn(1, _speculating_runs, device="cuda")[0]
+    buckets, verify, plain_kinds, _ = runs["plain_info"]
+    spec_buckets, spec_verify, kinds, drafted = runs["spec_info"]
+    assert buckets == spec_buckets == [1, 2, 4, 8] and verify == spec_verify == []
+    assert drafted > 0 and kinds["eager"] > plain_kinds["eager"] and kinds["static"] > 0, runs["spec_info"]
+    assert runs["spec"] == runs["plain"]
