@@ -246,15 +246,17 @@ def _bench_graph(fn) -> float:
 def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
     """The gate at decode sizes, V4.1's shape (384 experts x D 5120, top 6; us per call in a CUDA graph, hot L2):
     the few-rows kernels in each candidate tiling (mini/kernels/moe_gate.py FEW_ROWS_CANDIDATES, "few rows <name>")
-    against the unfused gate's torch ops (mini.ops.moe.gate_unfused: what decode runs while the few-rows path is
-    off) and, at B = 1, 16, 64, the fused kernel. `ids_same`: the fraction of ids equal to the unfused gate's,
+    against the unfused gate's torch ops (mini.ops.moe.gate_unfused: what a step runs where the few-rows path
+    does not) and, at B = 1, 16, 64, the fused kernel; beyond 64 rows (verify steps, B = 128-256) the
+    tensor-core tilings only. `ids_same`: the fraction of ids equal to the unfused gate's,
     `max_dw`: the largest weight difference (summation order only; a broken tiling shows here)."""
     import torch.nn.functional as F
 
     from mini.kernels.moe_gate import FEW_ROWS_CANDIDATES, few_rows_tiles, gate_topk
     gate_w = (torch.randn(384, DIM, device=dev) / DIM ** 0.5).bfloat16()
     gate_bias = torch.randn(384, device=dev) * 0.1
-    for B in (1, 2, 4, 8, 16, 32, 64):
+    # 96-1,023 rows: verify steps (B x 6) and decode at B = 128-256, between the decode sizes and the fused kernel's
+    for B in (1, 2, 4, 8, 16, 32, 64, 96, 128, 256, 384, 1023):
         x = (torch.randn(B, DIM, device=dev) * 3).bfloat16()
 
         def gate_torch():  # the unfused gate's ops (mini.ops.moe.gate_unfused at V4.1)
@@ -267,6 +269,8 @@ def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
         if B in (1, 16, 64):
             runs.append(("fused", lambda: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20)))
         for name, tiles in FEW_ROWS_CANDIDATES.items():
+            if B > 64 and not tiles.tensor_cores:  # the CUDA-core tilings take 4 rows a program: B / 4 row blocks
+                continue
             runs.append((f"few rows {name}" + (" (by T)" if tiles == few_rows_tiles(B) else ""),
                          lambda t=tiles: gate_topk(x, gate_w, gate_bias, 6, 2.5, eps=1e-20, few_rows=t)))
         for label, f in runs:

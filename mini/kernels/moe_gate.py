@@ -89,10 +89,13 @@ FEW_ROWS_CANDIDATES = {
     "fma 4x2560": FewRowsTiles(BE=4, BK=512, K_PIECE=2560, BT_MAX=2),
     "mma 64x256": FewRowsTiles(BE=64, BK=64, K_PIECE=256, BT_MAX=64, tensor_cores=True),
     "mma 32x512": FewRowsTiles(BE=32, BK=128, K_PIECE=512, BT_MAX=32, tensor_cores=True),
+    # beyond 64 rows: half the pieces (partial logits) of 64x256, promoted every 512 of K as the fused kernel
+    "mma 64x512": FewRowsTiles(BE=64, BK=64, K_PIECE=512, BT_MAX=64, tensor_cores=True),
 }
 # The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond), the fastest whose
 # ids match the unfused gate's in `mini bench kernels --only decode_gate` on the H200 (docs/perf/014: fma 8x512 at
-# B = 1, 8.0 us; mma 64x256 at 2-64, 8.2-9.5 us).
+# B = 1, 8.0 us; mma 64x256 at 2-64, 8.2-9.5 us; beyond 64 rows, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS, its
+# row blocks).
 FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (64, FEW_ROWS_CANDIDATES["mma 64x256"]))
 
 

@@ -233,8 +233,11 @@ FUSED_GATE_MIN_TOKENS = 1024
 # reshaped tilings take 8.0 us per call at B = 1 and 8.2-9.5 at B = 2-64 against the unfused torch ops' 33.7-55.0
 # (docs/perf/014), and rank4 decode's step with them and the decode GEMV went 16.49 -> 15.41 ms at B = 1, 24.06 ->
 # 22.38 at B = 16, 42.31 -> 40.32 at B = 64 (interleaved A/B, docs/perf/015). Their first tiling had been slower
-# than the unfused gate (44.4 / 34.3 us at B = 1).
-FEW_ROWS_GATE_MAX_TOKENS = 64
+# than the unfused gate (44.4 / 34.3 us at B = 1). Beyond 64 rows (decode at B = 128-256, verify steps of B x 6
+# rows) the largest tiling's row blocks each re-read the weight's slab from L2, where the unfused gate at 256 rows
+# took ~60 us a layer (an fp32 FFMA GEMM with split-K, then torch's top-k; 2.4 ms of the B = 256 x 32K step in
+# docs/perf/raw/025): so every step below the fused kernel's threshold takes them.
+FEW_ROWS_GATE_MAX_TOKENS = FUSED_GATE_MIN_TOKENS - 1
 
 
 def gate_kernel(tokens: int, dtype: torch.dtype, fast: bool) -> str:

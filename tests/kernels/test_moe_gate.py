@@ -198,15 +198,16 @@ def test_gate_kernel_at_v41_flash_shape_gpu(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 16, 64])
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 96, 257, 384, 1023])
 def test_few_rows_gate_at_v41_flash_shape_gpu(T):
-    """The decode path at decode sizes (the tiling chosen by T), the same checks."""
+    """The decode path at decode sizes (the tiling chosen by T), verify steps' B x 6 rows and up to the fused
+    kernel's threshold (row blocks past 64), the same checks."""
     _check_v41_shape(T, few_rows=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FEW_ROWS_CANDIDATES))
-@pytest.mark.parametrize("T", [1, 3, 16, 64])
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 257])
 def test_every_few_rows_tiling_at_v41_flash_shape_gpu(T, name):
     """Each candidate tiling the benchmark times, compiled, the same checks (the logit error bound included)."""
     _check_v41_shape(T, few_rows=FEW_ROWS_CANDIDATES[name])

@@ -19,9 +19,8 @@ def test_each_rule_answers_for_the_step():
     ref = plan_step(4096, CPU, torch.bfloat16)  # on the CPU the fast path serves nothing (no interpreter)
     assert (ref.fast, ref.gate, ref.experts, ref.tie_rule) == (False, "unfused", "reference", "official")
     assert moe.gate_kernel(4096, torch.bfloat16, fast=True) == "fused"
-    assert moe.gate_kernel(moe.FUSED_GATE_MIN_TOKENS - 1, torch.bfloat16, fast=True) == "unfused"
-    assert moe.gate_kernel(1, torch.bfloat16, fast=True) == (  # the few-rows path: off (0) until measured faster
-        "few_rows" if moe.FEW_ROWS_GATE_MAX_TOKENS > 0 else "unfused")
+    for tokens in (1, 64, 65, moe.FUSED_GATE_MIN_TOKENS - 1):  # decode, verify steps, short prefill chunks
+        assert moe.gate_kernel(tokens, torch.bfloat16, fast=True) == "few_rows"
     assert "from 1024 tokens" in str(plan_step(1, CPU, torch.bfloat16))
     assert moe.gate_kernel(1, torch.float32, fast=True) == "unfused"
     assert moe.gate_kernel(4096, torch.float32, fast=True) == "unfused"
