@@ -6,9 +6,10 @@ phase_rank4_ab() {  # rank4 A/B of two revisions, interleaved (~100 s a run): fi
     # pack BASE HEAD` here, then carry .cache/bench_rev (no .git on the device). AB_REPEAT runs per revision;
     # AB_SUITE another suite (e.g. rank4-decode, ~75 s a run at --batch 1,16,64 --context 4096) with AB_ARGS its
     # options. AB_REV_ARGS: bench_rev's own flags, e.g. "--env-b MINI_MOE_GEMM=triton" (a switch's A/B: with only
-    # HEAD.tar.gz carried, both sides run HEAD).
-    local a b=.cache/bench_rev/HEAD.tar.gz
+    # HEAD.tar.gz carried, both sides run HEAD). AB_A / AB_B: the two tarballs' names (several packed revisions).
+    local a b=.cache/bench_rev/${AB_B:-HEAD}.tar.gz
     a=$(ls .cache/bench_rev/*.tar.gz 2>/dev/null | grep -v '/HEAD\.tar\.gz$' | head -1)
+    [ -n "${AB_A:-}" ] && a=.cache/bench_rev/$AB_A.tar.gz
     [ -z "$a" ] && [ -n "${AB_REV_ARGS:-}" ] && a=$b
     if [ -z "$a" ] || [ ! -f "$b" ]; then
         echo "rank4_ab: no tarballs; run 'python3 tools/bench_rev.py pack BASE HEAD' and carry .cache/bench_rev"
