@@ -74,3 +74,13 @@ def reference_ops():
     mini.ops.set_backend("reference")
     yield
     mini.ops.set_backend(prev)
+
+
+@pytest.fixture
+def fast_interpreted():
+    """The fast backend serving CPU tensors through Triton's interpreter (the ops' dispatch, interpreted)."""
+    import mini.ops
+    prev = mini.ops.backend()
+    mini.ops.set_backend("fast", interpret_on_cpu=True)
+    yield
+    mini.ops.set_backend(prev)

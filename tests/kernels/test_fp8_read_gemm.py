@@ -65,15 +65,6 @@ def test_refuses_what_it_cannot_take():
         fp8_read_gemm(x, q, scale[:, :1])
 
 
-@pytest.fixture
-def fast_interpreted():
-    import mini.ops
-    prev = mini.ops.backend()
-    mini.ops.set_backend("fast", interpret_on_cpu=True)
-    yield
-    mini.ops.set_backend(prev)
-
-
 def test_switch_sends_17_to_64_rows_here_interpreted(interpreter, fast_interpreted, monkeypatch):
     """MINI_FP8_READ=on: linear and linears (the stacked bytes and scales) of 17-64 rows reach the kernel with the
     FP8 weight, within a bf16 rounding of cuBLAS's on the copy (=off); 16 and 65 rows, the deterministic mode, a

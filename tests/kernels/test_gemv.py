@@ -275,15 +275,6 @@ def test_gemv_candidates_and_tails_gpu(T):
 
 
 @pytest.fixture
-def fast_interpreted():
-    import mini.ops
-    prev = mini.ops.backend()
-    mini.ops.set_backend("fast", interpret_on_cpu=True)
-    yield
-    mini.ops.set_backend(prev)
-
-
-@pytest.fixture
 def gemv_calls(monkeypatch):
     """Counts the linear layers that reach the GEMV (the wrapper still computes)."""
     import mini.kernels.gemv as module
