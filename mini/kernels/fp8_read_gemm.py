@@ -46,12 +46,16 @@ class Fp8ReadConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 2
+    # the product swapped, [BN, BM] = W x^T: the widened tile is the wgmma's A operand from registers (on sm_90a no
+    # shared-memory store of it; the x tile goes through shared memory transposed instead); BN a multiple of 64
+    swap: bool = False
 
 
 DEFAULT = Fp8ReadConfig()
 # the builds `mini bench kernels --only decode_gemv_fp8` times beside DEFAULT at 32 and 64 rows
 CANDIDATES = {"128x128 s4": DEFAULT, "64x128 s4": Fp8ReadConfig(64, 128), "128x64 s5": Fp8ReadConfig(128, 64, 4, 5),
-              "128x128 s3 8w": Fp8ReadConfig(128, 128, 8, 3), "128x128 s4 4/SM": Fp8ReadConfig(programs_per_sm=4)}
+              "128x128 s3 8w": Fp8ReadConfig(128, 128, 8, 3), "128x128 s4 4/SM": Fp8ReadConfig(programs_per_sm=4),
+              "128x128 s4 swap": Fp8ReadConfig(swap=True), "64x128 s4 swap": Fp8ReadConfig(64, 128, swap=True)}
 
 
 def rows_per_program(T: int) -> int:
@@ -62,8 +66,9 @@ def rows_per_program(T: int) -> int:
 @triton.jit(do_not_specialize=["T"])
 def _fp8_read_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
                           K_PIECE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                          EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Program (n block, K piece, row block): acc[BM, BN] = sum over its piece of x_tile @ (w_tile * scale)^T."""
+                          EVEN_K: tl.constexpr, SWAP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Program (n block, K piece, row block): acc[BM, BN] = sum over its piece of x_tile @ (w_tile * scale)^T
+    (SWAP: its transpose, (w_tile * scale) @ x_tile^T, the same products and sums)."""
     pid_n, piece, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
     n = pid_n * BN + tl.arange(0, BN)
@@ -75,7 +80,7 @@ def _fp8_read_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
     G: tl.constexpr = BK // 32
     s_ptrs = s_ptr + (n // 32)[:, None].to(tl.int64) * stride_s + tl.arange(0, G)[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = (kk < BK) if EVEN_K else (k0 + kk < K)
         x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -84,7 +89,12 @@ def _fp8_read_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_
         s = tl.load(s_ptrs + k0 // 32, mask=n_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)
         f = (s << 23).to(tl.float32, bitcast=True)  # E8M0 byte -> 2^(s - 127), exact for bytes >= 1
         wf = tl.reshape(tl.reshape(w.to(tl.float32), [BN, G, 32]) * f[:, :, None], [BN, BK])
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(wf.to(tl.bfloat16).to(DOT_DTYPE)), acc)
+        if SWAP:  # [BN, BM]: the widened weight as the MMA's A operand, straight from registers
+            acc = tl.dot(wf.to(tl.bfloat16).to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
+        else:  # [BM, BN]: the widened weight through shared memory as the B operand
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(wf.to(tl.bfloat16).to(DOT_DTYPE)), acc)
+    if SWAP:
+        acc = tl.trans(acc)
     out = rows[:, None] < T
     if SPLIT:
         tl.store(part_ptr + (piece * T + rows[:, None].to(tl.int64)) * N + n[None, :], acc, mask=out & n_ok[None, :])
@@ -137,6 +147,7 @@ def fp8_read_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, config:
     _fp8_read_gemm_kernel[(triton.cdiv(N, config.block_n), pieces, triton.cdiv(T, bm))](
         x, w, scale.view(torch.uint8), out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         k_piece, BM=bm, BN=config.block_n, BK=config.block_k, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0,
+        SWAP=config.swap,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if x.device.type == "cpu" else tl.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages)

@@ -116,7 +116,7 @@ def main() -> None:
     # the FP8-read GEMM of 17-64 rows: each candidate, split over K, its product on the tensor cores (wgmma)
     for cfg in FP8_READ_CANDIDATES.values():
         built = build(_fp8_read_gemm_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
-                      dict(BM=64, BN=cfg.block_n, BK=cfg.block_k, SPLIT=True, EVEN_K=True,
+                      dict(BM=64, BN=cfg.block_n, BK=cfg.block_k, SPLIT=True, EVEN_K=True, SWAP=cfg.swap,
                            DOT_DTYPE=triton.language.bfloat16), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert "wgmma" in built.asm["ptx"], "the FP8-read GEMM's product left the tensor cores' wgmma"
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant

@@ -9,6 +9,7 @@ from mini.kernels.fp8_read_gemm import (CANDIDATES, DEFAULT, MAX_ROWS, MIN_SCALE
                                         fp8_read_gemm, rows_per_program, split_k)
 
 SMALL = Fp8ReadConfig(block_n=16, block_k=64, num_warps=1, num_stages=1, programs_per_sm=1)
+SMALL_SWAP = Fp8ReadConfig(block_n=16, block_k=64, num_warps=1, num_stages=1, programs_per_sm=1, swap=True)
 V41_SHAPES = ((1792, 5120), (36864, 1280), (5120, 8192), (4608, 5120), (5120, 2304))
 
 
@@ -50,9 +51,12 @@ def test_split_k_covers_k_in_whole_steps():
                                         (70, 20, 128, True)])
 def test_matches_the_bf16_copy_interpreter(interpreter, poisoned, T, N, K, tiny):
     """Split K (3 and 5 pieces of 64), N tails inside a scale block, rows over one and two row blocks (BM 16-64),
-    and the smallest E8M0 byte taken."""
+    and the smallest E8M0 byte taken; the swapped product (SWAP) gives the same bits here (the interpreter sums in
+    one order either way; on the GPU its MMAs may add in another)."""
     x, q, scale = _operands(T, N, K, "cpu", seed=T, tiny_scales=tiny)
-    _check(fp8_read_gemm(x, q, scale, config=SMALL), x, q, scale)
+    y = fp8_read_gemm(x, q, scale, config=SMALL)
+    _check(y, x, q, scale)
+    assert torch.equal(fp8_read_gemm(x, q, scale, config=SMALL_SWAP), y)  # the swapped product: the same sums
 
 
 def test_refuses_what_it_cannot_take():
