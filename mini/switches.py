@@ -38,10 +38,6 @@ class Switches:
     # checkpoint's bytes and scales on the CUDA cores, mini/kernels/gemv.py: half the bytes; the shared expert's w2
     # takes it too) | "bf16" (its dequantized copy, as at 2-16 rows)
     gemv_weights: str = "fp8"
-    # MINI_FP8_READ, mini.ops.linear: FP8 projections of 17-64 rows (decode at B = 17-64) on the FP8-read GEMM,
-    # mini/kernels/fp8_read_gemm.py (the e4m3 bytes widened in registers: half the bf16 copy's bytes), "off" (cuBLAS
-    # on the bf16 copy; the default until measured faster) | "on"
-    fp8_read: str = "off"
     # MINI_EP_GLUE, mini.parallel.exchange: the EP exchange's glue, "fused" | "eager"
     ep_glue: str = "fused"
     # MINI_EP_OVERLAP, mini.parallel.exchange: micro-batches per MoE layer's exchange (1 = not overlapped)
@@ -77,7 +73,6 @@ VARIABLES = {
     "sparse_attn": "MINI_SPARSE_ATTN",
     "det_sparse_attn": "MINI_DET_SPARSE_ATTN",
     "gemv_weights": "MINI_GEMV_WEIGHTS",
-    "fp8_read": "MINI_FP8_READ",
     "ep_glue": "MINI_EP_GLUE",
     "ep_overlap": "MINI_EP_OVERLAP",
     "ep_overlap_min_tokens": "MINI_EP_OVERLAP_MIN_TOKENS",
@@ -128,7 +123,6 @@ def read(env: Mapping[str, str] | None = None) -> Switches:
         sparse_attn=_choice(env, "MINI_SPARSE_ATTN", ("auto", "flashmla", "triton"), "auto"),
         det_sparse_attn=_choice(env, "MINI_DET_SPARSE_ATTN", ("flashmla", "triton"), "flashmla"),
         gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("fp8", "bf16"), "fp8"),
-        fp8_read=_choice(env, "MINI_FP8_READ", ("off", "on"), "off"),
         ep_glue=_choice(env, "MINI_EP_GLUE", ("fused", "eager"), "fused"),
         ep_overlap=_overlap(env),
         ep_overlap_min_tokens=_min_tokens(env),

@@ -429,17 +429,10 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
 
 
 def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
-    """An FP8 projection read as stored against its bf16 copy, us per call in a CUDA graph, copies taken in turn
-    (L2 defeated); `frac_copy_peak` in each read's own bytes. B = 1: the one-row FP8 read on the CUDA cores
-    (MINI_GEMV_WEIGHTS=fp8, each candidate) against the GEMV on the copy (the tuned build), act quant fused.
-    B = 32, 64: the FP8-read GEMM (MINI_FP8_READ=on, each candidate) against cuBLAS on the copy, each after the act
-    quant pass."""
-    import torch.nn.functional as F
-
+    """An FP8 projection at B = 1 read as stored (MINI_GEMV_WEIGHTS=fp8: the one-row FP8 read on the CUDA cores,
+    each candidate) against the GEMV on its bf16 copy (the tuned build), act quant fused, us per call in a CUDA graph,
+    copies taken in turn (L2 defeated); `frac_copy_peak` in each read's own bytes."""
     from mini.formats import dequant_fp8, quantize_fp8
-    from mini.kernels.fp8_act_quant import fp8_act_quant
-    from mini.kernels.fp8_read_gemm import CANDIDATES as READ_CANDIDATES
-    from mini.kernels.fp8_read_gemm import fp8_read_gemm
     from mini.kernels.gemv import ROW_CANDIDATES, config_for, gemv
     for n_out, n_in, name in ((1792, 5120, "wq_a|wkv"), (36864, 1280, "wq_b|indexer wq_b"), (5120, 8192, "wo_b"),
                               (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"), (1024, 5120, "compressor")):
@@ -448,30 +441,20 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
         copies = {"bf16": [wb] + [wb.clone() for _ in range((128 << 20) // wb.nbytes)],
                   "fp8": [(q, scale)] + [(q.clone(), scale.clone()) for _ in range((128 << 20) // q.nbytes)]}
         floor = {"bf16": wb.nbytes / COPY_TBS / 1e9, "fp8": (q.nbytes + scale.nbytes) / COPY_TBS / 1e9}
-        turn = [0]
-        for B in (1, 32, 64):
-            x = torch.randn(B, n_in, device=dev).bfloat16()
-            if B == 1:
-                runs = [("bf16", "bf16 copy, tuned", config_for(n_out, n_in))]
-                runs += [("fp8", f"fp8 read, {label}", cfg) for label, cfg in ROW_CANDIDATES.items()]
-            else:
-                runs = [("bf16", "fp8 act quant + cuBLAS on the bf16 copy", None)]
-                runs += [("fp8", f"fp8 act quant + fp8 read gemm, {label}", cfg)
-                         for label, cfg in READ_CANDIDATES.items()]
-            for kind, label, cfg in runs:
-                def call(kind=kind, cfg=cfg, x=x, B=B):
-                    turn[0] = (turn[0] + 1) % len(copies[kind])
-                    w = copies[kind][turn[0]]
-                    if B > 1:
-                        xq = fp8_act_quant(x, 32)
-                        return F.linear(xq, w) if kind == "bf16" else fp8_read_gemm(xq, w[0], w[1], config=cfg)
-                    if kind == "bf16":
-                        return gemv(x, w, config=cfg, act_block=32)
-                    return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
-                ms = _bench_graph(call)
-                rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms,
-                                 us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms))
-                print(json.dumps(rows[-1]), flush=True)
+        x, turn = torch.randn(1, n_in, device=dev).bfloat16(), [0]
+        runs = [("bf16", "bf16 copy, tuned", config_for(n_out, n_in))]
+        runs += [("fp8", f"fp8 read, {label}", cfg) for label, cfg in ROW_CANDIDATES.items()]
+        for kind, label, cfg in runs:
+            def call(kind=kind, cfg=cfg):
+                turn[0] = (turn[0] + 1) % len(copies[kind])
+                w = copies[kind][turn[0]]
+                if kind == "bf16":
+                    return gemv(x, w, config=cfg, act_block=32)
+                return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
+            ms = _bench_graph(call)
+            rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B=1", config=label, ms=ms,
+                             us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms))
+            print(json.dumps(rows[-1]), flush=True)
         del copies, q, scale, wb
 
 

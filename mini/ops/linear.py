@@ -24,9 +24,6 @@ _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)  # packed E2M1 
 # (issue 28; at most gemv.MAX_ROWS = 16; 0 turns it off). On since an interleaved A/B of rank4 decode on the H200
 # (docs/perf/015, with the few-rows gate): B = 1 16.49 -> 15.41 ms/step, B = 16 24.06 -> 22.38.
 GEMV_MAX_TOKENS = 16
-# beyond the GEMV, up to this many rows (decode at B = 17-64) an FP8 weight may be read as stored by
-# mini/kernels/fp8_read_gemm.py (MINI_FP8_READ=on, `reads_fp8_rows`)
-FP8_READ_MAX_ROWS = 64
 
 
 @dataclass(eq=False)
@@ -144,22 +141,14 @@ def reads_fp8_weights() -> bool:
     return switches.current().gemv_weights == "fp8"
 
 
-def reads_fp8_rows(rows: int, fp8: QWeight | None) -> bool:
-    """Whether a fast-path projection of `rows` rows (GEMV_MAX_TOKENS < rows <= FP8_READ_MAX_ROWS) reads its FP8
-    weight `fp8` as stored on mini/kernels/fp8_read_gemm.py (MINI_FP8_READ=on) instead of cuBLAS on its copy."""
-    return (fp8 is not None and GEMV_MAX_TOKENS < rows <= FP8_READ_MAX_ROWS and switches.current().fp8_read == "on"
-            and _fp8_read_takes(fp8))
-
-
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
     """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
     (w = its dequantized copy), which the GEMV reads instead at one row where `reads_fp8_weights`, so a row's bits
     depend on whether it is alone in its step (the FP8 read's sum order or the MMA's), as cuBLAS's do on the
-    step's size; from 17 to FP8_READ_MAX_ROWS rows the FP8-read GEMM takes it where `reads_fp8_rows` (the copy's
-    values, widened from the bytes in registers). The deterministic mode, the batch-invariant one, keeps F.linear,
-    which it has routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+    step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has routed to its
+    batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv, runs_on
@@ -170,10 +159,6 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
             else:
                 y = gemv(x2, w, act_block=act_block)
             return y.view(*x.shape[:-1], w.shape[0])
-    if not deterministic() and reads_fp8_rows(rows, fp8):
-        from mini.kernels.fp8_read_gemm import fp8_read_gemm
-        xq = _fast_act_quant(x, act_block) if act_block else x
-        return fp8_read_gemm(xq.reshape(rows, x.shape[-1]), fp8.data, fp8.scale).view(*x.shape[:-1], w.shape[0])
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
@@ -226,19 +211,6 @@ def _gemv_reads(w: QWeight) -> bool:
         from mini.kernels.gemv import MAX_SCALE_BYTE
         w._dequant["gemv_reads"] = int(w.scale.view(torch.uint8).max()) <= MAX_SCALE_BYTE
     return w._dequant["gemv_reads"]
-
-
-def _fp8_read_takes(w: QWeight) -> bool:
-    """Whether the FP8-read GEMM takes this weight: V4.1's 32 x 32 blocks and no scale byte below
-    fp8_read_gemm.MIN_SCALE_BYTE, checked once per weight outside CUDA-graph capture (a capture before it takes
-    cuBLAS on the copy)."""
-    if "fp8_read_takes" not in w._dequant:
-        if w.scale.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        from mini.kernels.fp8_read_gemm import MIN_SCALE_BYTE, W_BLOCK
-        w._dequant["fp8_read_takes"] = (w.block == W_BLOCK and w.in_features % W_BLOCK == 0
-                                        and int(w.scale.view(torch.uint8).min()) >= MIN_SCALE_BYTE)
-    return w._dequant["fp8_read_takes"]
 
 
 def stack_fp8(ws: list[QWeight]) -> QWeight | None:

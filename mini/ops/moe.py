@@ -353,9 +353,9 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
     default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
-    (faster there than the GEMV on the copy, docs/perf/018), or at 17-64 the FP8-read GEMM (MINI_FP8_READ=on)."""
+    (faster there than the GEMV on the copy, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    from mini.ops.linear import dense_bf16, reads_fp8_rows, reads_fp8_weights, stack_dequantized, stack_fp8
+    from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
@@ -364,8 +364,8 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0, fp8=w._shared_w13_fp8)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
-    if w2.kind == "fp8" and ((h.shape[0] == 1 and reads_fp8_weights()) or reads_fp8_rows(h.shape[0], w2)):
-        return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)  # (h: already FP8 in w2's groups)
+    if w2.kind == "fp8" and h.shape[0] == 1 and reads_fp8_weights():  # (h: already FP8 in w2's groups)
+        return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
     return F.linear(h, w2.prepare(torch.bfloat16))
 
 

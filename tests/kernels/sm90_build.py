@@ -6,8 +6,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mini.kernels.engram_gate import _engram_gate_kernel
-from mini.kernels.fp8_read_gemm import CANDIDATES as FP8_READ_CANDIDATES
-from mini.kernels.fp8_read_gemm import _fp8_read_gemm_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
 from mini.kernels.gemv import _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
@@ -22,17 +20,15 @@ from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
-def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2):
+def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2) -> None:
     names = kernel.arg_names
     types = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
              else "fp32" if n in floats else "i32" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
     src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     print(kernel.__name__, consts, "ok", flush=True)
-    return compiled
 
 
 def main() -> None:
@@ -113,12 +109,6 @@ def main() -> None:
     build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128, unsplit
           dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
-    # the FP8-read GEMM of 17-64 rows: each candidate, split over K, its product on the tensor cores (wgmma)
-    for cfg in FP8_READ_CANDIDATES.values():
-        built = build(_fp8_read_gemm_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
-                      dict(BM=64, BN=cfg.block_n, BK=cfg.block_k, SPLIT=True, EVEN_K=True, SWAP=cfg.swap,
-                           DOT_DTYPE=triton.language.bfloat16), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        assert "wgmma" in built.asm["ptx"], "the FP8-read GEMM's product left the tensor cores' wgmma"
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):
         bd, br, warps = norm_tiles(d)
