@@ -13,8 +13,8 @@ fake-quantizes its input to FP8 1 x block (inside `linear`). Expert outputs are 
 
 Fast path (CUDA, `mini.ops.use_fast`): the gate is one kernel from 1,024 tokens (mini/kernels/moe_gate.py: bf16
 GEMM whose tensor-core partial sums are added in fp32 every 512 of K, so its logits are as accurate as an fp32
-GEMM's; scores, top-k and weights in its epilogue), up to FEW_ROWS_GATE_MAX_TOKENS tokens (decode) the same
-kernels' few-rows path, in between the reference's fp32 GEMM; the (token, slot) pairs
+GEMM's; scores, top-k and weights in its epilogue), below it (decode, verify steps, short chunks) the same
+kernels' few-rows path (FEW_ROWS_GATE_MAX_TOKENS), elsewhere the reference's fp32 GEMM; the (token, slot) pairs
 are sorted by local expert (mini/kernels/moe_route.py), the routed experts run as grouped GEMMs, and a combine
 kernel sums each token's local rows in slot order. The grouped GEMMs come from one of two libraries, chosen once
 per process by MINI_MOE_GEMM (mini.ops.backends.moe_gemm):
