@@ -93,10 +93,12 @@ FEW_ROWS_CANDIDATES = {
     "mma 64x512": FewRowsTiles(BE=64, BK=64, K_PIECE=512, BT_MAX=64, tensor_cores=True),
 }
 # The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond), the fastest whose
-# ids match the unfused gate's in `mini bench kernels --only decode_gate` on the H200 (docs/perf/014: fma 8x512 at
-# B = 1, 8.0 us; mma 64x256 at 2-64, 8.2-9.5 us; beyond 64 rows, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS, its
-# row blocks).
-FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (64, FEW_ROWS_CANDIDATES["mma 64x256"]))
+# ids match the unfused gate's in `mini bench kernels --only decode_gate`: on the H200 (docs/perf/014) fma 8x512 at
+# B = 1, 8.0 us, mma 64x256 at 2-64, 8.2-9.5 us; on an H100 (docs/perf/033) mma 64x256 and 64x512 tie at 96-128
+# rows and 64x512 wins beyond, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS (256 rows 13.2 against 14.2 us, 384
+# 16.4 against 19.4, 1,023 34.7 against 42.3).
+FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (128, FEW_ROWS_CANDIDATES["mma 64x256"]),
+                      (1 << 30, FEW_ROWS_CANDIDATES["mma 64x512"]))
 
 
 def few_rows_tiles(T: int) -> FewRowsTiles:

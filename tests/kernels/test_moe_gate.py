@@ -112,8 +112,9 @@ def test_every_few_rows_tiling_matches_torch_interpreter(interpreter, poisoned, 
 
 def test_few_rows_tiling_by_token_count():
     """Every decode size has a tiling; BT is a power of two covering T up to the tiling's BT_MAX (16 at least on
-    the tensor cores)."""
-    for T in range(1, 129):
+    the tensor cores), to the few-rows path's last size."""
+    from mini.ops.moe import FEW_ROWS_GATE_MAX_TOKENS
+    for T in range(1, FEW_ROWS_GATE_MAX_TOKENS + 1):
         tiles = few_rows_tiles(T)
         bt = tiles.rows_per_program(T)
         assert bt & (bt - 1) == 0 and (bt >= T or bt == tiles.BT_MAX or (tiles.tensor_cores and bt == 16))
