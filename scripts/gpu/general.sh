@@ -10,13 +10,21 @@ phase_env() {  # what machine and software the results come from
 
 phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files or folders): GPU_TEST_WORKERS
     # side by side, then the gpu_alone ones (they need the GPU's memory to themselves) one at a time.
-    # GPU_TEST_WORKERS: at most 8 on one H200 (10 ran 11 tests out of GPU memory, docs/perf/027). At 8 the whole
-    # suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near 590, or split it by GPU_TEST_PATHS.
+    # GPU_TEST_WORKERS (unset: 8 on a card of >= 120 GB, else 3): at most 8 on one H200 (10 ran 11 tests out of GPU
+    # memory, docs/perf/027); on an H100 (79 GB) 8 ran 21 out of memory, three workers holding ~24 GB each at once
+    # (docs/perf/033). At 8 the whole suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near
+    # 590; at 3 (an H100) split it by GPU_TEST_PATHS over two calls.
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
     # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far
     local end=$(( SECONDS + (${PHASE_CAP:-600} > 60 ? ${PHASE_CAP:-600} - 20 : ${PHASE_CAP:-600}) )) rc=0
+    local mem_mb workers=${GPU_TEST_WORKERS:-}
+    if [ -z "$workers" ]; then
+        mem_mb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+        workers=$([ "${mem_mb:-0}" -ge 120000 ] && echo 8 || echo 3)
+    fi
+    echo "gpu_tests: $workers workers (GPU memory ${mem_mb:-?} MiB)"
     timeout -s INT -k 10 $(( end - SECONDS )) \
-    python3 -m pytest -v -m "gpu and not gpu_alone" -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -rfE \
+    python3 -m pytest -v -m "gpu and not gpu_alone" -n "$workers" -p no:cacheprovider -rfE \
         --durations=25 --timeout=200 ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=$?
     [ "$rc" = 5 ] && rc=0  # 5: no test collected under these paths
