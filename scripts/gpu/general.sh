@@ -13,7 +13,8 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
     # GPU_TEST_WORKERS (unset: 8 on a card of >= 120 GB, else 3): at most 8 on one H200 (10 ran 11 tests out of GPU
     # memory, docs/perf/027); on an H100 (79 GB) 8 ran 21 out of memory, three workers holding ~24 GB each at once
     # (docs/perf/033). At 8 the whole suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near
-    # 590; at 3 (an H100) split it by GPU_TEST_PATHS over two calls.
+    # 590. At 3 (an H100) its ~2,800 test-seconds (docs/perf/033: fuzz 1,170, kernels 610, ops 380, the rest 630) take
+    # three calls split by GPU_TEST_PATHS: tests/fuzz | tests/kernels tests/ops | the other folders.
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
     # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far
     local end=$(( SECONDS + (${PHASE_CAP:-600} > 60 ? ${PHASE_CAP:-600} - 20 : ${PHASE_CAP:-600}) )) rc=0
