@@ -298,13 +298,12 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     to 64); the routing plan of T x 6 pairs for 96 of 384 experts (Humming's plan, no tiles; T up to 1,024: rank4
     decode's B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs), the three
     kernels over pick_block's blocks (the default beyond) and over 1,024-pair blocks, and the torch sort; the mHC
-    site input (V4.1, delayed
-    pre, FP8 quant) with the tiles chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the
-    deterministic mode's at every T, the default's before issue 28) and, at B = 1, other split counts at the
-    chosen block. `bits`: y elements that differ from the
-    chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely). Then Engram's gate
-    and update (mini/kernels/engram_gate.py) against its torch ops. Last, cuBLAS on V4.1's dense projection shapes
-    against the decode GEMV (`bench_decode_gemv`)."""
+    site input (V4.1, delayed pre, FP8 quant) at T = 1, 16, 64, 256, 384 with the tiles chosen by T against the
+    4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before issue
+    28), at B = 1 other split counts at the chosen block, from 256 rows other token blocks. `bits`: y elements that
+    differ from the chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely).
+    Then Engram's gate and update (mini/kernels/engram_gate.py) against its torch ops. Last, cuBLAS on V4.1's dense
+    projection shapes against the decode GEMV (`bench_decode_gemv`)."""
     from mini.kernels.engram_gate import engram_gate
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
@@ -331,14 +330,17 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
             add(dict(kernel=f"route_plan/T={T} pairs={T * 6}", config=label, ms=ms, us=ms * 1e3))
         ms = _bench_graph(lambda: plan_routes_torch(ids, weights, experts, 128, False))
         add(dict(kernel=f"route_plan/T={T} pairs={T * 6}", config="torch sort", ms=ms, us=ms * 1e3))
-    for B in (1, 16, 64):
+    for B in (1, 16, 64, 256, 384):
         h = torch.randn(B, HC, DIM, device=dev).bfloat16()
         kw = dict(pre_in=torch.rand(B, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20, quant="fp8")
         nbytes = h.numel() * 2 + B * DIM * 2 + fn.numel() * 6  # h, y, fn's three bf16 pieces once
         chosen = partial_tiles(B, DIM, 16, invariant=False)
         base_y = mhc_norm(h, fn, scale, base, nw, **kw)[0]
         configs = [{"note": f"by T {chosen}"}, {"invariant": True, "note": "4,096-token tiles (64 x 8)"},
-                   *({"block_t": chosen[0], "split": s} for s in (40, 80, 320) if B == 1), *sweep]
+                   *({"block_t": chosen[0], "split": s} for s in (40, 80, 320) if B == 1),
+                   # from 256 rows each 64-token block re-reads fn's pieces: larger blocks read them fewer times
+                   *({"block_t": t, "split": s} for t, s in ((128, 80), (256, 160), (32, 20)) if B >= 256),
+                   *sweep]
         for cfg in configs:
             run_kw = {k: v for k, v in cfg.items() if k != "note"}
             ms = _bench_graph(lambda: mhc_norm(h, fn, scale, base, nw, **kw, **run_kw))

@@ -102,10 +102,13 @@ COPIES = dict(layout="copies")
                                                      (333, 5120, True, False, COPIES), (333, 5120, True, True, COPIES),
                                                      (333, 5120, False, False, COPIES),
                                                      (77, 1000, True, False, COPIES),
-                                                     (77, 5120, True, False, dict(COPIES, num_stages=2, split=40))])
+                                                     (77, 5120, True, False, dict(COPIES, num_stages=2, split=40)),
+                                                     (333, 5120, True, True, dict(block_t=128, split=80)),
+                                                     (333, 5120, True, True, dict(block_t=256, split=160))])
 def test_mhc_norm_gpu(T, D, delayed, quant, tiles):
     # D = 1000: the last split-K chunk and the last column tiles are partial; split 40: 128-column chunks of one
-    # program each, and layout "copies": what `tools/mhc_split.py` times
+    # program each, and layout "copies": what `tools/mhc_split.py` times; 128- and 256-token blocks: what
+    # `mini bench kernels --only decode_small` times at 256 and 384 rows
     h, fn, scale, base, w, pre_prev = make(T, D, "cuda", torch.bfloat16)
     check(h, fn, scale, base, w, pre_prev if delayed else None, quant, **tiles)
 
