@@ -319,7 +319,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     fn = torch.randn((2 + HC) * HC, HC * DIM, device=dev) * 0.01
     scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
     nw = torch.rand(DIM, device=dev).bfloat16()
-    for T in (1, 16, 64, 256, 1024):
+    for T in (1, 16, 24, 64, 256, 1024):  # 24: the B = 1 verify step (4 emulated ranks x 6 rows)
         ids = torch.rand(T, 384, device=dev).argsort(dim=1)[:, :6]
         weights = torch.rand(T, 6, device=dev)
         plans = {"one program": dict(one_program=True),
