@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mini.kernels.moe_gate import FEW_ROWS_CANDIDATES, GateConfig, column_blocks, few_rows_tiles, gate_topk
+from mini.ops.moe import FEW_ROWS_GATE_MAX_TOKENS
 
 SCALE = 2.5  # route_scale of V4.1
 
@@ -113,7 +114,6 @@ def test_every_few_rows_tiling_matches_torch_interpreter(interpreter, poisoned, 
 def test_few_rows_tiling_by_token_count():
     """Every decode size has a tiling; BT is a power of two covering T up to the tiling's BT_MAX (16 at least on
     the tensor cores), to the few-rows path's last size."""
-    from mini.ops.moe import FEW_ROWS_GATE_MAX_TOKENS
     for T in range(1, FEW_ROWS_GATE_MAX_TOKENS + 1):
         tiles = few_rows_tiles(T)
         bt = tiles.rows_per_program(T)
