@@ -20,6 +20,9 @@ from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
+SM90_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may take on sm_90
+
+
 def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2) -> None:
     names = kernel.arg_names
     types = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
@@ -27,7 +30,10 @@ def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_sta
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
     src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    shared = compiled.metadata.shared  # a launch of more than an H100 / H200 block's shared memory would fail
+    assert shared <= SM90_SHARED_BYTES, f"{kernel.__name__} {consts}: {shared} bytes of shared memory"
     print(kernel.__name__, consts, "ok", flush=True)
 
 
@@ -74,6 +80,11 @@ def main() -> None:
     build(_mhc_partial_kernel, ptrs, dict(D=5120, HC=4, NM=24, CHUNK=32, BLOCK_T=16, BLOCK_K=16, COLLAPSE=True,
                                           SPLIT_BF16=True, OP=triton.language.bfloat16, PRECISION="tf32x3"),
           num_stages=3)
+    # the 128- and 256-token blocks `mini bench kernels --only decode_small` times at 256-384 rows (split 80, 160)
+    for block_t, chunk in ((128, 64), (256, 32)):
+        build(_mhc_partial_kernel, ptrs, dict(D=5120, HC=4, NM=24, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=16,
+                                              COLLAPSE=True, SPLIT_BF16=True, OP=triton.language.bfloat16,
+                                              PRECISION="tf32x3"), num_stages=3)
     # (the normalisation in its own programs beside the mixes' at decode: finish_pieces; B = 1 and B = 64's tiles)
     for block_t, block_d, pieces in ((1, 2048, 3), (4, 1024, 5)):
         build(_mhc_finish_kernel, ptrs, dict(D=5120, HC=4, ITERS=20, NSPLIT=160 if block_t == 1 else 40,
