@@ -16,13 +16,15 @@ import triton
 import triton.language as tl
 
 
-# the candidates' row stride is the step's group count rounded to a block or not (mini.ops.indexer.select_candidates
-# pads, its official-tie form does not): one build for both, so a served step never meets a build the warm-up missed
-@triton.jit(do_not_specialize=["stride_cand"])
+# One build whatever the step's size, so that a served step never meets a build the warm-up missed: the candidates'
+# row stride is the step's group count rounded to a block or not (mini.ops.indexer.select_candidates pads, its
+# official-tie form does not), and the tiles per program follow the step's tokens and groups (`tiles_per_program`;
+# as a constexpr, bursts at the server's defaults compiled 4 and 8 after the warm-up: docs/perf/034)
+@triton.jit(do_not_specialize=["stride_cand", "tiles"])
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, prog_seq_ptr, prog_t0_ptr, seq_end_ptr, cand_ptr, out_ptr,
-    N, stride_rows, stride_cand,
-    H: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    N, stride_rows, stride_cand, tiles,
+    H: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_CAND: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     seq = tl.load(prog_seq_ptr + tl.program_id(0))
@@ -33,10 +35,10 @@ def _index_scores_kernel(
     toks = t0 + tl.arange(0, BLOCK_T)
     tok_ok = toks < t_end
     nvis = tl.load(nvis_ptr + toks, mask=tok_ok, other=0)
-    # this program's TILES consecutive key tiles: those that start below the last visible group are scored, the
+    # this program's `tiles` consecutive key tiles: those that start below the last visible group are scored, the
     # rest only written -inf
-    lo = tl.program_id(1) * (BLOCK_N * TILES)
-    hi = tl.minimum(lo + BLOCK_N * TILES, N)
+    lo = tl.program_id(1) * (BLOCK_N * tiles)
+    hi = tl.minimum(lo + BLOCK_N * tiles, N)
     scored_hi = tl.minimum(hi, tl.max(nvis, axis=0))
 
     r = tl.arange(0, BLOCK_T * H)  # q row r = token (r // H), head (r % H)
@@ -102,7 +104,7 @@ def _programs(seq_of: torch.Tensor, n_seqs: int, block_t: int):
     return torch.where(live, seq, -1), t0, first_row + lens
 
 
-# A program scores TILES consecutive key tiles of its tokens (q loaded once, the tiles' loads pipelined) where the
+# A program scores `tiles` consecutive key tiles of its tokens (q loaded once, the tiles' loads pipelined) where the
 # grid keeps at least MIN_PROGRAMS programs; one tile each below that (B = 1 decode). One tile per program left
 # decode at 256 x 32K latency-bound: 8 indexer layers 5.3 ms for ~2.3 ms of key bytes (docs/perf/025). Per call
 # the loop is 1.6x faster there, but that step measured no faster with it (docs/perf/030: not yet explained).
@@ -143,7 +145,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq
     tiles = tiles_per_program(prog_seq.shape[0], n_tiles) if tiles is None else tiles
     grid = (prog_seq.shape[0], triton.cdiv(n_tiles, tiles))
     _index_scores_kernel[grid](q, weights, keys, seq_rows, n_visible, prog_seq, prog_t0, seq_end, cand, out,
-                               N, seq_rows.stride(0), cand.stride(0), H=H, DI=DI, BLOCK_T=block_t, BLOCK_N=block_n,
-                               TILES=tiles, HAS_CAND=candidates is not None, LOOP_STAGES=loop_stages,
+                               N, seq_rows.stride(0), cand.stride(0), tiles, H=H, DI=DI, BLOCK_T=block_t,
+                               BLOCK_N=block_n, HAS_CAND=candidates is not None, LOOP_STAGES=loop_stages,
                                num_warps=num_warps, num_stages=num_stages)
     return out

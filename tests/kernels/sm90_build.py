@@ -63,9 +63,9 @@ def main() -> None:
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
                   dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
-        for cand, tiles in ((False, 1), (True, 1), (False, 32), (True, 32)):  # 32: decode at long context
+        for cand in (False, True):  # the tiles per program are an argument: one build for every count
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
-                  dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, TILES=tiles, HAS_CAND=cand, LOOP_STAGES=3))
+                  dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand, LOOP_STAGES=3))
     # mHC pre-norm, split-K pass + finishing pass: V4.1 (delayed pre, + FP8 quant), V4 (own pre), mixes only
     for d, delayed, collapse, quant in ((5120, True, True, 1), (64, False, True, 0), (128, False, False, 0)):
         build(_mhc_partial_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=512 if d == 5120 else 64, BLOCK_T=64,

@@ -11,7 +11,7 @@ import torch
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK (the test extra; the GPU image has none)")
 
-from conftest import MODEL
+from server_apps import MODEL
 from mini.server.app import build_app
 from mini.testing.background_server import BackgroundServer
 from mini.server.guard import Policy

@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL
+from server_apps import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

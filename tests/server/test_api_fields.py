@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import MODEL
+from server_apps import MODEL
 from mini.server.protocol import ChatCompletionRequest
 from mini.tokenizer import BOS
 

@@ -8,7 +8,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import MODEL, fake_app
+from server_apps import MODEL, fake_app
 from PIL import Image
 
 from mini.config import preset

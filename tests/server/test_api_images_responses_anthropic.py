@@ -7,7 +7,7 @@ import base64
 import openai
 import pytest
 import torch
-from conftest import MODEL
+from server_apps import MODEL
 from test_api_images import LIMITS, _png, _url
 
 from mini.server.anthropic import MessagesRequest

@@ -14,7 +14,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from conftest import MODEL, fake_app
+from server_apps import MODEL, fake_app
 from mini.server.app import build_app
 from mini.testing.background_server import BackgroundServer
 from mini.server.store import ResponseStore

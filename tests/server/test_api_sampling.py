@@ -1,7 +1,7 @@
 """n > 1 (one prefill of the shared prompt, n samples) and logit_bias, through the official `openai` client."""
 import openai
 
-from conftest import MODEL
+from server_apps import MODEL
 from mini.testing.background_server import wait_idle
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # several 16-token blocks of the test cache

@@ -6,7 +6,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import MODEL
+from server_apps import MODEL
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from conftest import MODEL, tiny_server
+from server_apps import MODEL, tiny_server
 from mini.chat_format import render_chat
 from mini.server.tool_calls import parse_tool_calls
 

@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL
+from server_apps import MODEL
 from mini.chat_format import render_chat
 from mini.testing.background_server import wait_idle
 

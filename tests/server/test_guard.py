@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, fake_app
+from server_apps import MODEL, fake_app
 from fake_model import FakeTokenizer
 from mini.args import add_serve_args
 from mini.server.app import exposure_warning, policy_from_args, startup_line

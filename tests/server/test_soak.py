@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from conftest import MODEL, fake_app
+from server_apps import MODEL, fake_app
 from fake_model import fake_llm
 from mini.engine import SamplingParams
 from mini.testing.background_server import BackgroundServer, wait_idle

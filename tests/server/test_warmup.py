@@ -4,7 +4,7 @@ outputs of an engine that never warmed up."""
 import httpx
 import torch
 
-from conftest import MODEL, fake_app
+from server_apps import MODEL, fake_app
 from mini.engine import build_engine
 from mini.engine.warmup import plan, warm_up
 from mini.testing.background_server import BackgroundServer
