@@ -28,7 +28,8 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
     echo "gpu_tests: $workers workers (GPU memory ${mem_mb:-?} MiB)"
     timeout -s INT -k 10 $(( end - SECONDS )) \
     python3 -m pytest -v -m "gpu and not gpu_alone" -n "$workers" -p no:cacheprovider -rfE \
-        --continue-on-collection-errors --durations=25 --timeout=200 ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} --junitxml="$PHASE_DIR/junit.xml" \
+        --continue-on-collection-errors --durations=25 --timeout=200 ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} \
+        --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=$?
     [ "$rc" = 5 ] && rc=0  # 5: no test collected under these paths
     local rc_alone=0
