@@ -13,8 +13,8 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
     # GPU_TEST_WORKERS (unset: 8 on a card of >= 120 GB, else 3): at most 8 on one H200 (10 ran 11 tests out of GPU
     # memory, docs/perf/027); on an H100 (79 GB) 8 ran 21 out of memory, three workers holding ~24 GB each at once
     # (docs/perf/033). At 8 the whole suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near
-    # 590. At 3 (an H100) its ~2,800 test-seconds (docs/perf/033: fuzz 1,170, kernels 610, ops 380, the rest 630) take
-    # three calls split by GPU_TEST_PATHS: tests/fuzz | tests/kernels tests/ops | the other folders.
+    # 590. At 3 (an H100) it takes two calls split by GPU_TEST_PATHS (docs/perf/034): tests/fuzz (229 s) | every other
+    # folder (259 s, then the gpu_alone tests).
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
     # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far;
     # a module that fails to import is reported and the rest still run (--continue-on-collection-errors: 14 server
