@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one device script: `bash scripts/gpu.sh PHASE[:SECONDS] ...` runs the named phases in order on the GPU
 # machine, each under its own time cap, and leaves everything under $OUT (one bundle.tgz plus log.txt: at most
-# 8 files come back from a device call). Carry `.whl` (the optional wheels, see README) with the call.
+# 8 files come back from a device call). Carry `.whl` (the optional wheels: `bash scripts/wheels.sh`) with the call.
 #
 # This file is the driver; the phases live by area in scripts/gpu/*.sh (general, fidelity, rank4, kernels, serving,
 # parallel, determinism). A phase is a shell function `phase_NAME` there that writes its results under
