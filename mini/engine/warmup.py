@@ -12,7 +12,8 @@ whose steps take each of these through its classes:
 * "budget+powers": one prompt of twice the token budget (budget-sized chunks, the second over cached context),
   with max_num_seqs prompts of every power-of-two length up to half the budget (kernels that size blocks by the
   step), then decode at shrinking batch sizes, greedy and sampled;
-* "alone-L": one short prompt by itself (one block: block-table stride 1; L a multiple of 16 or not);
+* "alone-L": one prompt by itself, L = 2^k and 2^k + 1 up to the budget (a multiple of 16 or not; up to a block,
+  one block: block-table stride 1);
 * "trickle": prompts arriving a few per step while the earlier ones decode, as a burst of HTTP requests comes
   in: mixed steps of decodes and prefills with the sequences still within one block, then crossing into a second;
 * "decode-buckets": decode steps at every CUDA-graph bucket's batch size (a graph's first replay uploads it).
@@ -62,10 +63,12 @@ def plan(budget: int, max_seqs: int, block_tokens: int, context: int) -> dict[st
     lengths = [min(2 ** (i % budget.bit_length()), max(1, budget // 2)) for i in range(max_seqs)]
     parts: dict[str, Part] = {"budget+powers": [[req(2 * budget, 2)] + [
         req(n, 2 + i % 8, sampled=bool(i % 2)) for i, n in enumerate(lengths)]]}
-    alone = {block_tokens // 2 + 1} | {m for k in range(1, block_tokens.bit_length()) for m in (2 ** k, 2 ** k + 1)}
-    for n in sorted(m for m in alone if 1 < m <= block_tokens):
-        if n <= budget:
-            parts[f"alone-{fit(n)}"] = [[req(n, 3)]]
+    # one prompt alone of each length 2^k and 2^k + 1 up to the budget: steps of exactly that many tokens, so that
+    # each power-of-two range of step sizes (kernels pick tiles by it: mhc_norm's split-K pass at V4.1's width) is
+    # built with the size a multiple of 16 and not (the lengths up to a block: a block-table stride of 1)
+    alone = {block_tokens // 2 + 1} | {m for k in range(1, budget.bit_length()) for m in (2 ** k, 2 ** k + 1)}
+    for n in sorted(m for m in alone if 1 < m <= budget):
+        parts[f"alone-{fit(n)}"] = [[req(n, 3)]]
     # arrivals 1, 1, 2, 3, 5, 8, ... per step up to max_num_seqs, each request decoding past the last arrival; half
     # the prompts fill their block exactly (their first token opens a second), the others stay within one
     sizes, a, b = [], 1, 1

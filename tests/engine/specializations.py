@@ -59,10 +59,12 @@ def spec_key(fn, args, kwargs) -> tuple:
 
 
 class Recorder:
-    """The keys of the launches made while `bucket` is set (None: not noted), per bucket."""
+    """The keys of the launches made while `bucket` is set (None: not noted), per bucket; and the token count of
+    each step that runs eagerly (`step_tokens`, per bucket)."""
 
     def __init__(self):
         self.keys: dict[str, set] = {}
+        self.step_tokens: dict[str, list[int]] = {}
         self.bucket: str | None = None
         self.graph_step = False  # the step being run replays a decode graph on the GPU
 
@@ -77,8 +79,42 @@ class Recorder:
         def scheduled(*a, **kw):
             plan = schedule(*a, **kw)
             self.graph_step = bool(plan.chunks) and is_decode_step(plan.chunks) and len(plan.chunks) <= limit
+            if plan.chunks and not self.graph_step and self.bucket is not None:
+                self.step_tokens.setdefault(self.bucket, []).append(plan.num_tokens)
             return plan
         engine.scheduler.schedule = scheduled
+
+
+def real_width_keys(rec: Recorder, token_counts) -> dict[int, frozenset]:
+    """Per step token count T: the keys of the launches whose build follows T through V4.1-Flash's own dimensions,
+    which tiny-v4.1's never reach: the mHC site input at D = 5,120 (its split-K tiles by T; tiny's D = 64 keeps one
+    tiling) and the routing plan of 384 experts, top-6, on one GPU and on one EP4 rank (its block of pairs by T).
+    They are called as the model calls them (mini.ops.mhc.pre_norm, plan_routes as mini.ops.moe does, with and
+    without the row tiles), on zero inputs: the recorder runs no kernel."""
+    from mini.config import V41_FLASH as c
+    from mini.kernels.mxfp4_grouped_gemm import BLOCK_M
+    from mini.kernels.moe_route import plan_routes
+    from mini.ops import mhc
+    hc, D, nm, k = c.hc_mult, c.dim, c.hc_mix, c.n_activated_experts
+    fn, scale, base = torch.zeros(nm, hc * D), torch.zeros(3), torch.zeros(nm)
+    norm_weight = torch.ones(D, dtype=torch.bfloat16)
+    opts = dict(hc_mult=hc, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.norm_eps)
+    bucket, graph_step = rec.bucket, rec.graph_step
+    rec.bucket, rec.graph_step, out = "real-width", False, {}
+    try:
+        for T in sorted(set(token_counts)):
+            rec.keys.pop("real-width", None)
+            h = torch.zeros(T, hc, D, dtype=torch.bfloat16)
+            for pre_in in (torch.ones(T, hc), None):  # V4.1's delayed pre; a site's own pre
+                mhc.pre_norm(h, fn, scale, base, norm_weight, pre_in, **opts)
+            ids, weights = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k)
+            for experts in (range(c.n_routed_experts), range(c.n_routed_experts // 4)):
+                for tiles in (True, False):
+                    plan_routes(ids, weights, experts, BLOCK_M, tiles=tiles)
+            out[T] = frozenset(rec.keys.pop("real-width", set()))
+    finally:
+        rec.bucket, rec.graph_step = bucket, graph_step
+    return out
 
 
 def record() -> Recorder:
@@ -159,6 +195,8 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=2400)
     p.add_argument("--random", type=int, default=2, help="random bursts besides the fixed ones")
     p.add_argument("--first-parts", type=int, default=1, help="warm-up parts counted as the first")
+    p.add_argument("--real-width", action="store_true",
+                   help="also compare the V4.1-width builds that follow each eager step's token count")
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
@@ -184,6 +222,14 @@ def main() -> None:
         keys = rec.keys.get(tag, set())
         result["bursts"][tag] = {"keys": len(keys), "missing": sorted(repr(k) for k in keys - every),
                                  "missing_after_first_parts": sorted(repr(k[0]) for k in keys - first)}
+    if a.real_width:
+        tokens = rec.step_tokens
+        warm_tokens = tokens.get("first", []) + tokens.get("rest", [])
+        real = real_width_keys(rec, [t for ts in tokens.values() for t in ts])
+        warm = set().union(*(real[t] for t in warm_tokens))
+        result["real_width"] = {"warmup_keys": len(warm), "warmup_kernels": sorted({k[0] for k in warm}),
+                                "bursts": {tag: sorted(repr(k) for t in tokens.get(tag, []) for k in real[t] - warm)
+                                           for tag in result["bursts"]}}
     print(json.dumps(result))
 
 

@@ -108,15 +108,16 @@ def test_triton_compiles_are_counted_per_step_and_hooks_chain(traced):
 
 
 # ---------------------------------------------------------------------- what the warm-up runs
-def test_plan_covers_the_budget_every_short_length_class_and_trickling_arrivals():
+def test_plan_covers_the_budget_every_length_class_and_trickling_arrivals():
     parts = plan(2048, 64, 128, 4096)
     first = parts["budget+powers"][0]
     assert first[0].length == 4096 - 9 and len(first) == 65  # two budgets (capped by the context), then a burst
     assert {r.length for r in first[1:]} == {2 ** k for k in range(11)}
     assert any(r.sampled for r in first) and not all(r.sampled for r in first)
     alone = {name: p for name, p in parts.items() if name.startswith("alone-")}
-    # one short prompt by itself, for lengths equal to 1 more than, or a multiple of, each power of two <= a block
-    assert sorted(int(n.split("-")[1]) for n in alone) == [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128]
+    # one prompt by itself, for lengths equal to 1 more than, or a multiple of, each power of two <= the budget
+    assert sorted(int(n.split("-")[1]) for n in alone) == [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129,
+                                                           256, 257, 512, 513, 1024, 1025, 2048]
     assert all(len(p) == 1 and len(p[0]) == 1 for p in alone.values())
     arrivals = [len(g) for g in parts["trickle"]]
     assert arrivals[:6] == [1, 1, 2, 3, 5, 8] and sum(arrivals) == 64
@@ -164,18 +165,28 @@ def test_served_bursts_need_no_kernel_the_warm_up_did_not_compile(scale):
     lengths, random ones) are among those of the warm-up's steps: at a budget, batch and block size of their own
     (most classes do not depend on the scale), and at the server's defaults (budget 2048, 64 sequences,
     128-token blocks), where a kernel that picks a constexpr from the step's size against a fixed threshold
-    meets sizes the small scale never reaches (the indexer's tiles per program did: docs/perf/034). The warm-up's
-    first part alone (the warm-up as it was) leaves the goodput burst kernels to compile, e.g. sparse attention
-    with a block-table stride of 1."""
+    meets sizes the small scale never reaches (the indexer's tiles per program did: docs/perf/034). There also the
+    builds that follow a step's size through V4.1-Flash's own width, which tiny-v4.1's never reaches (`--real-width`:
+    mHC's split-K tiles at D = 5,120, the routing plan over 384 experts; the goodput burst's 256-token steps missed
+    four mHC builds before the warm-up ran 256- and 512-token steps alone). The warm-up's first part alone (the
+    warm-up as it was) leaves the goodput burst kernels to compile, e.g. sparse attention with a block-table stride
+    of 1."""
     args = (("--budget", "512", "--max-seqs", "16", "--block-tokens", "32", "--num-blocks", "600", "--random", "3")
             if scale == "small" else
-            ("--budget", "2048", "--max-seqs", "64", "--block-tokens", "128", "--num-blocks", "2048", "--random", "2"))
+            ("--budget", "2048", "--max-seqs", "64", "--block-tokens", "128", "--num-blocks", "2048", "--random", "2",
+             "--real-width"))
     r = _coverage(*args)
-    assert r["warmup_keys"] > 40 and len(r["bursts"]) == 4 + int(args[-1])
+    assert r["warmup_keys"] > 40 and len(r["bursts"]) == (7 if scale == "small" else 6)
     for tag, b in r["bursts"].items():
         assert b["keys"] > 20, tag
         assert b["missing"] == [], f"{tag}: kernels the warm-up did not compile: {b['missing']}"
     assert "'_sparse_mla_kernel'" in r["bursts"]["goodput-trickle"]["missing_after_first_parts"]
+    if scale == "server-defaults":
+        real = r["real_width"]
+        assert real["warmup_keys"] > 40 and {"_mhc_partial_kernel", "_mhc_finish_kernel", "_plan_one_kernel",
+                                              "_count_kernel", "_place_kernel"} <= set(real["warmup_kernels"])
+        for tag, missing in real["bursts"].items():
+            assert missing == [], f"{tag}: V4.1-width builds the warm-up did not compile: {missing}"
 
 
 def test_freeze_heap_takes_start_up_objects_out_of_full_collections():
