@@ -12,7 +12,8 @@ nothing when served: `Recorder.attach` leaves them out.
 Run as a script (what tests/engine/test_warmup.py does, in a subprocess with TRITON_INTERPRET=1): warm up a
 tiny-v4.1 engine part by part (mini.engine.warmup.plan), then serve bursts of varied shapes with arrivals spread
 over steps as HTTP requests come in, and print one JSON line: for each burst, the keys no warm-up part compiled,
-and those that only the parts after --first-parts compiled.
+and those that only the parts after --first-parts compiled. With --real-width, also the builds that follow each
+eager step's token count at V4.1-Flash's own width (`real_width_keys`), which tiny-v4.1's dimensions never reach.
 """
 from __future__ import annotations
 
