@@ -64,8 +64,8 @@ def plan(budget: int, max_seqs: int, block_tokens: int, context: int) -> dict[st
     parts: dict[str, Part] = {"budget+powers": [[req(2 * budget, 2)] + [
         req(n, 2 + i % 8, sampled=bool(i % 2)) for i, n in enumerate(lengths)]]}
     # one prompt alone of each length 2^k and 2^k + 1 up to the budget: steps of exactly that many tokens, so that
-    # each power-of-two range of step sizes (kernels pick tiles by it: mhc_norm's split-K pass at V4.1's width) is
-    # built with the size a multiple of 16 and not (the lengths up to a block: a block-table stride of 1)
+    # each power-of-two range of step sizes (kernels pick tiles by it, at a real model's width more than at a tiny
+    # one's: docs/serving.md) is built with the size a multiple of 16 and not (up to a block: a block-table stride 1)
     alone = {block_tokens // 2 + 1} | {m for k in range(1, budget.bit_length()) for m in (2 ** k, 2 ** k + 1)}
     for n in sorted(m for m in alone if 1 < m <= budget):
         parts[f"alone-{fit(n)}"] = [[req(n, 3)]]
