@@ -323,6 +323,8 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
         ids = torch.rand(T, 384, device=dev).argsort(dim=1)[:, :6]
         weights = torch.rand(T, 6, device=dev)
         plans = {"one program": dict(one_program=True),
+                 **{f"one program, {sub} pairs a step, {w} warps": dict(one_program=True, one_program_step=(sub, w))
+                    for sub, w in ((128, 8), (256, 8), (256, 16)) if T * 6 > 64 and sub // 2 < T * 6},
                  "three kernels, pick_block": dict(one_program=False),
                  "three kernels, 1,024-pair blocks": dict(one_program=False, block=1024)}
         for label, kw in plans.items():

@@ -251,12 +251,14 @@ def pick_block(n_pairs: int, sub: int, n_sms: int) -> int:
 
 
 def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,
-                tiles: bool = True, block: int | None = None, one_program: bool | None = None) -> RoutePlan:
+                tiles: bool = True, block: int | None = None, one_program: bool | None = None,
+                one_program_step: tuple[int, int] | None = None) -> RoutePlan:
     """ids int [T, k] global expert ids, weights fp32 [T, k] -> RoutePlan for the experts in `experts`.
     tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them.
     `block`: pairs per program of the count and place kernels (None: `pick_block`); `one_program`: the whole plan
-    in one program (`_plan_one_kernel`), None = up to ONE_PROGRAM_MAX_PAIRS pairs. The plan is the same for any of
-    them."""
+    in one program (`_plan_one_kernel`), None = up to ONE_PROGRAM_MAX_PAIRS pairs; `one_program_step`: (pairs per
+    step, warps) of that program (None: `launch_sizes`' SUB at 4 warps; a B = 1 verify step's 144 pairs take 3
+    serial steps of 64). The plan is the same for any of them."""
     if not (ids.is_cuda or triton.knobs.runtime.interpret):
         return plan_routes_torch(ids, weights, experts, block_m, tiles)
     T, k = ids.shape
@@ -277,9 +279,10 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     if one_program is None:
         one_program = N <= ONE_PROGRAM_MAX_PAIRS  # the smallest decode steps: one launch instead of three
     if one_program:
+        sub, warps = one_program_step or (SUB, 4)
         _plan_one_kernel[(1,)](ids, weights, expert_offset, token, weight, slot_row, tile_expert, tile_start,
-                               tile_end, N, n_rows, n_tiles, experts.start, E=E, K=k, SUB=SUB, EB=EB, TILE_M=tile_m,
-                               TB=STEP)
+                               tile_end, N, n_rows, n_tiles, experts.start, E=E, K=k, SUB=sub, EB=EB, TILE_M=tile_m,
+                               TB=STEP, num_warps=warps)
     else:
         n_blocks = triton.cdiv(N, block)
         counts, base = torch.empty(n_blocks, EB, **i32), torch.empty(n_blocks, EB, **i32)

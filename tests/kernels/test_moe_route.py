@@ -160,6 +160,32 @@ def test_decode_plan_equals_torch_plan_gpu(T, one_program):
             assert torch.equal(getattr(new, f), getattr(old, f)), (f, tiles)
 
 
+def _check_one_program_step(T, step, dev):
+    ids = _random_ids(T, 6, 384).to(dev)
+    weights = torch.randn(T, 6, device=dev)
+    for tiles in (True, False):
+        new = plan_routes(ids, weights, range(96, 192), 128, tiles, one_program=True, one_program_step=step)
+        old = plan_routes_torch(ids.cpu(), weights.cpu(), range(96, 192), 128, tiles)
+        for f in FIELDS:
+            assert torch.equal(getattr(new, f).cpu(), getattr(old, f)), (f, tiles, step)
+
+
+@pytest.mark.parametrize("step", [(128, 8), (256, 16)])
+@pytest.mark.parametrize("T", [1, 24])
+def test_one_program_steps_equal_torch_plan_interpreter(interpreter, poisoned, T, step):
+    """The one-program plan's wider steps (the bench's candidates: 128 or 256 pairs a step, 8 or 16 warps; a
+    B = 1 verify step's 144 pairs in one step instead of three) give the torch plan's rows, poisoned outputs."""
+    _check_one_program_step(T, step, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [(128, 8), (256, 8), (256, 16)])
+@pytest.mark.parametrize("T", [1, 16, 24, 42])
+def test_one_program_steps_equal_torch_plan_gpu(T, step):
+    """The wider steps compiled, at every decode size the one program takes by default (T <= 42)."""
+    _check_one_program_step(T, step, "cuda")
+
+
 def test_pick_block_gives_about_one_block_per_sm():
     """Decode-sized steps: many short programs (never below one SUB step); prefill-sized: BLOCK-pair programs."""
     from mini.kernels.moe_route import BLOCK, pick_block
