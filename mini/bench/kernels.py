@@ -361,7 +361,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
 
 def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
     """The dense projections at decode (issue 28 item 3; us per call in a CUDA graph): cuBLAS on V4.1's projection
-    shapes at B = 1, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16 the decode GEMV
+    shapes at B = 1, 6, 16, 64 against their weight bytes' floor (L2 defeated), and at B <= 16 the decode GEMV
     (mini/kernels/gemv.py) in each of its candidate tilings on the same weight copies (`same_as_cublas`: the
     fraction of outputs equal to cuBLAS's bits), then an FP8 weight's linear as it runs: the activation quant pass +
     cuBLAS against the GEMV with the quant in its loads."""
@@ -385,7 +385,7 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
         weight = torch.randn(n_out, n_in, device=dev).bfloat16()
         copies = [weight] + [weight.clone() for _ in range((128 << 20) // weight.nbytes)]
         floor_ms = weight.nbytes / COPY_TBS / 1e9
-        for B in (1, 16, 64):
+        for B in (1, 6, 16, 64):  # 6: a B = 1 verify step's rows (DSpark's draft: 5)
             x = torch.randn(B, n_in, device=dev).bfloat16()
             turn = [0]
 
