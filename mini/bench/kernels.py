@@ -296,7 +296,8 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
     per site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1
     to 64); the routing plan of T x 6 pairs for 96 of 384 experts (Humming's plan, no tiles; T up to 1,024: rank4
-    decode's B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs), the three
+    decode's B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs; beyond 64 pairs
+    also in each (pairs a step, warps) candidate: the default's WIDE_STEP beyond 128), the three
     kernels over pick_block's blocks (the default beyond) and over 1,024-pair blocks, and the torch sort; the mHC
     site input (V4.1, delayed pre, FP8 quant) at T = 1, 16, 64, 256, 384 with the tiles chosen by T against the
     4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before issue
@@ -324,7 +325,7 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
         weights = torch.rand(T, 6, device=dev)
         plans = {"one program": dict(one_program=True),
                  **{f"one program, {sub} pairs a step, {w} warps": dict(one_program=True, one_program_step=(sub, w))
-                    for sub, w in ((128, 8), (256, 8), (256, 16)) if T * 6 > 64 and sub // 2 < T * 6},
+                    for sub, w in ((64, 4), (128, 8), (256, 8), (256, 16)) if T * 6 > 64 and sub // 2 < T * 6},
                  "three kernels, pick_block": dict(one_program=False),
                  "three kernels, 1,024-pair blocks": dict(one_program=False, block=1024)}
         for label, kw in plans.items():

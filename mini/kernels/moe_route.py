@@ -18,11 +18,12 @@ case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be
    the row tiles;
 3. place: per block again, each pair's row = its bucket's start + the earlier blocks' count + its rank in the
    block (a cumulative sum over one-hot rows, which keeps the flat order: the sort is stable).
-The one program does the same three steps for its single block (no earlier blocks). The loops over pairs stop at
+The one program does the same three steps for its single block (no earlier blocks), beyond 128 pairs in steps of
+256 pairs at 8 warps (`WIDE_STEP`) where its buckets allow. The loops over pairs stop at
 the last pair: a 6-pair step walks one SUB-pair step, not a block of masked ones (at 20098de the count and place
 kernels walked all 1,024: 30 and 50 us per layer at B = 1 on the H200).
 The kernels take their sizes (pairs, rows, blocks, tiles) unspecialized: one build per expert layout serves every
-step size (Triton would otherwise build one per size being 1, a multiple of 16 or neither, and a served step of
+step size (the one program: one up to 128 pairs, one beyond) (Triton would otherwise build one per size being 1, a multiple of 16 or neither, and a served step of
 more than 1,024 pairs whose class no warm-up step had would compile while serving).
 Integer arithmetic only, so the plan is bit-identical to `plan_routes_torch` (torch sort + searchsorted), the
 reference the tests compare it to.
@@ -105,6 +106,11 @@ BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kern
 # 22 us per layer at 384 pairs (B = 16), and the three kernels over 1,024-pair blocks 112 us at 1,536 (B = 64):
 # 2 programs of 16 serial steps each.
 ONE_PROGRAM_MAX_PAIRS = 256
+# Beyond WIDE_STEP_MIN_PAIRS the one program walks its pairs in steps of WIDE_STEP (8 warps) where its one-hot tile
+# stays within WIDE_STEP_MAX_ELEMENTS: at EP4's 96 local experts on the H100 (docs/perf/035) a B = 1 verify step's
+# 144 pairs took 13.9 us in three 64-pair steps and 10.3 in one 256-pair step (128 pairs at 8 warps: 20.5; 256 at
+# 16 warps: 21.4); at 96 pairs, two default steps (9.8 us) beat one 128-pair step (11.4).
+WIDE_STEP, WIDE_STEP_WARPS, WIDE_STEP_MIN_PAIRS, WIDE_STEP_MAX_ELEMENTS = 256, 8, 128, 256 * 128
 
 
 @triton.jit
@@ -257,8 +263,8 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     tiles=False leaves the row tiles out (tile_* empty): GEMMs that take `expert_offset` do not need them.
     `block`: pairs per program of the count and place kernels (None: `pick_block`); `one_program`: the whole plan
     in one program (`_plan_one_kernel`), None = up to ONE_PROGRAM_MAX_PAIRS pairs; `one_program_step`: (pairs per
-    step, warps) of that program (None: `launch_sizes`' SUB at 4 warps; a B = 1 verify step's 144 pairs take 3
-    serial steps of 64). The plan is the same for any of them."""
+    step, warps) of that program (None: WIDE_STEP at 8 warps beyond WIDE_STEP_MIN_PAIRS where the buckets allow,
+    else `launch_sizes`' SUB at 4 warps). The plan is the same for any of them."""
     if not (ids.is_cuda or triton.knobs.runtime.interpret):
         return plan_routes_torch(ids, weights, experts, block_m, tiles)
     T, k = ids.shape
@@ -279,7 +285,8 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     if one_program is None:
         one_program = N <= ONE_PROGRAM_MAX_PAIRS  # the smallest decode steps: one launch instead of three
     if one_program:
-        sub, warps = one_program_step or (SUB, 4)
+        wide = N > WIDE_STEP_MIN_PAIRS and WIDE_STEP * EB <= WIDE_STEP_MAX_ELEMENTS
+        sub, warps = one_program_step or ((WIDE_STEP, WIDE_STEP_WARPS) if wide else (SUB, 4))
         _plan_one_kernel[(1,)](ids, weights, expert_offset, token, weight, slot_row, tile_expert, tile_start,
                                tile_end, N, n_rows, n_tiles, experts.start, E=E, K=k, SUB=sub, EB=EB, TILE_M=tile_m,
                                TB=STEP, num_warps=warps)
