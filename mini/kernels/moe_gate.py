@@ -94,10 +94,11 @@ FEW_ROWS_CANDIDATES = {
 }
 # The tiling of a decode step of T rows: the first entry whose bound is >= T (the last beyond), the fastest whose
 # ids match the unfused gate's in `mini bench kernels --only decode_gate`: on the H200 (docs/perf/014) fma 8x512 at
-# B = 1, 8.0 us, mma 64x256 at 2-64, 8.2-9.5 us; on an H100 (docs/perf/033) mma 64x256 and 64x512 tie at 96-128
-# rows and 64x512 wins beyond, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS (256 rows 13.2 against 14.2 us, 384
-# 16.4 against 19.4, 1,023 34.7 against 42.3).
-FEW_ROWS_BY_TOKENS = ((4, FEW_ROWS_CANDIDATES["fma 8x512"]), (128, FEW_ROWS_CANDIDATES["mma 64x256"]),
+# B = 1, 8.0 us (mma 64x256 8.3: a tie), mma 64x256 at 2-64, 8.2-9.5 us (at 2 and 4 rows fma 8x512 took 9.0 and
+# 10.3, yet ran there until docs/perf/035; on an H100 8.9 and 10.2 against 8.2); on an H100 (docs/perf/033) mma
+# 64x256 and 64x512 tie at 96-128 rows and 64x512 wins beyond, up to mini.ops.moe.FEW_ROWS_GATE_MAX_TOKENS (256 rows
+# 13.2 against 14.2 us, 384 16.4 against 19.4, 1,023 34.7 against 42.3).
+FEW_ROWS_BY_TOKENS = ((1, FEW_ROWS_CANDIDATES["fma 8x512"]), (128, FEW_ROWS_CANDIDATES["mma 64x256"]),
                       (1 << 30, FEW_ROWS_CANDIDATES["mma 64x512"]))
 
 
