@@ -293,18 +293,17 @@ def bench_decode_gate(rows: list, sweep=(), dev="cuda"):
 
 
 def bench_decode_small(rows: list, sweep=(), dev="cuda"):
-    """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor
-    per site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1
-    to 64); the routing plan of T x 6 pairs for 96 of 384 experts (Humming's plan, no tiles; T up to 1,024: rank4
-    decode's B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs; beyond 64 pairs
-    also in each (pairs a step, warps) candidate: the default's WIDE_STEP beyond 128), the three
-    kernels over pick_block's blocks (the default beyond) and over 1,024-pair blocks, and the torch sort; the mHC
-    site input (V4.1, delayed pre, FP8 quant) at T = 1, 16, 64, 256, 384 with the tiles chosen by T against the
-    4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the default's before issue
-    28), at B = 1 other split counts at the chosen block, from 256 rows other token blocks. `bits`: y elements that
-    differ from the chosen tiles' (the mixes move in their last bits with the chunking; y follows them rarely).
-    Then Engram's gate and update (mini/kernels/engram_gate.py) against its torch ops. Last, cuBLAS on V4.1's dense
-    projection shapes against the decode GEMV (`bench_decode_gemv`)."""
+    """Issue 28's decode-latency kernels at B = 1, 16, 64 (us per call in a CUDA graph; hot L2: one weight tensor per
+    site here, where a model step reads each layer's own): first the gate's rows (`bench_decode_gate`, B = 1 to 64);
+    the routing plan of T x 6 pairs for 96 of 384 experts (Humming's plan, no tiles; T up to 1,024: rank4 decode's
+    B = 256, whose plan takes 4 x B tokens) in one program (the default up to 256 pairs; beyond 64 pairs also each
+    `one_program_step`), the three kernels over pick_block's blocks (the default beyond) and over 1,024-pair blocks,
+    and the torch sort; the mHC site input (V4.1, delayed pre, FP8 quant) at T = 1, 16, 64, 256, 384 with the tiles
+    chosen by T against the 4,096-token tiles (64-token blocks x 8 chunks: the deterministic mode's at every T, the
+    default's before issue 28), at B = 1 other split counts at the chosen block, from 256 rows other token blocks.
+    `bits`: y elements that differ from the chosen tiles' (the mixes move in their last bits with the chunking; y
+    follows them rarely). Then Engram's gate and update (mini/kernels/engram_gate.py) against its torch ops. Last,
+    cuBLAS on V4.1's dense projection shapes against the decode GEMV (`bench_decode_gemv`)."""
     from mini.kernels.engram_gate import engram_gate
     from mini.kernels.mhc_norm import mhc_norm, partial_tiles
     from mini.kernels.moe_route import plan_routes, plan_routes_torch
@@ -323,11 +322,10 @@ def bench_decode_small(rows: list, sweep=(), dev="cuda"):
     for T in (1, 16, 24, 64, 256, 1024):  # 24: the B = 1 verify step (4 emulated ranks x 6 rows)
         ids = torch.rand(T, 384, device=dev).argsort(dim=1)[:, :6]
         weights = torch.rand(T, 6, device=dev)
-        plans = {"one program": dict(one_program=True),
+        plans = {"one program": dict(one_program=True), "three kernels, pick_block": dict(one_program=False),
+                 "three kernels, 1,024-pair blocks": dict(one_program=False, block=1024),
                  **{f"one program, {sub} pairs a step, {w} warps": dict(one_program=True, one_program_step=(sub, w))
-                    for sub, w in ((64, 4), (128, 8), (256, 8), (256, 16)) if T * 6 > 64 and sub // 2 < T * 6},
-                 "three kernels, pick_block": dict(one_program=False),
-                 "three kernels, 1,024-pair blocks": dict(one_program=False, block=1024)}
+                    for sub, w in ((64, 4), (128, 8), (256, 8), (256, 16)) if T * 6 > 64 and sub // 2 < T * 6}}
         for label, kw in plans.items():
             ms = _bench_graph(lambda: plan_routes(ids, weights, experts, 128, False, **kw))
             add(dict(kernel=f"route_plan/T={T} pairs={T * 6}", config=label, ms=ms, us=ms * 1e3))
