@@ -4,7 +4,10 @@
 phase_env() {  # what machine and software the results come from
     { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-      git log --oneline -1 2>/dev/null; env | grep '^MINI_'; } >"$PHASE_DIR/env.txt" 2>&1
+      # the device's .git may predate the tree it was sent (calls carry the working tree, not the commits): the
+      # tree's own identity is the hash of its code, `bash scripts/tree_hash.sh` here and on this machine
+      echo "git (may be older than the tree): $(git log --oneline -1 2>/dev/null)"
+      echo "tree hash: $(bash scripts/tree_hash.sh)"; env | grep '^MINI_'; } >"$PHASE_DIR/env.txt" 2>&1
     cat "$PHASE_DIR/env.txt"
 }
 
