@@ -23,8 +23,9 @@ The one program does the same three steps for its single block (no earlier block
 the last pair: a 6-pair step walks one SUB-pair step, not a block of masked ones (at 20098de the count and place
 kernels walked all 1,024: 30 and 50 us per layer at B = 1 on the H200).
 The kernels take their sizes (pairs, rows, blocks, tiles) unspecialized: one build per expert layout serves every
-step size (the one program: one up to 128 pairs, one beyond) (Triton would otherwise build one per size being 1, a multiple of 16 or neither, and a served step of
-more than 1,024 pairs whose class no warm-up step had would compile while serving).
+step size, the one program two (up to 128 pairs and beyond). Triton would otherwise build one per size being 1, a
+multiple of 16 or neither, and a served step of more than 1,024 pairs whose class no warm-up step had would compile
+while serving.
 Integer arithmetic only, so the plan is bit-identical to `plan_routes_torch` (torch sort + searchsorted), the
 reference the tests compare it to.
 """
