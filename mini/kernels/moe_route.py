@@ -107,11 +107,12 @@ BLOCK = 1024  # flat (token, slot) pairs per program of the count and place kern
 # 22 us per layer at 384 pairs (B = 16), and the three kernels over 1,024-pair blocks 112 us at 1,536 (B = 64):
 # 2 programs of 16 serial steps each.
 ONE_PROGRAM_MAX_PAIRS = 256
-# Beyond WIDE_STEP_MIN_PAIRS the one program walks its pairs in steps of WIDE_STEP (8 warps) where its one-hot tile
-# stays within WIDE_STEP_MAX_ELEMENTS: at EP4's 96 local experts on the H100 (docs/perf/035) a B = 1 verify step's
-# 144 pairs took 13.9 us in three 64-pair steps and 10.3 in one 256-pair step (128 pairs at 8 warps: 20.5; 256 at
-# 16 warps: 21.4); at 96 pairs, two default steps (9.8 us) beat one 128-pair step (11.4).
-WIDE_STEP, WIDE_STEP_WARPS, WIDE_STEP_MIN_PAIRS, WIDE_STEP_MAX_ELEMENTS = 256, 8, 128, 256 * 128
+# Beyond WIDE_STEP_MIN_PAIRS the one program walks its pairs in steps of WIDE_STEP (8 warps) where it has at most
+# WIDE_STEP_MAX_BUCKETS buckets (a [256, 128] one-hot tile; 384 local experts' 512 buckets keep SUB): at EP4's 96
+# local experts on the H100 (docs/perf/035) a B = 1 verify step's 144 pairs took 13.9 us in three 64-pair steps and
+# 10.3 in one 256-pair step (128 pairs at 8 warps: 20.5; 256 at 16 warps: 21.4); at 96 pairs, two default steps
+# (9.8 us) beat one 128-pair step (11.4).
+WIDE_STEP, WIDE_STEP_WARPS, WIDE_STEP_MIN_PAIRS, WIDE_STEP_MAX_BUCKETS = 256, 8, 128, 128
 
 
 @triton.jit
@@ -286,7 +287,7 @@ def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_
     if one_program is None:
         one_program = N <= ONE_PROGRAM_MAX_PAIRS  # the smallest decode steps: one launch instead of three
     if one_program:
-        wide = N > WIDE_STEP_MIN_PAIRS and WIDE_STEP * EB <= WIDE_STEP_MAX_ELEMENTS
+        wide = N > WIDE_STEP_MIN_PAIRS and EB <= WIDE_STEP_MAX_BUCKETS
         sub, warps = one_program_step or ((WIDE_STEP, WIDE_STEP_WARPS) if wide else (SUB, 4))
         _plan_one_kernel[(1,)](ids, weights, expert_offset, token, weight, slot_row, tile_expert, tile_start,
                                tile_end, N, n_rows, n_tiles, experts.start, E=E, K=k, SUB=sub, EB=EB, TILE_M=tile_m,
