@@ -77,12 +77,15 @@ VARIANTS = {
     "n128": {"block_shape": [None, 128, None]},
     "n128_ctas2": {"block_shape": [None, 128, None], "num_ctas_per_sm": 2},
     # deeper K steps: each stage holds twice (four times) the bytes, so a CTA keeps more of its expert's weights in
-    # flight (report 020's variants all kept 64-deep steps; at 36 x 4 the decode tiles stream ~2 TB/s). The two
-    # warps still split each step's K in halves: another summation order, not the same bits
+    # flight (report 020's variants all kept 64-deep steps; at 36 x 4 the decode tiles stream ~2 TB/s, at 384 x 4
+    # ~2.6, the B = 256 step's wgmma tiles ~2.2). k128: the mma.sync tiles' two warps split each 128-deep step in
+    # halves; k128w: one K partition as deep as the step (the wgmma tiles'). Another summation order, not the same
+    # bits
     "k128": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64]},
     "k128_stages4": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64], "num_stages": 4},
     "k128_stages8": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64], "num_stages": 8},
-    "k256_stages4": {"block_shape": [None, None, 256], "warp_shape": [None, None, 128], "num_stages": 4},
+    "k128w": {"block_shape": [None, None, 128], "warp_shape": [None, None, 128]},
+    "k128w_stages3": {"block_shape": [None, None, 128], "warp_shape": [None, None, 128], "num_stages": 3},
 }
 
 
