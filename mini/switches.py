@@ -34,10 +34,9 @@ class Switches:
     # MINI_DET_SPARSE_ATTN, mini.kernels.flashmla_attention: the deterministic mode's kernel for the queries of
     # multi-token chunks, "flashmla" | "triton"
     det_sparse_attn: str = "flashmla"
-    # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight, "fp8" (at one row the
+    # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight at one row, "fp8" (the
     # checkpoint's bytes and scales on the CUDA cores, mini/kernels/gemv.py: half the bytes; the shared expert's w2
-    # takes it too; at 2-16 rows the dequantized copy) | "bf16" (the copy at every row count) | "fp8-rows" (a
-    # candidate: "fp8", and at 2-16 rows the bytes on the tensor cores)
+    # takes it too) | "bf16" (its dequantized copy, as at 2-16 rows)
     gemv_weights: str = "fp8"
     # MINI_EP_GLUE, mini.parallel.exchange: the EP exchange's glue, "fused" | "eager"
     ep_glue: str = "fused"
@@ -123,7 +122,7 @@ def read(env: Mapping[str, str] | None = None) -> Switches:
         moe_gemm=_choice(env, "MINI_MOE_GEMM", ("auto", "humming", "triton"), "auto"),
         sparse_attn=_choice(env, "MINI_SPARSE_ATTN", ("auto", "flashmla", "triton"), "auto"),
         det_sparse_attn=_choice(env, "MINI_DET_SPARSE_ATTN", ("flashmla", "triton"), "flashmla"),
-        gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("fp8", "bf16", "fp8-rows"), "fp8"),
+        gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("fp8", "bf16"), "fp8"),
         ep_glue=_choice(env, "MINI_EP_GLUE", ("fused", "eager"), "fused"),
         ep_overlap=_overlap(env),
         ep_overlap_min_tokens=_min_tokens(env),

@@ -134,13 +134,11 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     return tuple(y.split([w.out_features for w in ws], dim=-1))
 
 
-def reads_fp8_weights(rows: int = 1) -> bool:
-    """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored at `rows` rows rather than its
-    dequantized bf16 copy: at one row under MINI_GEMV_WEIGHTS=fp8 (the default: mini/kernels/gemv.py's FP8 read on
-    the CUDA cores, half the bytes of the bf16 copy, the same exact products in another fp32 order) and =fp8-rows,
-    at 2-16 rows under =fp8-rows only (the tensor-core FP8 read, a candidate: gemv.MMA_CANDIDATES' first)."""
-    weights = switches.current().gemv_weights
-    return weights == "fp8-rows" and 0 < rows <= GEMV_MAX_TOKENS or weights == "fp8" and rows == 1
+def reads_fp8_weights() -> bool:
+    """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored at one row (MINI_GEMV_WEIGHTS=fp8,
+    the default: mini/kernels/gemv.py's FP8 read, half the bytes of the bf16 copy, the same exact products in another
+    fp32 order) rather than its dequantized bf16 copy (=bf16)."""
+    return switches.current().gemv_weights == "fp8"
 
 
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
@@ -158,10 +156,6 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
             x2 = x.reshape(rows, x.shape[-1])
             if fp8 is not None and rows == 1 and reads_fp8_weights() and _gemv_reads(fp8):
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
-            elif fp8 is not None and act_block == fp8.block and reads_fp8_weights(rows) and _gemv_reads(fp8, rows):
-                from mini.kernels.gemv import MMA_CANDIDATES
-                y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block,
-                         config=next(iter(MMA_CANDIDATES.values())))
             else:
                 y = gemv(x2, w, act_block=act_block)
             return y.view(*x.shape[:-1], w.shape[0])
@@ -207,19 +201,16 @@ def stack_dequantized(ws: list[QWeight], dtype: torch.dtype) -> torch.Tensor:
     return stack
 
 
-def _gemv_reads(w: QWeight, rows: int = 1) -> bool:
-    """Whether the GEMV's FP8 read of `rows` rows takes this weight: its scale bytes up to gemv.MAX_SCALE_BYTE
-    (s <= 2^39), and from 2 rows (the tensor-core read) at least gemv.MMA_MIN_SCALE_BYTE (s >= 2^-86); a
-    checkpoint's are far inside both. Checked once per weight outside CUDA-graph capture (a capture before it
-    takes the bf16 copy)."""
-    if "gemv_scale_bytes" not in w._dequant:
+def _gemv_reads(w: QWeight) -> bool:
+    """Whether the GEMV's FP8 read takes this weight: its scale bytes up to gemv.MAX_SCALE_BYTE (s <= 2^39; a
+    checkpoint's are far below), checked once per weight outside CUDA-graph capture (a capture before it takes
+    the bf16 copy: the same bits)."""
+    if "gemv_reads" not in w._dequant:
         if w.scale.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        b = w.scale.view(torch.uint8)
-        w._dequant["gemv_scale_bytes"] = (int(b.min()), int(b.max()))
-    from mini.kernels.gemv import MAX_SCALE_BYTE, MMA_MIN_SCALE_BYTE
-    lo, hi = w._dequant["gemv_scale_bytes"]
-    return hi <= MAX_SCALE_BYTE and (rows == 1 or lo >= MMA_MIN_SCALE_BYTE)
+        from mini.kernels.gemv import MAX_SCALE_BYTE
+        w._dequant["gemv_reads"] = int(w.scale.view(torch.uint8).max()) <= MAX_SCALE_BYTE
+    return w._dequant["gemv_reads"]
 
 
 def stack_fp8(ws: list[QWeight]) -> QWeight | None:

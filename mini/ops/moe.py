@@ -352,8 +352,8 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
-    default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023), at 2-16 rows under
-    =fp8-rows the tensor-core FP8 read; else cuBLAS (faster there than the GEMV on the copy, docs/perf/018)."""
+    default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
+    (faster there than the GEMV on the copy, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
@@ -364,9 +364,8 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     gu = dense_bf16(x, w._shared_w13, act_block=w1.block if fake_quant_enabled() else 0, fp8=w._shared_w13_fp8)
     # every row, weight 1.0 (exact): no weight or count tensor
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
-    if w2.kind == "fp8" and reads_fp8_weights(h.shape[0]):  # h: already FP8 in w2's groups (from 2 rows the
-        # tensor-core read quantizes its x again: the same values, a fake quant's output is its own fake quant)
-        return dense_bf16(h, w2.prepare(torch.bfloat16), act_block=w2.block if h.shape[0] > 1 else 0, fp8=w2)
+    if w2.kind == "fp8" and h.shape[0] == 1 and reads_fp8_weights():  # (h: already FP8 in w2's groups)
+        return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
     return F.linear(h, w2.prepare(torch.bfloat16))
 
 

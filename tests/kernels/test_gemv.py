@@ -447,42 +447,6 @@ def test_fp8_weights_switch_reads_the_bytes_at_one_row_interpreted(interpreter, 
     assert reads == [torch.bfloat16] * 2
 
 
-def test_fp8_rows_switch_reads_the_bytes_at_two_to_sixteen_rows_interpreted(interpreter, fast_interpreted,
-                                                                            monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8-rows (a candidate): at one row the CUDA-core FP8 read, at 2-16 rows the tensor-core one
-    (MMA_CANDIDATES' first), for linear and linears, within a bf16 rounding of the copy's GEMV; a weight with a
-    scale byte below MMA_MIN_SCALE_BYTE, a step past the row limit and the deterministic mode keep the copy."""
-    import mini.kernels.gemv as module
-    import mini.ops
-    from mini.ops.linear import QWeight, linear, linears
-    reads, real = [], module.gemv
-
-    def spy(x, w, config=None, **kw):
-        reads.append((w.dtype, None if config is None else config.fp8_mma))
-        return real(x, w, config=ROW_SMALL if "scale" in kw and config is None else
-                    replace(config, block_n=16, num_warps=1) if config is not None else SMALL, **kw)
-    monkeypatch.setattr(module, "gemv", spy)
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8-rows")
-    ws = [QWeight("fp8", *_fp8_weight(n, 160, 32, "cpu", seed=n, lowest=module.MMA_MIN_SCALE_BYTE), 32)
-          for n in (64, 24)]
-    x = (torch.randn(5, 160) * 2).bfloat16()
-    got = [linear(x[:1], ws[0]), linear(x, ws[0])] + list(linears(x, tuple(ws)))
-    assert reads == [(torch.float8_e4m3fn, None)] + [(torch.float8_e4m3fn, True)] * 2
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "bf16")
-    ref = [linear(x[:1], ws[0]), linear(x, ws[0])] + list(linears(x, tuple(ws)))
-    for a, b in zip(got, ref):
-        assert ((a.double() - b.double()).abs() <= b.double().abs() * 2.0 ** -7 + 1e-6).all()
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8-rows")
-    reads.clear()
-    small = QWeight("fp8", ws[0].data, ws[0].scale.clone(), 32)
-    small.scale[0, 0] = module.MMA_MIN_SCALE_BYTE - 1  # its terms could leave fp32's normal range -> the copy
-    linear(x, small)
-    linear(torch.randn(17, 160).bfloat16(), ws[0])
-    with mini.ops.deterministic_mode():
-        linear(x, ws[0])
-    assert reads == [(torch.bfloat16, None)]
-
-
 def test_tuned_shapes_take_a_candidate_build():
     """`config_for`: the measured shapes (TUNED) take one of the benchmarked candidates, every other the default."""
     from mini.kernels.gemv import CANDIDATES, TUNED, config_for

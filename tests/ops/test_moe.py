@@ -416,16 +416,6 @@ def test_shared_expert_reads_fp8_weights_at_one_row_interpreter(tiny, monkeypatc
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "bf16")
     ref = expert_ffn(x, w.shared_w1, w.shared_w3, w.shared_w2, w.swiglu_limit)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-3)
-    # =fp8-rows (a candidate): at 2-16 rows both reach the GEMV's tensor-core FP8 read, w2 with its input's groups
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8-rows")
-    monkeypatch.setattr(gemv_mod, "MMA_CANDIDATES", {"small": gemv_mod.GemvConfig(16, 32, 1, 1, 1, fp8_mma=True)})
-    reads.clear()
-    x = _x(5, cfg, torch.bfloat16, scale=3.0)
-    out = moe_mod._shared(x, w)
-    assert reads == [torch.float8_e4m3fn] * 2
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "bf16")
-    ref = expert_ffn(x, w.shared_w1, w.shared_w3, w.shared_w2, w.swiglu_limit)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-3)
 
 
 def _shared_case(device):
