@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
-from mini.kernels.quant import e4m3_round, fp8_group_codes, fp8_group_quant
+from mini.kernels.quant import fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
 # Triton 3.6's interpreter fails on the kernel's scalar loads ("only 0-dimensional arrays can be converted to
@@ -59,8 +59,6 @@ class GemvConfig:
     # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
     # so a program's rows share one scale row
     cuda_cores: bool = False
-    # the FP8 read of 1-16 rows on the tensor cores (`_gemv_fp8_mma_kernel`, a candidate): block_k whole scale blocks
-    fp8_mma: bool = False
 
 
 DEFAULT = GemvConfig()
@@ -75,13 +73,6 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
                   "row 32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
-# The FP8 read of 1-16 rows on the tensor cores, its candidate tilings (not taken by any caller until measured:
-# `mini bench kernels --only decode_gemv_fp8` times them beside the bf16 copy's GEMV and the one-row read)
-MMA_CANDIDATES = {"mma 64x128 s4": GemvConfig(64, 128, 4, 4, 2, fp8_mma=True),
-                  "mma 64x128 s4 4/SM": GemvConfig(64, 128, 4, 4, 4, fp8_mma=True),
-                  "mma 64x256 s3": GemvConfig(64, 256, 4, 3, 2, fp8_mma=True),
-                  "mma 64x64 s6 4/SM": GemvConfig(64, 64, 4, 6, 4, fp8_mma=True),
-                  "mma 128x128 s3 8w": GemvConfig(128, 128, 8, 3, 2, fp8_mma=True)}
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -214,60 +205,6 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-# The FP8 read of 1-16 rows on the tensor cores (MMA_CANDIDATES). The bf16 copy's GEMV reads twice these bytes, and
-# the tensor-core forms tried before (docs/perf/023, 032) widened every weight to its bf16 value (bits moved or
-# e4m3 -> fp32 -> times the scale -> bf16, 3-10 instructions a value) and ran at 0.15-0.38 of the copy rate. Here
-# nothing but the hardware's e4m3 -> f16 conversion touches a weight: both operands enter the MMA as their e4m3
-# codes (exact in f16; x's codes from its FP8 fake quant, `fp8_group_codes`), one scale block (W_BLOCK of K) at a
-# time, so each step's [BLOCK_N, TP] partial is an fp32 sum of exact code products; it is then multiplied by
-# 2^(s_w - 127) * 2^(e_x - 127), exact, and added to the fp32 accumulator. The outputs are the copy's exact products
-# (q_x 2^e_x)(q_w 2^s_w) summed in fp32 in this kernel's order, rounded once, as the other builds'. Exact while
-# every scaled term stays a normal fp32: with x's scale >= 2^-22 (its 1e-4 amax floor) and code products >= 2^-18,
-# weight scale bytes >= MMA_MIN_SCALE_BYTE (a checkpoint's are ~110-125; the caller checks once per weight).
-MMA_MIN_SCALE_BYTE = 41
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
-                         K_PIECE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
-                         SPLIT: tl.constexpr, EVEN_K: tl.constexpr, W_BLOCK: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr):
-    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks of (W codes @ x codes^T) *
-    2^(s_w - 127) * 2^(e_x - 127); x is fake-quantized to FP8 in the weight's K blocks as it is loaded. SPLIT: fp32
-    to part[piece, t, n], else to y[t, n]."""
-    pid_n, piece = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    t = tl.arange(0, TP)
-    t_ok = t < T
-    kk = tl.arange(0, W_BLOCK)
-    k_lo = piece * K_PIECE
-    k_hi = tl.minimum(k_lo + K_PIECE, K)
-    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
-    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
-    s_ptrs = s_ptr + (tl.minimum(n, N - 1) // W_BLOCK).to(tl.int64) * stride_s
-    acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // W_BLOCK):  # K is whole blocks: a block is in or past K entirely
-            k = k0 + j * W_BLOCK
-            # no mask along K where K is whole steps (a mask along K would stop wide loads)
-            k_ok = (kk < W_BLOCK) if EVEN_K else (k + kk < K)
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            a, e = fp8_group_codes(x, 1, W_BLOCK, TP)
-            xq = tl.reshape(e4m3_round(a), [TP, W_BLOCK])
-            part = tl.dot(w.to(DOT_DTYPE), tl.trans(xq.to(DOT_DTYPE)))
-            s_w = tl.load(s_ptrs + k // W_BLOCK, mask=n_ok & ((k < K) | EVEN_K), other=127).to(tl.int32)
-            f_w = (s_w << 23).to(tl.float32, bitcast=True)
-            f_x = (tl.reshape(e, [TP]) << 23).to(tl.float32, bitcast=True)
-            acc += part * (f_w[:, None] * f_x[None, :])
-    ok = n_ok[:, None] & t_ok[None, :]
-    if SPLIT:
-        tl.store(part_ptr + piece.to(tl.int64) * T * N + t[None, :].to(tl.int64) * N + n[:, None], acc, mask=ok)
-    else:
-        tl.store(y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -340,8 +277,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
     [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
     on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
-    first. An `fp8_mma` config (MMA_CANDIDATES) reads it for 1-16 rows on the tensor cores, x quantized in w's K
-    blocks (act_block == w_block), scale bytes >= MMA_MIN_SCALE_BYTE (the caller's check)."""
+    first."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
@@ -350,13 +286,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     T, K = x.shape
     N = w.shape[0]
     config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K))
-    if config.fp8_mma:
-        if scale is None or act_block != w_block or w_block < 16 or config.block_k % w_block:
-            raise ValueError(f"gemv: the tensor-core FP8 read takes an FP8 weight with x quantized in its K blocks "
-                             f"(act_block == w_block >= 16) and BLOCK_K whole blocks; got "
-                             f"{'a' if scale is not None else 'no'} scale, act_block {act_block}, w_block {w_block}, "
-                             f"BLOCK_K {config.block_k}")
-    elif (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
+    if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
         raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
                          f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
                          f"{'a' if config.cuda_cores else 'no'} CUDA-core build, {'a' if scale is not None else 'no'} "
@@ -387,17 +317,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     w = w if w.stride(1) == 1 else w.contiguous()
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
-    if config.fp8_mma:
-        part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
-        _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
-            x, w, scale.view(torch.uint8), out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0),
-            out.stride(0), k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
-            EVEN_K=K % config.block_k == 0, W_BLOCK=w_block, DOT_DTYPE=tl.float32 if interpreted else tl.float16, num_warps=config.num_warps,
-            num_stages=config.num_stages)
-        if pieces > 1:
-            _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
-                                                           PP=triton.next_power_of_2(pieces), BLOCK=256)
-        return out
     if config.cuda_cores:
         part = torch.empty(pieces if pieces > 1 else 0, 1, N, dtype=torch.float32, device=x.device)
         _gemv_fp8_row_kernel[(triton.cdiv(N, config.block_n), pieces)](
