@@ -80,7 +80,8 @@ VARIANTS = {
     # flight (report 020's variants all kept 64-deep steps; at 36 x 4 the decode tiles stream ~2 TB/s, at 384 x 4
     # ~2.6, the B = 256 step's wgmma tiles ~2.2). k128: the mma.sync tiles' two warps split each 128-deep step in
     # halves; k128w: one K partition as deep as the step (the wgmma tiles'). Another summation order, not the same
-    # bits
+    # bits. On an H100 (docs/perf/036) none won beyond noise: k128_stages4 took 384 x 4's w1|w3 427.7 -> 413.8 us
+    # and lost elsewhere, k128 / k128w lost up to 3x at 1536 x 16, the wgmma tiles' k128w refused to build
     "k128": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64]},
     "k128_stages4": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64], "num_stages": 4},
     "k128_stages8": {"block_shape": [None, None, 128], "warp_shape": [None, None, 64], "num_stages": 8},
