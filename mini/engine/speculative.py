@@ -52,15 +52,16 @@ FORCED_DRAFT = 15
 # The acceptance rule's cost model (docs/engine.md, "The draft length"), in units of the plain decode step it
 # replaces: a step in which every one of B sequences drafts k tokens costs 1 + draft(B) + row(B) * k and commits,
 # per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted after the
-# ones before it). MEASURED on the H200 at V4.1-Flash width, one emulated EP4 rank, 4K context, CUDA graphs (`mini
-# bench spec-decode`, docs/perf/029, the final code's side of its A/Bs): decode steps of 9.47 / 17.13 / 29.24 ms at
-# B = 1 / 16 / 64, the draft step (DSpark's ring write and proposal) 1.47 / 3.03 / 5.81 ms, a verify step of B x 6
-# rows 1.421x / 1.598x / 1.939x a decode step (a verify row 0.084 / 0.120 / 0.188 of one). ASSUMED: linear in B
-# between those B, flat past 64 (the load rule keeps steps within 384 rows); linear in k; the same for every
-# sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as much for one
-# sequence as for all). The B = 16 and 64 verify costs UNDERSTATE: those steps' draft rows repeated the next
-# sequences' tokens, which route alike and touch fewer experts (docs/perf/030); not yet re-measured.
-STEP_COSTS = ((1, 0.155, 0.084), (16, 0.177, 0.120), (64, 0.199, 0.188))  # (B, draft step, verify row)
+# ones before it). MEASURED at V4.1-Flash width, 4K context, CUDA graphs, every verify row its own token (`mini
+# bench spec-decode --no-proxy`, docs/perf/037; `tools/step_costs_fit.py`), on an H100 at one emulated EP8 rank
+# (no H200 for EP4 since docs/perf/029, whose figures at B = 1 / 16 / 64 were 0.155 / 0.177 / 0.199 and 0.084 /
+# 0.120 / 0.188, the latter two with draft rows that repeated the next sequences' tokens): decode steps of 9.97 /
+# 16.60 / 25.26 / 42.07 ms at B = 1 / 16 / 64 / 256, the draft step (DSpark's ring write and proposal) 1.76 /
+# 3.18 / 5.86 / 12.84 ms, a verify step of B x 6 rows 1.41x / 1.72x / 2.02x / 3.36x a decode step. ASSUMED: linear
+# in B between those B (the load rule stops drafting past 192 sequences at its 384 rows); linear in k; the same
+# for every sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as
+# much for one sequence as for all); an EP4 rank on the H200 in the same proportions.
+STEP_COSTS = ((1, 0.176, 0.081), (16, 0.192, 0.144), (64, 0.232, 0.204), (256, 0.305, 0.472))  # (B, draft, row)
 PRIOR_WEIGHT = 1.0  # a sequence's own evidence is read beside one draft token at the engine's acceptance (`alpha`)
 # (two, with the costs above, kept a never-right drafter's sequences drafting after three misses: docs/perf/029)
 RESTART_HITS = 4.0  # a probe taken whole restarts its sequence's evidence at 4 hits: α >= 4/5, long drafts again
@@ -98,10 +99,11 @@ def step_costs(decoding: int) -> tuple[float, float]:
 def paying_draft(alpha: float, longest: int, decoding: int) -> int:
     """The draft length, 0..`longest`, that commits the most tokens per unit of step time under the cost model above
     at acceptance `alpha` among `decoding` sequences; 0 where no draft beats plain decode (one token per step).
-    Alone: none below α = 0.24, then 1 token, 2 from 0.30, 3 from 0.48, 4 from 0.60, 5 from 0.69 (a step of full
-    drafts costs 1.58 decode steps); among 16: none below 0.30, then 1, 2 from 0.35, 3 from 0.54, 4 from 0.66, 5
-    from 0.74 (1.78); from 64 on: none below 0.39, then 1, 2 from 0.44, 3 from 0.62, 4 from 0.73, 5 from 0.80
-    (2.14). One token pays only in a narrow band where drafting starts."""
+    Alone: none below α = 0.26, then 1 token, 2 from 0.29, 3 from 0.47, 4 from 0.60, 5 from 0.68 (a step of full
+    drafts costs 1.58 decode steps); among 16: none below 0.34, then 1, 2 from 0.39, 3 from 0.57, 4 from 0.69, 5
+    from 0.76 (1.91); among 64: none below 0.44, then 1, 2 from 0.46, 3 from 0.64, 4 from 0.74, 5 from 0.81
+    (2.25); among 128 (2 drafts at most: the load rule) none below 0.55. One token pays only in a narrow band
+    where drafting starts."""
     (draft, row), gain, best, best_k = step_costs(decoding), 0.0, 1.0, 0
     for k in range(1, longest + 1):
         gain += alpha ** k

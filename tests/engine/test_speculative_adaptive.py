@@ -73,7 +73,7 @@ def plain():
 
 def test_paying_draft_follows_the_cost_model():
     # none where drafts are never taken, full where they nearly always are, in between shorter
-    assert [paying_draft(a, K, 16) for a in (0.0, 0.25, 0.32, 0.42, 0.6, 0.7, 0.8, 1.0)] == [0, 0, 1, 2, 3, 4, 5, 5]
+    assert [paying_draft(a, K, 16) for a in (0.0, 0.30, 0.36, 0.42, 0.6, 0.7, 0.8, 1.0)] == [0, 0, 1, 2, 3, 4, 5, 5]
     # a verify row is cheaper among few sequences: longer drafts pay at the same acceptance
     assert paying_draft(0.55, K, 1) == 3 and paying_draft(0.55, K, 64) == 2
     for b in (1, 16, 64, 256):  # monotone in alpha
