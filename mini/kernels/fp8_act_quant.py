@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.device_info import looped_row_programs
 from mini.kernels.quant import e4m3_round, e4m3_value, fp8_group_codes, fp8_group_quant
 
 
@@ -52,22 +53,23 @@ class FP8Rows:
 def _act_quant_kernel(x_ptr, out_ptr, src_row_ptr, n_valid_ptr, n_rows, n_cols, stride_x, stride_out,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, GATHER: tl.constexpr,
                       QUANT: tl.constexpr):
-    if GATHER:  # the row count lives on the device (no host sync): programs past it return at once
+    n_tiles = tl.num_programs(0)  # a row tile a program
+    if GATHER:  # the row count lives on the device (no host sync): the programs loop up to it (looped_row_programs)
         n_rows = tl.load(n_valid_ptr)
-        if tl.program_id(0) * ROWS >= n_rows:
-            return
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        n_tiles = tl.cdiv(n_rows, ROWS)
     cols = tl.program_id(1) * (GROUPS * BLOCK) + tl.arange(0, GROUPS * BLOCK)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    src = rows
-    if GATHER:
-        src = tl.load(src_row_ptr + rows, mask=rows < n_rows, other=0)
-    v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = v
-    if QUANT:
-        q = fp8_group_quant(v, GROUPS, BLOCK, ROWS)
-    r64 = rows.to(tl.int64)[:, None]
-    tl.store(out_ptr + r64 * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        src = rows
+        if GATHER:
+            src = tl.load(src_row_ptr + rows, mask=rows < n_rows, other=0)
+        v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        q = v.to(tl.float32)
+        if QUANT:
+            q = fp8_group_quant(q, GROUPS, BLOCK, ROWS)
+        r64 = rows.to(tl.int64)[:, None]
+        tl.store(out_ptr + r64 * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_act_quant(x: torch.Tensor, block: int, out: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -99,8 +101,9 @@ def fp8_act_quant(x: torch.Tensor, block: int, out: torch.Tensor | None = None, 
         return out
     group = block or 32
     groups = max(1, min(512 // group, triton.next_power_of_2(D // group)))
-    n = 4
-    grid = (triton.cdiv(R, n), triton.cdiv(D, groups * group))
+    n, col_tiles = 4, triton.cdiv(D, groups * group)
+    row_tiles = triton.cdiv(R, n)
+    grid = (row_tiles if rows is None else looped_row_programs(row_tiles, col_tiles, x.device), col_tiles)
     _act_quant_kernel[grid](x, out, rows if rows is not None else x, n_valid if n_valid is not None else x,
                             R, D, x.stride(0), out.stride(0), BLOCK=group, GROUPS=groups, ROWS=n,
                             GATHER=rows is not None, QUANT=block > 0)
@@ -197,27 +200,28 @@ def fp8_act_quant_wire(x: torch.Tensor, block: int, codes: torch.Tensor, scales:
 def _wire_decode_kernel(codes_ptr, scales_ptr, out_ptr, src_row_ptr, n_valid_ptr, n_rows, n_cols, stride_codes,
                         stride_scales, stride_out, BLOCK: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr,
                         GATHER: tl.constexpr):
-    if GATHER:  # as _act_quant_kernel: the row count lives on the device
+    n_tiles = tl.num_programs(0)
+    if GATHER:  # as _act_quant_kernel: the row count lives on the device, the programs loop up to it
         n_rows = tl.load(n_valid_ptr)
-        if tl.program_id(0) * ROWS >= n_rows:
-            return
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        n_tiles = tl.cdiv(n_rows, ROWS)
     cols = tl.program_id(1) * (GROUPS * BLOCK) + tl.arange(0, GROUPS * BLOCK)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    row_ok = rows[:, None] < n_rows
-    src = rows
-    if GATHER:
-        src = tl.load(src_row_ptr + rows, mask=rows < n_rows, other=0)
-    s64 = src.to(tl.int64)[:, None]
-    ok = row_ok & (cols[None, :] < n_cols)
-    c = tl.load(codes_ptr + s64 * stride_codes + cols[None, :], mask=ok, other=0)
-    # one scale byte per group, broadcast over its BLOCK values (sm_90a PTX: leaner than a load per element)
-    e = tl.load(scales_ptr + s64 * stride_scales + groups[None, :],
-                mask=row_ok & (groups[None, :] < n_cols // BLOCK), other=127).to(tl.int32)
-    scale = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))  # bytes 1..254: exact
-    v = tl.reshape(tl.reshape(e4m3_value(c), [ROWS, GROUPS, BLOCK]) * scale[:, :, None], [ROWS, GROUPS * BLOCK])
-    r64 = rows.to(tl.int64)[:, None]
-    tl.store(out_ptr + r64 * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=ok)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = rows[:, None] < n_rows
+        src = rows
+        if GATHER:
+            src = tl.load(src_row_ptr + rows, mask=rows < n_rows, other=0)
+        s64 = src.to(tl.int64)[:, None]
+        ok = row_ok & (cols[None, :] < n_cols)
+        c = tl.load(codes_ptr + s64 * stride_codes + cols[None, :], mask=ok, other=0)
+        # one scale byte per group, broadcast over its BLOCK values (sm_90a PTX: leaner than a load per element)
+        e = tl.load(scales_ptr + s64 * stride_scales + groups[None, :],
+                    mask=row_ok & (groups[None, :] < n_cols // BLOCK), other=127).to(tl.int32)
+        scale = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))  # bytes 1..254: exact
+        v = tl.reshape(tl.reshape(e4m3_value(c), [ROWS, GROUPS, BLOCK]) * scale[:, :, None], [ROWS, GROUPS * BLOCK])
+        r64 = rows.to(tl.int64)[:, None]
+        tl.store(out_ptr + r64 * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _decode(src: FP8Rows, out: torch.Tensor | None, rows: torch.Tensor | None,
@@ -231,8 +235,9 @@ def _decode(src: FP8Rows, out: torch.Tensor | None, rows: torch.Tensor | None,
         return out
     block = src.block
     groups = max(1, min(512 // block, triton.next_power_of_2(D // block)))
-    n = 4
-    grid = (triton.cdiv(R, n), triton.cdiv(D, groups * block))
+    n, col_tiles = 4, triton.cdiv(D, groups * block)
+    row_tiles = triton.cdiv(R, n)
+    grid = (row_tiles if rows is None else looped_row_programs(row_tiles, col_tiles, src.device), col_tiles)
     _wire_decode_kernel[grid](src.codes, src.scales, out, rows if rows is not None else src.codes,
                               n_valid if n_valid is not None else src.codes, R, D, src.codes.stride(0),
                               src.scales.stride(0), out.stride(0), BLOCK=block, GROUPS=groups, ROWS=n,

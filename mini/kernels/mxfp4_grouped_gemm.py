@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mini.kernels.device_info import looped_row_programs
 from mini.kernels.quant import e2m1_value, e8m0_value, fp8_group_quant
 from mini.kernels.moe_route import RoutePlan
 
@@ -89,25 +90,25 @@ def swiglu_epilogue(g, u, route_w, limit, ROUND_BF16: tl.constexpr, QUANT_BLOCK:
 def _swiglu_rows_kernel(g_ptr, u_ptr, route_w_ptr, out_ptr, n_valid_ptr, R, N, stride_g, stride_u, stride_out,
                         limit, HAS_ROUTE_W: tl.constexpr, HAS_N_VALID: tl.constexpr, ROUND_BF16: tl.constexpr,
                         QUANT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    if HAS_N_VALID:
+    n_rows = R
+    n_tiles = tl.num_programs(0)  # a row tile a program
+    if HAS_N_VALID:  # the local row count lives on the device (no host sync): the programs loop up to it
         n_rows = tl.load(n_valid_ptr)
-    else:
-        n_rows = R
-    if tl.program_id(0) * BM >= n_rows:  # rows past the local ones: nothing to do (no host sync for the count)
-        return
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        n_tiles = tl.cdiv(n_rows, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    row_ok = rows < n_rows
-    mask = row_ok[:, None] & (cols[None, :] < N)
-    r64 = rows.to(tl.int64)[:, None]
-    g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_ROUTE_W:
-        route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
-    else:
-        route_w = tl.full([BM], 1.0, tl.float32)  # x 1.0 is exact: the bits of a weight tensor of ones
-    h = swiglu_epilogue(g, u, route_w, limit, ROUND_BF16, QUANT_BLOCK, BM, BN)
-    tl.store(out_ptr + r64 * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = tile * BM + tl.arange(0, BM)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols[None, :] < N)
+        r64 = rows.to(tl.int64)[:, None]
+        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROUTE_W:
+            route_w = tl.load(route_w_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            route_w = tl.full([BM], 1.0, tl.float32)  # x 1.0 is exact: the bits of a weight tensor of ones
+        h = swiglu_epilogue(g, u, route_w, limit, ROUND_BF16, QUANT_BLOCK, BM, BN)
+        tl.store(out_ptr + r64 * stride_out + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor | None, n_valid: torch.Tensor | None,
@@ -126,7 +127,10 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor | None, 
     if R == 0:
         return out
     BM, BN = 16, max(128, quant_block)
-    _swiglu_rows_kernel[(triton.cdiv(R, BM), triton.cdiv(N, BN))](
+    row_tiles, col_tiles = triton.cdiv(R, BM), triton.cdiv(N, BN)
+    if n_valid is not None:
+        row_tiles = looped_row_programs(row_tiles, col_tiles, g.device)
+    _swiglu_rows_kernel[(row_tiles, col_tiles)](
         g, u, g if route_w is None else route_w, out, g if n_valid is None else n_valid, R, N, g.stride(0),
         u.stride(0), out.stride(0), float(limit) if limit > 0 else float("inf"), HAS_ROUTE_W=route_w is not None,
         HAS_N_VALID=n_valid is not None, ROUND_BF16=out.dtype == torch.bfloat16, QUANT_BLOCK=quant_block, BM=BM,

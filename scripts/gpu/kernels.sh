@@ -11,6 +11,19 @@ phase_moe_layer() {  # one MoE layer at real shape (~50 s; MOE_LAYER_ARGS=--swee
     fi
 }
 
+phase_looped_rows() {  # issue 28 (not yet run; guess <= 90 s): the routed experts' gathered passes (act quant,
+    # SwiGLU epilogue, wire decode) looping to the device's row count: their gpu tests (one wave, 1 and 0 programs
+    # an SM), then tools/looped_rows_study.py at decode / verify / prefill shapes, a program per capacity tile
+    # (per_sm_1000000: the grid before) vs one wave (16, the default), 8, 4. Look at: the us lines per case and
+    # bit_equal=True.
+    local rc=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_fp8_act_quant.py \
+        tests/kernels/test_mxfp4_grouped_gemm.py tests/ops/test_op_hoist.py -k "gather or wire or swiglu" \
+        2>&1 | tail -4 || rc=1
+    python3 tools/looped_rows_study.py --json "$PHASE_DIR/looped_rows.json" || rc=1
+    return $rc
+}
+
 phase_gate() {  # fused gate + Triton routing plan (~100 s): their gpu tests, then new vs old in one process,
     # the gate kernel's configs and fused vs unfused by token count (mini.ops.moe.FUSED_GATE_MIN_TOKENS)
     local rc=0

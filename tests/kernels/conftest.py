@@ -84,3 +84,11 @@ def fast_interpreted():
     mini.ops.set_backend("fast", interpret_on_cpu=True)
     yield
     mini.ops.set_backend(prev)
+
+
+@pytest.fixture(params=[16, 1, 0], ids=lambda n: f"per_sm{n}")
+def looped(request, monkeypatch):
+    """Passes over rows whose count lives on the device loop over row tiles (device_info.looped_row_programs): at
+    the default one wave (a tile a program at the tests' sizes), at 1 program an SM (several tiles each, unevenly)
+    and at 0 (a single program along the rows takes every tile)."""
+    monkeypatch.setattr("mini.kernels.device_info.LOOPED_PROGRAMS_PER_SM", request.param)

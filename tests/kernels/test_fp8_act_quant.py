@@ -37,13 +37,13 @@ def _check_gather(T, D, block, device):
 
 
 @pytest.mark.parametrize("block", [0, 32])
-def test_act_quant_gathers_valid_rows_interpreter(block, interpreter):
+def test_act_quant_gathers_valid_rows_interpreter(block, looped, interpreter):
     _check_gather(7, 2 * 128, block, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [0, 32])
-def test_act_quant_gathers_valid_rows_gpu(block):
+def test_act_quant_gathers_valid_rows_gpu(block, looped):
     _check_gather(301, 5120, block, "cuda")
 
 
@@ -131,13 +131,13 @@ def _check_wire_decode(N, D, block, dtype, gather, device):
 
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("block,dtype", [(32, torch.bfloat16), (128, torch.float32)])
-def test_wire_decode_equals_decode_fp8_interpreter(block, dtype, gather, interpreter):
+def test_wire_decode_equals_decode_fp8_interpreter(block, dtype, gather, looped, interpreter):
     _check_wire_decode(5, 2 * 128, block, dtype, gather, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gather", [False, True])
-def test_wire_decode_equals_decode_fp8_gpu(gather):
+def test_wire_decode_equals_decode_fp8_gpu(gather, looped):
     _check_wire_decode(301, 5120, 32, torch.bfloat16, gather, "cuda")
 
 

@@ -158,11 +158,11 @@ def _swiglu_rows_case(R, n_valid, N, quant_block, device, limit=3.0):
 
 
 @pytest.mark.parametrize("quant_block", [0, 32, 128])
-def test_swiglu_rows_matches_formula_interpreter(quant_block, interpreter):
+def test_swiglu_rows_matches_formula_interpreter(quant_block, looped, interpreter):
     _swiglu_rows_case(37, 29, 256, quant_block, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant_block", [0, 32])
-def test_swiglu_rows_matches_formula_gpu(quant_block):
+def test_swiglu_rows_matches_formula_gpu(quant_block, looped):
     _swiglu_rows_case(3001, 2890, 2304, quant_block, "cuda")
