@@ -104,7 +104,7 @@ KERNEL_CLASSES = (
     ("sparse_attention", r"mla|sparse_attn|sparse_fwd"),
     ("indexer", r"index_scores|topk|radix|sort|candidate"),
     ("gate_route", r"gate|_count_kernel|_scan_kernel|_place_kernel|_plan_one_kernel|combine"),
-    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|_mm_kernel"),
+    ("gemm", r"gemm|gemv|_sum_pieces|nvjet|cutlass|xmma|cublas|_mm_kernel"),  # + our decode GEMV and its split-K sum
     ("mhc_norm", r"mhc|norm|sinkhorn"),
     ("quant_rope", r"quant|rope"),
 )

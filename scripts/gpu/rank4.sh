@@ -197,8 +197,9 @@ phase_decode_parts() {  # issue 28 item 4 (<= 240 s, one build ~35 s): issue 28'
     # each with its graph replay's kernels by part (kernel_ms.*) against its floor: B = 256 x 32K, 64 x 4K, 16 x 4K,
     # 1 x 4K (DECODE_PARTS_SHAPES picks others; DECODE_PARTS_ARGS adds flags to both runs, e.g. "--ep 8 --tbps 3.35"
     # on an H100, where EP4's experts do not fit), the largest first.
-    # Then the verify step of B = 64 x 6 rows (its own build; DECODE_PARTS_VERIFY=0 skips it) by part: where a
-    # verify row costs more than a decode row.
+    # Then the verify step of B = 64 x 6 rows (its own build; DECODE_PARTS_VERIFY=0 skips it,
+    # DECODE_PARTS_VERIFY_SHAPES picks others, e.g. 1x4096,64x4096) by part: where a verify row costs more than a
+    # decode row.
     # Look at: the "rank4-decode B=" lines, decode_parts.json metrics b*_c*.{ms_per_step, floor_ms, vs_floor,
     # kernel_ms.*}, verify_parts.json b64_c4096.kernel_ms.*.
     local rc=0
@@ -209,11 +210,12 @@ phase_decode_parts() {  # issue 28 item 4 (<= 240 s, one build ~35 s): issue 28'
     grep "^rank4-decode B=" "$PHASE_DIR/decode_parts.log"
     grep -E "^  b[0-9]+_c[0-9]+\.(kernel_ms|kernels_per_step)\." "$PHASE_DIR/decode_parts.log" | tr -s ' ' | paste -sd' '
     if [ "${DECODE_PARTS_VERIFY:-1}" = 1 ]; then
-        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 100 python3 tools/rank4_decode_floor.py --shapes 64x4096 \
+        MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 100 python3 tools/rank4_decode_floor.py \
+            --shapes "${DECODE_PARTS_VERIFY_SHAPES:-64x4096}" \
             --width 6 --steps 10 --warmup 3 --profile-steps 0 --kernel-split-steps 2 ${DECODE_PARTS_ARGS:-} \
             --json "$PHASE_DIR/verify_parts.json" >"$PHASE_DIR/verify_parts.log" 2>&1 || rc=1
         grep -E "Error|error:|^rank4-decode B=" "$PHASE_DIR/verify_parts.log" | tail -5
-        grep -E "^  b64_c4096\.kernel_ms\." "$PHASE_DIR/verify_parts.log" | tr -s ' ' | paste -sd' '
+        grep -E "^  b[0-9]+_c[0-9]+\.kernel_ms\." "$PHASE_DIR/verify_parts.log" | tr -s ' ' | paste -sd' '
     fi
     return $rc
 }

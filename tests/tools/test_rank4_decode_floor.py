@@ -100,6 +100,8 @@ def test_kernel_names_fall_into_their_parts():
         "gate_route"
     assert c("_plan_one_kernel") == "gate_route"  # the routing plan of a decode step
     assert c("nvjet_tst_128x64_64x8_2x1_v_bz_TNT") == "gemm" and c("_mm_kernel") == "gemm"
+    # the decode GEMV (mini/kernels/gemv.py) and its split-K pieces' sum (report 037 had them under "other")
+    assert c("_gemv_fp8_row_kernel") == "gemm" and c("_gemv_kernel") == "gemm" and c("_sum_pieces_kernel") == "gemm"
     assert c("_mhc_partial_kernel") == "mhc_norm" and c("_rms_norm_kernel") == "mhc_norm"
     assert c("_act_quant_kernel") == "quant_rope" and c("_rope_quant_kernel") == "quant_rope"
     assert c("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
