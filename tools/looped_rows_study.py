@@ -56,6 +56,15 @@ def run_case(name: str, tokens: int, local: int, dev="cuda") -> dict:
     }
     tbs = torch.cuda.get_device_properties(0).total_memory > 100e9 and 4.8 or 3.35  # H200 / H100 nominal
     out = {"tokens": tokens, "capacity_rows": cap, "local_rows": local}
+    default = device_info.LOOPED_PROGRAMS_PER_SM
+    try:
+        _time_passes(name, passes, local, tbs, out)
+    finally:
+        device_info.LOOPED_PROGRAMS_PER_SM = default
+    return out
+
+
+def _time_passes(name: str, passes: dict, local: int, tbs: float, out: dict) -> None:
     for pname, (fn, res, nbytes) in passes.items():
         first = None
         for per_sm in PER_SM:
@@ -71,8 +80,6 @@ def run_case(name: str, tokens: int, local: int, dev="cuda") -> dict:
                         "frac_hbm": round(nbytes / us / 1e6 / tbs, 3), "bit_equal": same}
             print(f"{name:18s} {pname:11s} per_sm={per_sm:>7d} {us:8.2f} us {nbytes / us / 1e3:7.1f} GB/s "
                   f"bit_equal={same}", flush=True)
-    device_info.LOOPED_PROGRAMS_PER_SM = 16
-    return out
 
 
 def main() -> int:
