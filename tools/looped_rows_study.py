@@ -54,7 +54,7 @@ def run_case(name: str, tokens: int, local: int, dev="cuda") -> dict:
         "swiglu_rows": (lambda: swiglu_rows(gu[:, :INTER], gu[:, INTER:], route_w, n_valid, 10.0, 32, out=h), h,
                         local * INTER * 6),
     }
-    tbs = torch.cuda.get_device_properties(0).total_memory > 100e9 and 4.8 or 3.35  # H200 / H100 nominal
+    tbs = 4.8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3.35  # H200 / H100 nominal
     out = {"tokens": tokens, "capacity_rows": cap, "local_rows": local}
     default = device_info.LOOPED_PROGRAMS_PER_SM
     try:

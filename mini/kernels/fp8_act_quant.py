@@ -49,6 +49,17 @@ class FP8Rows:
         return self.codes.device
 
 
+TILE_ROWS = 4  # rows a program's tile takes in the passes below (their columns: up to 512, whole groups)
+
+
+def _tiles(R: int, D: int, block: int, device: torch.device, gathered: bool) -> tuple[int, tuple[int, int]]:
+    """(groups a tile, grid) of a pass over R rows x D columns in `block`-wide groups: a row tile a program, or
+    where the rows are gathered up to a count on the device one wave that loops (`looped_row_programs`)."""
+    groups = max(1, min(512 // block, triton.next_power_of_2(D // block)))
+    row_tiles, col_tiles = triton.cdiv(R, TILE_ROWS), triton.cdiv(D, groups * block)
+    return groups, (looped_row_programs(row_tiles, col_tiles, device) if gathered else row_tiles, col_tiles)
+
+
 @triton.jit
 def _act_quant_kernel(x_ptr, out_ptr, src_row_ptr, n_valid_ptr, n_rows, n_cols, stride_x, stride_out,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr, GATHER: tl.constexpr,
@@ -100,12 +111,9 @@ def fp8_act_quant(x: torch.Tensor, block: int, out: torch.Tensor | None = None, 
     if R == 0:
         return out
     group = block or 32
-    groups = max(1, min(512 // group, triton.next_power_of_2(D // group)))
-    n, col_tiles = 4, triton.cdiv(D, groups * group)
-    row_tiles = triton.cdiv(R, n)
-    grid = (row_tiles if rows is None else looped_row_programs(row_tiles, col_tiles, x.device), col_tiles)
+    groups, grid = _tiles(R, D, group, x.device, gathered=rows is not None)
     _act_quant_kernel[grid](x, out, rows if rows is not None else x, n_valid if n_valid is not None else x,
-                            R, D, x.stride(0), out.stride(0), BLOCK=group, GROUPS=groups, ROWS=n,
+                            R, D, x.stride(0), out.stride(0), BLOCK=group, GROUPS=groups, ROWS=TILE_ROWS,
                             GATHER=rows is not None, QUANT=block > 0)
     return out
 
@@ -184,16 +192,14 @@ def fp8_act_quant_wire(x: torch.Tensor, block: int, codes: torch.Tensor, scales:
         _unit_cols("weights_out", weights_out, torch.float32, (N, k))
     if N == 0:
         return
-    groups = max(1, min(512 // block, triton.next_power_of_2(D // block)))
-    n = 4
-    grid = (triton.cdiv(N, n), triton.cdiv(D, groups * block))
+    groups, grid = _tiles(N, D, block, codes.device, gathered=False)
     # placeholders where nothing is read (no routing; a rank without tokens, whose empty tensors have no storage)
     # (of the same dtypes: a masked load's `other` is cast to the pointer's type)
     r = (ids if T else ids_out, weights if T else weights_out, ids_out, weights_out) if routing else (codes,) * 4
     _wire_encode_kernel[grid](
         x if T else codes, codes, scales, *r, T, N, D, k, x.stride(0), codes.stride(0), scales.stride(0),
         *((t.stride(0) for t in r) if routing else (0,) * 4),
-        BLOCK=block, GROUPS=groups, ROWS=n, KP=triton.next_power_of_2(max(k, 1)), ROUTING=routing)
+        BLOCK=block, GROUPS=groups, ROWS=TILE_ROWS, KP=triton.next_power_of_2(max(k, 1)), ROUTING=routing)
 
 
 @triton.jit
@@ -234,12 +240,9 @@ def _decode(src: FP8Rows, out: torch.Tensor | None, rows: torch.Tensor | None,
     if R == 0:
         return out
     block = src.block
-    groups = max(1, min(512 // block, triton.next_power_of_2(D // block)))
-    n, col_tiles = 4, triton.cdiv(D, groups * block)
-    row_tiles = triton.cdiv(R, n)
-    grid = (row_tiles if rows is None else looped_row_programs(row_tiles, col_tiles, src.device), col_tiles)
+    groups, grid = _tiles(R, D, block, src.device, gathered=rows is not None)
     _wire_decode_kernel[grid](src.codes, src.scales, out, rows if rows is not None else src.codes,
                               n_valid if n_valid is not None else src.codes, R, D, src.codes.stride(0),
-                              src.scales.stride(0), out.stride(0), BLOCK=block, GROUPS=groups, ROWS=n,
+                              src.scales.stride(0), out.stride(0), BLOCK=block, GROUPS=groups, ROWS=TILE_ROWS,
                               GATHER=rows is not None)
     return out
