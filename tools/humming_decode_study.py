@@ -69,6 +69,11 @@ VARIANTS = {
     "wg_m64": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None]},
     "wg_m96": {"bucket": 4096, "block_shape": [96, None, None], "warp_shape": [96, None, None]},
     "wg_m128": {"bucket": 4096, "block_shape": [128, None, None], "warp_shape": [128, None, None]},
+    # fewer rows a tile where a verify step's experts hold ~48 (one emulated EP8 rank's 48 experts, 2,304 rows): the
+    # heuristic's 96-row tile for the bucket's 4,096 rows computes twice the rows it keeps
+    "wg_m32": {"bucket": 4096, "block_shape": [32, None, None], "warp_shape": [32, None, None]},
+    "wg_m48": {"bucket": 4096, "block_shape": [48, None, None], "warp_shape": [48, None, None]},
+    "wg_m56": {"bucket": 4096, "block_shape": [56, None, None], "warp_shape": [56, None, None]},
     "wg_m64_ctas1": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None],
                      "num_ctas_per_sm": 1},
     "bucket4096": {"bucket": 4096}, "bucket8192": {"bucket": 8192}, "bucket16384": {"bucket": 16384},

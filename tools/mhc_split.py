@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini.bench import kernels  # noqa: E402
-from mini.bench.kernels import DIM, HC, _bench  # noqa: E402
+from mini.bench.kernels import DIM, HC, _bench, _bench_graph  # noqa: E402
 
 HBM_TBS = 4.8  # the H200's nominal memory bandwidth (COPY_TBS is what a device copy reaches)
 
@@ -57,7 +57,43 @@ def bench_mhc_split(rows: list, sweep=(), dev="cuda", sizes=(4096, 256, 64), dim
             print(json.dumps(rows[-1]), flush=True)  # as it comes: a run cut short by its time cap keeps these
 
 
-BENCHES = {"mhc_split": bench_mhc_split}
+# (block_t, split) grids tried at a decode / verify step's rows, beside partial_tiles' own choice: at 384 rows (a B =
+# 64 x 6 verify step) it takes 64-token blocks in 16 chunks, 96 programs, which re-read fn's pieces 6 times
+ROWS_GRIDS = [(16, 16), (16, 32), (32, 16), (32, 32), (32, 64), (64, 32), (64, 64), (128, 32), (128, 64)]
+
+
+def bench_mhc_rows(rows: list, sweep=(), dev="cuda", sizes=(384, 96, 64, 6), dim: int = DIM):
+    """mhc_norm (V4.1 delayed pre) at a verify step's rows (B x 6: 384, 96, 6) and a decode step's (64), in a CUDA
+    graph as a step replays it: the default tiles (`partial_tiles`, `finish_tiles`) against ROWS_GRIDS' (block_t,
+    split) grids in both layouts. Floor: h read once + y written once (tbs); bits against the default."""
+    from mini.kernels.mhc_norm import mhc_norm, partial_tiles
+    for T in sizes:
+        h = torch.randn(T, HC, dim, device=dev).bfloat16()
+        fn = torch.randn((2 + HC) * HC, HC * dim, device=dev) * 0.01
+        scale, base = torch.rand(3, device=dev), torch.randn((2 + HC) * HC, device=dev)
+        nw = torch.rand(dim, device=dev).bfloat16()
+        kw = dict(pre_in=torch.rand(T, HC, device=dev), iters=20, hc_eps=1e-6, norm_eps=1e-20)
+        nbytes = h.numel() * 2 + T * dim * 2
+        base_out = mhc_norm(h, fn, scale, base, nw, **kw)
+        configs = [{}] + [dict(block_t=bt, split=sp, layout=lay) for bt, sp in ROWS_GRIDS
+                          for lay in ("side_by_side", "copies")]
+        for cfg in configs:
+            try:
+                ms = _bench_graph(lambda: mhc_norm(h, fn, scale, base, nw, **kw, **cfg))
+                out = mhc_norm(h, fn, scale, base, nw, **kw, **cfg)
+            except Exception as e:  # a configuration the compiler refuses must not hide the others
+                rows.append(dict(kernel=f"mhc_norm rows [{T},{HC},{dim}]", config=cfg, error=str(e)[:200]))
+                continue
+            label = cfg or f"default {partial_tiles(T, dim, 16, False)}"
+            rows.append(dict(kernel=f"mhc_norm rows [{T},{HC},{dim}]", config=label, ms=ms, us=ms * 1e3,
+                             tbs=nbytes / ms / 1e9,
+                             bits=dict(y_differ=int((out[0] != base_out[0]).sum()),
+                                       mixes_max_rel=max(float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+                                                         for a, b in zip(out[1:], base_out[1:])))))
+            print(json.dumps(rows[-1]), flush=True)
+
+
+BENCHES = {"mhc_split": bench_mhc_split, "mhc_rows": bench_mhc_rows}
 
 if __name__ == "__main__":
     kernels.main(benches=BENCHES, prog="tools/mhc_split.py")

@@ -64,8 +64,12 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
     # HUMMING_STEP_MORE's in a second process. Look at: the study's us per case and variant, bit_equal.
     # HUMMING_STEP_SHAPES (e.g. 256x4096,128x4096): rank4-decode's decode steps at those shapes instead (cases
     # step:b256_c4096, ...), for batch sizes no spec-decode run covers
-    local rc=0
-    if [ -n "${HUMMING_STEP_SHAPES:-}" ]; then
+    # HUMMING_STEP_ROUTING: replay a JSON recorded before (e.g. docs/perf/raw/038/verify_parts_b64x6_ep8_h100.json,
+    # decode_parts' verify step at one emulated EP8 rank) instead of recording a step
+    local rc=0 routing=${HUMMING_STEP_ROUTING:-$PHASE_DIR/step.json}
+    if [ -n "${HUMMING_STEP_ROUTING:-}" ]; then
+        echo "humming_step: the routing recorded in $HUMMING_STEP_ROUTING"
+    elif [ -n "${HUMMING_STEP_SHAPES:-}" ]; then
         MINI_MOE_GEMM=humming timeout 200 python3 -m mini.cli bench rank4-decode --shapes "$HUMMING_STEP_SHAPES" \
             --steps 2 --warmup 1 --profile-steps 0 --json "$PHASE_DIR/step.json" >"$PHASE_DIR/step.log" 2>&1 || rc=1
         grep "ms/step\|^rank4-decode" "$PHASE_DIR/step.log" | tail -5
@@ -76,12 +80,12 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
         grep "^spec-decode B=" "$PHASE_DIR/step.log"
     fi
     # shellcheck disable=SC2086
-    python3 tools/humming_decode_study.py --pairs "" --step-routing "$PHASE_DIR/step.json" \
+    python3 tools/humming_decode_study.py --pairs "" --step-routing "$routing" \
         --names ${HUMMING_STEP_NAMES:-stages6 ctas2 bucket16 bucket32 bucket64 bucket512 bucket1024 bucket2048} \
         --json "$PHASE_DIR/humming_step.json" || rc=1
     # hand-made tiles the heuristic never picks (a fault would end the study above): a process of their own
     [ -n "${HUMMING_STEP_MORE:-}" ] && { python3 tools/humming_decode_study.py --pairs "" --step-routing \
-        "$PHASE_DIR/step.json" --names $HUMMING_STEP_MORE --json "$PHASE_DIR/humming_step_more.json" || rc=1; }
+        "$routing" --names $HUMMING_STEP_MORE --json "$PHASE_DIR/humming_step_more.json" || rc=1; }
     return $rc
 }
 
@@ -126,6 +130,15 @@ phase_attn_split() {  # issue 28, sparse attention split over the key list at de
     timeout 80 python3 -m mini.bench.kernels --only attention_decode --json "$PHASE_DIR/kernels_attn_split.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^sparse_attention|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
+    return $rc
+}
+
+phase_mhc_rows() {  # issue 28 item 2 (not yet run; guess <= 120 s): mhc_norm at a verify step's rows (384, 96, 6)
+    # and a decode step's (64) in CUDA graphs, the default tiles against ROWS_GRIDS' (tools/mhc_split.py). Look at:
+    # us per config and size; a grid well under the default's is a candidate for `partial_tiles` (its bits move).
+    python3 tools/mhc_split.py --only mhc_rows --json "$PHASE_DIR/mhc_rows.json" >"$PHASE_DIR/study.log" 2>&1
+    local rc=$?
+    grep -A80 "^kernel " "$PHASE_DIR/study.log"
     return $rc
 }
 
