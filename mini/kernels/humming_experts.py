@@ -284,6 +284,14 @@ DECODE_TILES[5120, 2304, 512] = ({"block_shape": [8, 256, 64], "warp_shape": [8,
 #   verify step whose rows repeated the next sequences' tokens (32 touched experts at B = 16); decode at B = 128
 #   (84 touched) ran both GEMMs 6% slower in it (docs/perf/030).
 DECODE_TILES[4608, 5120, 128] = (DECODE_TILES[4608, 5120, 512][0], {"num_stages": 6})
+# - Bucket 4096 where the heuristic takes a 96-row wgmma tile (a layer of 48 local experts, one emulated EP8 rank: it
+#   sizes the tile for 4,096 / 48 rows an expert, twice the ~48 a B = 64 x 6 verify step's 2,304 rows put there):
+#   bucket 2048's config instead ({"bucket": 2048}: the heuristic's own config for 2,048 rows), on the routing that
+#   verify step recorded (tools/humming_decode_study.py, phase humming_step, H100, docs/perf/039): w1|w3 441.8 ->
+#   418.6 us, w2 236.3 -> 214.4, bit-equal (the row tile changes no row's sums). At 96 experts (EP4) the heuristic's
+#   bucket 4096 tile is 56 rows, which report 026 kept over bucket 2048's: not this entry's config.
+for _shape in ((4608, 5120), (5120, 2304)):
+    DECODE_TILES[(*_shape, 4096)] = ({"block_shape": [96, 256, 64], "mma_type": "wgmma"}, {"bucket": 2048})
 
 
 @functools.cache
@@ -305,6 +313,8 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     tuning["use_stream_k"] = False
     measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
     if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
+        if "bucket" in change:  # the heuristic's config for another row count
+            return _tuning(config, change["bucket"], invariant, tuned)
         tuning.update(change)
     return json.dumps(tuning)
 

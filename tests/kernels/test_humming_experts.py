@@ -182,6 +182,20 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         for config in (w13, w2):
             assert json.loads(hx._tuning(config, 1024)) == {**base, "block_shape": [8, 128, 64],
                                                             "warp_shape": [8, 64, 32], "use_stream_k": False}
+        # bucket 4096: the heuristic's 96-row wgmma tile (48 local experts) becomes its config for 2,048 rows; its
+        # 56-row tile (96 local experts) stays
+        wide = {**base, "block_shape": (96, 256, 64), "warp_shape": (96, 32, 64), "mma_type": "wgmma"}
+        by_rows = {4096: wide, 2048: {**wide, "block_shape": (48, 256, 64), "num_stages": 5}}
+        tune.get_heuristics_config = lambda config, shape_m, **kw: dict(by_rows[shape_m])
+        hx._tuning.cache_clear()
+        for config in (w13, w2):
+            got = json.loads(hx._tuning(config, 4096))
+            assert got == json.loads(hx._tuning(config, 2048)) and got["block_shape"] == [48, 256, 64]
+            for kw in ({"invariant": True}, {"tuned": False}):
+                assert json.loads(hx._tuning(config, 4096, **kw))["block_shape"] == [96, 256, 64]
+        by_rows[4096] = {**wide, "block_shape": (56, 256, 64), "warp_shape": (56, 32, 64)}
+        hx._tuning.cache_clear()
+        assert json.loads(hx._tuning(w13, 4096))["block_shape"] == [56, 256, 64]
     finally:
         hx._tuning.cache_clear()
 
@@ -190,7 +204,8 @@ def _tuned_and_plain(hx, N, K, experts=8, rows=6):
     """At V4.1's [N, K] expert shape, each case's outputs under the decode tile change (`tuned`) and under the
     heuristic's own config, as (tuned, plain). 8 local experts and 6 rows (bucket 16): 6 experts x 1 row and 1
     expert x 4 rows. 96 and 384 (bucket 512, B = 64's decode on the emulated rank): 60 experts touched with 4-24
-    rows each in multiples of 4, as that step's routing."""
+    rows each in multiples of 4, as that step's routing. 48 and 2,304 (bucket 4096, a B = 64 x 6 verify step on one
+    emulated EP8 rank): every expert with 16-96 rows."""
     stack = hx.convert(*_experts(experts, N, K, 120, 121))
     tuned, plain = hx.tuning_for(stack, rows), hx.tuning_for(stack, rows, tuned=False)
     assert tuned != plain
@@ -200,7 +215,8 @@ def _tuned_and_plain(hx, N, K, experts=8, rows=6):
         g = torch.Generator().manual_seed(0)
         touched = torch.randperm(experts, generator=g)[:60]
         step = torch.zeros(experts, dtype=torch.int64)
-        step[touched] = 4 * torch.randint(1, 7, (60,), generator=g)
+        unit = 4 if rows < 1024 else 16  # a verify step (bucket 4096): ~56 rows an expert, 1-2 row tiles each
+        step[touched] = unit * torch.randint(1, 7, (len(touched),), generator=g)
         cases = (step.tolist(),)
     for counts in cases:
         counts = torch.tensor(counts, device="cuda")
@@ -212,9 +228,11 @@ def _tuned_and_plain(hx, N, K, experts=8, rows=6):
 
 @pytest.mark.gpu
 def test_decode_tiles_give_the_heuristic_configs_bits_gpu(hx):
-    """The decode tile changes keep the heuristic's sums at V4.1's w1|w3 shape (buckets 16, 128 and 512) and at
-    w2's in bucket 512 (16 rows per wgmma tile instead of 8): the same bits under both configs."""
-    for args in ((4608, 5120), (4608, 5120, 96, 384), (5120, 2304, 96, 384), (4608, 5120, 96, 96)):
+    """The decode tile changes keep the heuristic's sums at V4.1's w1|w3 shape (buckets 16, 128 and 512), at w2's
+    in bucket 512 (16 rows per wgmma tile instead of 8) and at both in bucket 4096 with 48 experts (bucket 2048's
+    config): the same bits under both configs."""
+    for args in ((4608, 5120), (4608, 5120, 96, 384), (5120, 2304, 96, 384), (4608, 5120, 96, 96),
+                 (4608, 5120, 48, 2304), (5120, 2304, 48, 2304)):
         for got, ref in _tuned_and_plain(hx, *args):
             assert torch.equal(got, ref)
 
