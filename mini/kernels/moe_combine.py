@@ -38,10 +38,12 @@ def _combine_kernel(y_ptr, ids_ptr, slot_row_ptr, add_ptr, out_ptr,
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor, slot_row: torch.Tensor, experts: range, out_dtype: torch.dtype,
-            add: torch.Tensor | None = None, out: torch.Tensor | None = None, add_at: int = 0) -> torch.Tensor:
+            add: torch.Tensor | None = None, out: torch.Tensor | None = None, add_at: int = 0,
+            block_d: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """y [R, D] expert outputs by sorted row, ids [T, k] global expert ids, slot_row [T, k] sorted row of each
     slot -> [T, D] in out_dtype. `add` [A, D] is added to the rows add_at..add_at + A (default: A = T, from 0).
-    For bf16 out_dtype the fp32 sum is rounded once, as the reference's `y.type_as(x)`."""
+    For bf16 out_dtype the fp32 sum is rounded once, as the reference's `y.type_as(x)`. A program takes one token's
+    `block_d` columns (None: up to 1,024)."""
     T, k = ids.shape
     D = y.shape[1]
     if slot_row.shape != ids.shape or y.stride(1) != 1 or (ids.numel() and ids.stride(1) != 1):
@@ -55,11 +57,12 @@ def combine(y: torch.Tensor, ids: torch.Tensor, slot_row: torch.Tensor, experts:
         return out
     if add is not None and add.shape[0] == 0:  # an idle EP rank's shared output: nothing to add (and no pointer)
         add = None
-    BD = min(1024, triton.next_power_of_2(D))
+    BD = block_d or min(1024, triton.next_power_of_2(D))
     grid = (T, triton.cdiv(D, BD))
     _combine_kernel[grid](y, ids, slot_row, add if add is not None else y, out,
                           D, experts.start, experts.stop, add_at, add.shape[0] if add is not None else 0,
                           y.stride(0), ids.stride(0), slot_row.stride(0), add.stride(0) if add is not None else 0,
                           out.stride(0),
-                          K=k, HAS_ADD=add is not None, ROUND_BF16=out.dtype == torch.bfloat16, BD=BD)
+                          K=k, HAS_ADD=add is not None, ROUND_BF16=out.dtype == torch.bfloat16, BD=BD,
+                          num_warps=num_warps)
     return out

@@ -251,11 +251,18 @@ def launch_sizes(n_local: int, interpreted: bool = False) -> tuple[int, int, int
     return EB, SUB, max(1, 4096 // EB)
 
 
+# Programs per SM the count and place kernels aim at: each SUB-pair step of a program costs ~3.5 us of latency (a
+# load, a one-hot reduction or cumsum), so several short programs an SM beat one long one; more blocks lengthen the
+# single-program scan over their counts (tools/route_combine_study.py, docs/perf/039).
+PLAN_PROGRAMS_PER_SM = 4
+
+
 def pick_block(n_pairs: int, sub: int, n_sms: int) -> int:
-    """Pairs per program of the count and place kernels: about one program per SM (each walking few SUB-pair
-    steps), within SUB..BLOCK: decode steps get many short programs, prefill's ~100K pairs BLOCK-pair ones."""
-    per_sm = triton.next_power_of_2(max(1, -(-n_pairs // n_sms)))
-    return max(sub, min(BLOCK, per_sm))
+    """Pairs per program of the count and place kernels: about PLAN_PROGRAMS_PER_SM programs an SM (each walking
+    few SUB-pair steps), a power of two within SUB..BLOCK: decode steps get one-step programs, prefill's ~100K pairs
+    few-step ones."""
+    per_program = triton.next_power_of_2(max(1, -(-n_pairs // (n_sms * PLAN_PROGRAMS_PER_SM))))
+    return max(sub, min(BLOCK, per_program))
 
 
 def plan_routes(ids: torch.Tensor, weights: torch.Tensor, experts: range, block_m: int = 128,

@@ -133,6 +133,12 @@ phase_attn_split() {  # issue 28, sparse attention split over the key list at de
     return $rc
 }
 
+phase_route_combine() {  # issue 28 item 2 (not yet run; guess <= 90 s): the routing plan's count / place kernels
+    # over other block sizes and the combine over other column blocks and warps, at decode / verify / prefill pair
+    # counts (tools/route_combine_study.py). Look at: us per shape and case; same_plan / bit_equal all true.
+    python3 tools/route_combine_study.py --json "$PHASE_DIR/route_combine.json"
+}
+
 phase_mhc_rows() {  # issue 28 item 2 (not yet run; guess <= 120 s): mhc_norm at a verify step's rows (384, 96, 6)
     # and a decode step's (64) in CUDA graphs, the default tiles against ROWS_GRIDS' (tools/mhc_split.py). Look at:
     # us per config and size; a grid well under the default's is a candidate for `partial_tiles` (its bits move).

@@ -186,11 +186,13 @@ def test_one_program_steps_equal_torch_plan_gpu(T, step):
     _check_one_program_step(T, step, "cuda")
 
 
-def test_pick_block_gives_about_one_block_per_sm():
-    """Decode-sized steps: many short programs (never below one SUB step); prefill-sized: BLOCK-pair programs."""
-    from mini.kernels.moe_route import BLOCK, pick_block
+def test_pick_block_gives_a_few_short_programs_per_sm():
+    """About PLAN_PROGRAMS_PER_SM (4) programs an SM, each at least one SUB step and at most BLOCK pairs."""
+    from mini.kernels.moe_route import pick_block
     assert pick_block(1536, 64, 132) == 64  # rank4 decode B = 64: 24 programs of one step each
     assert pick_block(6144, 64, 132) == 64  # B = 256: 96 programs
-    assert pick_block(20000, 64, 132) == 256
-    assert pick_block(4096 * 4 * 6, 64, 132) == BLOCK  # rank4 prefill: 96 programs, as before
+    assert pick_block(64 * 6 * 8 * 6, 64, 132) == 64  # a B = 64 x 6 verify step at EP8: 288 one-step programs
+    assert pick_block(20000, 64, 132) == 64
+    assert pick_block(4096 * 4 * 6, 64, 132) == 256  # rank4 prefill: 384 programs of 4 steps
+    assert pick_block(10 ** 7, 64, 132) == 1024  # BLOCK at most
     assert pick_block(1, 16, 132) == 16
