@@ -65,6 +65,8 @@ def size_cache(model: StepModel, device, dtype, block_tokens: int, max_num_seqs:
     n_slots = max_num_seqs + num_snapshots
     if num_blocks is None:
         if torch.device(device).type == "cuda":
+            # blocks our own caching allocator holds but no tensor uses (the load's temporaries) count as free
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(torch.device(device))
             budget = free - (1.0 - gpu_memory_utilization) * total
         else:

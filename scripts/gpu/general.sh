@@ -39,16 +39,6 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
         $ignore --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=$?
     [ "$rc" = 5 ] && rc=0  # 5: no test collected under these paths
-    # the gpu_alone tests size pools from the GPU's free memory: wait (up to 60 s) until other processes have let
-    # it go, and say what held it (docs/perf/039: one started with ~39 GB held elsewhere and failed; it passed alone
-    # on the same machine right after)
-    local used waited=0
-    while used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1) \
-            && [ "${used:-0}" -gt 2048 ] && [ "$waited" -lt 60 ]; do
-        sleep 2; waited=$((waited + 2))
-    done
-    echo "gpu_tests: ${used:-?} MiB in use before the gpu_alone pass (waited ${waited} s)"
-    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null | head -5
     local rc_alone=0
     timeout -s INT -k 10 $(( end - SECONDS > 1 ? end - SECONDS : 1 )) \
     python3 -m pytest -v -m "gpu and gpu_alone" -p no:cacheprovider -rfE --timeout=200 --continue-on-collection-errors \
