@@ -74,6 +74,10 @@ VARIANTS = {
     "wg_m32": {"bucket": 4096, "block_shape": [32, None, None], "warp_shape": [32, None, None]},
     "wg_m48": {"bucket": 4096, "block_shape": [48, None, None], "warp_shape": [48, None, None]},
     "wg_m56": {"bucket": 4096, "block_shape": [56, None, None], "warp_shape": [56, None, None]},
+    # bucket 2048's config (what bucket 4096 takes at 48 local experts, docs/perf/039) one key at a time
+    "b2048_stages3": {"bucket": 2048, "num_stages": 3}, "b2048_stages6": {"bucket": 2048, "num_stages": 6},
+    "b2048_ctas2": {"bucket": 2048, "num_ctas_per_sm": 2},
+    "b2048_raster1": {"bucket": 2048, "raster_group_m": 1}, "b2048_raster8": {"bucket": 2048, "raster_group_m": 8},
     "wg_m64_ctas1": {"bucket": 4096, "block_shape": [64, None, None], "warp_shape": [64, None, None],
                      "num_ctas_per_sm": 1},
     "bucket4096": {"bucket": 4096}, "bucket8192": {"bucket": 8192}, "bucket16384": {"bucket": 16384},
