@@ -65,7 +65,7 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
     # HUMMING_STEP_SHAPES (e.g. 256x4096,128x4096): rank4-decode's decode steps at those shapes instead (cases
     # step:b256_c4096, ...), for batch sizes no spec-decode run covers
     # HUMMING_STEP_ROUTING: replay a JSON recorded before (e.g. docs/perf/raw/038/verify_parts_b64x6_ep8_h100.json,
-    # decode_parts' verify step at one emulated EP8 rank) instead of recording a step
+    # decode_parts' verify step at one emulated EP8 rank) instead of recording a step (2 + 5 variants: 37 s, H100)
     local rc=0 routing=${HUMMING_STEP_ROUTING:-$PHASE_DIR/step.json}
     if [ -n "${HUMMING_STEP_ROUTING:-}" ]; then
         echo "humming_step: the routing recorded in $HUMMING_STEP_ROUTING"
@@ -133,13 +133,13 @@ phase_attn_split() {  # issue 28, sparse attention split over the key list at de
     return $rc
 }
 
-phase_route_combine() {  # issue 28 item 2 (not yet run; guess <= 90 s): the routing plan's count / place kernels
+phase_route_combine() {  # issue 28 item 2 (24 s on an H100, docs/perf/039): the routing plan's count / place kernels
     # over other block sizes and the combine over other column blocks and warps, at decode / verify / prefill pair
     # counts (tools/route_combine_study.py). Look at: us per shape and case; same_plan / bit_equal all true.
     python3 tools/route_combine_study.py --json "$PHASE_DIR/route_combine.json"
 }
 
-phase_mhc_rows() {  # issue 28 item 2 (not yet run; guess <= 120 s): mhc_norm at a verify step's rows (384, 96, 6)
+phase_mhc_rows() {  # issue 28 item 2 (36 s on an H100, docs/perf/039): mhc_norm at a verify step's rows (384, 96, 6)
     # and a decode step's (64) in CUDA graphs, the default tiles against ROWS_GRIDS' (tools/mhc_split.py). Look at:
     # us per config and size; a grid well under the default's is a candidate for `partial_tiles` (its bits move).
     python3 tools/mhc_split.py --only mhc_rows --json "$PHASE_DIR/mhc_rows.json" >"$PHASE_DIR/study.log" 2>&1
