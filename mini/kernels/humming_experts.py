@@ -253,8 +253,9 @@ def unpack(stack: HummingStack, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Tile changes measured faster than the heuristic's config at decode and verify (tools/humming_decode_study.py,
 # phase humming_decode, H200, docs/perf/020-021): (N, K, rows bucket) -> (the heuristic's keys it was measured
-# against, the keys it replaces, or {"bucket": R}: the heuristic's config for R rows). Cases "P x R": P local rows, R rows on each touched expert (1 x 4: one emulated EP4 rank at
-# B = 1; 6 x 1: a real EP4 rank's pairs at B = 1; 36 x 4: the emulated rank's verify step at B = 1).
+# against, the keys it replaces, or {"bucket": R}: the heuristic's config for R rows). Cases "P x R": P local rows,
+# R rows on each touched expert (1 x 4: one emulated EP4 rank at B = 1; 6 x 1: a real EP4 rank's pairs at B = 1;
+# 36 x 4: the emulated rank's verify step at B = 1).
 # - w1|w3 [4608, 5120]: 64-column tiles instead of 128 (twice the CTAs where few experts are touched: 46.6 -> 33.2 us
 #   at 6 x 1) and 6 pipeline stages instead of 4 (23.5 -> 20.9 us at 1 x 4, 33.2 -> 31.8 at 6 x 1, 55.1 -> 50.6 at
 #   36 x 4). K is split between the same two warps: the same sums (bit-equal in the study).
