@@ -11,7 +11,7 @@ case (T * min(k, E_local) rows, one partial tile per expert), so the plan can be
 
 `plan_routes` is a counting sort in Triton kernels (on CUDA, or on CPU tensors under Triton's interpreter). Up to
 `ONE_PROGRAM_MAX_PAIRS` pairs (decode steps up to 42 tokens at k = 6) it is one program, one launch
-(`_plan_one_kernel`); beyond, three kernels over blocks of pairs (`pick_block`: about one block per SM, 64 to
+(`_plan_one_kernel`); beyond, three kernels over blocks of pairs (`pick_block`: about four blocks an SM, 64 to
 `BLOCK` pairs):
 1. count: per block, a histogram over the buckets 0..E-1 (local experts) and E (elsewhere);
 2. scan (one program): per bucket, the exclusive prefix over the blocks; the buckets' starts (`expert_offset`);

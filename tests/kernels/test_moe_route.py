@@ -101,7 +101,7 @@ def test_triton_plan_equals_torch_plan_interpreter(interpreter, poisoned, T, exp
 def test_triton_plan_edge_cases_interpreter(interpreter, poisoned, T, k, n_experts, experts, distinct):
     ids = _random_ids(T, k, n_experts, distinct)
     for block in (1024, 256, 16, None):  # pairs per program: one to many blocks, one to several steps per block;
-        # None: pick_block's (about one block per SM)
+        # None: pick_block's (about four blocks an SM)
         _assert_same_plan(ids.to(torch.int32), torch.rand(T, k, dtype=torch.float64), experts, 16, block)
     _check_plan(ids, torch.rand(T, k), experts, 16)
 
