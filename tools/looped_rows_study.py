@@ -38,6 +38,11 @@ CASES = {
 PER_SM = (10 ** 6, 16, 8, 4)
 
 
+def nominal_tbs() -> float:
+    """The card's nominal memory bandwidth, TB/s: an H200 (141 GB) 4.8, an H100 (80 GB) 3.35."""
+    return 4.8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3.35
+
+
 def run_case(name: str, tokens: int, local: int, dev="cuda") -> dict:
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
@@ -54,7 +59,7 @@ def run_case(name: str, tokens: int, local: int, dev="cuda") -> dict:
         "swiglu_rows": (lambda: swiglu_rows(gu[:, :INTER], gu[:, INTER:], route_w, n_valid, 10.0, 32, out=h), h,
                         local * INTER * 6),
     }
-    tbs = 4.8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3.35  # H200 / H100 nominal
+    tbs = nominal_tbs()
     out = {"tokens": tokens, "capacity_rows": cap, "local_rows": local}
     default = device_info.LOOPED_PROGRAMS_PER_SM
     try:

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from looped_rows_study import nominal_tbs  # noqa: E402
 from mini.bench.kernels import _bench_graph  # noqa: E402
 
 DIM, TOPK, EXPERTS = 5120, 6, 384  # V4.1-Flash
@@ -65,7 +66,7 @@ def run_case(name: str, tokens: int, ep: int, dev="cuda", dim: int = DIM) -> dic
     y = torch.randn(plan.n_rows, dim, device=dev).bfloat16()
     res = torch.empty(tokens, dim, device=dev, dtype=torch.bfloat16)
     nbytes = tokens * dim * 2 + n_local * dim * 2  # the outputs written, the local rows read
-    tbs = 4.8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3.35  # H200 / H100 nominal
+    tbs = nominal_tbs()
     ref = None
     for block_d, warps in COMBINE_SHAPES:
         def call():
