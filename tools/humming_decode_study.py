@@ -131,6 +131,15 @@ def step_cases(path: str) -> dict[str, list[list[int]]]:
     return cases
 
 
+def select_cases(recorded: dict, names: list[str]) -> dict:
+    """Only the recorded cases named (--cases), in their order; a name not recorded is refused with the ones that
+    are."""
+    unknown = [n for n in names if n not in recorded]
+    if unknown:
+        raise SystemExit(f"--cases {unknown}: not recorded (the routing JSON has {sorted(recorded)})")
+    return {n: recorded[n] for n in names}
+
+
 def case_experts(spec: str, default: int, recorded: dict) -> int:
     """The experts of a case's layer: a recorded case's own count (DSpark's draft MoE holds 128, a rank's layer 96
     at V4.1-Flash), the default for a synthetic one."""
@@ -176,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-routing", default=None, metavar="JSON",
                    help="a rank4-decode (or spec-decode) JSON: a case per recorded step, step:<shape> (spec-decode: "
                         "step:<shape>.decode / .verify / .draft), its layers' routings in turn")
+    p.add_argument("--cases", nargs="*", default=None, metavar="CASE",
+                   help="only these of --step-routing's cases (e.g. step:b64_c4096.draft)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -196,6 +207,8 @@ def main(argv=None) -> int:
         v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in args.variants}
     results = {"device": torch.cuda.get_device_name(), "experts": args.experts, "rotate": args.rotate, "cases": {}}
     recorded = step_cases(args.step_routing) if args.step_routing else {}
+    if args.cases is not None:
+        recorded = select_cases(recorded, args.cases)
     specs = [v for v in args.pairs.split(",") if v] + list(recorded)
     experts_of = {spec: case_experts(spec, args.experts, recorded) for spec in specs}
     stacks_of = {E: {"w13": stack(E, 2 * I, D), "w2": stack(E, D, I)} for E in sorted(set(experts_of.values()))}

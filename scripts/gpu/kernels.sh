@@ -65,7 +65,8 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
     # HUMMING_STEP_SHAPES (e.g. 256x4096,128x4096): rank4-decode's decode steps at those shapes instead (cases
     # step:b256_c4096, ...), for batch sizes no spec-decode run covers
     # HUMMING_STEP_ROUTING: replay a JSON recorded before (e.g. docs/perf/raw/038/verify_parts_b64x6_ep8_h100.json,
-    # decode_parts' verify step at one emulated EP8 rank) instead of recording a step (2 + 5 variants: 37 s, H100)
+    # decode_parts' verify step at one emulated EP8 rank) instead of recording a step (2 + 5 variants: 37 s, H100);
+    # HUMMING_STEP_CASES: only those of its cases (e.g. "step:b64_c4096.draft step:b64_c4096.verify")
     local rc=0 routing=${HUMMING_STEP_ROUTING:-$PHASE_DIR/step.json}
     if [ -n "${HUMMING_STEP_ROUTING:-}" ]; then
         echo "humming_step: the routing recorded in $HUMMING_STEP_ROUTING"
@@ -80,12 +81,13 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
         grep "^spec-decode B=" "$PHASE_DIR/step.log"
     fi
     # shellcheck disable=SC2086
-    python3 tools/humming_decode_study.py --pairs "" --step-routing "$routing" \
+    local cases=${HUMMING_STEP_CASES:+--cases $HUMMING_STEP_CASES}
+    python3 tools/humming_decode_study.py --pairs "" --step-routing "$routing" $cases \
         --names ${HUMMING_STEP_NAMES:-stages6 ctas2 bucket16 bucket32 bucket64 bucket512 bucket1024 bucket2048} \
         --json "$PHASE_DIR/humming_step.json" || rc=1
     # hand-made tiles the heuristic never picks (a fault would end the study above): a process of their own
     [ -n "${HUMMING_STEP_MORE:-}" ] && { python3 tools/humming_decode_study.py --pairs "" --step-routing \
-        "$routing" --names $HUMMING_STEP_MORE --json "$PHASE_DIR/humming_step_more.json" || rc=1; }
+        "$routing" $cases --names $HUMMING_STEP_MORE --json "$PHASE_DIR/humming_step_more.json" || rc=1; }
     return $rc
 }
 

@@ -37,6 +37,9 @@ def test_recorded_routings_replay_the_step(tmp_path):
     experts = len(next(iter(layers.values())))  # tiny-v4.1: 16 experts over EP4
     counts = study.case_counts("step:b3_c20", experts, len(layers) + 1, torch.Generator(), recorded)
     assert [c.tolist() for c in counts] == list(layers.values()) + [list(layers.values())[0]]
+    assert study.select_cases(recorded, ["step:b3_c20"]) == recorded
+    with pytest.raises(SystemExit, match="not recorded"):
+        study.select_cases(recorded, ["step:b3_c20.draft"])
     with pytest.raises(SystemExit, match="local experts"):
         study.case_counts("step:b3_c20", experts + 1, 2, torch.Generator(), recorded)
     path.write_text(json.dumps({"raw": {"b1_c20": {"verify": {"pairs_per_local_expert": {"3": [2, 0]}},
