@@ -97,14 +97,14 @@ def bench_attn_glue(rows: list, sweep=(), dev="cuda"):
     tensor-core GEMM with an fp32 result)."""
     import torch.nn.functional as F
 
-    from mini.model.attn_layer import grouped_out_proj
+    from mini.ops.linear import grouped_linear
     from mini.ops.compressor import _linear_fp32
     T, G, R = 4096, 8, 1024
     o = torch.randn(T, G, H * D // G, device=dev).bfloat16()
     wo_a = (torch.randn(G, R, H * D // G, device=dev) * 0.02).bfloat16()
     flops = 2 * T * H * D * R
     for label, f in (("before: einsum + flatten copy", lambda: torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)),
-                     ("after: bmm into [T, G, r]", lambda: grouped_out_proj(o, wo_a))):
+                     ("after: bmm into [T, G, r]", lambda: grouped_linear(o, wo_a))):
         ms = _bench(f)
         rows.append(dict(kernel="attn/wo_a grouped projection", config=label, ms=ms, tflops=flops / ms / 1e9,
                          frac_gemm_peak=flops / ms / 1e9 / GEMM_TFLOPS))

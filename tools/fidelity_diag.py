@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "parity"))
 
 # (module, function name) of the ops recorded; each is looked up through its module at call time
 _ATTN = ["linear", "linears", "rms_norm", "apply_rope", "_window_kv", "compress", "_index", "index_scores",
-         "select_candidates", "top_groups_ordered", "norm_rope_quant", "sparse_attention", "grouped_out_proj"]
+         "select_candidates", "top_groups_ordered", "norm_rope_quant", "sparse_attention", "grouped_linear"]
 _MODEL = ["attention", "engram", "moe"]
 _MHC = ["pre_norm", "expand", "collapse"]
 _MOE = ["gate", "routed", "shared", "_shared", "_routed_fast"]

@@ -76,13 +76,15 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE, GROUP_N,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
-    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
-    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
+    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, g K + k] with g = n //
+    GROUP_N (x's group of the block's rows; 0 when one group); SPLIT: fp32 to part[piece, t, n] (ONE_LAUNCH: then
+    the block's last program to arrive sums the pieces), else to y[t, n]. ACT_BLOCK > 0: x fake-quantized to FP8
+    in 1 x ACT_BLOCK groups as it is loaded."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
+    x_ptr += (pid_n * BLOCK_N // GROUP_N).to(tl.int64) * K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     t = tl.arange(0, TP)
@@ -171,13 +173,15 @@ def _e4m3_bits_as_fp32(w, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, stride_s, K_PIECE,
+def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, stride_s, K_PIECE, GROUP_N,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                          ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """One row of x against an FP8 weight on the CUDA cores (decode at B = 1, where the MMA form's register
     shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) * (x * s * 2^88) over its
-    piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back."""
+    piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back.
+    x's group as in _gemv_kernel."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
+    x_ptr += (pid_n * BLOCK_N // GROUP_N).to(tl.int64) * K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -251,6 +255,18 @@ def config_for(N: int, K: int) -> GemvConfig:
     return TUNED.get((N, K), DEFAULT)
 
 
+def default_config(N: int, K: int, fp8: bool) -> GemvConfig:
+    """The build `gemv` takes when the caller names none: the one-row FP8 read's first candidate for an FP8 weight,
+    else `config_for`."""
+    return next(iter(ROW_CANDIDATES.values())) if fp8 else config_for(N, K)
+
+
+def takes_groups(N: int, K: int, groups: int, fp8: bool) -> bool:
+    """Whether `gemv(..., groups=groups)` with its default build takes an [N, K] weight: each group's rows whole
+    BLOCK_N blocks (a program reads one group's x)."""
+    return groups == 1 or (N % groups == 0 and (N // groups) % default_config(N, K, fp8).block_n == 0)
+
+
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
     """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
     per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T."""
@@ -268,7 +284,7 @@ def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
          out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0, scale: torch.Tensor | None = None,
-         w_block: int = 0) -> torch.Tensor:
+         w_block: int = 0, groups: int = 1) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
@@ -277,15 +293,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
     [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
     on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
-    first."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"gemv: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    first. `groups` G > 1: a block-diagonal projection (V4.1's wo_a), x [T, G K] and w [N, K] whose rows in
+    group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y [T, N] = [x_g w_g^T for each g]."""
+    if x.dim() != 2 or w.dim() != 2 or groups < 1 or x.shape[1] != groups * w.shape[1]:
+        raise ValueError(f"gemv: x [T, {groups} K] and w [N, K] expected ({groups} group(s)), got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != (torch.bfloat16 if scale is None else torch.float8_e4m3fn):
         raise ValueError(f"gemv: bf16 x and a bf16 w (or an e4m3 w with its scale) expected, got {x.dtype} and "
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
-    T, K = x.shape
+    T, K = x.shape[0], w.shape[1]
     N = w.shape[0]
-    config = config or (next(iter(ROW_CANDIDATES.values())) if scale is not None else config_for(N, K))
+    config = config or default_config(N, K, scale is not None)
+    if groups > 1 and (N % groups or (N // groups) % config.block_n):
+        raise ValueError(f"gemv: {groups} groups of w's {N} rows must each be whole BLOCK_N = {config.block_n} "
+                         "blocks")
     if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
         raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
                          f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
@@ -320,7 +341,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     if config.cuda_cores:
         part = torch.empty(pieces if pieces > 1 else 0, 1, N, dtype=torch.float32, device=x.device)
         _gemv_fp8_row_kernel[(triton.cdiv(N, config.block_n), pieces)](
-            x, w, scale.view(torch.uint8), out, part, N, K, w.stride(0), scale.stride(0), k_piece,
+            x, w, scale.view(torch.uint8), out, part, N, K, w.stride(0), scale.stride(0), k_piece, N // groups,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0,
             ACT_BLOCK=act_block, W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps,
             num_stages=config.num_stages)
@@ -333,7 +354,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        k_piece, N // groups, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
         ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,

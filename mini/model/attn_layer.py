@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from mini.config import LayerPlan, ModelConfig
-from mini.formats import dequant_fp8, fake_quant_fp8
+from mini.formats import fake_quant_fp8
 from mini.model.cache import KVCache
 from mini.model.layout import StepLayout
 from mini.ops import indexer as indexer_op
 from mini.ops.attention import sparse_attention
 from mini.ops.compressor import CompressorWeights, compress
 from mini.ops.indexer import index_scores, ordered_ids, quantize_index, select_candidates, top_groups_ordered
-from mini.ops.linear import QWeight, linear, linears
+from mini.ops.linear import QWeight, grouped_linear, linear, linears
 from mini.ops.norm import rms_norm
 from mini.ops.rope import apply_rope, layer_frequencies, norm_rope_quant, rope_table
 from mini.ops.stages import staged
@@ -58,6 +58,7 @@ class AttentionWeights:
     wo_b: QWeight
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
+    wo_a_fp8: QWeight | None = None  # wo_a as the checkpoint stores it (FP8): the one-row GEMV reads these bytes
 
     @classmethod
     def from_state(cls, state: dict, prefix: str, cfg: ModelConfig, plan: LayerPlan, dtype) -> "AttentionWeights":
@@ -66,9 +67,9 @@ class AttentionWeights:
         def q(name):
             return QWeight.from_state(state, f"{prefix}.{name}", B)
 
-        wo_a = state[f"{prefix}.wo_a.weight"]
-        if wo_a.dtype == torch.float8_e4m3fn:  # convert.py's dequantisation, done at load
-            wo_a = dequant_fp8(wo_a, state[f"{prefix}.wo_a.scale"], B, torch.bfloat16)
+        wo_a_fp8 = q("wo_a")
+        wo_a = wo_a_fp8.dequantize(torch.bfloat16)  # convert.py's dequantisation (FP8), done at load
+        wo_a_fp8 = wo_a_fp8 if wo_a_fp8.kind == "fp8" else None
         comp = idx = None
         if plan.owns_kv:
             comp = CompressorWeights.from_state(state, f"{prefix}.compressor", plan.ratio,
@@ -82,7 +83,7 @@ class AttentionWeights:
                 if not cfg.is_v41 else None)
         return cls(state[f"{prefix}.attn_sink"].float(), q("wq_a"), state[f"{prefix}.q_norm.weight"], q("wq_b"),
                    q("wkv"), state[f"{prefix}.kv_norm.weight"],
-                   wo_a.to(dtype).view(cfg.o_groups, cfg.o_lora_rank, -1), q("wo_b"), comp, idx)
+                   wo_a.to(dtype).view(cfg.o_groups, cfg.o_lora_rank, -1), q("wo_b"), comp, idx, wo_a_fp8)
 
 
 def _window_kv(kv: torch.Tensor, table: torch.Tensor, norm: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -214,15 +215,10 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
     ring.view(-1, d)[lay.ring_write_dst] = written.to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
         lay.draft_rows.keep_window(plan.layer, kv)
-    return linear(grouped_out_proj(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype)), w.wo_b)
+    return out_proj(o, w, cfg)
 
 
-def grouped_out_proj(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-    """o [T, G, k] times each group's wo_a [G, r, k] -> [T, G·r]. On the GPU the batched GEMM writes straight into
-    the [T, G, r] layout wo_b reads; einsum's [G, T, r] result would need a transposing copy (~1.5 TB/s)."""
-    T, G, _ = o.shape
-    if not o.is_cuda:
-        return torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1)
-    out = torch.empty(T, G, wo_a.shape[1], dtype=o.dtype, device=o.device)
-    torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2), out=out.transpose(0, 1))
-    return out.flatten(1)
+def out_proj(o: torch.Tensor, w: AttentionWeights, cfg: ModelConfig) -> torch.Tensor:
+    """The output projection of the heads' outputs o [T, H, d]: wo_a per group of heads, then wo_b."""
+    T = o.shape[0]
+    return linear(grouped_linear(o.reshape(T, cfg.o_groups, -1), w.wo_a.to(o.dtype), w.wo_a_fp8), w.wo_b)

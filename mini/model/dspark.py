@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from mini.config import LayerPlan, ModelConfig
-from mini.model.attn_layer import AttentionWeights, grouped_out_proj
+from mini.model.attn_layer import AttentionWeights, out_proj
 from mini.ops import mhc
 from mini.ops.dspark_attention import draft_attention
 from mini.ops.greedy import add_argmax
@@ -155,7 +155,7 @@ def _attention(x, st: StageWeights, cfg: ModelConfig, table, ring, slots, n_ring
     kv = _keys_of(kv, a, table, cfg)
     o = draft_attention(q.view(B, k, H, d), kv.view(B, k, d), ring, slots, n_ring, a.sink, d ** -0.5)
     o = apply_rope(o.view(T, H, d), table, inverse=True)  # V = K carries the keys' rotation
-    return linear(grouped_out_proj(o.reshape(T, cfg.o_groups, -1), a.wo_a.to(o.dtype)), a.wo_b)
+    return out_proj(o, a, cfg)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

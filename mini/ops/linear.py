@@ -162,6 +162,31 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None) -> torch.Tensor:
+    """x [T, G, k] times each group's w [G, r, k] -> [T, G·r] in x's dtype: a block-diagonal projection (V4.1's
+    wo_a, bf16 values, no activation quant: the official einsum 'tgd,grd->tgr'). `fp8`: w's checkpoint bytes
+    [G·r, k] with their scales, which the fast path's one-row GEMV reads instead where `reads_fp8_weights` (as
+    `dense_bf16`). Up to GEMV_MAX_TOKENS rows the fast path runs the decode GEMV, one program per group's rows;
+    otherwise, and in the deterministic mode (its batch-invariant bmm), one batched GEMM that writes straight into
+    the [T, G, r] layout the next projection reads (einsum's [G, T, r] result would need a transposing copy)."""
+    T, G, k = x.shape
+    r = w.shape[1]
+    if use_fast(x) and x.dtype == torch.bfloat16 and 0 < T <= GEMV_MAX_TOKENS and not deterministic():
+        from mini.kernels.gemv import gemv, runs_on, takes_groups
+        x2 = x.reshape(T, G * k)
+        if runs_on(x):
+            if (fp8 is not None and T == 1 and reads_fp8_weights() and _gemv_reads(fp8)
+                    and takes_groups(G * r, k, G, fp8=True)):
+                return gemv(x2, fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
+            if takes_groups(G * r, k, G, fp8=False):
+                return gemv(x2, w.reshape(G * r, k), groups=G)
+    if not x.is_cuda:
+        return torch.einsum("tgd,grd->tgr", x, w).flatten(1)
+    out = torch.empty(T, G, r, dtype=x.dtype, device=x.device)
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+    return out.flatten(1)
+
+
 def head_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """fp32 logits = x @ head^T, the official head: `F.linear(x.float(), weight)` with an fp32 weight that holds the
     checkpoint's bf16 values. When x is bf16 (the final norm's output in a bf16 model) and `head` is kept in bf16

@@ -259,14 +259,14 @@ def test_fp32_small_rows_tile_equals_the_default_tile_gpu():
 
 
 @pytest.mark.gpu
-def testgrouped_out_proj_rows_invariant_gpu():
-    """Attention's grouped output projection as the model calls it (mini/model/attn_layer.grouped_out_proj: bmm
+def test_grouped_linear_rows_invariant_gpu():
+    """Attention's grouped output projection as the model calls it (mini.ops.linear.grouped_linear: bmm
     of o [T, 8, 4096] transposed by wo_a [8, 1024, 4096] transposed into out [T, 8, 1024] transposed) on the
     compiled kernels: 4,096 rows take the TUNED TMA kernel with the groups side by side in a's rows, 1, 7 and 300
     rows the default pointer tile; a row's bits are the same in each, and it stays a GEMM."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from mini.model.attn_layer import grouped_out_proj
+    from mini.ops.linear import grouped_linear
     g = torch.Generator(device="cuda").manual_seed(30)
     o = torch.randn(4096, 8, 4096, device="cuda", generator=g).bfloat16()
     wo_a = torch.randn(8, 1024, 4096, device="cuda", generator=g).bfloat16()
@@ -275,11 +275,11 @@ def testgrouped_out_proj_rows_invariant_gpu():
     want = torch.einsum("tgd,grd->tgr", o[:64].double(), wo_a.double()).flatten(1)
     bi.enable()
     try:
-        full = grouped_out_proj(o, wo_a)
+        full = grouped_linear(o, wo_a)
         rel = float((full[:64].double() - want).norm() / want.norm())
         assert rel < 4e-3, rel
         for lo, hi in ((0, 1), (4095, 4096), (1000, 1007), (2000, 2300), (10, 1510)):
-            assert torch.equal(grouped_out_proj(o[lo:hi], wo_a), full[lo:hi]), (lo, hi)
+            assert torch.equal(grouped_linear(o[lo:hi], wo_a), full[lo:hi]), (lo, hi)
     finally:
         bi.disable()
 

@@ -388,3 +388,98 @@ def test_tuned_shapes_take_a_candidate_build():
     from mini.kernels.gemv import CANDIDATES, TUNED, config_for
     assert TUNED and all(c in CANDIDATES.values() for c in TUNED.values())
     assert config_for(5120, 8192) is TUNED[(5120, 8192)] and config_for(1280, 5120) is DEFAULT
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_grouped_gemv_is_each_groups_projection_interpreted(interpreter, T):
+    """`groups` G: x [T, G K] and w [G r, K], rows of group g take x's g-th K columns (V4.1's block-diagonal wo_a):
+    each group's output is the GEMV of its own x and rows, splits over K included."""
+    G, r, K = 3, 32, 96
+    x, w = _operands(T, G * r, G * K, "cpu", seed=T)
+    w = w[:, :K].contiguous()
+    out = torch.full((T, G * r), float("nan"), dtype=torch.bfloat16)
+    y = gemv(x, w, out=out, config=SMALL, groups=G)
+    for g in range(G):
+        rows = slice(g * r, (g + 1) * r)
+        _check(y[:, rows], x[:, g * K:(g + 1) * K], w[rows])
+        assert torch.equal(y[:, rows], gemv(x[:, g * K:(g + 1) * K].contiguous(), w[rows], config=SMALL))
+
+
+def test_grouped_fp8_row_read_is_each_groups_projection_interpreted(interpreter):
+    """The one-row FP8 read with `groups`: each group's rows against its own K columns of x, the bf16 copy's exact
+    products summed in fp32 (against the copy's GEMV of that group)."""
+    from mini.formats import dequant_fp8
+    G, r, K = 2, 64, 96
+    q, scale = _fp8_weight(G * r, K, 32, "cpu", seed=5)
+    x = (torch.randn(1, G * K, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16)
+    y = gemv(x, q, out=torch.full((1, G * r), float("nan"), dtype=torch.bfloat16), config=ROW_SMALL, scale=scale,
+             w_block=32, groups=G)
+    for g in range(G):
+        _check(y[:, g * r:(g + 1) * r], x[:, g * K:(g + 1) * K], copy[g * r:(g + 1) * r])
+
+
+def test_grouped_gemv_refuses_groups_it_cannot_take():
+    from mini.kernels.gemv import takes_groups
+    x, w = _operands(1, 48, 64, "cpu")
+    with pytest.raises(ValueError, match=r"x \[T, 2 K\]"):
+        gemv(x[:, :32], w, groups=2)  # x holds one group's columns only
+    with pytest.raises(ValueError, match="whole BLOCK_N = 16 blocks"):
+        gemv(torch.cat([x, x], 1), w, config=SMALL, groups=2)  # 24 rows a group: a program would span two
+    assert takes_groups(8192, 4096, 8, fp8=True) and takes_groups(8192, 4096, 8, fp8=False)
+    assert not takes_groups(64, 32, 2, fp8=False) and takes_groups(64, 32, 2, fp8=True)  # tiny-v4.1: r = 32
+
+
+def test_grouped_linear_dispatch_interpreted(interpreter, fast_interpreted, monkeypatch):
+    """mini.ops.linear.grouped_linear (wo_a): on the fast path one row reads the FP8 bytes, 2-16 rows the bf16
+    copy, each group through the grouped GEMV, within a bf16 rounding of the official einsum; more rows, the
+    deterministic mode and the reference backend take the einsum (the bmm on CUDA)."""
+    import mini.kernels.gemv as module
+    import mini.ops
+    from mini.ops.linear import QWeight, grouped_linear
+    reads, real = [], module.gemv
+    monkeypatch.setattr(module, "gemv", lambda x, w, **kw: reads.append((x.shape[0], w.dtype, kw["groups"])) or real(
+        x, w, config=ROW_SMALL if "scale" in kw else SMALL, **kw))
+    monkeypatch.setattr(module, "takes_groups", lambda N, K, G, fp8: True)  # the small builds take 32-row groups
+    G, r, k = 2, 32, 64
+    fp8 = QWeight("fp8", *_fp8_weight(G * r, k, 32, "cpu", seed=3), 32)
+    wo_a = fp8.dequantize(torch.bfloat16).view(G, r, k)
+    o = (torch.randn(17, G, k, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
+
+    def official(x):
+        return torch.einsum("tgd,grd->tgr", x.double(), wo_a.double()).flatten(1)
+    for T, want in ((1, [(1, torch.float8_e4m3fn, G)]), (5, [(5, torch.bfloat16, G)]), (17, [])):
+        reads.clear()
+        y = grouped_linear(o[:T], wo_a, fp8)
+        assert reads == want and y.shape == (T, G * r)
+        ref = official(o[:T])
+        assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all(), T
+    reads.clear()
+    with mini.ops.deterministic_mode():
+        grouped_linear(o[:1], wo_a, fp8)
+    mini.ops.set_backend("reference")
+    assert torch.equal(grouped_linear(o[:3], wo_a, fp8), torch.einsum("tgd,grd->tgr", o[:3], wo_a).flatten(1))
+    assert reads == []
+
+
+@pytest.mark.gpu
+def test_grouped_gemv_at_v41_wo_a_gpu():
+    """V4.1's wo_a [8 x 1024, 4096] on the GPU: the grouped GEMV at 1, 6 and 16 rows (the bf16 copy) and the one-row
+    FP8 read, each group's exact products' fp32 sums, a CUDA graph replay the same bits."""
+    from mini.formats import dequant_fp8
+    G, r, K = 8, 1024, 4096
+    q, scale = _fp8_weight(G * r, K, 32, "cuda", seed=8)
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16)
+    for T in (1, 6, 16):
+        x = (torch.randn(T, G * K, device="cuda") * 2).bfloat16()
+        y = gemv(x, copy, out=torch.full((T, G * r), float("nan"), dtype=torch.bfloat16, device="cuda"), groups=G)
+        reads = [y] + ([gemv(x, q, scale=scale, w_block=32, groups=G)] if T == 1 else [])
+        for out in reads:
+            for g in range(G):
+                _check(out[:, g * r:(g + 1) * r].cpu(), x[:, g * K:(g + 1) * K].cpu(), copy[g * r:(g + 1) * r].cpu())
+    out = torch.full_like(reads[0], float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, copy, out=out, groups=G)
+    graph.replay()
+    assert torch.equal(out, reads[0])
