@@ -165,21 +165,19 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None) -> torch.Tensor:
     """x [T, G, k] times each group's w [G, r, k] -> [T, G·r] in x's dtype: a block-diagonal projection (V4.1's
     wo_a, bf16 values, no activation quant: the official einsum 'tgd,grd->tgr'). `fp8`: w's checkpoint bytes
-    [G·r, k] with their scales, which the fast path's one-row GEMV reads instead where `reads_fp8_weights` (as
-    `dense_bf16`). Up to GEMV_MAX_TOKENS rows the fast path runs the decode GEMV, one program per group's rows;
-    otherwise, and in the deterministic mode (its batch-invariant bmm), one batched GEMM that writes straight into
-    the [T, G, r] layout the next projection reads (einsum's [G, T, r] result would need a transposing copy)."""
+    [G·r, k] with their scales. At one row the fast path reads those bytes (half the copy's) in the decode GEMV,
+    one program per group's rows (where `reads_fp8_weights`, as `dense_bf16`): V4.1's wo_a 24.5 -> 16.2 us on an
+    H100, the B = 1 step -3.3% (docs/perf/040). Otherwise, and in the deterministic mode (its batch-invariant bmm),
+    one batched GEMM on the copy that writes straight into the [T, G, r] layout the next projection reads (einsum's
+    [G, T, r] result would need a transposing copy); the grouped GEMV on the copy was slower than it at 1-16 rows
+    (tools/wo_a_study.py)."""
     T, G, k = x.shape
     r = w.shape[1]
-    if use_fast(x) and x.dtype == torch.bfloat16 and 0 < T <= GEMV_MAX_TOKENS and not deterministic():
+    if (fp8 is not None and T == 1 and use_fast(x) and x.dtype == torch.bfloat16 and not deterministic()
+            and reads_fp8_weights() and _gemv_reads(fp8)):
         from mini.kernels.gemv import gemv, runs_on, takes_groups
-        x2 = x.reshape(T, G * k)
-        if runs_on(x):
-            if (fp8 is not None and T == 1 and reads_fp8_weights() and _gemv_reads(fp8)
-                    and takes_groups(G * r, k, G, fp8=True)):
-                return gemv(x2, fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
-            if takes_groups(G * r, k, G, fp8=False):
-                return gemv(x2, w.reshape(G * r, k), groups=G)
+        if runs_on(x) and takes_groups(G * r, k, G, fp8=True):
+            return gemv(x.reshape(1, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
     if not x.is_cuda:
         return torch.einsum("tgd,grd->tgr", x, w).flatten(1)
     out = torch.empty(T, G, r, dtype=x.dtype, device=x.device)
