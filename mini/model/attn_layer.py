@@ -67,9 +67,10 @@ class AttentionWeights:
         def q(name):
             return QWeight.from_state(state, f"{prefix}.{name}", B)
 
-        wo_a_fp8 = q("wo_a")
-        wo_a = wo_a_fp8.dequantize(torch.bfloat16)  # convert.py's dequantisation (FP8), done at load
-        wo_a_fp8 = wo_a_fp8 if wo_a_fp8.kind == "fp8" else None
+        wo_a, wo_a_fp8 = state[f"{prefix}.wo_a.weight"], None
+        if wo_a.dtype == torch.float8_e4m3fn:  # convert.py's dequantisation, done at load (the bytes kept too)
+            wo_a_fp8 = q("wo_a")
+            wo_a = wo_a_fp8.dequantize(torch.bfloat16)
         comp = idx = None
         if plan.owns_kv:
             comp = CompressorWeights.from_state(state, f"{prefix}.compressor", plan.ratio,
