@@ -53,15 +53,15 @@ FORCED_DRAFT = 15
 # replaces: a step in which every one of B sequences drafts k tokens costs 1 + draft(B) + row(B) * k and commits,
 # per sequence, 1 + α + α² + ... + α^k tokens on average (α: the chance that a draft token is accepted after the
 # ones before it). MEASURED at V4.1-Flash width, 4K context, CUDA graphs, every verify row its own token (`mini
-# bench spec-decode --no-proxy`, docs/perf/037; `tools/step_costs_fit.py`), on an H100 at one emulated EP8 rank
+# bench spec-decode --no-proxy`, docs/perf/040; `tools/step_costs_fit.py`), on an H100 at one emulated EP8 rank
 # (no H200 for EP4 since docs/perf/029, whose figures at B = 1 / 16 / 64 were 0.155 / 0.177 / 0.199 and 0.084 /
-# 0.120 / 0.188, the latter two with draft rows that repeated the next sequences' tokens): decode steps of 9.97 /
-# 16.60 / 25.26 / 42.07 ms at B = 1 / 16 / 64 / 256, the draft step (DSpark's ring write and proposal) 1.76 /
-# 3.18 / 5.86 / 12.84 ms, a verify step of B x 6 rows 1.41x / 1.72x / 2.02x / 3.36x a decode step. ASSUMED: linear
+# 0.120 / 0.188, the latter two with draft rows that repeated the next sequences' tokens): decode steps of 9.65 /
+# 16.81 / 25.26 / 41.60 ms at B = 1 / 16 / 64 / 256, the draft step (DSpark's ring write and proposal) 1.78 /
+# 3.22 / 5.84 / 12.70 ms, a verify step of B x 6 rows 1.48x / 1.70x / 1.95x / 3.30x a decode step. ASSUMED: linear
 # in B between those B (the load rule stops drafting past 192 sequences at its 384 rows); linear in k; the same
 # for every sequence of a batch (a graph step takes its longest draft's width, and the draft step costs about as
 # much for one sequence as for all); an EP4 rank on the H200 in the same proportions.
-STEP_COSTS = ((1, 0.176, 0.081), (16, 0.192, 0.144), (64, 0.232, 0.204), (256, 0.305, 0.472))  # (B, draft, row)
+STEP_COSTS = ((1, 0.185, 0.096), (16, 0.191, 0.14), (64, 0.231, 0.19), (256, 0.305, 0.46))  # (B, draft, row)
 PRIOR_WEIGHT = 1.0  # a sequence's own evidence is read beside one draft token at the engine's acceptance (`alpha`)
 # (two, with the costs above, kept a never-right drafter's sequences drafting after three misses: docs/perf/029)
 RESTART_HITS = 4.0  # a probe taken whole restarts its sequence's evidence at 4 hits: α >= 4/5, long drafts again

@@ -244,7 +244,9 @@ def _lockstep(eager: LLM, static: LLM, prompts, params) -> list:
 
 HIT_PROMPTS = [PROMPTS[2][:16] + PROMPTS[0], PROMPTS[2][:16] + PROMPTS[1][:2]]
 SCENARIOS = {  # prompts, drafter (cut or not), engine options
-    "together": (PROMPTS, OracleDrafter, {}),  # every accept length; a padding sequence in the bucket of 4
+    # every accept length (full drafts: the cost model's rule would shorten them by its measured STEP_COSTS); a
+    # padding sequence in the bucket of 4
+    "together": (PROMPTS, OracleDrafter, {"spec_adaptive": False}),
     "mixed": (PROMPTS, CutDrafter, {"max_num_batched_tokens": 24}),  # with prefill chunks and eager steps
     "alone": (PROMPTS, CutDrafter, {"max_num_seqs": 1}),  # steps without a draft: width 1
     "preempted": (PROMPTS[:2], OracleDrafter, {"num_blocks": 2, "enable_prefix_caching": False}),
