@@ -1,6 +1,6 @@
 """V4.1's block-diagonal output projection wo_a at decode rows (mini.ops.linear.grouped_linear): cuBLAS's batched
-GEMM on the bf16 copy (the path before the grouped GEMV), the grouped GEMV on the copy, and at one row the grouped
-FP8 read of the checkpoint's bytes (half the copy's).
+GEMM on the bf16 copy (every row count but one) and at one row the grouped FP8 read of the checkpoint's bytes (half
+the copy's). (Report 040 also timed the grouped GEMV on the copy: 6-12% slower than the bmm at 1-16 rows.)
 
 Each case replays ROTATE calls in one CUDA graph, each on its own weight copy (so the weights come from HBM, as in
 a step where 40 layers' wo_a pass through L2), and prints us per call, GB/s of the bytes the call must read (the
@@ -62,14 +62,10 @@ def run(rows: list[int], dev: str = "cuda") -> dict:
             for (_, _, c), o in zip(ws, outs):
                 torch.bmm(x.view(T, G, K).transpose(0, 1), c.transpose(1, 2), out=o.view(T, G, R).transpose(0, 1))
 
-        def gemv_copy():
-            for (_, _, c), o in zip(ws, outs):
-                gemv(x, c.view(G * R, K), out=o, groups=G)
-
         def gemv_fp8():
             for (q, s, _), o in zip(ws, outs):
                 gemv(x, q, out=o, scale=s, w_block=32, groups=G)
-        paths = {"cublas_bmm": (bmm, 2), "gemv_copy": (gemv_copy, 2)} | ({"gemv_fp8": (gemv_fp8, 1)} if T == 1 else {})
+        paths = {"cublas_bmm": (bmm, 2)} | ({"gemv_fp8": (gemv_fp8, 1)} if T == 1 else {})
         case = {}
         for name, (fn, bytes_per_value) in paths.items():
             for o in outs:

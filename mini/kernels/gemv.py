@@ -73,18 +73,17 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
                   "row 32x512 4w": GemvConfig(32, 512, 4, 3, 4, cuda_cores=True),
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
+ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE, GROUP_N,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, stride_x, stride_w, stride_y, K_PIECE,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, g K + k] with g = n //
-    GROUP_N (x's group of the block's rows; 0 when one group); SPLIT: fp32 to part[piece, t, n] (ONE_LAUNCH: then
-    the block's last program to arrive sums the pieces), else to y[t, n]. ACT_BLOCK > 0: x fake-quantized to FP8
-    in 1 x ACT_BLOCK groups as it is loaded."""
+    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece of W[n, k] x[t, k]; SPLIT: fp32 to
+    part[piece, t, n] (ONE_LAUNCH: then the block's last program to arrive sums the pieces), else to y[t, n].
+    ACT_BLOCK > 0: x fake-quantized to FP8 in 1 x ACT_BLOCK groups as it is loaded."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
-    x_ptr += (pid_n * BLOCK_N // GROUP_N).to(tl.int64) * K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     t = tl.arange(0, TP)
@@ -179,7 +178,7 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
     """One row of x against an FP8 weight on the CUDA cores (decode at B = 1, where the MMA form's register
     shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) * (x * s * 2^88) over its
     piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back.
-    x's group as in _gemv_kernel."""
+    x[g K + k] with g = n // GROUP_N: the group of x the block's rows take (0 when x is one group)."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     x_ptr += (pid_n * BLOCK_N // GROUP_N).to(tl.int64) * K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -255,16 +254,10 @@ def config_for(N: int, K: int) -> GemvConfig:
     return TUNED.get((N, K), DEFAULT)
 
 
-def default_config(N: int, K: int, fp8: bool) -> GemvConfig:
-    """The build `gemv` takes when the caller names none: the one-row FP8 read's first candidate for an FP8 weight,
-    else `config_for`."""
-    return next(iter(ROW_CANDIDATES.values())) if fp8 else config_for(N, K)
-
-
-def takes_groups(N: int, K: int, groups: int, fp8: bool) -> bool:
-    """Whether `gemv(..., groups=groups)` with its default build takes an [N, K] weight: each group's rows whole
-    BLOCK_N blocks (a program reads one group's x)."""
-    return groups == 1 or (N % groups == 0 and (N // groups) % default_config(N, K, fp8).block_n == 0)
+def takes_groups(N: int, groups: int) -> bool:
+    """Whether the FP8 read's default build (`gemv(..., scale=, groups=groups)`) takes an FP8 weight of N rows in
+    `groups` groups: each group's rows whole BLOCK_N blocks (a program reads one group's x)."""
+    return N % groups == 0 and (N // groups) % ROW_DEFAULT.block_n == 0
 
 
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
@@ -293,8 +286,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
     [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
     on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
-    first. `groups` G > 1: a block-diagonal projection (V4.1's wo_a), x [T, G K] and w [N, K] whose rows in
-    group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y [T, N] = [x_g w_g^T for each g]."""
+    first. `groups` G > 1 (the FP8 read only): a block-diagonal projection (V4.1's wo_a), x [1, G K] and w [N, K]
+    whose rows in group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y = [x_g w_g^T for each
+    g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's bmm at 1-16 rows: docs/perf/040.)"""
     if x.dim() != 2 or w.dim() != 2 or groups < 1 or x.shape[1] != groups * w.shape[1]:
         raise ValueError(f"gemv: x [T, {groups} K] and w [N, K] expected ({groups} group(s)), got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
@@ -303,10 +297,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape[0], w.shape[1]
     N = w.shape[0]
-    config = config or default_config(N, K, scale is not None)
-    if groups > 1 and (N % groups or (N // groups) % config.block_n):
-        raise ValueError(f"gemv: {groups} groups of w's {N} rows must each be whole BLOCK_N = {config.block_n} "
-                         "blocks")
+    config = config or (ROW_DEFAULT if scale is not None else config_for(N, K))
+    if groups > 1 and (scale is None or N % groups or (N // groups) % config.block_n):
+        raise ValueError(f"gemv: groups take the FP8 read, each group's rows (of w's {N}) whole BLOCK_N = "
+                         f"{config.block_n} blocks; got {groups} groups{'' if scale is not None else ', no scale'}")
     if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
         raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
                          f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
@@ -354,7 +348,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_piece, N // groups, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
+        k_piece, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TP=MAX_ROWS, SPLIT=pieces > 1,
         ONE_LAUNCH=counters is not None, EVEN_K=K % config.block_k == 0, ACT_BLOCK=act_block,
         # the interpreter's bf16 dot is broken: the same (exact) values multiplied in fp32 there
         DOT_DTYPE=tl.float32 if interpreted else tl.bfloat16,

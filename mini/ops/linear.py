@@ -176,7 +176,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
     if (fp8 is not None and T == 1 and use_fast(x) and x.dtype == torch.bfloat16 and not deterministic()
             and reads_fp8_weights() and _gemv_reads(fp8)):
         from mini.kernels.gemv import gemv, runs_on, takes_groups
-        if runs_on(x) and takes_groups(G * r, k, G, fp8=True):
+        if runs_on(x) and takes_groups(G * r, G):
             return gemv(x.reshape(1, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
     if not x.is_cuda:
         return torch.einsum("tgd,grd->tgr", x, w).flatten(1)
