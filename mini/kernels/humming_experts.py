@@ -293,6 +293,13 @@ DECODE_TILES[4608, 5120, 128] = (DECODE_TILES[4608, 5120, 512][0], {"num_stages"
 #   bucket 4096 tile is 56 rows, which report 026 kept over bucket 2048's: not this entry's config.
 for _shape in ((4608, 5120), (5120, 2304)):
     DECODE_TILES[(*_shape, 4096)] = ({"block_shape": [96, 256, 64], "mma_type": "wgmma"}, {"bucket": 2048})
+# - Keys with a fourth entry hold at that count of experts only, before the key without it. Bucket 1024 at 128
+#   experts (DSpark's draft MoE at B = 64: 960 rows, ~100 of its 128 experts touched, ~10 rows each): bucket 2048's
+#   config, 4-6% faster than the heuristic's 16-row wgmma tile in each of five one-key variants of it (w1|w3 719.7
+#   -> 677.6-698.6 us, w2 373.7 -> 351.2-358.0), bit-equal, on the routing a B = 64 spec-decode step recorded
+#   (phase humming_step, H100, docs/perf/040). The main layers' bucket 1024 (48 or 96 local experts) keeps its tile.
+for _shape in ((4608, 5120), (5120, 2304)):
+    DECODE_TILES[(*_shape, 1024, 128)] = ({"block_shape": [16, 256, 64], "mma_type": "wgmma"}, {"bucket": 2048})
 
 
 @functools.cache
@@ -312,7 +319,8 @@ def _tuning(config, rows: int, invariant: bool = False, tuned: bool = True) -> s
     tuning = json.loads(json.dumps(get_heuristics_config(config, shape_m=rows, gemm_type=GemmType.GROUPED_CONTIGUOUS,
                                                          use_batch_invariant=invariant)))  # tuples as lists
     tuning["use_stream_k"] = False
-    measured_on, change = DECODE_TILES.get((config.shape_n, config.shape_k, rows), ({}, {}))
+    shape = (config.shape_n, config.shape_k, rows)
+    measured_on, change = DECODE_TILES.get((*shape, config.num_experts), DECODE_TILES.get(shape, ({}, {})))
     if tuned and not invariant and change and all(tuning.get(k) == v for k, v in measured_on.items()):
         if "bucket" in change:  # the heuristic's config for another row count
             return _tuning(config, change["bucket"], invariant, tuned)

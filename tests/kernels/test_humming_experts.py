@@ -128,7 +128,7 @@ def test_scales_supported_refuses_bytes_outside():
 
 
 def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypatch):
-    """DECODE_TILES: at its (N, K, bucket) the heuristic's config takes the measured change, outside the
+    """DECODE_TILES: at its (N, K, bucket[, experts]) the heuristic's config takes the measured change, outside the
     deterministic mode, with `tuned`, and only where the heuristic gave the config it was measured against (a
     library update that picks another config keeps its own). Stand-in library modules (the real ones need a GPU)."""
     import json
@@ -145,10 +145,10 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
     monkeypatch.setitem(sys.modules, "humming", types.ModuleType("humming"))
     monkeypatch.setitem(sys.modules, "humming.tune", tune)
     monkeypatch.setitem(sys.modules, "humming.config", config_mod)
-    Layer = namedtuple("Layer", "shape_n shape_k")
+    Layer = namedtuple("Layer", "shape_n shape_k num_experts")
     hx._tuning.cache_clear()
     try:
-        w13, w2 = Layer(4608, 5120), Layer(5120, 2304)
+        w13, w2 = Layer(4608, 5120, 48), Layer(5120, 2304, 48)
         got = json.loads(hx._tuning(w13, 16))
         assert got["block_shape"] == [8, 64, 64] and got["warp_shape"] == [8, 64, 32] and not got["use_stream_k"]
         assert got["num_stages"] == 6 and got["num_ctas_per_sm"] == 2
@@ -196,6 +196,14 @@ def test_decode_tiles_change_only_the_config_they_were_measured_against(monkeypa
         by_rows[4096] = {**wide, "block_shape": (56, 256, 64), "warp_shape": (56, 32, 64)}
         hx._tuning.cache_clear()
         assert json.loads(hx._tuning(w13, 4096))["block_shape"] == [56, 256, 64]
+        # bucket 1024 at 128 experts (DSpark's draft MoE): its 16-row wgmma tile becomes bucket 2048's config; at
+        # 48 experts (a main layer) the same heuristic config stays
+        by_rows[1024] = {**wide, "block_shape": (16, 256, 64), "warp_shape": (16, 64, 64)}
+        hx._tuning.cache_clear()
+        for config in (Layer(4608, 5120, 128), Layer(5120, 2304, 128)):
+            assert json.loads(hx._tuning(config, 1024)) == json.loads(hx._tuning(config, 2048))
+            assert json.loads(hx._tuning(config, 1024, tuned=False))["block_shape"] == [16, 256, 64]
+        assert json.loads(hx._tuning(w13, 1024))["block_shape"] == [16, 256, 64]
     finally:
         hx._tuning.cache_clear()
 
