@@ -39,6 +39,8 @@ def add_args(p) -> None:
     p.add_argument("--width", type=int, default=1, help="rows per sequence: 1 a decode step, 1 + k a verify step of "
                    "k drafts (spec-decode sets its own widths)")
     p.add_argument("--ep", type=int, default=4, help="EP ranks emulated (this is rank 0)")
+    p.add_argument("--max-model-len", type=int, default=0, help="the static buffers' span a sequence, as the "
+                   "engine's decode graphs pad to its max_model_len (the cache stays C's); default: C's own")
     p.add_argument("--steps", type=int, default=10, help="timed graph replays per (B, C)")
     p.add_argument("--warmup", type=int, default=3, help="replays before the timed ones")
     p.add_argument("--profile-steps", type=int, default=2, help="eager steps timed per stage (0: no split)")
@@ -63,7 +65,7 @@ class DecodeRun:
     verify steps instead (spec-decode), each sequence its token and width - 1 draft tokens at the next positions."""
 
     def __init__(self, model, cfg: ModelConfig, exchange, batch: int, context: int, extra: int, block_tokens: int,
-                 device, dtype, seed: int, width: int = 1):
+                 device, dtype, seed: int, width: int = 1, max_model_len: int = 0):
         from mini.engine.cuda_graphs import DecodeGraphs
         from mini.model import DecodeBuffers, KVCache
         from mini.model.static_decode import StaticDecodeInputs
@@ -77,8 +79,9 @@ class DecodeRun:
         engram_shape = None
         if cfg.engram_layer_ids:
             engram_shape = (len(cfg.engram_layer_ids), cfg.n_hash_cols, cfg.engram_head_dim)
-        self.buffers = DecodeBuffers(batch, max_len, block_tokens, pad_slot=batch, pad_block=n_blocks - 1,
-                                     device=device, engram_shape=engram_shape, engram_dtype=dtype, max_rows=width)
+        self.buffers = DecodeBuffers(batch, max(max_len, max_model_len), block_tokens, pad_slot=batch,
+                                     pad_block=n_blocks - 1, device=device, engram_shape=engram_shape,
+                                     engram_dtype=dtype, max_rows=width)
         g = torch.Generator().manual_seed(seed)
         self.engram = None if engram_shape is None else (
             torch.randn(batch * width, *engram_shape, generator=g) * 0.05).to(dtype)
@@ -190,6 +193,7 @@ def definition(args, batches: list[int], contexts: list[int]) -> dict:
     return {"preset": args.preset, "batch": batches, "context": contexts, "ep": args.ep, "dtype": args.dtype,
             "block_tokens": args.block_tokens, "engram_rows": args.engram_rows, "seed": args.seed,
             "routing": args.routing, "graphs": args.device.startswith("cuda"),
+            "max_model_len": getattr(args, "max_model_len", 0),
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
 
 
@@ -214,7 +218,8 @@ def measure_shape(model, cfg: ModelConfig, exchange, args, batch: int, context: 
                              f"{free / 2**30:.1f} GiB free after the model, {(reserved - allocated) / 2**30:.1f} "
                              f"GiB reserved unused, {allocated / 2**30:.1f} GiB allocated")
         torch.cuda.reset_peak_memory_stats()
-    r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed, width)
+    r = DecodeRun(model, cfg, exchange, batch, context, extra, args.block_tokens, device, dtype, args.seed, width,
+                  getattr(args, "max_model_len", 0))
     m, raw = measure_one(r, args, cuda, study)
     del r
     if cuda:
