@@ -11,9 +11,9 @@ A step, as the engine runs it:
    device)` -> `model.forward(batch, cache)`;
 2. static decode (every sequence one token, or a verify step: its token and a draft; CUDA graphs on the GPU):
    `model.static_decode(...)` once at start-up gives fixed device buffers (`StaticDecode`); the engine captures
-   `model.forward(static.batch(n, width), cache)` per bucket of n sequences of `width` rows, and before each
-   replay fills the buffers from the step's `DecodeRows` and, with overlapped steps, a `TokenFeed` (tokens still
-   on the device); after it, `static.replayed(cache)`;
+   `model.forward(static.batch(n, width, span), cache)` per bucket of n sequences of `width` rows that end within
+   `span` positions, and before each replay fills the buffers from the step's `DecodeRows` and, with overlapped
+   steps, a `TokenFeed` (tokens still on the device); after it, `static.replayed(cache)`;
 3. before every forward the engine calls `model.agree_step(n_tokens, bucket)`: a model whose forward meets other
    ranks (EP) agrees there on one bucket for all, or on an eager step; a single-process model returns `bucket`.
 
@@ -126,15 +126,18 @@ class TokenFeed:
 
 class StaticDecode(Protocol):
     """A model's static device inputs for decode and verify steps of up to `max_seqs` sequences of up to
-    `max_rows` rows each (`StepModel.static_decode`). A forward over `batch(n, width)` reads only these buffers, so
-    it can be captured once per (n, width) and replayed after `fill`."""
+    `max_rows` rows each (`StepModel.static_decode`) of up to `max_len` positions. A forward over `batch(n, width,
+    span)` reads only these buffers, so it can be captured once per (n, width, span) and replayed after `fill`."""
     max_seqs: int
     max_rows: int  # rows per sequence: 1 + the most drafts a verify step may hold (1: decode only)
+    max_len: int  # positions a sequence may reach (the engine's max_model_len)
     device: torch.device
 
-    def batch(self, n: int, width: int = 1) -> object:
-        """A fresh batch over the first n sequences, `width` rows each (own layout: capture one per bucket). Its
-        forward gives logits for every row, sequence b's at rows b·width..b·width + width - 1."""
+    def batch(self, n: int, width: int = 1, span: int | None = None) -> object:
+        """A fresh batch over the first n sequences, `width` rows each (own layout: capture one per bucket), for
+        steps whose sequences all end within `span` <= max_len positions (None: max_len): its per-sequence work
+        follows the span, not max_len. Its forward gives logits for every row, sequence b's at rows
+        b·width..b·width + width - 1."""
 
     def fill(self, n: int, rows: DecodeRows, feed: TokenFeed | None = None, width: int = 1) -> None:
         """Copy the step's rows (len(rows) <= n) into the buffers, the sequences past them padding (all n for

@@ -39,8 +39,9 @@ def add_args(p) -> None:
     p.add_argument("--width", type=int, default=1, help="rows per sequence: 1 a decode step, 1 + k a verify step of "
                    "k drafts (spec-decode sets its own widths)")
     p.add_argument("--ep", type=int, default=4, help="EP ranks emulated (this is rank 0)")
-    p.add_argument("--max-model-len", type=int, default=0, help="the static buffers' span a sequence, as the "
-                   "engine's decode graphs pad to its max_model_len (the cache stays C's); default: C's own")
+    p.add_argument("--max-model-len", type=int, default=0, help="the static buffers' positions a sequence, as "
+                   "the engine's max_model_len sizes them (the cache stays C's); the step's graph spans what the "
+                   "engine's would (mini.engine.cuda_graphs.spans); default: C's own")
     p.add_argument("--steps", type=int, default=10, help="timed graph replays per (B, C)")
     p.add_argument("--warmup", type=int, default=3, help="replays before the timed ones")
     p.add_argument("--profile-steps", type=int, default=2, help="eager steps timed per stage (0: no split)")
@@ -92,6 +93,7 @@ class DecodeRun:
         self.graphs = DecodeGraphs(model, self.cache, StaticDecodeInputs(self.buffers))
         # one bucket: exactly this batch and width (capture_all would take every bucket up to B, every width up to it)
         self.graphs.sizes, self.graphs.widths = [batch], [width]
+        self.graphs.spans = [self.graphs.span_for(max_len)]  # the span the engine's step would take
 
     def fill(self) -> None:
         """The next step's inputs: every sequence one token further, a verify step's rows each a token of its own.
@@ -108,7 +110,7 @@ class DecodeRun:
         self.graphs.capture_all()  # CUDA only; on the CPU replay() runs the static step eagerly
 
     def replay(self) -> torch.Tensor:
-        return self.graphs.replay(self.B, self.B, self.width)
+        return self.graphs.replay(self.B, self.B, self.width, self.graphs.spans[0])
 
     def eager(self) -> torch.Tensor:
         return self.model.forward(self.buffers.batch(self.B, self.width), self.cache)

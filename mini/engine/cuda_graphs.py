@@ -10,6 +10,13 @@ bucket's graph is replayed; the logits of the real rows are returned, in chunk o
 else a row needs the model makes from the histories, in `fill` (mini.model.static_decode); what the forward leaves
 for after it (a verify step's draft rows, for `commit_drafts`) it hands over in `replayed`.
 
+Each bucket is captured once per span (`spans`): a step replays the graph of the shortest span its sequences end
+within, since a static step's index tensors (the indexer's scores and top-k over N = span // ratio groups of every
+sequence, mini.model.layout.DecodeLayout) grow with the span, not with the context: at V4.1-Flash width, one
+emulated EP8 rank on an H100, a B = 64 step at 4K context took 25.2 ms with buffers spanning its 4K, 30.1 with
+128K and 61.1 with 1M (docs/perf/041). Decode graphs of one n share the first-captured one's logits (the others copy
+into it), so spans add no logits memory.
+
 Capture runs at start-up, the largest bucket (rows) first, each after one eager warm-up forward of the same static
 batch (which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Verify
 widths per bucket stop where the engine's verify-row budget (`spec_max_rows`, speculative.py's draft-length rule)
@@ -43,6 +50,19 @@ def buckets(max_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+SPAN_BASE, SPAN_GROWTH = 4096, 4  # the shortest span, and each next one's factor
+
+
+def spans(max_len: int) -> list[int]:
+    """Sequence spans that get graphs: 4,096, 16,384, 65,536, ... below max_len, then max_len (at V4.1's 1M, five).
+    A step's span is at most 4x its longest sequence (or 4,096), so its per-span work stays near the context's."""
+    out, span = [], SPAN_BASE
+    while span < max_len:
+        out.append(span)
+        span *= SPAN_GROWTH
+    return out + [max_len]
+
+
 def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
     return all(c.length == 1 and c.samples for c in chunks)
 
@@ -53,8 +73,9 @@ def is_verify_step(chunks: list[ScheduledChunk]) -> bool:
 
 
 class DecodeGraphs:
-    """One captured decode or verify step per bucket (n, width) over the model's static buffers (`static`) and
-    `cache`. `sizes` and `widths` are the buckets' n and widths (a benchmark may narrow them before capture)."""
+    """One captured decode or verify step per bucket (n, width) and span over the model's static buffers
+    (`static`) and `cache`. `sizes`, `widths` and `spans` are the buckets' n, widths and spans (a benchmark may
+    narrow them before capture)."""
 
     def __init__(self, model: StepModel, cache, static: StaticDecode, verify_rows: int | None = None,
                  drafter: Drafter | None = None):
@@ -72,8 +93,12 @@ class DecodeGraphs:
         self.draft_replays = 0  # replays of the draft step's graphs (write and draft each count)
         self.sizes = buckets(static.max_seqs)
         self.widths = list(range(1, static.max_rows + 1))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode steps (width 1), by n
-        self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (n, width)
+        self.spans = spans(static.max_len)
+        # decode steps (width 1) by (n, span), verify steps by (n, width, span)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.decode_logits: dict[int, torch.Tensor] = {}  # by n: the output every decode graph of n writes
+        self.span: int | None = None  # the last prepared step's span
         self.pool = None
         self.verify_logits: torch.Tensor | None = None  # every verify graph's logits (rows of its step first)
         self.real_rows: torch.Tensor | None = None  # the last prepared verify step's real rows (device)
@@ -91,6 +116,10 @@ class DecodeGraphs:
         top = self.widths[-1] if self.verify_rows is None else max(1, self.verify_rows // fewest)
         return [w for w in self.widths if w <= top or w == 1]
 
+    def span_for(self, end: int) -> int:
+        """The shortest span that holds sequences ending at position `end` (exclusive)."""
+        return next((s for s in self.spans if s >= end), self.spans[-1])
+
     def width(self, chunks: list[ScheduledChunk]) -> int | None:
         """The width of the graph a verify step replays: the narrowest of its bucket's that holds its longest
         chunk (None: none does; the step runs eagerly)."""
@@ -104,43 +133,46 @@ class DecodeGraphs:
             steps = sorted(((n, w) for n in self.sizes for w in self.bucket_widths(n)),
                            key=lambda b: (b[0] * b[1], b[1]), reverse=True)
             for n, width in steps:
-                self._capture(n, width)
+                for span in sorted(self.spans, reverse=True):
+                    self._capture(n, width, span)
             if self.draft_step is not None:  # after the steps' graphs: it reads the features their forwards keep
                 for n, width in ((n, w) for n, w in steps if w > 1):  # (a decode graph writes its own rows)
                     self.write_graphs[(n, width)] = self._capture_draft(n, lambda: self.draft_step.write(n, width))
                 for n in sorted((n for n in self.sizes if self.bucket_widths(n)[-1] > 1), reverse=True):
                     self.propose_graphs[n] = self._capture_draft(n, lambda: self.draft_step.propose(n))
 
-    def _capture(self, n: int, width: int) -> None:
+    def _capture(self, n: int, width: int, span: int) -> None:
         device = self.static.device
         self.static.fill(n, DecodeRows.none(), width=width)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             # warm-up: kernels compiled, one-time copies made (the model's kept-row tensors among them)
-            warm = self._forward(n, width)
+            warm = self._forward(n, width, span)
             if width > 1 and self.verify_logits is None:  # (the first verify bucket captured is the largest)
                 self.verify_logits = torch.empty(n * width, warm.shape[-1], dtype=warm.dtype, device=device)
         torch.cuda.current_stream(device).wait_stream(stream)
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(n, width)  # a fresh batch: layout captured
+            logits = self._forward(n, width, span)  # a fresh batch: layout captured
             if width > 1:  # into the output every verify graph shares (its own is pool memory, freed after)
                 logits = self.verify_logits[:n * width].copy_(logits)
+            elif n in self.decode_logits:  # into the first decode graph of n's output
+                logits = self.decode_logits[n].copy_(logits)
         if self.pool is None:
             self.pool = graph.pool()
         if width == 1:
-            self.graphs[n] = (graph, logits)
+            self.graphs[(n, span)] = (graph, self.decode_logits.setdefault(n, logits))
         else:
-            self.verify_graphs[(n, width)] = (graph, logits)
+            self.verify_graphs[(n, width, span)] = (graph, logits)
 
-    def _forward(self, n: int, width: int) -> torch.Tensor:
+    def _forward(self, n: int, width: int, span: int | None = None) -> torch.Tensor:
         """The step of bucket (n, width) over the static buffers, as captured (and run where no graph is). With a
         drafter's static step, a decode step (width 1) also writes its rows into the drafter's state: every row
         of a decode step is committed, so that write waits for no acceptance, and a step after which nobody
         drafts then needs no draft step at all (`draft`)."""
-        logits = self.model.forward(self.static.batch(n, width), self.cache)
+        logits = self.model.forward(self.static.batch(n, width, span), self.cache)
         if width == 1 and self.draft_step is not None:
             self.draft_step.write_decode(n)
         return logits
@@ -187,28 +219,33 @@ class DecodeGraphs:
     def prepare(self, chunks: list[ScheduledChunk], history, feed: TokenFeed | None = None,
                 bucket: int | None = None, width: int = 1) -> int:
         """Copy the step's inputs into the buffers; returns the bucket (`bucket`, a larger one than the chunks need
-        that EP ranks agreed on, else the smallest that holds them). `width`: the rows per sequence
-        (`self.width(chunks)` for a verify step). `history(seq, start, end)` gives tokens known on the host; `feed`
-        those of rows whose token is still on the device (taken there, on the device; the model fetches them only
-        if it needs them on the host, as late as it can)."""
+        that EP ranks agreed on, else the smallest that holds them) and keeps the span its sequences end within
+        (`replay` takes it). `width`: the rows per sequence (`self.width(chunks)` for a verify step).
+        `history(seq, start, end)` gives tokens known on the host; `feed` those of rows whose token is still on the
+        device (taken there, on the device; the model fetches them only if it needs them on the host, as late as it
+        can)."""
         n = self.bucket(len(chunks)) if bucket is None else bucket
         drafts = [c.seq.draft[:c.drafts] for c in chunks] if width > 1 else []
         rows = DecodeRows([c.start for c in chunks], [c.seq.slot for c in chunks], [c.seq.blocks for c in chunks],
                           lambda b, start, end: history(chunks[b].seq, start, end), lambda b: chunks[b].seq.images,
                           drafts)
         self.static.fill(n, rows, feed, width)
+        self.span = self.span_for(max((c.start + c.length for c in chunks), default=1))
         if width > 1:
             real = [b * width + i for b, c in enumerate(chunks) for i in range(1 + c.drafts)]
             self.real_rows = torch.tensor(real, device=self.static.device)
         return n
 
-    def replay(self, n: int, n_real: int, width: int = 1) -> torch.Tensor:
+    def replay(self, n: int, n_real: int, width: int = 1, span: int | None = None) -> torch.Tensor:
         """fp32 logits of the real rows, a view of the graph's output (width 1: [n_real, vocab]; a verify step:
         the rows `prepare` marked, 1 + drafts per chunk in chunk order, or every row of the first n_real
-        sequences when it was filled otherwise): read it before the next replay."""
-        captured = self.graphs.get(n) if width == 1 else self.verify_graphs.get((n, width))
+        sequences when it was filled otherwise): read it before the next replay. `span`: the graph's (None: the
+        one `prepare` kept, else the longest)."""
+        span = span or self.span or self.spans[-1]
+        self.span = None
+        captured = self.graphs.get((n, span)) if width == 1 else self.verify_graphs.get((n, width, span))
         if captured is None:
-            logits = self._forward(n, width)
+            logits = self._forward(n, width, span)
         else:
             graph, logits = captured
             graph.replay()
@@ -221,4 +258,4 @@ class DecodeGraphs:
     def replay_padding(self, n: int) -> None:
         """Replay bucket n with padding rows only (a data-parallel rank without tokens joins the others' step)."""
         self.static.fill(n, DecodeRows.none())
-        self.replay(n, 0)
+        self.replay(n, 0, span=self.spans[0])

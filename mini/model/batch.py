@@ -55,7 +55,7 @@ class Batch:
     drafts_host: list[int] = field(default_factory=list)  # per sequence, its chunk's trailing draft rows (verify)
     images: object | None = None  # the step's image rows (mini.model.vision.ImageRows), None without any
     # a decode step in static buffers (DecodeBuffers) sets these instead of the host copies; its layout is a
-    # DecodeLayout, shaped by max_len (the longest sequence the buffers allow)
+    # DecodeLayout, shaped by max_len (the span every sequence of the step ends within: DecodeBuffers.batch)
     max_len: int | None = None
     width: int = 1  # rows per sequence of a static step (1 + its most drafts: a verify step; 1: decode)
     # static steps (DecodeBuffers): keep(key, rows) copies rows a forward leaves for after it (draft rows, DSpark's
@@ -183,10 +183,15 @@ class DecodeBuffers:
         self.kept: dict[object, torch.Tensor] = {}
         self.kept_drafts = DraftRows(0, [], [], [], [], [], store=self.keep)
 
-    def batch(self, n: int, width: int = 1) -> Batch:
-        """A new Batch (own layout cache) over the first n sequences, `width` rows each (1: a decode step)."""
+    def batch(self, n: int, width: int = 1, span: int | None = None) -> Batch:
+        """A new Batch (own layout cache) over the first n sequences, `width` rows each (1: a decode step), whose
+        index tensors span `span` <= max_len positions a sequence (None: max_len): a step whose sequences all end
+        within it reads the same groups at a fraction of the work (DecodeLayout's N = span // ratio)."""
         if not 1 <= width <= self.max_rows:
             raise ValueError(f"{width} rows per sequence: these buffers take 1 to {self.max_rows}")
+        span = self.max_len if span is None else span
+        if not 0 < span <= self.max_len:
+            raise ValueError(f"span {span}: these buffers span 1 to {self.max_len} positions")
         t = n * width
         ids, pos = self.ids[0, :t], self.ids[1, :t]
         engram = None
@@ -197,11 +202,11 @@ class DecodeBuffers:
         if width == 1:
             return Batch(input_ids=ids, positions=pos, seq_of=self.rows[:n], slots=self.ids[2, :n], start_pos=pos,
                          lens=self.ones[:n], block_table=self.block_table[:n], logit_rows=self.rows[:n],
-                         engram=engram, max_len=self.max_len, pad_slot=self.pad_slot, pad_block=self.pad_block,
+                         engram=engram, max_len=span, pad_slot=self.pad_slot, pad_block=self.pad_block,
                          keep=self.keep)
         return Batch(input_ids=ids, positions=pos, seq_of=self.seq_of[width][:t], slots=self.seqs[0, :n],
                      start_pos=self.seqs[1, :n], lens=self.seqs[2, :n], block_table=self.block_table[:n],
-                     logit_rows=self.rows[:t], engram=engram, max_len=self.max_len, pad_slot=self.pad_slot,
+                     logit_rows=self.rows[:t], engram=engram, max_len=span, pad_slot=self.pad_slot,
                      pad_block=self.pad_block, width=width, keep=self.keep, kept_drafts=self.kept_drafts)
 
     def keep(self, key, rows: torch.Tensor) -> torch.Tensor:

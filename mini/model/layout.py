@@ -37,7 +37,7 @@ class LayoutInput(Protocol):
     lens_host: list[int]
     n_blocks_host: list[int]
     drafts_host: list[int]  # per sequence, the chunk's last rows that are drafts (empty: none; mini.model.drafts)
-    max_len: int | None  # static decode buffers (DecodeLayout): the longest sequence, the scratch slot and block
+    max_len: int | None  # static decode buffers (DecodeLayout): the span all sequences end within, scratch slot/block
     pad_slot: int
     pad_block: int
     width: int  # (DecodeLayout) rows per sequence: 1 + the most drafts of a verify step, 1 for decode

@@ -29,11 +29,11 @@ class StaticDecodeInputs:
     def __init__(self, buffers: DecodeBuffers, hasher=None,
                  engram_rows: Callable[[torch.Tensor], torch.Tensor] | None = None, model=None):
         self.buffers, self.hasher, self.engram_rows, self.model = buffers, hasher, engram_rows, model
-        self.max_seqs, self.max_rows = buffers.max_seqs, buffers.max_rows
+        self.max_seqs, self.max_rows, self.max_len = buffers.max_seqs, buffers.max_rows, buffers.max_len
         self.device = buffers.ids.device
 
-    def batch(self, n: int, width: int = 1) -> Batch:
-        return self.buffers.batch(n, width)
+    def batch(self, n: int, width: int = 1, span: int | None = None) -> Batch:
+        return self.buffers.batch(n, width, span)
 
     def fill(self, n: int, rows: DecodeRows, feed: TokenFeed | None = None, width: int = 1) -> None:
         fed = np.array(feed.rows if feed is not None else [-1] * len(rows), dtype=np.int64)

@@ -7,7 +7,7 @@ from fake_model import FakeCache, FakeModel, ScriptedModel
 
 from mini.step import StaticDecode, StepCache, StepModel
 
-INSTANCE_FIELDS = {"config", "max_seqs", "max_rows", "device"}  # set in __init__, not on the class
+INSTANCE_FIELDS = {"config", "max_seqs", "max_rows", "max_len", "device"}  # set in __init__, not on the class
 
 
 def declared(protocol) -> dict[str, object]:
@@ -40,4 +40,5 @@ def test_every_declared_member_is_there(protocol, cls):
 def test_the_contract_declares_what_the_engine_calls():
     assert set(declared(StepModel)) == {"config", "capturable", "reads_images", "drafter", "agree_step", "build_batch",
                                         "release_images", "static_decode", "new_cache", "cache_bytes", "forward"}
-    assert set(declared(StaticDecode)) == {"max_seqs", "max_rows", "device", "batch", "fill", "replayed"}
+    assert set(declared(StaticDecode)) == {"max_seqs", "max_rows", "max_len", "device", "batch", "fill",
+                                           "replayed"}

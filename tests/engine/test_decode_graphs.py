@@ -68,6 +68,33 @@ def test_static_decode_path_equals_eager_on_cpu(monkeypatch):
     assert cache.n_slots == shape.n_slots + 1 and cache.n_blocks == shape.n_blocks + 1
 
 
+def test_static_steps_take_the_shortest_span_that_holds_them(monkeypatch):
+    """Spans from 1,024 (mini.engine.cuda_graphs.spans; 4,096 in use, tiny-v4.1's whole context here): buffers of
+    4,096 positions get spans 1,024 and 4,096; short sequences decode at the 1,024 span, a batch with a sequence
+    past it at the 4,096 one, and both give the eager tokens."""
+    import mini.engine.cuda_graphs as graphs_module
+    monkeypatch.setattr(graphs_module, "SPAN_BASE", 1024)
+    prompts = _prompts([50, 1100, 7], seed=3)
+    runs, spans = {}, []
+    for static in (False, True):
+        monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a, static=static: static)
+        llm = LLM("tiny-v4.1", device="cpu", dtype=torch.float32, num_blocks=300, block_tokens=16, max_num_seqs=4)
+        graphs = llm.engine.runner.graphs
+        if static:
+            assert graphs.spans == [1024, 4096]
+            replay, positions = graphs.replay, graphs.static.buffers.host_ids[1]
+
+            def spy(n, n_real, *a, **kw):  # (the span prepare kept, the step's longest sequence end)
+                spans.append((graphs.span, int(positions[:n_real].max()) + 1))
+                return replay(n, n_real, *a, **kw)
+            monkeypatch.setattr(graphs, "replay", spy)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        runs[static] = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts[::2], prompts)]
+    assert runs[True] == runs[False]
+    assert {s for s, _ in spans} == {1024, 4096}, spans
+    assert all(s == (1024 if end <= 1024 else 4096) for s, end in spans), spans
+
+
 def test_step_times_split_a_step(monkeypatch):
     _, engine = _generate(False, monkeypatch, _prompts([5, 9]), 3)
     t = engine.step_times
@@ -93,5 +120,5 @@ def test_cuda_graph_decode_equals_eager():
             graph_steps = sum(t.graph for t in llm.engine.step_times)
             assert graph_steps == (0 if eager else 23), graph_steps
             if not eager:
-                assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+                assert sorted(llm.engine.runner.graphs.graphs) == [(n, 1024) for n in (1, 2, 4, 8)]  # one span
         assert runs[False] == runs[True]

@@ -175,8 +175,8 @@ def test_verify_graphs_on_cuda_equal_eager_gpu(kernels_deterministic):
     futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
     graphs_llm = LLM("tiny-v4.1", **opts, drafter=CutDrafter(futures, PLAN, 512), spec_tokens=K)
     graphs = graphs_llm.engine.runner.graphs
-    assert sorted(graphs.graphs) == [1, 2, 4]  # decode steps, as without speculation
-    assert sorted(graphs.verify_graphs) == [(n, w) for n in (1, 2, 4) for w in range(2, K + 2)]
+    assert sorted(graphs.graphs) == [(1, 1024), (2, 1024), (4, 1024)]  # decode steps, as without speculation
+    assert sorted(graphs.verify_graphs) == [(n, w, 1024) for n in (1, 2, 4) for w in range(2, K + 2)]
     replays = []
     replay = graphs.replay
 
@@ -194,7 +194,7 @@ def test_verify_graphs_on_cuda_equal_eager_gpu(kernels_deterministic):
 
 class _Static:
     """Just the sizes DecodeGraphs reads of a model's static buffers."""
-    max_seqs, max_rows, device = 256, 1 + K, torch.device("cpu")
+    max_seqs, max_rows, max_len, device = 256, 1 + K, 4096, torch.device("cpu")
 
 
 def test_verify_buckets_follow_the_row_budget():

@@ -158,3 +158,52 @@ def test_static_buffers_pad_and_check():
         bufs.fill(2, [1], [40], [0], [[1, 2]])  # position 40 needs a third block
     with pytest.raises(ValueError, match="bucket"):
         bufs.fill(5, [1], [0], [0], [[1]])
+
+
+@pytest.mark.parametrize("name", ["tiny-v4.1", "tiny-v4"])
+def test_a_span_reads_what_the_whole_buffers_read(name, tiny_model, batch_invariant_gemms):
+    """DecodeBuffers.batch(n, span=s): the step's index tensors span s positions instead of max_len (the engine's
+    CUDA graphs per span, mini.engine.cuda_graphs.spans). Buffers four times longer than the sequences need, a step
+    at the shortest span that holds them: the same logits and cache rows as the step over the whole max_len, within
+    the summation order the longer (masked) rows may change, and the same greedy tokens; a span past max_len is
+    refused."""
+    model, hasher = tiny_model(name)
+    cfg = model.config
+    bt, max_len, lengths = CASES[name]
+    n_seqs, nb = len(lengths), max_len // bt
+    slots, pad_slot, pad_block = list(range(n_seqs)), n_seqs, n_seqs * nb
+    blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(n_seqs)]
+    histories = [_prompt(cfg, n, seed=30 + i) for i, n in enumerate(lengths)]
+    caches = [KVCache(cfg, n_seqs + 1, n_seqs * nb + 1, bt, "cpu", torch.float32) for _ in range(2)]
+    prefill = Batch.build([SeqChunk(h, 0, s, b) for h, s, b in zip(histories, slots, blocks)], cfg, "cpu", hasher)
+    first = model.forward(prefill, caches[0]).argmax(-1).tolist()
+    for src, dst in zip(_pools(caches[0]), _pools(caches[1])):
+        dst.copy_(src)
+    bufs = _buffers(cfg, hasher, 4 * max_len, bt, pad_slot, pad_block, False)
+    for h, t in zip(histories, first):
+        h.append(t)
+    pos = [len(h) - 1 for h in histories]
+    bufs.fill(n_seqs + 1, [h[-1] for h in histories], pos, slots, blocks,
+              _engram_rows(model, hasher, histories, pos))
+    whole = model.forward(bufs.batch(n_seqs + 1), caches[0])
+    span = max_len  # every sequence ends within the blocks it has
+    assert bufs.batch(n_seqs + 1, span=span).layout(bt, cfg.window_size).seq_rows(2).shape[1] == span // 2
+    short = model.forward(bufs.batch(n_seqs + 1, span=span), caches[1])
+    _close(short[:n_seqs], whole[:n_seqs], "logits at the span")
+    assert short[:n_seqs].argmax(-1).tolist() == whole[:n_seqs].argmax(-1).tolist()
+    for i, (a, b) in enumerate(zip(_pools(caches[0]), _pools(caches[1]))):
+        torch.testing.assert_close(b, a, atol=5e-4, rtol=0, msg=f"cache pool {i}")
+    with pytest.raises(ValueError, match="span"):
+        bufs.batch(2, span=4 * max_len + 1)
+
+
+def test_spans_grow_fourfold_to_max_len():
+    from mini.engine.cuda_graphs import DecodeGraphs, spans
+
+    class Static:
+        max_seqs, max_rows, max_len, device = 4, 1, 1 << 20, torch.device("cpu")
+    assert spans(1 << 20) == [4096, 16384, 65536, 262144, 1 << 20]
+    assert spans(4096) == [4096] and spans(1024) == [1024] and spans(5000) == [4096, 5000]
+    graphs = DecodeGraphs(None, None, Static())
+    assert graphs.spans == spans(1 << 20)
+    assert [graphs.span_for(e) for e in (1, 4096, 4097, 70000, 1 << 20)] == [4096, 4096, 16384, 262144, 1 << 20]

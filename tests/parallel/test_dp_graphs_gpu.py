@@ -124,7 +124,7 @@ def _engine_runs(ctx: DistContext):
         llm.engine.step_times = []
         runs[name] = _summary(llm.generate(prompts, params))
         graphs = llm.engine.runner.graphs
-        runs[name + "_info"] = (None if graphs is None else sorted(graphs.graphs),
+        runs[name + "_info"] = (None if graphs is None else sorted(n for n, _ in graphs.graphs),
                                 sum(t.graph for t in llm.engine.step_times), dataclasses.asdict(dp.kinds))
         del llm
     model.moe_exchange = None  # the same weights through mini.ops.moe.moe
@@ -152,7 +152,8 @@ def _ep2_rank(ctx: DistContext):
     model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.bfloat16)
     llm = LLM(model, config=cfg, tokenizer=tok, **ENGINE)
     outs = generate(llm, ctx, _prompts(**PROMPTS), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    return [o.token_ids for o in outs], sorted(llm.engine.runner.graphs.graphs), dataclasses.asdict(model.kinds)
+    return ([o.token_ids for o in outs], sorted(n for n, _ in llm.engine.runner.graphs.graphs),
+            dataclasses.asdict(model.kinds))
 
 
 def _one_gpu(ctx: DistContext):
@@ -188,7 +189,8 @@ def _speculating_runs(ctx: DistContext):
         llm = LLM(dp, config=cfg, tokenizer=tok, deterministic=True, **ENGINE, **spec)
         runs[name] = _summary(llm.generate(prompts, params))
         graphs = llm.engine.runner.graphs
-        runs[name + "_info"] = (sorted(graphs.graphs), sorted(graphs.verify_graphs), dataclasses.asdict(dp.kinds),
+        runs[name + "_info"] = (sorted(n for n, _ in graphs.graphs), sorted(graphs.verify_graphs),
+                                dataclasses.asdict(dp.kinds),
                                 llm.engine.stats.spec.drafted_tokens)
         llm.engine.close()
         del llm
