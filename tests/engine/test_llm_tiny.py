@@ -49,7 +49,7 @@ def test_cuda_pools_sized_from_free_memory():
     gc.collect()
     torch.cuda.empty_cache()
     free_before, total = torch.cuda.mem_get_info()
-    # eager: decode graphs would pad their index tensors to the 1M context (docs/engine.md, Limits)
+    # eager: the graphs' pool (not subtracted from the cache budget, docs/engine.md) would blur the memory bound
     llm = LLM("tiny-v4.1", device="cuda", dtype=torch.bfloat16, gpu_memory_utilization=0.3, block_tokens=128,
               max_num_seqs=8, max_model_len=1 << 20, enforce_eager=True)
     eng = llm.engine
