@@ -66,9 +66,9 @@ def _run_static(ctx, overlap: bool):
     set_deterministic(True)  # this spawned process only: see test_static_dp_decode_equals_one_process
     replays, replay = [], DecodeGraphs.replay
 
-    def recorded(self, n, n_real, width=1):
+    def recorded(self, n, n_real, width=1, span=None):
         replays.append((n, n_real))
-        return replay(self, n, n_real, width)
+        return replay(self, n, n_real, width, span)
     DecodeGraphs.replay = recorded
     model, cfg, tok = load_ep_model("tiny-v4.1", ctx, torch.float32)
     llm = LLM(model, config=cfg, tokenizer=tok, overlap=overlap, **ENGINE)
