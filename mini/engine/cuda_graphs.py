@@ -11,11 +11,11 @@ else a row needs the model makes from the histories, in `fill` (mini.model.stati
 for after it (a verify step's draft rows, for `commit_drafts`) it hands over in `replayed`.
 
 Each bucket is captured once per span (`spans`): a step replays the graph of the shortest span its sequences end
-within, since a static step's index tensors (the indexer's scores and top-k over N = span // ratio groups of every
-sequence, mini.model.layout.DecodeLayout) grow with the span, not with the context: at V4.1-Flash width, one
-emulated EP8 rank on an H100, a B = 64 step at 4K context took 25.2 ms with buffers spanning its 4K, 30.1 with
-128K and 61.1 with 1M (docs/perf/041). Decode graphs of one n share the first-captured one's logits (the others copy
-into it), so spans add no logits memory.
+within (`StaticDecode.batch(n, width, span)`), since the model's per-sequence work over positions in a static step
+follows the span it is built for, not the sequences' length: at V4.1-Flash width, one emulated EP8 rank on an
+H100, a B = 64 step at 4K context took 25.2 ms with buffers spanning its 4K, 30.1 with 128K and 61.1 with 1M; one
+graph per span took it from 61.9 to 26.0 ms at a 1M max_model_len (docs/perf/041). Decode graphs of one n share
+the first-captured one's logits (the others copy into it), so spans add no logits memory.
 
 Capture runs at start-up, the largest bucket (rows) first, each after one eager warm-up forward of the same static
 batch (which compiles the kernels and makes the one-time device copies); all graphs share one memory pool. Verify
