@@ -113,7 +113,7 @@ class DecodeRun:
         return self.graphs.replay(self.B, self.B, self.width, self.graphs.spans[0])
 
     def eager(self) -> torch.Tensor:
-        return self.model.forward(self.buffers.batch(self.B, self.width), self.cache)
+        return self.model.forward(self.buffers.batch(self.B, self.width, self.graphs.spans[0]), self.cache)
 
     def touched_experts(self) -> tuple[list[int], dict[int, list[int]]]:
         """One eager step with the emulation recording: local experts with at least one pair, per MoE layer, and
