@@ -135,3 +135,15 @@ def test_graph_replay_equals_the_eager_step_gpu():
             assert parts["total"] > 0 and top and parts.get("sparse_attention", 0) + parts.get("moe_experts", 0) > 0
             # every kernel with its launches: they add up to the parts' count
             assert sum(n for _, _, n in top) == pytest.approx(parts["launches.total"])
+
+
+def test_graph_capture_time_refuses_the_cpu():
+    """tools/graph_capture_time.py times CUDA graph capture: on the CPU it says so instead of timing nothing."""
+    import graph_capture_time as gct
+
+    from mini.testing.suites import SuiteError
+    p = argparse.ArgumentParser()
+    gct.add_args(p)
+    args = p.parse_args(["--preset", "tiny-v4.1", "--device", "cpu", "--dtype", "float32", "--max-seqs", "3"])
+    with pytest.raises(SuiteError, match="--device cuda"):
+        gct.run(args)
