@@ -76,6 +76,23 @@ def test_topk_recent_equals_a_stable_sort_that_prefers_newer_entries(dtype):
         assert torch.equal(unsorted.sort(-1).values, indices.sort(-1).values)
 
 
+def test_topk_recent_on_bf16_rows_wider_than_the_32_bit_keys():
+    """bf16 rows of more than 2^16 entries take the int64 keys (a 1M span's ratio-1 indexer): the same stable
+    sort's picks, ties (zeros of both signs, -inf) to the newer entry, and the fp32 rows' keys' order."""
+    g = torch.Generator().manual_seed(3)
+    N = (1 << 16) + 37
+    specials = torch.tensor([0.0, -0.0, 1.5, NEG, -3.0])
+    x = torch.randn(3, N, generator=g)
+    pick = torch.randint(0, 8, (3, N), generator=g)
+    x = torch.where(pick < 5, specials[pick.clamp(max=4)], x).to(torch.bfloat16)
+    for k in (1, 512, N):
+        values, indices = topk_recent(x, k)
+        v, order = x.float().flip(-1).sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(indices, N - 1 - order[:, :k])
+        assert torch.equal(values.float(), v[:, :k])
+    assert torch.equal(topk_recent(x, 512)[1], topk_recent(x.float(), 512)[1])  # the fp32 keys pick the same
+
+
 def test_reindex_sources_only_pick_inside_the_candidates():
     g = torch.Generator().manual_seed(1)
     T, N = 7, 40
