@@ -63,6 +63,15 @@ def spans(max_len: int) -> list[int]:
     return out + [max_len]
 
 
+def out_of_memory_hint(n: int, width: int, span: int) -> str:
+    """What to change when a graph's capture runs out of memory: its working memory is not in the cache's budget,
+    and the longest span's, widest buckets need the most (docs/perf/042: a 1M span's verify graphs)."""
+    return (f"capturing the static step of {n} sequences x {width} rows over {span} positions ran out of GPU memory "
+            "(the graphs' working memory is not in the cache's budget; the longest span's widest steps need the "
+            "most): lower --max-model-len, --spec-max-rows (verify steps), --max-num-seqs or "
+            "--gpu-memory-utilization, or run with --enforce-eager")
+
+
 def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
     return all(c.length == 1 and c.samples for c in chunks)
 
@@ -134,7 +143,10 @@ class DecodeGraphs:
                            key=lambda b: (b[0] * b[1], b[1]), reverse=True)
             for n, width in steps:
                 for span in sorted(self.spans, reverse=True):
-                    self._capture(n, width, span)
+                    try:
+                        self._capture(n, width, span)
+                    except torch.OutOfMemoryError as e:
+                        raise torch.OutOfMemoryError(out_of_memory_hint(n, width, span)) from e
             if self.draft_step is not None:  # after the steps' graphs: it reads the features their forwards keep
                 for n, width in ((n, w) for n, w in steps if w > 1):  # (a decode graph writes its own rows)
                     self.write_graphs[(n, width)] = self._capture_draft(n, lambda: self.draft_step.write(n, width))

@@ -95,6 +95,25 @@ def test_static_steps_take_the_shortest_span_that_holds_them(monkeypatch):
     assert all(s == (1024 if end <= 1024 else 4096) for s, end in spans), spans
 
 
+def test_a_capture_out_of_memory_says_what_to_lower(monkeypatch):
+    """A graph whose capture runs out of GPU memory stops the start-up with the bucket and the options that shrink
+    it (the graphs' memory is not in the cache's budget; a 1M span's verify graphs did this, docs/perf/042)."""
+    monkeypatch.setattr(runner_module, "use_cuda_graphs", lambda *a: True)
+    llm = LLM("tiny-v4.1", device="cpu", dtype=torch.float32, num_blocks=300, block_tokens=16, max_num_seqs=4)
+    graphs = llm.engine.runner.graphs
+    captured = []
+
+    def capture(n, width, span):  # the longest span's largest bucket fails, as on the GPU
+        if span == max(graphs.spans) and n == max(graphs.sizes):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.25 GiB")
+        captured.append((n, width, span))
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(graphs.static, "device", torch.device("cuda"))  # capture_all captures on CUDA only
+    with pytest.raises(torch.OutOfMemoryError, match=r"4 sequences x 1 rows over 4096 positions.*--max-model-len"):
+        graphs.capture_all()
+    assert captured == []  # the largest bucket's longest span goes first
+
+
 def test_step_times_split_a_step(monkeypatch):
     _, engine = _generate(False, monkeypatch, _prompts([5, 9]), 3)
     t = engine.step_times
