@@ -1,7 +1,8 @@
 """The engine's start-up CUDA graph capture at real V4.1-Flash width (issue 28; docs/perf/042): every bucket the
 engine's ModelRunner captures (mini.engine.cuda_graphs: batch sizes `buckets(max_num_seqs)`, widths 1 .. 1 + k
 under speculation bounded by `--verify-rows`, spans `spans(max_model_len)`), on one emulated EP rank
-(rank4-decode's model, random weights), one span at a time, the longest first as capture_all takes them:
+(rank4-decode's model, random weights), one span at a time, the longest first (capture_all itself takes each
+bucket's spans, longest first, before the next bucket; the same graphs):
 
     python3 tools/graph_capture_time.py [rank4-decode options] [--max-seqs 64] [--spec-tokens 5] [--json FILE]
 
