@@ -103,17 +103,16 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
         if supported(x):
             return order_keys(x)
     x = x + 0.0  # turns -0.0 into 0.0: they tie
-    if x.dtype == torch.bfloat16 and x.shape[-1] <= 1 << 16:
-        index = torch.arange(x.shape[-1], dtype=torch.int32, device=x.device)
-        bits = x.view(torch.int16).int()
-        return ((bits ^ ((bits >> 15) & 0x7FFF)) << 16) | index  # negative: larger magnitude, smaller key
-    index = torch.arange(x.shape[-1], device=x.device)
-    if x.dtype == torch.bfloat16:  # wider rows: the same 16-bit key above a 32-bit index, built from the bf16
-        # bits, shifted in place: ~14 bytes an entry at the peak against ~30 through fp32 (the verify graphs of a
-        # 1M span ran an emulated rank out of memory in that conversion, docs/perf/042)
+    N = x.shape[-1]
+    if x.dtype == torch.bfloat16:
         bits = x.view(torch.int16)
-        keys = (bits ^ ((bits >> 15) & 0x7FFF)).long()
-        return keys.bitwise_left_shift_(32).bitwise_or_(index)
+        value = bits ^ ((bits >> 15) & 0x7FFF)  # 16-bit order key; negative: larger magnitude, smaller key
+        if N <= 1 << 16:
+            return (value.int() << 16) | torch.arange(N, dtype=torch.int32, device=x.device)
+        # wider rows: the key above a 32-bit index, shifted in place: ~14 bytes an entry at the peak against ~30
+        # through fp32 bits (the verify graphs of a 1M span ran an emulated rank out of memory there, docs/perf/042)
+        return value.long().bitwise_left_shift_(32).bitwise_or_(torch.arange(N, device=x.device))
+    index = torch.arange(N, device=x.device)
     bits = x.float().contiguous().view(torch.int32).long()
     return (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | index
 
