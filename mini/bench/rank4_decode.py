@@ -102,8 +102,8 @@ class DecodeRun:
         s, B, W, n = self.step_no, self.B, self.width, len(self.tokens)
         toks = [self.tokens[((s * B + b) * W) % n] for b in range(B)]
         drafts = [[self.tokens[((s * B + b) * W + i) % n] for i in range(1, W)] for b in range(B)]
-        self.buffers.fill(B, toks, [self.C + s] * B, list(range(B)), self.blocks, self.engram, drafts=drafts,
-                          width=self.width)
+        engram = None if self.engram is None else self.engram[:B * W]  # built for the widest step; W may be less
+        self.buffers.fill(B, toks, [self.C + s] * B, list(range(B)), self.blocks, engram, drafts=drafts, width=W)
         self.step_no += 1
 
     def capture(self) -> None:

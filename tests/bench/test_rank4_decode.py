@@ -55,6 +55,25 @@ def test_decode_run_fills_the_cache_and_advances_positions():
         assert out.shape == (2, cfg.vocab_size) and torch.isfinite(out).all()
 
 
+def test_a_run_built_for_verify_rows_fills_decode_steps():
+    """tools/graph_capture_time.py builds its run at the widest verify width, then times decode replays (width 1):
+    the fill hands the buffers one Engram row a sequence, not the verify step's (a 64-to-384 mismatch on the H100)."""
+    import mini.ops
+    from mini.testing.emulated_ep import EmulatedEP
+    from mini.testing.rank_model import rank_model
+    from mini.checkpoint import expert_range
+    cfg = preset("tiny-v4.1")
+    assert cfg.engram_layer_ids  # the failure needs the Engram rows
+    ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
+    with mini.ops.using_backend("reference"):
+        model = rank_model(cfg, torch.device("cpu"), torch.float32, 0, expert_range(cfg, 0, 4), None, ex)
+        r = rd.DecodeRun(model, cfg, ex, 3, 40, 12, 16, torch.device("cpu"), torch.float32, 0, 6)
+        r.width = 1
+        r.fill()
+        out = r.model.forward(r.buffers.batch(3, 1, r.graphs.spans[0]), r.cache)
+        assert out.shape == (3, cfg.vocab_size) and torch.isfinite(out).all()
+
+
 def test_bad_lists_are_refused():
     with pytest.raises(SuiteError, match="--batch takes comma-separated integers"):
         rd.run(_args(["--batch", "a,b"]))
