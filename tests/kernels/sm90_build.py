@@ -1,6 +1,15 @@
 """Builds every dispatched attention-side kernel for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch
 configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for Hopper
-(the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each."""
+(the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each,
+with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
+`spills=True`: the CUDA-core FP8 read at several rows spilled from 2-4 rows on (docs/perf/025), a cost no CPU test
+saw. This build marks only the pointers 16-divisible (a launch also marks its 16-divisible integers), so its
+registers may differ from a launch's; a kernel marked here as spilling is one to check on a device (docs/kernels.md)."""
+import os
+import re
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -20,10 +29,22 @@ from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SM90_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may take on sm_90
 
 
-def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2) -> None:
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of a cubin's kernel, as ptxas left them (Triton's bundled cuobjdump)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    assert found, f"cuobjdump gave no resource usage: {out[-500:]}"
+    return int(found[1]), int(found[2])
+
+
+def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2, spills=False) -> None:
     names = kernel.arg_names
     types = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
              else "fp32" if n in floats else "i32" for n in names}
@@ -34,7 +55,9 @@ def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_sta
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     shared = compiled.metadata.shared  # a launch of more than an H100 / H200 block's shared memory would fail
     assert shared <= SM90_SHARED_BYTES, f"{kernel.__name__} {consts}: {shared} bytes of shared memory"
-    print(kernel.__name__, consts, "ok", flush=True)
+    regs, stack = resources(compiled.asm["cubin"])
+    assert spills or stack == 0, f"{kernel.__name__} {consts}: {regs} registers, {stack} stack bytes a thread (spills)"
+    print(kernel.__name__, consts, f"REG:{regs} STACK:{stack}", "ok", flush=True)
 
 
 def main() -> None:
@@ -52,25 +75,27 @@ def main() -> None:
             for tiles, rope in ((0, 0), (8, rd)):
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
-                      ("scale_log2",), num_warps=8)
+                      ("scale_log2",), num_warps=8, spills=True)  # 80-4,624 bytes a thread in this build
     # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
     for split in (2, 1):
         for d, bh in ((512, 64), (64, 16)):
             build(_sparse_mla_split_kernel, {**ptrs, "nvalid_ptr": "*i32", "stat_ptr": "*fp32"},
                   dict(W=128, N_COMP_TILES=0, D=d, RD=0, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True,
                        D_SPLIT=split),
-                  ("scale_log2",), num_warps=8)
+                  ("scale_log2",), num_warps=8, spills=True)  # V4.1's D 512: 1,160-2,552 bytes in this build
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
                   dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):  # the tiles per program are an argument: one build for every count
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
-                  dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand, LOOP_STAGES=3))
+                  dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand, LOOP_STAGES=3),
+                  spills=(h, di, cand) == (4, 32, False))  # a tiny model's: 8 bytes
     # mHC pre-norm, split-K pass + finishing pass: V4.1 (delayed pre, + FP8 quant), V4 (own pre), mixes only
     for d, delayed, collapse, quant in ((5120, True, True, 1), (64, False, True, 0), (128, False, False, 0)):
         build(_mhc_partial_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=512 if d == 5120 else 64, BLOCK_T=64,
                                               BLOCK_K=64, COLLAPSE=delayed and collapse, SPLIT_BF16=True,
-                                              OP=triton.language.bfloat16, PRECISION="tf32x3"))
+                                              OP=triton.language.bfloat16, PRECISION="tf32x3"),
+              spills=d == 5120)  # prefill's V4.1 tile: 208 bytes
         build(_mhc_finish_kernel, ptrs, dict(D=d, HC=4, ITERS=20, NSPLIT=10 if d == 5120 else 1,
                                              SP=16 if d == 5120 else 1, BLOCK_T=8,
                                              BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32,
@@ -84,7 +109,7 @@ def main() -> None:
     for block_t, chunk in ((128, 64), (256, 32)):
         build(_mhc_partial_kernel, ptrs, dict(D=5120, HC=4, NM=24, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=16,
                                               COLLAPSE=True, SPLIT_BF16=True, OP=triton.language.bfloat16,
-                                              PRECISION="tf32x3"), num_stages=3)
+                                              PRECISION="tf32x3"), num_stages=3, spills=block_t == 256)  # 560 bytes
     # (the normalisation in its own programs beside the mixes' at decode: finish_pieces; B = 1 and B = 64's tiles)
     for block_t, block_d, pieces in ((1, 2048, 3), (4, 1024, 5)):
         build(_mhc_finish_kernel, ptrs, dict(D=5120, HC=4, ITERS=20, NSPLIT=160 if block_t == 1 else 40,
@@ -98,7 +123,8 @@ def main() -> None:
     for d, rd, quant, qb in ((512, 64, 0, 32), (512, 64, 1, 32), (512, 64, 3, 16), (128, 64, 2, 32), (64, 16, 0, 32),
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
-                                             NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"))
+                                             NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"),
+              spills=(d, quant) == (512, 0))  # the compressed KV's plain RoPE at 512: 160 bytes
     # the decode GEMV: each candidate tiling split over K with V4.1's activation quant in its loads (and the default
     # unsplit without it), then fp32 output, V4's quant blocks, the pieces' sum
     for cfg in GEMV_CANDIDATES.values():
@@ -106,7 +132,8 @@ def main() -> None:
             build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
                        EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  spills=cfg.block_k == 256)  # the 64 x 256 candidate (not a default): 96 bytes
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
