@@ -4,7 +4,8 @@ configurations the wrappers use for the models' shapes, so that a kernel that on
 with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
 `spills=True`: the CUDA-core FP8 read at several rows spilled from 2-4 rows on (docs/perf/025), a cost no CPU test
 saw. This build marks only the pointers 16-divisible (a launch also marks its 16-divisible integers), so its
-registers may differ from a launch's; a kernel marked here as spilling is one to check on a device (docs/kernels.md)."""
+registers may differ from a launch's, and they differ between Triton versions (the marks cover 3.6, the GPU
+image's and CI's oldest, and 3.9); a build marked here is one to check on a device (docs/kernels.md)."""
 import os
 import re
 import subprocess
@@ -161,7 +162,7 @@ def main() -> None:
     # the index top-k's ids in one pass (one build for every row width)
     for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate
         build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
-              num_warps=warps)
+              num_warps=warps, spills=True)  # 16 / 8 bytes under Triton 3.6 (the GPU image's); none under 3.9
 
 
 if __name__ == "__main__":
