@@ -76,27 +76,27 @@ def main() -> None:
             for tiles, rope in ((0, 0), (8, rd)):
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
-                      ("scale_log2",), num_warps=8, spills=True)  # 80-4,624 bytes a thread in this build
+                      ("scale_log2",), num_warps=8, spills=True)  # at every shape (docs/perf/043)
     # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
     for split in (2, 1):
         for d, bh in ((512, 64), (64, 16)):
             build(_sparse_mla_split_kernel, {**ptrs, "nvalid_ptr": "*i32", "stat_ptr": "*fp32"},
                   dict(W=128, N_COMP_TILES=0, D=d, RD=0, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True,
                        D_SPLIT=split),
-                  ("scale_log2",), num_warps=8, spills=True)  # V4.1's D 512: 1,160-2,552 bytes in this build
+                  ("scale_log2",), num_warps=8, spills=True)  # (docs/perf/043)
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
                   dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):  # the tiles per program are an argument: one build for every count
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
                   dict(H=h, DI=di, BLOCK_T=bt, BLOCK_N=128, HAS_CAND=cand, LOOP_STAGES=3),
-                  spills=(h, di, cand) == (4, 32, False))  # a tiny model's: 8 bytes
+                  spills=(h, di, cand) == (4, 32, False))  # a tiny model's, under Triton 3.9
     # mHC pre-norm, split-K pass + finishing pass: V4.1 (delayed pre, + FP8 quant), V4 (own pre), mixes only
     for d, delayed, collapse, quant in ((5120, True, True, 1), (64, False, True, 0), (128, False, False, 0)):
         build(_mhc_partial_kernel, ptrs, dict(D=d, HC=4, NM=24, CHUNK=512 if d == 5120 else 64, BLOCK_T=64,
                                               BLOCK_K=64, COLLAPSE=delayed and collapse, SPLIT_BF16=True,
                                               OP=triton.language.bfloat16, PRECISION="tf32x3"),
-              spills=d == 5120)  # prefill's V4.1 tile: 208 bytes
+              spills=d == 5120)  # prefill's V4.1 tile
         build(_mhc_finish_kernel, ptrs, dict(D=d, HC=4, ITERS=20, NSPLIT=10 if d == 5120 else 1,
                                              SP=16 if d == 5120 else 1, BLOCK_T=8,
                                              BLOCK_D=512, DELAYED=delayed, COLLAPSE=collapse, QUANT=quant, QBLOCK=32,
@@ -110,7 +110,7 @@ def main() -> None:
     for block_t, chunk in ((128, 64), (256, 32)):
         build(_mhc_partial_kernel, ptrs, dict(D=5120, HC=4, NM=24, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=16,
                                               COLLAPSE=True, SPLIT_BF16=True, OP=triton.language.bfloat16,
-                                              PRECISION="tf32x3"), num_stages=3, spills=block_t == 256)  # 560 bytes
+                                              PRECISION="tf32x3"), num_stages=3, spills=block_t == 256)
     # (the normalisation in its own programs beside the mixes' at decode: finish_pieces; B = 1 and B = 64's tiles)
     for block_t, block_d, pieces in ((1, 2048, 3), (4, 1024, 5)):
         build(_mhc_finish_kernel, ptrs, dict(D=5120, HC=4, ITERS=20, NSPLIT=160 if block_t == 1 else 40,
@@ -125,7 +125,7 @@ def main() -> None:
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
                                              NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"),
-              spills=(d, quant) == (512, 0))  # the compressed KV's plain RoPE at 512: 160 bytes
+              spills=(d, quant) == (512, 0))  # the compressed KV's plain RoPE at 512
     # the decode GEMV: each candidate tiling split over K with V4.1's activation quant in its loads (and the default
     # unsplit without it), then fp32 output, V4's quant blocks, the pieces' sum
     for cfg in GEMV_CANDIDATES.values():
@@ -134,7 +134,7 @@ def main() -> None:
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
                        EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  spills=cfg.block_k == 256)  # the 64 x 256 candidate (not a default): 96 bytes
+                  spills=cfg.block_k == 256)  # the 64 x 256 candidate (not a default)
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4)
