@@ -240,3 +240,21 @@ phase_decode_gate() {  # issue 28, the gate at decode alone (not yet measured; g
     tail -6 "$PHASE_DIR/tests.log"
     return $rc
 }
+
+phase_kernel_resources() {  # registers and spills of every kernel this call compiled, as launched (~5 s; name it
+    # after the phases that build them, e.g. `decode_parts:235 kernel_resources:30`): ptxas's REG / STACK a thread
+    # from each cubin in the Triton cache, read with Triton's bundled cuobjdump (tests/kernels/sm90_build.py checks
+    # offline builds, which mark fewer arguments than a launch; docs/perf/043). Look at: resources.txt (count,
+    # kernel, warps, stages, REG, STACK), and the lines printed here: the builds with STACK above 0.
+    local cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache} cuobjdump
+    cuobjdump=$(python3 -c "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump'))")
+    find "$cache" -name '*.cubin' | while read -r cubin; do
+        meta="${cubin%.cubin}.json"
+        warps=$(grep -o '"num_warps": [0-9]*' "$meta" 2>/dev/null | grep -o '[0-9]*$')
+        stages=$(grep -o '"num_stages": [0-9]*' "$meta" 2>/dev/null | grep -o '[0-9]*$')
+        "$cuobjdump" --dump-resource-usage "$cubin" \
+            | awk -v w="${warps:-?}" -v s="${stages:-?}" '/Function /{name=$2} /REG:/{print name, "warps=" w, "stages=" s, $1, $2}'
+    done | tr -d ':' | sed 's/REG/REG:/; s/STACK/STACK:/' | sort | uniq -c >"$PHASE_DIR/resources.txt"
+    echo "kernel_resources: $(wc -l <"$PHASE_DIR/resources.txt") builds; those that spill:"
+    grep -v "STACK:0$" "$PHASE_DIR/resources.txt" || echo "  none"
+}
