@@ -91,12 +91,13 @@ phase_spec_decode() {  # issue 27 item 6 (<= 200 s, not yet run): speculation's 
     return $rc
 }
 
-phase_capture_time() {  # issue 28 (decode only: 103 s with the build on an H100, docs/perf/042): the engine's start-up
-    # graph capture at V4.1 width (tools/graph_capture_time.py: every bucket of max_num_seqs 64, widths 1..6, the five spans of a 1M
-    # max_model_len; CAPTURE_ARGS adds flags, e.g. "--ep 8" on an H100, "--spec-tokens 0" for decode only), one span
-    # at a time, the longest first (with K = 5 the 1M span's verify graphs ran an H100's EP8 rank out of memory
-    # before 2799a77). Look at: the "graph-capture-time span" lines (graphs and seconds per span), the total, the
-    # pool's GiB and the B = 64 replay per span.
+phase_capture_time() {  # issue 28 (on an H100 with the build: decode only 103 s, docs/perf/042; K = 5 145-220 s,
+    # docs/perf/043: cap it at 300): the engine's start-up graph capture at V4.1 width (tools/graph_capture_time.py:
+    # every bucket of max_num_seqs 64, widths 1..6, the five spans of a 1M max_model_len; CAPTURE_ARGS adds flags,
+    # e.g. "--ep 8" on an H100, "--spec-tokens 0" for decode only), one span at a time, the longest first (with
+    # K = 5 the 1M span's verify graphs ran an H100's EP8 rank out of memory before 2799a77, and fit after it).
+    # Look at: the "graph-capture-time span" lines (graphs and seconds per span), the total, the pool's GiB and the
+    # B = 64 replay per span.
     MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout $(( ${PHASE_CAP:-150} - 5 )) python3 tools/graph_capture_time.py \
         --spec-tokens 5 --steps 5 ${CAPTURE_ARGS:-} --json "$PHASE_DIR/capture_time.json" \
         >"$PHASE_DIR/capture_time.log" 2>&1
