@@ -432,11 +432,14 @@ def bench_decode_gemv(rows: list, sweep=(), dev="cuda"):
 
 
 def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
-    """An FP8 projection at B = 1 read as stored (MINI_GEMV_WEIGHTS=fp8: the one-row FP8 read on the CUDA cores,
-    each candidate) against the GEMV on its bf16 copy (the tuned build), act quant fused, us per call in a CUDA graph,
-    copies taken in turn (L2 defeated); `frac_copy_peak` in each read's own bytes."""
+    """An FP8 projection read as stored (MINI_GEMV_WEIGHTS=fp8) against the GEMV on its bf16 copy (the tuned build),
+    act quant fused, us per call in a CUDA graph, copies taken in turn (L2 defeated); `frac_copy_peak` in each
+    read's own bytes. B = 1: the one-row FP8 read on the CUDA cores, each candidate; B = 6 and 16 (a B = 1 verify
+    step's rows, the GEMV's most): the tensor-core FP8 read, each candidate, with `same_as_copy` (the share of
+    outputs equal to the copy's GEMV) and `max_rel_err` (largest |difference| over the sum of |products|)."""
     from mini.formats import dequant_fp8, quantize_fp8
-    from mini.kernels.gemv import ROW_CANDIDATES, config_for, gemv
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import MMA_CANDIDATES, ROW_CANDIDATES, config_for, gemv
     for n_out, n_in, name in ((1792, 5120, "wq_a|wkv"), (36864, 1280, "wq_b|indexer wq_b"), (5120, 8192, "wo_b"),
                               (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"), (1024, 5120, "compressor")):
         q, scale = quantize_fp8(torch.randn(n_out, n_in, device=dev) / n_in ** 0.5, 32)
@@ -444,20 +447,28 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
         copies = {"bf16": [wb] + [wb.clone() for _ in range((128 << 20) // wb.nbytes)],
                   "fp8": [(q, scale)] + [(q.clone(), scale.clone()) for _ in range((128 << 20) // q.nbytes)]}
         floor = {"bf16": wb.nbytes / COPY_TBS / 1e9, "fp8": (q.nbytes + scale.nbytes) / COPY_TBS / 1e9}
-        x, turn = torch.randn(1, n_in, device=dev).bfloat16(), [0]
-        runs = [("bf16", "bf16 copy, tuned", config_for(n_out, n_in))]
-        runs += [("fp8", f"fp8 read, {label}", cfg) for label, cfg in ROW_CANDIDATES.items()]
-        for kind, label, cfg in runs:
-            def call(kind=kind, cfg=cfg):
-                turn[0] = (turn[0] + 1) % len(copies[kind])
-                w = copies[kind][turn[0]]
-                if kind == "bf16":
-                    return gemv(x, w, config=cfg, act_block=32)
-                return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
-            ms = _bench_graph(call)
-            rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B=1", config=label, ms=ms,
-                             us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms))
-            print(json.dumps(rows[-1]), flush=True)
+        for B in (1, 6, 16):
+            x, turn = torch.randn(B, n_in, device=dev).bfloat16(), [0]
+            runs = [("bf16", "bf16 copy, tuned", config_for(n_out, n_in))]
+            runs += [("fp8", f"fp8 read, {label}", cfg)
+                     for label, cfg in (ROW_CANDIDATES if B == 1 else MMA_CANDIDATES).items()]
+            copy_y = gemv(x, wb, act_block=32)
+            spread = fp8_act_quant(x, 32).float().abs() @ wb.float().abs().T
+            for kind, label, cfg in runs:
+                def call(kind=kind, cfg=cfg):
+                    turn[0] = (turn[0] + 1) % len(copies[kind])
+                    w = copies[kind][turn[0]]
+                    if kind == "bf16":
+                        return gemv(x, w, config=cfg, act_block=32)
+                    return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
+                ms = _bench_graph(call)
+                y = gemv(x, wb, config=cfg, act_block=32) if kind == "bf16" else \
+                    gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)
+                rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms,
+                                 us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms,
+                                 same_as_copy=float((y == copy_y).float().mean()),
+                                 max_rel_err=float(((y.float() - copy_y.float()).abs() / spread).max())))
+                print(json.dumps(rows[-1]), flush=True)
         del copies, q, scale, wb
 
 

@@ -25,14 +25,14 @@ The deterministic mode never reaches this kernel (mini.ops.linear keeps its batc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
-from mini.kernels.quant import fp8_group_quant
+from mini.kernels.quant import e4m3_round, e8m0_value, fp8_group_codes, fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
 # Triton 3.6's interpreter fails on the kernel's scalar loads ("only 0-dimensional arrays can be converted to
@@ -59,6 +59,9 @@ class GemvConfig:
     # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
     # so a program's rows share one scale row
     cuda_cores: bool = False
+    # the FP8 read of 1-16 rows on the tensor cores (`_gemv_fp8_mma_kernel`), x quantized in its loads; its steps
+    # are the weight's scale blocks (block_k is taken from the weight)
+    fp8_mma: bool = False
 
 
 DEFAULT = GemvConfig()
@@ -74,6 +77,15 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
+# The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
+# rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
+# MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
+# the shared w1|w3 and w2, 64 at the wide wq_b|indexer wq_b; 16 programs per SM was slower at every shape.
+MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
+                  "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
+                  "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
+MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
+MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -208,6 +220,55 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+# The FP8 read of 2-16 rows on the tensor cores (`fp8_mma`): the official FP8 GEMM's arithmetic (mini.ops.linear's
+# `blockwise_gemm`) with x quantized in the kernel's loads. Each step is one scale block of K (W_BLOCK, the weight's
+# block, which is also the activation quant group): the e4m3 weight bytes go to the MMA as stored (no conversion in
+# registers: the step the bf16-MMA form of this read lost to, docs/perf/023), x's group is rounded to e4m3 codes
+# with its power-of-two scale (kernels/quant.py's formula), and the block's [BLOCK_N, TP] products, summed by the
+# MMA from zero, are scaled by both powers of two (exact) and added to the fp32 sums. Only the MMA's own sum of a
+# block's W_BLOCK exact products differs from the bf16 copy's GEMV: Hopper's FP8 MMA keeps fewer bits of it (as
+# the official kernels', which sum 128 such products in it per scale block): 97% of outputs are the copy's bits,
+# the largest difference 7.5e-4 of the sum of |products| (docs/perf/044). It reads 0.2-0.38 of the copy rate in its
+# bytes, not more: each block's x codes go through shared memory (two barriers) and its MMA is waited on before the
+# scaling; still 0-19% faster than the copy's GEMV at 6-16 rows.
+@triton.jit(do_not_specialize=["T"])
+def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
+                         K_PIECE, BLOCK_N: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                         EVEN_K: tl.constexpr, W_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
+    (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n]."""
+    pid_n, piece = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    t = tl.arange(0, TP)
+    t_ok = t < T
+    kk = tl.arange(0, W_BLOCK)
+    k_lo = piece * K_PIECE
+    k_hi = tl.minimum(k_lo + K_PIECE, K)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :]
+    s_ptrs = s_ptr + (tl.minimum(n, N - 1) // W_BLOCK).to(tl.int64) * stride_s  # each row's scale row
+    acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, W_BLOCK):
+        k_ok = (kk < W_BLOCK) if EVEN_K else (k0 + kk < K)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        a, e = fp8_group_codes(x, 1, W_BLOCK, TP)
+        x_q = tl.reshape(e4m3_round(a), [TP, W_BLOCK])
+        if DOT_FP32:  # the interpreter: the same exact products, in fp32
+            d = tl.dot(w.to(tl.float32), tl.trans(x_q), input_precision="ieee")
+        else:
+            d = tl.dot(w, tl.trans(x_q.to(tl.float8e4nv)))
+        s_w = e8m0_value(tl.load(s_ptrs + k0 // W_BLOCK).to(tl.int32))
+        s_x = (tl.reshape(e, [TP]) << 23).to(tl.float32, bitcast=True)
+        acc += d * s_w[:, None] * s_x[None, :]
+    ok = n_ok[:, None] & t_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + piece.to(tl.int64) * T * N + t[None, :].to(tl.int64) * N + n[:, None], acc, mask=ok)
+    else:
+        tl.store(y_ptr + t[None, :].to(tl.int64) * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _sum_pieces_kernel(part_ptr, y_ptr, T, N, stride_y, PIECES: tl.constexpr, PP: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -297,15 +358,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
                          f"{w.dtype}{'' if scale is None else ' with a scale'}")
     T, K = x.shape[0], w.shape[1]
     N = w.shape[0]
-    config = config or (ROW_DEFAULT if scale is not None else config_for(N, K))
-    if groups > 1 and (scale is None or N % groups or (N // groups) % config.block_n):
-        raise ValueError(f"gemv: groups take the FP8 read, each group's rows (of w's {N}) whole BLOCK_N = "
-                         f"{config.block_n} blocks; got {groups} groups{'' if scale is not None else ', no scale'}")
-    if (scale is not None) != config.cuda_cores or (scale is not None and (T != 1 or w_block % config.block_n)):
-        raise ValueError(f"gemv: an FP8 weight takes one row of x on a CUDA-core build whose BLOCK_N divides its "
-                         f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}, "
-                         f"{'a' if config.cuda_cores else 'no'} CUDA-core build, {'a' if scale is not None else 'no'} "
-                         f"scale")
+    config = config or (config_for(N, K) if scale is None else ROW_DEFAULT if T == 1 else
+                        MMA_TUNED.get((N, K), MMA_DEFAULT))
+    if groups > 1 and (not config.cuda_cores or N % groups or (N // groups) % config.block_n):
+        raise ValueError(f"gemv: groups take the one-row FP8 read, each group's rows (of w's {N}) whole BLOCK_N = "
+                         f"{config.block_n} blocks; got {groups} groups, {T} row(s)"
+                         f"{'' if scale is not None else ', no scale'}")
+    if (scale is not None) != (config.cuda_cores or config.fp8_mma):
+        raise ValueError(f"gemv: an FP8 weight (with its scale) takes an FP8-read build and a bf16 one the others; "
+                         f"got {'a' if scale is not None else 'no'} scale and a "
+                         f"{'bf16' if not (config.cuda_cores or config.fp8_mma) else 'FP8-read'} build")
+    if config.cuda_cores and (T != 1 or w_block % config.block_n):
+        raise ValueError(f"gemv: the CUDA-core FP8 read takes one row of x and a BLOCK_N that divides the weight's "
+                         f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}")
+    if config.fp8_mma and (act_block != w_block or w_block < 32 or w_block & (w_block - 1)):
+        raise ValueError(f"gemv: the tensor-core FP8 read quantizes x in the weight's blocks (act_block = w_block, "
+                         f"a power of two >= 32, the MMA's K); got act_block {act_block}, w_block {w_block}")
+    if config.fp8_mma:
+        config = replace(config, block_k=w_block)  # its steps (and split-K pieces) are whole scale blocks
     if scale is not None:
         grid = (triton.cdiv(N, w_block), triton.cdiv(K, w_block))
         if scale.dim() != 2 or tuple(scale.shape) != grid or scale.element_size() != 1 or scale.stride(1) != 1:
@@ -345,6 +415,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         return out
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
+    if config.fp8_mma:
+        _gemv_fp8_mma_kernel[(n_blocks, pieces)](
+            x, w, scale.view(torch.uint8), out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0),
+            out.stride(0), k_piece, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1,
+            EVEN_K=K % w_block == 0, W_BLOCK=w_block, DOT_FP32=interpreted, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        if pieces > 1:
+            _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
+                                                           PP=triton.next_power_of_2(pieces), BLOCK=256)
+        return out
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),

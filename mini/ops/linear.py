@@ -134,27 +134,31 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
     return tuple(y.split([w.out_features for w in ws], dim=-1))
 
 
-def reads_fp8_weights() -> bool:
-    """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored at one row (MINI_GEMV_WEIGHTS=fp8,
-    the default: mini/kernels/gemv.py's FP8 read, half the bytes of the bf16 copy, the same exact products in another
-    fp32 order) rather than its dequantized bf16 copy (=bf16)."""
-    return switches.current().gemv_weights == "fp8"
+def reads_fp8_weights(rows: int = 1, act_block: int = 0, w: QWeight | None = None) -> bool:
+    """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored (half the bytes of its dequantized
+    bf16 copy, the same exact products in another fp32 order) for `rows` rows of x: at one row on the CUDA cores
+    (MINI_GEMV_WEIGHTS=fp8 or fp8_row), at 2-16 rows on the tensor cores when x is fake-quantized in w's blocks
+    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default), else (=bf16, or no quant) the copy."""
+    choice = switches.current().gemv_weights
+    if rows == 1:
+        return choice != "bf16"
+    return choice == "fp8" and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
 
 
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
     """The fast path's F.linear(x, w) on bf16 operands, x first fake-quantized to FP8 in 1 x act_block groups when
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
-    (w = its dequantized copy), which the GEMV reads instead at one row where `reads_fp8_weights`, so a row's bits
-    depend on whether it is alone in its step (the FP8 read's sum order or the MMA's), as cuBLAS's do on the
-    step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has routed to its
+    (w = its dequantized copy), which the GEMV reads instead where `reads_fp8_weights` (one row on the CUDA cores,
+    2-16 on the tensor cores), so a row's bits depend on whether it is alone in its step (the FP8 reads' sum
+    orders), as cuBLAS's do on the step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has routed to its
     batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv, runs_on
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
-            if fp8 is not None and rows == 1 and reads_fp8_weights() and _gemv_reads(fp8):
+            if fp8 is not None and reads_fp8_weights(rows, act_block, fp8) and _gemv_reads(fp8):
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
             else:
                 y = gemv(x2, w, act_block=act_block)

@@ -203,6 +203,35 @@ phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; c
     return $rc
 }
 
+phase_gemv_rows_ab() {  # issues 27/28 (not yet run; cap it at 480): the FP8 read of 2-16 rows on the tensor cores
+    # (MINI_GEMV_WEIGHTS=fp8) against the bf16 copy's GEMV at those rows (=fp8_row). First the GEMV's gpu tests
+    # (tests.log), then `mini bench kernels --only decode_gemv_fp8` (bench.log: us per call at B = 1, 6, 16 on V4.1's
+    # FP8 projections, same_as_copy, max_rel_err), then spec-decode (GEMV_AB_BATCH, default 1,16, --no-proxy; one
+    # emulated EP4 rank, acceptance EMULATED; GEMV_AB_ARGS adds flags, e.g. "--ep 8" on an H100) with =fp8_row, then
+    # =fp8, in one job (spec_fp8_row.log / .json, spec_fp8.log / .json)
+    local rc=0
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
+        --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -4 "$PHASE_DIR/tests.log"
+    timeout 100 python3 -m mini.bench.kernels --only decode_gemv_fp8 --json "$PHASE_DIR/kernels_gemv_fp8.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^\{|ERROR|Error" "$PHASE_DIR/bench.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'):
+        print(line.rstrip()); continue
+    r = json.loads(line)
+    print(f\"{r['kernel']:48s} {r['config']:24s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}  same {r['same_as_copy']:.3f}  err {r['max_rel_err']:.1e}\")"
+    for reads in fp8_row fp8; do
+        MINI_GEMV_WEIGHTS=$reads MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 140 python3 -m mini.cli bench \
+            spec-decode --batch "${GEMV_AB_BATCH:-1,16}" --context 4096 --steps 6 --warmup 2 --no-proxy \
+            ${GEMV_AB_ARGS:-} --json "$PHASE_DIR/spec_$reads.json" >"$PHASE_DIR/spec_$reads.log" 2>&1 || rc=1
+        grep -E "Error|error:" "$PHASE_DIR/spec_$reads.log" | tail -3
+        grep "^spec-decode B=" "$PHASE_DIR/spec_$reads.log" | sed "s/^/$reads: /"
+    done
+    return $rc
+}
+
 phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
     # at 300): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
     # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone

@@ -17,8 +17,9 @@ from triton.compiler import ASTSource
 
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+from mini.kernels.gemv import MMA_CANDIDATES as GEMV_MMA_CANDIDATES
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
-from mini.kernels.gemv import _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
+from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
 from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
@@ -147,6 +148,13 @@ def main() -> None:
                    INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128, unsplit
           dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))
+    for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
+        for split in (True, False):
+            build(_gemv_fp8_mma_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
+                  dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    build(_gemv_fp8_mma_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128
+          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False), num_stages=4)
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):

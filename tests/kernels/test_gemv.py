@@ -179,6 +179,47 @@ def test_fp8_row_build_sums_the_exact_products_interpreted(interpreter, N, K, w_
                        gemv(x, q, scale=scale, w_block=w_block, config=config))
 
 
+MMA_SMALL = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, programs_per_sm=1, fp8_mma=True)
+
+
+@pytest.mark.parametrize("T,N,K,w_block,config", [
+    (2, 100, 96, 32, MMA_SMALL), (6, 37, 320, 32, MMA_SMALL), (16, 70, 256, 128, replace(MMA_SMALL, block_n=32)),
+    (5, 150, 64, 32, replace(MMA_SMALL, programs_per_sm=8)), (1, 40, 96, 32, MMA_SMALL)])
+def test_fp8_mma_build_sums_the_exact_products_interpreted(interpreter, poisoned, T, N, K, w_block, config):
+    """The FP8 read of several rows on the tensor cores (`fp8_mma`; the interpreter sums its MMA exactly): x's FP8
+    codes and the weight's, block by block with both scales, the bf16 copy's exact products summed in fp32 in its
+    order (splits over K, N tails, 32- and 128-wide blocks, one row); a config-less call at 2-16 rows takes it."""
+    from mini.formats import dequant_fp8
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import MMA_DEFAULT
+    q, scale = _fp8_weight(N, K, w_block, "cpu", seed=N)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(K)) * 2).bfloat16()
+    x[0, :w_block] *= 300  # groups of very different scales
+    copy = dequant_fp8(q, scale, w_block, torch.bfloat16)
+    y = gemv(x, q, config=config, act_block=w_block, scale=scale, w_block=w_block)
+    _check(y, fp8_act_quant(x, w_block), copy)
+    assert torch.equal(gemv(x[-1:], q, config=config, act_block=w_block, scale=scale, w_block=w_block), y[-1:])
+    if T > 1:  # the default at 2-16 rows, its own tiles
+        _check(gemv(x, q, act_block=w_block, scale=scale, w_block=w_block), fp8_act_quant(x, w_block), copy)
+        assert MMA_DEFAULT.fp8_mma
+
+
+def test_fp8_mma_build_refuses_what_it_cannot_take():
+    q, scale = _fp8_weight(64, 96, 32, "cpu")
+    x = torch.randn(3, 96).bfloat16()
+    with pytest.raises(ValueError, match="act_block = w_block"):
+        gemv(x, q, scale=scale, w_block=32)  # x not quantized: its codes are what the MMA takes
+    with pytest.raises(ValueError, match="act_block = w_block"):
+        gemv(x, q, scale=scale, w_block=32, act_block=16)
+    q16, scale16 = _fp8_weight(64, 96, 16, "cpu")
+    with pytest.raises(ValueError, match="a power of two >= 32"):
+        gemv(x, q16, scale=scale16, w_block=16, act_block=16)  # narrower than the FP8 MMA's K
+    with pytest.raises(ValueError, match="one-row FP8 read"):
+        gemv(torch.randn(1, 192).bfloat16(), q, scale=scale, w_block=32, act_block=32, config=MMA_SMALL, groups=2)
+    with pytest.raises(ValueError, match="no scale"):
+        gemv(x, q.float().bfloat16(), config=MMA_SMALL, act_block=32)
+
+
 def test_fp8_read_refuses_what_it_cannot_take():
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(1, 96).bfloat16()
@@ -189,7 +230,7 @@ def test_fp8_read_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="E8M0 scale"):
         gemv(x, q, scale=scale.float(), w_block=32)
     with pytest.raises(ValueError, match="takes one row of x"):
-        gemv(x.expand(2, 96), q, scale=scale, w_block=32)  # more rows: the bf16 copy's GEMV
+        gemv(x.expand(2, 96), q, scale=scale, w_block=32, config=ROW_SMALL)  # more rows: the tensor cores' read
     with pytest.raises(ValueError, match="BLOCK_N 16"):
         gemv(x, q, scale=scale, w_block=24, config=ROW_SMALL)  # rows of one program across two scale rows
     with pytest.raises(ValueError, match="no scale"):
@@ -213,6 +254,42 @@ def test_fp8_read_at_v41_shapes_gpu(N, K):
                  act_block=32, scale=scale, w_block=32)
         _check(y.cpu(), fp8_act_quant(x, 32).cpu(), copy)
         assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, q, out=out, act_block=32, scale=scale, w_block=32)
+    graph.replay()
+    assert torch.equal(out, gemv(x, q, act_block=32, scale=scale, w_block=32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280)))
+def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
+    """On the GPU, the tensor cores' FP8 read of 2-16 rows at V4.1's projection shapes, every candidate: against
+    the exact products' sum (the bf16 copy's values) within a bf16 rounding plus what the FP8 MMA's own sum of a
+    block's 32 products drops (it keeps fewer bits than fp32; on an H100 at most 7.5e-4 of the sum of |products|,
+    docs/perf/044: bounded here by 2^-9), almost every output the bf16 copy's GEMV's (97% there); run to run, alone
+    against among 16 rows, and replayed from a graph the same."""
+    from mini.formats import dequant_fp8
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.gemv import MMA_CANDIDATES
+    q, scale = _fp8_weight(N, K, 32, "cuda", seed=N)
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16)
+    for T in (2, 6, 16):
+        x = (torch.randn(T, K, device="cuda") * 2).bfloat16()
+        xq = fp8_act_quant(x, 32)
+        ref = xq.double() @ copy.double().T
+        spread = xq.double().abs() @ copy.double().abs().T
+        copy_y = gemv(x, copy, act_block=32)
+        for cfg in MMA_CANDIDATES.values():
+            out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            y = gemv(x, q, out=out, config=cfg, act_block=32, scale=scale, w_block=32)
+            err = (y.double() - ref).abs()
+            assert not y.isnan().any() and (err <= ref.abs() * 2.0 ** -8 + spread * 2.0 ** -9).all(), \
+                (cfg, (err / spread).max().item())
+            assert (y == copy_y).float().mean() > 0.9, (cfg, (y == copy_y).float().mean().item())
+            assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
+            assert torch.equal(gemv(x[-1:], q, config=cfg, act_block=32, scale=scale, w_block=32), y[-1:]), cfg
     out = torch.full_like(y, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -283,7 +360,8 @@ def gemv_calls(monkeypatch):
 
     def counted(x, w, **kw):
         calls.append(tuple(x.shape))
-        return real(x, w, config=SMALL, **kw)
+        small = SMALL if "scale" not in kw else ROW_SMALL if x.shape[0] == 1 else MMA_SMALL
+        return real(x, w, config=small, **kw)
     monkeypatch.setattr(module, "gemv", counted)
     return calls
 
@@ -350,16 +428,18 @@ def test_linears_run_projections_of_one_input_as_one_gemv_interpreted(interprete
         assert torch.equal(y, linear(x, w))
 
 
-def test_fp8_weights_switch_reads_the_bytes_at_one_row_interpreted(interpreter, fast_interpreted, monkeypatch):
+def test_fp8_weights_switch_reads_the_bytes_interpreted(interpreter, fast_interpreted, monkeypatch):
     """MINI_GEMV_WEIGHTS=fp8 (the default): at one row linear and linears (their bytes and scales stacked, each
     weight's its views) reach the GEMV with the FP8 weight, within a bf16 rounding of the bf16 copy's GEMV (=bf16);
-    at 2-16 rows, above the row limit and in the deterministic mode, the copy as before."""
+    at 2-16 rows too (the tensor cores' read), but with =fp8_row the copy; above the row limit, without the act
+    quant and in the deterministic mode, the copy."""
     import mini.kernels.gemv as module
     import mini.ops
+    from mini.formats import no_fake_quant
     from mini.ops.linear import QWeight, linear, linears
     reads, real = [], module.gemv
     monkeypatch.setattr(module, "gemv", lambda x, w, **kw: reads.append(w.dtype) or real(
-        x, w, config=ROW_SMALL if "scale" in kw else SMALL, **kw))
+        x, w, config=SMALL if "scale" not in kw else ROW_SMALL if x.shape[0] == 1 else MMA_SMALL, **kw))
     ws = [QWeight("fp8", *_fp8_weight(n, 160, 32, "cpu", seed=n), 32) for n in (64, 24)]
     x = (torch.randn(1, 160) * 2).bfloat16()
     fp8 = [linear(x, w) for w in ws] + list(linears(x, tuple(ws)))
@@ -372,10 +452,21 @@ def test_fp8_weights_switch_reads_the_bytes_at_one_row_interpreted(interpreter, 
         assert ((a.double() - b.double()).abs() <= b.double().abs() * 2.0 ** -7 + 1e-6).all()
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
     reads.clear()
-    linear(x.expand(3, 160), ws[0])
+    x3 = (torch.randn(3, 160) * 2).bfloat16()
+    three = linear(x3, ws[0])
+    assert reads == [torch.float8_e4m3fn]
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_row")
+    assert linear(x[:1], ws[0]) is not None and reads[-1] == torch.float8_e4m3fn  # one row: still the bytes
+    copy3 = linear(x3, ws[0])
+    assert ((three.double() - copy3.double()).abs() <= copy3.double().abs() * 2.0 ** -7 + 1e-6).all()
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
+    reads.clear()
     linear(torch.randn(17, 160).bfloat16(), ws[0])
     with mini.ops.deterministic_mode():
         linear(x, ws[0])
+    assert reads == []  # F.linear
+    with no_fake_quant():
+        linear(x3, ws[0])
     assert reads == [torch.bfloat16]
     big = QWeight("fp8", ws[0].data, ws[0].scale.clone(), 32)
     big.scale[0, 0] = module.MAX_SCALE_BYTE + 1  # s = 2^40: past the FP8 read's range -> the bf16 copy
