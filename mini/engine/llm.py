@@ -4,10 +4,13 @@ Overlapped decode steps (`EngineOptions.overlap`; default: on where CUDA graphs 
 without penalties is launched and left in flight: its sampled ids stay on the device, and `step()` returns. The
 next `step()` plans and prepares step N+1 while step N runs, launches it with step N's ids fed on the device
 (mini.step.TokenFeed), and only then reads step N's ids back and does its bookkeeping (append, stop checks,
-detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those of the plain engine:
+detokenize, outputs) while step N+1 runs. Outputs lag one step; tokens are those of the plain engine (bit for bit
+in the deterministic mode; in the default mode a row's bits depend on its step's row count, below):
 
 * A sequence whose step-N token ends it is still in step N+1; that extra token is discarded, never emitted, and
-  its slot and blocks are returned only once step N+1 has been read back (the device may still write them).
+  its slot and blocks are returned only once step N+1 has been read back (the device may still write them). So
+  step N+1 can have a row more than the plain engine's, which the default mode's kernels may see (one row and
+  2-16 read the weights differently, docs/kernels.md).
   Length limits are known without the token, so such a sequence is not planned again (Sequence.length_capped).
 * A step that is not pure decode, or samples with penalties (they read the whole history), first reads back the
   step in flight, then runs as the plain engine does, without the sequences that just finished.
