@@ -344,10 +344,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
     FP8 in 1 x act_block groups, F.linear(fp8_act_quant(x, act_block), w) (`fuses_act_quant` says when the kernel
     does it in its loads; otherwise the quant pass runs first). `config` None: `config_for` the weight's shape.
-    With `scale`, w is the checkpoint's FP8 weight read as stored (the FP8 read above; one row of x): float8_e4m3fn
-    [N, K] with E8M0 `scale` [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE; the same result as
-    on dequant_fp8(w, scale, w_block, bf16) but for the order of the fp32 sums. `config` None: ROW_CANDIDATES'
-    first. `groups` G > 1 (the FP8 read only): a block-diagonal projection (V4.1's wo_a), x [1, G K] and w [N, K]
+    With `scale`, w is the checkpoint's FP8 weight read as stored: float8_e4m3fn [N, K] with E8M0 `scale`
+    [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE. One row of x (`config` None: ROW_CANDIDATES'
+    first) takes the CUDA-core read above: the same result as on dequant_fp8(w, scale, w_block, bf16) but for the
+    order of the fp32 sums. 2-16 rows (`config` None: MMA_TUNED's or MMA_CANDIDATES' first) take the tensor cores'
+    read, act_block = w_block: the same but for the FP8 MMA's sum within each block (above). `groups` G > 1 (the
+    one-row FP8 read only): a block-diagonal projection (V4.1's wo_a), x [1, G K] and w [N, K]
     whose rows in group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y = [x_g w_g^T for each
     g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's bmm at 1-16 rows: docs/perf/040.)"""
     if x.dim() != 2 or w.dim() != 2 or groups < 1 or x.shape[1] != groups * w.shape[1]:

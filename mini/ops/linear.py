@@ -136,9 +136,10 @@ def linears(x: torch.Tensor, ws: tuple[QWeight, ...]) -> tuple[torch.Tensor, ...
 
 def reads_fp8_weights(rows: int = 1, act_block: int = 0, w: QWeight | None = None) -> bool:
     """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored (half the bytes of its dequantized
-    bf16 copy, the same exact products in another fp32 order) for `rows` rows of x: at one row on the CUDA cores
-    (MINI_GEMV_WEIGHTS=fp8 or fp8_row), at 2-16 rows on the tensor cores when x is fake-quantized in w's blocks
-    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default), else (=bf16, or no quant) the copy."""
+    bf16 copy) for `rows` rows of x: at one row on the CUDA cores (MINI_GEMV_WEIGHTS=fp8 or fp8_row; the same exact
+    products in another fp32 order), at 2-16 rows on the tensor cores when x is fake-quantized in w's blocks
+    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default; the official FP8 GEMM's arithmetic, each block's
+    products summed in the FP8 MMA), else (=bf16, or no quant) the copy."""
     choice = switches.current().gemv_weights
     if rows == 1:
         return choice != "bf16"
@@ -150,9 +151,9 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
     (w = its dequantized copy), which the GEMV reads instead where `reads_fp8_weights` (one row on the CUDA cores,
-    2-16 on the tensor cores), so a row's bits depend on whether it is alone in its step (the FP8 reads' sum
-    orders), as cuBLAS's do on the step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has routed to its
-    batch-invariant kernel (mini/kernels/batch_invariant.py)."""
+    2-16 on the tensor cores), so a row's bits depend on whether it is alone in its step (the two reads' sums), as
+    cuBLAS's do on the step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has
+    routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if 0 < rows <= GEMV_MAX_TOKENS and not deterministic():
         from mini.kernels.gemv import gemv, runs_on

@@ -221,7 +221,8 @@ for line in sys.stdin:
     if not line.startswith('{'):
         print(line.rstrip()); continue
     r = json.loads(line)
-    print(f\"{r['kernel']:48s} {r['config']:24s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}  same {r['same_as_copy']:.3f}  err {r['max_rel_err']:.1e}\")"
+    print(f\"{r['kernel']:48s} {r['config']:24s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}\",
+          f\"same {r['same_as_copy']:.3f}  err {r['max_rel_err']:.1e}\")"
     for reads in fp8_row fp8; do
         MINI_GEMV_WEIGHTS=$reads MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 140 python3 -m mini.cli bench \
             spec-decode --batch "${GEMV_AB_BATCH:-1,16}" --context 4096 --steps 6 --warmup 2 --no-proxy \
