@@ -94,7 +94,9 @@ def _dp_status(url: str) -> dict:
 @pytest.fixture(scope="module")
 def one_server():
     """The plain one-process server: what the DP server must answer."""
-    app = build_app(PRESET, MODEL, device="cpu", dtype=torch.float32, **ENGINE)
+    # twice the DP ranks' cache: the skewed test's nine requests at once fit without preemption
+    engine = {**ENGINE, "num_blocks": 2 * ENGINE["num_blocks"]}
+    app = build_app(PRESET, MODEL, device="cpu", dtype=torch.float32, **engine)
     with BackgroundServer(app) as url:
         yield url
 
@@ -154,18 +156,22 @@ def _placed_total(url: str, n: int) -> None:
         time.sleep(0.02)
 
 
-# two decoding requests (the first with less context), then a 500-token prompt, then a burst of short prompts
-SKEW_WARM = [(PROMPTS[2], 40), (PROMPTS[1], 40)]
-SKEW_LONG = ([3 + (7 * j) % 500 for j in range(500)], 24)  # still decoding while the burst is placed
+# Two decoding requests (the first with less context), then a 500-token prompt, then a burst of short prompts.
+# The decisions hold by margins that the test's own delays (an HTTP round trip between placements, a loaded CI
+# machine) cannot eat: the warm requests decode 150 tokens, so both still run when the long prompt is placed, and
+# the long prompt's choice of rank 0 holds while warm 2 comes within ~116 steps of warm 1 (120 - 4 prompt tokens).
+# (The long prompt's 24 tokens: longer answers may differ from the one server's, whose chunks differ.)
+SKEW_WARM = [(PROMPTS[2], 150), ([3 + (13 * j) % 500 for j in range(120)], 150)]  # 4 and 120 prompt tokens
+SKEW_LONG = ([3 + (7 * j) % 500 for j in range(500)], 24)  # decoding while the burst is placed
 SKEW_BURST = [(PROMPTS[i % 5][: 5 + i], 3) for i in range(6)]
 
 
 def test_skewed_arrival_balances_tokens_and_answers_like_one(dp_server, one_server):
-    """Placement by tokens in flight: the long prompt goes to the rank with less context (rank 0), and the burst
-    of short prompts after it all goes to the other rank, whose tokens in flight stay below the long prompt's
-    (placement by request count alternates: 3 of them would land behind the long prompt). The long prompt arrives
-    while the other rank only decodes: its prefill is capped at 256 tokens per step. Greedy answers equal the
-    one-process server's."""
+    """Placement by tokens in flight: the long prompt goes to the rank with less context (rank 0: 4 + decoded,
+    against warm 2's 120 + decoded), and the burst of short prompts after it all goes to the other rank, whose
+    tokens in flight stay below the long prompt's (placement by request count alternates: 3 of them would land
+    behind the long prompt). The long prompt arrives while the other rank only decodes: its prefill is capped at
+    256 tokens per step. Greedy answers equal the one-process server's."""
     status = _dp_status(dp_server)
     assert status["unfinished"] == [0, 0]
     placed, capped, n = status["placed"], status["capped_steps"], sum(status["placed"])
@@ -178,6 +184,8 @@ def test_skewed_arrival_balances_tokens_and_answers_like_one(dp_server, one_serv
         futures += [pool.submit(_complete, dp_server, *request) for request in SKEW_BURST]
         got = [f.result() for f in futures]
     status = _dp_status(dp_server)
+    # the premise: nothing finished before the burst came (else the machine is too slow for the margins above)
+    assert after_long["unfinished"] == [2, 1], after_long
     assert [b - a for a, b in zip(placed, status["placed"])] == [2, 1 + len(SKEW_BURST)], status
     assert after_long["tokens_in_flight"][0] >= len(SKEW_LONG[0]), after_long
     assert status["capped_steps"] > capped, status  # 500 prompt tokens at most 256 a step: two steps capped
