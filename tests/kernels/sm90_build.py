@@ -3,13 +3,18 @@ configurations the wrappers use for the models' shapes, so that a kernel that on
 (the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each,
 with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
 `spills=True`: the CUDA-core FP8 read at several rows spilled from 2-4 rows on (docs/perf/025), a cost no CPU test
-saw. This build marks only the pointers 16-divisible (a launch also marks its 16-divisible integers), so its
-registers may differ from a launch's, and they differ between Triton versions (the marks cover 3.6, the GPU
-image's and CI's oldest, and 3.9); a build marked here is one to check on a device (docs/kernels.md)."""
+saw. A build specializes its arguments as Triton's launcher does for a launch at the model's shape: the pointers
+16-byte aligned, and each integer in `ints` (what such a launch passes) marked 16-divisible when it is, a constant
+when it is 1. That decides whether loads are vectorized and pipelined: the GEMVs built without their strides'
+marks loaded bytes one at a time in 200-255 registers, against 40-113 as launched (docs/perf/045). Row and token
+counts and lengths that vary from step to step stay unmarked (a launch compiles one build per class of them).
+Registers still differ between Triton versions (the marks cover 3.6, the GPU image's and CI's oldest, and 3.9);
+a build marked here is one to check on a device (phase `kernel_resources`, docs/kernels.md)."""
 import os
 import re
 import subprocess
 import tempfile
+from dataclasses import replace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -17,9 +22,12 @@ from triton.compiler import ASTSource
 
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+from mini.kernels.gemv import DEFAULT as GEMV_DEFAULT
 from mini.kernels.gemv import MMA_CANDIDATES as GEMV_MMA_CANDIDATES
+from mini.kernels.gemv import MMA_DEFAULT as GEMV_MMA_DEFAULT
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
-from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel
+from mini.kernels.gemv import ROW_DEFAULT as GEMV_ROW_DEFAULT
+from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel, split_k
 from mini.kernels.indexer_scores import _index_scores_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
 from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
@@ -46,11 +54,17 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
-def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2, spills=False) -> None:
+def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2, spills=False,
+          ints: dict | None = None) -> None:
     names = kernel.arg_names
+    fixed = {n for i, n in enumerate(names) if i in kernel.do_not_specialize or n in kernel.do_not_specialize}
+    ints = ints or {}
+    assert not set(ints) - set(names) and not set(ints) & fixed, f"{kernel.__name__}: ints {ints}"
+    consts = {**consts, **{n: 1 for n, v in ints.items() if v == 1}}  # the launcher makes a 1 a constant
     types = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
              else "fp32" if n in floats else "i32" for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or (n in ints and ints[n] % 16 == 0 and ints[n] != 1)}
     src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -59,7 +73,24 @@ def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_sta
     assert shared <= SM90_SHARED_BYTES, f"{kernel.__name__} {consts}: {shared} bytes of shared memory"
     regs, stack = resources(compiled.asm["cubin"])
     assert spills or stack == 0, f"{kernel.__name__} {consts}: {regs} registers, {stack} stack bytes a thread (spills)"
-    print(kernel.__name__, consts, f"REG:{regs} STACK:{stack}", "ok", flush=True)
+    print(kernel.__name__, consts, ints, f"REG:{regs} STACK:{stack}", "ok", flush=True)
+
+
+def _gemv_ints(N: int, K: int, cfg, split: bool = True, w_block: int = 0) -> dict:
+    """The integers a GEMV launch passes for a contiguous x [T, K] and w [N, K] (mini.kernels.gemv.gemv), for the
+    kernel `cfg` selects; T is not specialized. `w_block`: an FP8 weight's (its scale rows' stride)."""
+    k_piece = split_k(N, K, cfg)[1] if split else K
+    if cfg.cuda_cores:
+        return dict(N=N, K=K, stride_w=K, stride_s=triton.cdiv(K, w_block), K_PIECE=k_piece, GROUP_N=N)
+    ints = dict(N=N, K=K, stride_x=K, stride_w=K, stride_y=N, K_PIECE=k_piece)
+    return {**ints, "stride_s": triton.cdiv(K, w_block)} if cfg.fp8_mma else ints
+
+
+def _mla_ints(heads: int, d: int, window: int) -> dict:
+    """A sparse MLA launch's strides and heads for q and out [T, heads, d] and rings [slots, window, d]; the block
+    table's and index lists' widths and the groups a block holds vary with the config: unmarked."""
+    return dict(stride_qt=heads * d, stride_qh=d, stride_ot=heads * d, stride_oh=d, stride_win=window * d,
+                n_heads=heads)
 
 
 def main() -> None:
@@ -77,16 +108,19 @@ def main() -> None:
             for tiles, rope in ((0, 0), (8, rd)):
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
-                      ("scale_log2",), num_warps=8, spills=True)  # at every shape (docs/perf/043)
+                      ("scale_log2",), num_warps=8, ints=_mla_ints(bh, d, w),
+                      # under Triton 3.9 at every shape; under 3.6 (the GPU image's) D_SPLIT 1 at 512 and 128
+                      spills=True)
     # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
     for split in (2, 1):
         for d, bh in ((512, 64), (64, 16)):
             build(_sparse_mla_split_kernel, {**ptrs, "nvalid_ptr": "*i32", "stat_ptr": "*fp32"},
                   dict(W=128, N_COMP_TILES=0, D=d, RD=0, BLOCK_H=bh, BLOCK_N=64, PREFILL_LISTS=True,
                        D_SPLIT=split),
-                  ("scale_log2",), num_warps=8, spills=True)  # (docs/perf/043)
+                  ("scale_log2",), num_warps=8, spills=True, ints=_mla_ints(bh, d, 128))  # (as above)
             build(_combine_kernel, {**ptrs, "stat_ptr": "*fp32"},
-                  dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64))
+                  dict(N_PIECES=5 - split, D=d, RD=64 if d == 512 else 16, BLOCK_H=bh, BLOCK_D=64),
+                  ints=dict(stride_ot=bh * d, stride_oh=d, n_heads=bh))
     for h, di, bt in ((32, 128, 2), (64, 128, 2), (4, 32, 4), (4, 64, 4)):
         for cand in (False, True):  # the tiles per program are an argument: one build for every count
             build(_index_scores_kernel, {**ptrs, "out_ptr": "*fp32"},
@@ -126,41 +160,48 @@ def main() -> None:
                              (32, 16, 0, 32), (64, 64, 0, 32)):
         build(_rope_quant_kernel, ptrs, dict(D=d, RD=rd, NOPE_P=triton.next_power_of_2(max(d - rd, 1)), BLOCK_R=16,
                                              NORM=quant == 1, QUANT=quant, QBLOCK=qb), ("eps", "sin_sign"),
-              spills=(d, quant) == (512, 0))  # the compressed KV's plain RoPE at 512
+              ints=dict(stride_n=8 * d, stride_h=d))  # rows of 8 heads (the heads themselves vary: unmarked)
     # the decode GEMV: each candidate tiling split over K with V4.1's activation quant in its loads (and the default
-    # unsplit without it), then fp32 output, V4's quant blocks, the pieces' sum
+    # unsplit without it), then fp32 output, V4's quant blocks, the pieces' sum; at wo_b's [5120, 8192] (every
+    # integer 16-divisible), the defaults also at wq_b | indexer wq_b's [36864, 1280] (scale rows of 40 bytes)
     for cfg in GEMV_CANDIDATES.values():
         for split in (True, False) if cfg == next(iter(GEMV_CANDIDATES.values())) else (True,):
             build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TP=16, SPLIT=split, ONE_LAUNCH=cfg.one_launch,
                        EVEN_K=True, ACT_BLOCK=32 if split else 0, DOT_DTYPE=triton.language.bfloat16),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  spills=cfg.block_k == 256)  # the 64 x 256 candidate (not a default)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, ints=_gemv_ints(5120, 8192, cfg, split))
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32", "y_ptr": "*fp32"},  # fp32 output (the compressor's GEMM)
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=False, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=0,
-               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4, ints=_gemv_ints(1024, 5120, GEMV_DEFAULT, False))
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},  # V4's 128-wide activation quant blocks
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
-               DOT_DTYPE=triton.language.bfloat16), num_stages=4)
+               DOT_DTYPE=triton.language.bfloat16), num_stages=4, ints=_gemv_ints(1536, 7168, GEMV_DEFAULT))
+    fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"}
     for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores (V4.1's 32 x 32 blocks)
-        build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
-              dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
-                   INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    build(_gemv_fp8_row_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128, unsplit
-          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False))
+        for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_ROW_DEFAULT else ((5120, 8192),):
+            build(_gemv_fp8_row_kernel, fp8,
+                  dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
+                       INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  ints=_gemv_ints(n, k, cfg, w_block=32))
+    build(_gemv_fp8_row_kernel, fp8,  # V4's 128 x 128, unsplit
+          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False),
+          ints=_gemv_ints(1536, 7168, replace(GEMV_ROW_DEFAULT, block_k=256), False, w_block=128))
     for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
-        for split in (True, False):
-            build(_gemv_fp8_mma_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},
-                  dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    build(_gemv_fp8_mma_kernel, {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"},  # V4's 128 x 128
-          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False), num_stages=4)
-    build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256))
+        for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
+            for split in (True, False):
+                build(_gemv_fp8_mma_kernel, fp8,
+                      dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      ints=_gemv_ints(n, k, replace(cfg, block_k=32), split, w_block=32))
+    build(_gemv_fp8_mma_kernel, fp8,  # V4's 128 x 128
+          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False), num_stages=4,
+          ints=_gemv_ints(1536, 7168, replace(GEMV_MMA_DEFAULT, block_n=64, block_k=128), w_block=128))
+    build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256), ints=dict(N=5120, stride_y=5120))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):
         bd, br, warps = norm_tiles(d)
         build(_rms_norm_kernel, ptrs, dict(D=d, BLOCK_D=bd, BLOCK_R=br, QUANT=quant, QBLOCK=32), ("eps",),
-              num_warps=warps)
+              num_warps=warps, ints=dict(stride_x=d))  # rows: unmarked
     # Engram's gate + update at V4.1-Flash's shape (hc 4, D 5,120; the wrapper's 1,024-wide chunks), with a mask
     for masked in (False, True):
         build(_engram_gate_kernel, {"w_ptr": "*fp32", "mask_ptr": "*i1"},
