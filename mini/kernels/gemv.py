@@ -81,9 +81,14 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
 # the shared w1|w3 and w2, 64 at the wide wq_b|indexer wq_b; 16 programs per SM was slower at every shape.
+# The last three, not yet timed, move more bytes per step (its barriers and MMA wait are per step, docs/perf/045):
+# 256 rows a program (one wait for four MMAs) on 4 or 8 warps, or 8 stages in flight.
 MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
-                  "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
+                  "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True),
+                  "mma 256 s4 4/SM": GemvConfig(256, 32, 4, 4, 4, fp8_mma=True),
+                  "mma 256 8w s4 4/SM": GemvConfig(256, 32, 8, 4, 4, fp8_mma=True),
+                  "mma 128 s8 4/SM": GemvConfig(128, 32, 4, 8, 4, fp8_mma=True)}
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
@@ -229,8 +234,9 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
 # block's W_BLOCK exact products differs from the bf16 copy's GEMV: Hopper's FP8 MMA keeps fewer bits of it (as
 # the official kernels', which sum 128 such products in it per scale block): 97% of outputs are the copy's bits,
 # the largest difference 7.5e-4 of the sum of |products| (docs/perf/044). It reads 0.2-0.38 of the copy rate in its
-# bytes, not more: each block's x codes go through shared memory (two barriers) and its MMA is waited on before the
-# scaling; still 0-19% faster than the copy's GEMV at 6-16 rows.
+# bytes, not more: each step (one block) stores x's codes for the MMA, waits on the MMA before the scaling and moves
+# both scales to the accumulator's layout through shared memory: 6 barriers a step (docs/perf/045); still 0-19%
+# faster than the copy's GEMV at 6-16 rows.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
                          K_PIECE, BLOCK_N: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,

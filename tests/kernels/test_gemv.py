@@ -184,7 +184,8 @@ MMA_SMALL = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, progra
 
 @pytest.mark.parametrize("T,N,K,w_block,config", [
     (2, 100, 96, 32, MMA_SMALL), (6, 37, 320, 32, MMA_SMALL), (16, 70, 256, 128, replace(MMA_SMALL, block_n=32)),
-    (5, 150, 64, 32, replace(MMA_SMALL, programs_per_sm=8)), (1, 40, 96, 32, MMA_SMALL)])
+    (5, 150, 64, 32, replace(MMA_SMALL, programs_per_sm=8)), (1, 40, 96, 32, MMA_SMALL),
+    (4, 300, 96, 32, replace(MMA_SMALL, block_n=256, num_warps=8))])
 def test_fp8_mma_build_sums_the_exact_products_interpreted(interpreter, poisoned, T, N, K, w_block, config):
     """The FP8 read of several rows on the tensor cores (`fp8_mma`; the interpreter sums its MMA exactly): x's FP8
     codes and the weight's, block by block with both scales, the bf16 copy's exact products summed in fp32 in its
