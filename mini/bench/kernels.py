@@ -436,9 +436,10 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
     act quant fused, us per call in a CUDA graph, copies taken in turn (L2 defeated); `frac_copy_peak` in each
     read's own bytes. B = 1: the one-row FP8 read on the CUDA cores, each candidate; B = 6 and 16 (a B = 1 verify
     step's rows, the GEMV's most): the tensor-core FP8 read, each candidate, with `same_as_copy` (the share of
-    outputs equal to the copy's GEMV) and `max_rel_err` (largest |difference| over the sum of |products|)."""
+    outputs equal to the copy's GEMV) and `max_rel_err` (largest |difference| over the sum of |products|); and the
+    same read given x's FP8 codes (FP8Rows: "x codes"), alone and after the quant pass that writes them."""
     from mini.formats import dequant_fp8, quantize_fp8
-    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant, fp8_act_quant_wire
     from mini.kernels.gemv import MMA_CANDIDATES, ROW_CANDIDATES, config_for, gemv
     for n_out, n_in, name in ((1792, 5120, "wq_a|wkv"), (36864, 1280, "wq_b|indexer wq_b"), (5120, 8192, "wo_b"),
                               (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"), (1024, 5120, "compressor")):
@@ -452,20 +453,33 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
             runs = [("bf16", "bf16 copy, tuned", config_for(n_out, n_in))]
             runs += [("fp8", f"fp8 read, {label}", cfg)
                      for label, cfg in (ROW_CANDIDATES if B == 1 else MMA_CANDIDATES).items()]
+            if B > 1:  # x's codes given: the read alone, and with the pass that writes them
+                runs += [(kind, f"fp8 read of {kind}, {label}", cfg) for kind in ("x codes", "quant + x codes")
+                         for label, cfg in MMA_CANDIDATES.items()]
+            x_codes = FP8Rows(torch.empty(B, n_in, dtype=torch.uint8, device=dev),
+                              torch.empty(B, n_in // 32, dtype=torch.uint8, device=dev), 32, torch.bfloat16)
+            fp8_act_quant_wire(x, 32, x_codes.codes, x_codes.scales)
             copy_y = gemv(x, wb, act_block=32)
             spread = fp8_act_quant(x, 32).float().abs() @ wb.float().abs().T
             for kind, label, cfg in runs:
                 def call(kind=kind, cfg=cfg):
-                    turn[0] = (turn[0] + 1) % len(copies[kind])
-                    w = copies[kind][turn[0]]
+                    held = copies["bf16" if kind == "bf16" else "fp8"]
+                    turn[0] = (turn[0] + 1) % len(held)
+                    w = held[turn[0]]
                     if kind == "bf16":
                         return gemv(x, w, config=cfg, act_block=32)
-                    return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
+                    if kind == "fp8":
+                        return gemv(x, w[0], config=cfg, act_block=32, scale=w[1], w_block=32)
+                    if kind == "quant + x codes":
+                        fp8_act_quant_wire(x, 32, x_codes.codes, x_codes.scales)
+                    return gemv(x_codes, w[0], config=cfg, scale=w[1], w_block=32)
                 ms = _bench_graph(call)
                 y = gemv(x, wb, config=cfg, act_block=32) if kind == "bf16" else \
-                    gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)
+                    gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32) if kind == "fp8" else \
+                    gemv(x_codes, q, config=cfg, scale=scale, w_block=32)
                 rows.append(dict(kernel=f"decode_gemv_fp8/{name} [{n_out},{n_in}] B={B}", config=label, ms=ms,
-                                 us=ms * 1e3, floor_ms=floor[kind], frac_copy_peak=floor[kind] / ms,
+                                 us=ms * 1e3, floor_ms=floor["bf16" if kind == "bf16" else "fp8"],
+                                 frac_copy_peak=floor["bf16" if kind == "bf16" else "fp8"] / ms,
                                  same_as_copy=float((y == copy_y).float().mean()),
                                  max_rel_err=float(((y.float() - copy_y.float()).abs() / spread).max())))
                 print(json.dumps(rows[-1]), flush=True)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from mini.kernels.device_info import H200_SMS, sm_count
+from mini.kernels.fp8_act_quant import FP8Rows
 from mini.kernels.quant import e4m3_round, e8m0_value, fp8_group_codes, fp8_group_quant
 
 MAX_ROWS = 16  # x's rows are padded to one 16-row MMA operand
@@ -239,10 +240,13 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
 # faster than the copy's GEMV at 6-16 rows.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
-                         K_PIECE, BLOCK_N: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                         EVEN_K: tl.constexpr, W_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr):
+                         K_PIECE, e_ptr, stride_e, BLOCK_N: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                         EVEN_K: tl.constexpr, W_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr,
+                         X_CODES: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
-    (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n]."""
+    (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
+    X_CODES: x is given quantized, its e4m3 codes at x_ptr and E8M0 bytes at e_ptr [T, K / W_BLOCK] (rows
+    `stride_e` apart); else x is bf16, quantized here (e_ptr unused)."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -258,15 +262,24 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x
     for k0 in range(k_lo, k_hi, W_BLOCK):
         k_ok = (kk < W_BLOCK) if EVEN_K else (k0 + kk < K)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        a, e = fp8_group_codes(x, 1, W_BLOCK, TP)
-        x_q = tl.reshape(e4m3_round(a), [TP, W_BLOCK])
+        if X_CODES:  # the codes as the MMA takes them (no shared-memory store of x's: docs/perf/045)
+            x_q = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            s_x = e8m0_value(tl.load(e_ptr + t.to(tl.int64) * stride_e + k0 // W_BLOCK, mask=t_ok,
+                                     other=127).to(tl.int32))
+            if DOT_FP32:
+                x_q = x_q.to(tl.float32)
+        else:
+            x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            a, e = fp8_group_codes(x, 1, W_BLOCK, TP)
+            x_q = tl.reshape(e4m3_round(a), [TP, W_BLOCK])
+            s_x = (tl.reshape(e, [TP]) << 23).to(tl.float32, bitcast=True)
+            if not DOT_FP32:
+                x_q = x_q.to(tl.float8e4nv)
         if DOT_FP32:  # the interpreter: the same exact products, in fp32
             d = tl.dot(w.to(tl.float32), tl.trans(x_q), input_precision="ieee")
         else:
-            d = tl.dot(w, tl.trans(x_q.to(tl.float8e4nv)))
+            d = tl.dot(w, tl.trans(x_q))
         s_w = e8m0_value(tl.load(s_ptrs + k0 // W_BLOCK).to(tl.int32))
-        s_x = (tl.reshape(e, [TP]) << 23).to(tl.float32, bitcast=True)
         acc += d * s_w[:, None] * s_x[None, :]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT:
@@ -342,9 +355,9 @@ def fuses_act_quant(act_block: int, config: GemvConfig = DEFAULT) -> bool:
     return config.block_k % act_block == 0
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
-         out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0, scale: torch.Tensor | None = None,
-         w_block: int = 0, groups: int = 1) -> torch.Tensor:
+def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = None,
+         config: GemvConfig | None = None, out_dtype: torch.dtype = torch.bfloat16, act_block: int = 0,
+         scale: torch.Tensor | None = None, w_block: int = 0, groups: int = 1) -> torch.Tensor:
     """x [T, K] bf16 (T <= 16), w [N, K] bf16 row-major -> [T, N] in `out_dtype` (into `out` when given, its dtype):
     F.linear(x, w) with fp32 sums in this kernel's order; out_dtype fp32 keeps the sums unrounded (as
     torch.mm(..., out_dtype=torch.float32), the compressor's GEMM). act_block > 0: x is first fake-quantized to
@@ -357,7 +370,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     read, act_block = w_block: the same but for the FP8 MMA's sum within each block (above). `groups` G > 1 (the
     one-row FP8 read only): a block-diagonal projection (V4.1's wo_a), x [1, G K] and w [N, K]
     whose rows in group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y = [x_g w_g^T for each
-    g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's bmm at 1-16 rows: docs/perf/040.)"""
+    g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's bmm at 1-16 rows: docs/perf/040.)
+    x may also come quantized (`FP8Rows`: its e4m3 codes and E8M0 bytes in the weight's blocks, e.g. from
+    fp8_act_quant_wire): the tensor cores' FP8 read then takes the codes as they are, at any 1-16 rows, with the bits
+    of the same read quantizing bf16 x in its loads (act_block is then x's block or 0)."""
+    if isinstance(x, FP8Rows):
+        return _gemv_codes(x, w, out, config, out_dtype, act_block, scale, w_block, groups)
     if x.dim() != 2 or w.dim() != 2 or groups < 1 or x.shape[1] != groups * w.shape[1]:
         raise ValueError(f"gemv: x [T, {groups} K] and w [N, K] expected ({groups} group(s)), got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
@@ -385,18 +403,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     if config.fp8_mma:
         config = replace(config, block_k=w_block)  # its steps (and split-K pieces) are whole scale blocks
     if scale is not None:
-        grid = (triton.cdiv(N, w_block), triton.cdiv(K, w_block))
-        if scale.dim() != 2 or tuple(scale.shape) != grid or scale.element_size() != 1 or scale.stride(1) != 1:
-            raise ValueError(f"gemv: E8M0 scale [{grid[0]}, {grid[1]}] (bytes, unit column stride) expected for "
-                             f"w {tuple(w.shape)} in {w_block} x {w_block} blocks, got {scale.dtype} "
-                             f"{tuple(scale.shape)}")
-    if T > MAX_ROWS:
-        raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
-    if out is None:
-        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
-    if out.shape != (T, N) or out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
-        raise ValueError(f"gemv: out must be a bf16 or fp32 [{T}, {N}] tensor with unit column stride, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        _check_scale(scale, w, w_block)
+    out = _output(out, T, N, out_dtype, x.device)
     if T == 0 or N == 0:
         return out
     if K == 0:
@@ -408,6 +416,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         x, act_block = fp8_act_quant(x, act_block), 0
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
+    if config.fp8_mma:
+        return _fp8_mma(x, None, w, scale, w_block, out, config)
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
     if config.cuda_cores:
@@ -423,16 +433,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         return out
     n_blocks = triton.cdiv(N, config.block_n)
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
-    if config.fp8_mma:
-        _gemv_fp8_mma_kernel[(n_blocks, pieces)](
-            x, w, scale.view(torch.uint8), out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0),
-            out.stride(0), k_piece, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1,
-            EVEN_K=K % w_block == 0, W_BLOCK=w_block, DOT_FP32=interpreted, num_warps=config.num_warps,
-            num_stages=config.num_stages)
-        if pieces > 1:
-            _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
-                                                           PP=triton.next_power_of_2(pieces), BLOCK=256)
-        return out
     counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
     _gemv_kernel[(n_blocks, pieces)](
         x, w, out, part, part if counters is None else counters, T, N, K, x.stride(0), w.stride(0), out.stride(0),
@@ -446,3 +446,67 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         _sum_pieces_kernel[(triton.cdiv(T * N, block),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                          PP=triton.next_power_of_2(pieces), BLOCK=block)
     return out
+
+
+def _check_scale(scale: torch.Tensor, w: torch.Tensor, w_block: int) -> None:
+    grid = (triton.cdiv(w.shape[0], w_block), triton.cdiv(w.shape[1], w_block))
+    if scale.dim() != 2 or tuple(scale.shape) != grid or scale.element_size() != 1 or scale.stride(1) != 1:
+        raise ValueError(f"gemv: E8M0 scale [{grid[0]}, {grid[1]}] (bytes, unit column stride) expected for "
+                         f"w {tuple(w.shape)} in {w_block} x {w_block} blocks, got {scale.dtype} {tuple(scale.shape)}")
+
+
+def _output(out: torch.Tensor | None, T: int, N: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`out` (or a new [T, N] tensor of `dtype`) once checked; T within MAX_ROWS."""
+    if T > MAX_ROWS:
+        raise ValueError(f"gemv: at most {MAX_ROWS} rows, got {T}")
+    out = torch.empty(T, N, dtype=dtype, device=device) if out is None else out
+    if out.shape != (T, N) or out.dtype not in (torch.bfloat16, torch.float32) or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be a bf16 or fp32 [{T}, {N}] tensor with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, scale: torch.Tensor, w_block: int,
+             out: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    """The tensor cores' FP8 read into `out` [T, N]: x bf16 [T, K] (quantized in the loads), or x's e4m3 codes
+    with their E8M0 bytes `x_scales` [T, K / w_block]; arguments checked by the caller."""
+    (T, K), N = x.shape, w.shape[0]
+    pieces, k_piece = split_k(N, K, config, sm_count(x.device))
+    part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
+    w_scales = scale.view(torch.uint8)
+    _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
+        x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
+        w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0),
+        BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, EVEN_K=K % w_block == 0, W_BLOCK=w_block,
+        DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    if pieces > 1:
+        _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
+                                                       PP=triton.next_power_of_2(pieces), BLOCK=256)
+    return out
+
+
+def _gemv_codes(x: FP8Rows, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,
+                out_dtype: torch.dtype, act_block: int, scale: torch.Tensor | None, w_block: int,
+                groups: int) -> torch.Tensor:
+    """`gemv` of x given as FP8 codes (FP8Rows): the tensor cores' FP8 read on them."""
+    (T, K), N = x.shape, w.shape[0]
+    if scale is None or w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != K or groups != 1:
+        raise ValueError(f"gemv: x as FP8 codes takes an e4m3 w [N, {K}] with its scale (one group), got "
+                         f"{w.dtype} {tuple(w.shape)}{'' if scale is not None else ' without a scale'}, "
+                         f"{groups} group(s)")
+    config = config or MMA_TUNED.get((N, K), MMA_DEFAULT)
+    if not config.fp8_mma or x.block != w_block or act_block not in (0, w_block) or w_block < 32 \
+            or w_block & (w_block - 1):
+        raise ValueError(f"gemv: x as FP8 codes takes the tensor-core FP8 read with x's block = w_block (a power "
+                         f"of two >= 32); got {'an FP8-MMA' if config.fp8_mma else 'another'} build, x's block "
+                         f"{x.block}, w_block {w_block}, act_block {act_block}")
+    _check_scale(scale, w, w_block)
+    out = _output(out, T, N, out_dtype, w.device)
+    if T == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    return _fp8_mma(x.codes.view(torch.float8_e4m3fn), x.scales, w, scale, w_block, out,
+                    replace(config, block_k=w_block))

@@ -188,7 +188,7 @@ phase_fastpath() {  # fast vs reference path: tiny-v4.1 greedy decode with and w
     return $rc
 }
 
-phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; cap it at 200): `mini bench kernels
+phase_gemv() {  # issue 28, the dense projections at decode (cap it at 260): `mini bench kernels
     # --only decode_gemv` (bench.log, kernels_decode_gemv.json): us per call in a CUDA graph, cuBLAS at B = 1, 16, 64
     # on V4.1's projection shapes against the decode GEMV's candidate tilings at B = 1, 16 (frac_copy_peak,
     # same_as_cublas), and an FP8 linear's quant pass + cuBLAS against the GEMV with the quant fused; then the GEMV's
@@ -197,23 +197,24 @@ phase_gemv() {  # issue 28, the dense projections at decode (not yet measured; c
     timeout 130 python3 -m mini.bench.kernels --only decode_gemv --json "$PHASE_DIR/kernels_decode_gemv.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^dense_gemm|ERROR" "$PHASE_DIR/bench.log" || tail -15 "$PHASE_DIR/bench.log"
-    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -6 "$PHASE_DIR/tests.log"
     return $rc
 }
 
-phase_gemv_rows_ab() {  # issues 27/28 (not yet run; cap it at 480): the FP8 read of 2-16 rows on the tensor cores
+phase_gemv_rows_ab() {  # issues 27/28 (cap it at 560): the FP8 read of 2-16 rows on the tensor cores
     # (MINI_GEMV_WEIGHTS=fp8) against the bf16 copy's GEMV at those rows (=fp8_row). First the GEMV's gpu tests
     # (tests.log), then `mini bench kernels --only decode_gemv_fp8` (bench.log: us per call at B = 1, 6, 16 on V4.1's
-    # FP8 projections, same_as_copy, max_rel_err), then spec-decode (GEMV_AB_BATCH, default 1,16, --no-proxy; one
+    # FP8 projections, same_as_copy, max_rel_err; each candidate also on x's codes, alone and after their quant
+    # pass), then spec-decode (GEMV_AB_BATCH, default 1,16, --no-proxy; one
     # emulated EP4 rank, acceptance EMULATED; GEMV_AB_ARGS adds flags, e.g. "--ep 8" on an H100) with =fp8_row, then
     # =fp8, in one job (spec_fp8_row.log / .json, spec_fp8.log / .json)
     local rc=0
-    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
     tail -4 "$PHASE_DIR/tests.log"
-    timeout 100 python3 -m mini.bench.kernels --only decode_gemv_fp8 --json "$PHASE_DIR/kernels_gemv_fp8.json" \
+    timeout 180 python3 -m mini.bench.kernels --only decode_gemv_fp8 --json "$PHASE_DIR/kernels_gemv_fp8.json" \
         >"$PHASE_DIR/bench.log" 2>&1 || rc=1
     grep -E "^\{|ERROR|Error" "$PHASE_DIR/bench.log" | python3 -c "
 import json, sys
@@ -221,7 +222,7 @@ for line in sys.stdin:
     if not line.startswith('{'):
         print(line.rstrip()); continue
     r = json.loads(line)
-    print(f\"{r['kernel']:48s} {r['config']:24s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}\",
+    print(f\"{r['kernel']:48s} {r['config']:48s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}\",
           f\"same {r['same_as_copy']:.3f}  err {r['max_rel_err']:.1e}\")"
     for reads in fp8_row fp8; do
         MINI_GEMV_WEIGHTS=$reads MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 140 python3 -m mini.cli bench \

@@ -83,7 +83,7 @@ def _gemv_ints(N: int, K: int, cfg, split: bool = True, w_block: int = 0) -> dic
     if cfg.cuda_cores:
         return dict(N=N, K=K, stride_w=K, stride_s=triton.cdiv(K, w_block), K_PIECE=k_piece, GROUP_N=N)
     ints = dict(N=N, K=K, stride_x=K, stride_w=K, stride_y=N, K_PIECE=k_piece)
-    return {**ints, "stride_s": triton.cdiv(K, w_block)} if cfg.fp8_mma else ints
+    return {**ints, "stride_s": triton.cdiv(K, w_block), "stride_e": 0} if cfg.fp8_mma else ints
 
 
 def _mla_ints(heads: int, d: int, window: int) -> dict:
@@ -176,7 +176,7 @@ def main() -> None:
     build(_gemv_kernel, {**ptrs, "count_ptr": "*i32"},  # V4's 128-wide activation quant blocks
           dict(BLOCK_N=64, BLOCK_K=128, TP=16, SPLIT=True, ONE_LAUNCH=False, EVEN_K=True, ACT_BLOCK=128,
                DOT_DTYPE=triton.language.bfloat16), num_stages=4, ints=_gemv_ints(1536, 7168, GEMV_DEFAULT))
-    fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8"}
+    fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "e_ptr": "*u8"}
     for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores (V4.1's 32 x 32 blocks)
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_ROW_DEFAULT else ((5120, 8192),):
             build(_gemv_fp8_row_kernel, fp8,
@@ -190,12 +190,18 @@ def main() -> None:
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
             for split in (True, False):
                 build(_gemv_fp8_mma_kernel, fp8,
-                      dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False),
+                      dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False,
+                           X_CODES=False),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       ints=_gemv_ints(n, k, replace(cfg, block_k=32), split, w_block=32))
+        # x given as its FP8 codes (FP8Rows: codes [T, K], E8M0 bytes [T, K / 32])
+        ints = {**_gemv_ints(5120, 8192, replace(cfg, block_k=32), w_block=32), "stride_e": 8192 // 32}
+        build(_gemv_fp8_mma_kernel, {**fp8, "x_ptr": "*fp8e4nv"},
+              dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=32, DOT_FP32=False, X_CODES=True),
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages, ints=ints)
     build(_gemv_fp8_mma_kernel, fp8,  # V4's 128 x 128
-          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False), num_stages=4,
-          ints=_gemv_ints(1536, 7168, replace(GEMV_MMA_DEFAULT, block_n=64, block_k=128), w_block=128))
+          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False, X_CODES=False),
+          num_stages=4, ints=_gemv_ints(1536, 7168, replace(GEMV_MMA_DEFAULT, block_n=64, block_k=128), w_block=128))
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256), ints=dict(N=5120, stride_y=5120))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
     for d, quant in ((5120, 0), (1280, 0), (512, 0), (128, 0), (64, 0), (7168, 0), (16384, 0), (5120, 1), (1280, 1)):

@@ -205,6 +205,55 @@ def test_fp8_mma_build_sums_the_exact_products_interpreted(interpreter, poisoned
         assert MMA_DEFAULT.fp8_mma
 
 
+def _codes(x, block):
+    """x's FP8 codes and E8M0 bytes in `block` groups (the act quant's wire form), as gemv takes them."""
+    from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant_wire
+    codes = torch.full(x.shape, 0x7F, dtype=torch.uint8, device=x.device)  # NaN codes until written
+    scales = torch.full((x.shape[0], x.shape[1] // block), 255, dtype=torch.uint8, device=x.device)
+    fp8_act_quant_wire(x, block, codes, scales)
+    return FP8Rows(codes, scales, block, torch.bfloat16)
+
+
+@pytest.mark.parametrize("T,N,K,w_block,config", [
+    (2, 100, 96, 32, MMA_SMALL), (6, 37, 320, 32, MMA_SMALL), (16, 70, 256, 128, replace(MMA_SMALL, block_n=32)),
+    (1, 40, 96, 32, MMA_SMALL), (4, 300, 96, 32, replace(MMA_SMALL, block_n=256, num_warps=8))])
+def test_fp8_mma_read_of_x_codes_gives_the_fused_reads_bits_interpreted(interpreter, poisoned, T, N, K, w_block,
+                                                                       config):
+    """x given as its FP8 codes (FP8Rows) takes the same read with the codes as they are: the bits of the read that
+    quantizes bf16 x in its loads (splits, N tails, 32- and 128-wide blocks, one row, 256 rows a program), also
+    into a NaN-filled output, and with the default build (config None) at any 1-16 rows."""
+    q, scale = _fp8_weight(N, K, w_block, "cpu", seed=N + 1)
+    x = (torch.randn(T, K, generator=torch.Generator().manual_seed(K + 1)) * 2).bfloat16()
+    x[-1, :w_block] *= 1e-3  # groups of very different scales
+    fused = gemv(x, q, config=config, act_block=w_block, scale=scale, w_block=w_block)
+    xr = _codes(x, w_block)
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+    assert gemv(xr, q, out=out, config=config, scale=scale, w_block=w_block) is out
+    assert torch.equal(out, fused)
+    from mini.kernels.gemv import MMA_DEFAULT
+    assert torch.equal(gemv(xr, q, scale=scale, w_block=w_block, act_block=w_block),
+                       gemv(x, q, config=MMA_DEFAULT, act_block=w_block, scale=scale, w_block=w_block))
+
+
+def test_fp8_mma_read_of_x_codes_refuses_what_it_cannot_take():
+    q, scale = _fp8_weight(64, 96, 32, "cpu")
+    xr = _codes(torch.randn(3, 96).bfloat16(), 32)
+    with pytest.raises(ValueError, match="with its scale"):
+        gemv(xr, q, w_block=32)
+    with pytest.raises(ValueError, match="with its scale"):
+        gemv(xr, q.float().bfloat16(), scale=scale, w_block=32)
+    with pytest.raises(ValueError, match=r"x's block = w_block"):
+        gemv(_codes(torch.randn(3, 96).bfloat16(), 16), q, scale=scale, w_block=32)
+    with pytest.raises(ValueError, match=r"x's block = w_block"):
+        gemv(xr, q, scale=scale, w_block=32, config=ROW_SMALL)
+    with pytest.raises(ValueError, match=r"x's block = w_block"):
+        gemv(xr, q, scale=scale, w_block=32, act_block=16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(_codes(torch.randn(17, 96).bfloat16(), 32), q, scale=scale, w_block=32)
+    with pytest.raises(ValueError, match=r"e4m3 w \[N, 96\]"):
+        gemv(xr, q[:, :64], scale=scale[:, :2], w_block=32)
+
+
 def test_fp8_mma_build_refuses_what_it_cannot_take():
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(3, 96).bfloat16()
@@ -277,7 +326,7 @@ def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
     the exact products' sum (the bf16 copy's values) within a bf16 rounding plus what the FP8 MMA's own sum of a
     block's 32 products drops (it keeps fewer bits than fp32; on an H100 at most 7.5e-4 of the sum of |products|,
     docs/perf/044: bounded here by 2^-9), almost every output the bf16 copy's GEMV's (97% there); run to run, alone
-    against among 16 rows, and replayed from a graph the same."""
+    against among 16 rows, with x's codes given (FP8Rows), and replayed from a graph the same."""
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.kernels.gemv import MMA_CANDIDATES
@@ -286,6 +335,7 @@ def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
     for T in (2, 6, 16):
         x = (torch.randn(T, K, device="cuda") * 2).bfloat16()
         xq = fp8_act_quant(x, 32)
+        xr = _codes(x, 32)
         ref = xq.double() @ copy.double().T
         spread = xq.double().abs() @ copy.double().abs().T
         copy_y = gemv(x, copy, act_block=32)
@@ -298,6 +348,7 @@ def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
             assert (y == copy_y).float().mean() > 0.9, (cfg, (y == copy_y).float().mean().item())
             assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
             assert torch.equal(gemv(x[-1:], q, config=cfg, act_block=32, scale=scale, w_block=32), y[-1:]), cfg
+            assert torch.equal(gemv(xr, q, config=cfg, scale=scale, w_block=32), y), cfg  # x's codes given
     _replay_equals_eager(x, q, scale)
 
 
