@@ -1,5 +1,6 @@
-"""Builds every dispatched attention-side kernel for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch
-configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for Hopper
+"""Builds the dispatched attention-side kernels, the decode GEMVs and the MoE side's gate, route plan, grouped MXFP4
+GEMMs and combine for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch configurations the wrappers use
+for the models' shapes, so that a kernel that only fails to compile for Hopper
 (the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each,
 with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
 `spills=True`: the CUDA-core FP8 read at several rows spilled from 2-4 rows on (docs/perf/025), a cost no CPU test
@@ -29,6 +30,17 @@ from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
 from mini.kernels.gemv import ROW_DEFAULT as GEMV_ROW_DEFAULT
 from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel, split_k
 from mini.kernels.indexer_scores import _index_scores_kernel
+from mini.kernels.moe_combine import _combine_kernel as _moe_combine_kernel
+from mini.kernels.moe_gate import CONFIGS as GATE_CONFIGS
+from mini.kernels.moe_gate import FEW_ROWS_BY_TOKENS, _gate_kernel, _gate_logits_kernel, _gate_pick_kernel
+from mini.kernels.moe_gate import column_blocks as gate_column_blocks
+from mini.kernels.moe_route import WIDE_STEP as ROUTE_WIDE_STEP
+from mini.kernels.moe_route import WIDE_STEP_WARPS as ROUTE_WIDE_STEP_WARPS
+from mini.kernels.moe_route import _plan_one_kernel
+from mini.kernels.moe_route import launch_sizes as route_launch_sizes
+from mini.kernels.mxfp4_grouped_gemm import BLOCK_M as MXFP4_BLOCK_M
+from mini.kernels.mxfp4_grouped_gemm import CONFIG as MXFP4_CONFIG
+from mini.kernels.mxfp4_grouped_gemm import _grouped_mxfp4_kernel
 from mini.kernels.mhc_norm import _mhc_finish_kernel, _mhc_partial_copies_kernel, _mhc_partial_kernel
 from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
 from mini.kernels.order_keys import _order_keys_kernel
@@ -214,6 +226,54 @@ def main() -> None:
               dict(HC=4, D=5120, BLOCK_D=1024, HAS_MASK=masked), ("eps", "scale", "floor"))
     # the indexer top-k's keys (bf16 bits in, int32 keys out)
     build(_order_keys_kernel, {"x_ptr": "*i16", "out_ptr": "*i32"}, dict(BLOCK=ORDER_KEYS_BLOCK))
+    # the MoE side at V4.1-Flash's shapes (384 experts x D 5,120, top 6; moe_inter_dim 2,304; EP4's 96 local experts):
+    # the few-rows gate's logits at each decode tiling of FEW_ROWS_BY_TOKENS and their pick, the fused gate
+    # (prefill: CONFIGS' first), the one-program route plan (decode steps, both step widths), the routed experts'
+    # grouped MXFP4 GEMMs (swiglu and down, BLOCK_M rows) and the combine (shared output added)
+    gate_ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "debug_ptr": "*fp32", "bias_ptr": "*fp32",
+                 "bias_img_ptr": "*fp32", "img_ptr": "*u8", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                 "logits_ptr": "*fp32", "scores_ptr": "*fp32"}
+    na, nb = gate_column_blocks(384)
+    for _, tiles in FEW_ROWS_BY_TOKENS:
+        bt = tiles.rows_per_program(tiles.BT_MAX)
+        build(_gate_logits_kernel, gate_ptrs, dict(D=5120, E=384, BT=bt, BE=tiles.BE, BK=tiles.BK, K_PIECE=tiles.K_PIECE,
+                                                   TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=triton.language.bfloat16),
+              num_warps=tiles.num_warps, ints=dict(stride_x=5120))
+        pieces = triton.cdiv(5120, tiles.K_PIECE)
+        build(_gate_pick_kernel, gate_ptrs, dict(E=384, K=6, KP=8, NA=na, NB=nb, NORMALIZE=True, HAS_IMG=False,
+                                                 DEBUG=False, LIBDEVICE=True, BM=tiles.BM, PIECES=pieces,
+                                                 PP=triton.next_power_of_2(pieces)),
+              ("temp", "route_scale", "eps"), num_warps=tiles.pick_warps)
+    cfg = GATE_CONFIGS[0]
+    build(_gate_kernel, gate_ptrs, dict(D=5120, E=384, K=6, KP=8, NA=na, NB=nb, NORMALIZE=True, HAS_IMG=False,
+                                        DEBUG=False, LIBDEVICE=True, DOT_DTYPE=triton.language.bfloat16, BM=cfg.BM,
+                                        BK=cfg.BK, STEPS=cfg.steps, INNER_LOOP=cfg.inner_loop),
+          ("temp", "route_scale", "eps"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+          ints=dict(stride_x=5120), spills=True)  # 64 bytes a thread under Triton 3.6, 288 under 3.9
+    route_ptrs = {n: "*i32" for n in ("offset_ptr", "token_ptr", "slot_row_ptr", "tile_expert_ptr", "tile_start_ptr",
+                                      "tile_end_ptr")}
+    route_ptrs.update(ids_ptr="*i64", weights_ptr="*fp32", weight_ptr="*fp32")
+    eb, sub, step = route_launch_sizes(96)
+    for sub_, warps in ((sub, 4), (ROUTE_WIDE_STEP, ROUTE_WIDE_STEP_WARPS)):
+        build(_plan_one_kernel, route_ptrs, dict(E=96, K=6, SUB=sub_, EB=eb, TILE_M=0, TB=step), num_warps=warps,
+              spills=sub_ == ROUTE_WIDE_STEP)  # the wide step: 64 bytes a thread under Triton 3.9, none under 3.6
+    experts = {"a_ptr": "*bf16", "token_ptr": "*i32", "route_w_ptr": "*fp32", "out_ptr": "*bf16", "w_ptr": "*u8",
+               "ws_ptr": "*u8", "v_ptr": "*u8", "vs_ptr": "*u8", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32",
+               "tile_end_ptr": "*i32"}
+    for kind, n, k, swiglu in (("swiglu", 2304, 5120, True), ("down", 5120, 2304, False)):
+        cfg = MXFP4_CONFIG[kind]
+        build(_grouped_mxfp4_kernel, experts,
+              dict(K=k, GATHER=swiglu, SWIGLU=swiglu, ROUND_BF16=True, QUANT_BLOCK=32 if swiglu else 0,
+                   EVEN_K=k % cfg["BK"] == 0, DOT_DTYPE=triton.language.bfloat16, DOT_PRECISION=None, SWAP_AB=False,
+                   BM=MXFP4_BLOCK_M, BN=cfg["BN"], BK=cfg["BK"]),
+              ("limit",), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+              spills=swiglu,  # 104 bytes a thread under Triton 3.6, none under 3.9
+              ints=dict(N=n, stride_a=k, stride_out=n, stride_we=n * k // 2, stride_wn=k // 2, stride_se=n * k // 32,
+                        stride_sn=k // 32))
+    build(_moe_combine_kernel, {"y_ptr": "*bf16", "ids_ptr": "*i64", "slot_row_ptr": "*i32", "add_ptr": "*bf16",
+                                "out_ptr": "*bf16"},
+          dict(K=6, HAS_ADD=True, ROUND_BF16=True, BD=1024),
+          ints=dict(D=5120, stride_y=5120, stride_ids=6, stride_slot=6, stride_add=5120, stride_out=5120))
     # the index top-k's ids in one pass (one build for every row width)
     for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate
         build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
