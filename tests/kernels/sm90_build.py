@@ -121,7 +121,7 @@ def main() -> None:
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
                       ("scale_log2",), num_warps=8, ints=_mla_ints(bh, d, w),
-                      # under Triton 3.9 at every shape; under 3.6 (the GPU image's) D_SPLIT 1 at 512 and 128
+                      # under Triton 3.9 all but D = 64 with D_SPLIT 2; under 3.6 (the GPU image's) D_SPLIT 1 at 512 and 128
                       spills=True)
     # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
     for split in (2, 1):
