@@ -1,16 +1,16 @@
-"""Builds the dispatched attention-side kernels, the decode GEMVs and the MoE side's gate, route plan, grouped MXFP4
-GEMMs and combine for sm_90a (Triton -> PTX -> cubin, no GPU needed) at the launch configurations the wrappers use
-for the models' shapes, so that a kernel that only fails to compile for Hopper
-(the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line each,
-with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
+"""Builds the dispatched attention-side kernels, the decode GEMVs, the activation quant and EP wire passes, mHC and the
+MoE side's gate, route plan, grouped MXFP4 GEMMs and combine for sm_90a (Triton -> PTX -> cubin, no GPU needed) at
+the launch configurations the wrappers use for the models' shapes, so that a kernel that only fails to compile for
+Hopper (the interpreter accepts more) is caught on CPU. Run as a script without TRITON_INTERPRET; prints one line
+each, with ptxas's registers and stack bytes a thread. A build that spills (stack > 0) fails unless its call says
 `spills=True`: the CUDA-core FP8 read at several rows spilled from 2-4 rows on (docs/perf/025), a cost no CPU test
 saw. A build specializes its arguments as Triton's launcher does for a launch at the model's shape: the pointers
 16-byte aligned, and each integer in `ints` (what such a launch passes) marked 16-divisible when it is, a constant
-when it is 1. That decides whether loads are vectorized and pipelined: the GEMVs built without their strides'
-marks loaded bytes one at a time in 200-255 registers, against 40-113 as launched (docs/perf/045). Row and token
-counts and lengths that vary from step to step stay unmarked (a launch compiles one build per class of them).
-Registers still differ between Triton versions (the marks cover 3.6, the GPU image's and CI's oldest, and 3.9);
-a build marked here is one to check on a device (phase `kernel_resources`, docs/kernels.md)."""
+when it is 1. That decides whether loads are vectorized and pipelined: the GEMVs built without their strides' marks
+loaded bytes one at a time in 200-255 registers, against 40-113 as launched (docs/perf/045). Row and token counts
+and lengths that vary from step to step stay unmarked (a launch compiles one build per class of them). Registers
+still differ between Triton versions (the marks cover 3.6, the GPU image's and CI's oldest, and 3.9); a build marked
+here is one to check on a device (phase `kernel_resources`, docs/kernels.md)."""
 import os
 import re
 import subprocess
@@ -29,7 +29,10 @@ from mini.kernels.gemv import MMA_DEFAULT as GEMV_MMA_DEFAULT
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
 from mini.kernels.gemv import ROW_DEFAULT as GEMV_ROW_DEFAULT
 from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel, split_k
+from mini.kernels.fp8_act_quant import TILE_ROWS as ACT_TILE_ROWS
+from mini.kernels.fp8_act_quant import _act_quant_kernel, _wire_decode_kernel, _wire_encode_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
+from mini.kernels.mhc_expand import _mhc_expand_kernel
 from mini.kernels.moe_combine import _combine_kernel as _moe_combine_kernel
 from mini.kernels.moe_gate import CONFIGS as GATE_CONFIGS
 from mini.kernels.moe_gate import FEW_ROWS_BY_TOKENS, _gate_kernel, _gate_logits_kernel, _gate_pick_kernel
@@ -121,7 +124,8 @@ def main() -> None:
                 build(_sparse_mla_kernel, ptrs, dict(W=w, N_COMP_TILES=tiles, D=d, RD=rope, BLOCK_H=bh, BLOCK_N=64,
                                                      PREFILL_LISTS=True, D_SPLIT=split),
                       ("scale_log2",), num_warps=8, ints=_mla_ints(bh, d, w),
-                      # under Triton 3.9 all but D = 64 with D_SPLIT 2; under 3.6 (the GPU image's) D_SPLIT 1 at 512 and 128
+                      # under Triton 3.9 all but D = 64 with D_SPLIT 2; under 3.6 (the GPU image's): D_SPLIT 1
+                      # at 512 and 128
                       spills=True)
     # the split-key decode path (k_split > 1): its walk at V4.1 / tiny width, then the combine with the epilogue
     for split in (2, 1):
@@ -236,8 +240,9 @@ def main() -> None:
     na, nb = gate_column_blocks(384)
     for _, tiles in FEW_ROWS_BY_TOKENS:
         bt = tiles.rows_per_program(tiles.BT_MAX)
-        build(_gate_logits_kernel, gate_ptrs, dict(D=5120, E=384, BT=bt, BE=tiles.BE, BK=tiles.BK, K_PIECE=tiles.K_PIECE,
-                                                   TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=triton.language.bfloat16),
+        build(_gate_logits_kernel, gate_ptrs,
+              dict(D=5120, E=384, BT=bt, BE=tiles.BE, BK=tiles.BK, K_PIECE=tiles.K_PIECE,
+                   TENSOR_CORES=tiles.tensor_cores, DOT_DTYPE=triton.language.bfloat16),
               num_warps=tiles.num_warps, ints=dict(stride_x=5120))
         pieces = triton.cdiv(5120, tiles.K_PIECE)
         build(_gate_pick_kernel, gate_ptrs, dict(E=384, K=6, KP=8, NA=na, NB=nb, NORMALIZE=True, HAS_IMG=False,
@@ -274,6 +279,27 @@ def main() -> None:
                                 "out_ptr": "*bf16"},
           dict(K=6, HAS_ADD=True, ROUND_BF16=True, BD=1024),
           ints=dict(D=5120, stride_y=5120, stride_ids=6, stride_slot=6, stride_add=5120, stride_out=5120))
+    # the activation quant at V4.1's width (the routed experts' gathered rows: a wave that loops to the device's
+    # count), the EP exchange's wire encode (with the routing, and without) and its decode (gathered and not), and
+    # mHC's expand (hc 4, D 5,120, the wrapper's 2 x 512 tiles)
+    groups = min(512 // 32, triton.next_power_of_2(5120 // 32))
+    for gather in (False, True):
+        build(_act_quant_kernel, {"out_ptr": "*bf16", "src_row_ptr": "*i32", "n_valid_ptr": "*i32"},
+              dict(BLOCK=32, GROUPS=groups, ROWS=ACT_TILE_ROWS, GATHER=gather, QUANT=True),
+              ints=dict(n_cols=5120, stride_x=5120, stride_out=5120))
+        build(_wire_decode_kernel, {"codes_ptr": "*u8", "scales_ptr": "*u8", "src_row_ptr": "*i32",
+                                    "n_valid_ptr": "*i32"},
+              dict(BLOCK=32, GROUPS=groups, ROWS=ACT_TILE_ROWS, GATHER=gather),
+              ints=dict(n_cols=5120, stride_codes=5120, stride_scales=160, stride_out=5120))
+    wire = {"codes_ptr": "*u8", "scales_ptr": "*u8", "ids_ptr": "*i64", "wts_ptr": "*fp32", "ids_out_ptr": "*i32",
+            "wts_out_ptr": "*fp32"}
+    for routing in (True, False):
+        build(_wire_encode_kernel, wire, dict(BLOCK=32, GROUPS=groups, ROWS=ACT_TILE_ROWS, KP=8, ROUTING=routing),
+              # the send buffer's rows (mini.parallel.exchange): 6 ids and 6 weights, 5,120 codes, 160 scale bytes
+              ints=dict(n_cols=5120, k=6 if routing else 0, stride_x=5120, stride_codes=5328, stride_scales=5328,
+                        stride_ids=6 if routing else 0, stride_wts=6 if routing else 0,
+                        stride_ids_out=5328 // 4 if routing else 0, stride_wts_out=5328 // 4 if routing else 0))
+    build(_mhc_expand_kernel, {"post_ptr": "*fp32", "comb_ptr": "*fp32"}, dict(D=5120, HC=4, BLOCK_T=2, BLOCK_D=512))
     # the index top-k's ids in one pass (one build for every row width)
     for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate
         build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
