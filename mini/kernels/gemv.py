@@ -241,12 +241,12 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
 @triton.jit(do_not_specialize=["T"])
 def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s, stride_y,
                          K_PIECE, e_ptr, stride_e, BLOCK_N: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
-                         EVEN_K: tl.constexpr, W_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr,
-                         X_CODES: tl.constexpr):
+                         W_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, X_CODES: tl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
     (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
     X_CODES: x is given quantized, its e4m3 codes at x_ptr and E8M0 bytes at e_ptr [T, K / W_BLOCK] (rows
-    `stride_e` apart); else x is bf16, quantized here (e_ptr unused)."""
+    `stride_e` apart); else x is bf16, quantized here (e_ptr unused). K is a multiple of W_BLOCK (x's groups are the
+    weight's blocks): no mask along K."""
     pid_n, piece = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -260,16 +260,15 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x
     s_ptrs = s_ptr + (tl.minimum(n, N - 1) // W_BLOCK).to(tl.int64) * stride_s  # each row's scale row
     acc = tl.zeros([BLOCK_N, TP], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, W_BLOCK):
-        k_ok = (kk < W_BLOCK) if EVEN_K else (k0 + kk < K)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
         if X_CODES:  # the codes as the MMA takes them (no shared-memory store of x's: docs/perf/045)
-            x_q = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            x_q = tl.load(x_ptrs + k0, mask=t_ok[:, None], other=0.0)
             s_x = e8m0_value(tl.load(e_ptr + t.to(tl.int64) * stride_e + k0 // W_BLOCK, mask=t_ok,
                                      other=127).to(tl.int32))
             if DOT_FP32:
                 x_q = x_q.to(tl.float32)
         else:
-            x = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs + k0, mask=t_ok[:, None], other=0.0).to(tl.float32)
             a, e = fp8_group_codes(x, 1, W_BLOCK, TP)
             x_q = tl.reshape(e4m3_round(a), [TP, W_BLOCK])
             s_x = (tl.reshape(e, [TP]) << 23).to(tl.float32, bitcast=True)
@@ -477,7 +476,7 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
         x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
         w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0),
-        BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, EVEN_K=K % w_block == 0, W_BLOCK=w_block,
+        BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
         DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
         num_stages=config.num_stages)
     if pieces > 1:

@@ -206,17 +206,17 @@ def main() -> None:
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
             for split in (True, False):
                 build(_gemv_fp8_mma_kernel, fp8,
-                      dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, EVEN_K=True, W_BLOCK=32, DOT_FP32=False,
+                      dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=split, W_BLOCK=32, DOT_FP32=False,
                            X_CODES=False),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       ints=_gemv_ints(n, k, replace(cfg, block_k=32), split, w_block=32))
         # x given as its FP8 codes (FP8Rows: codes [T, K], E8M0 bytes [T, K / 32])
         ints = {**_gemv_ints(5120, 8192, replace(cfg, block_k=32), w_block=32), "stride_e": 8192 // 32}
         build(_gemv_fp8_mma_kernel, {**fp8, "x_ptr": "*fp8e4nv"},
-              dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=32, DOT_FP32=False, X_CODES=True),
+              dict(BLOCK_N=cfg.block_n, TP=16, SPLIT=True, W_BLOCK=32, DOT_FP32=False, X_CODES=True),
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, ints=ints)
     build(_gemv_fp8_mma_kernel, fp8,  # V4's 128 x 128
-          dict(BLOCK_N=64, TP=16, SPLIT=True, EVEN_K=True, W_BLOCK=128, DOT_FP32=False, X_CODES=False),
+          dict(BLOCK_N=64, TP=16, SPLIT=True, W_BLOCK=128, DOT_FP32=False, X_CODES=False),
           num_stages=4, ints=_gemv_ints(1536, 7168, replace(GEMV_MMA_DEFAULT, block_n=64, block_k=128), w_block=128))
     build(_sum_pieces_kernel, ptrs, dict(PIECES=14, PP=16, BLOCK=256), ints=dict(N=5120, stride_y=5120))
     # the norm as the op dispatches it (no quant) at V4.1's and V4-Pro's widths up to MAX_D, and with the fp8 quant
