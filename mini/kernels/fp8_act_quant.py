@@ -202,15 +202,6 @@ def fp8_act_quant_wire(x: torch.Tensor, block: int, codes: torch.Tensor, scales:
         BLOCK=block, GROUPS=groups, ROWS=TILE_ROWS, KP=triton.next_power_of_2(max(k, 1)), ROUTING=routing)
 
 
-def fp8_codes(x: torch.Tensor, block: int) -> FP8Rows:
-    """x [T, D] as its FP8 codes and E8M0 bytes in 1 x block groups (the wire form, one pass): what the decode
-    GEMV's tensor-core read takes as x (mini.kernels.gemv, MINI_GEMV_WEIGHTS=fp8_codes)."""
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(x.shape[0], x.shape[1] // block, dtype=torch.uint8, device=x.device)
-    fp8_act_quant_wire(x, block, codes, scales)
-    return FP8Rows(codes, scales, block, x.dtype)
-
-
 @triton.jit
 def _wire_decode_kernel(codes_ptr, scales_ptr, out_ptr, src_row_ptr, n_valid_ptr, n_rows, n_cols, stride_codes,
                         stride_scales, stride_out, BLOCK: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr,

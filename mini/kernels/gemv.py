@@ -81,15 +81,12 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
-# the shared w1|w3 and w2, 64 at the wide wq_b|indexer wq_b; 16 programs per SM was slower at every shape.
-# The last three, not yet timed, move more bytes per step (its barriers and MMA wait are per step, docs/perf/045):
-# 256 rows a program (one wait for four MMAs) on 4 or 8 warps, or 8 stages in flight.
+# the shared w1|w3 and w2, 64 at the wide wq_b|indexer wq_b; 16 programs per SM was slower at every shape. Steps of
+# more bytes (256 rows a program on 4 or 8 warps, or 8 stages in flight) were slower at every shape and row count
+# (docs/perf/046).
 MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
-                  "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True),
-                  "mma 256 s4 4/SM": GemvConfig(256, 32, 4, 4, 4, fp8_mma=True),
-                  "mma 256 8w s4 4/SM": GemvConfig(256, 32, 8, 4, 4, fp8_mma=True),
-                  "mma 128 s8 4/SM": GemvConfig(128, 32, 4, 8, 4, fp8_mma=True)}
+                  "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 

@@ -138,13 +138,12 @@ def reads_fp8_weights(rows: int = 1, act_block: int = 0, w: QWeight | None = Non
     """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored (half the bytes of its dequantized
     bf16 copy) for `rows` rows of x: at one row on the CUDA cores (MINI_GEMV_WEIGHTS=fp8 or fp8_row; the same exact
     products in another fp32 order), at 2-16 rows on the tensor cores when x is fake-quantized in w's blocks
-    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default, or fp8_codes; the official FP8 GEMM's arithmetic,
-    each block's products summed in the FP8 MMA), else (=bf16, or no quant) the copy."""
+    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default; the official FP8 GEMM's arithmetic, each block's
+    products summed in the FP8 MMA), else (=bf16, or no quant) the copy."""
     choice = switches.current().gemv_weights
     if rows == 1:
         return choice != "bf16"
-    return (choice in ("fp8", "fp8_codes") and w is not None and 1 < rows <= GEMV_MAX_TOKENS
-            and act_block == w.block)
+    return choice == "fp8" and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
 
 
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
@@ -152,8 +151,7 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     act_block > 0: up to GEMV_MAX_TOKENS rows the decode GEMV (the quant in its loads; fp32 sums in its own fixed
     order, one rounding to bf16, as cuBLAS's output), else the act quant pass and cuBLAS. `fp8`: w's FP8 weight
     (w = its dequantized copy), which the GEMV reads instead where `reads_fp8_weights` (one row on the CUDA cores,
-    2-16 on the tensor cores: x quantized in its loads, or by a pass before it under MINI_GEMV_WEIGHTS=fp8_codes,
-    the same bits), so a row's bits depend on whether it is alone in its step (the two reads' sums), as
+    2-16 on the tensor cores), so a row's bits depend on whether it is alone in its step (the two reads' sums), as
     cuBLAS's do on the step's size. The deterministic mode, the batch-invariant one, keeps F.linear, which it has
     routed to its batch-invariant kernel (mini/kernels/batch_invariant.py)."""
     rows = x.numel() // max(x.shape[-1], 1)
@@ -162,9 +160,6 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
             if fp8 is not None and reads_fp8_weights(rows, act_block, fp8) and _gemv_reads(fp8):
-                if rows > 1 and switches.current().gemv_weights == "fp8_codes":  # x's codes first, then the read
-                    from mini.kernels.fp8_act_quant import fp8_codes
-                    x2, act_block = fp8_codes(x2, act_block), 0
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
             else:
                 y = gemv(x2, w, act_block=act_block)

@@ -209,8 +209,7 @@ phase_gemv_rows_ab() {  # issues 27/28 (cap it at 580; report 044's warm call to
     # FP8 projections, same_as_copy, max_rel_err; each candidate also on x's codes, alone and after their quant
     # pass), then spec-decode (GEMV_AB_BATCH, default 1,16, --no-proxy; one
     # emulated EP4 rank, acceptance EMULATED; GEMV_AB_ARGS adds flags, e.g. "--ep 8" on an H100) under each
-    # MINI_GEMV_WEIGHTS of GEMV_AB_READS (default "fp8 fp8_codes"; report 044 ran "fp8_row fp8") in one job
-    # (spec_<reads>.log / .json)
+    # MINI_GEMV_WEIGHTS of GEMV_AB_READS (default "fp8_row fp8") in one job (spec_<reads>.log / .json)
     local rc=0
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
         --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
@@ -225,7 +224,7 @@ for line in sys.stdin:
     r = json.loads(line)
     print(f\"{r['kernel']:48s} {r['config']:48s} {r['us']:7.1f} us  frac {r['frac_copy_peak']:.2f}\",
           f\"same {r['same_as_copy']:.3f}  err {r['max_rel_err']:.1e}\")"
-    for reads in ${GEMV_AB_READS:-fp8 fp8_codes}; do
+    for reads in ${GEMV_AB_READS:-fp8_row fp8}; do
         MINI_GEMV_WEIGHTS=$reads MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout 140 python3 -m mini.cli bench \
             spec-decode --batch "${GEMV_AB_BATCH:-1,16}" --context 4096 --steps 6 --warmup 2 --no-proxy \
             ${GEMV_AB_ARGS:-} --json "$PHASE_DIR/spec_$reads.json" >"$PHASE_DIR/spec_$reads.log" 2>&1 || rc=1
