@@ -17,6 +17,7 @@ eager step's token count at V4.1-Flash's own width (`real_width_keys`), which ti
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -29,10 +30,15 @@ def _int_class(v: int) -> str:
     return "1" if v == 1 else "D" if v % 16 == 0 else ""
 
 
+@functools.cache
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)  # a tenth of a burst's time when taken at each of its ~30,000 launches
+
+
 def spec_key(fn, args, kwargs) -> tuple:
     """The key Triton's CUDA backend compiles `fn` (an InterpretedFunction) under for this launch: (name, launch
     options, per parameter its constexpr value or type with specialization)."""
-    sig = inspect.signature(fn.fn)
+    sig = _signature(fn.fn)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in sig.parameters}  # num_warps, num_stages, ...
     bound = sig.bind_partial(*args, **kwargs)
     dns = set(fn.kwargs.get("do_not_specialize") or ())
@@ -119,13 +125,24 @@ def real_width_keys(rec: Recorder, token_counts) -> dict[int, frozenset]:
 
 
 def record() -> Recorder:
-    """Replace the interpreter's kernel launches (process-wide) by notes into the returned Recorder."""
+    """Replace the interpreter's kernel launches (process-wide) by notes into the returned Recorder. The dense
+    projections the fast path leaves to torch (F.linear: above the GEMV's rows, the head) return zeros of their
+    output's shape instead of computing: their values are garbage here anyway (their inputs come from kernels that
+    did not run) and no host decision reads them (requests end at max_tokens, ignore_eos, greedy), while their CPU
+    GEMMs at a 2,048-token step were half of a burst's time."""
     from triton.runtime.interpreter import InterpretedFunction
     rec = Recorder()
 
     def run(self, *args, grid, warmup, **kwargs):
         rec.note(spec_key(self, args, dict(kwargs)))
     InterpretedFunction.run = run
+    real_linear = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        if x.dtype != weight.dtype or x.shape[-1] != weight.shape[-1]:
+            return real_linear(x, weight, bias)  # its error
+        return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    torch.nn.functional.linear = linear
     return rec
 
 
