@@ -203,7 +203,7 @@ phase_gemv() {  # issue 28, the dense projections at decode (cap it at 260): `mi
     return $rc
 }
 
-phase_gemv_rows_ab() {  # issues 27/28 (cap it at 580; report 044's warm call took 137 s): the FP8 read of 2-16
+phase_gemv_rows_ab() {  # issues 27/28 (cap it at 580; 225 s on an H100 in report 046): the FP8 read of 2-16
     # rows on the tensor cores, its forms against each other and the bf16 copy's GEMV. First the GEMV's gpu tests
     # (tests.log), then `mini bench kernels --only decode_gemv_fp8` (bench.log: us per call at B = 1, 6, 16 on V4.1's
     # FP8 projections, same_as_copy, max_rel_err; each candidate also on x's codes, alone and after their quant
