@@ -63,6 +63,9 @@ class GemvConfig:
     # the FP8 read of 1-16 rows on the tensor cores (`_gemv_fp8_mma_kernel`), x quantized in its loads; its steps
     # are the weight's scale blocks (block_k is taken from the weight)
     fp8_mma: bool = False
+    # (with fp8_mma) > 0: the Gluon build of that read (mini/kernels/gemv_mma_registers.py), its operands loaded
+    # straight into mma.sync's registers, this many consecutive bytes of a weight row a lane; CUDA only
+    gluon_k_width: int = 0
 
 
 DEFAULT = GemvConfig()
@@ -87,7 +90,14 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
+# The same read in the Gluon build, its candidate tilings (rows a program on 4 warps, bytes a lane; not yet measured)
+MMA_CANDIDATES.update({"regs 128 k16 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=16),
+                       "regs 128 k16 8/SM": GemvConfig(128, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=16),
+                       "regs 64 k16 8/SM": GemvConfig(64, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=16),
+                       "regs 256 k16 4/SM": GemvConfig(256, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=16),
+                       "regs 128 k8 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)})
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 k16 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
 
@@ -467,15 +477,23 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     """The tensor cores' FP8 read into `out` [T, N]: x bf16 [T, K] (quantized in the loads), or x's e4m3 codes
     with their E8M0 bytes `x_scales` [T, K / w_block]; arguments checked by the caller."""
     (T, K), N = x.shape, w.shape[0]
+    if config.gluon_k_width and not x.is_cuda:
+        raise ValueError("gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter)")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
-    _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
-        x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
-        w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0),
-        BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
-        DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+    args = (x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
+            w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0))
+    if config.gluon_k_width:
+        from mini.kernels.gemv_mma_registers import _gemv_fp8_mma_registers_kernel
+        _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
+            *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
+            K_WIDTH=config.gluon_k_width, X_CODES=x_scales is not None, num_warps=config.num_warps)
+    else:
+        _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
+            *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
+            DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     if pieces > 1:
         _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                        PP=triton.next_power_of_2(pieces), BLOCK=256)

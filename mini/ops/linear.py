@@ -143,7 +143,7 @@ def reads_fp8_weights(rows: int = 1, act_block: int = 0, w: QWeight | None = Non
     choice = switches.current().gemv_weights
     if rows == 1:
         return choice != "bf16"
-    return choice == "fp8" and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
+    return choice in ("fp8", "fp8_regs") and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
 
 
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
@@ -160,7 +160,10 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
             if fp8 is not None and reads_fp8_weights(rows, act_block, fp8) and _gemv_reads(fp8):
-                y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block)
+                from mini.kernels.gemv import MMA_REGISTERS
+                regs = rows > 1 and x.is_cuda and switches.current().gemv_weights == "fp8_regs"
+                y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block,
+                         **({"config": MMA_REGISTERS} if regs else {}))
             else:
                 y = gemv(x2, w, act_block=act_block)
             return y.view(*x.shape[:-1], w.shape[0])

@@ -20,6 +20,7 @@ from dataclasses import replace
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from mini.kernels.engram_gate import _engram_gate_kernel
 from mini.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
@@ -29,6 +30,7 @@ from mini.kernels.gemv import MMA_DEFAULT as GEMV_MMA_DEFAULT
 from mini.kernels.gemv import ROW_CANDIDATES as GEMV_ROW_CANDIDATES
 from mini.kernels.gemv import ROW_DEFAULT as GEMV_ROW_DEFAULT
 from mini.kernels.gemv import _gemv_fp8_mma_kernel, _gemv_fp8_row_kernel, _gemv_kernel, _sum_pieces_kernel, split_k
+from mini.kernels.gemv_mma_registers import _gemv_fp8_mma_registers_kernel
 from mini.kernels.fp8_act_quant import TILE_ROWS as ACT_TILE_ROWS
 from mini.kernels.fp8_act_quant import _act_quant_kernel, _wire_decode_kernel, _wire_encode_kernel
 from mini.kernels.indexer_scores import _index_scores_kernel
@@ -70,7 +72,7 @@ def resources(cubin: bytes) -> tuple[int, int]:
 
 
 def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_stages=2, spills=False,
-          ints: dict | None = None) -> None:
+          ints: dict | None = None, shared: int | None = None) -> None:
     names = kernel.arg_names
     fixed = {n for i, n in enumerate(names) if i in kernel.do_not_specialize or n in kernel.do_not_specialize}
     ints = ints or {}
@@ -80,12 +82,14 @@ def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_sta
              else "fp32" if n in floats else "i32" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n.endswith("_ptr") or (n in ints and ints[n] % 16 == 0 and ints[n] != 1)}
-    src = ASTSource(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
+    source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn=kernel, signature=types, constexprs={(names.index(k),): v for k, v in consts.items()},
+                 attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    shared = compiled.metadata.shared  # a launch of more than an H100 / H200 block's shared memory would fail
-    assert shared <= SM90_SHARED_BYTES, f"{kernel.__name__} {consts}: {shared} bytes of shared memory"
+    took = compiled.metadata.shared  # a launch of more than an H100 / H200 block's shared memory would fail
+    assert took <= SM90_SHARED_BYTES, f"{kernel.__name__} {consts}: {took} bytes of shared memory"
+    assert shared is None or took == shared, f"{kernel.__name__} {consts}: {took} bytes of shared memory, not {shared}"
     regs, stack = resources(compiled.asm["cubin"])
     assert spills or stack == 0, f"{kernel.__name__} {consts}: {regs} registers, {stack} stack bytes a thread (spills)"
     print(kernel.__name__, consts, ints, f"REG:{regs} STACK:{stack}", "ok", flush=True)
@@ -203,6 +207,16 @@ def main() -> None:
           dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False),
           ints=_gemv_ints(1536, 7168, replace(GEMV_ROW_DEFAULT, block_k=256), False, w_block=128))
     for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
+        if cfg.gluon_k_width:  # its Gluon build (no shared memory: its operands are loaded into the MMA's registers)
+            for tp, codes, w_block, split in ((8, False, 32, True), (16, False, 32, False), (8, True, 32, True),
+                                              (16, False, 128, True)):
+                shape = (5120, 8192) if w_block == 32 else (1536, 7168)
+                ints = _gemv_ints(*shape, replace(cfg, block_k=w_block), split, w_block=w_block)
+                build(_gemv_fp8_mma_registers_kernel, {**fp8, "x_ptr": "*fp8e4nv"} if codes else fp8,
+                      dict(BLOCK_N=cfg.block_n, TP=tp, SPLIT=split, W_BLOCK=w_block, K_WIDTH=cfg.gluon_k_width,
+                           X_CODES=codes), num_warps=cfg.num_warps,
+                      ints={**ints, "stride_e": shape[1] // w_block} if codes else ints, shared=0)
+            continue
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
             for split in (True, False):
                 build(_gemv_fp8_mma_kernel, fp8,
