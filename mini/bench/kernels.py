@@ -440,7 +440,7 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
     same read given x's FP8 codes (FP8Rows: "x codes"), alone and after the quant pass that writes them."""
     from mini.formats import dequant_fp8, quantize_fp8
     from mini.kernels.fp8_act_quant import FP8Rows, fp8_act_quant, fp8_act_quant_wire
-    from mini.kernels.gemv import MMA_CANDIDATES, ROW_CANDIDATES, config_for, gemv
+    from mini.kernels.gemv import MMA_CANDIDATES, MMA_DEFAULT, MMA_REGISTERS, ROW_CANDIDATES, config_for, gemv
     for n_out, n_in, name in ((1792, 5120, "wq_a|wkv"), (36864, 1280, "wq_b|indexer wq_b"), (5120, 8192, "wo_b"),
                               (4608, 5120, "shared w1|w3"), (5120, 2304, "shared w2"), (1024, 5120, "compressor")):
         q, scale = quantize_fp8(torch.randn(n_out, n_in, device=dev) / n_in ** 0.5, 32)
@@ -455,7 +455,7 @@ def bench_decode_gemv_fp8(rows: list, sweep=(), dev="cuda"):
                      for label, cfg in (ROW_CANDIDATES if B == 1 else MMA_CANDIDATES).items()]
             if B > 1:  # x's codes given: the read alone, and with the pass that writes them
                 runs += [(kind, f"fp8 read of {kind}, {label}", cfg) for kind in ("x codes", "quant + x codes")
-                         for label, cfg in MMA_CANDIDATES.items()]
+                         for label, cfg in MMA_CANDIDATES.items() if cfg in (MMA_DEFAULT, MMA_REGISTERS)]
             x_codes = FP8Rows(torch.empty(B, n_in, dtype=torch.uint8, device=dev),
                               torch.empty(B, n_in // 32, dtype=torch.uint8, device=dev), 32, torch.bfloat16)
             fp8_act_quant_wire(x, 32, x_codes.codes, x_codes.scales)

@@ -90,14 +90,17 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
-# The same read in the Gluon build, its candidate tilings (rows a program on 4 warps, bytes a lane; not yet measured)
-MMA_CANDIDATES.update({"regs 128 k16 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=16),
-                       "regs 128 k16 8/SM": GemvConfig(128, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=16),
-                       "regs 64 k16 8/SM": GemvConfig(64, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=16),
-                       "regs 256 k16 4/SM": GemvConfig(256, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=16),
-                       "regs 128 k8 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)})
+# The same read in the Gluon build, its candidate tilings (rows a program on 4 warps, stages = blocks in flight + 1,
+# bytes of a row a lane; not yet measured)
+MMA_CANDIDATES.update({
+    "regs 128 s2 4/SM": GemvConfig(128, 32, 4, 2, 4, fp8_mma=True, gluon_k_width=16),
+    "regs 128 s3 4/SM": GemvConfig(128, 32, 4, 3, 4, fp8_mma=True, gluon_k_width=16),
+    "regs 128 s3 8/SM": GemvConfig(128, 32, 4, 3, 8, fp8_mma=True, gluon_k_width=16),
+    "regs 64 s3 8/SM": GemvConfig(64, 32, 4, 3, 8, fp8_mma=True, gluon_k_width=16),
+    "regs 256 s2 4/SM": GemvConfig(256, 32, 4, 2, 4, fp8_mma=True, gluon_k_width=16),
+    "regs 128 s2 4/SM 8B": GemvConfig(128, 32, 4, 2, 4, fp8_mma=True, gluon_k_width=8)})
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 k16 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 s3 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
 
@@ -477,8 +480,10 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     """The tensor cores' FP8 read into `out` [T, N]: x bf16 [T, K] (quantized in the loads), or x's e4m3 codes
     with their E8M0 bytes `x_scales` [T, K / w_block]; arguments checked by the caller."""
     (T, K), N = x.shape, w.shape[0]
-    if config.gluon_k_width and not x.is_cuda:
-        raise ValueError("gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter)")
+    if config.gluon_k_width and (not x.is_cuda or config.num_stages not in (2, 3) or config.block_n % 16):
+        raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
+                         f"2 or 3 stages, 16-row tiles; got {x.device.type}, {config.num_stages} stages, BLOCK_N "
+                         f"{config.block_n}")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
@@ -488,7 +493,8 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         from mini.kernels.gemv_mma_registers import _gemv_fp8_mma_registers_kernel
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
-            K_WIDTH=config.gluon_k_width, X_CODES=x_scales is not None, num_warps=config.num_warps)
+            K_WIDTH=config.gluon_k_width, X_CODES=x_scales is not None, AHEAD=config.num_stages - 1,
+            num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,

@@ -15,7 +15,7 @@ memory and no barrier is ever taken:
 - per scale block the MMA sums from zero (on the GPU image's Triton the e4m3 operands are widened to f16, exact,
   and summed in fp32) and the block's [16, 8] sums are scaled by the row's and the token's powers of two (exact)
   into the fp32 accumulator: the bf16 copy's exact products, summed in fp32 in the MMA's order;
-- the next block's bytes are loaded before this block's MMA (one block of prefetch in registers).
+- the next AHEAD blocks' bytes are loaded before this block's MMA (prefetch in registers, 1 or 2 blocks).
 Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`). Gluon kernels run on CUDA only (not under
 Triton's interpreter): the CPU tests build it for sm_90 (tests/kernels/sm90_build.py) and its parity tests are
 `gpu`-marked.
@@ -55,7 +55,7 @@ def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_CODES: gl.
 def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s,
                                    stride_y, K_PIECE, e_ptr, stride_e, BLOCK_N: gl.constexpr, TP: gl.constexpr,
                                    SPLIT: gl.constexpr, W_BLOCK: gl.constexpr, K_WIDTH: gl.constexpr,
-                                   X_CODES: gl.constexpr):
+                                   X_CODES: gl.constexpr, AHEAD: gl.constexpr):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
     (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
     The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK."""
@@ -86,13 +86,21 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
 
     zero = gl.zeros([BLOCK_N, TP], gl.float32, acc_l)
     acc = gl.zeros([BLOCK_N, TP], gl.float32, acc_l)
-    w_next = gl.load(w_ptrs + k_lo, mask=w_ok & (k_lo < k_hi), other=0.0)
-    s_next = gl.load(s_ptrs + k_lo // W_BLOCK, mask=k_lo < k_hi, other=127)
+    # the blocks in flight ahead of the one summed (AHEAD of them, 1 or 2; loads past the piece are masked off)
+    w_1 = gl.load(w_ptrs + k_lo, mask=w_ok & (k_lo < k_hi), other=0.0)
+    s_1 = gl.load(s_ptrs + k_lo // W_BLOCK, mask=k_lo < k_hi, other=127)
+    k2 = k_lo + W_BLOCK
+    w_2 = gl.load(w_ptrs + k2, mask=w_ok & (k2 < k_hi) & (AHEAD > 1), other=0.0)
+    s_2 = gl.load(s_ptrs + k2 // W_BLOCK, mask=(k2 < k_hi) & (AHEAD > 1), other=127)
     for k0 in range(k_lo, k_hi, W_BLOCK):
-        w, s_byte = w_next, s_next
-        k1 = k0 + W_BLOCK
-        w_next = gl.load(w_ptrs + k1, mask=w_ok & (k1 < k_hi), other=0.0)
-        s_next = gl.load(s_ptrs + k1 // W_BLOCK, mask=k1 < k_hi, other=127)
+        w, s_byte = w_1, s_1
+        k_next = k0 + AHEAD * W_BLOCK
+        w_next = gl.load(w_ptrs + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
+        s_next = gl.load(s_ptrs + k_next // W_BLOCK, mask=k_next < k_hi, other=127)
+        if AHEAD > 1:
+            w_1, s_1, w_2, s_2 = w_2, s_2, w_next, s_next
+        else:
+            w_1, s_1 = w_next, s_next
         codes, s_x = _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK, X_CODES, acc_l)
         d = mma_v2(w, gl.convert_layout(codes, gl.DotOperandLayout(1, acc_l, K_WIDTH), assert_trivial=True), zero)
         s_w = _e8m0_value(s_byte.to(gl.int32))

@@ -214,7 +214,7 @@ def main() -> None:
                 ints = _gemv_ints(*shape, replace(cfg, block_k=w_block), split, w_block=w_block)
                 build(_gemv_fp8_mma_registers_kernel, {**fp8, "x_ptr": "*fp8e4nv"} if codes else fp8,
                       dict(BLOCK_N=cfg.block_n, TP=tp, SPLIT=split, W_BLOCK=w_block, K_WIDTH=cfg.gluon_k_width,
-                           X_CODES=codes), num_warps=cfg.num_warps,
+                           X_CODES=codes, AHEAD=cfg.num_stages - 1), num_warps=cfg.num_warps,
                       ints={**ints, "stride_e": shape[1] // w_block} if codes else ints, shared=0)
             continue
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
