@@ -270,6 +270,19 @@ def test_fp8_mma_build_refuses_what_it_cannot_take():
         gemv(x, q.float().bfloat16(), config=MMA_SMALL, act_block=32)
 
 
+def test_gluon_build_refuses_what_it_cannot_take():
+    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 2 or 3 stages and 16-row tiles: a CPU
+    tensor or another tiling is refused with a clear error, never run by the interpreter."""
+    from mini.kernels.gemv import MMA_REGISTERS
+    q, scale = _fp8_weight(64, 96, 32, "cpu")
+    x = torch.randn(3, 96).bfloat16()
+    assert MMA_REGISTERS.gluon_k_width and MMA_REGISTERS.fp8_mma
+    with pytest.raises(ValueError, match="CUDA only"):
+        gemv(x, q, scale=scale, w_block=32, act_block=32, config=MMA_REGISTERS)
+    with pytest.raises(ValueError, match="2 or 3 stages"):
+        gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=4))
+
+
 def test_fp8_read_refuses_what_it_cannot_take():
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(1, 96).bfloat16()
@@ -509,6 +522,8 @@ def test_fp8_weights_switch_reads_the_bytes_interpreted(interpreter, fast_interp
     x3 = (torch.randn(3, 160) * 2).bfloat16()
     three = linear(x3, ws[0])
     assert reads == [torch.float8_e4m3fn]
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_regs")  # the Gluon build's switch: on CPU the same read as =fp8
+    assert torch.equal(linear(x3, ws[0]), three) and reads[-1] == torch.float8_e4m3fn
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_row")
     assert linear(x[:1], ws[0]) is not None and reads[-1] == torch.float8_e4m3fn  # one row: still the bytes
     copy3 = linear(x3, ws[0])
