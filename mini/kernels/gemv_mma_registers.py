@@ -7,8 +7,8 @@ layout through shared memory, 6 barriers a scale block (docs/perf/045). Here the
 `triton.experimental.gluon`, which ships with Triton 3.6): each warp owns 16-row tiles of W and loads its bytes
 directly in the register layout of Ampere's mma.sync (m16n8, `DotOperandLayout`), so no byte passes through shared
 memory and no barrier is ever taken:
-- a warp's lanes hold `K_WIDTH` consecutive bytes of a row each (8 or 16: one 64- or 128-bit load; the MMA's k
-  order permuted the same way in both operands, which leaves each product where it was);
+- a warp's lanes hold `K_WIDTH` consecutive bytes of a row each (8: one 64-bit load; 4 lanes cover a 32-wide scale
+  block; the MMA's k order is permuted the same way in both operands, which leaves each product where it was);
 - x's rows arrive in the MMA's other operand layout, where one scale block of a row is spread over 4 lanes: its
   amax is two warp shuffles, then each lane rounds its own values to e4m3 (mini/kernels/quant.py's
   `fp8_group_codes`, restated here in Gluon: same bits); the x codes form (FP8Rows) loads the codes instead;

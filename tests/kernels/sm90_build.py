@@ -208,6 +208,8 @@ def main() -> None:
           ints=_gemv_ints(1536, 7168, replace(GEMV_ROW_DEFAULT, block_k=256), False, w_block=128))
     for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
         if cfg.gluon_k_width:  # its Gluon build (no shared memory: its operands are loaded into the MMA's registers)
+            # (and at V4's 128-wide blocks, whose 128 x 128 byte tiles a step may spill: 144 bytes at 16 rows under
+            # Triton 3.6 with two blocks in flight)
             for tp, codes, w_block, split in ((8, False, 32, True), (16, False, 32, False), (8, True, 32, True),
                                               (16, False, 128, True)):
                 shape = (5120, 8192) if w_block == 32 else (1536, 7168)
@@ -215,7 +217,8 @@ def main() -> None:
                 build(_gemv_fp8_mma_registers_kernel, {**fp8, "x_ptr": "*fp8e4nv"} if codes else fp8,
                       dict(BLOCK_N=cfg.block_n, TP=tp, SPLIT=split, W_BLOCK=w_block, K_WIDTH=cfg.gluon_k_width,
                            X_CODES=codes, AHEAD=cfg.num_stages - 1), num_warps=cfg.num_warps,
-                      ints={**ints, "stride_e": shape[1] // w_block} if codes else ints, shared=0)
+                      ints={**ints, "stride_e": shape[1] // w_block} if codes else ints, shared=0,
+                      spills=w_block == 128)
             continue
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
             for split in (True, False):

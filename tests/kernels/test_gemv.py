@@ -271,8 +271,9 @@ def test_fp8_mma_build_refuses_what_it_cannot_take():
 
 
 def test_gluon_build_refuses_what_it_cannot_take():
-    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 2 or 3 stages and 16-row tiles: a CPU
-    tensor or another tiling is refused with a clear error, never run by the interpreter."""
+    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 2 or 3 stages, 16-row tiles and MMA
+    tiles within a scale block: a CPU tensor or another tiling is refused with a clear error, never run by the
+    interpreter."""
     from mini.kernels.gemv import MMA_REGISTERS
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(3, 96).bfloat16()
@@ -281,6 +282,8 @@ def test_gluon_build_refuses_what_it_cannot_take():
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=MMA_REGISTERS)
     with pytest.raises(ValueError, match="2 or 3 stages"):
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=4))
+    with pytest.raises(ValueError, match="16 bytes a lane, 32-wide blocks"):  # an MMA tile spanning two blocks
+        gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_k_width=16))
 
 
 def test_fp8_read_refuses_what_it_cannot_take():
