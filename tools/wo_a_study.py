@@ -1,6 +1,6 @@
 """V4.1's block-diagonal output projection wo_a at decode rows (mini.ops.linear.grouped_linear): cuBLAS's batched
-GEMM on the bf16 copy (every row count but one) and at one row the grouped FP8 read of the checkpoint's bytes (half
-the copy's). (Report 040 also timed the grouped GEMV on the copy: 6-12% slower than the bmm at 1-16 rows.)
+GEMM on the bf16 copy (every row count but one), at one row the grouped FP8 read of the checkpoint's bytes (half
+the copy's), and at every row count the FP8 read's Gluon build in each candidate tiling (x as it is). (Report 040 also timed the grouped GEMV on the copy: 6-12% slower than the bmm at 1-16 rows.)
 
 Each case replays ROTATE calls in one CUDA graph, each on its own weight copy (so the weights come from HBM, as in
 a step where 40 layers' wo_a pass through L2), and prints us per call, GB/s of the bytes the call must read (the
@@ -50,7 +50,7 @@ def within_bound(y: torch.Tensor, x: torch.Tensor, copy: torch.Tensor) -> bool:
 
 
 def run(rows: list[int], dev: str = "cuda") -> dict:
-    from mini.kernels.gemv import gemv
+    from mini.kernels.gemv import MMA_CANDIDATES, gemv
     ws = weights(dev)
     tbs = nominal_tbs()
     result = {"device": torch.cuda.get_device_name(), "nominal_tb_s": tbs, "cases": {}}
@@ -62,10 +62,13 @@ def run(rows: list[int], dev: str = "cuda") -> dict:
             for (_, _, c), o in zip(ws, outs):
                 torch.bmm(x.view(T, G, K).transpose(0, 1), c.transpose(1, 2), out=o.view(T, G, R).transpose(0, 1))
 
-        def gemv_fp8():
-            for (q, s, _), o in zip(ws, outs):
-                gemv(x, q, out=o, scale=s, w_block=32, groups=G)
-        paths = {"cublas_bmm": (bmm, 2)} | ({"gemv_fp8": (gemv_fp8, 1)} if T == 1 else {})
+        def gemv_fp8(config=None):
+            def call():
+                for (q, s, _), o in zip(ws, outs):
+                    gemv(x, q, out=o, scale=s, w_block=32, groups=G, config=config)
+            return call
+        paths = {"cublas_bmm": (bmm, 2)} | ({"gemv_fp8": (gemv_fp8(), 1)} if T == 1 else {})
+        paths |= {f"gluon {label}": (gemv_fp8(cfg), 1) for label, cfg in MMA_CANDIDATES.items() if cfg.gluon_k_width}
         case = {}
         for name, (fn, bytes_per_value) in paths.items():
             for o in outs:
@@ -74,7 +77,7 @@ def run(rows: list[int], dev: str = "cuda") -> dict:
             gbs = G * R * K * bytes_per_value / (us * 1e-6) / 1e9
             ok = all(within_bound(o, x, c) for (_, _, c), o in zip(ws, outs))
             case[name] = {"us": us, "GB_s": gbs, "frac_nominal": gbs / (tbs * 1e3), "within_bound": ok}
-            print(f"wo_a T={T:2d} {name:10s} {us:7.2f} us  {gbs:6.0f} GB/s ({gbs / (tbs * 1e3):.2f} of nominal)  "
+            print(f"wo_a T={T:2d} {name:26s} {us:7.2f} us  {gbs:6.0f} GB/s ({gbs / (tbs * 1e3):.2f} of nominal)  "
                   f"bound {'ok' if ok else 'MISSED'}", flush=True)
         result["cases"][f"T{T}"] = case
     return result

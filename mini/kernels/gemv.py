@@ -375,10 +375,12 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
     [ceil(N / w_block), ceil(K / w_block)] bytes up to MAX_SCALE_BYTE. One row of x (`config` None: ROW_CANDIDATES'
     first) takes the CUDA-core read above: the same result as on dequant_fp8(w, scale, w_block, bf16) but for the
     order of the fp32 sums. 2-16 rows (`config` None: MMA_TUNED's or MMA_CANDIDATES' first) take the tensor cores'
-    read, act_block = w_block: the same but for the FP8 MMA's sum within each block (above). `groups` G > 1 (the
-    one-row FP8 read only): a block-diagonal projection (V4.1's wo_a), x [1, G K] and w [N, K]
-    whose rows in group g (N / G of them, whole BLOCK_N blocks) take x[:, g K:(g + 1) K]: y = [x_g w_g^T for each
-    g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's bmm at 1-16 rows: docs/perf/040.)
+    read, act_block = w_block: the same but for the FP8 MMA's sum within each block (above); its Gluon build
+    (`gluon_k_width`, mini/kernels/gemv_mma_registers.py) also takes act_block = 0: x as it is, the exact products
+    summed in fp32. `groups` G > 1 (the one-row FP8 read, or the Gluon build at 1-16 rows): a block-diagonal
+    projection (V4.1's wo_a), x [T, G K] and w [N, K] whose rows in group g (N / G of them, whole BLOCK_N blocks)
+    take x[:, g K:(g + 1) K]: y = [x_g w_g^T for each g]. (The same on the bf16 copy's GEMV was slower than cuBLAS's
+    bmm at 1-16 rows: docs/perf/040.)
     x may also come quantized (`FP8Rows`: its e4m3 codes and E8M0 bytes in the weight's blocks, e.g. from
     fp8_act_quant_wire): the tensor cores' FP8 read then takes the codes as they are, at any 1-16 rows, with the bits
     of the same read quantizing bf16 x in its loads (act_block is then x's block or 0)."""
@@ -394,9 +396,10 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
     N = w.shape[0]
     config = config or (config_for(N, K) if scale is None else ROW_DEFAULT if T == 1 else
                         MMA_TUNED.get((N, K), MMA_DEFAULT))
-    if groups > 1 and (not config.cuda_cores or N % groups or (N // groups) % config.block_n):
-        raise ValueError(f"gemv: groups take the one-row FP8 read, each group's rows (of w's {N}) whole BLOCK_N = "
-                         f"{config.block_n} blocks; got {groups} groups, {T} row(s)"
+    if groups > 1 and (not (config.cuda_cores or config.gluon_k_width) or N % groups
+                       or (N // groups) % config.block_n):
+        raise ValueError(f"gemv: groups take the one-row FP8 read or the Gluon build, each group's rows (of w's {N}) "
+                         f"whole BLOCK_N = {config.block_n} blocks; got {groups} groups, {T} row(s)"
                          f"{'' if scale is not None else ', no scale'}")
     if (scale is not None) != (config.cuda_cores or config.fp8_mma):
         raise ValueError(f"gemv: an FP8 weight (with its scale) takes an FP8-read build and a bf16 one the others; "
@@ -405,9 +408,11 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
     if config.cuda_cores and (T != 1 or w_block % config.block_n):
         raise ValueError(f"gemv: the CUDA-core FP8 read takes one row of x and a BLOCK_N that divides the weight's "
                          f"block ({w_block}); got {T} rows, BLOCK_N {config.block_n}")
-    if config.fp8_mma and (act_block != w_block or w_block < 32 or w_block & (w_block - 1)):
+    if config.fp8_mma and (act_block not in ((w_block, 0) if config.gluon_k_width else (w_block,)) or w_block < 32
+                           or w_block & (w_block - 1)):
         raise ValueError(f"gemv: the tensor-core FP8 read quantizes x in the weight's blocks (act_block = w_block, "
-                         f"a power of two >= 32, the MMA's K); got act_block {act_block}, w_block {w_block}")
+                         f"a power of two >= 32, the MMA's K; its Gluon build also takes x unquantized, act_block 0); "
+                         f"got act_block {act_block}, w_block {w_block}")
     if config.fp8_mma:
         config = replace(config, block_k=w_block)  # its steps (and split-K pieces) are whole scale blocks
     if scale is not None:
@@ -425,7 +430,7 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     if config.fp8_mma:
-        return _fp8_mma(x, None, w, scale, w_block, out, config)
+        return _fp8_mma(x, None, w, scale, w_block, out, config, quantize=act_block > 0, groups=groups)
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     interpreted = x.device.type == "cpu"
     if config.cuda_cores:
@@ -475,10 +480,11 @@ def _output(out: torch.Tensor | None, T: int, N: int, dtype: torch.dtype, device
 
 
 def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, scale: torch.Tensor, w_block: int,
-             out: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """The tensor cores' FP8 read into `out` [T, N]: x bf16 [T, K] (quantized in the loads), or x's e4m3 codes
-    with their E8M0 bytes `x_scales` [T, K / w_block]; arguments checked by the caller."""
-    (T, K), N = x.shape, w.shape[0]
+             out: torch.Tensor, config: GemvConfig, quantize: bool = True, groups: int = 1) -> torch.Tensor:
+    """The tensor cores' FP8 read into `out` [T, N]: x bf16 [T, groups K] (quantized in the loads, or with
+    `quantize` False taken as it is: the Gluon build only), or x's e4m3 codes with their E8M0 bytes `x_scales`
+    [T, K / w_block]; arguments checked by the caller."""
+    T, (N, K) = x.shape[0], w.shape
     if config.gluon_k_width and (not x.is_cuda or config.num_stages not in (2, 3) or config.block_n % 16
                                  or 4 * config.gluon_k_width > w_block):
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
@@ -491,11 +497,11 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     args = (x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
             w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0))
     if config.gluon_k_width:
-        from mini.kernels.gemv_mma_registers import _gemv_fp8_mma_registers_kernel
+        from mini.kernels.gemv_mma_registers import X_BF16, X_CODES, X_QUANT, _gemv_fp8_mma_registers_kernel
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
-            K_WIDTH=config.gluon_k_width, X_CODES=x_scales is not None, AHEAD=config.num_stages - 1,
-            num_warps=config.num_warps)
+            K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
+            AHEAD=config.num_stages - 1, GROUP_N=N // groups, num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,

@@ -33,11 +33,16 @@ def _e8m0_value(s):
     return gl.where(s == 0, 0x00400000, gl.where(s == 255, 0x7FC00000, s << 23)).to(gl.float32, bitcast=True)
 
 
+# What x is (X_MODE): bf16 values taken as they are (no activation quant: V4.1's wo_a), bf16 fake-quantized to FP8
+# in the weight's blocks as it is loaded (the official FP8 GEMM's act quant), or its FP8 codes and E8M0 bytes given
+X_BF16, X_QUANT, X_CODES = 0, 1, 2
+
+
 @gluon.jit
-def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_CODES: gl.constexpr, acc_l: gl.constexpr):
-    """One scale block of x: (its e4m3 codes in the MMA's operand layout, each row's scale 2^(e - 127) in the
-    accumulator's column layout). x bf16 is quantized here (fp8_group_codes' formula); X_CODES: given."""
-    if X_CODES:
+def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_MODE: gl.constexpr, acc_l: gl.constexpr):
+    """One scale block of x in X_QUANT / X_CODES mode: (its e4m3 codes in the MMA's operand layout, each row's scale
+    2^(e - 127) in the accumulator's column layout); X_QUANT quantizes bf16 x here (fp8_group_codes' formula)."""
+    if X_MODE == 2:
         codes = gl.load(x_ptrs + k0, mask=x_ok, other=0.0)
         s_x = _e8m0_value(gl.load(e_ptrs + k0 // W_BLOCK, mask=t_ok, other=127).to(gl.int32))
     else:
@@ -55,18 +60,22 @@ def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_CODES: gl.
 def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s,
                                    stride_y, K_PIECE, e_ptr, stride_e, BLOCK_N: gl.constexpr, TP: gl.constexpr,
                                    SPLIT: gl.constexpr, W_BLOCK: gl.constexpr, K_WIDTH: gl.constexpr,
-                                   X_CODES: gl.constexpr, AHEAD: gl.constexpr):
+                                   X_MODE: gl.constexpr, AHEAD: gl.constexpr, GROUP_N):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
     (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
-    The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK."""
+    The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK. X_BF16: x as it is (the
+    e4m3 weight widened to bf16, exact; |x| < 2^119 so that no q x overflows fp32), s_x = 1; then x is [T, G K] and
+    the block's rows take group n // GROUP_N of it (x[:, g K:(g + 1) K]: a block-diagonal projection)."""
     WARPS: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     w_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, K_WIDTH)
     # x's operand layout as a linear layout: the same registers, and a reduction over it builds (Triton 3.6 cannot
     # verify one over a dot-operand layout while it builds it)
-    x_l: gl.constexpr = gl.to_linear_layout(gl.DotOperandLayout(1, acc_l, K_WIDTH), [W_BLOCK, TP])
+    x_dot: gl.constexpr = gl.DotOperandLayout(1, acc_l, K_WIDTH)
+    x_l: gl.constexpr = gl.to_linear_layout(x_dot, [W_BLOCK, TP])
     pid_n = gl.program_id(0)
     piece = gl.program_id(1)
+    x_ptr += (pid_n * BLOCK_N // GROUP_N).to(gl.int64) * K  # the group of x the block's rows take (0: one group)
     k_lo = piece * K_PIECE
     k_hi = gl.minimum(k_lo + K_PIECE, K)
 
@@ -101,10 +110,14 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
             w_1, s_1, w_2, s_2 = w_2, s_2, w_next, s_next
         else:
             w_1, s_1 = w_next, s_next
-        codes, s_x = _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK, X_CODES, acc_l)
-        d = mma_v2(w, gl.convert_layout(codes, gl.DotOperandLayout(1, acc_l, K_WIDTH), assert_trivial=True), zero)
         s_w = _e8m0_value(s_byte.to(gl.int32))
-        acc += d * gl.expand_dims(s_w, 1) * gl.expand_dims(s_x, 0)
+        if X_MODE == 0:
+            x = gl.convert_layout(gl.load(x_ptrs + k0, mask=x_ok, other=0.0), x_dot, assert_trivial=True)
+            acc += mma_v2(w.to(gl.bfloat16), x, zero) * gl.expand_dims(s_w, 1)
+        else:
+            codes, s_x = _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK, X_MODE, acc_l)
+            d = mma_v2(w, gl.convert_layout(codes, x_dot, assert_trivial=True), zero)
+            acc += d * gl.expand_dims(s_w, 1) * gl.expand_dims(s_x, 0)
 
     ok = gl.expand_dims(n_c < N, 1) & gl.expand_dims(t_ok, 0)
     if SPLIT:

@@ -175,7 +175,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
     wo_a, bf16 values, no activation quant: the official einsum 'tgd,grd->tgr'). `fp8`: w's checkpoint bytes
     [G·r, k] with their scales. At one row the fast path reads those bytes (half the copy's) in the decode GEMV,
     one program per group's rows (where `reads_fp8_weights`, as `dense_bf16`): V4.1's wo_a 24.5 -> 16.2 us on an
-    H100, the B = 1 step -3.3% (docs/perf/040). Otherwise, and in the deterministic mode (its batch-invariant bmm),
+    H100, the B = 1 step -3.3% (docs/perf/040); at 2-16 rows with MINI_GEMV_WEIGHTS=fp8_regs (a candidate) in the
+    GEMV's Gluon build, x as it is, the exact products summed in fp32. Otherwise, and in the deterministic mode (its batch-invariant bmm),
     one batched GEMM on the copy that writes straight into the [T, G, r] layout the next projection reads (einsum's
     [G, T, r] result would need a transposing copy); the grouped GEMV on the copy was slower than it at 1-16 rows
     (tools/wo_a_study.py)."""
@@ -186,6 +187,12 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
         from mini.kernels.gemv import gemv, runs_on, takes_groups
         if runs_on(x) and takes_groups(G * r, G):
             return gemv(x.reshape(1, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
+    if (fp8 is not None and 1 < T <= GEMV_MAX_TOKENS and x.is_cuda and use_fast(x) and x.dtype == torch.bfloat16
+            and not deterministic() and switches.current().gemv_weights == "fp8_regs" and _gemv_reads(fp8)):
+        from mini.kernels.gemv import MMA_REGISTERS, gemv
+        if r % MMA_REGISTERS.block_n == 0 and 4 * MMA_REGISTERS.gluon_k_width <= fp8.block:
+            return gemv(x.reshape(T, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G,
+                        config=MMA_REGISTERS)
     if not x.is_cuda:
         return torch.einsum("tgd,grd->tgr", x, w).flatten(1)
     out = torch.empty(T, G, r, dtype=x.dtype, device=x.device)

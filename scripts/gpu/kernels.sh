@@ -92,7 +92,8 @@ phase_humming_step() {  # issue 28 (B = 64: 182 s with 10 + 4 variants; B = 1: 1
 }
 
 phase_wo_a() {  # issue 28 (~30 s): V4.1's block-diagonal wo_a at decode rows (tools/wo_a_study.py): cuBLAS's bmm on
-    # the bf16 copy, the grouped GEMV on the copy, the one-row grouped FP8 read; us per call, weights from HBM.
+    # the bf16 copy, the one-row grouped FP8 read, the FP8 read's Gluon build (every candidate); us per call, weights
+    # from HBM.
     # Look at: us and GB/s per path and row count, "bound ok"
     python3 tools/wo_a_study.py --rows "${WO_A_ROWS:-1,2,6,16}" --json "$PHASE_DIR/wo_a.json"
 }

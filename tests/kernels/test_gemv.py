@@ -369,6 +369,31 @@ def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K,G", ((8192, 4096, 8), (5120, 8192, 1), (300, 96, 1)))
+def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
+    """The Gluon build with x as it is (act_block 0; V4.1's wo_a in its 8 groups of 1,024 rows, wo_b's shape, an N
+    tail), every Gluon candidate: each group's rows against the bf16 copy's exact products summed in fp32 and
+    rounded once (_check), into a NaN-filled output, run to run and alone against among 16 rows the same."""
+    from mini.formats import dequant_fp8
+    from mini.kernels.gemv import MMA_CANDIDATES
+    q, scale = _fp8_weight(N, K, 32, "cuda", seed=N)
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16).cpu()
+    rows = N // G
+    for T in (2, 6, 16):
+        x = (torch.randn(T, G * K, device="cuda") * 2).bfloat16()
+        for label, cfg in MMA_CANDIDATES.items():
+            if not cfg.gluon_k_width or (G > 1 and rows % cfg.block_n):
+                continue
+            out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            y = gemv(x, q, out=out, config=cfg, scale=scale, w_block=32, groups=G)
+            for g in range(G):
+                _check(y[:, g * rows:(g + 1) * rows].cpu(), x[:, g * K:(g + 1) * K].cpu(),
+                       copy[g * rows:(g + 1) * rows])
+            assert torch.equal(y, gemv(x, q, config=cfg, scale=scale, w_block=32, groups=G)), label
+            assert torch.equal(gemv(x[-1:], q, config=cfg, scale=scale, w_block=32, groups=G), y[-1:]), label
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES)
 def test_gemv_at_v41_shapes_gpu(N, K):
     for T in (1, 3, 16):
