@@ -170,6 +170,22 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
+def gluon_read(x: torch.Tensor, fp8: QWeight | None, groups: int = 1) -> torch.Tensor | None:
+    """Under MINI_GEMV_WEIGHTS=fp8_regs (a candidate): x [T, groups K] bf16 at 2-16 rows, taken as it is (already
+    quantized, or a projection without act quant), against fp8's checkpoint bytes in the decode GEMV's Gluon build
+    (gemv.MMA_REGISTERS: the exact products summed in fp32); None where that does not apply (other switch values,
+    CPU, other row counts, the deterministic mode, a tiling the build cannot take)."""
+    T = x.shape[0]
+    if (fp8 is None or fp8.kind != "fp8" or not 1 < T <= GEMV_MAX_TOKENS or not x.is_cuda or x.dtype != torch.bfloat16
+            or not use_fast(x) or deterministic() or switches.current().gemv_weights != "fp8_regs"
+            or not _gemv_reads(fp8)):
+        return None
+    from mini.kernels.gemv import MMA_REGISTERS, gemv
+    if (fp8.data.shape[0] // groups) % MMA_REGISTERS.block_n or 4 * MMA_REGISTERS.gluon_k_width > fp8.block:
+        return None
+    return gemv(x, fp8.data, scale=fp8.scale, w_block=fp8.block, groups=groups, config=MMA_REGISTERS)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None) -> torch.Tensor:
     """x [T, G, k] times each group's w [G, r, k] -> [T, G·r] in x's dtype: a block-diagonal projection (V4.1's
     wo_a, bf16 values, no activation quant: the official einsum 'tgd,grd->tgr'). `fp8`: w's checkpoint bytes
@@ -187,12 +203,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
         from mini.kernels.gemv import gemv, runs_on, takes_groups
         if runs_on(x) and takes_groups(G * r, G):
             return gemv(x.reshape(1, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G)
-    if (fp8 is not None and 1 < T <= GEMV_MAX_TOKENS and x.is_cuda and use_fast(x) and x.dtype == torch.bfloat16
-            and not deterministic() and switches.current().gemv_weights == "fp8_regs" and _gemv_reads(fp8)):
-        from mini.kernels.gemv import MMA_REGISTERS, gemv
-        if r % MMA_REGISTERS.block_n == 0 and 4 * MMA_REGISTERS.gluon_k_width <= fp8.block:
-            return gemv(x.reshape(T, G * k), fp8.data, scale=fp8.scale, w_block=fp8.block, groups=G,
-                        config=MMA_REGISTERS)
+    y = gluon_read(x.reshape(T, G * k), fp8, groups=G) if T > 1 else None
+    if y is not None:
+        return y
     if not x.is_cuda:
         return torch.einsum("tgd,grd->tgr", x, w).flatten(1)
     out = torch.empty(T, G, r, dtype=x.dtype, device=x.device)

@@ -353,9 +353,10 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
     default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
-    (faster there than the GEMV on the copy, docs/perf/018)."""
+    (faster there than the GEMV on the copy, docs/perf/018), or at 2-16 rows under MINI_GEMV_WEIGHTS=fp8_regs the
+    GEMV's Gluon build on w2's bytes (h is already quantized: taken as it is)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
-    from mini.ops.linear import dense_bf16, reads_fp8_weights, stack_dequantized, stack_fp8
+    from mini.ops.linear import dense_bf16, gluon_read, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
     if w._shared_w13 is None:
         w._shared_w13 = stack_dequantized([w1, w3], torch.bfloat16)
@@ -366,7 +367,8 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
     if w2.kind == "fp8" and h.shape[0] == 1 and reads_fp8_weights():  # (h: already FP8 in w2's groups)
         return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
-    return F.linear(h, w2.prepare(torch.bfloat16))
+    y = gluon_read(h, w2)  # (MINI_GEMV_WEIGHTS=fp8_regs, a candidate; else None)
+    return y if y is not None else F.linear(h, w2.prepare(torch.bfloat16))
 
 
 def moe(x: torch.Tensor, w: MoEWeights, cfg: ModelConfig, plan: LayerPlan, input_ids: torch.Tensor | None = None,
