@@ -1,6 +1,7 @@
 """V4.1's block-diagonal output projection wo_a at decode rows (mini.ops.linear.grouped_linear): cuBLAS's batched
 GEMM on the bf16 copy (every row count but one), at one row the grouped FP8 read of the checkpoint's bytes (half
-the copy's), and at every row count the FP8 read's Gluon build in each candidate tiling (x as it is). (Report 040 also timed the grouped GEMV on the copy: 6-12% slower than the bmm at 1-16 rows.)
+the copy's), and at every row count the FP8 read's Gluon build in each candidate tiling (x as it is). (Report 040
+also timed the grouped GEMV on the copy: 6-12% slower than the bmm at 1-16 rows.)
 
 Each case replays ROTATE calls in one CUDA graph, each on its own weight copy (so the weights come from HBM, as in
 a step where 40 layers' wo_a pass through L2), and prints us per call, GB/s of the bytes the call must read (the

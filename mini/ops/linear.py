@@ -192,10 +192,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
     [G·r, k] with their scales. At one row the fast path reads those bytes (half the copy's) in the decode GEMV,
     one program per group's rows (where `reads_fp8_weights`, as `dense_bf16`): V4.1's wo_a 24.5 -> 16.2 us on an
     H100, the B = 1 step -3.3% (docs/perf/040); at 2-16 rows with MINI_GEMV_WEIGHTS=fp8_regs (a candidate) in the
-    GEMV's Gluon build, x as it is, the exact products summed in fp32. Otherwise, and in the deterministic mode (its batch-invariant bmm),
-    one batched GEMM on the copy that writes straight into the [T, G, r] layout the next projection reads (einsum's
-    [G, T, r] result would need a transposing copy); the grouped GEMV on the copy was slower than it at 1-16 rows
-    (tools/wo_a_study.py)."""
+    GEMV's Gluon build (`gluon_read`), x as it is, the exact products summed in fp32. Otherwise, and in the
+    deterministic mode (its batch-invariant bmm), one batched GEMM on the copy that writes straight into the
+    [T, G, r] layout the next projection reads (einsum's [G, T, r] result would need a transposing copy); the
+    grouped GEMV on the copy was slower than it at 1-16 rows (tools/wo_a_study.py)."""
     T, G, k = x.shape
     r = w.shape[1]
     if (fp8 is not None and T == 1 and use_fast(x) and x.dtype == torch.bfloat16 and not deterministic()

@@ -394,6 +394,39 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 
 
 @pytest.mark.gpu
+def test_fp8_regs_switch_takes_the_gluon_build_gpu(monkeypatch):
+    """MINI_GEMV_WEIGHTS=fp8_regs: linear at 2-16 rows, wo_a's grouped_linear and the shared expert's w2 (through
+    linear.gluon_read) reach the Gluon build, within the bounds of its parity tests; one row keeps the CUDA-core
+    read."""
+    import mini.kernels.gemv as module
+    from mini.formats import dequant_fp8
+    from mini.kernels.fp8_act_quant import fp8_act_quant
+    from mini.ops.linear import QWeight, grouped_linear, gluon_read, linear
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_regs")
+    configs, real = [], module.gemv
+    monkeypatch.setattr(module, "gemv", lambda *a, **kw: configs.append(kw.get("config")) or real(*a, **kw))
+    q, scale = _fp8_weight(256, 192, 32, "cuda", seed=3)
+    w = QWeight("fp8", q, scale.view(torch.float8_e8m0fnu), 32)
+    copy = dequant_fp8(q, scale, 32, torch.bfloat16)
+    x = (torch.randn(6, 192, device="cuda") * 2).bfloat16()
+    y = linear(x, w)
+    assert configs == [module.MMA_REGISTERS]
+    xq = fp8_act_quant(x, 32).double()
+    ref, spread = xq @ copy.double().T, xq.abs() @ copy.double().abs().T
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + spread * 1e-5).all()
+    _check(gluon_read(x, w).cpu(), x.cpu(), copy.cpu())  # x as it is (w2's h: already quantized)
+    q2, scale2 = _fp8_weight(256, 96, 32, "cuda", seed=4)  # wo_a's form: 2 groups of 128 rows x 96
+    copy2 = dequant_fp8(q2, scale2, 32, torch.bfloat16)
+    w2 = QWeight("fp8", q2, scale2.view(torch.float8_e8m0fnu), 32)
+    yg = grouped_linear(x.view(6, 2, 96), copy2.view(2, 128, 96), w2)
+    assert configs[-1] == module.MMA_REGISTERS
+    for g in range(2):
+        _check(yg[:, g * 128:(g + 1) * 128].cpu(), x[:, g * 96:(g + 1) * 96].cpu(), copy2[g * 128:(g + 1) * 128].cpu())
+    linear(x[:1], w)
+    assert configs[-1] is None  # one row: the CUDA-core read's default
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES)
 def test_gemv_at_v41_shapes_gpu(N, K):
     for T in (1, 3, 16):
