@@ -93,13 +93,13 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 # The same read in the Gluon build, its candidate tilings (rows a program on 4 warps, stages = blocks in flight + 1;
 # 8 bytes of a row a lane: 16 need 64-wide MMA tiles, two of V4.1's scale blocks; not yet measured)
 MMA_CANDIDATES.update({
+    "regs 128 s1 8/SM": GemvConfig(128, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=8),
+    "regs 128 s1 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8),
+    "regs 64 s1 16/SM": GemvConfig(64, 32, 4, 1, 16, fp8_mma=True, gluon_k_width=8),
     "regs 128 s2 4/SM": GemvConfig(128, 32, 4, 2, 4, fp8_mma=True, gluon_k_width=8),
-    "regs 128 s3 4/SM": GemvConfig(128, 32, 4, 3, 4, fp8_mma=True, gluon_k_width=8),
-    "regs 128 s3 8/SM": GemvConfig(128, 32, 4, 3, 8, fp8_mma=True, gluon_k_width=8),
-    "regs 64 s3 8/SM": GemvConfig(64, 32, 4, 3, 8, fp8_mma=True, gluon_k_width=8),
-    "regs 64 s3 16/SM": GemvConfig(64, 32, 4, 3, 16, fp8_mma=True, gluon_k_width=8)})
+    "regs 128 s3 4/SM": GemvConfig(128, 32, 4, 3, 4, fp8_mma=True, gluon_k_width=8)})
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 s3 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 s1 8/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
 
@@ -485,10 +485,10 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     `quantize` False taken as it is: the Gluon build only), or x's e4m3 codes with their E8M0 bytes `x_scales`
     [T, K / w_block]; arguments checked by the caller."""
     T, (N, K) = x.shape[0], w.shape
-    if config.gluon_k_width and (not x.is_cuda or config.num_stages not in (2, 3) or config.block_n % 16
+    if config.gluon_k_width and (not x.is_cuda or config.num_stages not in (1, 2, 3) or config.block_n % 16
                                  or 4 * config.gluon_k_width > w_block):
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
-                         f"2 or 3 stages, 16-row tiles, 4 lanes' bytes within a scale block; got {x.device.type}, "
+                         f"1-3 stages, 16-row tiles, 4 lanes' bytes within a scale block; got {x.device.type}, "
                          f"{config.num_stages} stages, BLOCK_N {config.block_n}, {config.gluon_k_width} bytes a lane, "
                          f"{w_block}-wide blocks")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))

@@ -271,7 +271,7 @@ def test_fp8_mma_build_refuses_what_it_cannot_take():
 
 
 def test_gluon_build_refuses_what_it_cannot_take():
-    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 2 or 3 stages, 16-row tiles and MMA
+    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 1-3 stages, 16-row tiles and MMA
     tiles within a scale block: a CPU tensor or another tiling is refused with a clear error, never run by the
     interpreter."""
     from mini.kernels.gemv import MMA_REGISTERS
@@ -280,7 +280,7 @@ def test_gluon_build_refuses_what_it_cannot_take():
     assert MMA_REGISTERS.gluon_k_width and MMA_REGISTERS.fp8_mma
     with pytest.raises(ValueError, match="CUDA only"):
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=MMA_REGISTERS)
-    with pytest.raises(ValueError, match="2 or 3 stages"):
+    with pytest.raises(ValueError, match="1-3 stages"):
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=4))
     with pytest.raises(ValueError, match="16 bytes a lane, 32-wide blocks"):  # an MMA tile spanning two blocks
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_k_width=16))
