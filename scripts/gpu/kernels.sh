@@ -235,6 +235,32 @@ for line in sys.stdin:
     return $rc
 }
 
+phase_gemv_regs() {  # issues 27/28 (not yet run; guess ~200 s on an H100): the FP8 read's Gluon build
+    # (mini/kernels/gemv_mma_registers.py) first checked, then timed. Its gpu tests and the read's (tests.log: every
+    # candidate against the exact products' sums at V4.1's shapes, x quantized, as codes and as it is, wo_a's groups,
+    # the switch's dispatch), then `mini bench kernels --only decode_gemv_fp8` (bench.log, one line per row: us,
+    # share of the copy rate, same_as_copy, max_rel_err; the Triton build's candidates beside it), then
+    # tools/wo_a_study.py at 6 and 16 rows (wo_a.log). The step A/B is phase gemv_rows_ab with
+    # GEMV_AB_READS="fp8 fp8_regs".
+    local rc=0
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
+        -k "mma or gluon or regs" --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1
+    tail -6 "$PHASE_DIR/tests.log"
+    timeout 120 python3 -m mini.bench.kernels --only decode_gemv_fp8 --json "$PHASE_DIR/kernels_gemv_fp8.json" \
+        >"$PHASE_DIR/bench.log" 2>&1 || rc=1
+    grep -E "^\{" "$PHASE_DIR/bench.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(f\"{r['kernel'][15:]:34s} {r['config'][:34]:34s} {r['us']:6.1f} {r['frac_copy_peak']:.2f}\",
+          f\"{r['same_as_copy']:.3f} {r['max_rel_err']:.0e}\")"
+    grep -iE "error|Traceback" "$PHASE_DIR/bench.log" | head -5
+    timeout 40 python3 tools/wo_a_study.py --rows 6,16 --json "$PHASE_DIR/wo_a.json" >"$PHASE_DIR/wo_a.log" 2>&1 \
+        || rc=1
+    tail -14 "$PHASE_DIR/wo_a.log"
+    return $rc
+}
+
 phase_decode_small() {  # issue 28, decode latency's small kernels (84 s before the GEMV rows; cap it
     # at 300): the gpu tests of the one-program routing plan (decode T = 1..171, == the torch plan), of the mHC
     # site input at decode sizes (T = 1, 3, 16, 65, tiles chosen by T; the deterministic mode's tiles: a token alone
