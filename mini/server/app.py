@@ -91,6 +91,24 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+async def _stream_frame(stream, on_output, chunk, include_usage: bool):
+    """The events of an OpenAI stream around its choices' chunks, the same for completions and chat: each output's
+    chunks (`on_output(i, out, last)`: `last` the newest output of every choice so far), an engine error as an
+    error event that ends the stream, then the usage chunk where asked and `[DONE]`."""
+    last = {}
+    try:
+        async for i, out in stream:
+            last[i] = out
+            for event in on_output(i, out, last):
+                yield event
+    except RuntimeError as e:
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        return
+    if include_usage and last:
+        yield chunk([], _usage(*last.values()))
+    yield "data: [DONE]\n\n"
+
+
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, model_name: str, images: ImageLimits | None = None):
         self.llm, self.metrics, self.model_name = llm, metrics, model_name
@@ -215,26 +233,19 @@ class OpenAIServer:
 
         async def events():
             sent = [0] * req.n
-            last = {}
             if echo:
                 for i in range(req.n):
                     yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
-            try:
-                async for i, out in stream:
-                    last[i] = out
-                    if out.new_token_ids or out.finished:  # one chunk per token, even if its text is held back
-                        lp = self._completion_logprobs(out, len(out.new_token_ids), sent[i], as_ids) \
-                            if want_lp else None
-                        yield chunk([{"index": i, "text": out.new_text, "logprobs": lp,
-                                      "finish_reason": out.finish_reason if out.finished else None}],
-                                    _usage(*last.values()) if req.continuous_usage else None)
-                        sent[i] += len(out.new_text)
-            except RuntimeError as e:
-                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-                return
-            if req.include_usage and last:
-                yield chunk([], _usage(*last.values()))
-            yield "data: [DONE]\n\n"
+
+            def on_output(i, out, last):
+                if out.new_token_ids or out.finished:  # one chunk per token, even if its text is held back
+                    lp = self._completion_logprobs(out, len(out.new_token_ids), sent[i], as_ids) if want_lp else None
+                    yield chunk([{"index": i, "text": out.new_text, "logprobs": lp,
+                                  "finish_reason": out.finish_reason if out.finished else None}],
+                                _usage(*last.values()) if req.continuous_usage else None)
+                    sent[i] += len(out.new_text)
+            async for event in _stream_frame(stream, on_output, chunk, req.include_usage):
+                yield event
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -325,25 +336,19 @@ class OpenAIServer:
         async def events():
             for i in range(req.n):
                 yield chunk(choice(i, {"role": "assistant", "content": ""}))
-            last = {}
-            try:
-                async for i, out in stream:
-                    last[i] = out
-                    usage = _usage(*last.values()) if req.continuous_usage else None
-                    lp = self._chat_logprobs(out, len(out.new_token_ids), as_ids) if req.logprobs else None
-                    for k, delta in enumerate(choices[i].deltas(out)):
-                        # one chunk per token (its text may be held back), as in completions; calls as they grow
-                        if (k == 0 and out.new_token_ids and (any(delta.values()) or not out.finished)) or k > 0:
-                            yield chunk(choice(i, delta, lp=lp), usage)
-                            lp = None
-                    if out.finished:
-                        yield chunk(choice(i, {}, finish=choices[i].finish_reason(out), lp=lp), usage)
-            except RuntimeError as e:
-                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-                return
-            if req.include_usage and last:
-                yield chunk([], _usage(*last.values()))
-            yield "data: [DONE]\n\n"
+
+            def on_output(i, out, last):
+                usage = _usage(*last.values()) if req.continuous_usage else None
+                lp = self._chat_logprobs(out, len(out.new_token_ids), as_ids) if req.logprobs else None
+                for k, delta in enumerate(choices[i].deltas(out)):
+                    # one chunk per token (its text may be held back), as in completions; calls as they grow
+                    if (k == 0 and out.new_token_ids and (any(delta.values()) or not out.finished)) or k > 0:
+                        yield chunk(choice(i, delta, lp=lp), usage)
+                        lp = None
+                if out.finished:
+                    yield chunk(choice(i, {}, finish=choices[i].finish_reason(out), lp=lp), usage)
+            async for event in _stream_frame(stream, on_output, chunk, req.include_usage):
+                yield event
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
