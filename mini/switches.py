@@ -36,7 +36,7 @@ class Switches:
     det_sparse_attn: str = "flashmla"
     # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight, "fp8" (the checkpoint's bytes
     # and scales, mini/kernels/gemv.py: half the bytes; at one row on the CUDA cores, the shared expert's w2 too,
-    # at 2-16 rows with x's FP8 codes on the tensor cores) | "fp8_regs" (so, at 2-16 rows in the Gluon build,
+    # at 2-16 rows with x's FP8 codes on the tensor cores) | "fp8_regs" (so, at 2-8 rows in the Gluon build,
     # gemv.MMA_REGISTERS, on CUDA) | "fp8_row" (so at one row only, the copy at 2-16) | "bf16" (its dequantized copy
     # at every row count)
     gemv_weights: str = "fp8"

@@ -90,16 +90,14 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 4/SM": GemvConfig(64, 32, 4, 4, 4, fp8_mma=True),
                   "mma 64 s4 8/SM": GemvConfig(64, 32, 4, 4, 8, fp8_mma=True)}
-# The same read in the Gluon build, its candidate tilings (rows a program on 4 warps, stages = blocks in flight + 1;
-# 8 bytes of a row a lane: 16 need 64-wide MMA tiles, two of V4.1's scale blocks; not yet measured)
-MMA_CANDIDATES.update({
-    "regs 128 s1 8/SM": GemvConfig(128, 32, 4, 1, 8, fp8_mma=True, gluon_k_width=8),
-    "regs 128 s1 4/SM": GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8),
-    "regs 64 s1 16/SM": GemvConfig(64, 32, 4, 1, 16, fp8_mma=True, gluon_k_width=8),
-    "regs 128 s2 4/SM": GemvConfig(128, 32, 4, 2, 4, fp8_mma=True, gluon_k_width=8),
-    "regs 128 s3 4/SM": GemvConfig(128, 32, 4, 3, 4, fp8_mma=True, gluon_k_width=8)})
+# The same read in the Gluon build (rows a program on 4 warps; 8 bytes of a row a lane: 16 need 64-wide MMA tiles, two
+# of V4.1's scale blocks). Measured on an H100 (docs/perf/048): at 6 rows 3-6% faster than the best Triton build on
+# five of V4.1's six projections (within 1% on wq_b's), at 16 rows 6-32% slower; 8 programs an SM, 64-row tiles and
+# 1-2 blocks carried ahead were slower at every shape and are gone
+MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 s1 8/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-16 rows
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8_regs takes at 2-8 rows
+MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
 
 
@@ -485,12 +483,12 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     `quantize` False taken as it is: the Gluon build only), or x's e4m3 codes with their E8M0 bytes `x_scales`
     [T, K / w_block]; arguments checked by the caller."""
     T, (N, K) = x.shape[0], w.shape
-    if config.gluon_k_width and (not x.is_cuda or config.num_stages not in (1, 2, 3) or config.block_n % 16
+    if config.gluon_k_width and (not x.is_cuda or config.num_stages != 1 or config.block_n % 16
                                  or 4 * config.gluon_k_width > w_block):
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
-                         f"1-3 stages, 16-row tiles, 4 lanes' bytes within a scale block; got {x.device.type}, "
-                         f"{config.num_stages} stages, BLOCK_N {config.block_n}, {config.gluon_k_width} bytes a lane, "
-                         f"{w_block}-wide blocks")
+                         f"at one stage (its loads in the loop), 16-row tiles, 4 lanes' bytes within a scale block; got "
+                         f"{x.device.type}, {config.num_stages} stages, BLOCK_N {config.block_n}, "
+                         f"{config.gluon_k_width} bytes a lane, {w_block}-wide blocks")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
@@ -501,7 +499,7 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            AHEAD=config.num_stages - 1, GROUP_N=N // groups, num_warps=config.num_warps)
+            GROUP_N=N // groups, num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,

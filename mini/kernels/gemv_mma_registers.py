@@ -15,7 +15,9 @@ memory and no barrier is ever taken:
 - per scale block the MMA sums from zero (on the GPU image's Triton the e4m3 operands are widened to f16, exact,
   and summed in fp32) and the block's [16, 8] sums are scaled by the row's and the token's powers of two (exact)
   into the fp32 accumulator: the bf16 copy's exact products, summed in fp32 in the MMA's order;
-- the next AHEAD blocks' bytes are loaded before this block's MMA (0-2 blocks of prefetch in registers).
+- each block's bytes are loaded in the loop, none carried ahead: other warps' loads hide a warp's wait (a
+  prefetched e4m3 tile carried across iterations costs ~90 byte moves a block; builds with 1-2 blocks carried
+  ahead were 18-56% slower on an H100 at every V4.1 shape, docs/perf/048).
 Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`). Gluon kernels run on CUDA only (not under
 Triton's interpreter): the CPU tests build it for sm_90 (tests/kernels/sm90_build.py) and its parity tests are
 `gpu`-marked.
@@ -60,7 +62,7 @@ def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_MODE: gl.c
 def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s,
                                    stride_y, K_PIECE, e_ptr, stride_e, BLOCK_N: gl.constexpr, TP: gl.constexpr,
                                    SPLIT: gl.constexpr, W_BLOCK: gl.constexpr, K_WIDTH: gl.constexpr,
-                                   X_MODE: gl.constexpr, AHEAD: gl.constexpr, GROUP_N):
+                                   X_MODE: gl.constexpr, GROUP_N):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
     (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
     The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK. X_BF16: x as it is (the
@@ -95,31 +97,9 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
 
     zero = gl.zeros([BLOCK_N, TP], gl.float32, acc_l)
     acc = gl.zeros([BLOCK_N, TP], gl.float32, acc_l)
-    # the blocks in flight ahead of the one summed (AHEAD of them, 0-2; loads past the piece are masked off). A
-    # block carried from one iteration to the next costs ~90 byte moves (PRMT) a block and lane per block ahead
-    # (sm_90a SASS under Triton 3.6: 181 instructions a 32-deep block at 8 rows with none ahead, 302 with one, 381
-    # with two); with none, other warps' loads hide a warp's wait
-    if AHEAD > 0:
-        w_1 = gl.load(w_ptrs + k_lo, mask=w_ok & (k_lo < k_hi), other=0.0)
-        s_1 = gl.load(s_ptrs + k_lo // W_BLOCK, mask=k_lo < k_hi, other=127)
-    if AHEAD > 1:
-        k2 = k_lo + W_BLOCK
-        w_2 = gl.load(w_ptrs + k2, mask=w_ok & (k2 < k_hi), other=0.0)
-        s_2 = gl.load(s_ptrs + k2 // W_BLOCK, mask=k2 < k_hi, other=127)
     for k0 in range(k_lo, k_hi, W_BLOCK):
-        if AHEAD == 0:
-            w = gl.load(w_ptrs + k0, mask=w_ok, other=0.0)
-            s_byte = gl.load(s_ptrs + k0 // W_BLOCK)
-        else:
-            w, s_byte = w_1, s_1
-            k_next = k0 + AHEAD * W_BLOCK
-            w_next = gl.load(w_ptrs + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
-            s_next = gl.load(s_ptrs + k_next // W_BLOCK, mask=k_next < k_hi, other=127)
-            if AHEAD > 1:
-                w_1, s_1, w_2, s_2 = w_2, s_2, w_next, s_next
-            else:
-                w_1, s_1 = w_next, s_next
-        s_w = _e8m0_value(s_byte.to(gl.int32))
+        w = gl.load(w_ptrs + k0, mask=w_ok, other=0.0)
+        s_w = _e8m0_value(gl.load(s_ptrs + k0 // W_BLOCK).to(gl.int32))
         if X_MODE == 0:
             x = gl.convert_layout(gl.load(x_ptrs + k0, mask=x_ok, other=0.0), x_dot, assert_trivial=True)
             acc += mma_v2(w.to(gl.bfloat16), x, zero) * gl.expand_dims(s_w, 1)

@@ -353,7 +353,7 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
     default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
-    (faster there than the GEMV on the copy, docs/perf/018), or at 2-16 rows under MINI_GEMV_WEIGHTS=fp8_regs the
+    (faster there than the GEMV on the copy, docs/perf/018), or at 2-8 rows under MINI_GEMV_WEIGHTS=fp8_regs the
     GEMV's Gluon build on w2's bytes (h is already quantized: taken as it is)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, gluon_read, reads_fp8_weights, stack_dequantized, stack_fp8

@@ -235,7 +235,7 @@ for line in sys.stdin:
     return $rc
 }
 
-phase_gemv_regs() {  # issues 27/28 (not yet run; guess ~200 s on an H100): the FP8 read's Gluon build
+phase_gemv_regs() {  # issues 27/28 (61 s on an H100, docs/perf/048): the FP8 read's Gluon build
     # (mini/kernels/gemv_mma_registers.py) first checked, then timed. Its gpu tests and the read's (tests.log: every
     # candidate against the exact products' sums at V4.1's shapes, x quantized, as codes and as it is, wo_a's groups,
     # the switch's dispatch), then `mini bench kernels --only decode_gemv_fp8` (bench.log, one line per row: us,

@@ -209,8 +209,7 @@ def main() -> None:
     for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
         if cfg.gluon_k_width:  # its Gluon build (no shared memory: its operands are loaded into the MMA's registers)
             # x quantized in the loads (1), its codes given (2), and as it is (0) at V4.1's wo_a (8 groups of 1,024
-            # rows); and at V4's 128-wide blocks, whose 128 x 128 byte tiles a step may spill (144 bytes at 16 rows
-            # under Triton 3.6 with two blocks in flight)
+            # rows); and at V4's 128-wide blocks (128 x 128 byte tiles a step)
             for tp, mode, w_block, split in ((8, 1, 32, True), (16, 1, 32, False), (8, 2, 32, True),
                                              (16, 0, 32, True), (16, 1, 128, True)):
                 shape = (1536, 7168) if w_block == 128 else (8192, 4096) if mode == 0 else (5120, 8192)
@@ -220,8 +219,7 @@ def main() -> None:
                     ints["stride_x"] = 8 * shape[1]
                 build(_gemv_fp8_mma_registers_kernel, {**fp8, "x_ptr": "*fp8e4nv"} if mode == 2 else fp8,
                       dict(BLOCK_N=cfg.block_n, TP=tp, SPLIT=split, W_BLOCK=w_block, K_WIDTH=cfg.gluon_k_width,
-                           X_MODE=mode, AHEAD=cfg.num_stages - 1), num_warps=cfg.num_warps, ints=ints, shared=0,
-                      spills=w_block == 128)
+                           X_MODE=mode), num_warps=cfg.num_warps, ints=ints, shared=0)
             continue
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):
             for split in (True, False):

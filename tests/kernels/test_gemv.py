@@ -271,7 +271,7 @@ def test_fp8_mma_build_refuses_what_it_cannot_take():
 
 
 def test_gluon_build_refuses_what_it_cannot_take():
-    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at 1-3 stages, 16-row tiles and MMA
+    """The Gluon build of the FP8 read (`gluon_k_width`) runs on CUDA only, at one stage, 16-row tiles and MMA
     tiles within a scale block: a CPU tensor or another tiling is refused with a clear error, never run by the
     interpreter."""
     from mini.kernels.gemv import MMA_REGISTERS
@@ -280,8 +280,8 @@ def test_gluon_build_refuses_what_it_cannot_take():
     assert MMA_REGISTERS.gluon_k_width and MMA_REGISTERS.fp8_mma
     with pytest.raises(ValueError, match="CUDA only"):
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=MMA_REGISTERS)
-    with pytest.raises(ValueError, match="1-3 stages"):
-        gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=4))
+    with pytest.raises(ValueError, match="at one stage"):  # blocks carried ahead: measured slower, gone
+        gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=2))
     with pytest.raises(ValueError, match="16 bytes a lane, 32-wide blocks"):  # an MMA tile spanning two blocks
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_k_width=16))
 
@@ -395,9 +395,9 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 
 @pytest.mark.gpu
 def test_fp8_regs_switch_takes_the_gluon_build_gpu(monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8_regs: linear at 2-16 rows, wo_a's grouped_linear and the shared expert's w2 (through
+    """MINI_GEMV_WEIGHTS=fp8_regs: linear at 2-8 rows, wo_a's grouped_linear and the shared expert's w2 (through
     linear.gluon_read) reach the Gluon build, within the bounds of its parity tests; one row keeps the CUDA-core
-    read."""
+    read, 9-16 rows the Triton build (where the Gluon build measured slower)."""
     import mini.kernels.gemv as module
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
@@ -424,6 +424,9 @@ def test_fp8_regs_switch_takes_the_gluon_build_gpu(monkeypatch):
         _check(yg[:, g * 128:(g + 1) * 128].cpu(), x[:, g * 96:(g + 1) * 96].cpu(), copy2[g * 128:(g + 1) * 128].cpu())
     linear(x[:1], w)
     assert configs[-1] is None  # one row: the CUDA-core read's default
+    x16 = x.repeat(3, 1)[:module.MMA_REGISTERS_ROWS + 1]
+    linear(x16, w)
+    assert configs[-1] is None and gluon_read(x16, w) is None  # past its rows: the Triton build's default
 
 
 @pytest.mark.gpu
