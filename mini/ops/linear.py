@@ -160,8 +160,8 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
         if runs_on(x):  # else (Triton 3.6's interpreter) the act quant pass and the GEMM below
             x2 = x.reshape(rows, x.shape[-1])
             if fp8 is not None and reads_fp8_weights(rows, act_block, fp8) and _gemv_reads(fp8):
-                from mini.kernels.gemv import MMA_REGISTERS, MMA_REGISTERS_ROWS
-                regs = 1 < rows <= MMA_REGISTERS_ROWS and x.is_cuda and switches.current().gemv_weights == "fp8_regs"
+                from mini.kernels.gemv import MMA_REGISTERS
+                regs = _gluon_rows(rows, x)
                 y = gemv(x2, fp8.data, act_block=act_block, scale=fp8.scale, w_block=fp8.block,
                          **({"config": MMA_REGISTERS} if regs else {}))
             else:
@@ -170,17 +170,24 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
     return F.linear(_fast_act_quant(x, act_block) if act_block else x, w)
 
 
+def _gluon_rows(rows: int, x: torch.Tensor) -> bool:
+    """Whether MINI_GEMV_WEIGHTS=fp8_regs sends a read of `rows` rows of x to the GEMV's Gluon build (CUDA, 2 to
+    gemv.MMA_REGISTERS_ROWS rows); the switch is looked at first, so that the default costs no import."""
+    if switches.current().gemv_weights != "fp8_regs" or not x.is_cuda:
+        return False
+    from mini.kernels.gemv import MMA_REGISTERS_ROWS
+    return 1 < rows <= MMA_REGISTERS_ROWS
+
+
 def gluon_read(x: torch.Tensor, fp8: QWeight | None, groups: int = 1) -> torch.Tensor | None:
     """Under MINI_GEMV_WEIGHTS=fp8_regs (a candidate): x [T, groups K] bf16 at 2-8 rows, taken as it is (already
     quantized, or a projection without act quant), against fp8's checkpoint bytes in the decode GEMV's Gluon build
     (gemv.MMA_REGISTERS: the exact products summed in fp32); None where that does not apply (other switch values,
     CPU, other row counts, the deterministic mode, a tiling the build cannot take)."""
-    from mini.kernels.gemv import MMA_REGISTERS, MMA_REGISTERS_ROWS, gemv
-    T = x.shape[0]
-    if (fp8 is None or fp8.kind != "fp8" or not 1 < T <= MMA_REGISTERS_ROWS or not x.is_cuda
-            or x.dtype != torch.bfloat16 or not use_fast(x) or deterministic()
-            or switches.current().gemv_weights != "fp8_regs" or not _gemv_reads(fp8)):
+    if (fp8 is None or fp8.kind != "fp8" or not _gluon_rows(x.shape[0], x) or x.dtype != torch.bfloat16
+            or not use_fast(x) or deterministic() or not _gemv_reads(fp8)):
         return None
+    from mini.kernels.gemv import MMA_REGISTERS, gemv
     if (fp8.data.shape[0] // groups) % MMA_REGISTERS.block_n or 4 * MMA_REGISTERS.gluon_k_width > fp8.block:
         return None
     return gemv(x, fp8.data, scale=fp8.scale, w_block=fp8.block, groups=groups, config=MMA_REGISTERS)
