@@ -1,15 +1,24 @@
-"""Which torch ops a fast-path decode step launches besides our Triton kernels, per layer (issue 28: at B = 1 a
-rank4 decode step on the H200 runs ~93 kernels per layer, ~62 of them small ones of no named part, docs/perf/015;
-each costs ~1.4 us plus a gap in a graph replay). Runs one static decode step of one emulated EP4 rank of a small
-preset on the CPU with the fast backend under Triton's interpreter and counts the aten ops it dispatches (views and
-allocations left out; each other op is a kernel on CUDA), outside the interpreter's own bookkeeping:
+"""Every kernel a decode or verify step launches, by the source line that launched it (issues 27/28: at B = 1 the
+verify step's graph runs ~1,988 kernels, docs/perf/043, and each costs a few us in a replay however little it
+reads; fusion needs to know which lines they come from). One emulated EP rank (rank 0 of --ep) steps eagerly under
+a dispatch mode that counts each aten op that launches a kernel (views and allocations left out) and each Triton /
+Gluon launch, each by its call site: the innermost mini/ line and the innermost mini/model or mini/ops line above
+it. On CUDA the eager step's kernels are also counted by torch.profiler (what the census does not see: library
+kernels launched outside torch's dispatch, ops of several kernels) and the graph replay's by name with their time,
+so that each Triton site gets its kernel's us per launch:
 
-    TRITON_INTERPRET=1 python tools/decode_op_census.py [--preset tiny-v4.1] [--batch 1] [--where]
+    python3 tools/decode_op_census.py [rank4-decode options: --ep 8 --shapes 1x4096] [--widths 6,1] [--json F]
+    TRITON_INTERPRET=1 python tools/decode_op_census.py --device cpu --preset tiny-v4.1 --shapes 1x40 --rope-dim 32
+
+(on the CPU the fast backend runs under Triton's interpreter: small presets only; tiny-v4.1's RoPE tail of 16 with
+1x32 quant blocks sends the fused norm/RoPE/quant kernel to its torch fallback, V4.1-Flash's shapes take it: try
+--rope-dim 32). A width 1 + k is a verify step of k drafts (on a preset with DSpark stages, as spec-decode builds it).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # ops that launch nothing on CUDA: views, metadata, allocation
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "select", "slice", "as_strided", "expand", "unsqueeze", "squeeze",
@@ -28,13 +38,12 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "select", "slice", "as_strided",
 
 
 class Census(TorchDispatchMode):
-    """Counts the aten ops dispatched outside Triton's interpreter (which uses torch for its own bookkeeping)."""
+    """Counts the aten ops that launch a kernel and (`launch`, patched onto Triton) the Triton launches, each by
+    (kind, name, site); torch ops inside Triton's own code (the interpreter's bookkeeping) are not the step's."""
 
-    def __init__(self, where: bool = False):
+    def __init__(self):
         super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-        self.sites: collections.Counter[tuple[str, str]] = collections.Counter()  # (op, innermost mini/ line)
-        self.where = where
+        self.sites: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -42,21 +51,25 @@ class Census(TorchDispatchMode):
         if name in NO_KERNEL or _returns_input(name, args, out):
             return out
         stack = traceback.extract_stack(limit=40)
-        if not any("triton" in f.filename for f in stack):
-            self.ops[name] += 1
-            if self.where:
-                self.sites[name, _site(stack)] += 1
+        if not any("/triton/" in f.filename for f in stack):
+            self.sites["aten", name, _site(stack)] += 1
         return out
+
+    def launch(self, name: str) -> None:
+        self.sites["triton", name, _site(traceback.extract_stack(limit=40))] += 1
+
+    def total(self, kind: str | None = None) -> int:
+        return sum(n for (k, _, _), n in self.sites.items() if kind in (None, k))
 
 
 def _site(stack) -> str:
     """The innermost line in mini/, and the innermost in mini/model or mini/ops above it when that is another."""
-    mine = [f for f in reversed(stack) if "/mini/" in f.filename]
+    mine = [f for f in reversed(stack) if "/mini/" in f.filename and "/tools/" not in f.filename]
     if not mine:
         return "?"
     inner = mine[0]
     caller = next((f for f in mine if "/mini/model/" in f.filename or "/mini/ops/" in f.filename), inner)
-    where = f"{inner.filename.split('/mini/')[-1]}:{inner.lineno} {inner.line}"
+    where = f"{inner.filename.split('/mini/')[-1]}:{inner.lineno} {(inner.line or '').strip()[:60]}"
     return where if caller is inner else f"{where}  <- {caller.filename.split('/mini/')[-1]}:{caller.lineno}"
 
 
@@ -66,45 +79,133 @@ def _returns_input(name: str, args: tuple, out) -> bool:
             and out.data_ptr() == args[0].data_ptr())
 
 
+class counting_launches:
+    """Within: every `kernel[grid](...)` (Triton's KernelInterface: JIT, Gluon, autotuned, interpreted) is reported
+    to `census.launch` with the kernel's name before it runs."""
+
+    def __init__(self, census: Census):
+        self.census = census
+
+    def __enter__(self):
+        from triton.runtime.jit import KernelInterface
+        self.original = original = KernelInterface.__getitem__
+        census = self.census
+
+        def getitem(kernel, grid):
+            launch = original(kernel, grid)
+            name = getattr(getattr(kernel, "fn", kernel), "__name__", type(kernel).__name__)
+
+            def counted(*args, **kwargs):
+                census.launch(name)
+                return launch(*args, **kwargs)
+            return counted
+        KernelInterface.__getitem__ = getitem
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime.jit import KernelInterface
+        KernelInterface.__getitem__ = self.original
+
+
+def by_caller(census: Census, us_per_launch: dict[str, float]) -> list[tuple[str, int, float]]:
+    """(caller line, kernels, us of its Triton launches at their graph-replay time) per mini/model or mini/ops line,
+    most kernels first: fusion's worklist."""
+    kernels: collections.Counter[str] = collections.Counter()
+    us: dict[str, float] = collections.defaultdict(float)
+    for (kind, name, site), n in census.sites.items():
+        caller = site.split("  <- ")[-1].split(" ")[0]
+        kernels[caller] += n
+        if kind == "triton":
+            us[caller] += n * us_per_launch.get(name, 0.0)
+    return [(c, n, us[c]) for c, n in kernels.most_common()]
+
+
+def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
+    """One eager step of B sequences x `width` rows at context C under the census (after two warm-up steps); on
+    CUDA also the profiler's count of that step's kernels and the graph replay's kernels with their time."""
+    from mini.bench import rank4_decode
+    cuda = args.device.startswith("cuda")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    run = rank4_decode.DecodeRun(model, cfg, exchange, B, C, 8, args.block_tokens, device, dtype, args.seed, width,
+                                 args.max_model_len)
+    for _ in range(2):  # warm-up: compilation and first-call work (lazy buffers) are not a step's
+        run.fill()
+        run.eager()
+    run.fill()
+    counts = Census()
+    with counting_launches(counts), counts:
+        run.eager()
+    n = len(cfg.layers)
+    out: dict = {"batch": B, "context": C, "width": width, "layers": n, "census_kernels": counts.total(),
+                 "census_triton": counts.total("triton"), "census_aten": counts.total("aten")}
+    us_per_launch: dict[str, float] = {}
+    if cuda:
+        from rank4_decode_floor import kernel_split
+        run.fill()
+        eager_parts, eager_kernels = kernel_split(run.eager, 1)
+        run.capture()
+        run.fill()
+        run.replay()
+        run.fill()
+        graph_parts, graph_kernels = kernel_split(run.replay, 2)
+        us_per_launch = {name: 1e3 * ms / launches for name, ms, launches in graph_kernels if launches}
+        out |= {"eager_kernels": eager_parts.get("launches.total", 0),
+                "graph_kernels": graph_parts.get("launches.total", 0), "graph_kernel_ms": graph_parts.get("total", 0),
+                "graph_kernels_ms_launches": graph_kernels, "eager_kernels_ms_launches": eager_kernels}
+    del run
+    if cuda:
+        torch.cuda.empty_cache()
+    callers = by_caller(counts, us_per_launch)
+    out["sites"] = [[kind, name, site, count] for (kind, name, site), count in counts.sites.most_common()]
+    out["callers"] = callers
+    print(f"\n{args.preset} B={B} C={C} width={width} EP{args.ep} rank 0: {out['census_kernels']} kernels "
+          f"counted per step ({out['census_triton']} Triton, {out['census_aten']} aten), "
+          f"{out['census_kernels'] / n:.1f} per layer ({n} layers)"
+          + (f"; the profiler: {out['eager_kernels']:.0f} in the eager step, {out['graph_kernels']:.0f} in the graph "
+             f"replay ({out['graph_kernel_ms']:.2f} ms of kernels)" if cuda else ""))
+    print("by caller (mini/model or mini/ops line): kernels, per layer, us of its Triton kernels (graph replay)")
+    for caller, count, us in callers[:args.top]:
+        print(f"{count:6d} {count / n:6.1f}/layer {us:8.1f} us  {caller}")
+    print("by site: kind, kernel or op, count")
+    for (kind, name, site), count in counts.sites.most_common(args.top):
+        us = f"{count * us_per_launch[name]:8.1f} us" if name in us_per_launch else " " * 11
+        print(f"{count:6d} {count / n:6.1f}/layer {us} {kind:6s} {name[:34]:34s} {site}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mini.bench import rank4_decode
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny-v4.1")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--rope-dim", type=int, default=None,
-                   help="the preset with this RoPE tail (tiny-v4.1's 16 with 1x32 quant blocks sends the fused "
-                        "norm/RoPE/quant kernel to its torch fallback; V4.1-Flash's shapes take the kernel: try 32)")
-    p.add_argument("--where", action="store_true", help="also print each op's call sites (innermost mini/ line)")
+    rank4_decode.add_args(p)
+    p.set_defaults(shapes="1x4096", profile_steps=0)
+    p.add_argument("--widths", default="", help="comma-separated rows per sequence, each a census of every shape "
+                   "(default: --width)")
+    p.add_argument("--rope-dim", type=int, default=None, help="the preset with this RoPE tail (see above)")
+    p.add_argument("--top", type=int, default=60, help="sites printed")
+    p.add_argument("--json", default="", help="write every site, caller and (CUDA) kernel here")
     args = p.parse_args(argv)
     import mini.ops
-    from mini.bench import rank4_decode as rd
-    from mini.checkpoint import expert_range
+    from mini.bench.spec_decode import dspark_config
     from mini.config import preset
-    from mini.testing.emulated_ep import EmulatedEP
-    from mini.testing.rank_model import rank_model
+    widths = rank4_decode.int_list(args.widths, "widths") if args.widths else [args.width]
     cfg = preset(args.preset)
+    if max(widths) > 1 and cfg.is_v41 and not cfg.has_dspark:
+        try:  # as spec-decode builds it: the verify step also gathers the draft module's target features
+            cfg = dspark_config(args.preset)
+        except ValueError as e:
+            print(f"{args.preset}: no DSpark stages ({e}): a verify step without the draft's target features")
     if args.rope_dim is not None:
         cfg = cfg.replace(rope_head_dim=args.rope_dim, index_head_dim=max(cfg.index_head_dim, 2 * args.rope_dim))
-    mini.ops.set_backend("fast", interpret_on_cpu=True)  # needs TRITON_INTERPRET=1 (it says so)
-    ex = EmulatedEP(4, 0, "uniform", expert_range(cfg, 0, 4))
-    cpu, dtype = torch.device("cpu"), torch.bfloat16
-    model = rank_model(cfg, cpu, dtype, 0, expert_range(cfg, 0, 4), None, ex)
-    run = rd.DecodeRun(model, cfg, ex, args.batch, 40, 5, 16, cpu, dtype, 0)
-    run.fill()
-    run.replay()  # warm-up: first-call work (lazy buffers) is not a step's
-    run.fill()
-    census = Census(args.where)
-    with census:
-        run.replay()
-    n = len(cfg.layers)
-    total = sum(census.ops.values())
-    print(f"{args.preset} B={args.batch}: {total} torch ops per decode step besides the Triton kernels, "
-          f"{total / n:.1f} per layer ({n} layers)")
-    for name, count in census.ops.most_common():
-        print(f"{count:6d} {count / n:6.1f}/layer  {name}")
-    if args.where:
-        print("\ncall sites, most ops first:")
-        for (name, site), count in census.sites.most_common():
-            print(f"{count:6d} {count / n:6.1f}/layer  {name:22s} {site}")
+    if not args.device.startswith("cuda"):
+        mini.ops.set_backend("fast", interpret_on_cpu=True)  # needs TRITON_INTERPRET=1 (it says so)
+    cfg, exchange, model, _ = rank4_decode.build(args, cfg)
+    out = {"preset": args.preset, "ep": args.ep, "device": rank4_decode.definition(args, [], [])["device"],
+           "steps": {}}
+    for width in widths:
+        for B, C in rank4_decode.shape_list(args):
+            out["steps"][f"b{B}_c{C}_w{width}"] = census(model, cfg, exchange, args, B, C, width)
+            if args.json:  # as each finishes: a run cut by its time limit keeps what it counted
+                Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -120,6 +120,20 @@ phase_draft_census() {  # issue 27 (<= 150 s, one build ~35 s + DSpark's stages)
     return $rc
 }
 
+phase_step_census() {  # issues 27/28 (not yet run; guess <= 150 s: one build ~35 s, compiles, per step an eager
+    # warm-up, the census and a graph): every kernel of the B = 1 verify (6 rows) and decode steps at 4K by the source
+    # line that launched it (tools/decode_op_census.py; STEP_CENSUS_ARGS adds flags, e.g. "--ep 8" on an H100).
+    # Look at: the "rank 0:" lines (kernels counted against the profiler's eager and graph counts), the "by caller"
+    # tables (fusion's worklist), step_census.json.
+    MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout $((PHASE_CAP - 5)) python3 tools/decode_op_census.py \
+        --shapes "${STEP_CENSUS_SHAPES:-1x4096}" --widths "${STEP_CENSUS_WIDTHS:-6,1}" --top 70 ${STEP_CENSUS_ARGS:-} \
+        --json "$PHASE_DIR/step_census.json" >"$PHASE_DIR/step_census.log" 2>&1
+    local rc=$?
+    grep -E "Error|error:" "$PHASE_DIR/step_census.log" | tail -5
+    grep "rank 0:" "$PHASE_DIR/step_census.log"
+    return $rc
+}
+
 phase_rank4_decode_split() {  # issue 13 item 5 (<= 90 s): where the B = 256 x 32K decode step's time goes: the
     # shape alone (one build), its graph replays under torch.profiler, kernels grouped into parts (kernel_ms.*:
     # moe_experts, sparse_attention, indexer, gemm, gate_route, mhc_norm, quant_rope, copies, other; they add up to
