@@ -35,10 +35,10 @@ class Switches:
     # multi-token chunks, "flashmla" | "triton"
     det_sparse_attn: str = "flashmla"
     # MINI_GEMV_WEIGHTS, mini.ops.linear: what the decode GEMV reads of an FP8 weight, "fp8" (the checkpoint's bytes
-    # and scales, mini/kernels/gemv.py: half the bytes; at one row on the CUDA cores, the shared expert's w2 too,
-    # at 2-16 rows with x's FP8 codes on the tensor cores) | "fp8_regs" (so, at 2-8 rows in the Gluon build,
-    # gemv.MMA_REGISTERS, on CUDA) | "fp8_row" (so at one row only, the copy at 2-16) | "bf16" (its dequantized copy
-    # at every row count)
+    # and scales, mini/kernels/gemv.py: half the bytes; at one row on the CUDA cores, the shared expert's w2 too;
+    # at 2-16 rows on the tensor cores, on CUDA at 2-8 rows in the Gluon build gemv.MMA_REGISTERS, wo_a's groups and
+    # the shared w2 too) | "fp8_triton" (so, but the Triton build at 2-16 rows: the Gluon build's A/B) | "fp8_row"
+    # (so at one row only, the copy at 2-16) | "bf16" (its dequantized copy at every row count)
     gemv_weights: str = "fp8"
     # MINI_EP_GLUE, mini.parallel.exchange: the EP exchange's glue, "fused" | "eager"
     ep_glue: str = "fused"
@@ -124,7 +124,7 @@ def read(env: Mapping[str, str] | None = None) -> Switches:
         moe_gemm=_choice(env, "MINI_MOE_GEMM", ("auto", "humming", "triton"), "auto"),
         sparse_attn=_choice(env, "MINI_SPARSE_ATTN", ("auto", "flashmla", "triton"), "auto"),
         det_sparse_attn=_choice(env, "MINI_DET_SPARSE_ATTN", ("flashmla", "triton"), "flashmla"),
-        gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("fp8", "fp8_regs", "fp8_row", "bf16"), "fp8"),
+        gemv_weights=_choice(env, "MINI_GEMV_WEIGHTS", ("fp8", "fp8_triton", "fp8_row", "bf16"), "fp8"),
         ep_glue=_choice(env, "MINI_EP_GLUE", ("fused", "eager"), "fused"),
         ep_overlap=_overlap(env),
         ep_overlap_min_tokens=_min_tokens(env),

@@ -138,12 +138,12 @@ def reads_fp8_weights(rows: int = 1, act_block: int = 0, w: QWeight | None = Non
     """Whether the decode GEMV reads an FP8 weight's bytes and scales as stored (half the bytes of its dequantized
     bf16 copy) for `rows` rows of x: at one row on the CUDA cores (MINI_GEMV_WEIGHTS=fp8 or fp8_row; the same exact
     products in another fp32 order), at 2-16 rows on the tensor cores when x is fake-quantized in w's blocks
-    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default; the official FP8 GEMM's arithmetic, each block's
-    products summed in the FP8 MMA), else (=bf16, or no quant) the copy."""
+    (act_block = w.block; MINI_GEMV_WEIGHTS=fp8, the default, or fp8_triton: the official FP8 GEMM's products; at
+    2-8 rows on CUDA =fp8 takes the Gluon build, `_gluon_rows`), else (=bf16, or no quant) the copy."""
     choice = switches.current().gemv_weights
     if rows == 1:
         return choice != "bf16"
-    return choice in ("fp8", "fp8_regs") and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
+    return choice in ("fp8", "fp8_triton") and w is not None and 1 < rows <= GEMV_MAX_TOKENS and act_block == w.block
 
 
 def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeight | None = None) -> torch.Tensor:
@@ -171,16 +171,16 @@ def dense_bf16(x: torch.Tensor, w: torch.Tensor, act_block: int = 0, fp8: QWeigh
 
 
 def _gluon_rows(rows: int, x: torch.Tensor) -> bool:
-    """Whether MINI_GEMV_WEIGHTS=fp8_regs sends a read of `rows` rows of x to the GEMV's Gluon build (CUDA, 2 to
-    gemv.MMA_REGISTERS_ROWS rows); the switch is looked at first, so that the default costs no import."""
-    if switches.current().gemv_weights != "fp8_regs" or not x.is_cuda:
+    """Whether a read of `rows` rows of x goes to the GEMV's Gluon build (MINI_GEMV_WEIGHTS=fp8, the default; CUDA,
+    2 to gemv.MMA_REGISTERS_ROWS rows); the cheap checks come first, so that a CPU step costs no import."""
+    if switches.current().gemv_weights != "fp8" or not x.is_cuda:
         return False
     from mini.kernels.gemv import MMA_REGISTERS_ROWS
     return 1 < rows <= MMA_REGISTERS_ROWS
 
 
 def gluon_read(x: torch.Tensor, fp8: QWeight | None, groups: int = 1) -> torch.Tensor | None:
-    """Under MINI_GEMV_WEIGHTS=fp8_regs (a candidate): x [T, groups K] bf16 at 2-8 rows, taken as it is (already
+    """Under MINI_GEMV_WEIGHTS=fp8 (the default): x [T, groups K] bf16 at 2-8 rows on CUDA, taken as it is (already
     quantized, or a projection without act quant), against fp8's checkpoint bytes in the decode GEMV's Gluon build
     (gemv.MMA_REGISTERS: the exact products summed in fp32); None where that does not apply (other switch values,
     CPU, other row counts, the deterministic mode, a tiling the build cannot take)."""
@@ -198,7 +198,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, fp8: QWeight | None = None)
     wo_a, bf16 values, no activation quant: the official einsum 'tgd,grd->tgr'). `fp8`: w's checkpoint bytes
     [G·r, k] with their scales. At one row the fast path reads those bytes (half the copy's) in the decode GEMV,
     one program per group's rows (where `reads_fp8_weights`, as `dense_bf16`): V4.1's wo_a 24.5 -> 16.2 us on an
-    H100, the B = 1 step -3.3% (docs/perf/040); at 2-8 rows with MINI_GEMV_WEIGHTS=fp8_regs (a candidate) in the
+    H100, the B = 1 step -3.3% (docs/perf/040); at 2-8 rows on CUDA (MINI_GEMV_WEIGHTS=fp8, the default) in the
     GEMV's Gluon build (`gluon_read`), x as it is, the exact products summed in fp32. Otherwise, and in the
     deterministic mode (its batch-invariant bmm), one batched GEMM on the copy that writes straight into the
     [T, G, r] layout the next projection reads (einsum's [G, T, r] result would need a transposing copy); the

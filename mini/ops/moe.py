@@ -352,9 +352,9 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     w1 and w3 side by side (at decode one GEMV that quantizes x in its loads), the SwiGLU pass (clamps, fp32 math,
     bf16 rounding and w2's FP8 act quant, as `linear` would do them), the w2 GEMM. The same roundings; only the
     GEMMs' summation order may differ. At one row w2 takes the GEMV's FP8 read too (MINI_GEMV_WEIGHTS=fp8, the
-    default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at more rows, cuBLAS
-    (faster there than the GEMV on the copy, docs/perf/018), or at 2-8 rows under MINI_GEMV_WEIGHTS=fp8_regs the
-    GEMV's Gluon build on w2's bytes (h is already quantized: taken as it is)."""
+    default: 7.9 us at V4.1's shape, cuBLAS on the bf16 copy 10.1, docs/perf/018 and 023); at 2-8 rows on CUDA (=fp8)
+    the GEMV's Gluon build on w2's bytes (h is already quantized: taken as it is); at more rows, cuBLAS (faster there
+    than the GEMV on the copy, docs/perf/018)."""
     from mini.kernels.mxfp4_grouped_gemm import swiglu_rows
     from mini.ops.linear import dense_bf16, gluon_read, reads_fp8_weights, stack_dequantized, stack_fp8
     w1, w3, w2 = w.shared_w1, w.shared_w3, w.shared_w2
@@ -367,7 +367,7 @@ def _shared_fast(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     h = swiglu_rows(gu[:, :inter], gu[:, inter:], None, None, w.swiglu_limit, w2.block if fake_quant_enabled() else 0)
     if w2.kind == "fp8" and h.shape[0] == 1 and reads_fp8_weights():  # (h: already FP8 in w2's groups)
         return dense_bf16(h, w2.prepare(torch.bfloat16), fp8=w2)
-    y = gluon_read(h, w2)  # (MINI_GEMV_WEIGHTS=fp8_regs, a candidate; else None)
+    y = gluon_read(h, w2)  # (2-8 rows on CUDA under MINI_GEMV_WEIGHTS=fp8, the default; else None)
     return y if y is not None else F.linear(h, w2.prepare(torch.bfloat16))
 
 

@@ -241,7 +241,7 @@ phase_gemv_regs() {  # issues 27/28 (61 s on an H100, docs/perf/048): the FP8 re
     # the switch's dispatch), then `mini bench kernels --only decode_gemv_fp8` (bench.log, one line per row: us,
     # share of the copy rate, same_as_copy, max_rel_err; the Triton build's candidates beside it), then
     # tools/wo_a_study.py at 6 and 16 rows (wo_a.log). The step A/B is phase gemv_rows_ab with
-    # GEMV_AB_READS="fp8 fp8_regs".
+    # GEMV_AB_READS="fp8_triton fp8".
     local rc=0
     timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/test_gemv.py \
         -k "mma or gluon or regs" --junitxml="$PHASE_DIR/junit.xml" >"$PHASE_DIR/tests.log" 2>&1 || rc=1

@@ -394,15 +394,15 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 
 
 @pytest.mark.gpu
-def test_fp8_regs_switch_takes_the_gluon_build_gpu(monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8_regs: linear at 2-8 rows, wo_a's grouped_linear and the shared expert's w2 (through
+def test_fp8_switch_takes_the_gluon_build_gpu(monkeypatch):
+    """MINI_GEMV_WEIGHTS=fp8 (the default): on CUDA linear at 2-8 rows, wo_a's grouped_linear and the shared expert's w2 (through
     linear.gluon_read) reach the Gluon build, within the bounds of its parity tests; one row keeps the CUDA-core
     read, 9-16 rows the Triton build (where the Gluon build measured slower)."""
     import mini.kernels.gemv as module
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
     from mini.ops.linear import QWeight, grouped_linear, gluon_read, linear
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_regs")
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8")
     configs, real = [], module.gemv
     monkeypatch.setattr(module, "gemv", lambda *a, **kw: configs.append(kw.get("config")) or real(*a, **kw))
     q, scale = _fp8_weight(256, 192, 32, "cuda", seed=3)
@@ -427,6 +427,9 @@ def test_fp8_regs_switch_takes_the_gluon_build_gpu(monkeypatch):
     x16 = x.repeat(3, 1)[:module.MMA_REGISTERS_ROWS + 1]
     linear(x16, w)
     assert configs[-1] is None and gluon_read(x16, w) is None  # past its rows: the Triton build's default
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_triton")  # the A/B's other side: the Triton build at 2-16 rows
+    linear(x, w)
+    assert configs[-1] is None and gluon_read(x, w) is None
 
 
 @pytest.mark.gpu
@@ -586,7 +589,7 @@ def test_fp8_weights_switch_reads_the_bytes_interpreted(interpreter, fast_interp
     x3 = (torch.randn(3, 160) * 2).bfloat16()
     three = linear(x3, ws[0])
     assert reads == [torch.float8_e4m3fn]
-    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_regs")  # the Gluon build's switch: on CPU the same read as =fp8
+    monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_triton")  # the Triton build at 2-16 rows: on CPU =fp8's read
     assert torch.equal(linear(x3, ws[0]), three) and reads[-1] == torch.float8_e4m3fn
     monkeypatch.setenv("MINI_GEMV_WEIGHTS", "fp8_row")
     assert linear(x[:1], ws[0]) is not None and reads[-1] == torch.float8_e4m3fn  # one row: still the bytes
