@@ -25,26 +25,18 @@ from mini.kernels.order_keys import is_nan_bits, order_key
 
 MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
 BLOCK = 1024
-# 4,096-column chunks on 8 warps: rows of 1,025-4,096 columns in registers (a 4K context's ratio-4 source past one
-# chunk once the step's span pads it, its ratio-1 and ratio-2 sources), where the 1,024-column build re-reads each
-# further chunk once per key bit (an L2 round trip each). On the H200 (docs/perf/023, CUDA graphs, k = 512), us,
-# BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 / 68.4, [1, 4096] 59.2 /
-# 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4, [64, 8192] 120 / 61.5 / 114; a prefill
-# step's [4096, 1024] 58.6 / 260 / 425. Report 023's step A/B of the op taking it (B = 1 10.79 -> 10.97 ms, within
-# its replays' spread) was not traced; report 049 traces it: the step's kernels by source (tools/decode_op_census.py)
-# showed the torch form's top-k and sort at 24 + 26 us a call, eight calls a B = 1 step (its sources' 1,088 columns).
+# The op (mini.ops.indexer.top_groups_ordered) takes the kernel up to this many columns: one chunk, a 4K context's
+# groups at ratio 4. Wider rows re-read each further chunk once per key bit, which measured slower than the torch
+# form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
+# form until a wide-row build beats it.
+FASTER_MAX_COLS = BLOCK
+# A candidate build, not the default: 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA
+# graphs, k = 512), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 /
+# 68.4, [1, 4096] 59.2 / 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4; yet the op taking it
+# for 1,025-8,192 columns made the rank4-decode step slower (B = 1 10.79 -> 10.97 ms, B = 64 31.72 -> 31.62; not
+# traced), as the 1,024-column build there did in report 022. `mini bench kernels --only top_ids` times it.
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
-WIDE_MAX_COLS = 8192  # beyond: the torch form (not measured faster)
-WIDE_MAX_ROWS = 256  # the wide build is measured at decode and verify rows; prefill-sized steps keep the torch form
-
-
-def build_for(T: int, N: int) -> int | None:
-    """The chunk (BLOCK or WIDE_BLOCK) with which the op (mini.ops.indexer.top_groups_ordered) runs the kernel on
-    [T, N] scores, or None for the torch form: the faster of the measurements above."""
-    if N <= BLOCK:
-        return BLOCK
-    return WIDE_BLOCK if N <= WIDE_MAX_COLS and T <= WIDE_MAX_ROWS else None
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:

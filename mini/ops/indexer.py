@@ -205,10 +205,9 @@ def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | N
         return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
     if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is faster
-        from mini.kernels.top_ids import build_for, supported, top_ids
-        block = build_for(scores.shape[0], N)
-        if block is not None and supported(scores, min(k, N)):
-            return top_ids(scores, min(k, N), block=block)
+        from mini.kernels.top_ids import FASTER_MAX_COLS, supported, top_ids
+        if N <= FASTER_MAX_COLS and supported(scores, min(k, N)):
+            return top_ids(scores, min(k, N))
     values, indices = topk_recent(scores, min(k, N), sorted=False)
     valid = values > float("-inf")
     ids = torch.where(valid, indices, N).sort(dim=-1).values  # N: after every group id

@@ -67,23 +67,20 @@ def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
 def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, monkeypatch):
     calls = []
     real = kernel_module.top_ids
-    monkeypatch.setattr(kernel_module, "top_ids", lambda *a, **kw: calls.append((a[1], kw["block"])) or real(*a))
+    monkeypatch.setattr(kernel_module, "top_ids", lambda *a: calls.append(a[1]) or real(*a))
     x = scores(3, 300, "cpu", seed=3)
     want = top_groups_ordered(x, 64)
     mini.ops.set_backend("fast", interpret_on_cpu=True)
-    BLOCK, WIDE = kernel_module.BLOCK, kernel_module.WIDE_BLOCK
     try:
         got = top_groups_ordered(x, 64)
         top_groups_ordered(x.float(), 64)  # fp32 scores: the torch form
         top_groups_ordered(x, 500)  # k above N: min(k, N)
-        wide = scores(2, BLOCK + 1, "cpu", seed=4)  # past one chunk: the wide build
-        assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(wide, 64), real(wide, 64)))
-        widest = scores(1, kernel_module.WIDE_MAX_COLS + 1, "cpu", seed=5)  # past the wide build's reach: torch
-        assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(widest, 64), real(widest, 64)))
+        wide = scores(2, kernel_module.FASTER_MAX_COLS + 1, "cpu", seed=4)
+        assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(wide, 64),
+                                                     real(wide, 64)))  # wider: the torch form (same ids)
     finally:
         mini.ops.set_backend("reference")
-    assert calls == [(64, BLOCK), (300, BLOCK), (64, WIDE)]
-    assert kernel_module.build_for(kernel_module.WIDE_MAX_ROWS + 1, 2048) is None  # prefill-sized: torch
+    assert calls == [64, 300]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not kernel_module.supported(torch.zeros(1, kernel_module.MAX_COLS + 1, dtype=torch.bfloat16), 8)
 
