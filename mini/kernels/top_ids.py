@@ -30,6 +30,12 @@ BLOCK = 1024
 # form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
 # form until a wide-row build beats it.
 FASTER_MAX_COLS = BLOCK
+# Given each row's visible columns (`n_visible`: the columns past them are -inf, as the index scores make them), the
+# kernel reads only those, so the row's width is the step's span, not what it walks: a decode step at 4K context in
+# the 16K span has 4,096 columns of which ~1,025 are visible (docs/perf/049: there the torch form took 24 us in
+# its top-k and 26 in its sort, eight times a B = 1 step). The op takes it then for rows up to a 16K span's width,
+# at most four chunks walked ([1, 4096] 59 against the torch form's 78 us on the H200, docs/perf/022).
+BOUNDED_MAX_COLS = 4 * BLOCK
 # A candidate build, not the default: 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA
 # graphs, k = 512), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 /
 # 68.4, [1, 4096] 59.2 / 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4; yet the op taking it
@@ -37,6 +43,11 @@ FASTER_MAX_COLS = BLOCK
 # traced), as the 1,024-column build there did in report 022. `mini bench kernels --only top_ids` times it.
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
+
+
+def takes(N: int, bounded: bool) -> bool:
+    """Whether the op runs the kernel on rows of N columns, given (`bounded`) or not each row's visible columns."""
+    return N <= (BOUNDED_MAX_COLS if bounded else FASTER_MAX_COLS)
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -57,8 +68,11 @@ def _unsigned_keys(x_row, cols, N):
 
 
 @triton.jit(do_not_specialize=["N", "K", "stride_x", "stride_ids"])
-def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr):
+def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr,
+                    BOUNDED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if BOUNDED:  # the columns past the row's visible ones are -inf: never valid, below every visible key
+        N = tl.minimum(tl.load(n_visible_ptr + row).to(tl.int32), N)
     x_row = x_ptr + row * stride_x
     ids_row = ids_ptr + row * stride_ids
     cols = tl.arange(0, BLOCK)
@@ -92,20 +106,28 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, N, K, stride_x, stride_ids, BLOCK
     tl.store(count_ptr + row, n_kept)
 
 
-def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK,
+            n_visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [T, k] ids, int32 [T] counts) for bf16 scores [T, N] (`supported`): the k largest of each row (ties
     to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
-    `block`: the chunk of columns a program holds at once (BLOCK, or the WIDE_BLOCK candidate); the same ids."""
+    `block`: the chunk of columns a program holds at once (BLOCK, or the WIDE_BLOCK candidate); the same ids.
+    `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
+    have been ranked above +inf by the torch form), and the kernel reads only the columns before."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
     if block not in WARPS:
         raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape
+    if n_visible is not None and (n_visible.shape != (T,) or n_visible.device != scores.device
+                                  or n_visible.is_floating_point()):
+        raise ValueError(f"top_ids: n_visible must be [T] = [{T}] integers on {scores.device}, got "
+                         f"{n_visible.dtype} {tuple(n_visible.shape)} on {n_visible.device}")
     rows = scores if scores.stride(-1) == 1 else scores.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
     if T:
-        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, N, k, rows.stride(0), ids.stride(0), BLOCK=block,
+        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, count if n_visible is None else n_visible, N, k,
+                              rows.stride(0), ids.stride(0), BLOCK=block, BOUNDED=n_visible is not None,
                               num_warps=WARPS[block])
     return ids, count

@@ -200,14 +200,15 @@ def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | N
                        widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ordered_ids(top_groups(scores, k, n_visible, widths)): an index source's top-k in the order attention reads
     it, with the count. Without `widths` (ties to the newer group, the fast path's rule) from the top-k's own sort:
-    the ids sorted with N in place of -1, then -1 again (three small kernels fewer per index source)."""
+    the ids sorted with N in place of -1, then -1 again (three small kernels fewer per index source); on the fast
+    path one kernel, which given `n_visible` (the scores past each row's are -inf) reads only the visible columns."""
     if widths is not None:  # the official rule's ids: -1s anywhere
         return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
     if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is faster
-        from mini.kernels.top_ids import FASTER_MAX_COLS, supported, top_ids
-        if N <= FASTER_MAX_COLS and supported(scores, min(k, N)):
-            return top_ids(scores, min(k, N))
+        from mini.kernels.top_ids import supported, takes, top_ids
+        if takes(N, n_visible is not None) and supported(scores, min(k, N)):
+            return top_ids(scores, min(k, N), n_visible=n_visible)  # (past n_visible: -inf, index_scores')
     values, indices = topk_recent(scores, min(k, N), sorted=False)
     valid = values > float("-inf")
     ids = torch.where(valid, indices, N).sort(dim=-1).values  # N: after every group id

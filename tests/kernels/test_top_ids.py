@@ -30,6 +30,12 @@ def scores(T, N, device, seed, nan=False):
     return x.to(device)
 
 
+def visible(x):
+    """[T] int32: each row's columns before its tail of -inf (what index_scores' n_visible bounds)."""
+    finite = torch.arange(1, x.shape[-1] + 1, device=x.device) * (x != float("-inf"))
+    return finite.amax(-1).int()
+
+
 def poisoned(monkeypatch):
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7)
@@ -47,6 +53,18 @@ def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k,
     ids, count = kernel_module.top_ids(x, min(k, N), block=block)
     assert ids.dtype == torch.int64 and count.dtype == torch.int32
     assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+    # given each row's visible columns (exactly, or more: the -inf tail read anyway) it reads only those: same ids
+    n_vis = visible(x)
+    for bound in (n_vis, (n_vis + 3).clamp(max=N), torch.full_like(n_vis, N)):
+        ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=bound)
+        assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+
+
+def test_visible_columns_must_be_one_integer_a_row():
+    x = scores(2, 64, "cpu", seed=0)
+    for bad in (torch.ones(3, dtype=torch.int32), torch.ones(2), torch.ones(2, 1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="n_visible must be"):
+            kernel_module.top_ids(x, 8, n_visible=bad)
 
 
 def test_only_the_two_builds_are_taken():
@@ -67,7 +85,9 @@ def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
 def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, monkeypatch):
     calls = []
     real = kernel_module.top_ids
-    monkeypatch.setattr(kernel_module, "top_ids", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(kernel_module, "top_ids", lambda *a, **kw: calls.append((a[1], "n_visible" in kw and
+                                                                                  kw["n_visible"] is not None))
+                        or real(*a, **kw))
     x = scores(3, 300, "cpu", seed=3)
     want = top_groups_ordered(x, 64)
     mini.ops.set_backend("fast", interpret_on_cpu=True)
@@ -78,9 +98,14 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
         wide = scores(2, kernel_module.FASTER_MAX_COLS + 1, "cpu", seed=4)
         assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(wide, 64),
                                                      real(wide, 64)))  # wider: the torch form (same ids)
+        # given the visible columns, the kernel up to BOUNDED_MAX_COLS (it walks only those), beyond the torch form
+        for n in (kernel_module.BOUNDED_MAX_COLS, kernel_module.BOUNDED_MAX_COLS + 1):
+            span = scores(2, n, "cpu", seed=n)
+            want_span = real(span, 64)
+            assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(span, 64, visible(span)), want_span))
     finally:
         mini.ops.set_backend("reference")
-    assert calls == [64, 300]
+    assert calls == [(64, False), (300, False), (64, True)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not kernel_module.supported(torch.zeros(1, kernel_module.MAX_COLS + 1, dtype=torch.bfloat16), 8)
 
@@ -95,4 +120,13 @@ def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
     poisoned(monkeypatch)
     for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):  # the default and the candidate build
         ids, count = kernel_module.top_ids(x, min(k, N), block=block)
+        assert torch.equal(ids, want_ids) and torch.equal(count, want_count), block
+    # bounded by each row's visible columns (NaNs only before them, as index_scores' -inf tail overwrites them)
+    x = scores(T, N, "cuda", seed=N + T + 1)
+    n_vis = visible(x)
+    x = x.masked_fill((torch.rand(T, N, device="cuda") < 0.05) & (torch.arange(N, device="cuda") < n_vis[:, None]),
+                      float("nan"))
+    want_ids, want_count = top_groups_ordered(x, k)
+    for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):
+        ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=n_vis)
         assert torch.equal(ids, want_ids) and torch.equal(count, want_count), block
