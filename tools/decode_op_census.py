@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -122,11 +123,12 @@ def by_caller(census: Census, us_per_launch: dict[str, float]) -> list[tuple[str
 
 def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
     """One eager step of B sequences x `width` rows at context C under the census (after two warm-up steps); on
-    CUDA also the profiler's count of that step's kernels and the graph replay's kernels with their time."""
+    CUDA also the profiler's count of that step's kernels, the graph replay's kernels with their time, and the
+    replay's own time (`graph_step_ms`)."""
     from mini.bench import rank4_decode
     cuda = args.device.startswith("cuda")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    run = rank4_decode.DecodeRun(model, cfg, exchange, B, C, 8, args.block_tokens, device, dtype, args.seed, width,
+    run = rank4_decode.DecodeRun(model, cfg, exchange, B, C, 24, args.block_tokens, device, dtype, args.seed, width,
                                  args.max_model_len)
     for _ in range(2):  # warm-up: compilation and first-call work (lazy buffers) are not a step's
         run.fill()
@@ -148,6 +150,7 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
         run.replay()
         run.fill()
         graph_parts, graph_kernels = kernel_split(run.replay, 2)
+        out["graph_step_ms"] = statistics.median(rank4_decode.time_calls(run.replay, 10, cuda, before=run.fill))
         us_per_launch = {name: 1e3 * ms / launches for name, ms, launches in graph_kernels if launches}
         out |= {"eager_kernels": eager_parts.get("launches.total", 0),
                 "graph_kernels": graph_parts.get("launches.total", 0), "graph_kernel_ms": graph_parts.get("total", 0),
@@ -162,7 +165,8 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
           f"counted per step ({out['census_triton']} Triton, {out['census_aten']} aten), "
           f"{out['census_kernels'] / n:.1f} per layer ({n} layers)"
           + (f"; the profiler: {out['eager_kernels']:.0f} in the eager step, {out['graph_kernels']:.0f} in the graph "
-             f"replay ({out['graph_kernel_ms']:.2f} ms of kernels)" if cuda else ""))
+             f"replay ({out['graph_kernel_ms']:.2f} ms of kernels; the replay {out['graph_step_ms']:.2f} ms, median of "
+             "10)" if cuda else ""))
     print("by caller (mini/model or mini/ops line): kernels, per layer, us of its Triton kernels (graph replay)")
     for caller, count, us in callers[:args.top]:
         print(f"{count:6d} {count / n:6.1f}/layer {us:8.1f} us  {caller}")

@@ -79,7 +79,10 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, st
     first, first_valid = _unsigned_keys(x_row, cols, N)
     kth = tl.zeros([], dtype=tl.uint32)
     one = tl.full([], 1, tl.uint32)
-    for b in tl.static_range(32):  # the k-th largest key: the largest candidate with >= K keys at or above it
+    # the k-th largest key: the largest candidate with >= K keys at or above it. A loop, not unrolled: in a model
+    # step this kernel ran 2.5-5x its micro-benchmark's time (docs/perf/049), and 32 unrolled copies of the body
+    # are code fetched cold after the step's other kernels have cycled the caches
+    for b in range(32):
         cand = kth | (one << (31 - b))
         n_at_least = tl.sum((first >= cand).to(tl.int32), axis=0)
         c0 = tl.zeros([], tl.int32) + BLOCK

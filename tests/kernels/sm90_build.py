@@ -92,7 +92,8 @@ def build(kernel, ptr_types: dict, consts: dict, floats=(), num_warps=4, num_sta
     assert shared is None or took == shared, f"{kernel.__name__} {consts}: {took} bytes of shared memory, not {shared}"
     regs, stack = resources(compiled.asm["cubin"])
     assert spills or stack == 0, f"{kernel.__name__} {consts}: {regs} registers, {stack} stack bytes a thread (spills)"
-    print(kernel.__name__, consts, ints, f"REG:{regs} STACK:{stack}", "ok", flush=True)
+    print(kernel.__name__, consts, ints, f"REG:{regs} STACK:{stack} CUBIN:{len(compiled.asm['cubin']) // 1024}K", "ok",
+          flush=True)
 
 
 def _gemv_ints(N: int, K: int, cfg, split: bool = True, w_block: int = 0) -> dict:
@@ -319,9 +320,10 @@ def main() -> None:
                         stride_ids_out=5328 // 4 if routing else 0, stride_wts_out=5328 // 4 if routing else 0))
     build(_mhc_expand_kernel, {"post_ptr": "*fp32", "comb_ptr": "*fp32"}, dict(D=5120, HC=4, BLOCK_T=2, BLOCK_D=512))
     # the index top-k's ids in one pass (one build for every row width)
-    for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate
-        build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32"}, dict(BLOCK=block),
-              num_warps=warps, spills=True)  # 16 / 8 bytes under Triton 3.6 (the GPU image's); none under 3.9
+    for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate, bounded or not by n_visible
+        for bounded in (False, True):
+            build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
+                  dict(BLOCK=block, BOUNDED=bounded), num_warps=warps, spills=True)  # (spilled 16 / 8 bytes once)
 
 
 if __name__ == "__main__":
