@@ -25,29 +25,41 @@ from mini.kernels.order_keys import is_nan_bits, order_key
 
 MAX_COLS = 1 << 16  # the column fits the key's low 16 bits
 BLOCK = 1024
-# The op (mini.ops.indexer.top_groups_ordered) takes the kernel up to this many columns: one chunk, a 4K context's
-# groups at ratio 4. Wider rows re-read each further chunk once per key bit, which measured slower than the torch
-# form on the H200 (docs/perf/020: [1, 8192] 120 us against 92; [1, 1024] 8.4 against 70), so they take the torch
-# form until a wide-row build beats it.
+# Which build the op (mini.ops.indexer.top_groups_ordered) runs, by the row's columns (`build_for`):
+# - Without each row's visible columns, up to one 1,024-column chunk (a 4K context's groups at ratio 4): wider rows
+#   re-read each further chunk once per key bit, slower than the torch form (docs/perf/020: [1, 8192] 120 us
+#   against 92; [1, 1024] 8.4 against 70).
+# - Given them (`n_visible`: the columns past them are -inf, as the index scores make them), the kernel reads only
+#   those, so the row's width is the step's span, not what it walks: a decode step at 4K context in the 16K span
+#   has 4,096 columns at ratio 4, of which ~1,025 are visible, 2,049 of 8,192 at ratio 2. At decode and verify
+#   rows (<= WIDE_MAX_ROWS) the 4,096-column build then holds the visible columns in registers up to an 8,192-column
+#   row; prefill-sized steps take the 1,024-column build up to a 16K span's 4,096 columns (at [4096, 1024] it ran
+#   58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
+# Measured inside a B = 1 verify step on an H100 (docs/perf/049): the torch form's top-k and sort 24 + 26 us a
+# call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us.
 FASTER_MAX_COLS = BLOCK
-# Given each row's visible columns (`n_visible`: the columns past them are -inf, as the index scores make them), the
-# kernel reads only those, so the row's width is the step's span, not what it walks: a decode step at 4K context in
-# the 16K span has 4,096 columns of which ~1,025 are visible (docs/perf/049: there the torch form took 24 us in
-# its top-k and 26 in its sort, eight times a B = 1 step). The op takes it then for rows up to a 16K span's width,
-# at most four chunks walked ([1, 4096] 59 against the torch form's 78 us on the H200, docs/perf/022).
 BOUNDED_MAX_COLS = 4 * BLOCK
-# A candidate build, not the default: 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA
-# graphs, k = 512), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 /
-# 68.4, [1, 4096] 59.2 / 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4; yet the op taking it
-# for 1,025-8,192 columns made the rank4-decode step slower (B = 1 10.79 -> 10.97 ms, B = 64 31.72 -> 31.62; not
-# traced), as the 1,024-column build there did in report 022. `mini bench kernels --only top_ids` times it.
+WIDE_MAX_COLS = 8192
+WIDE_MAX_ROWS = 256
+# 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA graphs, k = 512, its bisection then
+# unrolled), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 / 68.4,
+# [1, 4096] 59.2 / 17.6 / 78.2, [1, 8192] 120 / 59.6 / 92.4, [64, 4096] 59.9 / 18.3 / 92.4. The op taking it
+# unbounded for 1,025-8,192 columns made the B = 1 step slower (report 023; report 049 traced it: 95 us a call in
+# the step, its unrolled code fetched cold, see the bisection's loop below).
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 
 
-def takes(N: int, bounded: bool) -> bool:
-    """Whether the op runs the kernel on rows of N columns, given (`bounded`) or not each row's visible columns."""
-    return N <= (BOUNDED_MAX_COLS if bounded else FASTER_MAX_COLS)
+def build_for(T: int, N: int, bounded: bool) -> int | None:
+    """The chunk (BLOCK or WIDE_BLOCK) with which the op runs the kernel on [T, N] scores, given (`bounded`) or not
+    each row's visible columns; None: the torch form."""
+    if N <= FASTER_MAX_COLS:
+        return BLOCK
+    if not bounded:
+        return None
+    if T <= WIDE_MAX_ROWS and N <= WIDE_MAX_COLS:
+        return WIDE_BLOCK
+    return BLOCK if N <= BOUNDED_MAX_COLS else None
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:

@@ -206,9 +206,10 @@ def top_groups_ordered(scores: torch.Tensor, k: int, n_visible: torch.Tensor | N
         return ordered_ids(top_groups(scores, k, n_visible, widths))
     N = scores.shape[-1]
     if use_fast(scores):  # the same ids in one kernel (mini/kernels/top_ids.py) where it is faster
-        from mini.kernels.top_ids import supported, takes, top_ids
-        if takes(N, n_visible is not None) and supported(scores, min(k, N)):
-            return top_ids(scores, min(k, N), n_visible=n_visible)  # (past n_visible: -inf, index_scores')
+        from mini.kernels.top_ids import build_for, supported, top_ids
+        block = build_for(scores.shape[0], N, n_visible is not None)
+        if block is not None and supported(scores, min(k, N)):  # (past n_visible: -inf, index_scores')
+            return top_ids(scores, min(k, N), block=block, n_visible=n_visible)
     values, indices = topk_recent(scores, min(k, N), sorted=False)
     valid = values > float("-inf")
     ids = torch.where(valid, indices, N).sort(dim=-1).values  # N: after every group id

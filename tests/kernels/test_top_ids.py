@@ -85,7 +85,7 @@ def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
 def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, monkeypatch):
     calls = []
     real = kernel_module.top_ids
-    monkeypatch.setattr(kernel_module, "top_ids", lambda *a, **kw: calls.append((a[1], "n_visible" in kw and
+    monkeypatch.setattr(kernel_module, "top_ids", lambda *a, **kw: calls.append((a[1], kw["block"],
                                                                                   kw["n_visible"] is not None))
                         or real(*a, **kw))
     x = scores(3, 300, "cpu", seed=3)
@@ -98,14 +98,20 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
         wide = scores(2, kernel_module.FASTER_MAX_COLS + 1, "cpu", seed=4)
         assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(wide, 64),
                                                      real(wide, 64)))  # wider: the torch form (same ids)
-        # given the visible columns, the kernel up to BOUNDED_MAX_COLS (it walks only those), beyond the torch form
-        for n in (kernel_module.BOUNDED_MAX_COLS, kernel_module.BOUNDED_MAX_COLS + 1):
+        # given the visible columns (it walks only those): the wide build up to WIDE_MAX_COLS, beyond the torch form
+        for n in (kernel_module.WIDE_MAX_COLS, kernel_module.WIDE_MAX_COLS + 1):
             span = scores(2, n, "cpu", seed=n)
             want_span = real(span, 64)
             assert all(torch.equal(a, b) for a, b in zip(top_groups_ordered(span, 64, visible(span)), want_span))
     finally:
         mini.ops.set_backend("reference")
-    assert calls == [(64, False), (300, False), (64, True)]
+    BLOCK, WIDE = kernel_module.BLOCK, kernel_module.WIDE_BLOCK
+    assert calls == [(64, BLOCK, False), (300, BLOCK, False), (64, WIDE, True)]
+    # prefill-sized rows: the 1,024-column build, bounded, up to BOUNDED_MAX_COLS; beyond, or unbounded, torch
+    rows = kernel_module.WIDE_MAX_ROWS + 1
+    assert kernel_module.build_for(rows, kernel_module.BOUNDED_MAX_COLS, True) == BLOCK
+    assert kernel_module.build_for(rows, kernel_module.BOUNDED_MAX_COLS + 1, True) is None
+    assert kernel_module.build_for(1, kernel_module.FASTER_MAX_COLS + 1, False) is None
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not kernel_module.supported(torch.zeros(1, kernel_module.MAX_COLS + 1, dtype=torch.bfloat16), 8)
 
