@@ -270,7 +270,7 @@ def _mixes(part_rows, part_ok, tok_ok, toks, cols, pp_ok, scale_ptr, base_ptr, p
     c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
     c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
     c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):  # a loop, not unrolled: less code to fetch cold in a step (top_ids.py's note)
+    for _ in tl.static_range(ITERS - 1):
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     tl.store(comb_ptr + toks[:, None] * NC + cols[None, :], tl.reshape(c, [BLOCK_T, NC]), mask=tok_ok[:, None])
