@@ -142,7 +142,8 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK,
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
     if T:
-        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, count if n_visible is None else n_visible, N, k,
+        bound = count if n_visible is None else n_visible.contiguous()  # (the kernel reads row r's at offset r)
+        _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, bound, N, k,
                               rows.stride(0), ids.stride(0), BLOCK=block, BOUNDED=n_visible is not None,
                               num_warps=WARPS[block])
     return ids, count

@@ -55,7 +55,8 @@ def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k,
     assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
     # given each row's visible columns (exactly, or more: the -inf tail read anyway) it reads only those: same ids
     n_vis = visible(x)
-    for bound in (n_vis, (n_vis + 3).clamp(max=N), torch.full_like(n_vis, N)):
+    strided = torch.stack([n_vis, n_vis], dim=1)[:, 0]  # a view with stride 2: taken as its values
+    for bound in (n_vis, (n_vis + 3).clamp(max=N), torch.full_like(n_vis, N), strided):
         ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=bound)
         assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
 
