@@ -5,7 +5,9 @@ a dispatch mode that counts each aten op that launches a kernel (views and alloc
 Gluon launch, each by its call site: the innermost mini/ line and the innermost mini/model or mini/ops line above
 it. On CUDA the eager step's kernels are also counted by torch.profiler (what the census does not see: library
 kernels launched outside torch's dispatch, ops of several kernels) and the graph replay's by name with their time,
-so that each Triton site gets its kernel's us per launch:
+so that each Triton site gets its kernel's us per launch; `--alone` replays each Triton launch of the step alone
+(10 back to back) against its time in the graph: a kernel far slower in the step than alone has its code or its
+operands fetched cold there (docs/perf/049: the index top-k, 95 us against 17.6, its unrolled code):
 
     python3 tools/decode_op_census.py [rank4-decode options: --ep 8 --shapes 1x4096] [--widths 6,1] [--json F]
     TRITON_INTERPRET=1 python tools/decode_op_census.py --device cpu --preset tiny-v4.1 --shapes 1x40 --rope-dim 32
@@ -82,15 +84,16 @@ def _returns_input(name: str, args: tuple, out) -> bool:
 
 class counting_launches:
     """Within: every `kernel[grid](...)` (Triton's KernelInterface: JIT, Gluon, autotuned, interpreted) is reported
-    to `census.launch` with the kernel's name before it runs."""
+    to `census.launch` with the kernel's name before it runs; with `record`, each launch is also kept there as (name,
+    a call that launches it again with the same arguments)."""
 
-    def __init__(self, census: Census):
-        self.census = census
+    def __init__(self, census: Census, record: list | None = None):
+        self.census, self.record = census, record
 
     def __enter__(self):
         from triton.runtime.jit import KernelInterface
         self.original = original = KernelInterface.__getitem__
-        census = self.census
+        census, record = self.census, self.record
 
         def getitem(kernel, grid):
             launch = original(kernel, grid)
@@ -98,6 +101,8 @@ class counting_launches:
 
             def counted(*args, **kwargs):
                 census.launch(name)
+                if record is not None:
+                    record.append((name, lambda: launch(*args, **kwargs)))
                 return launch(*args, **kwargs)
             return counted
         KernelInterface.__getitem__ = getitem
@@ -106,6 +111,21 @@ class counting_launches:
     def __exit__(self, *exc):
         from triton.runtime.jit import KernelInterface
         KernelInterface.__getitem__ = self.original
+
+
+def alone_us(launches: list, cuda: bool, repeats: int = 10) -> dict[str, tuple[float, int]]:
+    """Per Triton kernel: (us a launch, launches) when each of the step's launches is replayed alone, `repeats` times
+    back to back after one warm call: its code and small operands then stay in the caches, as in a micro-benchmark.
+    Run after the step's figures: the replays overwrite the step's outputs."""
+    from mini.testing.suites import timed_call
+    total: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter[str] = collections.Counter()
+    for name, again in launches:
+        again()
+        _, ms = timed_call(lambda: [again() for _ in range(repeats)], cuda)
+        total[name] += 1e3 * ms / repeats
+        count[name] += 1
+    return {name: (total[name] / count[name], count[name]) for name in count}
 
 
 def by_caller(census: Census, us_per_launch: dict[str, float]) -> list[tuple[str, int, float]]:
@@ -134,8 +154,8 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
         run.fill()
         run.eager()
     run.fill()
-    counts = Census()
-    with counting_launches(counts), counts:
+    counts, launches = Census(), [] if args.alone else None
+    with counting_launches(counts, launches), counts:
         run.eager()
     n = len(cfg.layers)
     out: dict = {"batch": B, "context": C, "width": width, "layers": n, "census_kernels": counts.total(),
@@ -151,11 +171,16 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
         run.fill()
         graph_parts, graph_kernels = kernel_split(run.replay, 2)
         out["graph_step_ms"] = statistics.median(rank4_decode.time_calls(run.replay, 10, cuda, before=run.fill))
-        us_per_launch = {name: 1e3 * ms / launches for name, ms, launches in graph_kernels if launches}
+        us_per_launch = {name: 1e3 * ms / n for name, ms, n in graph_kernels if n}
         out |= {"eager_kernels": eager_parts.get("launches.total", 0),
                 "graph_kernels": graph_parts.get("launches.total", 0), "graph_kernel_ms": graph_parts.get("total", 0),
                 "graph_kernels_ms_launches": graph_kernels, "eager_kernels_ms_launches": eager_kernels}
-    del run
+    if launches:
+        alone = alone_us(launches, cuda)
+        # per kernel: us a launch in the step's graph against alone; the step's extra us (launches x the gap)
+        rows = [(name, us_per_launch.get(name, float("nan")), a, n) for name, (a, n) in alone.items()]
+        out["in_step_vs_alone"] = sorted(rows, key=lambda r: -((r[1] - r[2]) * r[3] if r[1] == r[1] else 0))
+    del run, launches
     if cuda:
         torch.cuda.empty_cache()
     callers = by_caller(counts, us_per_launch)
@@ -170,6 +195,11 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
     print("by caller (mini/model or mini/ops line): kernels, per layer, us of its Triton kernels (graph replay)")
     for caller, count, us in callers[:args.top]:
         print(f"{count:6d} {count / n:6.1f}/layer {us:8.1f} us  {caller}")
+    if out.get("in_step_vs_alone"):
+        print("Triton kernels in the step's graph against the same launches replayed alone (us a launch), most extra "
+              "time a step first:")
+        for name, step_us, a, count in out["in_step_vs_alone"][:args.top]:
+            print(f"{count:6d} launches {step_us:8.2f} in step {a:8.2f} alone {step_us / a:6.2f}x  {name}")
     print("by site: kind, kernel or op, count")
     for (kind, name, site), count in counts.sites.most_common(args.top):
         us = f"{count * us_per_launch[name]:8.1f} us" if name in us_per_launch else " " * 11
@@ -187,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rope-dim", type=int, default=None, help="the preset with this RoPE tail (see above)")
     p.add_argument("--top", type=int, default=60, help="sites printed")
     p.add_argument("--json", default="", help="write every site, caller and (CUDA) kernel here")
+    p.add_argument("--alone", action="store_true", help="also replay each Triton launch of the step alone, as a "
+                   "micro-benchmark would (code and small operands warm), against its time in the step's graph")
     args = p.parse_args(argv)
     import mini.ops
     from mini.bench.spec_decode import dspark_config

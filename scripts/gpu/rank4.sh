@@ -120,13 +120,14 @@ phase_draft_census() {  # issue 27 (<= 150 s, one build ~35 s + DSpark's stages)
     return $rc
 }
 
-phase_step_census() {  # issues 27/28 (not yet run; guess <= 150 s: one build ~35 s, compiles, per step an eager
-    # warm-up, the census and a graph): every kernel of the B = 1 verify (6 rows) and decode steps at 4K by the source
-    # line that launched it (tools/decode_op_census.py; STEP_CENSUS_ARGS adds flags, e.g. "--ep 8" on an H100).
-    # Look at: the "rank 0:" lines (kernels counted against the profiler's eager and graph counts), the "by caller"
-    # tables (fusion's worklist), step_census.json.
+phase_step_census() {  # issues 27/28 (65-128 s on an H100 at --ep 8, docs/perf/049; cap it at 150): every kernel
+    # of the B = 1 verify (6 rows) and decode steps at 4K by the source line that launched it, and each Triton kernel's
+    # time in the step's graph against its launches replayed alone (tools/decode_op_census.py --alone; a kernel far
+    # slower in the step has its code or operands fetched cold there). STEP_CENSUS_ARGS adds flags, e.g. "--ep 8" on
+    # an H100. Look at: the "rank 0:" lines (kernels counted against the profiler's eager and graph counts, the
+    # replay's ms), the "in step ... alone" table, the "by caller" tables (fusion's worklist), step_census.json.
     MINI_MOE_GEMM="${MINI_MOE_GEMM:-humming}" timeout $((PHASE_CAP - 5)) python3 tools/decode_op_census.py \
-        --shapes "${STEP_CENSUS_SHAPES:-1x4096}" --widths "${STEP_CENSUS_WIDTHS:-6,1}" --top 70 ${STEP_CENSUS_ARGS:-} \
+        --shapes "${STEP_CENSUS_SHAPES:-1x4096}" --widths "${STEP_CENSUS_WIDTHS:-6,1}" --top 70 --alone ${STEP_CENSUS_ARGS:-} \
         --json "$PHASE_DIR/step_census.json" >"$PHASE_DIR/step_census.log" 2>&1
     local rc=$?
     grep -E "Error|error:" "$PHASE_DIR/step_census.log" | tail -5
