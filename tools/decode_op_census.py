@@ -171,14 +171,14 @@ def census(model, cfg, exchange, args, B: int, C: int, width: int) -> dict:
         run.fill()
         graph_parts, graph_kernels = kernel_split(run.replay, 2)
         out["graph_step_ms"] = statistics.median(rank4_decode.time_calls(run.replay, 10, cuda, before=run.fill))
-        us_per_launch = {name: 1e3 * ms / n for name, ms, n in graph_kernels if n}
+        us_per_launch = {name: 1e3 * ms / calls for name, ms, calls in graph_kernels if calls}
         out |= {"eager_kernels": eager_parts.get("launches.total", 0),
                 "graph_kernels": graph_parts.get("launches.total", 0), "graph_kernel_ms": graph_parts.get("total", 0),
                 "graph_kernels_ms_launches": graph_kernels, "eager_kernels_ms_launches": eager_kernels}
     if launches:
         alone = alone_us(launches, cuda)
         # per kernel: us a launch in the step's graph against alone; the step's extra us (launches x the gap)
-        rows = [(name, us_per_launch.get(name, float("nan")), a, n) for name, (a, n) in alone.items()]
+        rows = [(name, us_per_launch.get(name, float("nan")), a, calls) for name, (a, calls) in alone.items()]
         out["in_step_vs_alone"] = sorted(rows, key=lambda r: -((r[1] - r[2]) * r[3] if r[1] == r[1] else 0))
     del run, launches
     if cuda:
