@@ -33,8 +33,10 @@ BLOCK = 1024
 #   those, so the row's width is the step's span, not what it walks: a decode step at 4K context in the 16K span
 #   has 4,096 columns at ratio 4, of which ~1,025 are visible, 2,049 of 8,192 at ratio 2. At decode and verify
 #   rows (<= WIDE_MAX_ROWS) the 4,096-column build then holds the visible columns in registers up to an 8,192-column
-#   row; prefill-sized steps take the 1,024-column build up to a 16K span's 4,096 columns (at [4096, 1024] it ran
-#   58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
+#   row, at every width (one build for every decode-sized step, so the warm-up's steps compile the one that served
+#   steps take: tests/engine/test_warm_start.py; below 1,025 columns the 1,024-column build measured 8.4 against
+#   16.9 us alone, unrolled); prefill-sized steps take the 1,024-column build up to a 16K span's 4,096 columns (at
+#   [4096, 1024] it ran 58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
 # Measured inside a B = 1 verify step on an H100 (docs/perf/049): the torch form's top-k and sort 24 + 26 us a
 # call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us.
 FASTER_MAX_COLS = BLOCK
@@ -53,13 +55,11 @@ WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 def build_for(T: int, N: int, bounded: bool) -> int | None:
     """The chunk (BLOCK or WIDE_BLOCK) with which the op runs the kernel on [T, N] scores, given (`bounded`) or not
     each row's visible columns; None: the torch form."""
-    if N <= FASTER_MAX_COLS:
+    if bounded and T <= WIDE_MAX_ROWS:
+        return WIDE_BLOCK if N <= WIDE_MAX_COLS else None
+    if N <= (BOUNDED_MAX_COLS if bounded else FASTER_MAX_COLS):
         return BLOCK
-    if not bounded:
-        return None
-    if T <= WIDE_MAX_ROWS and N <= WIDE_MAX_COLS:
-        return WIDE_BLOCK
-    return BLOCK if N <= BOUNDED_MAX_COLS else None
+    return None
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:

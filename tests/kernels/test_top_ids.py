@@ -108,11 +108,15 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
         mini.ops.set_backend("reference")
     BLOCK, WIDE = kernel_module.BLOCK, kernel_module.WIDE_BLOCK
     assert calls == [(64, BLOCK, False), (300, BLOCK, False), (64, WIDE, True)]
+    # decode-sized rows, bounded: the wide build at every width up to WIDE_MAX_COLS (one build the warm-up compiles);
     # prefill-sized rows: the 1,024-column build, bounded, up to BOUNDED_MAX_COLS; beyond, or unbounded, torch
-    rows = kernel_module.WIDE_MAX_ROWS + 1
-    assert kernel_module.build_for(rows, kernel_module.BOUNDED_MAX_COLS, True) == BLOCK
-    assert kernel_module.build_for(rows, kernel_module.BOUNDED_MAX_COLS + 1, True) is None
-    assert kernel_module.build_for(1, kernel_module.FASTER_MAX_COLS + 1, False) is None
+    build_for, rows = kernel_module.build_for, kernel_module.WIDE_MAX_ROWS
+    assert build_for(rows, 1, True) == build_for(rows, kernel_module.WIDE_MAX_COLS, True) == WIDE
+    assert build_for(rows, kernel_module.WIDE_MAX_COLS + 1, True) is None
+    assert build_for(rows + 1, 1, True) == build_for(rows + 1, kernel_module.BOUNDED_MAX_COLS, True) == BLOCK
+    assert build_for(rows + 1, kernel_module.BOUNDED_MAX_COLS + 1, True) is None
+    assert build_for(1, kernel_module.FASTER_MAX_COLS, False) == BLOCK
+    assert build_for(1, kernel_module.FASTER_MAX_COLS + 1, False) is None
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not kernel_module.supported(torch.zeros(1, kernel_module.MAX_COLS + 1, dtype=torch.bfloat16), 8)
 
