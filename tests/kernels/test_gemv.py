@@ -395,9 +395,10 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 
 @pytest.mark.gpu
 def test_fp8_switch_takes_the_gluon_build_gpu(monkeypatch):
-    """MINI_GEMV_WEIGHTS=fp8 (the default): on CUDA linear at 2-8 rows, wo_a's grouped_linear and the shared expert's w2 (through
-    linear.gluon_read) reach the Gluon build, within the bounds of its parity tests; one row keeps the CUDA-core
-    read, 9-16 rows the Triton build (where the Gluon build measured slower)."""
+    """MINI_GEMV_WEIGHTS=fp8 (the default): on CUDA linear at 2-8 rows, wo_a's grouped_linear and the shared
+    expert's w2 (through linear.gluon_read) reach the Gluon build, within the bounds of its parity tests; one row
+    keeps the CUDA-core read, 9-16 rows the Triton build (where the Gluon build measured slower); =fp8_triton the
+    Triton build at 2-8 rows too."""
     import mini.kernels.gemv as module
     from mini.formats import dequant_fp8
     from mini.kernels.fp8_act_quant import fp8_act_quant
