@@ -544,12 +544,12 @@ def bench_order_keys(rows: list, sweep=(), dev="cuda"):
 def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     """The index top-k's ids in one pass (mini/kernels/top_ids.py) against the torch form of the same rule (order
     keys, topk, gather, where, sort, where, count), replayed in a CUDA graph: decode rows at 4K and 32K context (k
-    512) and a prefill-sized step; the kernel in its default chunks and the WIDE_BLOCK candidate's. "span" rows: a
+    512) and a prefill-sized step; the kernel in its 1,024- and 4,096-column builds. "span" rows: a
     step's rows as the model has them, the span's columns (a 4K context in the 16K span: 4,096) with -inf past
     each row's visible ones (1,025), where the op gives the kernel n_visible ("bounded": it reads only those)."""
     from mini.kernels.top_ids import WIDE_BLOCK, top_ids
     from mini.ops.indexer import top_groups_ordered
-    # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, which take the torch form today)
+    # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, unbounded)
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
                                         (64, 8192), (4096, 1024))]
     shapes += [(T, 4096, 1025) for T in (1, 6, 96, 384)] + [(T, 16384, 8193) for T in (1, 6)]

@@ -125,7 +125,7 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK,
             n_visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [T, k] ids, int32 [T] counts) for bf16 scores [T, N] (`supported`): the k largest of each row (ties
     to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
-    `block`: the chunk of columns a program holds at once (BLOCK, or the WIDE_BLOCK candidate); the same ids.
+    `block`: the chunk of columns a program holds at once (BLOCK or WIDE_BLOCK: `build_for`); the same ids.
     `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
     have been ranked above +inf by the torch form), and the kernel reads only the columns before."""
     if not supported(scores, k):

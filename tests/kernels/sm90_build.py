@@ -323,7 +323,7 @@ def main() -> None:
                         stride_ids_out=5328 // 4 if routing else 0, stride_wts_out=5328 // 4 if routing else 0))
     build(_mhc_expand_kernel, {"post_ptr": "*fp32", "comb_ptr": "*fp32"}, dict(D=5120, HC=4, BLOCK_T=2, BLOCK_D=512))
     # the index top-k's ids in one pass (one build for every row width)
-    for block, warps in TOP_IDS_WARPS.items():  # the default and the wide candidate, bounded or not by n_visible
+    for block, warps in TOP_IDS_WARPS.items():  # both builds, bounded or not by n_visible
         for bounded in (False, True):
             build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
                   dict(BLOCK=block, BOUNDED=bounded), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)

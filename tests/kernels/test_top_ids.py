@@ -129,7 +129,7 @@ def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
     x = scores(T, N, "cuda", seed=N + T, nan=True)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch on CUDA (NaN keys 0x7FFF)
     poisoned(monkeypatch)
-    for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):  # the default and the candidate build
+    for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):  # both builds
         ids, count = kernel_module.top_ids(x, min(k, N), block=block)
         assert torch.equal(ids, want_ids) and torch.equal(count, want_count), block
     # bounded by each row's visible columns (NaNs only before them, as index_scores' -inf tail overwrites them)
