@@ -98,6 +98,17 @@ phase_wo_a() {  # issue 28 (~30 s): V4.1's block-diagonal wo_a at decode rows (t
     python3 tools/wo_a_study.py --rows "${WO_A_ROWS:-1,2,6,16}" --json "$PHASE_DIR/wo_a.json"
 }
 
+phase_pdl_study() {  # issues 27/28 (not yet run; guess <= 60 s): programmatic dependent launch at decode's sizes
+    # (tools/pdl_study.py): 40 layers x V4.1's five FP8 read shapes, each after a one-program norm of the previous
+    # read's output, in one CUDA graph: plain launches, PDL, PDL with each read's weights prefetched to L2 before its
+    # griddepcontrol.wait; then its gpu test (the three give the same bits).
+    # Look at: the "pdl-study" lines (us a step and a norm + read, x the reads' byte floor, same bits).
+    python3 tools/pdl_study.py --layers "${PDL_LAYERS:-40}" --json "$PHASE_DIR/pdl_study.json"
+    local rc=$?
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/tools/test_pdl_study.py 2>&1 | tail -3
+    return $rc
+}
+
 phase_flashmla() {  # FlashMLA sparse prefill (~90 s): its gpu tests, the rank4-shape micro-benchmark, then the
     # in-model fast-path check with FlashMLA forced
     local rc=0
