@@ -115,14 +115,25 @@ class counting_launches:
 
 def alone_us(launches: list, cuda: bool, repeats: int = 10) -> dict[str, tuple[float, int]]:
     """Per Triton kernel: (us a launch, launches) when each of the step's launches is replayed alone, `repeats` times
-    back to back after one warm call: its code and small operands then stay in the caches, as in a micro-benchmark.
-    Run after the step's figures: the replays overwrite the step's outputs."""
+    back to back after one warm call (on the GPU in one CUDA graph, as the step runs it): its code and small operands
+    then stay in the caches, as in a micro-benchmark. Run after the step's figures: the replays overwrite the step's
+    outputs."""
     from mini.testing.suites import timed_call
     total: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
     for name, again in launches:
         again()
-        _, ms = timed_call(lambda: [again() for _ in range(repeats)], cuda)
+        if cuda:  # the repeats in one CUDA graph: timed from the host, a small kernel's time is its launch's
+            # (docs/perf/050: 20-45 us "alone" against 2-6 in the step, every Triton kernel)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(repeats):
+                    again()
+            graph.replay()
+            _, ms = timed_call(graph.replay, cuda)
+            del graph
+        else:
+            _, ms = timed_call(lambda: [again() for _ in range(repeats)], cuda)
         total[name] += 1e3 * ms / repeats
         count[name] += 1
     return {name: (total[name] / count[name], count[name]) for name in count}
