@@ -124,7 +124,7 @@ def alone_us(launches: list, cuda: bool, repeats: int = 10) -> dict[str, tuple[f
     for name, again in launches:
         again()
         if cuda:  # the repeats in one CUDA graph: timed from the host, a small kernel's time is its launch's
-            # (docs/perf/050: 20-45 us "alone" against 2-6 in the step, every Triton kernel)
+            # (docs/perf/050: 16-62 us "alone" against 1-34 in the step, every Triton kernel)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(repeats):

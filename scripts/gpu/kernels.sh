@@ -98,7 +98,7 @@ phase_wo_a() {  # issue 28 (~30 s): V4.1's block-diagonal wo_a at decode rows (t
     python3 tools/wo_a_study.py --rows "${WO_A_ROWS:-1,2,6,16}" --json "$PHASE_DIR/wo_a.json"
 }
 
-phase_pdl_study() {  # issues 27/28 (not yet run; guess <= 60 s): programmatic dependent launch at decode's sizes
+phase_pdl_study() {  # issues 27/28 (23 s on an H100, docs/perf/050): programmatic dependent launch at decode's sizes
     # (tools/pdl_study.py): 40 layers x V4.1's five FP8 read shapes, each after a one-program norm of the previous
     # read's output, in one CUDA graph: plain launches, PDL, PDL with each read's weights prefetched to L2 before its
     # griddepcontrol.wait; then its gpu test (the three give the same bits).
