@@ -81,6 +81,9 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
+# the same read with its pieces summed by each N block's last program (`_last_sums_pieces`), not a second kernel:
+# at B = 1 the step's 200 sum launches took 0.28 ms of the decode step's 9.0 ms on an H100 (docs/perf/049)
+ROW_CANDIDATES["row 32x256 4w one launch"] = replace(ROW_DEFAULT, one_launch=True)
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
@@ -198,9 +201,28 @@ def _e4m3_bits_as_fp32(w, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, stride_s, K_PIECE, GROUP_N,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                         ACT_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _last_sums_pieces(part_ptr, count_ptr, y_ptr, n, n_ok, N, pid_n, PP: tl.constexpr):
+    """One launch's split-K sum (the one-row FP8 read's `one_launch`): after the program stored its piece's partials
+    of the outputs n (part[piece, n], the pieces along the grid's second axis), it counts itself in on its N block's
+    counter (a barrier, then an acq_rel atomic); the last of the block's programs to arrive loads every piece's
+    partials at once (a [PP, n] tile read past L1: one round trip to L2, not one a piece), sums them (a reduction
+    fixed by PP and the build: run to run the same), stores y and resets the counter for the next call or replay."""
+    pieces = tl.num_programs(1)
+    tl.debug_barrier()  # every thread's partial is stored before the program counts itself in (release)
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == pieces - 1:
+        p = tl.arange(0, PP)
+        parts = tl.load(part_ptr + p[:, None].to(tl.int64) * N + n[None, :],
+                        mask=(p < pieces)[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + n, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_w, stride_s, K_PIECE,
+                         GROUP_N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         ONE_LAUNCH: tl.constexpr, PP: tl.constexpr, EVEN_K: tl.constexpr, ACT_BLOCK: tl.constexpr,
+                         W_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """One row of x against an FP8 weight on the CUDA cores (decode at B = 1, where the MMA form's register
     shuffles cost more than its bytes): program (n block, K piece) sums (q * 2^-120) * (x * s * 2^88) over its
     piece with fp32 FMAs (exact products: the bf16 copy's times 2^-32), tile by tile, and scales the sums back.
@@ -230,6 +252,8 @@ def _gemv_fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, N, K, stride_w, s
     acc = acc * 2.0 ** 32
     if SPLIT:
         tl.store(part_ptr + piece.to(tl.int64) * N + n, acc, mask=n_ok)
+        if ONE_LAUNCH:
+            _last_sums_pieces(part_ptr, count_ptr, y_ptr, n, n_ok, N, pid_n, PP)
     else:
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -434,12 +458,15 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
     interpreted = x.device.type == "cpu"
     if config.cuda_cores:
         part = torch.empty(pieces if pieces > 1 else 0, 1, N, dtype=torch.float32, device=x.device)
-        _gemv_fp8_row_kernel[(triton.cdiv(N, config.block_n), pieces)](
-            x, w, scale.view(torch.uint8), out, part, N, K, w.stride(0), scale.stride(0), k_piece, N // groups,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1, EVEN_K=K % config.block_k == 0,
+        n_blocks = triton.cdiv(N, config.block_n)
+        counters = _counters(x.device, n_blocks) if config.one_launch and pieces > 1 else None
+        _gemv_fp8_row_kernel[(n_blocks, pieces)](
+            x, w, scale.view(torch.uint8), out, part, part if counters is None else counters, N, K, w.stride(0),
+            scale.stride(0), k_piece, N // groups, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1,
+            ONE_LAUNCH=counters is not None, PP=triton.next_power_of_2(pieces), EVEN_K=K % config.block_k == 0,
             ACT_BLOCK=act_block, W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps,
             num_stages=config.num_stages)
-        if pieces > 1:
+        if pieces > 1 and counters is None:
             _sum_pieces_kernel[(triton.cdiv(N, 256),)](part, out, 1, N, out.stride(0), PIECES=pieces,
                                                        PP=triton.next_power_of_2(pieces), BLOCK=256)
         return out

@@ -203,12 +203,14 @@ def main() -> None:
     fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "e_ptr": "*u8"}
     for cfg in GEMV_ROW_CANDIDATES.values():  # the FP8 read of one row on the CUDA cores (V4.1's 32 x 32 blocks)
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_ROW_DEFAULT else ((5120, 8192),):
-            build(_gemv_fp8_row_kernel, fp8,
-                  dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
+            build(_gemv_fp8_row_kernel, {**fp8, "count_ptr": "*i32"},
+                  dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, ONE_LAUNCH=cfg.one_launch,
+                       PP=triton.next_power_of_2(split_k(n, k, cfg)[0]), EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
                        INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   ints=_gemv_ints(n, k, cfg, w_block=32))
-    build(_gemv_fp8_row_kernel, fp8,  # V4's 128 x 128, unsplit
-          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128, INTERPRET=False),
+    build(_gemv_fp8_row_kernel, {**fp8, "count_ptr": "*i32"},  # V4's 128 x 128, unsplit
+          dict(BLOCK_N=32, BLOCK_K=256, SPLIT=False, ONE_LAUNCH=False, PP=1, EVEN_K=True, ACT_BLOCK=128, W_BLOCK=128,
+               INTERPRET=False),
           ints=_gemv_ints(1536, 7168, replace(GEMV_ROW_DEFAULT, block_k=256), False, w_block=128))
     for cfg in GEMV_MMA_CANDIDATES.values():  # the FP8 read of 2-16 rows on the tensor cores, split and not
         if cfg.gluon_k_width:  # its Gluon build (no shared memory: its operands are loaded into the MMA's registers)

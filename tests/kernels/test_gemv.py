@@ -160,7 +160,8 @@ ROW_SMALL = GemvConfig(block_n=16, block_k=64, num_warps=1, num_stages=1, progra
 
 @pytest.mark.parametrize("N,K,w_block,config", [
     (100, 96, 32, ROW_SMALL), (37, 320, 32, ROW_SMALL), (70, 256, 128, replace(ROW_SMALL, block_n=32)),
-    (45, 80, 32, replace(ROW_SMALL, block_k=32)), (150, 64, 32, replace(ROW_SMALL, block_k=128))])
+    (45, 80, 32, replace(ROW_SMALL, block_k=32)), (150, 64, 32, replace(ROW_SMALL, block_k=128)),
+    (37, 320, 32, replace(ROW_SMALL, one_launch=True)), (45, 80, 32, replace(ROW_SMALL, block_k=32, one_launch=True))])
 def test_fp8_row_build_sums_the_exact_products_interpreted(interpreter, N, K, w_block, config):
     """The one-row FP8 read on the CUDA cores (`cuda_cores`): fp32 sums of the bf16 copy's exact products in its own
     order (splits over K, N and K tails, a partial scale block, scale blocks narrower and wider than BLOCK_K),
@@ -177,6 +178,9 @@ def test_fp8_row_build_sums_the_exact_products_interpreted(interpreter, N, K, w_
         _check(y, fp8_act_quant(x, act) if act else x, copy)
     assert torch.equal(gemv(x, q, scale=scale, w_block=w_block, config=config),
                        gemv(x, q, scale=scale, w_block=w_block, config=config))
+    if config.one_launch:  # (37, 320): 5 pieces; (45, 80): 3 pieces of one 32-wide step
+        from mini.kernels.gemv import _COUNTERS
+        assert not _COUNTERS[x.device].any()  # each N block's last program reset its counter
 
 
 MMA_SMALL = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, programs_per_sm=1, fp8_mma=True)
