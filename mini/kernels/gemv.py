@@ -99,7 +99,14 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 # 1-2 blocks carried ahead were slower at every shape and are gone
 MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
+# the same with its pieces summed by each N block's last program where they are at most ONE_LAUNCH_MAX_PIECES
+# (gemv_mma_registers' `_last_sums_pieces`): at B = 1 the verify step's 242 sum launches took 0.51 ms of its 12.25
+MMA_CANDIDATES["regs 128 4/SM one launch"] = replace(MMA_CANDIDATES["regs 128 4/SM"], one_launch=True)
 MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
+# The Gluon read's one-launch sum holds each thread's column of [PIECES, 128] partials for 8 rows at once (one round
+# trip to L2): up to 16 pieces (128 registers a thread); more pieces (V4.1's wq_a|wkv at 6 rows: 32) take the
+# second kernel
+ONE_LAUNCH_MAX_PIECES = 16
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -522,18 +529,24 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     w_scales = scale.view(torch.uint8)
     args = (x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
             w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0))
+    one_launch = None
     if config.gluon_k_width:
         from mini.kernels.gemv_mma_registers import X_BF16, X_CODES, X_QUANT, _gemv_fp8_mma_registers_kernel
-        _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
+        n_blocks = triton.cdiv(N, config.block_n)
+        if config.one_launch and 1 < pieces <= ONE_LAUNCH_MAX_PIECES:
+            one_launch = _counters(x.device, n_blocks)
+        _gemv_fp8_mma_registers_kernel[(n_blocks, pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            GROUP_N=N // groups, num_warps=config.num_warps)
+            GROUP_N=N // groups, count_ptr=part if one_launch is None else one_launch,
+            ONE_LAUNCH=one_launch is not None, PP=triton.next_power_of_2(pieces) if one_launch is not None else 1,
+            num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
             num_stages=config.num_stages)
-    if pieces > 1:
+    if pieces > 1 and one_launch is None:
         _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                        PP=triton.next_power_of_2(pieces), BLOCK=256)
     return out
