@@ -84,6 +84,7 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 # the same read with its pieces summed by each N block's last program (`_last_sums_pieces`), not a second kernel:
 # at B = 1 the step's 200 sum launches took 0.28 ms of the decode step's 9.0 ms on an H100 (docs/perf/049)
 ROW_CANDIDATES["row 32x256 4w one launch"] = replace(ROW_DEFAULT, one_launch=True)
+ROW_DEFAULT = ROW_CANDIDATES["row 32x256 4w one launch"]
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
@@ -102,7 +103,7 @@ MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 # the same with its pieces summed by each N block's last program where they are at most ONE_LAUNCH_MAX_PIECES
 # (gemv_mma_registers' `_last_sums_pieces`): at B = 1 the verify step's 242 sum launches took 0.51 ms of its 12.25
 MMA_CANDIDATES["regs 128 4/SM one launch"] = replace(MMA_CANDIDATES["regs 128 4/SM"], one_launch=True)
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM one launch"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
 # The Gluon read's one-launch sum holds each thread's column of [PIECES, 128] partials for 8 rows at once (one round
 # trip to L2): up to 16 pieces (128 registers a thread); more pieces (V4.1's wq_a|wkv at 6 rows: 32) take the
 # second kernel
