@@ -11,9 +11,9 @@ this kernel is built around the read of W alone:
   re-read from L1/L2 by every program;
 - the pieces' fp32 partials go to a scratch [S, T, N] and a second small pass (`_sum_pieces_kernel`) adds them as
   a tree fixed by S and rounds once to bf16; one piece (S = 1) rounds in the first pass. `one_launch` (a
-  candidate, not the default) saves that launch: each program counts itself in on its N block's counter after
-  storing its partial (an acq_rel atomic), and the one that arrives last adds the S partials in piece order, rounds,
-  and resets the counter for the next call. No atomic ever adds a value: the sums' order is fixed by the shape and
+  candidate here; the default of the one-row FP8 read below) saves that launch: each program counts itself in on its
+  N block's counter after storing its partial (an acq_rel atomic), and the one that arrives last adds the S partials
+  (here in piece order; the FP8 read loads them as one tile), rounds, and resets the counter for the next call. No atomic ever adds a value: the sums' order is fixed by the shape and
   the config, so a result is the same run to run.
 Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
 the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
@@ -81,8 +81,9 @@ ROW_CANDIDATES = {"row 32x256 4w": GemvConfig(32, 256, 4, 3, 4, cuda_cores=True)
                   "row 32x256 2w 8/SM": GemvConfig(32, 256, 2, 3, 8, cuda_cores=True),
                   "row 16x512 2w 8/SM": GemvConfig(16, 512, 2, 3, 8, cuda_cores=True)}
 ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
-# the same read with its pieces summed by each N block's last program (`_last_sums_pieces`), not a second kernel:
-# at B = 1 the step's 200 sum launches took 0.28 ms of the decode step's 9.0 ms on an H100 (docs/perf/049)
+# the same read with its pieces summed by each N block's last program (`_last_sums_pieces`), not a second kernel
+# (the B = 1 decode step's 200 sum launches took 0.28 ms on an H100, docs/perf/049): 0.2-0.4 us faster a read at
+# five of V4.1's six shapes, the B = 1 decode step 9.43 -> 9.29 ms (one emulated EP8 rank, H100, docs/perf/051)
 ROW_CANDIDATES["row 32x256 4w one launch"] = replace(ROW_DEFAULT, one_launch=True)
 ROW_DEFAULT = ROW_CANDIDATES["row 32x256 4w one launch"]
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
@@ -100,14 +101,7 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 # 1-2 blocks carried ahead were slower at every shape and are gone
 MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
-# the same with its pieces summed by each N block's last program where they are at most ONE_LAUNCH_MAX_PIECES
-# (gemv_mma_registers' `_last_sums_pieces`): at B = 1 the verify step's 242 sum launches took 0.51 ms of its 12.25
-MMA_CANDIDATES["regs 128 4/SM one launch"] = replace(MMA_CANDIDATES["regs 128 4/SM"], one_launch=True)
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM one launch"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
-# The Gluon read's one-launch sum holds each thread's column of [PIECES, 128] partials for 8 rows at once (one round
-# trip to L2): up to 16 pieces (128 registers a thread); more pieces (V4.1's wq_a|wkv at 6 rows: 32) take the
-# second kernel
-ONE_LAUNCH_MAX_PIECES = 16
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -530,24 +524,18 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     w_scales = scale.view(torch.uint8)
     args = (x, w, w_scales, out, part, T, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), k_piece,
             w_scales if x_scales is None else x_scales, 0 if x_scales is None else x_scales.stride(0))
-    one_launch = None
     if config.gluon_k_width:
         from mini.kernels.gemv_mma_registers import X_BF16, X_CODES, X_QUANT, _gemv_fp8_mma_registers_kernel
-        n_blocks = triton.cdiv(N, config.block_n)
-        if config.one_launch and 1 < pieces <= ONE_LAUNCH_MAX_PIECES:
-            one_launch = _counters(x.device, n_blocks)
-        _gemv_fp8_mma_registers_kernel[(n_blocks, pieces)](
+        _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            GROUP_N=N // groups, count_ptr=part if one_launch is None else one_launch,
-            ONE_LAUNCH=one_launch is not None, PP=triton.next_power_of_2(pieces) if one_launch is not None else 1,
-            num_warps=config.num_warps)
+            GROUP_N=N // groups, num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             DOT_FP32=x.device.type == "cpu", X_CODES=x_scales is not None, num_warps=config.num_warps,
             num_stages=config.num_stages)
-    if pieces > 1 and one_launch is None:
+    if pieces > 1:
         _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                        PP=triton.next_power_of_2(pieces), BLOCK=256)
     return out

@@ -18,8 +18,9 @@ memory and no barrier is ever taken:
 - each block's bytes are loaded in the loop, none carried ahead: other warps' loads hide a warp's wait (a
   prefetched e4m3 tile carried across iterations costs ~90 byte moves a block; builds with 1-2 blocks carried
   ahead were 18-56% slower on an H100 at every V4.1 shape, docs/perf/048).
-Split-K pieces are gemv.py's; their sum is its `_sum_pieces_kernel`, or with ONE_LAUNCH the last program of each N
-block to finish (`_last_sums_pieces`, as gemv.py's one-row read does). Gluon kernels run on CUDA only (not under
+Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`); summed instead by each N block's last program, as
+the one-row read does, these reads were 1.5-1.8 us slower at wo_b and the shared expert's (88 registers a thread
+against 56, and the tail's code) and the B = 1 verify step 12.90 -> 13.13 ms (docs/perf/051). Gluon kernels run on CUDA only (not under
 Triton's interpreter): the CPU tests build it for sm_90 (tests/kernels/sm90_build.py) and its parity tests are
 `gpu`-marked.
 """
@@ -28,10 +29,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-
-# a barrier across the program's warps (Triton 3.6 names it thread_barrier, 3.9 barrier)
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -64,40 +61,12 @@ def _x_block(x_ptrs, e_ptrs, k0, x_ok, t_ok, W_BLOCK: gl.constexpr, X_MODE: gl.c
 
 
 @gluon.jit
-def _last_sums_pieces(part_ptr, count_ptr, y_ptr, pid_n, T, N, stride_y, BLOCK_N: gl.constexpr, TP: gl.constexpr,
-                      PP: gl.constexpr):
-    """After the program stored its piece's partials (part[piece, t, n] of its BLOCK_N rows), it counts itself in on
-    its N block's counter (a barrier, then an acq_rel atomic); the last of the block's programs to arrive loads every
-    piece's partials (for each of the TP rows a [PP, BLOCK_N] tile, one column a thread, read past L1, all issued
-    before any sum), sums them (each thread its own column in piece order: run to run the same), stores y and resets
-    the counter for the next call or graph replay."""
-    WARPS: gl.constexpr = gl.num_warps()
-    pieces = gl.num_programs(1)
-    _cta_barrier()  # every warp's partials are stored before the program counts itself in (release)
-    arrived = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == pieces - 1:
-        lay: gl.constexpr = gl.BlockedLayout(size_per_thread=[PP, 1], threads_per_warp=[1, 32],
-                                             warps_per_cta=[1, WARPS], order=[0, 1])
-        p = gl.arange(0, PP, layout=gl.SliceLayout(1, lay))
-        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
-        ok = gl.expand_dims(p < pieces, 1) & gl.expand_dims(n < N, 0)
-        at = part_ptr + gl.expand_dims(p.to(gl.int64) * T * N, 1) + gl.expand_dims(n, 0)
-        for t in gl.static_range(TP):
-            parts = gl.load(at + t * N, mask=ok & (t < T), other=0.0, cache_modifier=".cg")
-            y = gl.sum(parts, axis=0).to(y_ptr.dtype.element_ty)
-            gl.store(y_ptr + t * stride_y + n, y, mask=(n < N) & (t < T))
-        gl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s,
                                    stride_y, K_PIECE, e_ptr, stride_e, BLOCK_N: gl.constexpr, TP: gl.constexpr,
                                    SPLIT: gl.constexpr, W_BLOCK: gl.constexpr, K_WIDTH: gl.constexpr,
-                                   X_MODE: gl.constexpr, GROUP_N, count_ptr, ONE_LAUNCH: gl.constexpr = False,
-                                   PP: gl.constexpr = 1):
+                                   X_MODE: gl.constexpr, GROUP_N):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
-    (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n] (ONE_LAUNCH: then the
-    block's last program sums the pieces, `_last_sums_pieces`; PP >= pieces), else bf16 to y[t, n].
+    (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
     The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK. X_BF16: x as it is (the
     e4m3 weight widened to bf16, exact; |x| < 2^119 so that no q x overflows fp32), s_x = 1; then x is [T, G K] and
     the block's rows take group n // GROUP_N of it (x[:, g K:(g + 1) K]: a block-diagonal projection)."""
@@ -145,8 +114,6 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
     if SPLIT:
         at = gl.expand_dims(t_c.to(gl.int64) * N, 0) + gl.expand_dims(n_c, 1)
         gl.store(part_ptr + piece.to(gl.int64) * T * N + at, acc, mask=ok)
-        if ONE_LAUNCH:
-            _last_sums_pieces(part_ptr, count_ptr, y_ptr, pid_n, T, N, stride_y, BLOCK_N, TP, PP)
     else:
         gl.store(y_ptr + gl.expand_dims(t_c.to(gl.int64) * stride_y, 0) + gl.expand_dims(n_c, 1),
                  acc.to(y_ptr.dtype.element_ty), mask=ok)

@@ -337,7 +337,8 @@ def test_fp8_read_at_v41_shapes_gpu(N, K):
         _check(y.cpu(), fp8_act_quant(x, 32).cpu(), copy)
         assert torch.equal(y, gemv(x, q, config=cfg, act_block=32, scale=scale, w_block=32)), cfg
     _replay_equals_eager(x, q, scale)
-    _counters_at_zero()
+    from mini.kernels.gemv import _COUNTERS
+    assert all(not c.any() for c in _COUNTERS.values())  # the one-launch sums' last programs reset their counters
 
 
 @pytest.mark.gpu
@@ -371,13 +372,6 @@ def test_fp8_mma_read_at_v41_shapes_gpu(N, K):
             assert torch.equal(gemv(x[-1:], q, config=cfg, act_block=32, scale=scale, w_block=32), y[-1:]), cfg
             assert torch.equal(gemv(xr, q, config=cfg, scale=scale, w_block=32), y), cfg  # x's codes given
     _replay_equals_eager(x, q, scale)
-    _counters_at_zero()
-
-
-def _counters_at_zero():
-    """The one-launch sums' counters (the FP8 reads' "one launch" candidates) were each reset by their last program."""
-    from mini.kernels.gemv import _COUNTERS
-    assert all(not c.any() for c in _COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -403,7 +397,6 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
                        copy[g * rows:(g + 1) * rows])
             assert torch.equal(y, gemv(x, q, config=cfg, scale=scale, w_block=32, groups=G)), label
             assert torch.equal(gemv(x[-1:], q, config=cfg, scale=scale, w_block=32, groups=G), y[-1:]), label
-    _counters_at_zero()
 
 
 @pytest.mark.gpu
