@@ -13,8 +13,9 @@ this kernel is built around the read of W alone:
   a tree fixed by S and rounds once to bf16; one piece (S = 1) rounds in the first pass. `one_launch` (a
   candidate here; the default of the one-row FP8 read below) saves that launch: each program counts itself in on its
   N block's counter after storing its partial (an acq_rel atomic), and the one that arrives last adds the S partials
-  (here in piece order; the FP8 read loads them as one tile), rounds, and resets the counter for the next call. No atomic ever adds a value: the sums' order is fixed by the shape and
-  the config, so a result is the same run to run.
+  (here in piece order; the FP8 read loads them as one tile), rounds, and resets the counter for the next call. No
+  atomic ever adds a value: the sums' order is fixed by the shape and the config, so a result is the same run to
+  run.
 Each output is one fp32 sum of the exact bf16 products and one rounding to bf16, as F.linear's bf16 output; only
 the order of the sum differs from cuBLAS (and, on Hopper, the tensor cores' truncated fp32 sums, as cuBLAS's). The
 split depends on N and K only, and a row's MMAs do not mix rows, so row t's bits do not depend on T (<= 16).

@@ -20,9 +20,9 @@ memory and no barrier is ever taken:
   ahead were 18-56% slower on an H100 at every V4.1 shape, docs/perf/048).
 Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`); summed instead by each N block's last program, as
 the one-row read does, these reads were 1.5-1.8 us slower at wo_b and the shared expert's (88 registers a thread
-against 56, and the tail's code) and the B = 1 verify step 12.90 -> 13.13 ms (docs/perf/051). Gluon kernels run on CUDA only (not under
-Triton's interpreter): the CPU tests build it for sm_90 (tests/kernels/sm90_build.py) and its parity tests are
-`gpu`-marked.
+against 56, and the tail's code) and the B = 1 verify step 12.90 -> 13.13 ms (docs/perf/051). Gluon kernels run on
+CUDA only (not under Triton's interpreter): the CPU tests build it for sm_90 (tests/kernels/sm90_build.py) and its
+parity tests are `gpu`-marked.
 """
 from __future__ import annotations
 
