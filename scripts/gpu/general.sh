@@ -17,7 +17,8 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
     # memory, docs/perf/027); on an H100 (79 GB) 8 ran 21 out of memory, three workers holding ~24 GB each at once
     # (docs/perf/033). At 8 the whole suite had run 99% in 446 s (docs/perf/026): give it DEADLINE=596 and a cap near
     # 590. At 3 (an H100) it takes two calls split by GPU_TEST_PATHS (docs/perf/034): tests/fuzz (229 s) | every other
-    # folder (259 s, then the gpu_alone tests).
+    # folder (259 s, then the gpu_alone tests). GPU_TESTS_K: a pytest -k expression (spaces kept), e.g. the fuzzer's
+    # seeds a cut run left: GPU_TEST_PATHS=tests/fuzz GPU_TESTS_K="gpu[19] or gpu[20]" (its seeds are 0-31).
     # -v: each result is printed as it completes, so a phase cut by its cap still says what failed; an interrupt
     # 20 s before the cap (PHASE_CAP, set by the driver) makes pytest print the failures' tracebacks it has so far;
     # a module that fails to import is reported and the rest still run (--continue-on-collection-errors: 14 server
@@ -44,13 +45,14 @@ phase_gpu_tests() {  # every gpu-marked test (GPU_TEST_PATHS: only those files o
     timeout -s INT -k 10 $(( end - SECONDS )) \
     python3 -m pytest -v -m "gpu and not gpu_alone" -n "$workers" -p no:cacheprovider -rfE \
         --continue-on-collection-errors --durations=25 --timeout=200 ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} \
-        $ignore --junitxml="$PHASE_DIR/junit.xml" \
+        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $ignore --junitxml="$PHASE_DIR/junit.xml" \
         >"$PHASE_DIR/tests.log" 2>&1 || rc=$?
     [ "$rc" = 5 ] && rc=0  # 5: no test collected under these paths
     local rc_alone=0
     timeout -s INT -k 10 $(( end - SECONDS > 1 ? end - SECONDS : 1 )) \
     python3 -m pytest -v -m "gpu and gpu_alone" -p no:cacheprovider -rfE --timeout=200 --continue-on-collection-errors \
-        ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} $ignore --junitxml="$PHASE_DIR/junit_alone.xml" \
+        ${GPU_TEST_PATHS:-tests} ${GPU_TESTS_ARGS:-} ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $ignore \
+        --junitxml="$PHASE_DIR/junit_alone.xml" \
         >"$PHASE_DIR/tests_alone.log" 2>&1 || rc_alone=$?
     [ "$rc_alone" = 5 ] && rc_alone=0
     grep -hE "FAILED|ERROR" "$PHASE_DIR/tests.log" "$PHASE_DIR/tests_alone.log" | sort | uniq | head -60
