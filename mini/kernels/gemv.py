@@ -466,7 +466,9 @@ def gemv(x: torch.Tensor | FP8Rows, w: torch.Tensor, out: torch.Tensor | None = 
         _gemv_fp8_row_kernel[(n_blocks, pieces)](
             x, w, scale.view(torch.uint8), out, part, part if counters is None else counters, N, K, w.stride(0),
             scale.stride(0), k_piece, N // groups, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=pieces > 1,
-            ONE_LAUNCH=counters is not None, PP=triton.next_power_of_2(pieces), EVEN_K=K % config.block_k == 0,
+            ONE_LAUNCH=counters is not None,
+            PP=1 if counters is None else triton.next_power_of_2(pieces),  # (unused without: no build per split)
+            EVEN_K=K % config.block_k == 0,
             ACT_BLOCK=act_block, W_BLOCK=w_block, INTERPRET=interpreted, num_warps=config.num_warps,
             num_stages=config.num_stages)
         if pieces > 1 and counters is None:

@@ -205,7 +205,8 @@ def main() -> None:
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_ROW_DEFAULT else ((5120, 8192),):
             build(_gemv_fp8_row_kernel, {**fp8, "count_ptr": "*i32"},
                   dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=True, ONE_LAUNCH=cfg.one_launch,
-                       PP=triton.next_power_of_2(split_k(n, k, cfg)[0]), EVEN_K=True, ACT_BLOCK=32, W_BLOCK=32,
+                       PP=triton.next_power_of_2(split_k(n, k, cfg)[0]) if cfg.one_launch else 1, EVEN_K=True,
+                       ACT_BLOCK=32, W_BLOCK=32,
                        INTERPRET=False), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   ints=_gemv_ints(n, k, cfg, w_block=32))
     build(_gemv_fp8_row_kernel, {**fp8, "count_ptr": "*i32"},  # V4's 128 x 128, unsplit
