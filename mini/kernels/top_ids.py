@@ -9,8 +9,9 @@ context has 1,024 groups: one chunk); no constexpr or specialized integer follow
 serves every step (the warm-up compiles it once: tests/engine/test_warm_start.py):
 1. the int32 order keys of mini/kernels/order_keys.py (value bits above the column: unique, ordered as the values,
    ties to the higher column; -0.0 ties +0.0, every NaN above +inf, as torch's bf16 add on CUDA makes them);
-2. the k-th largest key, bit by bit from the top (32 counts of keys >= a candidate): with unique keys exactly k
-   keys are >= it, the set torch.topk over the same keys returns;
+2. the k-th largest key, RADIX_BITS bits a pass from the top (one histogram a pass of the keys on the prefix found
+   so far by their next digit): with unique keys exactly k keys are >= it, the set torch.topk over the same keys
+   returns;
 3. the selected columns whose score is a number above -inf, written in column order by a prefix count of the
    selection (already the ascending order the sort gave), then -1s up to k.
 The set and order equal the torch form's by construction (tests/kernels/test_top_ids.py compares them bit for bit).
@@ -38,7 +39,8 @@ BLOCK = 1024
 #   16.9 us alone, unrolled); prefill-sized steps take the 1,024-column build up to a 16K span's 4,096 columns (at
 #   [4096, 1024] it ran 58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
 # Measured inside a B = 1 verify step on an H100 (docs/perf/049): the torch form's top-k and sort 24 + 26 us a
-# call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us.
+# call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us, its search then one bit a pass
+# (32 passes of a count across the program's warps).
 FASTER_MAX_COLS = BLOCK
 BOUNDED_MAX_COLS = 4 * BLOCK
 WIDE_MAX_COLS = 8192
@@ -50,6 +52,7 @@ WIDE_MAX_ROWS = 256
 # the step, its unrolled code fetched cold, see the bisection's loop below).
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
+RADIX_BITS = 4  # key bits a pass of the k-th key's search decides: 8 passes of one 32-bin histogram at most
 
 
 def build_for(T: int, N: int, bounded: bool) -> int | None:
@@ -79,9 +82,20 @@ def _unsigned_keys(x_row, cols, N):
     return tl.where(ok, (key ^ -2147483648).to(tl.uint32, bitcast=True), 0), valid
 
 
+@triton.jit
+def _digit_histogram(keys, ok, kth, shift, RADIX: tl.constexpr, NB: tl.constexpr):
+    """[2 NB] int32 counts of the `ok` keys: bin d < NB those on kth's prefix (the bits above shift + RADIX) with
+    digit d (the RADIX bits from `shift` up), bin NB those above the prefix (the others empty)."""
+    high, kth_high = (keys >> shift) >> RADIX, (kth >> shift) >> RADIX  # (two shifts: never one of 32 bits)
+    above = high > kth_high
+    b = tl.where(above, NB, (keys >> shift) & (NB - 1)).to(tl.int32)
+    return tl.histogram(b, 2 * NB, mask=ok & (above | (high == kth_high)))
+
+
 @triton.jit(do_not_specialize=["N", "K", "stride_x", "stride_ids"])
 def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr,
-                    BOUNDED: tl.constexpr):
+                    BOUNDED: tl.constexpr, RADIX: tl.constexpr):
+    NB: tl.constexpr = 1 << RADIX
     row = tl.program_id(0).to(tl.int64)
     if BOUNDED:  # the columns past the row's visible ones are -inf: never valid, below every visible key
         N = tl.minimum(tl.load(n_visible_ptr + row).to(tl.int32), N)
@@ -89,20 +103,28 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, st
     ids_row = ids_ptr + row * stride_ids
     cols = tl.arange(0, BLOCK)
     first, first_valid = _unsigned_keys(x_row, cols, N)
+    # the k-th largest key, RADIX bits a pass from the top: each pass counts, by one histogram, the keys above the
+    # prefix found so far and those on it by their next digit; the digit taken is the largest with >= K keys at or
+    # above it. With unique keys, exactly K keys are >= the result: the set torch.topk over the same keys returns.
+    # A pass ends the search early where the keys at or above the prefix (its lower bits 0) are already exactly K.
+    # (A loop, not unrolled: unrolled bodies are code fetched cold in a model step, docs/perf/049.)
+    ok = cols < N
+    bins = tl.arange(0, 2 * NB)
     kth = tl.zeros([], dtype=tl.uint32)
-    one = tl.full([], 1, tl.uint32)
-    # the k-th largest key: the largest candidate with >= K keys at or above it. A loop, not unrolled: in a model
-    # step this kernel ran 2.5-5x its micro-benchmark's time (docs/perf/049), and 32 unrolled copies of the body
-    # are code fetched cold after the step's other kernels have cycled the caches
-    for b in range(32):
-        cand = kth | (one << (31 - b))
-        n_at_least = tl.sum((first >= cand).to(tl.int32), axis=0)
+    shift = tl.full([], 32, tl.uint32)
+    n_kth = K + 1
+    while (shift > 0) & (n_kth > K):
+        shift -= RADIX
+        hist = _digit_histogram(first, ok, kth, shift, RADIX, NB)
         c0 = tl.zeros([], tl.int32) + BLOCK
         while c0 < N:  # (while, not range(BLOCK, N, BLOCK): Triton 3.6's interpreter cannot take the latter)
             keys, _ = _unsigned_keys(x_row, c0 + cols, N)
-            n_at_least += tl.sum((keys >= cand).to(tl.int32), axis=0)
+            hist += _digit_histogram(keys, c0 + cols < N, kth, shift, RADIX, NB)
             c0 += BLOCK
-        kth = tl.where(n_at_least >= K, cand, kth)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys at or above each bin
+        digit = tl.maximum(tl.sum(((at_least >= K) & (bins < NB)).to(tl.int32), axis=0) - 1, 0)
+        kth = kth | (digit.to(tl.uint32) << shift)
+        n_kth = tl.sum(tl.where(bins == digit, at_least, 0), axis=0)
     keep = (first >= kth) & first_valid
     tl.store(ids_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, cols.to(tl.int64), mask=keep)
     n_kept = tl.sum(keep.to(tl.int32), axis=0)
@@ -121,16 +143,19 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, st
     tl.store(count_ptr + row, n_kept)
 
 
-def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK,
-            n_visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK, n_visible: torch.Tensor | None = None,
+            radix: int = RADIX_BITS) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [T, k] ids, int32 [T] counts) for bf16 scores [T, N] (`supported`): the k largest of each row (ties
     to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
     `block`: the chunk of columns a program holds at once (BLOCK or WIDE_BLOCK: `build_for`); the same ids.
     `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
-    have been ranked above +inf by the torch form), and the kernel reads only the columns before."""
+    have been ranked above +inf by the torch form), and the kernel reads only the columns before. `radix`: the key
+    bits each pass of the search decides (1, 2, 4 or 8; the micro-benchmark's sweep); the same ids."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
+    if radix not in (1, 2, 4, 8):
+        raise ValueError(f"top_ids: radix {radix} is not 1, 2, 4 or 8 bits")
     if block not in WARPS:
         raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape
@@ -144,6 +169,6 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK,
     if T:
         bound = count if n_visible is None else n_visible.contiguous()  # (the kernel reads row r's at offset r)
         _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, bound, N, k,
-                              rows.stride(0), ids.stride(0), BLOCK=block, BOUNDED=n_visible is not None,
+                              rows.stride(0), ids.stride(0), BLOCK=block, BOUNDED=n_visible is not None, RADIX=radix,
                               num_warps=WARPS[block])
     return ids, count

@@ -51,6 +51,7 @@ from mini.kernels.order_keys import BLOCK as ORDER_KEYS_BLOCK
 from mini.kernels.order_keys import _order_keys_kernel
 from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
+from mini.kernels.top_ids import RADIX_BITS as TOP_IDS_RADIX
 from mini.kernels.top_ids import WARPS as TOP_IDS_WARPS
 from mini.kernels.top_ids import _top_ids_kernel
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
@@ -329,7 +330,7 @@ def main() -> None:
     for block, warps in TOP_IDS_WARPS.items():  # both builds, bounded or not by n_visible
         for bounded in (False, True):
             build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
-                  dict(BLOCK=block, BOUNDED=bounded), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)
+                  dict(BLOCK=block, BOUNDED=bounded, RADIX=TOP_IDS_RADIX), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)
                   max_cubin_kb={1024: 128, 4096: 320}[block])  # its bisection a loop: 94K / 200K (unrolled 582K / 1,120K)
 
 

@@ -50,9 +50,10 @@ def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k,
     x = scores(T, N, "cpu", seed=N + k)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch
     poisoned(monkeypatch)
-    ids, count = kernel_module.top_ids(x, min(k, N), block=block)
-    assert ids.dtype == torch.int64 and count.dtype == torch.int32
-    assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
+    for radix in (kernel_module.RADIX_BITS, 1, 8):  # the search's digit: the same ids
+        ids, count = kernel_module.top_ids(x, min(k, N), block=block, radix=radix)
+        assert ids.dtype == torch.int64 and count.dtype == torch.int32
+        assert torch.equal(ids, want_ids) and torch.equal(count, want_count), radix
     # given each row's visible columns (exactly, or more: the -inf tail read anyway) it reads only those: same ids
     n_vis = visible(x)
     strided = torch.stack([n_vis, n_vis], dim=1)[:, 0]  # a view with stride 2: taken as its values
@@ -71,6 +72,8 @@ def test_visible_columns_must_be_one_integer_a_row():
 def test_only_the_two_builds_are_taken():
     with pytest.raises(ValueError, match="neither BLOCK"):
         kernel_module.top_ids(scores(1, 64, "cpu", seed=0), 8, block=2048)
+    with pytest.raises(ValueError, match="radix 3"):
+        kernel_module.top_ids(scores(1, 64, "cpu", seed=0), 8, radix=3)
 
 
 def test_nans_count_as_the_largest_then_drop_interpreter(interpreter):
@@ -139,5 +142,6 @@ def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
                       float("nan"))
     want_ids, want_count = top_groups_ordered(x, k)
     for block in (kernel_module.BLOCK, kernel_module.WIDE_BLOCK):
-        ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=n_vis)
-        assert torch.equal(ids, want_ids) and torch.equal(count, want_count), block
+        for radix in (kernel_module.RADIX_BITS, 1, 8):  # the search's digit (the micro-benchmark's sweep)
+            ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=n_vis, radix=radix)
+            assert torch.equal(ids, want_ids) and torch.equal(count, want_count), (block, radix)
