@@ -547,8 +547,8 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     512) and a prefill-sized step; the kernel in its 1,024- and 4,096-column builds. "span" rows: a
     step's rows as the model has them, the span's columns (a 4K context in the 16K span: 4,096) with -inf past
     each row's visible ones (1,025), where the op gives the kernel n_visible ("bounded": it reads only those), also
-    with the k-th key's search deciding 1, 2 or 8 bits a pass instead of RADIX_BITS ("radix r")."""
-    from mini.kernels.top_ids import RADIX_BITS, WIDE_BLOCK, top_ids
+    with each other search of the k-th key than the default's ("radix r": mini/kernels/top_ids.py's RADIX_BITS)."""
+    from mini.kernels.top_ids import RADIX_BITS, RADIXES, WIDE_BLOCK, top_ids
     from mini.ops.indexer import top_groups_ordered
     # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, unbounded)
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
@@ -566,7 +566,7 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
         if n_vis is not None:
             runs.insert(1, ("triton, bounded", lambda: top_ids(x, 512, n_visible=n_vis)))
             runs[2:2] = [(f"triton, bounded, radix {r}", lambda r=r: top_ids(x, 512, n_visible=n_vis, radix=r))
-                         for r in (1, 2, 8) if r != RADIX_BITS]
+                         for r in RADIXES if r != RADIX_BITS]
         for label, f in runs:
             ms = _bench_graph(f)
             name = f"top_ids/[{T},{N}]" + (f" span, {vis} visible" if vis is not None else "") + " k=512"

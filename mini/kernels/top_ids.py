@@ -9,9 +9,9 @@ context has 1,024 groups: one chunk); no constexpr or specialized integer follow
 serves every step (the warm-up compiles it once: tests/engine/test_warm_start.py):
 1. the int32 order keys of mini/kernels/order_keys.py (value bits above the column: unique, ordered as the values,
    ties to the higher column; -0.0 ties +0.0, every NaN above +inf, as torch's bf16 add on CUDA makes them);
-2. the k-th largest key, RADIX_BITS bits a pass from the top (one histogram a pass of the keys on the prefix found
-   so far by their next digit): with unique keys exactly k keys are >= it, the set torch.topk over the same keys
-   returns;
+2. the k-th largest key, from the top one bit a pass (32 counts) or `radix` bits a pass (one histogram a pass of the
+   keys on the prefix found so far by their next digit): with unique keys exactly k keys are >= it, the set
+   torch.topk over the same keys returns;
 3. the selected columns whose score is a number above -inf, written in column order by a prefix count of the
    selection (already the ascending order the sort gave), then -1s up to k.
 The set and order equal the torch form's by construction (tests/kernels/test_top_ids.py compares them bit for bit).
@@ -52,7 +52,12 @@ WIDE_MAX_ROWS = 256
 # the step, its unrolled code fetched cold, see the bisection's loop below).
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
-RADIX_BITS = 4  # key bits a pass of the k-th key's search decides: 8 passes of one 32-bin histogram at most
+# The k-th key's search (`top_ids(radix=)`): 0 decides one bit a pass by a count across the program's warps (32
+# passes; measured in the step, docs/perf/049); 1-8 that many bits a pass by one histogram of 2^(radix + 1) bins
+# (32 / radix passes at most, fewer where exactly k keys are at or above the prefix). Built and tested bit-equal on
+# the CPU (docs/perf/052), not yet timed on a GPU: the default stays the measured bisection until it is.
+RADIX_BITS = 0
+RADIXES = (0, 1, 2, 4, 8)
 
 
 def build_for(T: int, N: int, bounded: bool) -> int | None:
@@ -92,22 +97,32 @@ def _digit_histogram(keys, ok, kth, shift, RADIX: tl.constexpr, NB: tl.constexpr
     return tl.histogram(b, 2 * NB, mask=ok & (above | (high == kth_high)))
 
 
-@triton.jit(do_not_specialize=["N", "K", "stride_x", "stride_ids"])
-def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr,
-                    BOUNDED: tl.constexpr, RADIX: tl.constexpr):
+@triton.jit
+def _kth_key_bisect(first, x_row, cols, N, K, BLOCK: tl.constexpr):
+    """The k-th largest key one bit a pass: the largest candidate with >= K keys at or above it (32 counts across
+    the program's warps). A loop, not unrolled: unrolled bodies are code fetched cold in a model step
+    (docs/perf/049)."""
+    kth = tl.zeros([], dtype=tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    for b in range(32):
+        cand = kth | (one << (31 - b))
+        n_at_least = tl.sum((first >= cand).to(tl.int32), axis=0)
+        c0 = tl.zeros([], tl.int32) + BLOCK
+        while c0 < N:  # (while, not range(BLOCK, N, BLOCK): Triton 3.6's interpreter cannot take the latter)
+            keys, _ = _unsigned_keys(x_row, c0 + cols, N)
+            n_at_least += tl.sum((keys >= cand).to(tl.int32), axis=0)
+            c0 += BLOCK
+        kth = tl.where(n_at_least >= K, cand, kth)
+    return kth
+
+
+@triton.jit
+def _kth_key_radix(first, x_row, cols, N, K, BLOCK: tl.constexpr, RADIX: tl.constexpr):
+    """The k-th largest key RADIX bits a pass from the top: each pass counts, by one histogram, the keys above the
+    prefix found so far and those on it by their next digit; the digit taken is the largest with >= K keys at or
+    above it. A pass ends the search early where the keys at or above the prefix (its lower bits 0) are already
+    exactly K. A loop, as the bisection."""
     NB: tl.constexpr = 1 << RADIX
-    row = tl.program_id(0).to(tl.int64)
-    if BOUNDED:  # the columns past the row's visible ones are -inf: never valid, below every visible key
-        N = tl.minimum(tl.load(n_visible_ptr + row).to(tl.int32), N)
-    x_row = x_ptr + row * stride_x
-    ids_row = ids_ptr + row * stride_ids
-    cols = tl.arange(0, BLOCK)
-    first, first_valid = _unsigned_keys(x_row, cols, N)
-    # the k-th largest key, RADIX bits a pass from the top: each pass counts, by one histogram, the keys above the
-    # prefix found so far and those on it by their next digit; the digit taken is the largest with >= K keys at or
-    # above it. With unique keys, exactly K keys are >= the result: the set torch.topk over the same keys returns.
-    # A pass ends the search early where the keys at or above the prefix (its lower bits 0) are already exactly K.
-    # (A loop, not unrolled: unrolled bodies are code fetched cold in a model step, docs/perf/049.)
     ok = cols < N
     bins = tl.arange(0, 2 * NB)
     kth = tl.zeros([], dtype=tl.uint32)
@@ -125,6 +140,23 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, st
         digit = tl.maximum(tl.sum(((at_least >= K) & (bins < NB)).to(tl.int32), axis=0) - 1, 0)
         kth = kth | (digit.to(tl.uint32) << shift)
         n_kth = tl.sum(tl.where(bins == digit, at_least, 0), axis=0)
+    return kth
+
+
+@triton.jit(do_not_specialize=["N", "K", "stride_x", "stride_ids"])
+def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, stride_ids, BLOCK: tl.constexpr,
+                    BOUNDED: tl.constexpr, RADIX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if BOUNDED:  # the columns past the row's visible ones are -inf: never valid, below every visible key
+        N = tl.minimum(tl.load(n_visible_ptr + row).to(tl.int32), N)
+    x_row = x_ptr + row * stride_x
+    ids_row = ids_ptr + row * stride_ids
+    cols = tl.arange(0, BLOCK)
+    first, first_valid = _unsigned_keys(x_row, cols, N)
+    if RADIX == 0:
+        kth = _kth_key_bisect(first, x_row, cols, N, K, BLOCK)
+    else:
+        kth = _kth_key_radix(first, x_row, cols, N, K, BLOCK, RADIX)
     keep = (first >= kth) & first_valid
     tl.store(ids_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, cols.to(tl.int64), mask=keep)
     n_kept = tl.sum(keep.to(tl.int32), axis=0)
@@ -149,13 +181,13 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK, n_visible: torch.T
     to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
     `block`: the chunk of columns a program holds at once (BLOCK or WIDE_BLOCK: `build_for`); the same ids.
     `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
-    have been ranked above +inf by the torch form), and the kernel reads only the columns before. `radix`: the key
-    bits each pass of the search decides (1, 2, 4 or 8; the micro-benchmark's sweep); the same ids."""
+    have been ranked above +inf by the torch form), and the kernel reads only the columns before. `radix`: the k-th
+    key's search (RADIX_BITS' comment: 0 the bisection, 1, 2, 4 or 8 bits a pass by histograms); the same ids."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
-    if radix not in (1, 2, 4, 8):
-        raise ValueError(f"top_ids: radix {radix} is not 1, 2, 4 or 8 bits")
+    if radix not in RADIXES:
+        raise ValueError(f"top_ids: radix {radix} is not one of {RADIXES}")
     if block not in WARPS:
         raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape

@@ -11,6 +11,7 @@ loaded bytes one at a time in 200-255 registers, against 40-113 as launched (doc
 and lengths that vary from step to step stay unmarked (a launch compiles one build per class of them). Registers
 still differ between Triton versions (the marks cover 3.6, the GPU image's and CI's oldest, and 3.9); a build marked
 here is one to check on a device (phase `kernel_resources`, docs/kernels.md)."""
+import itertools
 import os
 import re
 import subprocess
@@ -327,10 +328,11 @@ def main() -> None:
                         stride_ids_out=5328 // 4 if routing else 0, stride_wts_out=5328 // 4 if routing else 0))
     build(_mhc_expand_kernel, {"post_ptr": "*fp32", "comb_ptr": "*fp32"}, dict(D=5120, HC=4, BLOCK_T=2, BLOCK_D=512))
     # the index top-k's ids in one pass (one build for every row width)
+    # the default search and the 4-bit histogram one (REG 64 / 128, 0-64 stack bytes under 3.6; 8 bits: 374K)
     for block, warps in TOP_IDS_WARPS.items():  # both builds, bounded or not by n_visible
-        for bounded in (False, True):
+        for bounded, radix in itertools.product((False, True), dict.fromkeys((TOP_IDS_RADIX, 4))):
             build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
-                  dict(BLOCK=block, BOUNDED=bounded, RADIX=TOP_IDS_RADIX), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)
+                  dict(BLOCK=block, BOUNDED=bounded, RADIX=radix), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)
                   max_cubin_kb={1024: 128, 4096: 320}[block])  # its bisection a loop: 94K / 200K (unrolled 582K / 1,120K)
 
 
