@@ -332,8 +332,9 @@ def main() -> None:
     for block, warps in TOP_IDS_WARPS.items():  # both builds, bounded or not by n_visible
         for bounded, radix in itertools.product((False, True), dict.fromkeys((TOP_IDS_RADIX, 4))):
             build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
-                  dict(BLOCK=block, BOUNDED=bounded, RADIX=radix), num_warps=warps, spills=True,  # (spilled 16 / 8 bytes once)
-                  max_cubin_kb={1024: 128, 4096: 320}[block])  # its bisection a loop: 94K / 200K (unrolled 582K / 1,120K)
+                  dict(BLOCK=block, BOUNDED=bounded, RADIX=radix), num_warps=warps,
+                  spills=True,  # (the bisection spilled 16 / 8 bytes once; the 4-bit search's wide build 64)
+                  max_cubin_kb={1024: 128, 4096: 320}[block])  # the bisection: 92K / 200K (unrolled 582K / 1,120K)
 
 
 if __name__ == "__main__":
