@@ -58,6 +58,9 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
+    # `split_k` takes at most as many programs as fit the GPU at once (programs_per_sm a SM): a split rounded up
+    # past them leaves a second round of a few programs, each as slow as the first's (`split_k`)
+    whole_waves: bool = False
     # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
     # so a program's rows share one scale row
     cuda_cores: bool = False
@@ -87,6 +90,8 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 # five of V4.1's six shapes, the B = 1 decode step 9.43 -> 9.29 ms (one emulated EP8 rank, H100, docs/perf/051)
 ROW_CANDIDATES["row 32x256 4w one launch"] = replace(ROW_DEFAULT, one_launch=True)
 ROW_DEFAULT = ROW_CANDIDATES["row 32x256 4w one launch"]
+# the same with the split rounded down to the programs that fit at once (`whole_waves`; not yet timed)
+ROW_CANDIDATES["row 32x256 4w one launch whole waves"] = replace(ROW_DEFAULT, whole_waves=True)
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
@@ -103,6 +108,7 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
+MMA_CANDIDATES["regs 128 4/SM whole waves"] = replace(MMA_REGISTERS, whole_waves=True)  # (not yet timed)
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -376,10 +382,14 @@ def takes_groups(N: int, groups: int) -> bool:
 
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
     """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
-    per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T."""
+    per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T.
+    `whole_waves`: at most programs_per_sm a SM (the split rounded down, not up): at V4.1's wo_b the Gluon read at
+    6 rows takes 13 pieces (520 programs at 132 SMs) instead of 14 (560, 32 past the 528 that fit at once), the
+    one-row read 3 pieces instead of 4 (480 programs instead of 640)."""
     n_blocks = triton.cdiv(N, config.block_n)
     steps = triton.cdiv(K, config.block_k)
-    want = max(1, min(steps, triton.cdiv(config.programs_per_sm * sms, n_blocks)))
+    fit = config.programs_per_sm * sms
+    want = max(1, min(steps, fit // n_blocks if config.whole_waves else triton.cdiv(fit, n_blocks)))
     per_piece = triton.cdiv(steps, want)
     return triton.cdiv(steps, per_piece), per_piece * config.block_k
 

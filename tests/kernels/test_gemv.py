@@ -58,6 +58,26 @@ def test_split_k_covers_k_in_whole_steps():
     assert [split_k(N, K, SMALL)[0] for N, K in ((100, 96), (37, 320), (150, 32))] == [3, 10, 1]
 
 
+def test_whole_waves_split_fits_the_gpu_at_once():
+    """`whole_waves`: the split rounded down, so that the N blocks' pieces fit programs_per_sm a SM at once (one
+    piece where the N blocks alone are more); K still covered in whole steps. At V4.1's wo_b: 13 pieces of the
+    Gluon read (520 programs on 132 SMs, 4 a SM) where the default split takes 14 (560)."""
+    from dataclasses import replace
+
+    from mini.kernels.gemv import MMA_REGISTERS, ROW_DEFAULT
+    for cfg in (DEFAULT, SMALL, ROW_DEFAULT, MMA_REGISTERS):
+        waves = replace(cfg, whole_waves=True)
+        for N, K in V41_SHAPES + ((1792, 5120), (36864, 1280), (100, 96), (2200, 320), (7, 32)):
+            for sms in (132, 7):
+                pieces, k_piece = split_k(N, K, waves, sms)
+                assert k_piece % cfg.block_k == 0 and pieces * k_piece >= K > (pieces - 1) * k_piece
+                n_blocks = -(-N // cfg.block_n)
+                assert pieces == 1 or n_blocks * pieces <= cfg.programs_per_sm * sms
+                assert pieces <= split_k(N, K, cfg, sms)[0]
+    assert split_k(5120, 8192, MMA_REGISTERS, 132)[0] == 14
+    assert split_k(5120, 8192, replace(MMA_REGISTERS, whole_waves=True), 132)[0] == 13
+
+
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(100, 96), (37, 320), (150, 32)])
 @pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
