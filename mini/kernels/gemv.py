@@ -59,7 +59,8 @@ class GemvConfig:
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
     # `split_k` takes at most as many programs as fit the GPU at once (programs_per_sm a SM): a split rounded up
-    # past them leaves a second round of a few programs, each as slow as the first's (`split_k`)
+    # past them leaves a second round of a few programs, which may cost as much as the first (not yet measured:
+    # docs/perf/052)
     whole_waves: bool = False
     # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
     # so a program's rows share one scale row

@@ -62,8 +62,6 @@ def test_whole_waves_split_fits_the_gpu_at_once():
     """`whole_waves`: the split rounded down, so that the N blocks' pieces fit programs_per_sm a SM at once (one
     piece where the N blocks alone are more); K still covered in whole steps. At V4.1's wo_b: 13 pieces of the
     Gluon read (520 programs on 132 SMs, 4 a SM) where the default split takes 14 (560)."""
-    from dataclasses import replace
-
     from mini.kernels.gemv import MMA_REGISTERS, ROW_DEFAULT
     for cfg in (DEFAULT, SMALL, ROW_DEFAULT, MMA_REGISTERS):
         waves = replace(cfg, whole_waves=True)
