@@ -71,6 +71,9 @@ class GemvConfig:
     # (with fp8_mma) > 0: the Gluon build of that read (mini/kernels/gemv_mma_registers.py), its operands loaded
     # straight into mma.sync's registers, this many consecutive bytes of a weight row a lane; CUDA only
     gluon_k_width: int = 0
+    # (with gluon_k_width, at 32-wide scale blocks) > 0: its loop loads W, x and the scales this many blocks ahead
+    # of the block it works on, W and x as int32 words (`_gemv_fp8_mma_registers_kernel`'s AHEAD)
+    gluon_ahead: int = 0
 
 
 DEFAULT = GemvConfig()
@@ -105,11 +108,15 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 # The same read in the Gluon build (rows a program on 4 warps; 8 bytes of a row a lane: 16 need 64-wide MMA tiles, two
 # of V4.1's scale blocks). Measured on an H100 (docs/perf/048): at 6 rows 3-6% faster than the best Triton build on
 # five of V4.1's six projections (within 1% on wq_b's), at 16 rows 6-32% slower; 8 programs an SM, 64-row tiles and
-# 1-2 blocks carried ahead were slower at every shape and are gone
+# 1-2 blocks carried ahead as e4m3 tiles (moved byte by byte) were slower at every shape and are gone
 MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
 MMA_CANDIDATES["regs 128 4/SM whole waves"] = replace(MMA_REGISTERS, whole_waves=True)  # (not yet timed)
+# the same with each warp's loads issued 2 or 3 blocks ahead of its MMAs (not yet timed): the build above has one
+# block (1 KB a warp) in flight, and its time did not move when x's quantization left the loop (docs/perf/051)
+MMA_CANDIDATES["regs 128 4/SM ahead 2"] = replace(MMA_REGISTERS, gluon_ahead=2)
+MMA_CANDIDATES["regs 128 4/SM ahead 3"] = replace(MMA_REGISTERS, gluon_ahead=3)
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -543,7 +550,8 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            GROUP_N=N // groups, num_warps=config.num_warps)
+            GROUP_N=N // groups, AHEAD=gluon_ahead(config, x, w, w_block, x_scales is not None),
+            num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
@@ -553,6 +561,17 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         _sum_pieces_kernel[(triton.cdiv(T * N, 256),)](part, out, T, N, out.stride(0), PIECES=pieces,
                                                        PP=triton.next_power_of_2(pieces), BLOCK=256)
     return out
+
+
+def gluon_ahead(config: GemvConfig, x: torch.Tensor, w: torch.Tensor, w_block: int, x_codes: bool) -> int:
+    """Blocks the Gluon read loads ahead (`config.gluon_ahead`) where its word loads can take the operands: 8 bytes
+    of a row a lane (two words), 32-wide scale blocks (V4's 128-wide ones would spill) and rows of W (and of bf16 x)
+    starting on 4-byte boundaries; otherwise 0, the loop that loads each block as it works on it. Both sum the same
+    products in the same order."""
+    words = w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
+    if not x_codes:
+        words = words and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+    return config.gluon_ahead if config.gluon_k_width == 8 and w_block == 32 and words else 0
 
 
 def _gemv_codes(x: FP8Rows, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,

@@ -308,6 +308,26 @@ def test_gluon_build_refuses_what_it_cannot_take():
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_k_width=16))
 
 
+def test_gluon_read_loads_ahead_only_what_its_words_can_take():
+    """`gluon_ahead`: the Gluon read's loads ahead (W and bf16 x as int32 words) are taken at 8 bytes of a row a lane,
+    32-wide scale blocks and operands whose rows start on 4-byte boundaries; anything else takes the loop that loads
+    each block as it works on it (the same products in the same order), never a misaligned word load."""
+    from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS, gluon_ahead
+    ahead = MMA_CANDIDATES["regs 128 4/SM ahead 2"]
+    q, _ = _fp8_weight(64, 96, 32, "cpu")
+    wide = torch.randn(3, 98).bfloat16()
+    x = wide[:, :96].contiguous()
+    assert gluon_ahead(ahead, x, q, 32, False) == 2 and gluon_ahead(MMA_REGISTERS, x, q, 32, False) == 0
+    assert gluon_ahead(ahead, x, q, 128, False) == 0  # V4's 128-wide blocks: its build would spill
+    assert gluon_ahead(replace(ahead, gluon_k_width=4), x, q, 32, False) == 0
+    assert gluon_ahead(ahead, wide[:, 1:97], q, 32, False) == 0  # x's rows start 2 bytes off a word
+    assert gluon_ahead(ahead, torch.randn(3, 97).bfloat16()[:, :96], q, 32, False) == 0  # an odd row stride
+    assert gluon_ahead(ahead, wide[:, 1:97], q, 32, True) == 2  # x's codes are loaded as they are
+    qw = torch.zeros(64, 100, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert gluon_ahead(ahead, x, qw[:, 2:98], 32, False) == 0  # W's rows off a word
+    assert gluon_ahead(ahead, x, qw[:, 4:100], 32, False) == 2
+
+
 def test_fp8_read_refuses_what_it_cannot_take():
     q, scale = _fp8_weight(64, 96, 32, "cpu")
     x = torch.randn(1, 96).bfloat16()
@@ -415,6 +435,31 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
                        copy[g * rows:(g + 1) * rows])
             assert torch.equal(y, gemv(x, q, config=cfg, scale=scale, w_block=32, groups=G)), label
             assert torch.equal(gemv(x[-1:], q, config=cfg, scale=scale, w_block=32, groups=G), y[-1:]), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280), (8192, 4096), (300, 96), (256, 32)))
+def test_gluon_read_loading_ahead_gives_the_same_bits_gpu(N, K):
+    """The Gluon read loading 2-3 blocks ahead (`gluon_ahead`: W and x carried as int32 words) sums the same
+    products in the same order as the build that loads each block in its loop: bit for bit its outputs, into NaN-filled
+    outputs, at V4.1's shapes, an N tail and one-block K pieces, with x quantized in the loads, as its codes, as it is
+    (and in groups: wo_a's), and with x off a word boundary (then the build without words)."""
+    from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS
+    q, scale = _fp8_weight(N, K, 32, "cuda", seed=N + K)
+    for T in (2, 6, 8, 16):
+        wide = (torch.randn(T, K + 1, device="cuda") * 2).bfloat16()
+        x, x_off = wide[:, :K].contiguous(), wide[:, 1:]
+        runs = [dict(x=x, act_block=32), dict(x=_codes(x, 32)), dict(x=x), dict(x=x_off, act_block=32)]
+        if N % 1024 == 0 and N // 1024 > 1:
+            G = N // 1024
+            runs.append(dict(x=torch.randn(T, G * K, device="cuda").bfloat16(), groups=G))
+        for run in runs:
+            base = gemv(**run, w=q, config=MMA_REGISTERS, scale=scale, w_block=32)
+            for label, cfg in MMA_CANDIDATES.items():
+                if cfg.gluon_ahead:
+                    out = torch.full(base.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+                    y = gemv(**run, w=q, out=out, config=cfg, scale=scale, w_block=32)
+                    assert torch.equal(y, base), (label, T, sorted(run))
 
 
 @pytest.mark.gpu
