@@ -113,10 +113,9 @@ MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, glu
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
 MMA_CANDIDATES["regs 128 4/SM whole waves"] = replace(MMA_REGISTERS, whole_waves=True)  # (not yet timed)
-# the same with each warp's loads issued 2 or 3 blocks ahead of its MMAs (not yet timed): the build above has one
+# the same with each warp's loads issued 1-3 blocks ahead of its MMAs (not yet timed): the build above has one
 # block (1 KB a warp) in flight, and its time did not move when x's quantization left the loop (docs/perf/051)
-MMA_CANDIDATES["regs 128 4/SM ahead 2"] = replace(MMA_REGISTERS, gluon_ahead=2)
-MMA_CANDIDATES["regs 128 4/SM ahead 3"] = replace(MMA_REGISTERS, gluon_ahead=3)
+MMA_CANDIDATES.update({f"regs 128 4/SM ahead {a}": replace(MMA_REGISTERS, gluon_ahead=a) for a in (1, 2, 3)})
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}

@@ -21,8 +21,8 @@ memory and no barrier is ever taken:
   flight, and on an H100 the read took the same time with x's quantization out of its loop (docs/perf/051): a
   sign that it waits on its loads. `AHEAD` (a candidate, `GemvConfig.gluon_ahead`) loads W and bf16 x as int32
   words, carried as such (no byte moves), 2-3 blocks ahead; at use `_w_codes` hands each word to the MMA as its 4
-  bytes without moving one (sm_90a SASS: the loaded registers are the MMA's operands). ptxas issues those loads at
-  the end of the loop body, so AHEAD blocks ahead leave AHEAD - 1 iterations between a load and its use.
+  bytes without moving one (sm_90a SASS: the loaded registers are the MMA's operands). The loads sit behind an
+  always-true branch: in one basic block with the MMAs ptxas issues them after the MMAs, an iteration later.
 Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`); summed instead by each N block's last program, as
 the one-row read does, these reads were 1.5-1.8 us slower at wo_b and the shared expert's (88 registers a thread
 against 56, and the tail's code) and the B = 1 verify step 12.90 -> 13.13 ms (docs/perf/051). Gluon kernels run on
@@ -203,16 +203,20 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
                                         gl.minimum(k_lo + 2 * W_BLOCK, k_last), W_BLOCK, X_MODE)
         for k0 in range(k_lo, k_hi, W_BLOCK):
             w, s, x, e = w_1, s_1, x_1, e_1
-            k_n = gl.minimum(k0 + AHEAD * W_BLOCK, k_last)
-            if AHEAD == 1:
-                w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
-            elif AHEAD == 2:
+            if AHEAD >= 2:
                 w_1, s_1, x_1, e_1 = w_2, s_2, x_2, e_2
-                w_2, s_2, x_2, e_2 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
-            else:
-                w_1, s_1, x_1, e_1 = w_2, s_2, x_2, e_2
+            if AHEAD >= 3:
                 w_2, s_2, x_2, e_2 = w_3, s_3, x_3, e_3
-                w_3, s_3, x_3, e_3 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
+            k_n = gl.minimum(k0 + AHEAD * W_BLOCK, k_last)
+            # always true: the branch keeps the loads in their own block, which ptxas issues before this step's
+            # MMAs (in one block with them it issues them after: one iteration less between a load and its use)
+            if k_n >= 0:
+                if AHEAD == 1:
+                    w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
+                elif AHEAD == 2:
+                    w_2, s_2, x_2, e_2 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
+                else:
+                    w_3, s_3, x_3, e_3 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
             if X_MODE != 2:
                 x = _x_values(x, W_BLOCK, TP, x_l)
             acc = _block_sums(acc, _w_codes(w, BLOCK_N, W_BLOCK, w_l), x, e, _e8m0_value(s.to(gl.int32)), x_dot,
