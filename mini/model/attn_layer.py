@@ -212,8 +212,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, plan: LayerPlan, cfg: ModelC
                          step=shared.step, window_width=lay.window_widths, comp_valid=comp_valid,
                          rows_per_seq=lay.rows_per_seq, key_store=cache.keys)
     # written after attention: the ring slots this chunk overwrites held keys its own queries read
-    written = kv if lay.ring_write_row is None else kv[lay.ring_write_row]
-    ring.view(-1, d)[lay.ring_write_dst] = written.to(ring.dtype)
+    ring.view(-1, d)[lay.ring_write_dst] = kv[lay.ring_write_row].to(ring.dtype)
     if lay.draft_rows is not None:  # draft rows: written once accepted (mini.model.drafts)
         lay.draft_rows.keep_window(plan.layer, kv)
     return out_proj(o, w, cfg)

@@ -236,7 +236,7 @@ class DecodeLayout(StepLayout):
             self.row_start = batch.seq_of  # row b is sequence b
             self.end_pos = self.tok_end = self.write_end = batch.positions + 1
             self.tok_slot = batch.slots
-            self.ring_write_row = None  # every row in order (row b is sequence b's token): no gather
+            self.ring_write_row = slice(None)  # every row in order (row b is sequence b's token): no gather
             self.ring_write_dst = batch.slots * window + batch.positions % window
             return
         seq = batch.seq_of
@@ -246,7 +246,7 @@ class DecodeLayout(StepLayout):
         self.write_end = (batch.start_pos + 1)[seq]  # the committed end: drafts are kept, not written
         self.tok_slot = batch.slots[seq]
         self.real = batch.positions < self.tok_end  # [T] a sequence's token and drafts, not its padding rows
-        self.ring_write_row = self.row_start
+        self.ring_write_row = slice(None, None, batch.width)  # row b·width, sequence b's token: a view, no gather
         self.ring_write_dst = batch.slots * window + batch.start_pos % window
         self.draft_rows = batch.kept_drafts
 
