@@ -546,14 +546,15 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     keys, topk, gather, where, sort, where, count), replayed in a CUDA graph: decode rows at 4K and 32K context (k
     512) and a prefill-sized step; the kernel in its 1,024- and 4,096-column builds. "span" rows: a
     step's rows as the model has them, the span's columns (a 4K context in the 16K span: 4,096) with -inf past
-    each row's visible ones (1,025), where the op gives the kernel n_visible ("bounded": it reads only those), also
-    with each other search of the k-th key than the default's ("radix r": mini/kernels/top_ids.py's RADIX_BITS)."""
-    from mini.kernels.top_ids import RADIX_BITS, RADIXES, WIDE_BLOCK, top_ids
+    each row's visible ones (1,025), where the op gives the kernel n_visible ("bounded": it reads only those), in
+    both builds ("wide": 4,096 columns) and with each other search of the k-th key than the default's ("radix r":
+    mini/kernels/top_ids.py's RADIX_BITS)."""
+    from mini.kernels.top_ids import BLOCK, RADIX_BITS, RADIXES, WIDE_BLOCK, top_ids
     from mini.ops.indexer import top_groups_ordered
     # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, unbounded)
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
                                         (64, 8192), (4096, 1024))]
-    shapes += [(T, 4096, 1025) for T in (1, 6, 96, 384)] + [(T, 16384, 8193) for T in (1, 6)]
+    shapes += [(T, 4096, 1025) for T in (1, 6, 96, 384, 4096)] + [(T, 16384, 8193) for T in (1, 6)]
     for T, N, vis in shapes:
         x = torch.randn(T, N, device=dev).relu().bfloat16()  # relu: ties at 0, as the index scores have
         n_vis = None
@@ -563,10 +564,11 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
         runs = [("triton", lambda: top_ids(x, 512)),
                 (f"triton, {WIDE_BLOCK}-column chunks", lambda: top_ids(x, 512, block=WIDE_BLOCK)),
                 ("torch reference", _reference(lambda: top_groups_ordered(x, 512)))]
-        if n_vis is not None:
-            runs.insert(1, ("triton, bounded", lambda: top_ids(x, 512, n_visible=n_vis)))
-            runs[2:2] = [(f"triton, bounded, radix {r}", lambda r=r: top_ids(x, 512, n_visible=n_vis, radix=r))
-                         for r in RADIXES if r != RADIX_BITS]
+        if n_vis is not None:  # both builds bounded (the op takes the 4,096-column one up to WIDE_MAX_ROWS rows)
+            runs[1:1] = [(f"triton, bounded{', wide' * (b == WIDE_BLOCK)}{f', radix {r}' * (r != RADIX_BITS)}",
+                          lambda b=b, r=r: top_ids(x, 512, block=b, n_visible=n_vis, radix=r))
+                         for b in (BLOCK, WIDE_BLOCK) for r in (RADIX_BITS,) + tuple(q for q in RADIXES
+                                                                                    if q != RADIX_BITS)]
         for label, f in runs:
             ms = _bench_graph(f)
             name = f"top_ids/[{T},{N}]" + (f" span, {vis} visible" if vis is not None else "") + " k=512"

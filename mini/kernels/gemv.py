@@ -58,10 +58,6 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 2
     one_launch: bool = False  # split results summed by the last program of each N block, not a second kernel
-    # `split_k` takes at most as many programs as fit the GPU at once (programs_per_sm a SM): a split rounded up
-    # past them leaves a second round of a few programs, which may cost as much as the first (not yet measured:
-    # docs/perf/052)
-    whole_waves: bool = False
     # the FP8 read of one row on the CUDA cores (`_gemv_fp8_row_kernel`): block_n divides the weight's scale block,
     # so a program's rows share one scale row
     cuda_cores: bool = False
@@ -71,8 +67,8 @@ class GemvConfig:
     # (with fp8_mma) > 0: the Gluon build of that read (mini/kernels/gemv_mma_registers.py), its operands loaded
     # straight into mma.sync's registers, this many consecutive bytes of a weight row a lane; CUDA only
     gluon_k_width: int = 0
-    # (with gluon_k_width, at 32-wide scale blocks) > 0: its loop loads W, x and the scales this many blocks ahead
-    # of the block it works on, W and x as int32 words (`_gemv_fp8_mma_registers_kernel`'s AHEAD)
+    # (with gluon_k_width, at 32-wide scale blocks) 1: its loop loads W, x and the scales one block ahead of the
+    # block it works on, W and x as int32 words (`_gemv_fp8_mma_registers_kernel`'s AHEAD)
     gluon_ahead: int = 0
 
 
@@ -94,8 +90,6 @@ ROW_DEFAULT = next(iter(ROW_CANDIDATES.values()))
 # five of V4.1's six shapes, the B = 1 decode step 9.43 -> 9.29 ms (one emulated EP8 rank, H100, docs/perf/051)
 ROW_CANDIDATES["row 32x256 4w one launch"] = replace(ROW_DEFAULT, one_launch=True)
 ROW_DEFAULT = ROW_CANDIDATES["row 32x256 4w one launch"]
-# the same with the split rounded down to the programs that fit at once (`whole_waves`; not yet timed)
-ROW_CANDIDATES["row 32x256 4w one launch whole waves"] = replace(ROW_DEFAULT, whole_waves=True)
 # The FP8 read of several rows on the tensor cores, its candidate tilings; the first is what `gemv` takes for 2-16
 # rows with a scale (x fake-quantized to FP8 in the weight's blocks: the official GEMM's act quant) unless
 # MMA_TUNED names another: at 6 and 16 rows on an H100 (docs/perf/044) 128 rows a program was the fastest at wo_b,
@@ -111,11 +105,10 @@ MMA_CANDIDATES = {"mma 128 s4 4/SM": GemvConfig(128, 32, 4, 4, 4, fp8_mma=True),
 # 1-2 blocks carried ahead as e4m3 tiles (moved byte by byte) were slower at every shape and are gone
 MMA_CANDIDATES["regs 128 4/SM"] = GemvConfig(128, 32, 4, 1, 4, fp8_mma=True, gluon_k_width=8)
 MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
-MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
-MMA_CANDIDATES["regs 128 4/SM whole waves"] = replace(MMA_REGISTERS, whole_waves=True)  # (not yet timed)
-# the same with each warp's loads issued 1-3 blocks ahead of its MMAs (not yet timed): the build above has one
-# block (1 KB a warp) in flight, and its time did not move when x's quantization left the loop (docs/perf/051)
-MMA_CANDIDATES.update({f"regs 128 4/SM ahead {a}": replace(MMA_REGISTERS, gluon_ahead=a) for a in (1, 2, 3)})
+# the same with each warp's loads issued one block ahead of its MMAs (`gluon_ahead`): 0.5-2.2% faster at 6 rows at
+# each of V4.1's six shapes on an H100 (2 and 3 blocks ahead no faster than none, docs/perf/053)
+MMA_CANDIDATES["regs 128 4/SM ahead 1"] = replace(MMA_CANDIDATES["regs 128 4/SM"], gluon_ahead=1)
+MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM ahead 1"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -390,13 +383,11 @@ def takes_groups(N: int, groups: int) -> bool:
 def split_k(N: int, K: int, config: GemvConfig = DEFAULT, sms: int = H200_SMS) -> tuple[int, int]:
     """(pieces, K per piece): the fewest pieces of whole BLOCK_K steps that give about `programs_per_sm` programs
     per SM across the N blocks (1 piece when the N blocks alone fill them). It depends on N and K, not on T.
-    `whole_waves`: at most programs_per_sm a SM (the split rounded down, not up): at V4.1's wo_b the Gluon read at
-    6 rows takes 13 pieces (520 programs at 132 SMs) instead of 14 (560, 32 past the 528 that fit at once), the
-    one-row read 3 pieces instead of 4 (480 programs instead of 640)."""
+    (Rounded down to the programs that fit at once instead, it was slower or the same on an H100, docs/perf/053.)"""
     n_blocks = triton.cdiv(N, config.block_n)
     steps = triton.cdiv(K, config.block_k)
     fit = config.programs_per_sm * sms
-    want = max(1, min(steps, fit // n_blocks if config.whole_waves else triton.cdiv(fit, n_blocks)))
+    want = max(1, min(steps, triton.cdiv(fit, n_blocks)))
     per_piece = triton.cdiv(steps, want)
     return triton.cdiv(steps, per_piece), per_piece * config.block_k
 
@@ -534,11 +525,12 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     [T, K / w_block]; arguments checked by the caller."""
     T, (N, K) = x.shape[0], w.shape
     if config.gluon_k_width and (not x.is_cuda or config.num_stages != 1 or config.block_n % 16
-                                 or 4 * config.gluon_k_width > w_block):
+                                 or 4 * config.gluon_k_width > w_block or config.gluon_ahead not in (0, 1)):
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
-                         f"at one stage (its loads in the loop), 16-row tiles, 4 lanes' bytes within a scale block; got "
-                         f"{x.device.type}, {config.num_stages} stages, BLOCK_N {config.block_n}, "
-                         f"{config.gluon_k_width} bytes a lane, {w_block}-wide blocks")
+                         f"at one stage (its loads in the loop), 16-row tiles, 4 lanes' bytes within a scale block, "
+                         f"0 or 1 block loaded ahead; got {x.device.type}, {config.num_stages} stages, BLOCK_N "
+                         f"{config.block_n}, {config.gluon_k_width} bytes a lane, {w_block}-wide blocks, "
+                         f"{config.gluon_ahead} ahead")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
@@ -563,10 +555,10 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
 
 
 def gluon_ahead(config: GemvConfig, x: torch.Tensor, w: torch.Tensor, w_block: int, x_codes: bool) -> int:
-    """Blocks the Gluon read loads ahead (`config.gluon_ahead`) where its word loads can take the operands: 8 bytes
-    of a row a lane (two words), 32-wide scale blocks (V4's 128-wide ones would spill) and rows of W (and of bf16 x)
-    starting on 4-byte boundaries; otherwise 0, the loop that loads each block as it works on it. Both sum the same
-    products in the same order."""
+    """Blocks the Gluon read loads ahead (`config.gluon_ahead`, 0 or 1) where its word loads can take the operands:
+    8 bytes of a row a lane (two words), 32-wide scale blocks (V4's 128-wide ones would spill) and rows of W (and of
+    bf16 x) starting on 4-byte boundaries; otherwise 0, the loop that loads each block as it works on it. Both sum
+    the same products in the same order."""
     words = w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
     if not x_codes:
         words = words and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0

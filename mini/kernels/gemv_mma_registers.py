@@ -18,11 +18,11 @@ memory and no barrier is ever taken:
 - by default each block's bytes are loaded in the loop, none carried ahead: other warps' loads hide a warp's wait
   (a prefetched e4m3 tile carried across iterations costs ~90 byte moves a block; builds with 1-2 blocks carried
   ahead so were 18-56% slower on an H100 at every V4.1 shape, docs/perf/048). A warp then has one block (1 KB) in
-  flight, and on an H100 the read took the same time with x's quantization out of its loop (docs/perf/051): a
-  sign that it waits on its loads. `AHEAD` (a candidate, `GemvConfig.gluon_ahead`) loads W and bf16 x as int32
-  words, carried as such (no byte moves), 2-3 blocks ahead; at use `_w_codes` hands each word to the MMA as its 4
-  bytes without moving one (sm_90a SASS: the loaded registers are the MMA's operands). The loads sit behind an
-  always-true branch: in one basic block with the MMAs ptxas issues them after the MMAs, an iteration later.
+  flight. `AHEAD` 1 (`GemvConfig.gluon_ahead`, the default build's) loads the next block while it works on one:
+  W and bf16 x as int32 words, carried as such (no byte moves); at use `_w_codes` hands each word to the MMA as
+  its 4 bytes without moving one (sm_90a SASS: the loaded registers are the MMA's operands). The loads sit behind
+  an always-true branch: in one basic block with the MMAs ptxas issued them after the MMAs. On an H100 it is
+  0.5-2.2% faster at 6 rows than loading in the loop; 2 and 3 blocks ahead were not faster (docs/perf/053).
 Split-K pieces and their sum are gemv.py's (`_sum_pieces_kernel`); summed instead by each N block's last program, as
 the one-row read does, these reads were 1.5-1.8 us slower at wo_b and the shared expert's (88 registers a thread
 against 56, and the tail's code) and the B = 1 verify step 12.90 -> 13.13 ms (docs/perf/051). Gluon kernels run on
@@ -143,8 +143,8 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
     The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK. X_BF16: x as it is (the
     e4m3 weight widened to bf16, exact; |x| < 2^119 so that no q x overflows fp32), s_x = 1; then x is [T, G K] and
     the block's rows take group n // GROUP_N of it (x[:, g K:(g + 1) K]: a block-diagonal projection).
-    AHEAD > 0: the loop loads the block AHEAD steps ahead (W and bf16 x as int32 words, the scales) and works on
-    one loaded before: the same products and sums, with more of W's bytes in flight a warp."""
+    AHEAD 1: the loop loads the next block (W and bf16 x as int32 words, the scales) before it works on the one
+    loaded before: the same products and sums, one more block of W in flight a warp."""
     WARPS: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     w_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, K_WIDTH)
@@ -193,30 +193,15 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
             x_ptrs = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
                       + gl.expand_dims(t_xw.to(gl.int64) * (stride_x // 2), 0) + gl.expand_dims(j_x, 1))
             x_ok = gl.expand_dims(j_x < W_BLOCK // 2, 1) & gl.expand_dims(t_xw < T, 0)
-        k_last = k_hi - W_BLOCK  # loads past the piece's end take its last block again (an L1 hit)
+        k_last = k_hi - W_BLOCK  # the load past the piece's end takes its last block again (an L1 hit)
         w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_lo, W_BLOCK, X_MODE)
-        if AHEAD >= 2:
-            w_2, s_2, x_2, e_2 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok,
-                                        gl.minimum(k_lo + W_BLOCK, k_last), W_BLOCK, X_MODE)
-        if AHEAD >= 3:
-            w_3, s_3, x_3, e_3 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok,
-                                        gl.minimum(k_lo + 2 * W_BLOCK, k_last), W_BLOCK, X_MODE)
         for k0 in range(k_lo, k_hi, W_BLOCK):
             w, s, x, e = w_1, s_1, x_1, e_1
-            if AHEAD >= 2:
-                w_1, s_1, x_1, e_1 = w_2, s_2, x_2, e_2
-            if AHEAD >= 3:
-                w_2, s_2, x_2, e_2 = w_3, s_3, x_3, e_3
-            k_n = gl.minimum(k0 + AHEAD * W_BLOCK, k_last)
+            k_n = gl.minimum(k0 + W_BLOCK, k_last)
             # always true: the branch keeps the loads in their own block, which ptxas issues before this step's
-            # MMAs (in one block with them it issues them after: one iteration less between a load and its use)
+            # MMAs (in one block with them it issued them after: no overlap)
             if k_n >= 0:
-                if AHEAD == 1:
-                    w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
-                elif AHEAD == 2:
-                    w_2, s_2, x_2, e_2 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
-                else:
-                    w_3, s_3, x_3, e_3 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
+                w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_n, W_BLOCK, X_MODE)
             if X_MODE != 2:
                 x = _x_values(x, W_BLOCK, TP, x_l)
             acc = _block_sums(acc, _w_codes(w, BLOCK_N, W_BLOCK, w_l), x, e, _e8m0_value(s.to(gl.int32)), x_dot,

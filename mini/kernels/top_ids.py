@@ -9,9 +9,9 @@ context has 1,024 groups: one chunk); no constexpr or specialized integer follow
 serves every step (the warm-up compiles it once: tests/engine/test_warm_start.py):
 1. the int32 order keys of mini/kernels/order_keys.py (value bits above the column: unique, ordered as the values,
    ties to the higher column; -0.0 ties +0.0, every NaN above +inf, as torch's bf16 add on CUDA makes them);
-2. the k-th largest key, from the top one bit a pass (32 counts) or `radix` bits a pass (one histogram a pass of the
-   keys on the prefix found so far by their next digit): with unique keys exactly k keys are >= it, the set
-   torch.topk over the same keys returns;
+2. the k-th largest key, from the top `radix` bits a pass (one histogram a pass of the keys on the prefix found so
+   far by their next digit; RADIX_BITS) or one bit a pass (32 counts): with unique keys exactly k keys are >= it,
+   the set torch.topk over the same keys returns;
 3. the selected columns whose score is a number above -inf, written in column order by a prefix count of the
    selection (already the ascending order the sort gave), then -1s up to k.
 The set and order equal the torch form's by construction (tests/kernels/test_top_ids.py compares them bit for bit).
@@ -53,10 +53,11 @@ WIDE_MAX_ROWS = 256
 WIDE_BLOCK = 4096
 WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 # The k-th key's search (`top_ids(radix=)`): 0 decides one bit a pass by a count across the program's warps (32
-# passes; measured in the step, docs/perf/049); 1-8 that many bits a pass by one histogram of 2^(radix + 1) bins
-# (32 / radix passes at most, fewer where exactly k keys are at or above the prefix). Built and tested bit-equal on
-# the CPU (docs/perf/052), not yet timed on a GPU: the default stays the measured bisection until it is.
-RADIX_BITS = 0
+# passes); 1-8 that many bits a pass by one histogram of 2^(radix + 1) bins (32 / radix passes at most, fewer where
+# exactly k keys are at or above the prefix). 4 bits a pass, bounded by the visible columns in the 1,024-column
+# build, on an H100 (docs/perf/053, us): [1, 4096] with 1,025 visible 20.4 -> 7.9, 6 rows 20.3 -> 15.0, 384 rows
+# 33.6 -> 25.2, [1, 16384] with 8,193 visible 112 -> 61; 2 and 8 bits between, 1 bit slower.
+RADIX_BITS = 4
 RADIXES = (0, 1, 2, 4, 8)
 
 
@@ -182,7 +183,7 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK, n_visible: torch.T
     `block`: the chunk of columns a program holds at once (BLOCK or WIDE_BLOCK: `build_for`); the same ids.
     `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
     have been ranked above +inf by the torch form), and the kernel reads only the columns before. `radix`: the k-th
-    key's search (RADIX_BITS' comment: 0 the bisection, 1, 2, 4 or 8 bits a pass by histograms); the same ids."""
+    key's search (RADIX_BITS' comment: 1, 2, 4 or 8 bits a pass by histograms, 0 one bit by counts); the same ids."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")

@@ -332,7 +332,7 @@ def main() -> None:
     # the index top-k's ids in one pass (one build for every row width)
     # the default search and the 4-bit histogram one (REG 64 / 128, 0-64 stack bytes under 3.6; 8 bits: 374K)
     for block, warps in TOP_IDS_WARPS.items():  # both builds, bounded or not by n_visible
-        for bounded, radix in itertools.product((False, True), dict.fromkeys((TOP_IDS_RADIX, 4))):
+        for bounded, radix in itertools.product((False, True), dict.fromkeys((TOP_IDS_RADIX, 0))):
             build(_top_ids_kernel, {"x_ptr": "*i16", "ids_ptr": "*i64", "count_ptr": "*i32", "n_visible_ptr": "*i64"},
                   dict(BLOCK=block, BOUNDED=bounded, RADIX=radix), num_warps=warps,
                   spills=True,  # (the bisection spilled 16 / 8 bytes once; the 4-bit search's wide build 64)

@@ -58,24 +58,6 @@ def test_split_k_covers_k_in_whole_steps():
     assert [split_k(N, K, SMALL)[0] for N, K in ((100, 96), (37, 320), (150, 32))] == [3, 10, 1]
 
 
-def test_whole_waves_split_fits_the_gpu_at_once():
-    """`whole_waves`: the split rounded down, so that the N blocks' pieces fit programs_per_sm a SM at once (one
-    piece where the N blocks alone are more); K still covered in whole steps. At V4.1's wo_b: 13 pieces of the
-    Gluon read (520 programs on 132 SMs, 4 a SM) where the default split takes 14 (560)."""
-    from mini.kernels.gemv import MMA_REGISTERS, ROW_DEFAULT
-    for cfg in (DEFAULT, SMALL, ROW_DEFAULT, MMA_REGISTERS):
-        waves = replace(cfg, whole_waves=True)
-        for N, K in V41_SHAPES + ((1792, 5120), (36864, 1280), (100, 96), (2200, 320), (7, 32)):
-            for sms in (132, 7):
-                pieces, k_piece = split_k(N, K, waves, sms)
-                assert k_piece % cfg.block_k == 0 and pieces * k_piece >= K > (pieces - 1) * k_piece
-                n_blocks = -(-N // cfg.block_n)
-                assert pieces == 1 or n_blocks * pieces <= cfg.programs_per_sm * sms
-                assert pieces <= split_k(N, K, cfg, sms)[0]
-    assert split_k(5120, 8192, MMA_REGISTERS, 132)[0] == 14
-    assert split_k(5120, 8192, replace(MMA_REGISTERS, whole_waves=True), 132)[0] == 13
-
-
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(100, 96), (37, 320), (150, 32)])
 @pytest.mark.parametrize("config", [SMALL, SMALL_ONE_LAUNCH], ids=["two passes", "one launch"])
@@ -306,6 +288,8 @@ def test_gluon_build_refuses_what_it_cannot_take():
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, num_stages=2))
     with pytest.raises(ValueError, match="16 bytes a lane, 32-wide blocks"):  # an MMA tile spanning two blocks
         gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_k_width=16))
+    with pytest.raises(ValueError, match="2 ahead"):  # 2 and 3 blocks ahead: measured no faster, gone
+        gemv(x, q, scale=scale, w_block=32, act_block=32, config=replace(MMA_REGISTERS, gluon_ahead=2))
 
 
 def test_gluon_read_loads_ahead_only_what_its_words_can_take():
@@ -313,19 +297,20 @@ def test_gluon_read_loads_ahead_only_what_its_words_can_take():
     32-wide scale blocks and operands whose rows start on 4-byte boundaries; anything else takes the loop that loads
     each block as it works on it (the same products in the same order), never a misaligned word load."""
     from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS, gluon_ahead
-    ahead = MMA_CANDIDATES["regs 128 4/SM ahead 2"]
+    ahead = MMA_REGISTERS
     q, _ = _fp8_weight(64, 96, 32, "cpu")
     wide = torch.randn(3, 98).bfloat16()
     x = wide[:, :96].contiguous()
-    assert gluon_ahead(ahead, x, q, 32, False) == 2 and gluon_ahead(MMA_REGISTERS, x, q, 32, False) == 0
+    assert gluon_ahead(ahead, x, q, 32, False) == 1
+    assert gluon_ahead(MMA_CANDIDATES["regs 128 4/SM"], x, q, 32, False) == 0
     assert gluon_ahead(ahead, x, q, 128, False) == 0  # V4's 128-wide blocks: its build would spill
     assert gluon_ahead(replace(ahead, gluon_k_width=4), x, q, 32, False) == 0
     assert gluon_ahead(ahead, wide[:, 1:97], q, 32, False) == 0  # x's rows start 2 bytes off a word
     assert gluon_ahead(ahead, torch.randn(3, 97).bfloat16()[:, :96], q, 32, False) == 0  # an odd row stride
-    assert gluon_ahead(ahead, wide[:, 1:97], q, 32, True) == 2  # x's codes are loaded as they are
+    assert gluon_ahead(ahead, wide[:, 1:97], q, 32, True) == 1  # x's codes are loaded as they are
     qw = torch.zeros(64, 100, dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert gluon_ahead(ahead, x, qw[:, 2:98], 32, False) == 0  # W's rows off a word
-    assert gluon_ahead(ahead, x, qw[:, 4:100], 32, False) == 2
+    assert gluon_ahead(ahead, x, qw[:, 4:100], 32, False) == 1
 
 
 def test_fp8_read_refuses_what_it_cannot_take():
@@ -440,11 +425,11 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280), (8192, 4096), (300, 96), (256, 32)))
 def test_gluon_read_loading_ahead_gives_the_same_bits_gpu(N, K):
-    """The Gluon read loading 2-3 blocks ahead (`gluon_ahead`: W and x carried as int32 words) sums the same
-    products in the same order as the build that loads each block in its loop: bit for bit its outputs, into NaN-filled
-    outputs, at V4.1's shapes, an N tail and one-block K pieces, with x quantized in the loads, as its codes, as it is
-    (and in groups: wo_a's), and with x off a word boundary (then the build without words)."""
-    from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS
+    """The Gluon read loading a block ahead (`gluon_ahead`: W and x carried as int32 words; the default) sums the
+    same products in the same order as the build that loads each block in its loop: bit for bit its outputs, into
+    NaN-filled outputs, at V4.1's shapes, an N tail and one-block K pieces, with x quantized in the loads, as its
+    codes, as it is (and in groups: wo_a's), and with x off a word boundary (then the build without words)."""
+    from mini.kernels.gemv import MMA_CANDIDATES
     q, scale = _fp8_weight(N, K, 32, "cuda", seed=N + K)
     for T in (2, 6, 8, 16):
         wide = (torch.randn(T, K + 1, device="cuda") * 2).bfloat16()
@@ -454,7 +439,7 @@ def test_gluon_read_loading_ahead_gives_the_same_bits_gpu(N, K):
             G = N // 1024
             runs.append(dict(x=torch.randn(T, G * K, device="cuda").bfloat16(), groups=G))
         for run in runs:
-            base = gemv(**run, w=q, config=MMA_REGISTERS, scale=scale, w_block=32)
+            base = gemv(**run, w=q, config=MMA_CANDIDATES["regs 128 4/SM"], scale=scale, w_block=32)
             for label, cfg in MMA_CANDIDATES.items():
                 if cfg.gluon_ahead:
                     out = torch.full(base.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
