@@ -114,7 +114,7 @@ def test_decode_step_builds_shared_index_tensors_once(monkeypatch):
         j = torch.arange(ids.shape[1])
         assert torch.equal(ids >= 0, j < n_valid[:, None].long())
         assert bool((ids[:, 1:] > ids[:, :-1])[(j[1:] < n_valid[:, None].long())].all())
-    assert run.buffers.batch(2).layout(16, cfg.window_size).ring_write_row is None
+    assert run.buffers.batch(2).layout(16, cfg.window_size).ring_write_row == slice(None)  # kv whole: a view
 
 
 def _decode_logits(device: torch.device, shared: bool) -> list[torch.Tensor]:
