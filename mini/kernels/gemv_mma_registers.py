@@ -136,6 +136,28 @@ def _x_words_layout(w_block, tp, warps):
 
 
 @gluon.jit
+def _w_words(w_ptr, pid_n, N, stride_w, BLOCK_N: gl.constexpr, W_BLOCK: gl.constexpr, acc_l: gl.constexpr):
+    """(pointers, mask) of a block's W as int32 words [BLOCK_N, W_BLOCK // 4] at k = 0, in the accumulator's layout:
+    a lane's two words are the 8 bytes of a row the MMA's A operand takes from it (`_w_codes`)."""
+    n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    j_w = gl.arange(0, W_BLOCK // 4, layout=gl.SliceLayout(0, acc_l))
+    ptrs = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(n_w.to(gl.int64) * (stride_w // 4), 1)
+            + gl.expand_dims(j_w, 0))
+    return ptrs, gl.expand_dims(n_w < N, 1) & gl.expand_dims(j_w < W_BLOCK // 4, 0)
+
+
+@gluon.jit
+def _x_words(x_ptr, T, stride_x, W_BLOCK: gl.constexpr, TP: gl.constexpr, WARPS: gl.constexpr):
+    """(pointers, mask) of a block of bf16 x as int32 words [W_BLOCK // 2, TP] at k = 0 (`_x_words_layout`)."""
+    xw_l: gl.constexpr = _x_words_layout(W_BLOCK, TP, WARPS)
+    j_x = gl.arange(0, W_BLOCK // 2, layout=gl.SliceLayout(1, xw_l))
+    t_x = gl.arange(0, TP, layout=gl.SliceLayout(0, xw_l))
+    ptrs = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(t_x.to(gl.int64) * (stride_x // 2), 0)
+            + gl.expand_dims(j_x, 1))
+    return ptrs, gl.expand_dims(j_x < W_BLOCK // 2, 1) & gl.expand_dims(t_x < T, 0)
+
+
+@gluon.jit
 def _x_values(words, W_BLOCK: gl.constexpr, TP: gl.constexpr, x_l: gl.constexpr):
     """A block of bf16 x carried as int32 words [W_BLOCK // 2, TP] -> its values [W_BLOCK, TP] in x's layout, as
     `_w_codes` does for W (two bf16 a word)."""
@@ -187,17 +209,8 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
         gl.static_assert(X_MODE != 2, "several blocks a step take bf16 x")
         # STEP blocks a loop step, all their loads issued before the first MMA (behind an always-true branch):
         # STEP * 32 contiguous bytes of each row requested together (W and bf16 x as words, as below)
-        n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-        j_w = gl.arange(0, W_BLOCK // 4, layout=gl.SliceLayout(0, acc_l))
-        w_ptrs = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                  + gl.expand_dims(n_w.to(gl.int64) * (stride_w // 4), 1) + gl.expand_dims(j_w, 0))
-        w_ok = gl.expand_dims(n_w < N, 1) & gl.expand_dims(j_w < W_BLOCK // 4, 0)
-        xw_l: gl.constexpr = _x_words_layout(W_BLOCK, TP, WARPS)
-        j_x = gl.arange(0, W_BLOCK // 2, layout=gl.SliceLayout(1, xw_l))
-        t_xw = gl.arange(0, TP, layout=gl.SliceLayout(0, xw_l))
-        xw_ptrs = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                  + gl.expand_dims(t_xw.to(gl.int64) * (stride_x // 2), 0) + gl.expand_dims(j_x, 1))
-        xw_ok = gl.expand_dims(j_x < W_BLOCK // 2, 1) & gl.expand_dims(t_xw < T, 0)
+        w_ptrs, w_ok = _w_words(w_ptr, pid_n, N, stride_w, BLOCK_N, W_BLOCK, acc_l)
+        xw_ptrs, xw_ok = _x_words(x_ptr, T, stride_x, W_BLOCK, TP, WARPS)
         w_0, s_0, x_0, e_0 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k_lo, k_hi, W_BLOCK)
         w_1, s_1, x_1, e_1 = w_0, s_0, x_0, e_0
         w_2, s_2, x_2, e_2 = w_0, s_0, x_0, e_0
@@ -231,18 +244,9 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
             acc = _block_sums(acc, w, x, e, s_w, x_dot, X_MODE, acc_l)
     else:
         # W and (bf16) x as int32 words: a word pair a lane where the MMA's operands take their 8 bytes (_w_codes)
-        n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-        j_w = gl.arange(0, W_BLOCK // 4, layout=gl.SliceLayout(0, acc_l))
-        w_ptrs = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                  + gl.expand_dims(n_w.to(gl.int64) * (stride_w // 4), 1) + gl.expand_dims(j_w, 0))
-        w_ok = gl.expand_dims(n_w < N, 1) & gl.expand_dims(j_w < W_BLOCK // 4, 0)
+        w_ptrs, w_ok = _w_words(w_ptr, pid_n, N, stride_w, BLOCK_N, W_BLOCK, acc_l)
         if X_MODE != 2:
-            xw_l: gl.constexpr = _x_words_layout(W_BLOCK, TP, WARPS)
-            j_x = gl.arange(0, W_BLOCK // 2, layout=gl.SliceLayout(1, xw_l))
-            t_xw = gl.arange(0, TP, layout=gl.SliceLayout(0, xw_l))
-            x_ptrs = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                      + gl.expand_dims(t_xw.to(gl.int64) * (stride_x // 2), 0) + gl.expand_dims(j_x, 1))
-            x_ok = gl.expand_dims(j_x < W_BLOCK // 2, 1) & gl.expand_dims(t_xw < T, 0)
+            x_ptrs, x_ok = _x_words(x_ptr, T, stride_x, W_BLOCK, TP, WARPS)
         k_last = k_hi - W_BLOCK  # the load past the piece's end takes its last block again (an L1 hit)
         w_1, s_1, x_1, e_1 = _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k_lo, W_BLOCK, X_MODE)
         for k0 in range(k_lo, k_hi, W_BLOCK):
