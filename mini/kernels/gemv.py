@@ -536,8 +536,8 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
                          f"at one stage (its loads in the loop), 16-row tiles, 4 lanes' bytes within a scale block, "
                          f"0 or 1 block loaded ahead, 1, 2 or 4 blocks a step; got {x.device.type}, "
-                         f"{config.num_stages} stages, BLOCK_N {config.block_n}, {config.gluon_k_width} bytes a lane, {w_block}-wide "
-                         f"blocks, {config.gluon_ahead} ahead, {config.gluon_step} a step")
+                         f"{config.num_stages} stages, BLOCK_N {config.block_n}, {config.gluon_k_width} bytes a lane, "
+                         f"{w_block}-wide blocks, {config.gluon_ahead} ahead, {config.gluon_step} a step")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
@@ -548,7 +548,8 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            GROUP_N=N // groups, **gluon_loop(config, x, w, w_block, x_scales is not None), num_warps=config.num_warps)
+            GROUP_N=N // groups, **gluon_loop(config, x, w, w_block, x_scales is not None),
+            num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,

@@ -56,7 +56,8 @@ WARPS = {BLOCK: 4, WIDE_BLOCK: 8}  # each build's warps
 # passes); 1-8 that many bits a pass by one histogram of 2^(radix + 1) bins (32 / radix passes at most, fewer where
 # exactly k keys are at or above the prefix). 4 bits a pass, bounded by the visible columns in the 1,024-column
 # build, on an H100 (docs/perf/053, us): [1, 4096] with 1,025 visible 20.4 -> 7.9, 6 rows 20.3 -> 15.0, 384 rows
-# 33.6 -> 25.2, [1, 16384] with 8,193 visible 112 -> 61; 2 and 8 bits between, 1 bit slower.
+# 33.6 -> 25.2, [1, 16384] with 8,193 visible 112 -> 61; 2 and 8 bits a pass beat the bisection at one row and at
+# 8,193 columns, not at 6-384 rows of 1,025; 1 bit lost from 6 rows on.
 RADIX_BITS = 4
 RADIXES = (0, 1, 2, 4, 8)
 
