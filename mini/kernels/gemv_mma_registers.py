@@ -211,7 +211,11 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
         # STEP * 32 contiguous bytes of each row requested together (W and bf16 x as words, as below)
         w_ptrs, w_ok = _w_words(w_ptr, pid_n, N, stride_w, BLOCK_N, W_BLOCK, acc_l)
         xw_ptrs, xw_ok = _x_words(x_ptr, T, stride_x, W_BLOCK, TP, WARPS)
-        w_0, s_0, x_0, e_0 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k_lo, k_hi, W_BLOCK)
+        # (values for the branch's untaken side, which never runs: zeros, not a load)
+        w_0 = gl.zeros([BLOCK_N, W_BLOCK // 4], gl.int32, acc_l)
+        s_0 = gl.zeros([BLOCK_N], gl.uint8, gl.SliceLayout(1, acc_l))
+        x_0 = gl.zeros([W_BLOCK // 2, TP], gl.int32, _x_words_layout(W_BLOCK, TP, WARPS))
+        e_0 = x_0
         w_1, s_1, x_1, e_1 = w_0, s_0, x_0, e_0
         w_2, s_2, x_2, e_2 = w_0, s_0, x_0, e_0
         w_3, s_3, x_3, e_3 = w_0, s_0, x_0, e_0
