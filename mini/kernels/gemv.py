@@ -70,9 +70,6 @@ class GemvConfig:
     # (with gluon_k_width, at 32-wide scale blocks) 1: its loop loads W, x and the scales one block ahead of the
     # block it works on, W and x as int32 words (`_gemv_fp8_mma_registers_kernel`'s AHEAD)
     gluon_ahead: int = 0
-    # (likewise) 2 or 4: its loop works on that many blocks a step, their loads issued before the first MMA (a
-    # candidate: 64-128 contiguous bytes of each row requested together, where the loop above asks for 32)
-    gluon_step: int = 1
 
 
 DEFAULT = GemvConfig()
@@ -112,9 +109,8 @@ MMA_DEFAULT = next(iter(MMA_CANDIDATES.values()))
 # each of V4.1's six shapes on an H100 (2 and 3 blocks ahead no faster than none, docs/perf/053)
 MMA_CANDIDATES["regs 128 4/SM ahead 1"] = replace(MMA_CANDIDATES["regs 128 4/SM"], gluon_ahead=1)
 MMA_REGISTERS = MMA_CANDIDATES["regs 128 4/SM ahead 1"]  # what MINI_GEMV_WEIGHTS=fp8 (the default) takes at 2-8 rows
-# 2 or 4 blocks a loop step (not yet timed): whether the MMA reads' 32 bytes of each row a step hold them back
-MMA_CANDIDATES.update({f"regs 128 4/SM {b} blocks a step": replace(MMA_CANDIDATES["regs 128 4/SM"], gluon_step=b)
-                       for b in (2, 4)})
+# 2 and 4 blocks a loop step, their loads all issued before the first MMA (64-128 contiguous bytes of each row
+# requested together), were no faster across V4.1's six shapes at 6 and 16 rows (docs/perf/054) and are gone
 MMA_REGISTERS_ROWS = 8  # its rows: one MMA column tile (faster at 6 rows, slower at 16: docs/perf/048; the B = 1
 # verify step 13.50 -> 13.25 ms against the Triton build on an H100, docs/perf/049)
 MMA_TUNED = {(36864, 1280): MMA_CANDIDATES["mma 64 s4 4/SM"]}
@@ -531,13 +527,12 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     [T, K / w_block]; arguments checked by the caller."""
     T, (N, K) = x.shape[0], w.shape
     if config.gluon_k_width and (not x.is_cuda or config.num_stages != 1 or config.block_n % 16
-                                 or 4 * config.gluon_k_width > w_block or config.gluon_ahead not in (0, 1)
-                                 or config.gluon_step not in (1, 2, 4)):
+                                 or 4 * config.gluon_k_width > w_block or config.gluon_ahead not in (0, 1)):
         raise ValueError(f"gemv: the Gluon build of the FP8 read runs on CUDA only (not under Triton's interpreter), "
                          f"at one stage (its loads in the loop), 16-row tiles, 4 lanes' bytes within a scale block, "
-                         f"0 or 1 block loaded ahead, 1, 2 or 4 blocks a step; got {x.device.type}, "
+                         f"0 or 1 block loaded ahead; got {x.device.type}, "
                          f"{config.num_stages} stages, BLOCK_N {config.block_n}, {config.gluon_k_width} bytes a lane, "
-                         f"{w_block}-wide blocks, {config.gluon_ahead} ahead, {config.gluon_step} a step")
+                         f"{w_block}-wide blocks, {config.gluon_ahead} ahead")
     pieces, k_piece = split_k(N, K, config, sm_count(x.device))
     part = torch.empty(pieces if pieces > 1 else 0, T, N, dtype=torch.float32, device=x.device)
     w_scales = scale.view(torch.uint8)
@@ -548,7 +543,7 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
         _gemv_fp8_mma_registers_kernel[(triton.cdiv(N, config.block_n), pieces)](
             *args, BLOCK_N=config.block_n, TP=8 if T <= 8 else MAX_ROWS, SPLIT=pieces > 1, W_BLOCK=w_block,
             K_WIDTH=config.gluon_k_width, X_MODE=X_CODES if x_scales is not None else X_QUANT if quantize else X_BF16,
-            GROUP_N=N // groups, **gluon_loop(config, x, w, w_block, x_scales is not None),
+            GROUP_N=N // groups, AHEAD=blocks_ahead(config, x, w, w_block, x_scales is not None),
             num_warps=config.num_warps)
     else:
         _gemv_fp8_mma_kernel[(triton.cdiv(N, config.block_n), pieces)](
@@ -561,17 +556,15 @@ def _fp8_mma(x: torch.Tensor, x_scales: torch.Tensor | None, w: torch.Tensor, sc
     return out
 
 
-def gluon_loop(config: GemvConfig, x: torch.Tensor, w: torch.Tensor, w_block: int, x_codes: bool) -> dict:
-    """The Gluon read's loop (its AHEAD and STEP: `config.gluon_ahead`, `config.gluon_step`) where its word loads can
-    take the operands: 8 bytes of a row a lane (two words), 32-wide scale blocks (V4's 128-wide ones would spill)
-    and rows of W (and of bf16 x) starting on 4-byte boundaries; several blocks a step for bf16 x only. Otherwise
-    the loop that loads each block as it works on it. All sum the same products in the same order."""
+def blocks_ahead(config: GemvConfig, x: torch.Tensor, w: torch.Tensor, w_block: int, x_codes: bool) -> int:
+    """The blocks the Gluon read's loop loads ahead (its AHEAD: `config.gluon_ahead`) where its word loads can take
+    the operands: 8 bytes of a row a lane (two words), 32-wide scale blocks (V4's 128-wide ones would spill) and
+    rows of W (and of bf16 x) starting on 4-byte boundaries. Otherwise 0: the loop that loads each block as it works
+    on it. Both sum the same products in the same order."""
     words = w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
     if not x_codes:
         words = words and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
-    if not (config.gluon_k_width == 8 and w_block == 32 and words):
-        return dict(AHEAD=0, STEP=1)
-    return dict(AHEAD=config.gluon_ahead, STEP=1 if x_codes else config.gluon_step)
+    return config.gluon_ahead if config.gluon_k_width == 8 and w_block == 32 and words else 0
 
 
 def _gemv_codes(x: FP8Rows, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None,

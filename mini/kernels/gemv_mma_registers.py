@@ -111,17 +111,6 @@ def _fetch(w_ptrs, w_ok, s_ptrs, x_ptrs, e_ptrs, x_ok, t_ok, k0, W_BLOCK: gl.con
     return w, s, x, e
 
 
-@gluon.jit
-def _fetch_in(w_ptrs, w_ok, s_ptrs, x_ptrs, x_ok, k0, k_hi, W_BLOCK: gl.constexpr):
-    """`_fetch` of bf16 x for a step of several blocks: a block at or past the piece's end k_hi loads zeros (W, x)
-    and a scale of 1, whose sums add exact zeros."""
-    inside = k0 < k_hi
-    w = gl.load(w_ptrs + k0 // 4, mask=w_ok & inside, other=0)
-    s = gl.load(s_ptrs + k0 // W_BLOCK, mask=inside, other=127)
-    x = gl.load(x_ptrs + k0 // 2, mask=x_ok & inside, other=0)
-    return w, s, x, x
-
-
 @gluon.constexpr_function
 def _x_words_layout(w_block, tp, warps):
     """bf16 x's block as int32 words [W_BLOCK // 2, TP] where x's operand layout holds their bf16 pairs: 4 words (8
@@ -170,17 +159,14 @@ def _x_values(words, W_BLOCK: gl.constexpr, TP: gl.constexpr, x_l: gl.constexpr)
 def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_x, stride_w, stride_s,
                                    stride_y, K_PIECE, e_ptr, stride_e, BLOCK_N: gl.constexpr, TP: gl.constexpr,
                                    SPLIT: gl.constexpr, W_BLOCK: gl.constexpr, K_WIDTH: gl.constexpr,
-                                   X_MODE: gl.constexpr, GROUP_N, AHEAD: gl.constexpr = 0,
-                                   STEP: gl.constexpr = 1):
+                                   X_MODE: gl.constexpr, GROUP_N, AHEAD: gl.constexpr = 0):
     """Program (n block, K piece): acc[BLOCK_N, TP] = sum over the piece's scale blocks b of
     (W_q[n, b] @ x_q[t, b]^T) * s_w[n, b] * s_x[t, b]; SPLIT: fp32 to part[piece, t, n], else bf16 to y[t, n].
     The arguments are `_gemv_fp8_mma_kernel`'s (gemv.py); K is a multiple of W_BLOCK. X_BF16: x as it is (the
     e4m3 weight widened to bf16, exact; |x| < 2^119 so that no q x overflows fp32), s_x = 1; then x is [T, G K] and
     the block's rows take group n // GROUP_N of it (x[:, g K:(g + 1) K]: a block-diagonal projection).
     AHEAD 1: the loop loads the next block (W and bf16 x as int32 words, the scales) before it works on the one
-    loaded before: the same products and sums, one more block of W in flight a warp. STEP 2 or 4 (bf16 x): the
-    loop works on that many blocks a step, all their loads issued before its first MMA (a block past the piece's end
-    adds exact zeros)."""
+    loaded before: the same products and sums, one more block of W in flight a warp."""
     WARPS: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     w_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, K_WIDTH)
@@ -205,38 +191,7 @@ def _gemv_fp8_mma_registers_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, T, N, K
     t_ok = t_c < T
 
     acc = gl.zeros([BLOCK_N, TP], gl.float32, acc_l)
-    if STEP > 1:
-        gl.static_assert(X_MODE != 2, "several blocks a step take bf16 x")
-        # STEP blocks a loop step, all their loads issued before the first MMA (behind an always-true branch):
-        # STEP * 32 contiguous bytes of each row requested together (W and bf16 x as words, as below)
-        w_ptrs, w_ok = _w_words(w_ptr, pid_n, N, stride_w, BLOCK_N, W_BLOCK, acc_l)
-        xw_ptrs, xw_ok = _x_words(x_ptr, T, stride_x, W_BLOCK, TP, WARPS)
-        # (values for the branch's untaken side, which never runs: zeros, not a load)
-        w_0 = gl.zeros([BLOCK_N, W_BLOCK // 4], gl.int32, acc_l)
-        s_0 = gl.zeros([BLOCK_N], gl.uint8, gl.SliceLayout(1, acc_l))
-        x_0 = gl.zeros([W_BLOCK // 2, TP], gl.int32, _x_words_layout(W_BLOCK, TP, WARPS))
-        e_0 = x_0
-        w_1, s_1, x_1, e_1 = w_0, s_0, x_0, e_0
-        w_2, s_2, x_2, e_2 = w_0, s_0, x_0, e_0
-        w_3, s_3, x_3, e_3 = w_0, s_0, x_0, e_0
-        for k0 in range(k_lo, k_hi, STEP * W_BLOCK):
-            if k0 >= 0:  # always true: the loads in their own basic block, issued before the MMAs
-                w_0, s_0, x_0, e_0 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k0, k_hi, W_BLOCK)
-                w_1, s_1, x_1, e_1 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k0 + W_BLOCK, k_hi, W_BLOCK)
-                if STEP == 4:
-                    k2, k3 = k0 + 2 * W_BLOCK, k0 + 3 * W_BLOCK
-                    w_2, s_2, x_2, e_2 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k2, k_hi, W_BLOCK)
-                    w_3, s_3, x_3, e_3 = _fetch_in(w_ptrs, w_ok, s_ptrs, xw_ptrs, xw_ok, k3, k_hi, W_BLOCK)
-            acc = _block_sums(acc, _w_codes(w_0, BLOCK_N, W_BLOCK, w_l), _x_values(x_0, W_BLOCK, TP, x_l), e_0,
-                              _e8m0_value(s_0.to(gl.int32)), x_dot, X_MODE, acc_l)
-            acc = _block_sums(acc, _w_codes(w_1, BLOCK_N, W_BLOCK, w_l), _x_values(x_1, W_BLOCK, TP, x_l), e_1,
-                              _e8m0_value(s_1.to(gl.int32)), x_dot, X_MODE, acc_l)
-            if STEP == 4:
-                acc = _block_sums(acc, _w_codes(w_2, BLOCK_N, W_BLOCK, w_l), _x_values(x_2, W_BLOCK, TP, x_l), e_2,
-                                  _e8m0_value(s_2.to(gl.int32)), x_dot, X_MODE, acc_l)
-                acc = _block_sums(acc, _w_codes(w_3, BLOCK_N, W_BLOCK, w_l), _x_values(x_3, W_BLOCK, TP, x_l), e_3,
-                                  _e8m0_value(s_3.to(gl.int32)), x_dot, X_MODE, acc_l)
-    elif AHEAD == 0:
+    if AHEAD == 0:
         n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
         k_w = gl.arange(0, W_BLOCK, layout=gl.SliceLayout(0, w_l))
         w_ptrs = w_ptr + gl.expand_dims(n_w.to(gl.int64) * stride_w, 1) + gl.expand_dims(k_w, 0)

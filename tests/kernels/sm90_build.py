@@ -221,9 +221,7 @@ def main() -> None:
             # rows); and at V4's 128-wide blocks (128 x 128 byte tiles a step)
             for tp, mode, w_block, split in ((8, 1, 32, True), (16, 1, 32, False), (8, 2, 32, True),
                                              (16, 0, 32, True), (16, 1, 128, True)):
-                if (cfg.gluon_ahead or cfg.gluon_step > 1) and w_block != 32:  # 32-wide blocks only (gluon_loop)
-                    continue
-                if cfg.gluon_step > 1 and mode == 2:  # several blocks a step take bf16 x only
+                if cfg.gluon_ahead and w_block != 32:  # 32-wide blocks only (gemv.blocks_ahead)
                     continue
                 shape = (1536, 7168) if w_block == 128 else (8192, 4096) if mode == 0 else (5120, 8192)
                 ints = _gemv_ints(*shape, replace(cfg, block_k=w_block), split, w_block=w_block)
@@ -232,7 +230,7 @@ def main() -> None:
                     ints["stride_x"] = 8 * shape[1]
                 build(_gemv_fp8_mma_registers_kernel, {**fp8, "x_ptr": "*fp8e4nv"} if mode == 2 else fp8,
                       dict(BLOCK_N=cfg.block_n, TP=tp, SPLIT=split, W_BLOCK=w_block, K_WIDTH=cfg.gluon_k_width,
-                           X_MODE=mode, AHEAD=cfg.gluon_ahead, STEP=cfg.gluon_step), num_warps=cfg.num_warps,
+                           X_MODE=mode, AHEAD=cfg.gluon_ahead), num_warps=cfg.num_warps,
                       ints=ints, shared=0)
             continue
         for n, k in ((5120, 8192), (36864, 1280)) if cfg == GEMV_MMA_DEFAULT else ((5120, 8192),):

@@ -293,29 +293,23 @@ def test_gluon_build_refuses_what_it_cannot_take():
 
 
 def test_gluon_read_loads_ahead_only_what_its_words_can_take():
-    """`gluon_loop`: the Gluon read's loads ahead and several blocks a step (W and bf16 x as int32 words) are taken
-    at 8 bytes of a row a lane, 32-wide scale blocks and operands whose rows start on 4-byte boundaries (several
-    blocks a step for bf16 x only); anything else takes the loop that loads each block as it works on it (the same
-    products in the same order), never a misaligned word load."""
-    from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS, gluon_loop
-    ahead, step = MMA_REGISTERS, MMA_CANDIDATES["regs 128 4/SM 4 blocks a step"]
-    plain = dict(AHEAD=0, STEP=1)
+    """`blocks_ahead`: the Gluon read's loads ahead (W and bf16 x as int32 words) are taken at 8 bytes of a row a
+    lane, 32-wide scale blocks and operands whose rows start on 4-byte boundaries; anything else takes the loop that
+    loads each block as it works on it (the same products in the same order), never a misaligned word load."""
+    from mini.kernels.gemv import MMA_CANDIDATES, MMA_REGISTERS, blocks_ahead
     q, _ = _fp8_weight(64, 96, 32, "cpu")
     wide = torch.randn(3, 98).bfloat16()
     x = wide[:, :96].contiguous()
-    assert gluon_loop(ahead, x, q, 32, False) == dict(AHEAD=1, STEP=1)
-    assert gluon_loop(step, x, q, 32, False) == dict(AHEAD=0, STEP=4)
-    assert gluon_loop(step, x, q, 32, True) == plain  # x's codes: one block a step
-    assert gluon_loop(MMA_CANDIDATES["regs 128 4/SM"], x, q, 32, False) == plain
-    for cfg in (ahead, step):
-        assert gluon_loop(cfg, x, q, 128, False) == plain  # V4's 128-wide blocks: its build would spill
-        assert gluon_loop(replace(cfg, gluon_k_width=4), x, q, 32, False) == plain
-        assert gluon_loop(cfg, wide[:, 1:97], q, 32, False) == plain  # x's rows start 2 bytes off a word
-        assert gluon_loop(cfg, torch.randn(3, 97).bfloat16()[:, :96], q, 32, False) == plain  # an odd row stride
-        qw = torch.zeros(64, 100, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        assert gluon_loop(cfg, x, qw[:, 2:98], 32, False) == plain  # W's rows off a word
-        assert gluon_loop(cfg, x, qw[:, 4:100], 32, False) != plain
-    assert gluon_loop(ahead, wide[:, 1:97], q, 32, True) == dict(AHEAD=1, STEP=1)  # codes are loaded as they are
+    assert blocks_ahead(MMA_REGISTERS, x, q, 32, False) == 1
+    assert blocks_ahead(MMA_CANDIDATES["regs 128 4/SM"], x, q, 32, False) == 0
+    assert blocks_ahead(MMA_REGISTERS, x, q, 128, False) == 0  # V4's 128-wide blocks: its build would spill
+    assert blocks_ahead(replace(MMA_REGISTERS, gluon_k_width=4), x, q, 32, False) == 0
+    assert blocks_ahead(MMA_REGISTERS, wide[:, 1:97], q, 32, False) == 0  # x's rows start 2 bytes off a word
+    assert blocks_ahead(MMA_REGISTERS, torch.randn(3, 97).bfloat16()[:, :96], q, 32, False) == 0  # odd row stride
+    qw = torch.zeros(64, 100, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert blocks_ahead(MMA_REGISTERS, x, qw[:, 2:98], 32, False) == 0  # W's rows off a word
+    assert blocks_ahead(MMA_REGISTERS, x, qw[:, 4:100], 32, False) == 1
+    assert blocks_ahead(MMA_REGISTERS, wide[:, 1:97], q, 32, True) == 1  # codes are loaded as they are
 
 
 def test_fp8_read_refuses_what_it_cannot_take():
@@ -430,9 +424,8 @@ def test_gluon_fp8_read_of_unquantized_x_gpu(N, K, G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", V41_SHAPES + ((1792, 5120), (36864, 1280), (8192, 4096), (300, 96), (256, 32)))
 def test_gluon_read_loading_ahead_gives_the_same_bits_gpu(N, K):
-    """The Gluon read loading a block ahead (`gluon_ahead`: W and x carried as int32 words; the default), and its
-    candidates of 2 or 4 blocks a step, sum the same products in the same order as the build that loads each block
-    in its loop: bit for bit its outputs, into
+    """The Gluon read loading a block ahead (`gluon_ahead`: W and x carried as int32 words; the default) sums the
+    same products in the same order as the build that loads each block in its loop: bit for bit its outputs, into
     NaN-filled outputs, at V4.1's shapes, an N tail and one-block K pieces, with x quantized in the loads, as its
     codes, as it is (and in groups: wo_a's), and with x off a word boundary (then the build without words)."""
     from mini.kernels.gemv import MMA_CANDIDATES
@@ -447,7 +440,7 @@ def test_gluon_read_loading_ahead_gives_the_same_bits_gpu(N, K):
         for run in runs:
             base = gemv(**run, w=q, config=MMA_CANDIDATES["regs 128 4/SM"], scale=scale, w_block=32)
             for label, cfg in MMA_CANDIDATES.items():
-                if cfg.gluon_ahead or cfg.gluon_step > 1:
+                if cfg.gluon_ahead:
                     out = torch.full(base.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
                     y = gemv(**run, w=q, out=out, config=cfg, scale=scale, w_block=32)
                     assert torch.equal(y, base), (label, T, sorted(run))

@@ -127,7 +127,7 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,N,k", [(1, 1024, 512), (64, 1024, 512), (1, 2048, 512), (64, 4096, 512),
                                    (1, 8192, 512), (7, 5000, 512),
-                                   (4096, 1024, 512), (3, 16384, 2048)])
+                                   (4096, 1024, 512), (3, 16384, 2048), (2, 32768, 512)])
 def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
     x = scores(T, N, "cuda", seed=N + T, nan=True)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch on CUDA (NaN keys 0x7FFF)
