@@ -38,8 +38,9 @@ BLOCK = 1024
 #   compile the one that served steps take: tests/engine/test_warm_start.py; below 1,025 columns the 1,024-column
 #   build measured 8.4 against 16.9 us alone, unrolled). A 32K context has 8,193 of 16,384 visible at ratio 4:
 #   [1, 16384] 44.7 us against the torch form's 117, 6 rows 44.5 against 124 (H100, docs/perf/054; it walks the
-#   visible columns, 4,096 a chunk, once a pass). Prefill-sized steps take the 1,024-column build up to a 16K span's 4,096 columns (at [4096, 1024]
-#   it ran 58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
+#   visible columns, 4,096 a chunk, once a pass). Prefill-sized steps take the 1,024-column build up to a 16K
+#   span's 4,096 columns (at [4096, 1024] it ran 58.6 us against the wide build's 260 and the torch form's 425,
+#   docs/perf/023).
 # Measured inside a B = 1 verify step on an H100 (docs/perf/049): the torch form's top-k and sort 24 + 26 us a
 # call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us, its search then one bit a pass
 # (32 passes of a count across the program's warps).
