@@ -554,8 +554,8 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, unbounded)
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
                                         (64, 8192), (4096, 1024))]
-    # (the 64K span's 16,384 and 32,768 columns at ratio 4 and 2: a 32K context's 8,193 and 16,385 visible, a 64K
-    # context's all at ratio 4)
+    # (V4.1's ratio-1 sources in the 16K span: 16,384 columns, an 8K context's 8,193 visible, a 16K context's all;
+    # its ratio-2 sources in the 64K span: 32,768 columns, a 32K context's 16,385 visible)
     shapes += [(T, 4096, 1025) for T in (1, 6, 96, 384, 4096)] + [(T, 16384, 8193) for T in (1, 6, 64, 256)]
     shapes += [(T, 16384, 16384) for T in (1, 256)] + [(T, 32768, 16385) for T in (1, 256)]
     for T, N, vis in shapes:

@@ -31,22 +31,23 @@ BLOCK = 1024
 #   re-read each further chunk once per key bit, slower than the torch form (docs/perf/020: [1, 8192] 120 us
 #   against 92; [1, 1024] 8.4 against 70).
 # - Given them (`n_visible`: the columns past them are -inf, as the index scores make them), the kernel reads only
-#   those, so the row's width is the step's span, not what it walks: a decode step at 4K context in the 16K span
-#   has 4,096 columns at ratio 4, of which ~1,025 are visible, 2,049 of 8,192 at ratio 2. At decode and verify
-#   rows (<= WIDE_MAX_ROWS) the 4,096-column build then holds the visible columns in registers, at every width up
-#   to the 64K span's 32,768 columns at ratio 2 (one build for every decode-sized step, so the warm-up's steps
-#   compile the one that served steps take: tests/engine/test_warm_start.py; below 1,025 columns the 1,024-column
-#   build measured 8.4 against 16.9 us alone, unrolled). A 32K context has 8,193 of 16,384 visible at ratio 4:
-#   [1, 16384] 44.7 us against the torch form's 117, 6 rows 44.5 against 124 (H100, docs/perf/054; it walks the
-#   visible columns, 4,096 a chunk, once a pass). Prefill-sized steps take the 1,024-column build up to a 16K
-#   span's 4,096 columns (at [4096, 1024] it ran 58.6 us against the wide build's 260 and the torch form's 425,
-#   docs/perf/023).
+#   those, 4,096 a chunk, once a pass: its time follows the context, not the step's span (the engine's spans are
+#   4K, 16K, 64K, ... positions: mini.engine.cuda_graphs.spans). V4.1's index sources at ratios 2 and 1 see a 4K
+#   context in the 16K span as 8,192 and 16,384 columns, of which ~2,049 and ~4,097 are visible. At decode and
+#   verify rows (<= WIDE_MAX_ROWS) the 4,096-column build takes every width up to the 16K span's 16,384 columns (one
+#   build for every decode-sized step, so the warm-up's steps compile the one that served steps take:
+#   tests/engine/test_warm_start.py; below 1,025 columns the 1,024-column build measured 8.4 against 16.9 us alone,
+#   unrolled). On an H100 (docs/perf/054) at 16,384 columns with 8,193 / 16,384 visible it ran 44.8 / 63.9 us at
+#   one row against the torch form's 118 / 121, 90 / 113 at 256 rows against 207; the 64K span's 32,768 columns
+#   it would walk in up to 8 chunks, where one row's 5 (16,385 visible) already took 88 against the torch form's
+#   100.5 us: that span stays with the torch form. Prefill-sized steps take the 1,024-column build up to 4,096
+#   columns (at [4096, 1024] it ran 58.6 us against the wide build's 260 and the torch form's 425, docs/perf/023).
 # Measured inside a B = 1 verify step on an H100 (docs/perf/049): the torch form's top-k and sort 24 + 26 us a
 # call, eight calls a step; the 1,024-column build bounded to 1,025 columns 33 us, its search then one bit a pass
 # (32 passes of a count across the program's warps).
 FASTER_MAX_COLS = BLOCK
 BOUNDED_MAX_COLS = 4 * BLOCK
-WIDE_MAX_COLS = 32768
+WIDE_MAX_COLS = 16384
 WIDE_MAX_ROWS = 256
 # 4,096-column chunks on 8 warps. Per call on the H200 (docs/perf/023, CUDA graphs, k = 512, its bisection then
 # unrolled), us, BLOCK / WIDE_BLOCK / the torch form: [1, 1024] 8.2 / 16.9 / 69.3, [1, 2048] 28.8 / 17.1 / 68.4,
