@@ -555,9 +555,11 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
                                         (64, 8192), (4096, 1024))]
     # (V4.1's ratio-1 sources in the 16K span: 16,384 columns, an 8K context's 8,193 visible, a 16K context's all;
-    # its ratio-2 sources in the 64K span: 32,768 columns, a 32K context's 16,385 visible)
+    # in the 64K span, which takes the torch form (top_ids.WIDE_MAX_COLS), its ratio-2 sources' 32,768 columns (a
+    # 32K context's 16,385 visible, a 64K context's all) and its ratio-1 sources' 65,536 (a 32K context's 32,769))
     shapes += [(T, 4096, 1025) for T in (1, 6, 96, 384, 4096)] + [(T, 16384, 8193) for T in (1, 6, 64, 256)]
-    shapes += [(T, 16384, 16384) for T in (1, 256)] + [(T, 32768, 16385) for T in (1, 256)]
+    shapes += [(T, 16384, 16384) for T in (1, 256)] + [(T, 32768, 16385) for T in (1, 64, 256)]
+    shapes += [(T, 32768, 32768) for T in (1, 64, 256)] + [(T, 65536, 32769) for T in (1, 256)]
     for T, N, vis in shapes:
         x = torch.randn(T, N, device=dev).relu().bfloat16()  # relu: ties at 0, as the index scores have
         n_vis = None
