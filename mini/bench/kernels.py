@@ -548,8 +548,8 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
     step's rows as the model has them, the span's columns (a 4K context in the 16K span: 4,096) with -inf past
     each row's visible ones (1,025), where the op gives the kernel n_visible ("bounded": it reads only those), in
     both builds ("wide": 4,096 columns) and with each other search of the k-th key than the default's ("radix r":
-    mini/kernels/top_ids.py's RADIX_BITS)."""
-    from mini.kernels.top_ids import BLOCK, RADIX_BITS, RADIXES, WIDE_BLOCK, top_ids
+    mini/kernels/top_ids.py's RADIX_BITS), and split across programs by 4,096-column chunks ("split", a candidate)."""
+    from mini.kernels.top_ids import BLOCK, MERGE_MAX, RADIX_BITS, RADIXES, WIDE_BLOCK, top_ids
     from mini.ops.indexer import top_groups_ordered
     # (2,048 and 4,096 columns: V4.1-Flash's ratio-2 and ratio-1 sources at 4K, unbounded)
     shapes = [(T, N, None) for T, N in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (64, 1024), (64, 4096),
@@ -574,6 +574,9 @@ def bench_top_ids(rows: list, sweep=(), dev="cuda"):
                           lambda b=b, r=r: top_ids(x, 512, block=b, n_visible=n_vis, radix=r))
                          for b in (BLOCK, WIDE_BLOCK) for r in (RADIX_BITS,) + tuple(q for q in RADIXES
                                                                                     if q != RADIX_BITS)]
+            if -(-N // WIDE_BLOCK) * 512 <= MERGE_MAX:  # the split candidate: chunks across programs
+                runs.insert(1, ("triton, bounded, split", lambda: top_ids(x, 512, block=WIDE_BLOCK, n_visible=n_vis,
+                                                                          split=True)))
         for label, f in runs:
             ms = _bench_graph(f)
             name = f"top_ids/[{T},{N}]" + (f" span, {vis} visible" if vis is not None else "") + " k=512"

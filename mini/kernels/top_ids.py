@@ -181,22 +181,93 @@ def _top_ids_kernel(x_ptr, ids_ptr, count_ptr, n_visible_ptr, N, K, stride_x, st
     tl.store(count_ptr + row, n_kept)
 
 
+# Split (a candidate, `top_ids(split=True)`, not yet timed; the op does not take it): a row of several chunks
+# split across programs, so no program walks more than one chunk a pass. Each (row, chunk) program keeps its
+# chunk's k largest keys (every visible column where it has k or fewer) and writes their columns in ascending
+# order; one program a row then ranks those n_chunks * k candidates (MERGE_MAX at most) again, with their order
+# keys from the scores. The row's k largest are among its chunks' k largest, so the ids are the one-program
+# build's. Meant for the rows the one-program build walks in many chunks (the 64K span's 32,768-65,536 columns:
+# one row of 16,385 visible took 88 us there in 5 chunks a pass, docs/perf/054).
+MERGE_MAX = 8192
+
+
+def merge_warps(block: int) -> int:
+    """The merge's warps for `block` candidates a row: 16 from 4,096 on (at 4,096 8 warps spilled 120 bytes a
+    thread under Triton 3.6, 16 take 114 registers, 110 at 8,192, no spill: tests/kernels/sm90_build.py)."""
+    return 16 if block >= 4096 else 4
+
+
+@triton.jit(do_not_specialize=["N", "K", "stride_x"])
+def _chunk_candidates_kernel(x_ptr, cand_ptr, n_visible_ptr, N, K, stride_x, CHUNK: tl.constexpr,
+                             RADIX: tl.constexpr):
+    """Program (row, chunk): the chunk's k largest keys' columns (all its visible columns where it has <= k), in
+    ascending order, then -1s, into cand[row, chunk, :K]."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    n_row = tl.minimum(tl.load(n_visible_ptr + row).to(tl.int32), N)
+    c0 = chunk * CHUNK
+    n_here = tl.minimum(tl.maximum(n_row - c0, 0), CHUNK)
+    cols = tl.arange(0, CHUNK)
+    # order keys on the chunk's own columns: the order within the chunk is the global one's
+    keys, _ = _unsigned_keys(x_ptr + row * stride_x + c0, cols, n_here)
+    kth = tl.zeros([], dtype=tl.uint32)
+    if n_here > K:
+        kth = _kth_key_radix(keys, x_ptr + row * stride_x + c0, cols, n_here, K, CHUNK, RADIX)
+    keep = (keys >= kth) & (cols < n_here)
+    out = cand_ptr + (row * tl.num_programs(1) + chunk) * K
+    tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, c0 + cols, mask=keep)
+    n_kept = tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(out + cols, tl.full([CHUNK], -1, tl.int32), mask=(cols >= n_kept) & (cols < K))
+
+
+@triton.jit(do_not_specialize=["N_CAND", "K", "stride_x", "stride_ids"])
+def _merge_candidates_kernel(x_ptr, cand_ptr, ids_ptr, count_ptr, N_CAND, K, stride_x, stride_ids,
+                             BLOCK: tl.constexpr, RADIX: tl.constexpr):
+    """Program (row): the k largest of the row's candidate columns (their order keys taken again from the scores),
+    the valid ones' columns in ascending order (the candidates' own order), then -1s, and their count."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    j = tl.arange(0, BLOCK)
+    col = tl.load(cand_ptr + row * N_CAND + j, mask=j < N_CAND, other=-1)
+    ok = col >= 0
+    bits = tl.load(x_row + col, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
+    valid = ok & (bits != -128) & ~is_nan_bits(bits)
+    keys = tl.where(ok, (order_key(bits, col) ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+    kth = _kth_key_radix(keys, x_row, j, N_CAND, K, BLOCK, RADIX)
+    keep = (keys >= kth) & valid
+    ids_row = ids_ptr + row * stride_ids
+    tl.store(ids_row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, col.to(tl.int64), mask=keep)
+    n_kept = tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(ids_row + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= n_kept) & (j < K))
+    tl.store(count_ptr + row, n_kept)
+
+
 def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK, n_visible: torch.Tensor | None = None,
-            radix: int = RADIX_BITS) -> tuple[torch.Tensor, torch.Tensor]:
+            radix: int = RADIX_BITS, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 [T, k] ids, int32 [T] counts) for bf16 scores [T, N] (`supported`): the k largest of each row (ties
     to the higher column), the valid ones (above -inf, not NaN) first in ascending column order, then -1s.
     `block`: the chunk of columns a program holds at once (BLOCK or WIDE_BLOCK: `build_for`); the same ids.
     `n_visible` ([T] integers): each row's columns from there on are -inf (the caller's promise; a NaN there would
     have been ranked above +inf by the torch form), and the kernel reads only the columns before. `radix`: the k-th
-    key's search (RADIX_BITS' comment: 1, 2, 4 or 8 bits a pass by histograms, 0 one bit by counts); the same ids."""
+    key's search (RADIX_BITS' comment: 1, 2, 4 or 8 bits a pass by histograms, 0 one bit by counts); the same ids.
+    `split` (with `n_visible`, a radix search): the row in `block`-column chunks across programs, then one program
+    a row ranking their candidates (the Split comment above; `block` there any power of two from k to WIDE_BLOCK,
+    so that tests can split small rows)."""
     if not supported(scores, k):
         raise ValueError(f"top_ids: bf16 [T, N] scores with 1 <= k <= N <= {MAX_COLS} expected, got "
                          f"{scores.dtype} {tuple(scores.shape)} and k = {k}")
     if radix not in RADIXES:
         raise ValueError(f"top_ids: radix {radix} is not one of {RADIXES}")
-    if block not in WARPS:
-        raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     T, N = scores.shape
+    if split:
+        if n_visible is None or radix == 0 or block & (block - 1) or not k <= block <= WIDE_BLOCK \
+                or triton.cdiv(N, block) * k > MERGE_MAX:
+            raise ValueError(f"top_ids: split takes n_visible, a radix search, a power-of-two block from k to "
+                             f"{WIDE_BLOCK} and at most {MERGE_MAX} candidates a row; got "
+                             f"n_visible {'given' if n_visible is not None else 'None'}, radix {radix}, block "
+                             f"{block}, {triton.cdiv(N, block)} chunks of k = {k}")
+    elif block not in WARPS:
+        raise ValueError(f"top_ids: block {block} is neither BLOCK ({BLOCK}) nor WIDE_BLOCK ({WIDE_BLOCK})")
     if n_visible is not None and (n_visible.shape != (T,) or n_visible.device != scores.device
                                   or n_visible.is_floating_point()):
         raise ValueError(f"top_ids: n_visible must be [T] = [{T}] integers on {scores.device}, got "
@@ -204,7 +275,15 @@ def top_ids(scores: torch.Tensor, k: int, block: int = BLOCK, n_visible: torch.T
     rows = scores if scores.stride(-1) == 1 else scores.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     count = torch.empty(T, dtype=torch.int32, device=scores.device)
-    if T:
+    if T and split:
+        chunks = triton.cdiv(N, block)
+        cand = torch.empty(T, chunks, k, dtype=torch.int32, device=scores.device)
+        _chunk_candidates_kernel[(T, chunks)](rows.view(torch.int16), cand, n_visible.contiguous(), N, k,
+                                              rows.stride(0), CHUNK=block, RADIX=radix, num_warps=WARPS.get(block, 4))
+        merge = triton.next_power_of_2(chunks * k)
+        _merge_candidates_kernel[(T,)](rows.view(torch.int16), cand, ids, count, chunks * k, k, rows.stride(0),
+                                       ids.stride(0), BLOCK=merge, RADIX=radix, num_warps=merge_warps(merge))
+    elif T:
         bound = count if n_visible is None else n_visible.contiguous()  # (the kernel reads row r's at offset r)
         _top_ids_kernel[(T,)](rows.view(torch.int16), ids, count, bound, N, k,
                               rows.stride(0), ids.stride(0), BLOCK=block, BOUNDED=n_visible is not None, RADIX=radix,

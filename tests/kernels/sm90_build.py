@@ -54,7 +54,7 @@ from mini.kernels.rms_norm import _rms_norm_kernel, tiles as norm_tiles
 from mini.kernels.rope_quant import _rope_quant_kernel
 from mini.kernels.top_ids import RADIX_BITS as TOP_IDS_RADIX
 from mini.kernels.top_ids import WARPS as TOP_IDS_WARPS
-from mini.kernels.top_ids import _top_ids_kernel
+from mini.kernels.top_ids import _chunk_candidates_kernel, _merge_candidates_kernel, _top_ids_kernel, merge_warps
 from mini.kernels.sparse_attention import _combine_kernel, _sparse_mla_kernel, _sparse_mla_split_kernel
 
 
@@ -338,6 +338,12 @@ def main() -> None:
                   dict(BLOCK=block, BOUNDED=bounded, RADIX=radix), num_warps=warps,
                   spills=True,  # (the bisection spilled 16 / 8 bytes once; the 4-bit search's wide build 64)
                   max_cubin_kb={1024: 128, 4096: 320}[block])  # the bisection: 92K / 200K (unrolled 582K / 1,120K)
+    # the split candidate (`top_ids(split=True)`): 4,096-column chunks' candidates, then their merge (up to 8,192)
+    build(_chunk_candidates_kernel, {"x_ptr": "*i16", "cand_ptr": "*i32", "n_visible_ptr": "*i64"},
+          dict(CHUNK=4096, RADIX=TOP_IDS_RADIX), num_warps=TOP_IDS_WARPS[4096], max_cubin_kb=320)
+    for merge in (4096, 8192):
+        build(_merge_candidates_kernel, {"x_ptr": "*i16", "cand_ptr": "*i32", "ids_ptr": "*i64", "count_ptr": "*i32"},
+              dict(BLOCK=merge, RADIX=TOP_IDS_RADIX), num_warps=merge_warps(merge), max_cubin_kb=320)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,38 @@ def test_ids_equal_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k,
         assert torch.equal(ids, want_ids) and torch.equal(count, want_count)
 
 
+# (block, chunks): 64 x 5 (the last part-full), 64 x 16 (MERGE_MAX's shape at k = 64: 1,024 candidates), 32 x 9
+# with k 8, one chunk of 64 at k = 64, 16 x 9 at k = 5
+@pytest.mark.parametrize("T,N,k,block", [(3, 300, 16, 64), (2, 1000, 64, 64), (4, 257, 8, 32), (2, 64, 64, 64),
+                                         (2, 130, 5, 16)])
+def test_split_equals_the_torch_form_interpreter(interpreter, monkeypatch, T, N, k, block):
+    """`top_ids(split=True)`: chunks' candidates across programs, then their merge, give the torch form's ids and
+    counts, bit for bit, with each radix search and any bound at or past each row's visible columns (chunks wholly
+    past it give no candidates). (NaNs: the gpu test; the torch form on the CPU ranks them otherwise.)"""
+    x = scores(T, N, "cpu", seed=N + k)
+    n_vis = visible(x)
+    n_vis[0] = 0  # a row with nothing visible
+    x[0] = float("-inf")
+    want_ids, want_count = top_groups_ordered(x, k)
+    poisoned(monkeypatch)
+    for radix in kernel_module.RADIXES[1:]:
+        for bound in (n_vis, (n_vis + 3).clamp(max=N), torch.full_like(n_vis, N)):
+            ids, count = kernel_module.top_ids(x, k, block=block, n_visible=bound, radix=radix, split=True)
+            assert torch.equal(ids, want_ids) and torch.equal(count, want_count), (radix, bound.tolist())
+
+
+def test_split_refuses_what_it_cannot_take():
+    x = scores(2, 300, "cpu", seed=0)
+    n_vis = visible(x)
+    for kw, what in ((dict(n_visible=None), "n_visible None"), (dict(radix=0), "radix 0"),
+                     (dict(block=48), "block 48"), (dict(block=8), "block 8")):
+        with pytest.raises(ValueError, match=f"split takes.*{what}"):
+            kernel_module.top_ids(x, 16, **{"n_visible": n_vis, "block": 64, **kw}, split=True)
+    too_many = scores(1, kernel_module.MERGE_MAX * 2, "cpu", seed=0)
+    with pytest.raises(ValueError, match="at most 8192 candidates"):
+        kernel_module.top_ids(too_many, 512, block=512, n_visible=visible(too_many), split=True)
+
+
 def test_visible_columns_must_be_one_integer_a_row():
     x = scores(2, 64, "cpu", seed=0)
     for bad in (torch.ones(3, dtype=torch.int32), torch.ones(2), torch.ones(2, 1, dtype=torch.int32)):
@@ -127,7 +159,8 @@ def test_the_op_takes_the_kernel_on_the_fast_backend_interpreter(interpreter, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,N,k", [(1, 1024, 512), (64, 1024, 512), (1, 2048, 512), (64, 4096, 512),
                                    (1, 8192, 512), (7, 5000, 512),
-                                   (4096, 1024, 512), (3, 16384, 2048), (2, 32768, 512)])
+                                   (4096, 1024, 512), (3, 16384, 2048), (2, 32768, 512),
+                                   (2, 65536, 512)])
 def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
     x = scores(T, N, "cuda", seed=N + T, nan=True)
     want_ids, want_count = top_groups_ordered(x, k)  # the reference backend: torch on CUDA (NaN keys 0x7FFF)
@@ -145,3 +178,8 @@ def test_ids_equal_the_torch_form_gpu(monkeypatch, T, N, k):
         for radix in kernel_module.RADIXES:  # the k-th key's searches (the micro-benchmark's sweep)
             ids, count = kernel_module.top_ids(x, min(k, N), block=block, n_visible=n_vis, radix=radix)
             assert torch.equal(ids, want_ids) and torch.equal(count, want_count), (block, radix)
+    if -(-N // kernel_module.WIDE_BLOCK) * k <= kernel_module.MERGE_MAX:  # the split candidate, as the bench runs it
+        for radix in kernel_module.RADIXES[1:]:
+            ids, count = kernel_module.top_ids(x, k, block=kernel_module.WIDE_BLOCK, n_visible=n_vis, radix=radix,
+                                               split=True)
+            assert torch.equal(ids, want_ids) and torch.equal(count, want_count), ("split", radix)
