@@ -86,7 +86,12 @@ def supported(scores: torch.Tensor, k: int) -> bool:
 def _unsigned_keys(x_row, cols, N):
     """(keys, valid) of the columns `cols` of one row: the order keys with the sign bit flipped (unsigned order =
     the keys' signed order; a column past N gets 0, below every key), and whether the score is a number > -inf."""
-    ok = cols < N
+    return _unsigned_keys_where(x_row, cols, cols < N)
+
+
+@triton.jit
+def _unsigned_keys_where(x_row, cols, ok):
+    """`_unsigned_keys` of the columns where `ok` (the others: key 0, not valid)."""
     bits = tl.load(x_row + cols, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
     valid = ok & (bits != -128) & ~is_nan_bits(bits)  # -128: the bits of -inf
     key = order_key(bits, cols)
@@ -230,10 +235,7 @@ def _merge_candidates_kernel(x_ptr, cand_ptr, ids_ptr, count_ptr, N_CAND, K, str
     x_row = x_ptr + row * stride_x
     j = tl.arange(0, BLOCK)
     col = tl.load(cand_ptr + row * N_CAND + j, mask=j < N_CAND, other=-1)
-    ok = col >= 0
-    bits = tl.load(x_row + col, mask=ok, other=0).to(tl.int32)  # int16 bits, sign-extended
-    valid = ok & (bits != -128) & ~is_nan_bits(bits)
-    keys = tl.where(ok, (order_key(bits, col) ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+    keys, valid = _unsigned_keys_where(x_row, col, col >= 0)
     kth = _kth_key_radix(keys, x_row, j, N_CAND, K, BLOCK, RADIX)
     keep = (keys >= kth) & valid
     ids_row = ids_ptr + row * stride_ids
